@@ -1,0 +1,57 @@
+# cryobox: everything a fresh Debian 12 machine needs, and the jobs that use it.
+#   make demo   installs what is missing, builds the guest image, boots a sandbox and uses it
+#   make test   the same installs, then lint, types and the whole test suite (real VMs)
+# Both are idempotent: packages, the virtualenv and the image are only made when missing.
+
+VENV      ?= .venv
+PYTHON    := $(VENV)/bin/python
+CRYOBOX   := $(VENV)/bin/cryobox
+SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Host tools: QEMU (without its GUI), the image build chain.
+APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates
+APT_STAMP := $(VENV)/.apt-done
+PIP_STAMP := $(VENV)/.pip-done
+
+.PHONY: setup image demo test lint unit bench clean
+
+setup: $(APT_STAMP) $(PIP_STAMP)
+
+$(APT_STAMP):
+	@missing=""; for p in $(APT_PACKAGES) mmdebstrap; do \
+	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    $(SUDO) apt-get update -qq && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES) && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap; \
+	fi
+	@apt-cache policy linux-image-amd64 | grep -q 'Candidate: [0-9]' || $(SUDO) apt-get update -qq
+	@mkdir -p $(VENV) && touch $@
+
+$(PIP_STAMP): pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	@touch $@
+
+image: setup
+	$(CRYOBOX) image build
+
+demo: image
+	$(PYTHON) examples/demo.py
+
+lint: setup
+	$(VENV)/bin/ruff check src tests examples scripts
+	$(VENV)/bin/ruff format --check src tests examples scripts
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(VENV)/bin/pytest -q tests/unit
+
+test: image lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+bench: image
+	$(PYTHON) scripts/bench.py --write docs/BENCHMARKS.md
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

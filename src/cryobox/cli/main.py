@@ -1,0 +1,302 @@
+"""The ``cryobox`` command: a client of the SDK, nothing more.
+
+Every command maps to an SDK call; errors are printed as one red line naming what
+went wrong, with exit code 1 (a command run in a sandbox passes its own exit code).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cryobox import config
+from cryobox.client import Sandbox
+from cryobox.errors import CryoboxError, InvalidArgument
+
+app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
+image_app = typer.Typer(no_args_is_help=True, help="The guest image built from Debian packages.")
+app.add_typer(image_app, name="image")
+console = Console(stderr=True)
+out = Console()
+
+CpusOption = Annotated[int, typer.Option("--cpus", help="vCPUs.")]
+MemoryOption = Annotated[int, typer.Option("--memory", help="RAM in MiB.")]
+DiskOption = Annotated[int, typer.Option("--disk", help="Disk size in GiB.")]
+TimeoutOption = Annotated[
+    float, typer.Option("--timeout", help="Seconds until the sandbox is killed unless extended.")
+]
+PortOption = Annotated[
+    list[int] | None, typer.Option("--port", "-p", help="Guest TCP port to forward (repeatable).")
+]
+
+
+def fail(error: Exception) -> None:
+    console.print(f"[red]error:[/red] {error}", highlight=False, markup=True)
+    raise typer.Exit(1)
+
+
+@contextmanager
+def errors_reported() -> Iterator[None]:
+    """Turn cryobox errors into one readable line and exit code 1."""
+    try:
+        yield
+    except CryoboxError as exc:
+        fail(exc)
+
+
+def create_sandbox(
+    cpus: int, memory: int, disk: int, timeout: float, ports: list[int] | None
+) -> Sandbox:
+    with console.status("starting sandbox (building the guest image first if needed)") as status:
+        return Sandbox.create(
+            cpus=cpus,
+            memory_mib=memory,
+            disk_gib=disk,
+            timeout=timeout,
+            ports=ports or [],
+            progress=lambda step: status.update(f"building guest image: {step}"),
+        )
+
+
+@app.command()
+def create(
+    cpus: CpusOption = config.DEFAULT_CPUS,
+    memory: MemoryOption = config.DEFAULT_MEMORY_MIB,
+    disk: DiskOption = config.DEFAULT_DISK_GIB,
+    timeout: TimeoutOption = config.DEFAULT_TIMEOUT,
+    port: PortOption = None,
+) -> None:
+    """Start a sandbox and print its id."""
+    with errors_reported():
+        sbx = create_sandbox(cpus, memory, disk, timeout, port)
+        for guest, host in sbx.ports.items():
+            console.print(f"port {guest} -> 127.0.0.1:{host}")
+        out.print(sbx.id)
+        sbx.close()
+
+
+def run_in(
+    sbx: Sandbox,
+    command: list[str],
+    shell: str | None,
+    env: list[str] | None,
+    cwd: str | None,
+    user: str | None,
+    timeout: float | None,
+) -> int:
+    """Run a command with its output streamed to ours; its exit code."""
+    if shell is None and not command:
+        raise InvalidArgument("give a command after --, or --shell 'CMD'")
+    variables = {}
+    for item in env or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InvalidArgument(f"--env {item!r}: expected NAME=VALUE")
+        variables[name] = value
+    result = sbx.commands.run(
+        shell if shell is not None else command,
+        env=variables,
+        cwd=cwd,
+        user=user,
+        timeout=timeout,
+        on_stdout=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+        on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
+    )
+    if result.timed_out:
+        console.print(f"[yellow]command timed out after {timeout} s[/yellow]")
+    return result.exit_code
+
+
+ShellOption = Annotated[str | None, typer.Option("--shell", "-c", help="Run CMD with /bin/sh -c.")]
+EnvOption = Annotated[
+    list[str] | None, typer.Option("--env", "-e", help="NAME=VALUE (repeatable).")
+]
+CwdOption = Annotated[str | None, typer.Option("--cwd", help="Working directory in the guest.")]
+UserOption = Annotated[str | None, typer.Option("--user", help="Guest user to run as.")]
+CommandTimeout = Annotated[
+    float | None, typer.Option("--command-timeout", help="Kill the command after N s.")
+]
+CommandArgs = Annotated[
+    list[str] | None, typer.Argument(help="The command and its arguments, after --.")
+]
+
+
+@app.command("exec")
+def exec_(
+    sandbox_id: str,
+    command: CommandArgs = None,
+    shell: ShellOption = None,
+    env: EnvOption = None,
+    cwd: CwdOption = None,
+    user: UserOption = None,
+    command_timeout: CommandTimeout = None,
+) -> None:
+    """Run a command in a sandbox; exits with the command's exit code."""
+    with errors_reported():
+        sbx = Sandbox.connect(sandbox_id)
+        code = run_in(sbx, command or [], shell, env, cwd, user, command_timeout)
+        sbx.close()
+    raise typer.Exit(code)
+
+
+@app.command()
+def run(
+    command: CommandArgs = None,
+    shell: ShellOption = None,
+    env: EnvOption = None,
+    cwd: CwdOption = None,
+    cpus: CpusOption = config.DEFAULT_CPUS,
+    memory: MemoryOption = config.DEFAULT_MEMORY_MIB,
+    disk: DiskOption = config.DEFAULT_DISK_GIB,
+    timeout: TimeoutOption = config.DEFAULT_TIMEOUT,
+) -> None:
+    """Create a sandbox, run one command in it, kill it: `cryobox run -- python3 -V`."""
+    with errors_reported():
+        sbx = create_sandbox(cpus, memory, disk, timeout, None)
+        try:
+            code = run_in(sbx, command or [], shell, env, cwd, None, None)
+        finally:
+            sbx.kill()
+    raise typer.Exit(code)
+
+
+def split_remote(location: str) -> tuple[str | None, str]:
+    """``sbx-1234:/path`` -> (id, path); a host path -> (None, path)."""
+    head, sep, tail = location.partition(":")
+    if sep and head.startswith("sbx-") and "/" not in head:
+        return head, tail
+    return None, location
+
+
+@app.command()
+def cp(source: str, destination: str) -> None:
+    """Copy a file into or out of a sandbox: `cryobox cp ./a sbx-ID:/root/a` (or the reverse)."""
+    with errors_reported():
+        (src_id, src_path), (dst_id, dst_path) = split_remote(source), split_remote(destination)
+        if (src_id is None) == (dst_id is None):
+            raise InvalidArgument("exactly one side must be SANDBOX_ID:/path")
+        if src_id is not None:
+            sbx = Sandbox.connect(src_id)
+            target = Path(dst_path)
+            if target.is_dir():
+                target = target / Path(src_path).name
+            sbx.files.download(src_path, target)
+        else:
+            assert dst_id is not None
+            sbx = Sandbox.connect(dst_id)
+            remote = dst_path
+            if remote.endswith("/") or (
+                sbx.files.exists(remote) and sbx.files.stat(remote).type == "dir"
+            ):
+                remote = remote.rstrip("/") + "/" + Path(src_path).name
+            sbx.files.upload(src_path, remote)
+        sbx.close()
+
+
+@app.command("ls")
+def list_(
+    all: Annotated[bool, typer.Option("--all", "-a", help="Include killed and dead ones.")] = False,
+) -> None:
+    """List sandboxes on this host (tab-separated when piped)."""
+    with errors_reported():
+        now = time.time()
+        header = ("ID", "STATE", "CPUS", "MEMORY", "ACCEL", "AGE", "EXPIRES", "PORTS", "NOTE")
+        rows = []
+        for info in Sandbox.list(all=all):
+            running = info.deadline and info.state == "running"
+            rows.append(
+                (
+                    info.id,
+                    info.state,
+                    str(info.cpus),
+                    f"{info.memory_mib}MiB",
+                    info.accelerator,
+                    f"{now - info.created_at:.0f}s",
+                    f"{info.deadline - now:.0f}s" if info.deadline and running else "-",
+                    ",".join(f"{g}->{h}" for g, h in info.ports.items()) or "-",
+                    (info.error or "").splitlines()[0][:80] if info.error else "",
+                )
+            )
+        if not out.is_terminal:
+            for row in (header, *rows):
+                print("\t".join(row))
+            return
+        table = Table(*header)
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+
+
+@app.command()
+def logs(sandbox_id: str) -> None:
+    """Print a sandbox's serial console."""
+    with errors_reported():
+        out.print(Sandbox.connect(sandbox_id).logs(), end="", markup=False, highlight=False)
+
+
+@app.command()
+def kill(sandbox_ids: list[str]) -> None:
+    """Kill sandboxes (or remove what is left of dead ones)."""
+    with errors_reported():
+        for sandbox_id in sandbox_ids:
+            Sandbox.connect(sandbox_id).kill()
+            out.print(f"killed {sandbox_id}")
+
+
+@app.command("set-timeout")
+def set_timeout(sandbox_id: str, seconds: float) -> None:
+    """Kill the sandbox SECONDS from now unless extended again."""
+    with errors_reported():
+        Sandbox.connect(sandbox_id).set_timeout(seconds)
+
+
+@app.command()
+def port(sandbox_id: str, guest_port: int) -> None:
+    """Forward a guest TCP port to 127.0.0.1 and print the host port."""
+    with errors_reported():
+        out.print(Sandbox.connect(sandbox_id).expose_port(guest_port))
+
+
+@image_app.command("build")
+def image_build() -> None:
+    """Build the guest image (cached by content key; a no-op when it is current)."""
+    from cryobox.image import ensure_image
+
+    with errors_reported(), console.status("building guest image") as status:
+        image = ensure_image(lambda step: status.update(f"building guest image: {step}"))
+    out.print(f"image {image.id} at {image.path}")
+
+
+@image_app.command("info")
+def image_info() -> None:
+    """Show the current image's key, versions and sizes."""
+    from cryobox.image import find_image, image_key
+
+    with errors_reported():
+        key = image_key()
+        image = find_image(key["id"])
+        table = Table("FIELD", "VALUE", show_header=False)
+        table.add_row("id", key["id"])
+        table.add_row(
+            "built", f"yes, at {image.path}" if image else "no (run `cryobox image build`)"
+        )
+        table.add_row("kernel", f"{key['kernel_package']} {key['kernel_version']}")
+        for name, version in key["rootfs"]["packages"].items():
+            table.add_row(name, version)
+        if image:
+            for name, size in image.manifest["sizes"].items():
+                table.add_row(name, f"{size / 1e6:.1f} MB")
+            table.add_row("created", image.manifest["created"])
+        out.print(table)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,453 @@
+"""The asynchronous SDK: :class:`AsyncSandbox` and its ``commands`` and ``files``.
+
+This is the core; :mod:`cryobox.client.sync_sandbox` is a thin blocking shell over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import os
+import signal as signals
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, overload
+
+from cryobox import config
+from cryobox.errors import ChannelError, GuestFileNotFound, InvalidArgument, SandboxDead
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient
+from cryobox.image.build import Progress
+from cryobox.sandbox import local, registry
+from cryobox.sandbox.registry import SandboxDir
+from cryobox.sandbox.state import SandboxState, require
+
+from .models import CommandResult, EntryInfo, SandboxInfo
+
+OutputHandler = Callable[[str], Any]
+
+
+class AsyncCommandHandle:
+    """A command running in the sandbox: wait for it, feed its stdin, kill it."""
+
+    def __init__(
+        self, channel: AgentClient, on_stdout: OutputHandler | None, on_stderr: OutputHandler | None
+    ) -> None:
+        self._channel = channel
+        self._handlers = {"stdout": on_stdout, "stderr": on_stderr}
+        self._decoders = {
+            name: codecs.getincrementaldecoder("utf-8")("replace") for name in self._handlers
+        }
+        self._output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._request: asyncio.Future[dict[str, Any]] | None = None
+        self._pid = 0
+        self._exec_id = 0
+
+    @property
+    def pid(self) -> int:
+        """The command's process id in the guest (0 until it has started)."""
+        return self._pid
+
+    def _start(self, args: dict[str, Any]) -> None:
+        self._request = asyncio.ensure_future(
+            self._channel.request("exec", args, on_event=self._on_event)
+        )
+        self._request.add_done_callback(self._on_request_done)
+
+    def _on_request_done(self, request: asyncio.Future[dict[str, Any]]) -> None:
+        error = None if request.cancelled() else request.exception()  # marks it retrieved
+        if self._started.done():
+            return
+        if request.cancelled():
+            self._started.cancel()
+        elif error is not None:
+            self._started.set_exception(error)
+        else:
+            self._started.set_result(None)
+
+    def _on_event(self, header: dict[str, Any], payload: bytes) -> None:
+        event = header.get("event")
+        if event == "started":
+            self._pid = int(header.get("pid", 0))
+            self._exec_id = int(header.get("exec_id", 0))
+            if not self._started.done():
+                self._started.set_result(None)
+        elif event in self._output:
+            self._output[event] += payload
+            handler = self._handlers[event]
+            if handler is not None:
+                handler(self._decoders[event].decode(payload))
+
+    async def _wait_started(self) -> None:
+        await self._started
+
+    async def wait(self) -> CommandResult:
+        """Wait for the command to end and return how it ended.
+
+        :raises ChannelError: when the connection to the sandbox is lost first.
+        """
+        assert self._request is not None
+        result = await self._request
+        out, err = bytes(self._output["stdout"]), bytes(self._output["stderr"])
+        return CommandResult(
+            exit_code=int(result["exit_code"]),
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            pid=int(result.get("pid", self._pid)),
+            signal=result.get("signal"),
+            timed_out=bool(result.get("timed_out")),
+            stdout_bytes=out,
+            stderr_bytes=err,
+        )
+
+    async def send_stdin(self, data: bytes | str, eof: bool = False) -> None:
+        """Write to the command's stdin (it must have been started with ``stdin=True``)."""
+        payload = data.encode() if isinstance(data, str) else data
+        for start in range(0, max(len(payload), 1), p.CHUNK):
+            last = start + p.CHUNK >= len(payload)
+            await self._channel.request(
+                "exec.stdin",
+                {"exec_id": self._exec_id, "eof": eof and last},
+                payload[start : start + p.CHUNK],
+            )
+
+    async def kill(self, signal: int = signals.SIGKILL) -> None:
+        """Send ``signal`` to the command's process group."""
+        await self._channel.request("exec.kill", {"exec_id": self._exec_id, "signal": int(signal)})
+
+
+class AsyncCommands:
+    """Run commands in the sandbox: ``sbx.commands.run("make test")``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    @overload
+    async def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        background: Literal[False] = False,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | str | bool | None = None,
+        on_stdout: OutputHandler | None = None,
+        on_stderr: OutputHandler | None = None,
+    ) -> CommandResult: ...
+
+    @overload
+    async def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        background: Literal[True],
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | str | bool | None = None,
+        on_stdout: OutputHandler | None = None,
+        on_stderr: OutputHandler | None = None,
+    ) -> AsyncCommandHandle: ...
+
+    async def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        background: bool = False,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | str | bool | None = None,
+        on_stdout: OutputHandler | None = None,
+        on_stderr: OutputHandler | None = None,
+    ) -> CommandResult | AsyncCommandHandle:
+        """Run ``cmd``: a string goes to ``/bin/sh -c``, a list is the argv itself.
+
+        Output streams to ``on_stdout``/``on_stderr`` as it comes and is collected in the
+        result. ``stdin`` is data to feed and close, or True to feed it later through the
+        handle. ``timeout`` kills the command after that many seconds (``timed_out`` is
+        then set). With ``background=True`` returns a handle as soon as it has started.
+
+        :raises CommandNotFound: when the argv's program does not exist in the guest.
+        :raises GuestFileNotFound: when ``cwd`` does not exist.
+        """
+        args: dict[str, Any] = {
+            "env": dict(env or {}),
+            "cwd": cwd,
+            "user": user,
+            "timeout": timeout,
+            "stdin": stdin not in (None, False),
+        }
+        if isinstance(cmd, str):
+            args["shell"] = cmd
+        elif cmd and all(isinstance(word, str) for word in cmd):
+            args["argv"] = list(cmd)
+        else:
+            raise InvalidArgument(
+                f"cmd must be a string or a non-empty list of strings, not {cmd!r}"
+            )
+        if timeout is not None and timeout <= 0:
+            raise InvalidArgument(f"timeout={timeout}: must be positive")
+        handle = AsyncCommandHandle(await self._sandbox._channel(), on_stdout, on_stderr)
+        handle._start(args)
+        if stdin not in (None, False, True) or background:
+            await handle._wait_started()
+        if isinstance(stdin, (bytes, str)):
+            await handle.send_stdin(stdin, eof=True)
+        return handle if background else await handle.wait()
+
+
+class AsyncFiles:
+    """Move files in and out of the sandbox: ``await sbx.files.write("/app/x", data)``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def _request(self, op: str, **args: Any) -> dict[str, Any]:
+        channel = await self._sandbox._channel()
+        return await channel.request(op, args)
+
+    async def read(self, path: str) -> bytes:
+        """The file's bytes.
+
+        :raises GuestFileNotFound: when there is no such file.
+        """
+        chunks: list[bytes] = []
+        channel = await self._sandbox._channel()
+        await channel.request(
+            "file.read", {"path": path}, on_event=lambda _h, data: chunks.append(data)
+        )
+        return b"".join(chunks)
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` (replaced atomically; the folder must exist)."""
+        payload = data.encode() if isinstance(data, str) else data
+        await self._upload(
+            path, mode, (payload[i : i + p.CHUNK] for i in range(0, len(payload), p.CHUNK))
+        )
+
+    async def upload(
+        self, local_path: str | os.PathLike[str], path: str, mode: int | None = None
+    ) -> None:
+        """Copy a host file into the guest, streamed in chunks."""
+        source = Path(local_path)
+        if not source.is_file():
+            raise InvalidArgument(f"local file {source} does not exist")
+
+        def chunks() -> Any:
+            with open(source, "rb") as handle:
+                while chunk := handle.read(p.CHUNK):
+                    yield chunk
+
+        await self._upload(
+            path, mode if mode is not None else source.stat().st_mode & 0o777, chunks()
+        )
+
+    async def _upload(self, path: str, mode: int, chunks: Any) -> None:
+        channel = await self._sandbox._channel()
+        handle = (await channel.request("file.write.begin", {"path": path, "mode": mode}))["handle"]
+        try:
+            for chunk in chunks:
+                await channel.request("file.write.chunk", {"handle": handle}, chunk)
+        except BaseException:
+            if not channel.closed:
+                await channel.request("file.write.end", {"handle": handle, "abort": True})
+            raise
+        await channel.request("file.write.end", {"handle": handle})
+
+    async def download(self, path: str, local_path: str | os.PathLike[str]) -> None:
+        """Copy a guest file to the host, written to a temporary name then renamed."""
+        target = Path(local_path)
+        temp = target.with_name(f".{target.name}.cryobox-part")
+        channel = await self._sandbox._channel()
+        with open(temp, "wb") as handle:
+
+            def write(_header: dict[str, Any], data: bytes) -> None:
+                handle.write(data)
+
+            try:
+                await channel.request("file.read", {"path": path}, on_event=write)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+        temp.replace(target)
+
+    async def list(self, path: str) -> list[EntryInfo]:
+        result = await self._request("file.list", path=path)
+        return [EntryInfo.from_json(entry) for entry in result["entries"]]
+
+    async def stat(self, path: str) -> EntryInfo:
+        return EntryInfo.from_json(await self._request("file.stat", path=path))
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except GuestFileNotFound:
+            return False
+        return True
+
+    async def mkdir(self, path: str, parents: bool = True) -> None:
+        await self._request("file.mkdir", path=path, parents=parents)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._request("file.remove", path=path, recursive=recursive)
+
+
+class AsyncSandbox:
+    """A running VM sandbox. ``async with await AsyncSandbox.create() as sbx: ...``"""
+
+    def __init__(self, folder: SandboxDir) -> None:
+        self._folder = folder
+        self._client: AgentClient | None = None
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+
+    @property
+    def id(self) -> str:
+        return self._folder.id
+
+    @property
+    def ports(self) -> dict[int, int]:
+        """Guest port -> host port on 127.0.0.1, for every forwarded port."""
+        return dict(self._folder.record().ports)
+
+    @classmethod
+    async def create(
+        cls,
+        template: str = "base",
+        *,
+        cpus: int = config.DEFAULT_CPUS,
+        memory_mib: int = config.DEFAULT_MEMORY_MIB,
+        disk_gib: int = config.DEFAULT_DISK_GIB,
+        timeout: float = config.DEFAULT_TIMEOUT,
+        ports: Sequence[int] = (),
+        progress: Progress | None = None,
+    ) -> AsyncSandbox:
+        """Start a new sandbox and return it once it can run commands.
+
+        :raises InvalidArgument: for a request that cannot work, naming the argument.
+        :raises QemuError: when QEMU is missing, fails to start or the guest never answers.
+        """
+        folder = await local.create_sandbox(
+            template=template,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            disk_gib=disk_gib,
+            timeout=timeout,
+            ports=ports,
+            progress=progress,
+        )
+        return cls(folder)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str) -> AsyncSandbox:
+        """Attach to a sandbox by id, from any process.
+
+        A sandbox that is not running can still be inspected (``info``, ``logs``) and
+        killed; running commands in it raises :class:`SandboxDead` or :class:`StateError`.
+
+        :raises SandboxNotFound: when there is no such sandbox.
+        """
+        return cls(registry.find(sandbox_id))
+
+    @staticmethod
+    async def list(all: bool = False) -> list[SandboxInfo]:
+        """Sandboxes on this host; finished ones too with ``all=True``."""
+        return [
+            _info(spec, record)
+            for spec, record in registry.list_sandboxes()
+            if all or not record.state.finished
+        ]
+
+    async def info(self) -> SandboxInfo:
+        return _info(self._folder.spec(), self._folder.record())
+
+    async def _channel(self) -> AgentClient:
+        if self._client is None or self._client.closed:
+            record = self._folder.record()
+            if record.state.finished:
+                raise SandboxDead(self.id, record.error or record.state.value)
+            require(self.id, record.state, (SandboxState.RUNNING,), "use")
+            self._client = await AgentClient.connect(self._folder.control_socket)
+        return self._client
+
+    async def expose_port(self, guest_port: int) -> int:
+        """Forward a guest TCP port to a free port on 127.0.0.1 and return that port."""
+        channel = await self._channel()
+        return int(
+            (await channel.request("sandbox.expose_port", {"guest_port": guest_port}))["host_port"]
+        )
+
+    async def set_timeout(self, seconds: float) -> None:
+        """Kill the sandbox ``seconds`` from now unless extended again."""
+        if not seconds > 0:
+            raise InvalidArgument(f"seconds={seconds}: must be positive")
+        channel = await self._channel()
+        await channel.request("sandbox.set_timeout", {"seconds": seconds})
+
+    async def logs(self) -> str:
+        """The guest's serial console so far."""
+        try:
+            return self._folder.console_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    async def kill(self) -> None:
+        """Stop the VM and remove the sandbox (disk, memory, folder); returns once it is gone.
+
+        Killing a sandbox that already died or timed out removes what is left of it.
+        """
+        if self._folder.record().state is SandboxState.RUNNING:
+            channel = await self._channel()
+            with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
+                await channel.request("sandbox.kill")
+            deadline = time.monotonic() + 15
+            while not self._folder.record().state.finished and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        await self.close()
+        local.kill_sandbox_files(self._folder)
+
+    async def close(self) -> None:
+        """Drop this process's connection; the sandbox keeps running."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.kill()
+
+
+def _info(spec: registry.SandboxSpec, record: registry.SandboxRecord) -> SandboxInfo:
+    return SandboxInfo(
+        id=spec.id,
+        state=record.state.value,
+        template=spec.template,
+        cpus=spec.cpus,
+        memory_mib=spec.memory_mib,
+        disk_gib=spec.disk_gib,
+        accelerator=spec.accelerator,
+        image_id=spec.image_id,
+        created_at=spec.created_at,
+        deadline=record.deadline,
+        ports=record.ports,
+        error=record.error,
+    )

@@ -1,0 +1,149 @@
+"""The host-guest wire protocol: framed messages with request ids.
+
+Standard library only: this module is copied into the guest beside the agent.
+
+A frame is::
+
+    MAGIC (4 bytes) | header length (u32 BE) | payload length (u32 BE) | header | payload
+
+The header is a UTF-8 JSON object; the payload is raw bytes (command output, file
+chunks, stdin). Both lengths are bounded, so a peer can never make the other
+allocate without limit. The magic lets a reader find the next frame after garbage:
+a stream that resumes mid-frame (after a memory snapshot is restored, say) or a
+broken peer is answered with an error and the reader re-synchronises, it never
+crashes or hangs.
+
+Message shapes (``id`` pairs a request with everything sent back for it):
+
+- request:  ``{"id": 7, "op": "exec", "args": {...}}``
+- event:    ``{"id": 7, "event": "stdout"}`` + payload (zero or more per request)
+- response: ``{"id": 7, "ok": true, "result": {...}}`` or
+            ``{"id": 7, "ok": false, "error": {"kind": "...", "message": "..."}}``
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+MAGIC = b"CBX1"
+PREFIX = struct.Struct(">4sII")
+MAX_HEADER = 64 * 1024
+MAX_PAYLOAD = 1024 * 1024
+#: Size of the chunks that streamed data (output, files) is cut into.
+CHUNK = 256 * 1024
+
+# Error kinds: the one vocabulary both sides use for failures.
+BAD_FRAME = "bad_frame"
+UNKNOWN_OP = "unknown_op"
+INVALID = "invalid"
+NOT_FOUND = "not_found"
+COMMAND_NOT_FOUND = "command_not_found"
+EXISTS = "exists"
+PERMISSION = "permission"
+IS_DIRECTORY = "is_directory"
+NOT_DIRECTORY = "not_directory"
+NOT_EMPTY = "not_empty"
+INTERNAL = "internal"
+#: The supervisor lost its channel to the agent (said by the supervisor, never the agent).
+CHANNEL = "channel"
+
+
+class FrameError(Exception):
+    """Bytes that are not a valid frame."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One decoded message: its JSON header and its raw payload."""
+
+    header: dict[str, Any]
+    payload: bytes = field(default=b"")
+
+    @property
+    def id(self) -> int | None:
+        value = self.header.get("id")
+        return value if isinstance(value, int) else None
+
+
+def encode(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    """Encode one frame.
+
+    :raises FrameError: when the header or payload exceeds its bound.
+    """
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER:
+        raise FrameError(f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
+    if len(payload) > MAX_PAYLOAD:
+        raise FrameError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    return PREFIX.pack(MAGIC, len(raw), len(payload)) + raw + payload
+
+
+def error_header(request_id: int | None, kind: str, message: str) -> dict[str, Any]:
+    """The header of an error response."""
+    return {"id": request_id, "ok": False, "error": {"kind": kind, "message": message}}
+
+
+class Decoder:
+    """Incremental frame decoder that survives garbage.
+
+    Feed it bytes as they arrive; it yields frames, and a :class:`FrameError` item for
+    every stretch of bytes it had to skip, so the caller can report it to the peer.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def reset(self) -> None:
+        """Forget any partial frame (the peer went away)."""
+        self._buffer.clear()
+
+    def feed(self, data: bytes) -> list[Frame | FrameError]:
+        self._buffer += data
+        items: list[Frame | FrameError] = []
+        while True:
+            item = self._next()
+            if item is None:
+                return items
+            items.append(item)
+
+    def _next(self) -> Frame | FrameError | None:
+        buf = self._buffer
+        if not buf:
+            return None
+        if not buf.startswith(MAGIC[: len(buf)]):
+            return self._skip_garbage("bad magic")
+        if len(buf) < PREFIX.size:
+            return None
+        _, header_len, payload_len = PREFIX.unpack_from(buf)
+        if header_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
+            return self._skip_garbage(
+                f"frame lengths {header_len}/{payload_len} exceed {MAX_HEADER}/{MAX_PAYLOAD}"
+            )
+        end = PREFIX.size + header_len + payload_len
+        if len(buf) < end:
+            return None
+        raw_header = bytes(buf[PREFIX.size : PREFIX.size + header_len])
+        payload = bytes(buf[PREFIX.size + header_len : end])
+        del buf[:end]
+        try:
+            header = json.loads(raw_header)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return FrameError(f"header is not JSON: {exc}")
+        if not isinstance(header, dict):
+            return FrameError("header is not a JSON object")
+        return Frame(header, payload)
+
+    def _skip_garbage(self, reason: str) -> FrameError:
+        """Drop bytes up to the next possible frame start and describe what was dropped."""
+        buf = self._buffer
+        start = buf.find(MAGIC, 1)
+        if start < 0:
+            # Keep a tail that could be the beginning of a magic split across reads.
+            keep = next((n for n in range(len(MAGIC) - 1, 0, -1) if buf.endswith(MAGIC[:n])), 0)
+            start = len(buf) - keep
+        skipped = start
+        del buf[:start]
+        return FrameError(f"{reason}: skipped {skipped} bytes")

@@ -1,0 +1,423 @@
+"""Build the guest image from Debian packages, cached by a content key.
+
+An image is three files and a manifest:
+
+- ``vmlinuz``: the bzImage of Debian's ``linux-image-amd64`` package;
+- ``initrd.img``: busybox, the virtio and ext4 modules in load order, our init and
+  the guest agent (so changing the agent rebuilds only this, in about a second);
+- ``rootfs.qcow2``: ``mmdebstrap --variant=minbase`` plus what an agent expects,
+  in an ext4 filesystem (the slow part, about 40 s, cached on its own key);
+- ``image.json``: the key's inputs, versions and sizes.
+
+The key hashes every input: the recipe version, the Debian package versions the
+mirror offers now, and the bytes of the files we put into the initramfs. A change
+to any of them is a new image id; an unchanged key is never rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from cryobox import config
+from cryobox.errors import ImageError
+from cryobox.util import write_json_atomic
+
+#: Bump when the build steps change in a way the other inputs do not show.
+RECIPE_VERSION = 1
+SUITE = "bookworm"
+KERNEL_METAPACKAGE = "linux-image-amd64"
+ROOTFS_PACKAGES = (
+    "python3",
+    "coreutils",
+    "procps",
+    "iproute2",
+    "ca-certificates",
+    "git",
+    "curl",
+    "tini",
+    "e2fsprogs",
+    "util-linux",
+)
+#: Loaded by the initramfs with their dependencies, in dependency order.
+INITRAMFS_MODULES = (
+    "virtio_pci",
+    "virtio_blk",
+    "virtio_console",
+    "virtio_net",
+    "virtio_rng",
+    "ext4",
+)
+ROOTFS_SIZE_GIB = 2
+HOST_TOOLS = (
+    "apt-get",
+    "apt-cache",
+    "dpkg-deb",
+    "depmod",
+    "modprobe",
+    "mmdebstrap",
+    "mkfs.ext4",
+    "qemu-img",
+    "busybox",
+    "cpio",
+)
+#: Files of this package that go into the initramfs (their bytes are part of the key).
+GUEST_FILES = ("guest/__init__.py", "guest/protocol.py", "guest/agent.py")
+IMAGE_FILES = ("initramfs-init.sh", "stage2.sh")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Image:
+    """A built guest image on disk."""
+
+    id: str
+    path: Path
+    kernel_version: str
+    manifest: dict[str, Any]
+
+    @property
+    def kernel(self) -> Path:
+        return self.path / "vmlinuz"
+
+    @property
+    def initrd(self) -> Path:
+        return self.path / "initrd.img"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.path / "rootfs.qcow2"
+
+    @classmethod
+    def load(cls, path: Path) -> Image:
+        manifest = json.loads((path / "image.json").read_text())
+        return cls(
+            id=manifest["id"],
+            path=path,
+            kernel_version=manifest["kernel_version"],
+            manifest=manifest,
+        )
+
+
+def images_dir() -> Path:
+    path = config.cache_dir() / "images"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------- key
+
+
+def run(argv: Sequence[str], *, cwd: Path | None = None, input: bytes | None = None) -> str:
+    """Run a build command; its failure is an ImageError carrying the command and output."""
+    try:
+        done = subprocess.run(list(argv), cwd=cwd, input=input, capture_output=True, check=False)
+    except FileNotFoundError as exc:
+        raise ImageError(f"{argv[0]} is not installed (run `make setup`)", command=argv) from exc
+    output = (done.stdout + done.stderr).decode(errors="replace")
+    if done.returncode != 0:
+        raise ImageError(
+            f"{argv[0]} failed with exit code {done.returncode}", command=argv, output=output
+        )
+    return done.stdout.decode(errors="replace")
+
+
+def check_host_tools() -> None:
+    missing = [tool for tool in HOST_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise ImageError(
+            "missing host tools to build the guest image: "
+            + ", ".join(missing)
+            + " (run `make setup`, which installs them with apt-get)"
+        )
+
+
+def _apt_lists_stamp() -> str:
+    lists = Path("/var/lib/apt/lists")
+    try:
+        return str(max((entry.stat().st_mtime_ns for entry in lists.iterdir()), default=0))
+    except OSError:
+        return "0"
+
+
+def package_versions() -> dict[str, str]:
+    """Versions the Debian mirror offers for our packages, cached per ``apt-get update``."""
+    cache = config.cache_dir() / "apt-versions.json"
+    stamp = _apt_lists_stamp()
+    with contextlib.suppress(OSError, ValueError):
+        cached = json.loads(cache.read_text())
+        if cached.get("stamp") == stamp:
+            return dict(cached["versions"])
+    names = (*ROOTFS_PACKAGES, KERNEL_METAPACKAGE)
+    versions = _candidates(run(["apt-cache", "policy", *names]))
+    kernel = next(
+        (
+            line.split()[1]
+            for line in run(["apt-cache", "depends", KERNEL_METAPACKAGE]).splitlines()
+            if line.strip().startswith("Depends: linux-image-")
+        ),
+        None,
+    )
+    missing = [name for name in names if not versions.get(name)]
+    if missing or kernel is None:
+        raise ImageError(
+            "apt knows no candidate version for "
+            + ", ".join(missing or [KERNEL_METAPACKAGE])
+            + " (run `apt-get update`, or `make setup`)"
+        )
+    versions["kernel-package"] = kernel
+    write_json_atomic(cache, {"stamp": stamp, "versions": versions})
+    return versions
+
+
+def _candidates(policy: str) -> dict[str, str]:
+    versions: dict[str, str] = {}
+    current = ""
+    for line in policy.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            current = line[:-1]
+        elif line.strip().startswith("Candidate:"):
+            value = line.split(":", 1)[1].strip()
+            versions[current] = "" if value == "(none)" else value
+    return versions
+
+
+def _source_bytes(name: str) -> bytes:
+    package, _, filename = name.rpartition("/")
+    base = resources.files("cryobox") / package if package else resources.files("cryobox.image")
+    return (base / filename).read_bytes()
+
+
+def image_key() -> dict[str, Any]:
+    """Every input of the build; the image id is the hash of this."""
+    versions = package_versions()
+    rootfs_inputs = {
+        "recipe": RECIPE_VERSION,
+        "suite": SUITE,
+        "size_gib": ROOTFS_SIZE_GIB,
+        "packages": {name: versions[name] for name in ROOTFS_PACKAGES},
+    }
+    sources = {
+        name: hashlib.sha256(_source_bytes(name)).hexdigest()
+        for name in (*GUEST_FILES, *IMAGE_FILES)
+    }
+    key: dict[str, Any] = {
+        "rootfs": rootfs_inputs,
+        "rootfs_key": _digest(rootfs_inputs),
+        "kernel_package": versions["kernel-package"],
+        "kernel_version": versions[KERNEL_METAPACKAGE],
+        "modules": list(INITRAMFS_MODULES),
+        "sources": sources,
+    }
+    key["id"] = _digest(key)
+    return key
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- build
+
+
+def find_image(image_id: str | None = None) -> Image | None:
+    """The built image with this id (default: the current key's), or None."""
+    image_id = image_id or image_key()["id"]
+    path = images_dir() / image_id
+    return Image.load(path) if (path / "image.json").exists() else None
+
+
+def ensure_image(progress: Progress | None = None) -> Image:
+    """The image for the current key, built first if it is not in the cache.
+
+    :raises ImageError: when a host tool is missing or a build step fails.
+    """
+    key = image_key()
+    image = find_image(key["id"])
+    if image is not None:
+        return image
+    with _build_lock():
+        image = find_image(key["id"])  # built by another process while we waited
+        if image is not None:
+            return image
+        return _build(key, progress or (lambda _: None))
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    with open(images_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build(key: dict[str, Any], progress: Progress) -> Image:
+    check_host_tools()
+    started = time.monotonic()
+    final = images_dir() / key["id"]
+    with tempfile.TemporaryDirectory(dir=images_dir(), prefix=".build-") as temp:
+        work = Path(temp)
+        progress(f"kernel {key['kernel_package']} {key['kernel_version']}")
+        kernel_dir = _kernel(key["kernel_package"], key["kernel_version"])
+        progress("root filesystem (mmdebstrap, the slow step)")
+        rootfs = _rootfs(key["rootfs_key"], key["rootfs"]["packages"])
+        progress("initramfs")
+        out = work / "image"
+        out.mkdir()
+        shutil.copyfile(kernel_dir / "vmlinuz", out / "vmlinuz")
+        _initramfs(kernel_dir, out / "initrd.img", work / "initramfs")
+        os.link(rootfs, out / "rootfs.qcow2")
+        manifest = {
+            **key,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_seconds": round(time.monotonic() - started, 1),
+            "sizes": {
+                name: (out / name).stat().st_size
+                for name in ("vmlinuz", "initrd.img", "rootfs.qcow2")
+            },
+        }
+        write_json_atomic(out / "image.json", manifest)
+        os.replace(out, final)
+    progress(f"image {key['id']} ready")
+    return Image.load(final)
+
+
+def _kernel(package: str, version: str) -> Path:
+    """Download and unpack the kernel package once: bzImage plus the modules we load."""
+    target = config.cache_dir() / "kernel" / f"{package}_{version}"
+    if (target / "order").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".kernel-") as temp:
+        work = Path(temp)
+        run(["apt-get", "download", f"{package}={version}"], cwd=work)
+        deb = next(work.glob("*.deb"))
+        tree = work / "tree"
+        run(["dpkg-deb", "-x", str(deb), str(tree)])
+        release = next((tree / "lib/modules").iterdir()).name
+        run(["depmod", "-b", str(tree), release])
+        out = work / "out"
+        (out / "modules").mkdir(parents=True)
+        shutil.copyfile(next((tree / "boot").glob("vmlinuz-*")), out / "vmlinuz")
+        order: list[str] = []
+        for module in INITRAMFS_MODULES:
+            listing = run(["modprobe", "-d", str(tree), "-S", release, "--show-depends", module])
+            for line in listing.splitlines():
+                words = line.split()
+                if words[:1] == ["insmod"]:
+                    name = Path(words[1]).name
+                    if name not in order:
+                        shutil.copyfile(words[1], out / "modules" / name)
+                        order.append(name)
+        (out / "release").write_text(release + "\n")
+        (out / "order").write_text("\n".join(order) + "\n")
+        os.replace(out, target)
+    return target
+
+
+def _rootfs(rootfs_key: str, packages: dict[str, str]) -> Path:
+    """mmdebstrap the root filesystem into an ext4 qcow2, once per key."""
+    target = config.cache_dir() / "rootfs" / f"{rootfs_key}.qcow2"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".rootfs-") as temp:
+        work = Path(temp)
+        tree = work / "tree"
+        run(
+            [
+                "mmdebstrap",
+                "--variant=minbase",
+                "--include=" + ",".join(sorted(packages)),
+                "--dpkgopt=path-exclude=/usr/share/doc/*",
+                "--dpkgopt=path-exclude=/usr/share/man/*",
+                "--dpkgopt=path-exclude=/usr/share/locale/*",
+                '--customize-hook=rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*',
+                '--customize-hook=echo cryobox > "$1"/etc/hostname',
+                '--customize-hook=: > "$1"/etc/machine-id',
+                SUITE,
+                str(tree),
+            ]
+        )
+        raw = work / "rootfs.ext4"
+        with open(raw, "wb") as handle:
+            handle.truncate(ROOTFS_SIZE_GIB << 30)
+        run(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-L",
+                "cryobox-root",
+                "-d",
+                str(tree),
+                "-E",
+                "lazy_itable_init=0,lazy_journal_init=0",
+                str(raw),
+            ]
+        )
+        qcow2 = work / "rootfs.qcow2"
+        run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(qcow2)])
+        os.replace(qcow2, target)
+    return target
+
+
+def _initramfs(kernel_dir: Path, output: Path, work: Path) -> None:
+    """Assemble the initramfs: busybox, modules, init, and the guest agent package."""
+    for folder in (
+        "bin",
+        "dev",
+        "proc",
+        "sys",
+        "newroot",
+        "lib/modules",
+        "cryobox/lib/cryobox/guest",
+    ):
+        (work / folder).mkdir(parents=True, exist_ok=True)
+    busybox = shutil.which("busybox")
+    assert busybox is not None
+    shutil.copyfile(busybox, work / "bin/busybox")
+    os.chmod(work / "bin/busybox", 0o755)
+    (work / "bin/sh").symlink_to("busybox")
+    for module in (kernel_dir / "modules").iterdir():
+        shutil.copyfile(module, work / "lib/modules" / module.name)
+    shutil.copyfile(kernel_dir / "order", work / "lib/modules/order")
+    init = work / "init"
+    init.write_bytes(_source_bytes("initramfs-init.sh"))
+    init.chmod(0o755)
+    (work / "cryobox/stage2.sh").write_bytes(_source_bytes("stage2.sh"))
+    lib = work / "cryobox/lib/cryobox"
+    (lib / "__init__.py").write_text('"""cryobox guest side: only the agent and its protocol."""\n')
+    for name in GUEST_FILES:
+        (lib / name).write_bytes(_source_bytes(name))
+    names = sorted(str(path.relative_to(work)) for path in work.rglob("*"))
+    archive = run_bytes(
+        ["cpio", "--quiet", "-o", "-H", "newc", "--reproducible"],
+        cwd=work,
+        input="\n".join(names).encode(),
+    )
+    output.write_bytes(archive)
+
+
+def run_bytes(argv: Sequence[str], *, cwd: Path, input: bytes) -> bytes:
+    done = subprocess.run(list(argv), cwd=cwd, input=input, capture_output=True, check=False)
+    if done.returncode != 0:
+        raise ImageError(
+            f"{argv[0]} failed", command=argv, output=done.stderr.decode(errors="replace")
+        )
+    return done.stdout

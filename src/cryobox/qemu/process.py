@@ -1,0 +1,181 @@
+"""One QEMU process and its QMP monitor (through the QEMU project's ``qemu.qmp``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import ExecuteError, QMPClient
+
+from cryobox.errors import QemuError, QemuNotInstalled
+from cryobox.qemu.command import MachineSpec, build_command
+
+BINARY = "qemu-system-x86_64"
+PR_SET_PDEATHSIG = 1
+
+
+def qemu_binary() -> str:
+    """The QEMU system emulator's path.
+
+    :raises QemuNotInstalled: when it is not on PATH.
+    """
+    path = os.environ.get("CRYOBOX_QEMU") or shutil.which(BINARY)
+    if not path or not os.access(path, os.X_OK):
+        raise QemuNotInstalled(
+            f"{os.environ.get('CRYOBOX_QEMU') or BINARY} not found: install Debian's "
+            "qemu-system-x86 (`make setup` does)"
+        )
+    return path
+
+
+@functools.cache
+def qemu_version(binary: str | None = None) -> str:
+    """QEMU's version string, such as ``7.2.19``."""
+    binary = binary or qemu_binary()
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout
+    words = out.split()
+    return (
+        words[3] if len(words) > 3 and words[:3] == ["QEMU", "emulator", "version"] else out.strip()
+    )
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL QEMU if the process that started it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class QemuProcess:
+    """A running QEMU with a connected QMP client.
+
+    QEMU's stderr goes to a file so that a crash can be reported with its last words,
+    and QEMU is killed by the kernel if its parent dies (no orphaned VMs).
+    """
+
+    def __init__(self, spec: MachineSpec, stderr_path: Path, binary: str | None = None) -> None:
+        self.spec = spec
+        self.stderr_path = stderr_path
+        self.command = build_command(binary or qemu_binary(), spec)
+        self._process: asyncio.subprocess.Process | None = None
+        self._qmp: QMPClient | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None, "QEMU is not started"
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._process is None else self._process.returncode
+
+    def stderr_text(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-8000:]
+        except OSError:
+            return ""
+
+    def error(self, message: str) -> QemuError:
+        """A QemuError carrying the command line, exit code and stderr."""
+        return QemuError(
+            message, command=self.command, exitcode=self.returncode, stderr=self.stderr_text()
+        )
+
+    async def start(self, timeout: float = 30.0) -> None:
+        """Start QEMU and connect to its monitor.
+
+        :raises QemuError: when QEMU exits or its monitor does not appear in time.
+        """
+        self.spec.qmp_socket.unlink(missing_ok=True)
+        with open(self.stderr_path, "wb") as stderr:
+            self._process = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=stderr,
+                stderr=stderr,
+                preexec_fn=_die_with_parent,
+            )
+        try:
+            await asyncio.wait_for(self._connect_qmp(), timeout)
+        except TimeoutError:
+            await self.kill()
+            raise self.error(f"QEMU's monitor did not come up within {timeout:.0f} s") from None
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def _connect_qmp(self) -> None:
+        assert self._process is not None
+        while True:
+            if self._process.returncode is not None:
+                raise self.error("QEMU exited while starting")
+            if self.spec.qmp_socket.exists():
+                client = QMPClient(self.spec.name)
+                try:
+                    await client.connect(str(self.spec.qmp_socket))
+                except (OSError, ConnectionError):
+                    pass
+                else:
+                    self._qmp = client
+                    return
+            waiter = asyncio.ensure_future(self._process.wait())
+            await asyncio.wait([waiter], timeout=0.005)
+            if not waiter.done():
+                waiter.cancel()
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None) -> Any:
+        """Run a QMP command.
+
+        :raises QemuError: when QEMU refuses it or the monitor is gone.
+        """
+        if self._qmp is None:
+            raise self.error(f"QMP {command}: not connected")
+        try:
+            return await self._qmp.execute(command, arguments)
+        except ExecuteError as exc:
+            raise QemuError(f"QMP {command} failed: {exc}", command=self.command) from exc
+        except Exception as exc:
+            raise self.error(f"QMP {command}: monitor connection failed ({exc!r})") from exc
+
+    async def human_monitor(self, command_line: str) -> str:
+        """An HMP command (some, like ``hostfwd_add``, have no QMP twin)."""
+        out = await self.execute("human-monitor-command", {"command-line": command_line})
+        return str(out)
+
+    async def wait(self) -> int:
+        assert self._process is not None
+        return await self._process.wait()
+
+    async def quit(self, timeout: float = 5.0) -> None:
+        """Ask QEMU to quit; kill it if it does not within ``timeout``."""
+        if self._process is None or self._process.returncode is not None:
+            await self._close_qmp()
+            return
+        with contextlib.suppress(QemuError):
+            await asyncio.wait_for(self.execute("quit"), timeout)
+        try:
+            await asyncio.wait_for(self._process.wait(), timeout)
+        except TimeoutError:
+            await self.kill()
+        await self._close_qmp()
+
+    async def kill(self) -> None:
+        """SIGKILL QEMU and reap it."""
+        if self._process is not None and self._process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+            await self._process.wait()
+        await self._close_qmp()
+
+    async def _close_qmp(self) -> None:
+        if self._qmp is not None:
+            client, self._qmp = self._qmp, None
+            with contextlib.suppress(Exception):
+                await client.disconnect()

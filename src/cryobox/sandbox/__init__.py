@@ -1,0 +1,1 @@
+"""The sandbox domain: lifecycle, registry on disk, the per-sandbox supervisor."""

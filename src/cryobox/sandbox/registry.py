@@ -1,0 +1,177 @@
+"""Sandboxes on disk: one folder each, with a spec and a state record.
+
+Any process can list and find sandboxes by reading these folders, so ``cryobox ls``
+in another shell sees what runs. The supervisor is the only writer of a running
+sandbox's state record; every write is atomic (temporary name, fsync, rename). A
+record that says "running" but whose supervisor is gone is reported as dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cryobox import config
+from cryobox.errors import SandboxNotFound
+from cryobox.sandbox.state import SandboxState, check_transition
+from cryobox.util import write_json_atomic
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What was asked for at creation; never changes afterwards."""
+
+    id: str
+    image_id: str
+    image_path: str
+    accelerator: str
+    cpus: int
+    memory_mib: int
+    disk_gib: int
+    timeout: float
+    ports: tuple[int, ...] = ()
+    template: str = "base"
+    created_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> SandboxSpec:
+        return cls(**{**value, "ports": tuple(value.get("ports", ()))})
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    """A sandbox's current state as last written by its supervisor."""
+
+    id: str
+    state: SandboxState
+    supervisor_pid: int | None = None
+    qemu_pid: int | None = None
+    ports: dict[int, int] = field(default_factory=dict)
+    deadline: float | None = None
+    error: str | None = None
+    #: Structured detail of ``error`` (a QEMU failure's command, exit code, stderr).
+    failure: dict[str, Any] | None = None
+    updated_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> SandboxRecord:
+        return cls(
+            id=value["id"],
+            state=SandboxState(value["state"]),
+            supervisor_pid=value.get("supervisor_pid"),
+            qemu_pid=value.get("qemu_pid"),
+            ports={int(k): int(v) for k, v in (value.get("ports") or {}).items()},
+            deadline=value.get("deadline"),
+            error=value.get("error"),
+            failure=value.get("failure"),
+            updated_at=value.get("updated_at", 0.0),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        value = asdict(self)
+        value["state"] = self.state.value
+        value["ports"] = {str(k): v for k, v in self.ports.items()}
+        return value
+
+
+class SandboxDir:
+    """The folder of one sandbox and the paths inside it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.id = path.name
+        self.spec_file = path / "spec.json"
+        self.state_file = path / "state.json"
+        self.control_socket = path / "control.sock"
+        self.qmp_socket = path / "qmp.sock"
+        self.agent_socket = path / "agent.sock"
+        self.disk = path / "disk.qcow2"
+        self.memory_file = path / "memory"
+        self.console_log = path / "console.log"
+        self.qemu_stderr = path / "qemu.stderr"
+        self.supervisor_log = path / "supervisor.log"
+
+    @classmethod
+    def for_id(cls, sandbox_id: str) -> SandboxDir:
+        return cls(config.sandboxes_dir() / sandbox_id)
+
+    def exists(self) -> bool:
+        return self.spec_file.exists()
+
+    def spec(self) -> SandboxSpec:
+        return SandboxSpec.from_json(json.loads(self.spec_file.read_text()))
+
+    def write_spec(self, spec: SandboxSpec) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.spec_file, asdict(spec))
+
+    def record(self) -> SandboxRecord:
+        """The state record, with "dead" for a live state whose supervisor is gone."""
+        try:
+            record = SandboxRecord.from_json(json.loads(self.state_file.read_text()))
+        except FileNotFoundError:
+            record = SandboxRecord(id=self.id, state=SandboxState.CREATING)
+        # A creator writes "creating" before its supervisor has a pid: allow it a moment.
+        orphaned = record.supervisor_pid is not None or time.time() - record.updated_at > 30
+        if (
+            not record.state.finished
+            and orphaned
+            and not process_alive(record.supervisor_pid, self.id)
+        ):
+            return replace(
+                record,
+                state=SandboxState.DEAD,
+                error=record.error or "its supervisor process is gone",
+            )
+        return record
+
+    def write_record(self, record: SandboxRecord, *, check: bool = True) -> None:
+        if check and self.state_file.exists():
+            current = SandboxRecord.from_json(json.loads(self.state_file.read_text())).state
+            if current != record.state:
+                check_transition(self.id, current, record.state)
+        write_json_atomic(self.state_file, replace(record, updated_at=time.time()).to_json())
+
+
+def process_alive(pid: int | None, marker: str) -> bool:
+    """Whether ``pid`` runs and its command line mentions ``marker`` (guards pid reuse)."""
+    if not pid:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return marker.encode() in cmdline
+
+
+def find(sandbox_id: str) -> SandboxDir:
+    """The sandbox's folder.
+
+    :raises SandboxNotFound: when there is none.
+    """
+    if not sandbox_id or "/" in sandbox_id or sandbox_id.startswith("."):
+        raise SandboxNotFound(sandbox_id)
+    folder = SandboxDir.for_id(sandbox_id)
+    if not folder.exists():
+        raise SandboxNotFound(sandbox_id)
+    return folder
+
+
+def list_sandboxes() -> list[tuple[SandboxSpec, SandboxRecord]]:
+    """Every sandbox on this host, oldest first."""
+    found = []
+    for path in config.sandboxes_dir().iterdir():
+        folder = SandboxDir(path)
+        if path.name.startswith(".") or not folder.exists():
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found.append((folder.spec(), folder.record()))
+    found.sort(key=lambda pair: pair[0].created_at)
+    return found

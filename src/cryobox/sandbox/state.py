@@ -1,0 +1,56 @@
+"""A sandbox's lifecycle as a guarded state machine.
+
+::
+
+    creating ──> running ──> killed
+        │           │
+        └───────────┴──────> dead      (its VM or supervisor died unasked)
+
+Every operation names the states it needs; :func:`require` raises a
+:class:`~cryobox.errors.StateError` that says which state the sandbox is in
+and which it needed, instead of failing three layers down.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from cryobox.errors import StateError
+
+
+class SandboxState(enum.StrEnum):
+    CREATING = "creating"
+    RUNNING = "running"
+    KILLED = "killed"
+    DEAD = "dead"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SandboxState.KILLED, SandboxState.DEAD)
+
+
+TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
+    SandboxState.CREATING: frozenset(
+        {SandboxState.RUNNING, SandboxState.KILLED, SandboxState.DEAD}
+    ),
+    SandboxState.RUNNING: frozenset({SandboxState.KILLED, SandboxState.DEAD}),
+    SandboxState.KILLED: frozenset(),
+    SandboxState.DEAD: frozenset(),
+}
+
+
+def require(
+    sandbox_id: str, state: SandboxState, allowed: tuple[SandboxState, ...], action: str
+) -> None:
+    """Raise StateError unless ``state`` is one of ``allowed``."""
+    if state not in allowed:
+        raise StateError(sandbox_id, state.value, [s.value for s in allowed], action)
+
+
+def check_transition(sandbox_id: str, current: SandboxState, target: SandboxState) -> None:
+    """Raise StateError when the state machine has no edge from ``current`` to ``target``."""
+    if target not in TRANSITIONS[current]:
+        allowed = [s for s, targets in TRANSITIONS.items() if target in targets]
+        raise StateError(
+            sandbox_id, current.value, [s.value for s in allowed], f"make {target.value}"
+        )

@@ -1,0 +1,91 @@
+"""Shared fixtures: an isolated state folder, and a sandbox factory that always cleans up.
+
+The state folder is short on purpose (unix socket paths are limited to 108 bytes)
+and per test session, so tests never see a user's sandboxes. The guest image cache is
+the user's (building it takes a minute; its content key keeps it honest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
+os.environ["CRYOBOX_STATE_DIR"] = str(_STATE)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill anything a test left behind, then remove the state folder."""
+    for record in _STATE.glob("sandboxes/*/state.json"):
+        with_pids = json.loads(record.read_text())
+        for key in ("supervisor_pid", "qemu_pid"):
+            pid = with_pids.get(key)
+            if pid and record.parent.name.encode() in _cmdline(pid):
+                os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(_STATE, ignore_errors=True)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+def _dump_consoles(request: pytest.FixtureRequest, folders: list[Path]) -> None:
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for folder in folders:
+            for name in ("console.log", "supervisor.log", "qemu.stderr"):
+                path = folder / name
+                if path.exists():
+                    tail = "\n".join(path.read_text(errors="replace").splitlines()[-40:])
+                    print(f"\n===== {folder.name}/{name} (last lines) =====\n{tail}")
+
+
+@pytest.fixture
+def sandbox_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """``sandbox_factory(**create_kwargs)`` -> a sync Sandbox, killed after the test."""
+    from cryobox import Sandbox
+
+    made: list[Sandbox] = []
+    folders: list[Path] = []
+
+    def make(**kwargs: Any) -> Sandbox:
+        sbx = Sandbox.create(**kwargs)
+        made.append(sbx)
+        folders.append(_STATE / "sandboxes" / sbx.id)
+        return sbx
+
+    yield make
+    _dump_consoles(request, folders)
+    for sbx in made:
+        try:
+            sbx.kill()
+        except Exception as exc:
+            print(f"cleanup of {sbx.id} failed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def shared_sandbox(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """One sandbox for a module's read-mostly checks (a cold boot costs ~15 s under TCG)."""
+    from cryobox import Sandbox
+
+    sbx = Sandbox.create(ports=[8000])
+    yield sbx
+    sbx.kill()

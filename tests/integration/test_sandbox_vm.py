@@ -1,0 +1,264 @@
+"""A real sandbox, booted under TCG, used the way an agent uses it.
+
+Most checks share one sandbox (a cold boot costs ~15 s here); lifecycle checks that
+end a sandbox make their own through ``sandbox_factory``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cryobox import AsyncSandbox, Sandbox
+from cryobox.errors import (
+    CommandNotFound,
+    GuestFileNotFound,
+    InvalidArgument,
+    QemuError,
+    SandboxDead,
+)
+from cryobox.sandbox import registry
+
+pytestmark = pytest.mark.vm
+CLI = [sys.executable, "-m", "cryobox.cli.main"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_runs_python_in_the_guest_kernel(shared_sandbox: Sandbox) -> None:
+    result = shared_sandbox.commands.run("python3 -c 'print(6*7)'; uname -r; hostname")
+    lines = result.stdout.split()
+    assert result.exit_code == 0 and lines[0] == "42"
+    assert lines[1] != os.uname().release and lines[1].endswith("-amd64")  # the guest's own kernel
+    assert lines[2] == shared_sandbox.id
+
+
+def test_output_streams_to_callbacks_as_it_comes(shared_sandbox: Sandbox) -> None:
+    seen: list[tuple[float, str]] = []
+    result = shared_sandbox.commands.run(
+        "echo first; sleep 1; echo second; echo oops >&2; exit 4",
+        on_stdout=lambda text: seen.append((time.monotonic(), text)),
+    )
+    assert result.exit_code == 4 and result.stderr == "oops\n"
+    assert "".join(text for _, text in seen) == "first\nsecond\n"
+    assert seen[0][1] == "first\n" and len(seen) >= 2 and seen[-1][0] - seen[0][0] > 0.5
+
+
+def test_env_cwd_user_and_timeout(shared_sandbox: Sandbox) -> None:
+    result = shared_sandbox.commands.run(
+        ["sh", "-c", 'echo "$A:$(pwd):$(id -un)"'], env={"A": "b"}, cwd="/tmp", user="nobody"
+    )
+    assert result.stdout == "b:/tmp:nobody\n"
+    started = time.monotonic()
+    result = shared_sandbox.commands.run("sleep 60", timeout=1)
+    assert result.timed_out and result.exit_code == 137 and time.monotonic() - started < 30
+
+
+def test_bad_commands_and_paths(shared_sandbox: Sandbox) -> None:
+    with pytest.raises(CommandNotFound, match="no-such-tool"):
+        shared_sandbox.commands.run(["no-such-tool", "--help"])
+    assert shared_sandbox.commands.run("no-such-tool").exit_code == 127
+    with pytest.raises(GuestFileNotFound):
+        shared_sandbox.commands.run("true", cwd="/no/such/dir")
+    with pytest.raises(GuestFileNotFound):
+        shared_sandbox.files.read("/no/such/file")
+    with pytest.raises(InvalidArgument):
+        shared_sandbox.commands.run([])
+
+
+def test_files_round_trip_and_are_seen_by_commands(shared_sandbox: Sandbox, tmp_path: Path) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    shared_sandbox.files.mkdir("/root/work/deep")
+    shared_sandbox.files.write("/root/work/deep/blob.bin", data)
+    digest = shared_sandbox.commands.run("sha256sum /root/work/deep/blob.bin").stdout.split()[0]
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert shared_sandbox.files.read("/root/work/deep/blob.bin") == data
+    local = tmp_path / "up.txt"
+    local.write_text("uploaded")
+    shared_sandbox.files.upload(local, "/root/work/up.txt")
+    shared_sandbox.files.download("/root/work/up.txt", tmp_path / "down.txt")
+    assert (tmp_path / "down.txt").read_text() == "uploaded"
+    names = [(e.name, e.type) for e in shared_sandbox.files.list("/root/work")]
+    assert names == [("deep", "dir"), ("up.txt", "file")]
+    assert shared_sandbox.files.stat("/root/work/deep/blob.bin").size == len(data)
+    shared_sandbox.files.remove("/root/work", recursive=True)
+    assert not shared_sandbox.files.exists("/root/work")
+
+
+def test_background_command_with_stdin_and_kill(shared_sandbox: Sandbox) -> None:
+    handle = shared_sandbox.commands.run("cat; echo done", background=True, stdin=True)
+    assert handle.pid > 0
+    handle.send_stdin("hello ", eof=False)
+    handle.send_stdin("world\n", eof=True)
+    result = handle.wait()
+    assert result.stdout == "hello world\ndone\n"
+    sleeper = shared_sandbox.commands.run(["sleep", "300"], background=True)
+    assert shared_sandbox.commands.run(f"kill -0 {sleeper.pid}").exit_code == 0
+    sleeper.kill(signal.SIGTERM)
+    assert sleeper.wait().signal == signal.SIGTERM
+
+
+def test_port_forward_reaches_a_guest_server(shared_sandbox: Sandbox) -> None:
+    shared_sandbox.files.write("/root/index.html", "served from the guest")
+    shared_sandbox.commands.run(
+        "cd /root && python3 -m http.server 8000 >/dev/null 2>&1", background=True
+    )
+    url = f"http://127.0.0.1:{shared_sandbox.ports[8000]}/index.html"
+    body = _fetch_until_up(url)
+    assert body == b"served from the guest"
+    late = shared_sandbox.expose_port(9000)
+    shared_sandbox.commands.run(
+        "cd /root && python3 -m http.server 9000 >/dev/null 2>&1", background=True
+    )
+    assert _fetch_until_up(f"http://127.0.0.1:{late}/index.html") == b"served from the guest"
+
+
+def _fetch_until_up(url: str) -> bytes:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                body: bytes = response.read()
+                return body
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_other_processes_see_and_use_the_sandbox(shared_sandbox: Sandbox, tmp_path: Path) -> None:
+    listing = cli("ls")
+    assert (
+        listing.returncode == 0
+        and shared_sandbox.id in listing.stdout
+        and "running" in listing.stdout
+    )
+    done = cli(
+        "exec", shared_sandbox.id, "--", "python3", "-c", "import sys; print(7); sys.exit(3)"
+    )
+    assert done.returncode == 3 and done.stdout == "7\n"
+    source = tmp_path / "in.txt"
+    source.write_text("via cp")
+    assert cli("cp", str(source), f"{shared_sandbox.id}:/root/in.txt").returncode == 0
+    assert cli("cp", f"{shared_sandbox.id}:/root/in.txt", str(tmp_path / "out.txt")).returncode == 0
+    assert (tmp_path / "out.txt").read_text() == "via cp"
+    assert "cryobox-agent: ready" in cli("logs", shared_sandbox.id).stdout
+    concurrent: list[Any] = []
+    threads = [
+        threading.Thread(
+            target=lambda: concurrent.append(
+                cli("exec", shared_sandbox.id, "--", "sleep", "1").returncode
+            )
+        )
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert concurrent == [0, 0, 0]
+
+
+def test_kill_removes_the_vm_and_its_files(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory(memory_mib=512)
+    folder = registry.find(sbx.id)
+    qemu_pid = folder.record().qemu_pid
+    assert qemu_pid and registry.process_alive(qemu_pid, sbx.id)
+    sbx.kill()
+    assert not registry.process_alive(qemu_pid, sbx.id)
+    assert not folder.path.exists()
+    assert sbx.id not in cli("ls", "--all").stdout
+
+
+def test_timeout_kills_unless_extended(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory(memory_mib=512, timeout=600)
+    sbx.set_timeout(3)
+    qemu_pid = registry.find(sbx.id).record().qemu_pid
+    time.sleep(6)
+    info = sbx.info()
+    assert info.state == "killed" and "timed out" in (info.error or "")
+    assert not registry.process_alive(qemu_pid, sbx.id)
+    with pytest.raises(SandboxDead):
+        sbx.commands.run("true")
+
+
+def test_a_vm_that_dies_shows_up_dead(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory(memory_mib=512)
+    record = registry.find(sbx.id).record()
+    assert record.qemu_pid
+    os.kill(record.qemu_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while sbx.info().state != "dead" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sbx.info().state == "dead" and "QEMU exited" in (sbx.info().error or "")
+    assert "dead" in cli("ls", "--all").stdout
+    with pytest.raises(SandboxDead):
+        sbx.commands.run("true")
+
+
+def test_supervisor_killed_with_sigkill_takes_its_vm_along(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory(memory_mib=512)
+    record = registry.find(sbx.id).record()
+    assert record.supervisor_pid and record.qemu_pid
+    os.kill(record.supervisor_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while registry.process_alive(record.qemu_pid, sbx.id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not registry.process_alive(record.qemu_pid, sbx.id)
+    assert sbx.info().state == "dead"
+
+
+def test_qemu_that_fails_to_start_reports_command_exit_code_and_stderr(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = tmp_path / "qemu-system-x86_64"
+    fake.write_text("#!/bin/sh\necho 'qemu: could not open kernel: simulated' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CRYOBOX_QEMU", str(fake))
+    before = {info.id for info in Sandbox.list(all=True)}
+    with pytest.raises(QemuError) as info:
+        Sandbox.create(memory_mib=256)
+    assert info.value.exitcode == 1
+    assert "simulated" in info.value.stderr
+    assert info.value.command[0] == str(fake)
+    new = [i for i in Sandbox.list(all=True) if i.id not in before]
+    assert [i.state for i in new] == ["dead"]
+    assert not subprocess.run(["pgrep", "-f", new[0].id], capture_output=True).stdout
+
+
+async def test_async_sandbox_runs_many_commands_at_once() -> None:
+    import asyncio
+
+    async with await AsyncSandbox.create(memory_mib=512) as sbx:
+        results = await asyncio.gather(*(sbx.commands.run(f"sleep 1; echo {i}") for i in range(5)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
+        await sbx.files.write("/root/a.txt", "async")
+        assert await sbx.files.read_text("/root/a.txt") == "async"
+
+
+def test_cli_run_prints_42_from_inside_a_vm() -> None:
+    done = cli("run", "--memory", "512", "--", "python3", "-c", "print(6*7)", timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "42\n"
+
+
+def test_probe_boot_reaches_the_initramfs() -> None:
+    from cryobox.image import ensure_image
+    from cryobox.qemu.accel import probe_boot
+
+    image = ensure_image()
+    assert probe_boot(image.kernel, image.initrd, "tcg", timeout=120)

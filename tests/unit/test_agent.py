@@ -1,0 +1,183 @@
+"""The guest agent's request handling, run on the host over a socketpair.
+
+The same code runs inside the VM over virtio-serial; here a socket stands in for the
+port so each operation and every malformed input can be checked quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import CommandNotFound, GuestError, GuestFileNotFound, ProtocolError
+from cryobox.guest import agent as guest_agent
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[AgentClient]:
+    ours, theirs = socket.socketpair()
+    agent = guest_agent.Agent()
+    agent.channel = guest_agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
+    )
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    channel = AgentClient(reader, writer)
+    yield channel
+    await channel.close()
+
+
+async def test_exec_streams_output_and_reports_exit_code(client: AgentClient) -> None:
+    events: list[tuple[str, bytes]] = []
+    result = await client.request(
+        "exec",
+        {"shell": "echo out; echo err >&2; exit 3"},
+        on_event=lambda header, payload: events.append((header["event"], payload)),
+    )
+    assert result["exit_code"] == 3 and not result["timed_out"]
+    assert (("stdout", b"out\n")) in events and (("stderr", b"err\n")) in events
+    assert events[0][0] == "started"
+
+
+async def test_exec_env_cwd_and_stdin(client: AgentClient, tmp_path: Path) -> None:
+    out: list[bytes] = []
+    started = asyncio.get_running_loop().create_future()
+
+    def on_event(header: dict[str, object], payload: bytes) -> None:
+        if header["event"] == "started":
+            started.set_result(header["exec_id"])
+        elif header["event"] == "stdout":
+            out.append(payload)
+
+    request = asyncio.ensure_future(
+        client.request(
+            "exec",
+            {
+                "shell": 'echo "$GREETING $(pwd)"; cat',
+                "env": {"GREETING": "hi"},
+                "cwd": str(tmp_path),
+                "stdin": True,
+            },
+            on_event=on_event,
+        )
+    )
+    exec_id = await started
+    await client.request("exec.stdin", {"exec_id": exec_id, "eof": True}, b"from stdin")
+    assert (await request)["exit_code"] == 0
+    assert b"".join(out) == f"hi {tmp_path}\nfrom stdin".encode()
+
+
+async def test_exec_timeout_kills_the_command(client: AgentClient) -> None:
+    result = await client.request("exec", {"argv": ["sleep", "30"], "timeout": 0.3})
+    assert result["timed_out"] and result["signal"] == 9 and result["exit_code"] == 137
+
+
+async def test_background_child_does_not_hold_the_call(client: AgentClient) -> None:
+    result = await asyncio.wait_for(
+        client.request("exec", {"shell": "sleep 30 & echo started"}), 10
+    )
+    assert result["exit_code"] == 0
+
+
+async def test_missing_program_and_missing_cwd(client: AgentClient) -> None:
+    with pytest.raises(CommandNotFound, match="no-such-program"):
+        await client.request("exec", {"argv": ["no-such-program"]})
+    with pytest.raises(GuestFileNotFound, match="/no/such/dir"):
+        await client.request("exec", {"argv": ["true"], "cwd": "/no/such/dir"})
+
+
+async def test_file_round_trip_in_chunks(client: AgentClient, tmp_path: Path) -> None:
+    target = tmp_path / "big.bin"
+    data = os.urandom(p.CHUNK * 2 + 17)
+    handle = (await client.request("file.write.begin", {"path": str(target), "mode": 0o600}))[
+        "handle"
+    ]
+    for start in range(0, len(data), p.CHUNK):
+        await client.request("file.write.chunk", {"handle": handle}, data[start : start + p.CHUNK])
+    assert (await client.request("file.write.end", {"handle": handle}))["size"] == len(data)
+    assert target.read_bytes() == data and (target.stat().st_mode & 0o777) == 0o600
+    chunks: list[bytes] = []
+    await client.request(
+        "file.read", {"path": str(target)}, on_event=lambda _h, b: chunks.append(b)
+    )
+    assert b"".join(chunks) == data
+    assert not [f for f in tmp_path.iterdir() if "cryobox-" in f.name]
+
+
+async def test_files_list_stat_mkdir_remove(client: AgentClient, tmp_path: Path) -> None:
+    await client.request("file.mkdir", {"path": str(tmp_path / "a/b")})
+    (tmp_path / "a/b/f.txt").write_text("x")
+    listing = await client.request("file.list", {"path": str(tmp_path / "a/b")})
+    assert [(e["name"], e["type"], e["size"]) for e in listing["entries"]] == [("f.txt", "file", 1)]
+    assert (await client.request("file.stat", {"path": str(tmp_path / "a")}))["type"] == "dir"
+    with pytest.raises(GuestError) as info:
+        await client.request("file.remove", {"path": str(tmp_path / "a")})
+    assert info.value.kind == p.NOT_EMPTY
+    await client.request("file.remove", {"path": str(tmp_path / "a"), "recursive": True})
+    assert not (tmp_path / "a").exists()
+
+
+async def test_missing_paths_are_not_found(client: AgentClient, tmp_path: Path) -> None:
+    for op in ("file.read", "file.stat", "file.list", "file.remove"):
+        with pytest.raises(GuestFileNotFound):
+            await client.request(op, {"path": str(tmp_path / "nope")})
+    with pytest.raises(GuestFileNotFound, match="no such directory"):
+        await client.request("file.write.begin", {"path": str(tmp_path / "nope/f")})
+
+
+async def test_unknown_op_and_bad_arguments(client: AgentClient) -> None:
+    with pytest.raises(GuestError) as info:
+        await client.request("format.disk")
+    assert info.value.kind == p.UNKNOWN_OP
+    with pytest.raises(GuestError) as info:
+        await client.request("file.read", {})
+    assert info.value.kind == p.INVALID
+    with pytest.raises(GuestError) as info:
+        await client.request("exec", {"argv": [1, 2]})
+    assert info.value.kind == p.INVALID
+
+
+async def test_agent_answers_garbage_with_an_error_and_keeps_serving() -> None:
+    ours, theirs = socket.socketpair()
+    agent = guest_agent.Agent()
+    agent.channel = guest_agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
+    )
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    writer.write(b"\x00\x01this is not a frame" + p.encode({"id": 1, "op": "ping"}))
+    decoder = p.Decoder()
+    got: list[p.Frame | p.FrameError] = []
+    while not any(isinstance(f, p.Frame) and f.id == 1 for f in got):
+        got += decoder.feed(await asyncio.wait_for(reader.read(65536), 5))
+    answers = [f for f in got if isinstance(f, p.Frame)]
+    assert answers[0].header["error"]["kind"] == p.BAD_FRAME
+    assert answers[-1].header["ok"] is True
+    writer.close()
+
+
+async def test_client_fails_pending_calls_on_garbage_instead_of_hanging() -> None:
+    async def garbage_agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n" * 3)
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    path = Path(f"/tmp/cbx-garbage-{os.getpid()}.sock")
+    path.unlink(missing_ok=True)
+    server = await asyncio.start_unix_server(garbage_agent, str(path))
+    try:
+        client = await AgentClient.connect(path)
+        with pytest.raises(ProtocolError, match="malformed frame"):
+            await asyncio.wait_for(client.request("ping"), 5)
+        await client.close()
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)

@@ -1,0 +1,82 @@
+"""The QEMU command line and the accelerator choice, without starting QEMU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import InvalidArgument, QemuNotInstalled
+from cryobox.qemu import MachineSpec, PortForward, build_command
+from cryobox.qemu.accel import cpu_has_virtualization, detect_accelerator
+from cryobox.qemu.process import qemu_binary
+
+
+def spec(**changes: object) -> MachineSpec:
+    base = dict(
+        name="t",
+        cpus=2,
+        memory_mib=512,
+        accelerator="tcg",
+        kernel=Path("/k"),
+        initrd=Path("/i"),
+        disk=Path("/d.qcow2"),
+        memory_file=Path("/mem"),
+        qmp_socket=Path("/q.sock"),
+        agent_socket=Path("/a.sock"),
+        console_log=Path("/c.log"),
+    )
+    base.update(changes)
+    return MachineSpec(**base)  # type: ignore[arg-type]
+
+
+def option(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, word in enumerate(argv) if word == flag]
+
+
+def test_ram_is_a_shared_file_backend_the_size_of_memory() -> None:
+    argv = build_command("qemu", spec())
+    assert "memory-backend-file,id=mem0,size=512M,mem-path=/mem,share=on" in option(argv, "-object")
+    assert option(argv, "-machine") == ["q35,memory-backend=mem0"]
+    assert option(argv, "-accel") == ["tcg,thread=multi"]
+    assert "-incoming" not in argv
+
+
+def test_devices_for_agent_identity_and_network() -> None:
+    argv = build_command("qemu", spec(ports=(PortForward(8000, 41000),)))
+    devices = option(argv, "-device")
+    assert "vmgenid,guid=auto,id=vmgenid0" in devices
+    assert any(d.startswith("virtserialport,") and "org.cryobox.agent.0" in d for d in devices)
+    assert option(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:41000-:8000"]
+    assert "socket,id=agent,path=/a.sock,server=on,wait=off" in option(argv, "-chardev")
+
+
+def test_restore_maps_memory_privately_and_waits_for_migration() -> None:
+    argv = build_command("qemu", spec(memory_shared=False, incoming=True))
+    assert any("share=off" in o for o in option(argv, "-object"))
+    assert option(argv, "-incoming") == ["defer"]
+
+
+def test_kvm_uses_host_cpu() -> None:
+    argv = build_command("qemu", spec(accelerator="kvm"))
+    assert option(argv, "-accel") == ["kvm"] and option(argv, "-cpu") == ["host"]
+
+
+def test_cpu_flags() -> None:
+    assert cpu_has_virtualization("flags\t: fpu vme vmx sse\n")
+    assert cpu_has_virtualization("flags\t: fpu svm\n")
+    assert not cpu_has_virtualization("flags\t: fpu hypervisor sse4_2\n")
+
+
+def test_forced_accelerator_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRYOBOX_ACCEL", "hvf")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_ACCEL"):
+        detect_accelerator(Path("/k"), Path("/i"))
+    monkeypatch.setenv("CRYOBOX_ACCEL", "tcg")
+    assert detect_accelerator(Path("/k"), Path("/i")) == "tcg"
+
+
+def test_missing_qemu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRYOBOX_QEMU", "/nonexistent/qemu-system-x86_64")
+    with pytest.raises(QemuNotInstalled, match="qemu-system-x86"):
+        qemu_binary()
