@@ -298,5 +298,36 @@ def image_info() -> None:
         out.print(table)
 
 
+@app.command()
+def bench(
+    scenarios: Annotated[list[str] | None, typer.Argument(help="Scenarios (default: all).")] = None,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Smoke mode: few repetitions.")] = False,
+) -> None:
+    """Measure cold boot, exec and channel latency on this host."""
+    from cryobox import bench as benchmarks
+
+    with errors_reported():
+        names = tuple(scenarios or benchmarks.SCENARIOS)
+        try:
+            figures, host = benchmarks.run(names, quick)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        table = Table("SCENARIO", "MEDIAN", "P90", "MIN", "RUNS", "WHAT")
+        for f in figures:
+            table.add_row(
+                f.scenario,
+                f"{f.median} {f.unit}",
+                f"{f.p90} {f.unit}",
+                f"{f.min} {f.unit}",
+                str(f.runs),
+                f.note,
+            )
+        out.print(table)
+        out.print(", ".join(f"{k}: {v}" for k, v in host.items()))
+        if json_file is not None:
+            json_file.write_text(benchmarks.to_json(figures, host) + "\n")
+
+
 if __name__ == "__main__":
     app()
