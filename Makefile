@@ -40,8 +40,8 @@ demo: image
 	$(PYTHON) examples/demo.py
 
 lint: setup
-	$(VENV)/bin/ruff check src tests examples scripts
-	$(VENV)/bin/ruff format --check src tests examples scripts
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
 	$(VENV)/bin/mypy
 
 unit: setup
@@ -51,7 +51,7 @@ test: image lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
 bench: image
-	$(PYTHON) scripts/bench.py --write docs/BENCHMARKS.md
+	$(CRYOBOX) bench --json bench.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
