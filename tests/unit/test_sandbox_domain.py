@@ -57,10 +57,10 @@ def test_bad_create_arguments_are_named(kwargs: dict[str, object], named: str) -
 
 def test_create_without_qemu_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CRYOBOX_QEMU", "/nonexistent/qemu")
-    before = set(registry.list_sandboxes())
+    before = [spec.id for spec, _ in registry.list_sandboxes()]
     with pytest.raises(QemuNotInstalled):
         Sandbox.create()
-    assert set(registry.list_sandboxes()) == before
+    assert [spec.id for spec, _ in registry.list_sandboxes()] == before
 
 
 def test_unknown_sandbox_id() -> None:
