@@ -86,6 +86,6 @@ def shared_sandbox(request: pytest.FixtureRequest) -> Iterator[Any]:
     """One sandbox for a module's read-mostly checks (a cold boot costs ~15 s under TCG)."""
     from cryobox import Sandbox
 
-    sbx = Sandbox.create(ports=[8000])
+    sbx = Sandbox.create("base", ports=[8000])  # the cold-boot path; others restore
     yield sbx
     sbx.kill()

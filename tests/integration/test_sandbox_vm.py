@@ -174,7 +174,7 @@ def test_other_processes_see_and_use_the_sandbox(shared_sandbox: Sandbox, tmp_pa
 
 
 def test_kill_removes_the_vm_and_its_files(sandbox_factory: Any) -> None:
-    sbx = sandbox_factory(memory_mib=512)
+    sbx = sandbox_factory()
     folder = registry.find(sbx.id)
     qemu_pid = folder.record().qemu_pid
     assert qemu_pid and registry.process_alive(qemu_pid, sbx.id)
@@ -185,7 +185,7 @@ def test_kill_removes_the_vm_and_its_files(sandbox_factory: Any) -> None:
 
 
 def test_timeout_kills_unless_extended(sandbox_factory: Any) -> None:
-    sbx = sandbox_factory(memory_mib=512, timeout=600)
+    sbx = sandbox_factory(timeout=600)
     sbx.set_timeout(3)
     qemu_pid = registry.find(sbx.id).record().qemu_pid
     time.sleep(6)
@@ -197,7 +197,7 @@ def test_timeout_kills_unless_extended(sandbox_factory: Any) -> None:
 
 
 def test_a_vm_that_dies_shows_up_dead(sandbox_factory: Any) -> None:
-    sbx = sandbox_factory(memory_mib=512)
+    sbx = sandbox_factory()
     record = registry.find(sbx.id).record()
     assert record.qemu_pid
     os.kill(record.qemu_pid, signal.SIGKILL)
@@ -211,7 +211,7 @@ def test_a_vm_that_dies_shows_up_dead(sandbox_factory: Any) -> None:
 
 
 def test_supervisor_killed_with_sigkill_takes_its_vm_along(sandbox_factory: Any) -> None:
-    sbx = sandbox_factory(memory_mib=512)
+    sbx = sandbox_factory()
     record = registry.find(sbx.id).record()
     assert record.supervisor_pid and record.qemu_pid
     os.kill(record.supervisor_pid, signal.SIGKILL)
@@ -231,7 +231,7 @@ def test_qemu_that_fails_to_start_reports_command_exit_code_and_stderr(
     monkeypatch.setenv("CRYOBOX_QEMU", str(fake))
     before = {info.id for info in Sandbox.list(all=True)}
     with pytest.raises(QemuError) as info:
-        Sandbox.create(memory_mib=256)
+        Sandbox.create("base", memory_mib=256)
     assert info.value.exitcode == 1
     assert "simulated" in info.value.stderr
     assert info.value.command[0] == str(fake)
@@ -243,7 +243,7 @@ def test_qemu_that_fails_to_start_reports_command_exit_code_and_stderr(
 async def test_async_sandbox_runs_many_commands_at_once() -> None:
     import asyncio
 
-    async with await AsyncSandbox.create(memory_mib=512) as sbx:
+    async with await AsyncSandbox.create() as sbx:
         results = await asyncio.gather(*(sbx.commands.run(f"sleep 1; echo {i}") for i in range(5)))
         assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
         await sbx.files.write("/root/a.txt", "async")
@@ -251,7 +251,7 @@ async def test_async_sandbox_runs_many_commands_at_once() -> None:
 
 
 def test_cli_run_prints_42_from_inside_a_vm() -> None:
-    done = cli("run", "--memory", "512", "--", "python3", "-c", "print(6*7)", timeout=300)
+    done = cli("run", "--", "python3", "-c", "print(6*7)", timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "42\n"
 

@@ -13,7 +13,7 @@ from cryobox import Sandbox
 from cryobox.errors import InvalidArgument, QemuNotInstalled, SandboxNotFound, StateError
 from cryobox.sandbox import registry
 from cryobox.sandbox.local import validate
-from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
+from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec, process_start
 from cryobox.sandbox.state import SandboxState, check_transition, require
 
 
@@ -41,18 +41,20 @@ def test_finished_states_are_final() -> None:
         ({"disk_gib": 1}, "disk_gib=1"),
         ({"timeout": 0}, "timeout=0"),
         ({"ports": [70000]}, "port 70000"),
-        ({"template": "nope"}, "template 'nope'"),
     ],
 )
 def test_bad_create_arguments_are_named(kwargs: dict[str, object], named: str) -> None:
-    args: dict[str, object] = dict(
-        template="base", cpus=2, memory_mib=512, disk_gib=4, timeout=60.0, ports=[]
-    )
+    args: dict[str, object] = dict(cpus=2, memory_mib=512, disk_gib=4, timeout=60.0, ports=[])
     args.update(kwargs)
-    with pytest.raises(InvalidArgument, match=named.replace("(", r"\(")):
+    with pytest.raises(InvalidArgument, match=named):
         validate(**args)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgument):
-        Sandbox.create(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=named):
+        Sandbox.create("base", **kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_template_is_named() -> None:
+    with pytest.raises(InvalidArgument, match="template 'nope' does not exist"):
+        Sandbox.create("nope")
 
 
 def test_create_without_qemu_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,7 +88,12 @@ def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", folder.id])
     try:
         folder.write_record(
-            SandboxRecord(id=folder.id, state=SandboxState.RUNNING, supervisor_pid=child.pid),
+            SandboxRecord(
+                id=folder.id,
+                state=SandboxState.RUNNING,
+                supervisor_pid=child.pid,
+                supervisor_started=process_start(child.pid),
+            ),
             check=False,
         )
         assert folder.record().state is SandboxState.RUNNING
@@ -95,9 +102,14 @@ def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
         child.wait()
     record = folder.record()
     assert record.state is SandboxState.DEAD and "supervisor" in (record.error or "")
-    # pid reuse guard: a live process that is not this sandbox's supervisor does not count
+    # pid reuse guard: a live process that started at another time is not the supervisor
     folder.write_record(
-        SandboxRecord(id=folder.id, state=SandboxState.RUNNING, supervisor_pid=os.getpid()),
+        SandboxRecord(
+            id=folder.id,
+            state=SandboxState.RUNNING,
+            supervisor_pid=os.getpid(),
+            supervisor_started=1,
+        ),
         check=False,
     )
     assert folder.record().state is SandboxState.DEAD

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -24,12 +24,25 @@ from cryobox.errors import CryoboxError, InvalidArgument
 app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
 image_app = typer.Typer(no_args_is_help=True, help="The guest image built from Debian packages.")
 app.add_typer(image_app, name="image")
+template_app = typer.Typer(no_args_is_help=True, help="Templates: saved machines to start from.")
+app.add_typer(template_app, name="template")
 console = Console(stderr=True)
 out = Console()
 
 CpusOption = Annotated[int, typer.Option("--cpus", help="vCPUs.")]
 MemoryOption = Annotated[int, typer.Option("--memory", help="RAM in MiB.")]
 DiskOption = Annotated[int, typer.Option("--disk", help="Disk size in GiB.")]
+ShapeCpus = Annotated[int | None, typer.Option("--cpus", help="vCPUs (template's if omitted).")]
+ShapeMemory = Annotated[
+    int | None, typer.Option("--memory", help="RAM in MiB (template's if omitted).")
+]
+ShapeDisk = Annotated[int | None, typer.Option("--disk", help="Disk GiB (template's if omitted).")]
+TemplateOption = Annotated[
+    str, typer.Option("--template", "-t", help="default (restore), base (cold boot), or a name.")
+]
+FromSnapshotOption = Annotated[
+    str | None, typer.Option("--from-snapshot", help="Start from a saved snapshot (id or name).")
+]
 TimeoutOption = Annotated[
     float, typer.Option("--timeout", help="Seconds until the sandbox is killed unless extended.")
 ]
@@ -43,6 +56,18 @@ def fail(error: Exception) -> None:
     raise typer.Exit(1)
 
 
+def print_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A table on a terminal; tab-separated lines, whole values, when piped."""
+    if not out.is_terminal:
+        for row in (header, *rows):
+            print("\t".join(row))
+        return
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+
+
 @contextmanager
 def errors_reported() -> Iterator[None]:
     """Turn cryobox errors into one readable line and exit code 1."""
@@ -53,30 +78,40 @@ def errors_reported() -> Iterator[None]:
 
 
 def create_sandbox(
-    cpus: int, memory: int, disk: int, timeout: float, ports: list[int] | None
+    cpus: int | None,
+    memory: int | None,
+    disk: int | None,
+    timeout: float,
+    ports: list[int] | None,
+    template: str = "default",
+    from_snapshot: str | None = None,
 ) -> Sandbox:
     with console.status("starting sandbox (building the guest image first if needed)") as status:
         return Sandbox.create(
+            template,
+            from_snapshot=from_snapshot,
             cpus=cpus,
             memory_mib=memory,
             disk_gib=disk,
             timeout=timeout,
             ports=ports or [],
-            progress=lambda step: status.update(f"building guest image: {step}"),
+            progress=lambda step: status.update(step),
         )
 
 
 @app.command()
 def create(
-    cpus: CpusOption = config.DEFAULT_CPUS,
-    memory: MemoryOption = config.DEFAULT_MEMORY_MIB,
-    disk: DiskOption = config.DEFAULT_DISK_GIB,
+    template: TemplateOption = "default",
+    from_snapshot: FromSnapshotOption = None,
+    cpus: ShapeCpus = None,
+    memory: ShapeMemory = None,
+    disk: ShapeDisk = None,
     timeout: TimeoutOption = config.DEFAULT_TIMEOUT,
     port: PortOption = None,
 ) -> None:
     """Start a sandbox and print its id."""
     with errors_reported():
-        sbx = create_sandbox(cpus, memory, disk, timeout, port)
+        sbx = create_sandbox(cpus, memory, disk, timeout, port, template, from_snapshot)
         for guest, host in sbx.ports.items():
             console.print(f"port {guest} -> 127.0.0.1:{host}")
         out.print(sbx.id)
@@ -153,14 +188,15 @@ def run(
     shell: ShellOption = None,
     env: EnvOption = None,
     cwd: CwdOption = None,
-    cpus: CpusOption = config.DEFAULT_CPUS,
-    memory: MemoryOption = config.DEFAULT_MEMORY_MIB,
-    disk: DiskOption = config.DEFAULT_DISK_GIB,
+    template: TemplateOption = "default",
+    cpus: ShapeCpus = None,
+    memory: ShapeMemory = None,
+    disk: ShapeDisk = None,
     timeout: TimeoutOption = config.DEFAULT_TIMEOUT,
 ) -> None:
     """Create a sandbox, run one command in it, kill it: `cryobox run -- python3 -V`."""
     with errors_reported():
-        sbx = create_sandbox(cpus, memory, disk, timeout, None)
+        sbx = create_sandbox(cpus, memory, disk, timeout, None, template)
         try:
             code = run_in(sbx, command or [], shell, env, cwd, None, None)
         finally:
@@ -225,14 +261,7 @@ def list_(
                     (info.error or "").splitlines()[0][:80] if info.error else "",
                 )
             )
-        if not out.is_terminal:
-            for row in (header, *rows):
-                print("\t".join(row))
-            return
-        table = Table(*header)
-        for row in rows:
-            table.add_row(*row)
-        out.print(table)
+        print_rows(header, rows)
 
 
 @app.command()
@@ -296,6 +325,96 @@ def image_info() -> None:
                 table.add_row(name, f"{size / 1e6:.1f} MB")
             table.add_row("created", image.manifest["created"])
         out.print(table)
+
+
+@app.command()
+def pause(sandbox_id: str) -> None:
+    """Save a sandbox's whole machine and stop it (no CPU, no RAM); resume continues it."""
+    with errors_reported():
+        Sandbox.connect(sandbox_id).pause()
+        out.print(f"paused {sandbox_id}")
+
+
+@app.command()
+def resume(sandbox_id: str) -> None:
+    """Continue a paused sandbox with every process where it was."""
+    with errors_reported():
+        Sandbox.resume(sandbox_id).close()
+        out.print(f"resumed {sandbox_id}")
+
+
+@app.command()
+def checkpoint(
+    sandbox_id: str, name: Annotated[str | None, typer.Option("--name", help="A label.")] = None
+) -> None:
+    """Save the running machine; `cryobox rollback` returns to it. Prints the checkpoint id."""
+    with errors_reported():
+        out.print(Sandbox.connect(sandbox_id).checkpoint(name).id)
+
+
+@app.command()
+def rollback(sandbox_id: str, checkpoint_ref: str) -> None:
+    """Return a running sandbox to a checkpoint (id or name)."""
+    with errors_reported():
+        Sandbox.connect(sandbox_id).rollback(checkpoint_ref)
+        out.print(f"rolled {sandbox_id} back to {checkpoint_ref}")
+
+
+@app.command()
+def snapshot(
+    sandbox_id: str,
+    name: str,
+    disk_only: Annotated[
+        bool, typer.Option("--disk-only", help="Files only: sandboxes started from it boot.")
+    ] = False,
+) -> None:
+    """Save a sandbox beyond its life; `cryobox create --from-snapshot NAME` starts from it."""
+    with errors_reported():
+        out.print(Sandbox.connect(sandbox_id).snapshot(name, memory=not disk_only).id)
+
+
+@app.command()
+def snapshots(
+    delete: Annotated[str | None, typer.Option("--delete", help="Delete this snapshot.")] = None,
+) -> None:
+    """List saved snapshots, checkpoints and template snapshots (or delete one)."""
+    with errors_reported():
+        if delete:
+            Sandbox.delete_snapshot(delete)
+            out.print(f"deleted {delete}")
+            return
+        now = time.time()
+        rows = [
+            (
+                snap.id,
+                snap.name or "-",
+                snap.kind,
+                snap.purpose,
+                snap.source_sandbox,
+                snap.parent or "-",
+                f"{now - snap.created_at:.0f}s",
+            )
+            for snap in Sandbox.snapshots()
+        ]
+        print_rows(("ID", "NAME", "KIND", "PURPOSE", "FROM SANDBOX", "PARENT", "AGE"), rows)
+
+
+@template_app.command("build")
+def template_build(
+    name: str,
+    setup: Annotated[
+        list[str] | None, typer.Option("--setup", help="Shell command to run (repeatable).")
+    ] = None,
+    cpus: CpusOption = config.DEFAULT_CPUS,
+    memory: MemoryOption = config.DEFAULT_MEMORY_MIB,
+    disk: DiskOption = config.DEFAULT_DISK_GIB,
+) -> None:
+    """Boot the image, run the setup commands, save the machine as template NAME."""
+    with errors_reported(), console.status(f"building template {name}"):
+        snap = Sandbox.build_template(
+            name, setup or [], cpus=cpus, memory_mib=memory, disk_gib=disk
+        )
+    out.print(f"template {name}: snapshot {snap.id}")
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """The Python SDK: :class:`Sandbox` (blocking) and :class:`AsyncSandbox` (asyncio)."""
 
 from .async_sandbox import AsyncCommandHandle, AsyncCommands, AsyncFiles, AsyncSandbox
-from .models import CommandResult, EntryInfo, SandboxInfo
+from .models import CommandResult, EntryInfo, SandboxInfo, SnapshotInfo
 from .sync_sandbox import CommandHandle, Commands, Files, Sandbox
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "Files",
     "Sandbox",
     "SandboxInfo",
+    "SnapshotInfo",
 ]

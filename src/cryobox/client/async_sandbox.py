@@ -6,6 +6,7 @@ This is the core; :mod:`cryobox.client.sync_sandbox` is a thin blocking shell ov
 from __future__ import annotations
 
 import asyncio
+import builtins
 import codecs
 import contextlib
 import os
@@ -17,15 +18,23 @@ from types import TracebackType
 from typing import Any, Literal, overload
 
 from cryobox import config
-from cryobox.errors import ChannelError, GuestFileNotFound, InvalidArgument, SandboxDead
+from cryobox.errors import (
+    ChannelError,
+    CryoboxError,
+    GuestFileNotFound,
+    InvalidArgument,
+    SandboxDead,
+)
 from cryobox.guest import protocol as p
-from cryobox.guest.client import AgentClient
+from cryobox.guest.client import AgentClient, EventHandler
 from cryobox.image.build import Progress
 from cryobox.sandbox import local, registry
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState, require
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import store
 
-from .models import CommandResult, EntryInfo, SandboxInfo
+from .models import CommandResult, EntryInfo, SandboxInfo, SnapshotInfo
 
 OutputHandler = Callable[[str], Any]
 
@@ -211,9 +220,24 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sandbox = sandbox
 
-    async def _request(self, op: str, **args: Any) -> dict[str, Any]:
-        channel = await self._sandbox._channel()
-        return await channel.request(op, args)
+    async def _request(
+        self,
+        op: str,
+        on_event: EventHandler | None = None,
+        on_retry: Callable[[], None] | None = None,
+        **args: Any,
+    ) -> dict[str, Any]:
+        """A read-only request, retried once on a fresh connection if the channel broke
+        (the sandbox was paused and resumed in between, say)."""
+        try:
+            channel = await self._sandbox._channel()
+            return await channel.request(op, args, on_event=on_event)
+        except ChannelError:
+            await self._sandbox.close()
+            if on_retry is not None:
+                on_retry()
+            channel = await self._sandbox._channel()
+            return await channel.request(op, args, on_event=on_event)
 
     async def read(self, path: str) -> bytes:
         """The file's bytes.
@@ -221,9 +245,11 @@ class AsyncFiles:
         :raises GuestFileNotFound: when there is no such file.
         """
         chunks: list[bytes] = []
-        channel = await self._sandbox._channel()
-        await channel.request(
-            "file.read", {"path": path}, on_event=lambda _h, data: chunks.append(data)
+        await self._request(
+            "file.read",
+            on_event=lambda _h, data: chunks.append(data),
+            on_retry=chunks.clear,
+            path=path,
         )
         return b"".join(chunks)
 
@@ -325,22 +351,32 @@ class AsyncSandbox:
     @classmethod
     async def create(
         cls,
-        template: str = "base",
+        template: str = "default",
         *,
-        cpus: int = config.DEFAULT_CPUS,
-        memory_mib: int = config.DEFAULT_MEMORY_MIB,
-        disk_gib: int = config.DEFAULT_DISK_GIB,
+        from_snapshot: str | None = None,
+        cpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_gib: int | None = None,
         timeout: float = config.DEFAULT_TIMEOUT,
         ports: Sequence[int] = (),
         progress: Progress | None = None,
     ) -> AsyncSandbox:
         """Start a new sandbox and return it once it can run commands.
 
+        ``template="default"`` restores the default template's memory snapshot (built on
+        first use); ``"base"`` boots the image cold; another name is a template built with
+        :meth:`build_template`. ``from_snapshot`` (an id or name from :meth:`snapshot`)
+        starts from a saved snapshot instead. A template or snapshot fixes ``cpus``,
+        ``memory_mib`` and ``disk_gib`` (default 2, 1024, 4 for ``base``).
+
         :raises InvalidArgument: for a request that cannot work, naming the argument.
+        :raises SnapshotError: when the template or snapshot is missing, incompatible or
+            fails verification (never cold-booted instead).
         :raises QemuError: when QEMU is missing, fails to start or the guest never answers.
         """
         folder = await local.create_sandbox(
             template=template,
+            from_snapshot=from_snapshot,
             cpus=cpus,
             memory_mib=memory_mib,
             disk_gib=disk_gib,
@@ -349,6 +385,50 @@ class AsyncSandbox:
             progress=progress,
         )
         return cls(folder)
+
+    @classmethod
+    async def resume(cls, sandbox_id: str) -> AsyncSandbox:
+        """Continue a paused sandbox with every process where it was.
+
+        :raises StateError: when it is not paused.
+        :raises SnapshotError: when its saved state is refused; it stays paused.
+        """
+        return cls(await local.resume_sandbox(sandbox_id))
+
+    @staticmethod
+    async def build_template(
+        name: str,
+        setup: Sequence[str] = (),
+        *,
+        cpus: int = config.DEFAULT_CPUS,
+        memory_mib: int = config.DEFAULT_MEMORY_MIB,
+        disk_gib: int = config.DEFAULT_DISK_GIB,
+    ) -> SnapshotInfo:
+        """Boot the image, run ``setup`` shell commands, save the machine as template ``name``.
+
+        :raises InvalidArgument: for a bad name or a setup command that fails (with its output).
+        """
+        folder = await local.build_template(
+            name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
+        )
+        return SnapshotInfo.from_manifest(mf.load(folder).to_json())
+
+    @staticmethod
+    async def snapshots() -> builtins.list[SnapshotInfo]:
+        """Every saved snapshot, checkpoint and template snapshot on this host."""
+        return [SnapshotInfo.from_manifest(m.to_json()) for _, m in store.all_snapshots()]
+
+    @staticmethod
+    async def delete_snapshot(ref: str) -> None:
+        """Delete a snapshot (by id or name) that nothing builds on.
+
+        :raises SnapshotNotFound:
+        :raises InvalidArgument: when a sandbox or another snapshot still uses its disk.
+        """
+        disks = [
+            d for _, r in registry.list_sandboxes() if not r.state.finished for d in r.disk_chain
+        ]
+        store.delete(ref, sandbox_disks=disks)
 
     @classmethod
     async def connect(cls, sandbox_id: str) -> AsyncSandbox:
@@ -381,6 +461,60 @@ class AsyncSandbox:
             require(self.id, record.state, (SandboxState.RUNNING,), "use")
             self._client = await AgentClient.connect(self._folder.control_socket)
         return self._client
+
+    async def pause(self) -> None:
+        """Save the whole machine (RAM, devices, disk) and stop it: no CPU or RAM used.
+
+        Connections are closed; :meth:`resume` continues every process where it was.
+
+        :raises StateError: when the sandbox is not running.
+        """
+        self._require_running("pause")
+        channel = await self._channel()
+        await channel.request("sandbox.pause")
+        await self.close()
+
+    async def checkpoint(self, name: str | None = None) -> SnapshotInfo:
+        """Save the running machine so that :meth:`rollback` can return to this instant."""
+        return await self._capture("checkpoint", name, memory=True)
+
+    async def snapshot(self, name: str, memory: bool = True) -> SnapshotInfo:
+        """Save the machine beyond this sandbox's life; ``create(from_snapshot=name)`` starts
+        new sandboxes from it. ``memory=False`` saves the files only: those sandboxes boot."""
+        if not name:
+            raise InvalidArgument("a snapshot needs a name")
+        return await self._capture("snapshot", name, memory=memory)
+
+    async def _capture(self, purpose: str, name: str | None, memory: bool) -> SnapshotInfo:
+        self._require_running(purpose)
+        channel = await self._channel()
+        manifest = await channel.request(
+            "sandbox.snapshot", {"purpose": purpose, "name": name, "memory": memory}
+        )
+        return SnapshotInfo.from_manifest(manifest)
+
+    async def checkpoints(self) -> builtins.list[SnapshotInfo]:
+        """This sandbox's checkpoints, oldest first."""
+        return [
+            s
+            for s in await AsyncSandbox.snapshots()
+            if s.source_sandbox == self.id and s.purpose == "checkpoint"
+        ]
+
+    async def rollback(self, checkpoint: SnapshotInfo | str) -> None:
+        """Return the running sandbox to a checkpoint: files, processes and memory as then.
+
+        :raises SnapshotError: when the checkpoint is missing or fails verification.
+        :raises InvalidArgument: when it belongs to another sandbox or has no memory.
+        """
+        self._require_running("roll back")
+        ref = checkpoint.id if isinstance(checkpoint, SnapshotInfo) else checkpoint
+        channel = await self._channel()
+        await channel.request("sandbox.rollback", {"snapshot": ref})
+
+    def _require_running(self, action: str) -> None:
+        record = self._folder.record()
+        require(self.id, record.state, (SandboxState.RUNNING,), action)
 
     async def expose_port(self, guest_port: int) -> int:
         """Forward a guest TCP port to a free port on 127.0.0.1 and return that port."""
@@ -417,6 +551,9 @@ class AsyncSandbox:
                 await asyncio.sleep(0.02)
         await self.close()
         local.kill_sandbox_files(self._folder)
+        for checkpoint in reversed(await self.checkpoints()):
+            with contextlib.suppress(CryoboxError):  # kept while a snapshot builds on it
+                store.delete(checkpoint.id)
 
     async def close(self) -> None:
         """Drop this process's connection; the sandbox keeps running."""

@@ -63,3 +63,35 @@ class SandboxInfo:
     deadline: float | None
     ports: dict[int, int]
     error: str | None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A saved machine: a memory snapshot (continues running) or a disk snapshot (boots)."""
+
+    id: str
+    name: str | None
+    kind: str
+    purpose: str
+    created_at: float
+    source_sandbox: str
+    parent: str | None
+    memory_mib: int
+    cpus: int
+    size_bytes: int
+
+    @classmethod
+    def from_manifest(cls, value: dict[str, Any]) -> SnapshotInfo:
+        size = sum(int(f.get("size", 0)) for f in (value.get("files") or {}).values())
+        return cls(
+            id=value["id"],
+            name=value.get("name"),
+            kind=value["kind"],
+            purpose=value["purpose"],
+            created_at=float(value["created_at"]),
+            source_sandbox=value["source_sandbox"],
+            parent=value.get("parent"),
+            memory_mib=int(value["memory_mib"]),
+            cpus=int(value["cpus"]),
+            size_bytes=size,
+        )

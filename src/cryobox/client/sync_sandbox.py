@@ -7,6 +7,7 @@ are called on that loop's thread.
 
 from __future__ import annotations
 
+import builtins
 import os
 import signal as signals
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from .async_sandbox import (
     AsyncSandbox,
     OutputHandler,
 )
-from .models import CommandResult, EntryInfo, SandboxInfo
+from .models import CommandResult, EntryInfo, SandboxInfo, SnapshotInfo
 
 
 class CommandHandle:
@@ -185,11 +186,12 @@ class Sandbox:
     @classmethod
     def create(
         cls,
-        template: str = "base",
+        template: str = "default",
         *,
-        cpus: int = config.DEFAULT_CPUS,
-        memory_mib: int = config.DEFAULT_MEMORY_MIB,
-        disk_gib: int = config.DEFAULT_DISK_GIB,
+        from_snapshot: str | None = None,
+        cpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_gib: int | None = None,
         timeout: float = config.DEFAULT_TIMEOUT,
         ports: Sequence[int] = (),
         progress: Progress | None = None,
@@ -199,6 +201,7 @@ class Sandbox:
             _portal.run(
                 AsyncSandbox.create(
                     template,
+                    from_snapshot=from_snapshot,
                     cpus=cpus,
                     memory_mib=memory_mib,
                     disk_gib=disk_gib,
@@ -210,6 +213,34 @@ class Sandbox:
         )
 
     @classmethod
+    def resume(cls, sandbox_id: str) -> Sandbox:
+        """Continue a paused sandbox (see :meth:`AsyncSandbox.resume`)."""
+        return cls(_portal.run(AsyncSandbox.resume(sandbox_id)))
+
+    @staticmethod
+    def build_template(
+        name: str,
+        setup: Sequence[str] = (),
+        *,
+        cpus: int = config.DEFAULT_CPUS,
+        memory_mib: int = config.DEFAULT_MEMORY_MIB,
+        disk_gib: int = config.DEFAULT_DISK_GIB,
+    ) -> SnapshotInfo:
+        return _portal.run(
+            AsyncSandbox.build_template(
+                name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
+            )
+        )
+
+    @staticmethod
+    def snapshots() -> builtins.list[SnapshotInfo]:
+        return _portal.run(AsyncSandbox.snapshots())
+
+    @staticmethod
+    def delete_snapshot(ref: str) -> None:
+        _portal.run(AsyncSandbox.delete_snapshot(ref))
+
+    @classmethod
     def connect(cls, sandbox_id: str) -> Sandbox:
         return cls(_portal.run(AsyncSandbox.connect(sandbox_id)))
 
@@ -219,6 +250,21 @@ class Sandbox:
 
     def info(self) -> SandboxInfo:
         return _portal.run(self._sandbox.info())
+
+    def pause(self) -> None:
+        _portal.run(self._sandbox.pause())
+
+    def checkpoint(self, name: str | None = None) -> SnapshotInfo:
+        return _portal.run(self._sandbox.checkpoint(name))
+
+    def snapshot(self, name: str, memory: bool = True) -> SnapshotInfo:
+        return _portal.run(self._sandbox.snapshot(name, memory))
+
+    def checkpoints(self) -> builtins.list[SnapshotInfo]:
+        return _portal.run(self._sandbox.checkpoints())
+
+    def rollback(self, checkpoint: SnapshotInfo | str) -> None:
+        _portal.run(self._sandbox.rollback(checkpoint))
 
     def expose_port(self, guest_port: int) -> int:
         return _portal.run(self._sandbox.expose_port(guest_port))

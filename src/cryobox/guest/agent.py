@@ -135,6 +135,15 @@ def set_identity(hostname: str, machine_id: str) -> None:
         Path("/etc/machine-id").write_text(machine_id + "\n")
 
 
+def set_boot_id(boot_id: str) -> None:
+    """Give a restored copy its own boot_id: the kernel's is read-only, so mount over it."""
+    source = RUN_DIR / "boot_id"
+    source.write_text(boot_id + "\n")
+    target = "/proc/sys/kernel/random/boot_id"
+    run_quiet("umount", target)  # a previous restore's, if any
+    run_quiet("mount", "--bind", str(source), target)
+
+
 def find_port() -> str:
     for _ in range(500):
         link_virtio_ports()
@@ -534,6 +543,8 @@ class Agent:
                 pool.write(payload)
         if "hostname" in args:
             set_identity(str(args["hostname"]), str(args.get("machine_id") or uuid.uuid4().hex))
+        if "boot_id" in args:
+            set_boot_id(str(args["boot_id"]))
         return {"time_ns": time.time_ns()}
 
 

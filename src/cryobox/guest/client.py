@@ -24,6 +24,7 @@ from cryobox.errors import (
     GuestPermissionError,
     InvalidArgument,
     ProtocolError,
+    error_from_detail,
 )
 from cryobox.guest import protocol as p
 
@@ -182,7 +183,12 @@ class AgentClient:
             result = header.get("result")
             pending.future.set_result(result if isinstance(result, dict) else {})
         else:
-            pending.future.set_exception(guest_error(pending.op, header.get("error")))
+            detail = header.get("detail")
+            rebuilt = None
+            if isinstance(detail, dict):
+                message = str((header.get("error") or {}).get("message", ""))
+                rebuilt = error_from_detail(detail, message)
+            pending.future.set_exception(rebuilt or guest_error(pending.op, header.get("error")))
 
     def _fail_all(self, reason: str, *, protocol: bool = False) -> None:
         if not protocol and self._closed_reason is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 MACHINE_TYPE = "q35"
 AGENT_PORT_NAME = "org.cryobox.agent.0"
+ROOT_DRIVE = "root"
 BASE_KERNEL_ARGS = (
     "console=ttyS0",
     "quiet",
@@ -109,9 +110,9 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         "-serial",
         "chardev:console",
         "-drive",
-        f"if=none,id=root,file={spec.disk},format=qcow2,cache=writeback,discard=unmap",
+        f"if=none,id={ROOT_DRIVE},file={spec.disk},format=qcow2,cache=writeback,discard=unmap",
         "-device",
-        "virtio-blk-pci,drive=root,id=rootdisk",
+        f"virtio-blk-pci,drive={ROOT_DRIVE},id=rootdisk",
         "-device",
         "virtio-serial-pci,id=vser0",
         "-chardev",
@@ -131,5 +132,11 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         *spec.extra,
     ]
     if spec.incoming:
-        argv += ["-incoming", "defer"]
+        # Stay stopped after the state is loaded: the caller continues the machine.
+        argv += ["-incoming", "defer", "-S"]
     return argv
+
+
+def device_drivers(argv: list[str]) -> list[str]:
+    """The device models a command line creates, in order: what a restore must match."""
+    return [argv[i + 1].split(",", 1)[0] for i, word in enumerate(argv) if word == "-device"]

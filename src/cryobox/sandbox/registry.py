@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class SandboxSpec:
     timeout: float
     ports: tuple[int, ...] = ()
     template: str = "base"
+    #: Folder of the snapshot this sandbox starts from (None: a cold boot of the image).
+    restore_from: str | None = None
     created_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -49,27 +51,34 @@ class SandboxRecord:
     id: str
     state: SandboxState
     supervisor_pid: int | None = None
+    #: The supervisor's start time (clock ticks after boot): guards against pid reuse.
+    supervisor_started: int | None = None
     qemu_pid: int | None = None
     ports: dict[int, int] = field(default_factory=dict)
     deadline: float | None = None
     error: str | None = None
     #: Structured detail of ``error`` (a QEMU failure's command, exit code, stderr).
     failure: dict[str, Any] | None = None
+    #: The active (writable) disk layer and the frozen layers below it, top first.
+    disk: str | None = None
+    disk_chain: tuple[str, ...] = ()
+    #: The RAM file QEMU maps, and whether it maps it shared (its own) or private (CoW).
+    memory_file: str | None = None
+    memory_shared: bool = True
+    #: The snapshot this sandbox was restored from last: its parent in the lineage.
+    origin: str | None = None
     updated_at: float = field(default_factory=time.time)
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxRecord:
-        return cls(
-            id=value["id"],
-            state=SandboxState(value["state"]),
-            supervisor_pid=value.get("supervisor_pid"),
-            qemu_pid=value.get("qemu_pid"),
-            ports={int(k): int(v) for k, v in (value.get("ports") or {}).items()},
-            deadline=value.get("deadline"),
-            error=value.get("error"),
-            failure=value.get("failure"),
-            updated_at=value.get("updated_at", 0.0),
-        )
+        known = {f.name for f in fields(cls)}
+        decoded = {
+            **value,
+            "state": SandboxState(value["state"]),
+            "ports": {int(k): int(v) for k, v in (value.get("ports") or {}).items()},
+            "disk_chain": tuple(value.get("disk_chain") or ()),
+        }
+        return cls(**{k: v for k, v in decoded.items() if k in known})
 
     def to_json(self) -> dict[str, Any]:
         value = asdict(self)
@@ -94,6 +103,8 @@ class SandboxDir:
         self.console_log = path / "console.log"
         self.qemu_stderr = path / "qemu.stderr"
         self.supervisor_log = path / "supervisor.log"
+        #: The pause snapshot, while the sandbox is paused.
+        self.paused = path / "paused"
 
     @classmethod
     def for_id(cls, sandbox_id: str) -> SandboxDir:
@@ -115,13 +126,16 @@ class SandboxDir:
             record = SandboxRecord.from_json(json.loads(self.state_file.read_text()))
         except FileNotFoundError:
             record = SandboxRecord(id=self.id, state=SandboxState.CREATING)
+        if record.state is SandboxState.PAUSED or record.state.finished:
+            return record
         # A creator writes "creating" before its supervisor has a pid: allow it a moment.
         orphaned = record.supervisor_pid is not None or time.time() - record.updated_at > 30
-        if (
-            not record.state.finished
-            and orphaned
-            and not process_alive(record.supervisor_pid, self.id)
-        ):
+        if orphaned and not supervisor_alive(record):
+            if (self.paused / "manifest.json").exists():
+                # The supervisor died after committing a pause: the pause stands.
+                return replace(
+                    record, state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None
+                )
             return replace(
                 record,
                 state=SandboxState.DEAD,
@@ -135,6 +149,23 @@ class SandboxDir:
             if current != record.state:
                 check_transition(self.id, current, record.state)
         write_json_atomic(self.state_file, replace(record, updated_at=time.time()).to_json())
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), or None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def supervisor_alive(record: SandboxRecord) -> bool:
+    """Whether the supervisor the record names still runs (the same process, not a reuse)."""
+    if not record.supervisor_pid:
+        return False
+    started = process_start(record.supervisor_pid)
+    return started is not None and started == record.supervisor_started
 
 
 def process_alive(pid: int | None, marker: str) -> bool:

@@ -3,8 +3,11 @@
 ::
 
     creating ──> running ──> killed
-        │           │
-        └───────────┴──────> dead      (its VM or supervisor died unasked)
+        │         │    ^
+        │         v    │
+        │       paused ──> resuming ──> running     (a refused resume stays paused)
+        │
+        └─────────────────────────────> dead        (its VM or supervisor died unasked)
 
 Every operation names the states it needs; :func:`require` raises a
 :class:`~cryobox.errors.StateError` that says which state the sandbox is in
@@ -21,6 +24,8 @@ from cryobox.errors import StateError
 class SandboxState(enum.StrEnum):
     CREATING = "creating"
     RUNNING = "running"
+    PAUSED = "paused"
+    RESUMING = "resuming"
     KILLED = "killed"
     DEAD = "dead"
 
@@ -29,11 +34,12 @@ class SandboxState(enum.StrEnum):
         return self in (SandboxState.KILLED, SandboxState.DEAD)
 
 
+_ENDS = (SandboxState.KILLED, SandboxState.DEAD)
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
-    SandboxState.CREATING: frozenset(
-        {SandboxState.RUNNING, SandboxState.KILLED, SandboxState.DEAD}
-    ),
-    SandboxState.RUNNING: frozenset({SandboxState.KILLED, SandboxState.DEAD}),
+    SandboxState.CREATING: frozenset({SandboxState.RUNNING, *_ENDS}),
+    SandboxState.RUNNING: frozenset({SandboxState.PAUSED, *_ENDS}),
+    SandboxState.PAUSED: frozenset({SandboxState.RESUMING, *_ENDS}),
+    SandboxState.RESUMING: frozenset({SandboxState.RUNNING, SandboxState.PAUSED, *_ENDS}),
     SandboxState.KILLED: frozenset(),
     SandboxState.DEAD: frozenset(),
 }

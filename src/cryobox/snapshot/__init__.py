@@ -1,0 +1,1 @@
+"""Snapshots: manifest, memory file, device state, disk chain; verification."""

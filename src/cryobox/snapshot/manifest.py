@@ -1,0 +1,210 @@
+"""Snapshots on disk: a folder of files and the manifest that says what restore must check.
+
+A snapshot folder holds ``manifest.json`` and, by kind:
+
+- memory snapshot: ``memory`` (the guest RAM file, unless the RAM travelled in the
+  device state), ``devices.state`` (QEMU's migration stream) and ``disk.qcow2``;
+- disk snapshot: ``disk.qcow2`` only.
+
+``disk.qcow2`` is a frozen qcow2 layer whose backing chain ends in the image's root
+filesystem; the manifest lists that chain. Every file's SHA-256 is in the manifest.
+A snapshot is written in a folder with a temporary name and renamed into place after
+its manifest is fsynced: a folder without a manifest is never a snapshot.
+
+Hashing skips holes: the digest of a sparse RAM file covers its data extents and
+their offsets, so a mostly empty 4 GiB RAM file hashes as fast as what the guest used.
+Verification runs once per file version: the result is stamped with the file's size,
+mtime, ctime and inode, and any change to the file (ctime cannot be set back) makes
+the next restore hash it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryobox.errors import SnapshotIncompatible, SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.util import fsync_dir, write_json_atomic
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MEMORY = "memory"
+DEVICE_STATE = "devices.state"
+DISK = "disk.qcow2"
+STAMP = ".verified.json"
+HASH_BLOCK = 4 << 20
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a snapshot is and what restore must check before trusting it."""
+
+    id: str
+    kind: str  # "memory" | "disk"
+    purpose: str  # "pause" | "checkpoint" | "snapshot" | "template"
+    name: str | None
+    created_at: float
+    source_sandbox: str
+    parent: str | None
+    image_id: str
+    image_path: str
+    qemu_version: str
+    machine_type: str
+    accelerator: str
+    cpu_model: str
+    cpus: int
+    memory_mib: int
+    disk_gib: int
+    devices: tuple[str, ...]
+    disk_chain: tuple[str, ...]
+    ports: tuple[int, ...]
+    #: True when the RAM is inside devices.state (the source mapped it privately).
+    ram_in_stream: bool
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Manifest:
+        tuples = ("devices", "disk_chain", "ports")
+        fields: dict[str, Any] = {k: (tuple(v) if k in tuples else v) for k, v in value.items()}
+        return cls(**fields)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 over the file's non-zero 4 MiB windows and their offsets.
+
+    Windows inside holes are skipped without reading; a window of zeros counts the same
+    as a hole, so the digest does not depend on how a copy laid the file out.
+    """
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    digest.update(size.to_bytes(8, "big"))
+    with open(path, "rb") as handle:
+        fd = handle.fileno()
+        window = 0
+        while window < size:
+            try:
+                data = os.lseek(fd, window, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # nothing but a hole remains
+                    break
+                raise
+            window = data - data % HASH_BLOCK
+            handle.seek(window)
+            block = handle.read(HASH_BLOCK)
+            if block.count(0) != len(block):
+                digest.update(window.to_bytes(8, "big"))
+                digest.update(block)
+            window += HASH_BLOCK
+    return digest.hexdigest()
+
+
+def describe_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Digest and size of each named file, for the manifest."""
+    return {
+        name: {"sha256": file_digest(folder / name), "size": (folder / name).stat().st_size}
+        for name in names
+    }
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def load(folder: Path) -> Manifest:
+    """The manifest of the snapshot in ``folder``.
+
+    :raises SnapshotNotFound: when there is no complete snapshot there.
+    :raises SnapshotVerificationFailed: when the manifest cannot be read.
+    """
+    path = folder / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise SnapshotNotFound(folder.name) from exc
+    except (OSError, ValueError) as exc:
+        raise SnapshotVerificationFailed(folder.name, MANIFEST, f"unreadable: {exc}") from exc
+    try:
+        return Manifest.from_json(raw)
+    except TypeError as exc:
+        raise SnapshotVerificationFailed(folder.name, MANIFEST, f"malformed: {exc}") from exc
+
+
+def verify(folder: Path, manifest: Manifest) -> None:
+    """Check every file against the manifest; hash only what changed since last checked.
+
+    :raises SnapshotVerificationFailed: naming the first file that is missing or differs.
+    """
+    stamp_path = folder / STAMP
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (OSError, ValueError):
+        stamp = {}
+    changed = False
+    for name, expected in sorted(manifest.files.items()):
+        path = folder / name
+        try:
+            key = _stat_key(path)
+        except FileNotFoundError:
+            raise SnapshotVerificationFailed(manifest.id, name, "file is missing") from None
+        if stamp.get(name) == key:
+            continue
+        if key[0] != expected["size"]:
+            raise SnapshotVerificationFailed(
+                manifest.id, name, f"size {key[0]} differs from the manifest's {expected['size']}"
+            )
+        if file_digest(path) != expected["sha256"]:
+            raise SnapshotVerificationFailed(manifest.id, name, "SHA-256 differs from the manifest")
+        stamp[name] = key
+        changed = True
+    for layer in manifest.disk_chain:
+        if not Path(layer).exists():
+            raise SnapshotVerificationFailed(
+                manifest.id, layer, "a layer of the disk chain is missing"
+            )
+    if changed:
+        with contextlib.suppress(OSError):
+            write_json_atomic(stamp_path, stamp)
+
+
+def check_compatible(manifest: Manifest, host: dict[str, Any]) -> None:
+    """Refuse a snapshot this host cannot continue, naming the field that differs.
+
+    :raises SnapshotIncompatible:
+    """
+    if manifest.format_version != FORMAT_VERSION:
+        raise SnapshotIncompatible(
+            manifest.id, "format_version", manifest.format_version, FORMAT_VERSION
+        )
+    for name, value in host.items():
+        ours = getattr(manifest, name)
+        if isinstance(ours, tuple):
+            value = tuple(value)
+        if ours != value:
+            raise SnapshotIncompatible(manifest.id, name, ours, value)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def finish(temp: Path, final: Path, manifest: Manifest) -> None:
+    """Write the manifest and rename the folder into place: the commit point."""
+    for name in manifest.files:
+        fsync_file(temp / name)
+    # The files were hashed just now: record that, so the first restore need not hash again.
+    write_json_atomic(temp / STAMP, {name: _stat_key(temp / name) for name in manifest.files})
+    write_json_atomic(temp / MANIFEST, manifest.to_json())
+    os.replace(temp, final)
+    fsync_dir(final.parent)
