@@ -56,6 +56,7 @@ CREATE_TIMEOUT = 300.0
 POLL_INTERVAL = 0.005
 
 _spare: subprocess.Popen[bytes] | None = None
+_spare_env: dict[str, str] = {}
 _spare_lock = threading.Lock()
 
 
@@ -181,7 +182,14 @@ async def _run_supervisor(folder: SandboxDir, args: list[str]) -> SandboxRecord:
     return record
 
 
+def _relevant_env() -> dict[str, str]:
+    """The environment a supervisor's behaviour depends on."""
+    return {k: v for k, v in os.environ.items() if k.startswith("CRYOBOX_") or k == "PATH"}
+
+
 def _spawn_spare() -> subprocess.Popen[bytes]:
+    global _spare_env
+    _spare_env = _relevant_env()
     log = open(config.state_dir() / "supervisor-spare.log", "ab")  # noqa: SIM115
     with log:
         return subprocess.Popen(
@@ -194,24 +202,32 @@ def _spawn_spare() -> subprocess.Popen[bytes]:
 
 
 def discard_spare() -> None:
-    """Let the warm spare go (it exits when its pipe closes): the next start spawns anew,
-    with the environment as it is then."""
+    """Let the warm spare go (it exits when its pipe closes)."""
     global _spare
     with _spare_lock:
         spare, _spare = _spare, None
+    _release(spare)
+
+
+def _release(spare: subprocess.Popen[bytes] | None) -> None:
     if spare is not None and spare.stdin is not None:
         spare.stdin.close()
         spare.wait()
 
 
 def _take_spare() -> subprocess.Popen[bytes]:
-    """The warm spare supervisor if it is alive, else a new one; starts the next spare."""
+    """The warm spare supervisor if it is alive and was started with the environment as it
+    is now (it read CRYOBOX_* at start), else a new one; then starts the next spare."""
     global _spare
+    stale = None
     with _spare_lock:
         spare, _spare = _spare, None
-        if spare is None or spare.poll() is not None:
+        if spare is not None and (spare.poll() is not None or _spare_env != _relevant_env()):
+            stale, spare = spare, None
+        if spare is None:
             spare = _spawn_spare()
         _spare = _spawn_spare()
+    _release(stale)
     return spare
 
 

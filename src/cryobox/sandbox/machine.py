@@ -22,6 +22,7 @@ RAM mapped shared is skipped by the migration stream (the file is the RAM, the
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import subprocess
@@ -44,12 +45,32 @@ from cryobox.snapshot import store
 from cryobox.snapshot.manifest import Manifest
 from cryobox.util import free_port, new_id
 
+log = logging.getLogger("cryobox.supervisor")
+
 #: Seconds a cold boot may take to reach the agent (TCG on a busy host is slow).
 BOOT_TIMEOUT = 240.0
 #: Seconds a restored guest's agent has to answer (it was running already).
 RESTORE_TIMEOUT = 60.0
 #: Test hook: the supervisor kills itself with SIGKILL on reaching this step.
 CRASH_AT = os.environ.get("CRYOBOX_TEST_CRASH_AT", "")
+
+
+class StepTimer:
+    """Logs how long each step of a start or snapshot took (for the benchmark notes)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.started = self.last = time.perf_counter()
+        self.steps: list[str] = []
+
+    def __call__(self, step: str) -> None:
+        now = time.perf_counter()
+        self.steps.append(f"{step} {1000 * (now - self.last):.0f}")
+        self.last = now
+
+    def log(self) -> None:
+        total = 1000 * (time.perf_counter() - self.started)
+        log.info("%s %.0f ms: %s", self.what, total, ", ".join(self.steps))
 
 
 def crash_point(step: str) -> None:
@@ -131,12 +152,18 @@ class Machine:
         await self._start_qemu(incoming=True, guest_ports=manifest.ports)
         await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity)
 
-    async def _continue(self, device_state: Path, *, new_identity: bool) -> None:
+    async def _continue(
+        self, device_state: Path, *, new_identity: bool, timer: StepTimer | None = None
+    ) -> None:
         assert self.qemu is not None
+        step = timer or StepTimer("continue")
         await self.qemu.load_device_state(device_state)
+        step("device state")
         await self.qemu.execute("cont")
         self.agent = await self._connect_agent(RESTORE_TIMEOUT)
+        step("agent answers")
         await self._refresh_guest(new_identity=new_identity)
+        step("guest refreshed")
 
     async def _refresh_guest(self, *, new_identity: bool) -> None:
         """Step the clock and add entropy; a new sandbox also gets its own identity."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from cryobox.errors import ChannelError, CryoboxError, GuestError, SnapshotError, error_detail
 from cryobox.guest import protocol as p
+from cryobox.qemu import qemu_version
 from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
@@ -253,7 +254,9 @@ class Supervisor:
 def main() -> None:
     args = sys.argv[1:]
     if not args:
-        # A warm spare: everything is imported; wait for a folder to serve.
+        # A warm spare: everything is imported and QEMU's version known; wait for a folder.
+        with contextlib.suppress(CryoboxError):
+            qemu_version()
         line = sys.stdin.readline().strip()
         if not line:
             return
