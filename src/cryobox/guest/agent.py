@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import os
 import pwd
@@ -40,6 +41,8 @@ RUN_DIR = Path("/run/cryobox")
 SETUP_MARKER = RUN_DIR / "system-ready"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 READ_SIZE = 64 * 1024
+MS_BIND = 4096
+MNT_DETACH = 2
 #: Stream output queued beyond this while the host is away is dropped, responses never.
 MAX_QUEUED_OUTPUT = 16 * 1024 * 1024
 
@@ -136,12 +139,21 @@ def set_identity(hostname: str, machine_id: str) -> None:
 
 
 def set_boot_id(boot_id: str) -> None:
-    """Give a restored copy its own boot_id: the kernel's is read-only, so mount over it."""
+    """Give a restored copy its own boot_id: the kernel's is read-only, so mount over it.
+
+    Through libc rather than mount(8): spawning a process costs ~50 ms under emulation.
+    """
     source = RUN_DIR / "boot_id"
     source.write_text(boot_id + "\n")
-    target = "/proc/sys/kernel/random/boot_id"
-    run_quiet("umount", target)  # a previous restore's, if any
-    run_quiet("mount", "--bind", str(source), target)
+    target = b"/proc/sys/kernel/random/boot_id"
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.umount2(target, MNT_DETACH)  # a previous restore's, if any; failing is fine
+    if libc.mount(str(source).encode(), target, None, MS_BIND, None) != 0:
+        print(
+            f"cryobox-agent: cannot mount boot_id: errno {ctypes.get_errno()}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def find_port() -> str:

@@ -135,7 +135,9 @@ class Machine:
         shares blocks) or sparse copy of the snapshot's, mapped shared, so its own later
         pauses and checkpoints stay cheap and the snapshot's file is never written.
         """
+        timer = StepTimer(f"restore of {manifest.id}")
         disk = self._new_layer(folder / mf.DISK)
+        timer("disk layer")
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
         if manifest.ram_in_stream:
@@ -143,6 +145,7 @@ class Machine:
                 handle.truncate(manifest.memory_mib << 20)
         else:
             await _copy_sparse(folder / mf.MEMORY, memory)
+        timer("ram copy")
         self.update(
             disk=str(disk),
             disk_chain=(str(folder / mf.DISK), *manifest.disk_chain),
@@ -150,17 +153,22 @@ class Machine:
             memory_shared=not manifest.ram_in_stream,
         )
         await self._start_qemu(incoming=True, guest_ports=manifest.ports)
-        await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity)
+        timer("qemu start")
+        await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity, timer=timer)
+        timer.log()
 
     async def _continue(
         self, device_state: Path, *, new_identity: bool, timer: StepTimer | None = None
     ) -> None:
         assert self.qemu is not None
         step = timer or StepTimer("continue")
+        # Connected before the state loads, the port looks to the guest as it did when it
+        # was saved (host connected): the agent never sees a hang-up and answers at once.
+        agent = await AgentClient.connect(self.folder.agent_socket)
         await self.qemu.load_device_state(device_state)
         step("device state")
         await self.qemu.execute("cont")
-        self.agent = await self._connect_agent(RESTORE_TIMEOUT)
+        self.agent = await self._connect_agent(RESTORE_TIMEOUT, agent)
         step("agent answers")
         await self._refresh_guest(new_identity=new_identity)
         step("guest refreshed")
@@ -231,12 +239,12 @@ class Machine:
         await self.qemu.start()
         self.update(qemu_pid=self.qemu.pid, ports={f.guest_port: f.host_port for f in forwards})
 
-    async def _connect_agent(self, timeout: float) -> AgentClient:
-        """Connect to the guest agent and wait until it answers a ping."""
+    async def _connect_agent(self, timeout: float, agent: AgentClient | None = None) -> AgentClient:
+        """Connect to the guest agent (unless given a connection) and wait for it to answer."""
         assert self.qemu is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        agent = await AgentClient.connect(self.folder.agent_socket)
+        agent = agent or await AgentClient.connect(self.folder.agent_socket)
         while True:
             if self.qemu.returncode is not None:
                 await agent.close()
@@ -245,7 +253,7 @@ class Machine:
                     + _tail(self.folder.console_log)
                 )
             try:
-                await agent.request("ping", timeout=0.5)
+                await agent.request("ping", timeout=0.25)
                 return agent
             except ChannelError:
                 if loop.time() > deadline:
@@ -410,9 +418,12 @@ class Machine:
         self.update(
             disk=str(disk), memory_file=str(memory), memory_shared=not manifest.ram_in_stream
         )
+        timer = StepTimer("resume")
         try:
             await self._start_qemu(incoming=True)
-            await self._continue(paused / mf.DEVICE_STATE, new_identity=False)
+            timer("qemu start")
+            await self._continue(paused / mf.DEVICE_STATE, new_identity=False, timer=timer)
+            timer.log()
         except BaseException:
             await self.stop_qemu()
             for source, target in moved:  # give the pause back intact
