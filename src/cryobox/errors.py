@@ -7,6 +7,7 @@
      ├── SandboxNotFound          no sandbox with that id (sandbox_id)
      ├── SandboxDead              its VM is gone (sandbox_id, reason)
      ├── InvalidArgument          bad input from the caller, named
+     ├── CapacityError            the host cannot hold what was asked (needed, available)
      ├── QemuError                QEMU failed to start or died (command, exitcode, stderr)
      │    └── QemuNotInstalled
      ├── ImageError               building or finding the guest image failed (command, output)
@@ -61,6 +62,17 @@ class SandboxDead(CryoboxError):
 
 class InvalidArgument(CryoboxError, ValueError):
     """The caller passed something that cannot work; the message names it."""
+
+
+class CapacityError(CryoboxError):
+    """The host cannot hold what was asked; refused before anything started."""
+
+    def __init__(self, message: str, *, needed_mib: int, available_mib: int) -> None:
+        self.needed_mib = needed_mib
+        self.available_mib = available_mib
+        super().__init__(
+            f"{message}: needs about {needed_mib} MiB, the host has {available_mib} MiB available"
+        )
 
 
 class QemuError(CryoboxError):

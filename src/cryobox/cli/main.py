@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -397,6 +397,43 @@ def snapshots(
             for snap in Sandbox.snapshots()
         ]
         print_rows(("ID", "NAME", "KIND", "PURPOSE", "FROM SANDBOX", "PARENT", "AGE"), rows)
+
+
+@app.command()
+def fork(
+    sandbox_id: str,
+    count: Annotated[int, typer.Option("--count", "-n", help="How many copies (1-100).")] = 1,
+) -> None:
+    """Fork a running sandbox into N running copies; prints their ids."""
+    with errors_reported(), console.status(f"forking {sandbox_id} into {count}"):
+        forks = Sandbox.connect(sandbox_id).fork(count)
+    for forked in forks:
+        out.print(forked.id)
+
+
+@app.command()
+def tree() -> None:
+    """Print the lineage of sandboxes and snapshots: which came from which."""
+    from rich.tree import Tree
+
+    with errors_reported():
+        nodes = Sandbox.lineage()
+        ids = {node["id"] for node in nodes}
+        children: dict[str | None, list[dict[str, Any]]] = {}
+        for node in nodes:
+            parent = node["parent"] if node["parent"] in ids else None
+            children.setdefault(parent, []).append(node)
+        root = Tree("[bold]cryobox[/bold] (image)")
+
+        def add(branch: Tree, parent: str | None) -> None:
+            for node in children.get(parent, []):
+                text = f"{node['id']}  {node['kind']} {node['state']} {node['label']}".rstrip()
+                if node["parent"] and node["parent"] not in ids:
+                    text += f"  (from {node['parent']}, gone)"
+                add(branch.add(text), node["id"])
+
+        add(root, None)
+        out.print(root)
 
 
 @template_app.command("build")

@@ -474,6 +474,26 @@ class AsyncSandbox:
         await channel.request("sandbox.pause")
         await self.close()
 
+    async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
+        """``count`` (1-100) new running sandboxes that continue from this instant.
+
+        This sandbox goes on running undisturbed. Each fork shares the frozen RAM
+        copy-on-write, has its own disk overlay, hostname (its id), machine-id, boot_id,
+        reseeded kernel RNG, stepped clock, host ports, and ``CRYOBOX_FORK_ID`` (1..count)
+        in every command's environment. Random generators seeded in user space before the
+        fork (Python's ``random``, say) stay identical across forks: reseed them.
+
+        :raises CapacityError: when the host cannot hold them; nothing is started.
+        """
+        self._require_running("fork")
+        folders = await local.fork_sandbox(self.id, count)
+        return [AsyncSandbox(folder) for folder in folders]
+
+    @staticmethod
+    async def lineage() -> builtins.list[dict[str, Any]]:
+        """Sandboxes and snapshots of this host as nodes naming their parent."""
+        return local.lineage()
+
     async def checkpoint(self, name: str | None = None) -> SnapshotInfo:
         """Save the running machine so that :meth:`rollback` can return to this instant."""
         return await self._capture("checkpoint", name, memory=True)
@@ -549,8 +569,10 @@ class AsyncSandbox:
             deadline = time.monotonic() + 15
             while not self._folder.record().state.finished and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+        origin = self._folder.record().origin
         await self.close()
         local.kill_sandbox_files(self._folder)
+        local.collect_fork_snapshot(origin)
         for checkpoint in reversed(await self.checkpoints()):
             with contextlib.suppress(CryoboxError):  # kept while a snapshot builds on it
                 store.delete(checkpoint.id)
@@ -587,4 +609,6 @@ def _info(spec: registry.SandboxSpec, record: registry.SandboxRecord) -> Sandbox
         deadline=record.deadline,
         ports=record.ports,
         error=record.error,
+        origin=record.origin,
+        forked_from=spec.forked_from,
     )

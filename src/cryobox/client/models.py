@@ -63,6 +63,10 @@ class SandboxInfo:
     deadline: float | None
     ports: dict[int, int]
     error: str | None
+    #: The snapshot this sandbox was restored from (None: booted cold).
+    origin: str | None = None
+    #: For a fork: the sandbox it was forked from.
+    forked_from: str | None = None
 
 
 @dataclass(frozen=True)

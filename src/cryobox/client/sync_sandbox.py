@@ -12,7 +12,7 @@ import os
 import signal as signals
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 from cryobox import config
 from cryobox.image.build import Progress
@@ -253,6 +253,14 @@ class Sandbox:
 
     def pause(self) -> None:
         _portal.run(self._sandbox.pause())
+
+    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
+        """``count`` running copies (see :meth:`AsyncSandbox.fork`)."""
+        return [Sandbox(forked) for forked in _portal.run(self._sandbox.fork(count))]
+
+    @staticmethod
+    def lineage() -> builtins.list[dict[str, Any]]:
+        return _portal.run(AsyncSandbox.lineage())
 
     def checkpoint(self, name: str | None = None) -> SnapshotInfo:
         return _portal.run(self._sandbox.checkpoint(name))

@@ -41,6 +41,8 @@ RUN_DIR = Path("/run/cryobox")
 SETUP_MARKER = RUN_DIR / "system-ready"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 READ_SIZE = 64 * 1024
+#: Variables every command gets on top of its own base (set after a fork).
+EXTRA_ENV: dict[str, str] = {}
 MS_BIND = 4096
 MNT_DETACH = 2
 #: Stream output queued beyond this while the host is away is dropped, responses never.
@@ -154,6 +156,12 @@ def set_boot_id(boot_id: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def set_fork_identity(fork_id: int, forked_from: str) -> None:
+    """Let programs tell they were forked: a file, and a variable for every later command."""
+    (RUN_DIR / "fork").write_text(f"fork_id={fork_id}\nforked_from={forked_from}\n")
+    EXTRA_ENV.update(CRYOBOX_FORK_ID=str(fork_id), CRYOBOX_FORKED_FROM=forked_from)
 
 
 def find_port() -> str:
@@ -557,6 +565,8 @@ class Agent:
             set_identity(str(args["hostname"]), str(args.get("machine_id") or uuid.uuid4().hex))
         if "boot_id" in args:
             set_boot_id(str(args["boot_id"]))
+        if "fork_id" in args:
+            set_fork_identity(int(args["fork_id"]), str(args.get("forked_from", "")))
         return {"time_ns": time.time_ns()}
 
 
@@ -602,6 +612,7 @@ def command_env(extra: dict[str, Any], user: Any) -> tuple[dict[str, str], str |
         "LANG": "C.UTF-8",
         "TERM": "xterm-256color",
     }
+    env.update(EXTRA_ENV)
     env.update({str(k): str(v) for k, v in extra.items()})
     return env, (name if user else None)
 

@@ -140,9 +140,14 @@ class Machine:
         timer("disk layer")
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
+        shared = not manifest.ram_in_stream
         if manifest.ram_in_stream:
             with open(memory, "wb") as handle:
                 handle.truncate(manifest.memory_mib << 20)
+        elif self.spec.forked_from and new_identity:
+            # Forks map the one frozen file privately: its pages are shared by every fork
+            # in the page cache, and each fork's writes are copy-on-write of its own.
+            memory, shared = folder / mf.MEMORY, False
         else:
             await _copy_sparse(folder / mf.MEMORY, memory)
         timer("ram copy")
@@ -150,7 +155,7 @@ class Machine:
             disk=str(disk),
             disk_chain=(str(folder / mf.DISK), *manifest.disk_chain),
             memory_file=str(memory),
-            memory_shared=not manifest.ram_in_stream,
+            memory_shared=shared,
         )
         await self._start_qemu(incoming=True, guest_ports=manifest.ports)
         timer("qemu start")
@@ -181,6 +186,8 @@ class Machine:
             args.update(
                 hostname=self.spec.id, machine_id=uuid.uuid4().hex, boot_id=str(uuid.uuid4())
             )
+            if self.spec.forked_from:
+                args.update(fork_id=self.spec.fork_index, forked_from=self.spec.forked_from)
         await self.agent.request("sys.refresh", args, os.urandom(64), timeout=30)
 
     def _new_layer(self, backing: Path) -> Path:

@@ -37,6 +37,10 @@ class SandboxSpec:
     template: str = "base"
     #: Folder of the snapshot this sandbox starts from (None: a cold boot of the image).
     restore_from: str | None = None
+    #: For a fork: the sandbox it was forked from, and its number among its siblings
+    #: (its RAM maps the fork snapshot's file privately, shared copy-on-write).
+    forked_from: str | None = None
+    fork_index: int = 0
     created_at: float = field(default_factory=time.time)
 
     @classmethod

@@ -1,0 +1,131 @@
+"""Fork on real VMs: N running copies that continue from one instant, each its own machine."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from cryobox import Sandbox
+from cryobox.errors import CapacityError, InvalidArgument
+from cryobox.sandbox import local, registry
+from cryobox.snapshot import store
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/counter; sleep 0.2; done'"
+    " >/dev/null 2>&1 &"
+)
+
+
+def loop_pids(sbx: Sandbox) -> list[str]:
+    return sbx.commands.run(["pgrep", "-f", "while true"]).stdout.split()
+
+
+def counting(sbx: Sandbox) -> bool:
+    first = int(sbx.files.read_text("/root/counter"))
+    time.sleep(0.8)
+    return int(sbx.files.read_text("/root/counter")) > first
+
+
+def test_fork_ten_copies_each_its_own_machine(sandbox_factory: Any) -> None:
+    parent = sandbox_factory(ports=[8000])
+    parent.commands.run(COUNTER)
+    parent.files.write("/root/who", "parent")
+    time.sleep(0.5)
+    pids = loop_pids(parent)
+    forks = parent.fork(10)
+    try:
+        assert len({f.id for f in forks}) == 10
+        seen = []
+        for index, fork in enumerate(forks, start=1):
+            assert loop_pids(fork) == pids and counting(fork)
+            out = fork.commands.run(
+                "echo $CRYOBOX_FORK_ID; hostname; cat /proc/sys/kernel/random/boot_id; "
+                "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"
+            ).stdout.split("\n")
+            assert out[0] == str(index) and out[1] == fork.id
+            assert fork.files.read_text("/run/cryobox/fork").startswith(f"fork_id={index}\n")
+            seen.append((out[2], out[3]))
+            fork.files.write("/root/who", f"fork {index}")  # its own disk
+            assert fork.info().forked_from == parent.id
+            assert fork.ports[8000] != parent.ports[8000]  # its own host port
+        assert len({boot for boot, _ in seen}) == 10
+        assert len({random for _, random in seen}) == 10
+        assert [f.files.read_text("/root/who") for f in forks] == [
+            f"fork {i}" for i in range(1, 11)
+        ]
+        assert parent.files.read_text("/root/who") == "parent" and counting(parent)
+        origin = forks[0].info().origin
+        assert origin and all(f.info().origin == origin for f in forks)
+        lineage = {n["id"]: n for n in Sandbox.lineage()}
+        assert lineage[origin]["parent"] == parent.id
+        parent.kill()  # the forks do not depend on it
+        assert all(counting(f) for f in forks[:3])
+    finally:
+        for fork in forks:
+            fork.kill()
+    assert origin not in {s.id for s in Sandbox.snapshots()}  # collected with the last fork
+
+
+def test_best_of_n_keeps_the_winner(sandbox_factory: Any) -> None:
+    base = sandbox_factory()
+    base.files.write("/root/task.py", "import sys\nprint(int(sys.argv[1]) ** 2)\n")
+    attempts = base.fork(5)
+    scores = []
+    for n, attempt in enumerate(attempts):
+        result = attempt.commands.run(["python3", "/root/task.py", str(n * 3 - 5)])
+        scores.append(int(result.stdout))
+    best = max(range(5), key=scores.__getitem__)
+    winner = attempts[best]
+    for index, attempt in enumerate(attempts):
+        if index != best:
+            attempt.kill()
+    try:
+        assert winner.commands.run(["python3", "/root/task.py", "2"]).stdout == "4\n"
+        alive = [s.id for s in Sandbox.list()]
+        assert winner.id in alive
+        assert not {a.id for i, a in enumerate(attempts) if i != best} & set(alive)
+    finally:
+        winner.kill()
+
+
+def test_fork_limits_refuse_before_starting(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = sandbox_factory()
+    before = {i.id for i in Sandbox.list(all=True)}
+    for count in (0, 101):
+        with pytest.raises(InvalidArgument, match=f"count={count}"):
+            parent.fork(count)
+    monkeypatch.setattr(local, "mem_available_mib", lambda: 1000)
+    with pytest.raises(CapacityError, match="cannot fork 50") as info:
+        parent.fork(50)
+    assert info.value.available_mib == 1000 and info.value.needed_mib > 1000
+    assert {i.id for i in Sandbox.list(all=True)} == before
+
+
+def test_a_fork_that_fails_halfway_leaves_nothing_behind(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = sandbox_factory()
+    real = local.create_sandbox
+
+    async def flaky(**kwargs: Any) -> Any:
+        if kwargs.get("fork_index") == 3:
+            raise InvalidArgument("simulated failure of fork 3")
+        return await real(**kwargs)
+
+    monkeypatch.setattr(local, "create_sandbox", flaky)
+    before = {i.id for i in Sandbox.list(all=True)}
+    snapshots = {s.id for s in Sandbox.snapshots()}
+    with pytest.raises(InvalidArgument, match="fork 3"):
+        parent.fork(4)
+    assert {i.id for i in Sandbox.list(all=True)} == before
+    assert {s.id for s in Sandbox.snapshots()} == snapshots
+    assert parent.commands.run("true").exit_code == 0
+    for spec, record in registry.list_sandboxes():
+        assert spec.forked_from != parent.id or record.state.finished
+    assert not list(store.snapshots_dir().glob(".tmp-*"))
