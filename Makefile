@@ -51,7 +51,8 @@ test: image lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
 bench: image
-	$(CRYOBOX) bench --json bench.json
+	$(PYTHON) -m pip install -q -e ".[dev,bench]"
+	$(CRYOBOX) bench --json bench.json --plot docs/bench.png --markdown docs/BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -1,14 +1,10 @@
-"""Benchmarks of the headline figures, measured in one run on this host.
+"""``cryobox bench``: the headline figures, each beside its baseline measured in the same run.
 
-Scenarios available now (more arrive with the features they measure):
-
-- ``cold-boot``: ``Sandbox.create`` to the first answered command, per boot;
-- ``exec``: round trip of ``true`` through SDK, supervisor and guest agent;
-- ``ping``: round trip of the agent's no-op, the channel's own cost;
-- ``guest-spawn``: ``subprocess.run(["true"])`` timed inside the guest, the floor
-  that emulation puts under any exec.
-
-Figures are medians, p90 and minimum; nothing here passes or fails on timing.
+Baselines: the cold boot (for start, resume and fork times), this disk's write
+bandwidth with fsync (for pause and snapshot, whose floor is writing dirty pages),
+guest RAM (for memory use). Figures are median, p90 and minimum over repeated runs.
+Nothing here passes or fails on timing; ``--quick`` is a smoke run of every scenario
+with small counts (what CI runs).
 """
 
 from __future__ import annotations
@@ -18,16 +14,33 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cryobox import config
 from cryobox.client import AsyncSandbox
 from cryobox.qemu import qemu_version
+from cryobox.sandbox import registry
 
-SCENARIOS = ("cold-boot", "exec", "ping", "guest-spawn")
+SCENARIOS = (
+    "cold-boot",
+    "exec",
+    "ping",
+    "guest-spawn",
+    "template-start",
+    "pause",
+    "resume",
+    "checkpoint",
+    "rollback",
+    "fork",
+    "restore-vs-ram",
+    "snapshot-bytes",
+)
 GUEST_SPAWN = """
 import subprocess, time
 samples = []
@@ -47,20 +60,42 @@ class Figure:
     median: float
     p90: float
     min: float
+    baseline: str = ""
+    ratio: float | None = None
     note: str = ""
 
 
-def summarize(scenario: str, samples: list[float], unit: str = "ms", note: str = "") -> Figure:
-    ordered = sorted(samples)
-    scale = 1000.0 if unit == "ms" else 1.0
+@dataclass
+class Context:
+    quick: bool
+    cold_boot_s: float | None = None
+    disk_mb_s: float | None = None
+    made_templates: list[str] = field(default_factory=list)
+
+
+def summarize(
+    scenario: str,
+    samples: list[float],
+    unit: str,
+    *,
+    scale: float = 1.0,
+    baseline: str = "",
+    base_value: float | None = None,
+    note: str = "",
+) -> Figure:
+    ordered = sorted(s * scale for s in samples)
     p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+    median = statistics.median(ordered)
+    ratio = round(median / base_value, 3) if base_value else None
     return Figure(
         scenario,
         unit,
         len(ordered),
-        round(statistics.median(ordered) * scale, 2),
-        round(p90 * scale, 2),
-        round(ordered[0] * scale, 2),
+        round(median, 3),
+        round(p90, 3),
+        round(ordered[0], 3),
+        baseline,
+        ratio,
         note,
     )
 
@@ -74,65 +109,340 @@ async def _timed(call: Callable[[], Awaitable[Any]], runs: int) -> list[float]:
     return samples
 
 
-async def run_scenarios(
-    names: tuple[str, ...], quick: bool = False, accelerator: list[str] | None = None
-) -> list[Figure]:
-    """Run the named scenarios; ``quick`` is the smoke mode (few repetitions).
+async def _ready(sbx: AsyncSandbox) -> AsyncSandbox:
+    await sbx.commands.run(["true"])
+    return sbx
 
-    The accelerator the sandboxes ran on is appended to ``accelerator`` when given.
-    """
-    unknown = [name for name in names if name not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
-    boots = 1 if quick else 3
-    repeat = 10 if quick else 100
-    figures: list[Figure] = []
-    boot_samples: list[float] = []
-    sandbox: AsyncSandbox | None = None
+
+def disk_bandwidth_mb_s(size_mb: int = 256) -> float:
+    """This disk's sequential write bandwidth with fsync (dd conv=fsync) in MB/s."""
+    with tempfile.TemporaryDirectory(dir=config.state_dir()) as temp:
+        start = time.perf_counter()
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={temp}/probe", "bs=1M", f"count={size_mb}", "conv=fsync"],
+            capture_output=True,
+            check=True,
+        )
+        return size_mb * 1.048576 / (time.perf_counter() - start)
+
+
+def qemu_pss_mib(sandboxes: list[AsyncSandbox]) -> float:
+    """Sum of the QEMU processes' proportional set sizes: shared pages counted once."""
+    total_kib = 0
+    for sbx in sandboxes:
+        pid = registry.find(sbx.id).record().qemu_pid
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            total_kib += sum(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+    return total_kib / 1024
+
+
+def allocated_mb(folder: Path) -> float:
+    return sum(p.stat().st_blocks * 512 for p in folder.iterdir() if p.is_file()) / 1e6
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+async def cold_boot(ctx: Context) -> list[Figure]:
+    samples = []
+    for _ in range(1 if ctx.quick else 3):
+        start = time.perf_counter()
+        sbx = await _ready(await AsyncSandbox.create("base"))
+        samples.append(time.perf_counter() - start)
+        await sbx.kill()
+    ctx.cold_boot_s = statistics.median(samples)
+    return [summarize("cold-boot", samples, "s", note="create('base') to first command")]
+
+
+async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
+    repeat = 10 if ctx.quick else 100
+    figures = []
+    sbx = await _ready(await AsyncSandbox.create())
     try:
-        for _ in range(boots if "cold-boot" in names else 1):
-            if sandbox is not None:
-                await sandbox.kill()
-            start = time.perf_counter()
-            sandbox = await AsyncSandbox.create()
-            await sandbox.commands.run(["true"])
-            boot_samples.append(time.perf_counter() - start)
-        assert sandbox is not None
-        box = sandbox
-        if accelerator is not None:
-            accelerator.append((await box.info()).accelerator)
-        if "cold-boot" in names:
-            figures.append(
-                summarize(
-                    "cold-boot", boot_samples, unit="s", note="create() to first command answered"
-                )
-            )
         if "exec" in names:
             figures.append(
                 summarize(
                     "exec",
-                    await _timed(lambda: box.commands.run(["true"]), repeat),
+                    await _timed(lambda: sbx.commands.run(["true"]), repeat),
+                    "ms",
+                    scale=1000,
                     note="`true` via SDK, supervisor, agent",
                 )
             )
         if "ping" in names:
-            channel = await box._channel()
+            channel = await sbx._channel()
             figures.append(
                 summarize(
                     "ping",
                     await _timed(lambda: channel.request("ping"), repeat),
+                    "ms",
+                    scale=1000,
                     note="agent no-op via supervisor",
                 )
             )
         if "guest-spawn" in names:
-            result = await box.commands.run(["python3", "-c", GUEST_SPAWN.format(n=repeat // 2)])
+            result = await sbx.commands.run(["python3", "-c", GUEST_SPAWN.format(n=repeat // 2)])
             samples = [float(word) for word in result.stdout.split()]
             figures.append(
-                summarize("guest-spawn", samples, note="subprocess.run(['true']) inside the guest")
+                summarize(
+                    "guest-spawn",
+                    samples,
+                    "ms",
+                    scale=1000,
+                    note="subprocess.run(['true']) timed inside the guest",
+                )
             )
     finally:
-        if sandbox is not None:
-            await sandbox.kill()
+        await sbx.kill()
+    return figures
+
+
+async def template_start(ctx: Context) -> list[Figure]:
+    await (await AsyncSandbox.create()).kill()  # the default template exists, spare is warm
+    samples = []
+    for _ in range(2 if ctx.quick else 5):
+        start = time.perf_counter()
+        sbx = await _ready(await AsyncSandbox.create())
+        samples.append(time.perf_counter() - start)
+        await sbx.kill()
+    return [
+        summarize(
+            "template-start",
+            samples,
+            "s",
+            baseline="cold boot",
+            base_value=ctx.cold_boot_s,
+            note="create() from the default template (a memory-snapshot restore) to first command",
+        )
+    ]
+
+
+async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
+    runs = 1 if ctx.quick else 3
+    dirty_mb = 32 if ctx.quick else 256
+    pauses, resumes, expected = [], [], []
+    sbx = await _ready(await AsyncSandbox.create())
+    try:
+        # RAM the guest really uses: a process that keeps dirty_mb of data in memory.
+        await sbx.commands.run(
+            ["python3", "-c", f"import os,time; b=os.urandom({dirty_mb}<<20); time.sleep(10**6)"],
+            background=True,
+        )
+        await asyncio.sleep(3 if ctx.quick else 8)
+        for _ in range(runs):
+            memory = Path(registry.find(sbx.id).record().memory_file or "")
+            used_mb = memory.stat().st_blocks * 512 / 1e6
+            start = time.perf_counter()
+            await sbx.pause()
+            pauses.append(time.perf_counter() - start)
+            expected.append(used_mb / (ctx.disk_mb_s or 400))
+            start = time.perf_counter()
+            sbx = await _ready(await AsyncSandbox.resume(sbx.id))
+            resumes.append(time.perf_counter() - start)
+    finally:
+        await sbx.kill()
+    figures = []
+    if "pause" in names:
+        over = [p - e for p, e in zip(pauses, expected, strict=True)]
+        figures.append(
+            summarize(
+                "pause",
+                pauses,
+                "s",
+                baseline="RAM used / disk bandwidth",
+                base_value=statistics.median(expected),
+                note=f"1 GiB guest holding {dirty_mb} MB; beyond writing its "
+                f"used RAM: {statistics.median(over):.2f} s",
+            )
+        )
+    if "resume" in names:
+        figures.append(
+            summarize(
+                "resume",
+                resumes,
+                "s",
+                baseline="cold boot",
+                base_value=ctx.cold_boot_s,
+                note="resume() to first command",
+            )
+        )
+    return figures
+
+
+async def checkpoint_rollback(ctx: Context) -> list[Figure]:
+    runs = 2 if ctx.quick else 5
+    checkpoints, rollbacks = [], []
+    sbx = await _ready(await AsyncSandbox.create())
+    try:
+        for i in range(runs):
+            await sbx.files.write(f"/root/file-{i}", os.urandom(1 << 20))
+            start = time.perf_counter()
+            saved = await sbx.checkpoint()
+            checkpoints.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await sbx.rollback(saved)
+            await sbx.commands.run(["true"])
+            rollbacks.append(time.perf_counter() - start)
+    finally:
+        await sbx.kill()
+    return [
+        summarize(
+            "checkpoint",
+            checkpoints,
+            "s",
+            baseline="cold boot",
+            base_value=ctx.cold_boot_s,
+            note="the sandbox keeps running",
+        ),
+        summarize(
+            "rollback",
+            rollbacks,
+            "s",
+            baseline="cold boot",
+            base_value=ctx.cold_boot_s,
+            note="to first command after",
+        ),
+    ]
+
+
+async def fork(ctx: Context) -> list[Figure]:
+    figures = []
+    counts = (1, 3) if ctx.quick else (1, 10, 100)
+    for count in counts:
+        memory = 256 if count == 100 else config.DEFAULT_MEMORY_MIB
+        template = "default"
+        if memory != config.DEFAULT_MEMORY_MIB:
+            template = "bench-256"
+            if template not in ctx.made_templates:
+                await AsyncSandbox.build_template(template, memory_mib=memory)
+                ctx.made_templates.append(template)
+        parent = await _ready(await AsyncSandbox.create(template))
+        start = time.perf_counter()
+        forks = await parent.fork(count)
+        await asyncio.gather(*(f.commands.run(["true"]) for f in forks))
+        elapsed = time.perf_counter() - start
+        pss = qemu_pss_mib(forks)
+        for sbx in forks:
+            await sbx.kill()
+        await parent.kill()
+        figures.append(
+            summarize(
+                f"fork-{count}",
+                [elapsed],
+                "s",
+                baseline="cold boot",
+                base_value=ctx.cold_boot_s,
+                note=f"all {count} exec-ready; {elapsed / count:.2f} s per fork",
+            )
+        )
+        figures.append(
+            summarize(
+                f"fork-{count}-pss",
+                [pss],
+                "MiB",
+                baseline=f"{count} x guest RAM",
+                base_value=count * memory,
+                note=f"sum of PSS of {count} QEMUs, {memory} MiB guests",
+            )
+        )
+    return figures
+
+
+async def restore_vs_ram(ctx: Context) -> list[Figure]:
+    figures = []
+    sizes = (512, 4096)
+    medians = {}
+    for memory in sizes:
+        template = f"bench-{memory}"
+        if template not in ctx.made_templates:
+            await AsyncSandbox.build_template(template, memory_mib=memory)
+            ctx.made_templates.append(template)
+        samples = []
+        for _ in range(1 if ctx.quick else 3):
+            start = time.perf_counter()
+            sbx = await _ready(await AsyncSandbox.create(template))
+            samples.append(time.perf_counter() - start)
+            await sbx.kill()
+        medians[memory] = statistics.median(samples)
+        figures.append(
+            summarize(
+                f"restore-{memory}MiB",
+                samples,
+                "s",
+                baseline="restore 512 MiB" if memory != sizes[0] else "",
+                base_value=medians[sizes[0]] if memory != sizes[0] else None,
+                note="template start to first command",
+            )
+        )
+    return figures
+
+
+async def snapshot_bytes(ctx: Context) -> list[Figure]:
+    figures = []
+    sbx = await _ready(await AsyncSandbox.create())
+    try:
+        for changed_mb in (8,) if ctx.quick else (8, 64, 256):
+            await sbx.commands.run(f"head -c {changed_mb}M /dev/urandom > /root/blob")
+            saved = await sbx.snapshot(f"bench-bytes-{changed_mb}")
+            folder = Path(config.state_dir()) / "snapshots" / saved.id
+            stored = allocated_mb(folder)
+            figures.append(
+                summarize(
+                    f"snapshot-{changed_mb}MB-changed",
+                    [stored],
+                    "MB",
+                    baseline="bytes changed",
+                    base_value=changed_mb * 1.048576,
+                    note="allocated bytes of a memory snapshot (RAM file + "
+                    "device state + disk layer)",
+                )
+            )
+            await AsyncSandbox.delete_snapshot(saved.id)
+    finally:
+        await sbx.kill()
+    return figures
+
+
+async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Figure]:
+    """Run the named scenarios (their baselines first); ``quick`` is the smoke mode."""
+    unknown = [name for name in names if name not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
+    ctx = Context(quick=quick)
+    ctx.disk_mb_s = await asyncio.to_thread(disk_bandwidth_mb_s, 64 if quick else 256)
+    figures = [
+        Figure(
+            "disk-write",
+            "MB/s",
+            1,
+            round(ctx.disk_mb_s, 1),
+            round(ctx.disk_mb_s, 1),
+            round(ctx.disk_mb_s, 1),
+            note="dd conv=fsync: baseline for pause",
+        )
+    ]
+    figures += await cold_boot(ctx)
+    if {"exec", "ping", "guest-spawn"} & set(names):
+        figures += await exec_and_channel(ctx, names)
+    if "template-start" in names:
+        figures += await template_start(ctx)
+    if {"pause", "resume"} & set(names):
+        figures += await pause_resume(ctx, names)
+    if {"checkpoint", "rollback"} & set(names):
+        figures += await checkpoint_rollback(ctx)
+    if "fork" in names:
+        figures += await fork(ctx)
+    if "restore-vs-ram" in names:
+        figures += await restore_vs_ram(ctx)
+    if "snapshot-bytes" in names:
+        figures += await snapshot_bytes(ctx)
+    from cryobox.snapshot import store
+
+    for template in ctx.made_templates:  # leave no benchmark templates behind
+        entry = store.template(template)
+        if entry:
+            await AsyncSandbox.delete_snapshot(str(entry["snapshot"]))
+            (store.templates_dir() / f"{template}.json").unlink(missing_ok=True)
     return figures
 
 
@@ -156,21 +466,94 @@ def machine(accelerator: str) -> dict[str, Any]:
     }
 
 
+def run(names: tuple[str, ...], quick: bool) -> tuple[list[Figure], dict[str, Any]]:
+    figures = asyncio.run(run_scenarios(names, quick))
+    from cryobox.image import ensure_image
+    from cryobox.qemu.accel import detect_accelerator
+
+    image = ensure_image()
+    return figures, machine(detect_accelerator(image.kernel, image.initrd))
+
+
 def to_json(figures: list[Figure], host: dict[str, Any]) -> str:
     return json.dumps({"machine": host, "figures": [asdict(f) for f in figures]}, indent=2)
 
 
 def to_markdown_table(figures: list[Figure]) -> str:
-    lines = ["| scenario | median | p90 | min | runs | what |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| scenario | median | p90 | min | runs | ratio to baseline | what |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for f in figures:
+        ratio = f"{f.ratio} x {f.baseline}" if f.ratio is not None else "-"
         lines.append(
             f"| {f.scenario} | {f.median} {f.unit} | {f.p90} {f.unit} | {f.min} {f.unit} "
-            f"| {f.runs} | {f.note} |"
+            f"| {f.runs} | {ratio} | {f.note} |"
         )
     return "\n".join(lines)
 
 
-def run(names: tuple[str, ...], quick: bool) -> tuple[list[Figure], dict[str, Any]]:
-    accelerator: list[str] = []
-    figures = asyncio.run(run_scenarios(names, quick, accelerator))
-    return figures, machine(accelerator[0] if accelerator else "unknown")
+def plot(figures: list[Figure], path: Path) -> None:
+    """A bar chart of every timed figure against its baseline (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--plot needs matplotlib: pip install 'cryobox[bench]'") from exc
+    timed = [f for f in figures if f.unit == "s"]
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(timed) + 1.5))
+    ax.barh([f.scenario for f in timed], [f.median for f in timed], color="#4477aa")
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds (median, log scale)")
+    ax.set_title("cryobox bench")
+    for index, f in enumerate(timed):
+        label = f"{f.median:g} s" + (f"  ({f.ratio:g} x {f.baseline})" if f.ratio else "")
+        ax.text(f.median, index, " " + label, va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+INTRO = (
+    "Regenerate with `make bench` (`cryobox bench --markdown docs/BENCHMARKS.md`). "
+    "Medians, p90 and minimum over repeated runs in one session, each beside its "
+    "baseline measured in the same run. No test passes or fails on these: the "
+    "machines are shared and noisy."
+)
+ANCHORS = """| system | figure | published |
+|---|---|---|
+| Firecracker | microVM boot to guest init | about 125 ms |
+| Firecracker | snapshot restore (MAP_PRIVATE memory) | a few ms to tens of ms |
+| E2B | pause | about 4 s per GiB of RAM |
+| E2B | resume | about 1 s |
+| E2B | fork | at most 100 per call |
+| forkd | 100 VMs started | 101 ms |
+| Zeroboot | one fork (MAP_PRIVATE of a snapshot) | 0.79 ms |
+| CodeSandbox | VM clone / resume from memory snapshot | about 1.5 s / 0.5 s |
+
+Theirs are on KVM hardware; ours here run under TCG (QEMU's emulator), which
+translates every guest instruction and re-translates all guest code in each new
+QEMU process: restores and forks pay that warm-up, cold boots pay it too."""
+
+
+def to_markdown_document(figures: list[Figure], host: dict[str, Any], quick: bool) -> str:
+    """docs/BENCHMARKS.md, regenerated from a run."""
+    head = (
+        f"## {host['date']}: {host['cores']} cores ({host['cpu']}), {host['memory_gib']} GiB, "
+        f"kernel {host['kernel']}, QEMU {host['qemu']}, {host['accelerator'].upper()}"
+    )
+    mode = " (quick mode: small counts)" if quick else ""
+    return (
+        "\n\n".join(
+            [
+                "# Benchmarks",
+                INTRO,
+                head + mode,
+                to_markdown_table(figures),
+                "## Published anchors",
+                ANCHORS,
+            ]
+        )
+        + "\n"
+    )

@@ -458,31 +458,41 @@ def template_build(
 def bench(
     scenarios: Annotated[list[str] | None, typer.Argument(help="Scenarios (default: all).")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="Smoke mode: few repetitions.")] = False,
+    plot_file: Annotated[Path | None, typer.Option("--plot", help="Draw a PNG chart.")] = None,
+    markdown: Annotated[
+        Path | None, typer.Option("--markdown", help="Write a BENCHMARKS.md from this run.")
+    ] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Smoke mode: small counts.")] = False,
 ) -> None:
-    """Measure cold boot, exec and channel latency on this host."""
+    """Measure the headline figures against their baselines on this host."""
     from cryobox import bench as benchmarks
 
     with errors_reported():
         names = tuple(scenarios or benchmarks.SCENARIOS)
         try:
             figures, host = benchmarks.run(names, quick)
+            if plot_file is not None:
+                benchmarks.plot(figures, plot_file)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        table = Table("SCENARIO", "MEDIAN", "P90", "MIN", "RUNS", "WHAT")
-        for f in figures:
-            table.add_row(
+        rows = [
+            (
                 f.scenario,
                 f"{f.median} {f.unit}",
                 f"{f.p90} {f.unit}",
                 f"{f.min} {f.unit}",
                 str(f.runs),
+                f"{f.ratio} x {f.baseline}" if f.ratio is not None else "-",
                 f.note,
             )
-        out.print(table)
+            for f in figures
+        ]
+        print_rows(("SCENARIO", "MEDIAN", "P90", "MIN", "RUNS", "RATIO", "WHAT"), rows)
         out.print(", ".join(f"{k}: {v}" for k, v in host.items()))
         if json_file is not None:
             json_file.write_text(benchmarks.to_json(figures, host) + "\n")
+        if markdown is not None:
+            markdown.write_text(benchmarks.to_markdown_document(figures, host, quick))
 
 
 if __name__ == "__main__":
