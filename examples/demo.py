@@ -1,6 +1,6 @@
-"""The main job on the embedded defaults: boot a real VM sandbox and use it.
+"""The main job on the embedded defaults: boot a sandbox, use it, snapshot it, fork it.
 
-Run with ``make demo``. Prints what it does and how long each step took.
+Run with ``make demo``. Prints each step and how long it took on this host.
 """
 
 from __future__ import annotations
@@ -10,43 +10,73 @@ import urllib.request
 
 from cryobox import Sandbox
 
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/counter; sleep 0.2; done'"
+    " >/dev/null 2>&1 &"
+)
 
-def step(label: str, started: float) -> None:
-    print(f"  {label:<46} {time.monotonic() - started:6.2f} s")
+
+class Steps:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def done(self, label: str) -> None:
+        print(f"  {label:<64} {time.monotonic() - self.started:6.2f} s")
+        self.started = time.monotonic()
+
+
+def fetch(url: str) -> str:
+    for _ in range(120):
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.read().decode().strip()
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"the guest's web server never answered on {url}")
 
 
 def main() -> None:
-    print("cryobox demo: a real Debian VM (QEMU, TCG on this host)")
-    started = time.monotonic()
-    with Sandbox.create(ports=[8000]) as sbx:
-        step(f"created {sbx.id} (cold boot to exec-ready)", started)
+    print("cryobox demo: real Debian VMs under QEMU (TCG on this host)")
+    step = Steps()
+    with Sandbox.create(ports=[8000], progress=print) as sbx:
+        step.done(f"created {sbx.id} (restored from the default template)")
 
-        started = time.monotonic()
         result = sbx.commands.run("python3 -c 'print(6*7)'")
-        step(f"python3 -c 'print(6*7)' -> {result.stdout.strip()}", started)
+        step.done(f"python3 -c 'print(6*7)' -> {result.stdout.strip()}")
 
-        started = time.monotonic()
         sbx.files.mkdir("/root/app")
         sbx.files.write("/root/app/index.html", "hello from inside the VM\n")
-        listing = [entry.name for entry in sbx.files.list("/root/app")]
-        step(f"wrote a file, listed /root/app -> {listing}", started)
-
-        started = time.monotonic()
         sbx.commands.run("cd /root/app && python3 -m http.server 8000", background=True)
-        url = f"http://127.0.0.1:{sbx.ports[8000]}/index.html"
-        for _ in range(120):
-            try:
-                body = urllib.request.urlopen(url, timeout=5).read().decode().strip()
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise SystemExit(f"the guest's web server never answered on {url}")
-        step(f"guest web server on {url} -> {body!r}", started)
+        sbx.commands.run(COUNTER)
+        body = fetch(f"http://127.0.0.1:{sbx.ports[8000]}/index.html")
+        step.done(f"a web server and a counter run in the guest -> {body!r}")
 
-        result = sbx.commands.run("uname -sr; nproc; free -m | awk '/Mem/{print $2\" MiB\"}'")
-        print("  guest:", " | ".join(result.stdout.split("\n")[:3]))
-    print("  sandbox killed; snapshot and fork come with the memory-snapshot work (not built yet)")
+        checkpoint = sbx.checkpoint("before-rm")
+        sbx.commands.run("rm -rf /root/app")
+        sbx.rollback(checkpoint)
+        kept = sbx.files.read_text("/root/app/index.html").strip()
+        step.done(f"checkpoint, rm -rf /root/app, rollback -> {kept!r}")
+
+        sbx.pause()
+        step.done("paused: RAM, devices and disk saved, QEMU gone")
+        sbx = Sandbox.resume(sbx.id)
+        body = fetch(f"http://127.0.0.1:{sbx.ports[8000]}/index.html")
+        step.done(f"resumed: the web server still answers -> {body!r}")
+
+        snapshot = sbx.snapshot("demo-machine")
+        step.done(f"saved snapshot {snapshot.id} ({snapshot.kind})")
+
+        forks = sbx.fork(3)
+        step.done(f"forked 3 running copies: {', '.join(f.id for f in forks)}")
+        for fork in forks:
+            out = fork.commands.run(
+                "echo fork $CRYOBOX_FORK_ID: counter $(cat /root/counter), "
+                "$(head -c 4 /dev/urandom | od -An -tx1 | tr -d ' ')"
+            )
+            print("   ", out.stdout.strip())
+            fork.kill()
+        Sandbox.delete_snapshot(snapshot.id)
+    print("  all sandboxes killed")
 
 
 if __name__ == "__main__":

@@ -94,16 +94,20 @@ class Machine:
         self.record = replace(self.record, **changes)
         self._save(self.record)
 
-    # -- start
-
-    async def start(self, supervisor_pid: int) -> None:
-        """Boot cold, or restore the snapshot the spec names."""
+    def _claim(self, state: SandboxState, supervisor_pid: int) -> None:
+        """Record this supervisor as the sandbox's owner, with a fresh deadline."""
         self.update(
-            state=SandboxState.CREATING,
+            state=state,
             supervisor_pid=supervisor_pid,
             supervisor_started=process_start(supervisor_pid),
             deadline=time.time() + self.spec.timeout,
         )
+
+    # -- start
+
+    async def start(self, supervisor_pid: int) -> None:
+        """Boot cold, or restore the snapshot the spec names."""
+        self._claim(SandboxState.CREATING, supervisor_pid)
         if self.spec.restore_from is None:
             await self._cold_boot(self.image.rootfs, (str(self.image.rootfs),))
             return
@@ -402,12 +406,7 @@ class Machine:
 
     async def resume(self, supervisor_pid: int) -> None:
         """Continue the paused machine with every process where it was."""
-        self.update(
-            state=SandboxState.RESUMING,
-            supervisor_pid=supervisor_pid,
-            supervisor_started=process_start(supervisor_pid),
-            deadline=time.time() + self.spec.timeout,
-        )
+        self._claim(SandboxState.RESUMING, supervisor_pid)
         paused = self.folder.paused
         manifest = self._trusted(paused)
         disk = self.folder.path / f"disk-{self._layers + 1}.qcow2"

@@ -1,0 +1,154 @@
+"""Snapshot manifests, hashing, verification and the store, on plain files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import (
+    InvalidArgument,
+    QemuError,
+    SnapshotIncompatible,
+    SnapshotNotFound,
+    SnapshotVerificationFailed,
+    StateError,
+    error_detail,
+    error_from_detail,
+)
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import store
+
+
+def sample_manifest(snapshot_id: str, **changes: object) -> mf.Manifest:
+    base = mf.Manifest(
+        id=snapshot_id,
+        kind="memory",
+        purpose="snapshot",
+        name="n",
+        created_at=time.time(),
+        source_sandbox="sbx-1",
+        parent=None,
+        image_id="img",
+        image_path="/img",
+        qemu_version="7.2.22",
+        machine_type="q35",
+        accelerator="tcg",
+        cpu_model="max",
+        cpus=2,
+        memory_mib=1024,
+        disk_gib=4,
+        devices=("virtio-blk-pci",),
+        disk_chain=(),
+        ports=(),
+        ram_in_stream=False,
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_digest_ignores_how_holes_are_laid_out(tmp_path: Path) -> None:
+    sparse, dense = tmp_path / "sparse", tmp_path / "dense"
+    with open(sparse, "wb") as handle:
+        handle.truncate(64 << 20)
+        handle.seek(40 << 20)
+        handle.write(b"data in the middle")
+    with open(dense, "wb") as handle:
+        handle.write(bytes(40 << 20) + b"data in the middle")
+        handle.truncate(64 << 20)
+    assert mf.file_digest(sparse) == mf.file_digest(dense)
+    with open(dense, "r+b") as handle:
+        handle.seek(1 << 20)
+        handle.write(b"\x01")
+    assert mf.file_digest(sparse) != mf.file_digest(dense)
+
+
+def committed(tmp_path: Path, name: str = "snap-1") -> tuple[Path, mf.Manifest]:
+    temp, final = tmp_path / f".tmp-{name}", tmp_path / name
+    temp.mkdir()
+    (temp / mf.MEMORY).write_bytes(os.urandom(4096))
+    (temp / mf.DEVICE_STATE).write_bytes(b"state")
+    manifest = sample_manifest(
+        name, name=f"name-of-{name}", files=mf.describe_files(temp, [mf.MEMORY, mf.DEVICE_STATE])
+    )
+    mf.finish(temp, final, manifest)
+    return final, manifest
+
+
+def test_finish_commits_by_rename_and_verify_catches_changes(tmp_path: Path) -> None:
+    folder, manifest = committed(tmp_path)
+    assert not (tmp_path / ".tmp-snap-1").exists()
+    assert mf.load(folder) == manifest
+    mf.verify(folder, manifest)
+    data = bytearray((folder / mf.MEMORY).read_bytes())
+    data[100] ^= 0xFF
+    (folder / mf.MEMORY).write_bytes(bytes(data))
+    with pytest.raises(SnapshotVerificationFailed, match="memory: SHA-256 differs") as info:
+        mf.verify(folder, manifest)
+    assert info.value.file == mf.MEMORY
+    (folder / mf.DEVICE_STATE).unlink()
+    with pytest.raises(SnapshotVerificationFailed, match="missing"):
+        mf.verify(folder, manifest)
+
+
+def test_a_folder_without_manifest_is_not_a_snapshot(tmp_path: Path) -> None:
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / mf.MEMORY).write_bytes(b"x")
+    with pytest.raises(SnapshotNotFound):
+        mf.load(half)
+    (half / mf.MANIFEST).write_text("{not json")
+    with pytest.raises(SnapshotVerificationFailed, match="unreadable"):
+        mf.load(half)
+
+
+def test_compatibility_names_the_field() -> None:
+    manifest = sample_manifest("snap-2")
+    host = {
+        "qemu_version": "7.2.22",
+        "machine_type": "q35",
+        "accelerator": "tcg",
+        "cpu_model": "max",
+        "cpus": 2,
+        "memory_mib": 1024,
+        "devices": ["virtio-blk-pci"],
+    }
+    mf.check_compatible(manifest, host)
+    with pytest.raises(SnapshotIncompatible) as info:
+        mf.check_compatible(manifest, {**host, "accelerator": "kvm"})
+    assert (info.value.field, info.value.saved, info.value.host) == ("accelerator", "tcg", "kvm")
+    with pytest.raises(SnapshotIncompatible, match="format_version"):
+        mf.check_compatible(replace(manifest, format_version=99), host)
+
+
+def test_store_finds_by_name_and_refuses_to_delete_a_base(tmp_path: Path) -> None:
+    folder, manifest = committed(store.snapshots_dir(), "snap-unit-a")
+    try:
+        assert store.find("snap-unit-a") == (folder, manifest)
+        assert store.find("name-of-snap-unit-a") == (folder, manifest)
+        with pytest.raises(InvalidArgument, match="base of sandbox disk"):
+            store.delete("snap-unit-a", sandbox_disks=[str(folder / mf.DISK)])
+        store.delete("snap-unit-a")
+        with pytest.raises(SnapshotNotFound):
+            store.find("snap-unit-a")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        SnapshotIncompatible("snap-1", "cpus", 2, 4),
+        SnapshotVerificationFailed("snap-1", "memory", "SHA-256 differs"),
+        SnapshotNotFound("nope"),
+        StateError("sbx-1", "paused", ["running"], "pause"),
+        QemuError("boom", command=["qemu"], exitcode=1, stderr="bad"),
+    ],
+)
+def test_errors_cross_process_boundaries_intact(error: Exception) -> None:
+    rebuilt = error_from_detail(error_detail(error), str(error))  # type: ignore[arg-type]
+    assert type(rebuilt) is type(error)
+    assert str(rebuilt) == str(error) or isinstance(error, QemuError)
