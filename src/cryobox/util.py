@@ -20,26 +20,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one.
 
-    Temporary name in the same directory, fsync, rename, fsync the directory.
+    Temporary name in the same directory, fsync, rename, fsync the directory. The rename
+    alone is atomic against a crashed process; ``durable=False`` skips the fsyncs for
+    state that could not outlive a host crash anyway (a running VM's bookkeeping).
     """
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    write_atomic(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+def write_json_atomic(path: Path, value: Any, *, durable: bool = True) -> None:
+    write_atomic(
+        path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode(), durable=durable
+    )
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ RAM mapped shared is skipped by the migration stream (the file is the RAM, the
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -145,24 +146,33 @@ class Machine:
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
         shared = not manifest.ram_in_stream
-        if manifest.ram_in_stream:
-            with open(memory, "wb") as handle:
-                handle.truncate(manifest.memory_mib << 20)
-        elif self.spec.forked_from and new_identity:
+        copying: asyncio.Future[None] | None = None
+        if self.spec.forked_from and new_identity and shared:
             # Forks map the one frozen file privately: its pages are shared by every fork
             # in the page cache, and each fork's writes are copy-on-write of its own.
             memory, shared = folder / mf.MEMORY, False
         else:
-            await _copy_sparse(folder / mf.MEMORY, memory)
-        timer("ram copy")
+            with open(memory, "wb") as handle:
+                handle.truncate(manifest.memory_mib << 20)
+            if not manifest.ram_in_stream:
+                # Filled while QEMU starts (it only maps the file; nothing reads guest RAM
+                # before the device state loads, which waits for the copy).
+                copying = asyncio.ensure_future(
+                    asyncio.to_thread(copy_data_extents, folder / mf.MEMORY, memory)
+                )
         self.update(
             disk=str(disk),
             disk_chain=(str(folder / mf.DISK), *manifest.disk_chain),
             memory_file=str(memory),
             memory_shared=shared,
         )
-        await self._start_qemu(incoming=True, guest_ports=manifest.ports)
-        timer("qemu start")
+        try:
+            await self._start_qemu(incoming=True, guest_ports=manifest.ports)
+            timer("qemu start")
+        finally:
+            if copying is not None:
+                await copying
+                timer("ram copy done")
         await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity, timer=timer)
         timer.log()
 
@@ -177,14 +187,24 @@ class Machine:
         await self.qemu.load_device_state(device_state)
         step("device state")
         await self.qemu.execute("cont")
-        self.agent = await self._connect_agent(RESTORE_TIMEOUT, agent)
-        step("agent answers")
-        await self._refresh_guest(new_identity=new_identity)
-        step("guest refreshed")
+        # The refresh is the first request: the agent was running when saved, so its answer
+        # is the readiness signal (one round trip instead of a ping and then the refresh).
+        self.agent = await self._connect_agent(
+            RESTORE_TIMEOUT, agent, probe=self._refresh_args(new_identity)
+        )
+        step("agent refreshed")
 
     async def _refresh_guest(self, *, new_identity: bool) -> None:
         """Step the clock and add entropy; a new sandbox also gets its own identity."""
         assert self.agent is not None
+        op, args, payload = self._refresh_args(new_identity)()
+        await self.agent.request(op, args, payload, timeout=30)
+
+    def _refresh_args(self, new_identity: bool) -> Callable[[], tuple[str, dict[str, Any], bytes]]:
+        """The refresh request, built when sent (the time must be current)."""
+        return lambda: ("sys.refresh", self._refresh_fields(new_identity), os.urandom(64))
+
+    def _refresh_fields(self, new_identity: bool) -> dict[str, Any]:
         args: dict[str, Any] = {"time_ns": time.time_ns()}
         if new_identity:
             args.update(
@@ -192,7 +212,7 @@ class Machine:
             )
             if self.spec.forked_from:
                 args.update(fork_id=self.spec.fork_index, forked_from=self.spec.forked_from)
-        await self.agent.request("sys.refresh", args, os.urandom(64), timeout=30)
+        return args
 
     def _new_layer(self, backing: Path) -> Path:
         """A new writable qcow2 layer on ``backing`` (its path, as it will be once final)."""
@@ -250,8 +270,14 @@ class Machine:
         await self.qemu.start()
         self.update(qemu_pid=self.qemu.pid, ports={f.guest_port: f.host_port for f in forwards})
 
-    async def _connect_agent(self, timeout: float, agent: AgentClient | None = None) -> AgentClient:
-        """Connect to the guest agent (unless given a connection) and wait for it to answer."""
+    async def _connect_agent(
+        self,
+        timeout: float,
+        agent: AgentClient | None = None,
+        probe: Callable[[], tuple[str, dict[str, Any], bytes]] | None = None,
+    ) -> AgentClient:
+        """Connect to the guest agent (unless given a connection) and wait until it answers
+        ``probe``'s request (a ping by default), resent until the deadline."""
         assert self.qemu is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -264,7 +290,8 @@ class Machine:
                     + _tail(self.folder.console_log)
                 )
             try:
-                await agent.request("ping", timeout=0.25)
+                op, args, payload = probe() if probe else ("ping", {}, b"")
+                await agent.request(op, args, payload, timeout=0.5 if probe else 0.25)
                 return agent
             except ChannelError:
                 if loop.time() > deadline:
@@ -514,6 +541,32 @@ def _qemu_img(*args: str) -> None:
             exitcode=done.returncode,
             stderr=done.stderr,
         )
+
+
+def copy_data_extents(source: Path, target: Path) -> None:
+    """Copy the data extents of ``source`` into the same offsets of ``target`` (already
+    sized). copy_file_range shares blocks where the file system can (XFS, btrfs) and
+    copies in the kernel elsewhere; holes are never read."""
+    with open(source, "rb") as src, open(target, "r+b") as dst:
+        size = os.fstat(src.fileno()).st_size
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    return
+                raise
+            end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+            position = start
+            while position < end:
+                copied = os.copy_file_range(
+                    src.fileno(), dst.fileno(), end - position, position, position
+                )
+                if copied <= 0:
+                    raise OSError(f"copy_file_range stopped at {position} of {source}")
+                position += copied
+            offset = end
 
 
 async def _copy_sparse(source: Path, target: Path) -> None:

@@ -152,7 +152,12 @@ class SandboxDir:
             current = SandboxRecord.from_json(json.loads(self.state_file.read_text())).state
             if current != record.state:
                 check_transition(self.id, current, record.state)
-        write_json_atomic(self.state_file, replace(record, updated_at=time.time()).to_json())
+        # A running sandbox's record cannot outlive a host crash (its VM would not): only
+        # states that must survive one are fsynced.
+        durable = record.state in (SandboxState.PAUSED, SandboxState.KILLED, SandboxState.DEAD)
+        write_json_atomic(
+            self.state_file, replace(record, updated_at=time.time()).to_json(), durable=durable
+        )
 
 
 def process_start(pid: int) -> int | None:
