@@ -121,18 +121,26 @@ def images_dir() -> Path:
 # --------------------------------------------------------------------------- key
 
 
-def run(argv: Sequence[str], *, cwd: Path | None = None, input: bytes | None = None) -> str:
-    """Run a build command; its failure is an ImageError carrying the command and output."""
+def run_bytes(argv: Sequence[str], *, cwd: Path | None = None, input: bytes | None = None) -> bytes:
+    """Run a build command and return its stdout.
+
+    :raises ImageError: carrying the command and its output, when it fails or is missing.
+    """
     try:
         done = subprocess.run(list(argv), cwd=cwd, input=input, capture_output=True, check=False)
     except FileNotFoundError as exc:
         raise ImageError(f"{argv[0]} is not installed (run `make setup`)", command=argv) from exc
-    output = (done.stdout + done.stderr).decode(errors="replace")
     if done.returncode != 0:
+        output = (done.stdout + done.stderr).decode(errors="replace")
         raise ImageError(
             f"{argv[0]} failed with exit code {done.returncode}", command=argv, output=output
         )
-    return done.stdout.decode(errors="replace")
+    return done.stdout
+
+
+def run(argv: Sequence[str], *, cwd: Path | None = None) -> str:
+    """:func:`run_bytes` for commands that print text."""
+    return run_bytes(argv, cwd=cwd).decode(errors="replace")
 
 
 def check_host_tools() -> None:
@@ -412,12 +420,3 @@ def _initramfs(kernel_dir: Path, output: Path, work: Path) -> None:
         input="\n".join(names).encode(),
     )
     output.write_bytes(archive)
-
-
-def run_bytes(argv: Sequence[str], *, cwd: Path, input: bytes) -> bytes:
-    done = subprocess.run(list(argv), cwd=cwd, input=input, capture_output=True, check=False)
-    if done.returncode != 0:
-        raise ImageError(
-            f"{argv[0]} failed", command=argv, output=done.stderr.decode(errors="replace")
-        )
-    return done.stdout

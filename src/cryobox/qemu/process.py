@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import ExecuteError, QMPClient
+from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
 from cryobox.errors import QemuError, QemuNotInstalled
 from cryobox.qemu.command import MachineSpec, build_command
@@ -121,8 +121,8 @@ class QemuProcess:
                 client = QMPClient(self.spec.name)
                 try:
                     await client.connect(str(self.spec.qmp_socket))
-                except (OSError, ConnectionError):
-                    pass
+                except (OSError, ConnectError):
+                    pass  # the socket exists before QEMU listens on it: try again
                 else:
                     self._qmp = client
                     return

@@ -96,6 +96,10 @@ class Supervisor:
             log.error("start failed: %s", exc)
             await self._shutdown(SandboxState.DEAD, str(exc), error_detail(exc))
             return 1
+        except Exception as exc:  # a bug: still end cleanly and say what happened
+            log.exception("start failed unexpectedly")
+            await self._shutdown(SandboxState.DEAD, f"internal error while starting: {exc!r}")
+            return 1
         self.folder.control_socket.unlink(missing_ok=True)
         server = await asyncio.start_unix_server(
             self._serve_client, str(self.folder.control_socket)
