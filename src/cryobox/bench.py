@@ -523,14 +523,13 @@ INTRO = (
 )
 ANCHORS = """| system | figure | published |
 |---|---|---|
-| Firecracker | microVM boot to guest init | about 125 ms |
-| Firecracker | snapshot restore (MAP_PRIVATE memory) | a few ms to tens of ms |
+| Firecracker | microVM boot | as little as 125 ms |
 | E2B | pause | about 4 s per GiB of RAM |
 | E2B | resume | about 1 s |
 | E2B | fork | at most 100 per call |
 | forkd | 100 VMs started | 101 ms |
-| Zeroboot | one fork (MAP_PRIVATE of a snapshot) | 0.79 ms |
-| CodeSandbox | VM clone / resume from memory snapshot | about 1.5 s / 0.5 s |
+| Zeroboot | one fork (MAP_PRIVATE of a snapshot's memory) | 0.79 ms |
+| CodeSandbox | clone (fork) of a running VM | about 2 s |
 
 Theirs are on KVM hardware; ours here run under TCG (QEMU's emulator), which
 translates every guest instruction and re-translates all guest code in each new
