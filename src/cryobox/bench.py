@@ -550,6 +550,7 @@ def to_markdown_document(figures: list[Figure], host: dict[str, Any], quick: boo
                 INTRO,
                 head + mode,
                 to_markdown_table(figures),
+                "![the timed figures, log scale](bench.png)",
                 "## Published anchors",
                 ANCHORS,
             ]
