@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cryobox.errors import ChannelError, CryoboxError, GuestError, SnapshotError, error_detail
+from cryobox.errors import ChannelError, CryoboxError, GuestError, error_detail
 from cryobox.guest import protocol as p
 from cryobox.qemu import qemu_version
 from cryobox.sandbox.machine import Machine
@@ -79,26 +79,8 @@ class Supervisor:
                 await self.machine.resume(os.getpid())
             else:
                 await self.machine.start(os.getpid())
-        except SnapshotError as exc:
-            log.error("refused: %s", exc)
-            await self.machine.stop_qemu()
-            if resume:
-                self.machine.update(
-                    state=SandboxState.PAUSED,
-                    supervisor_pid=None,
-                    error=str(exc),
-                    failure=error_detail(exc),
-                )
-            else:
-                await self._shutdown(SandboxState.DEAD, str(exc), error_detail(exc))
-            return 1
-        except CryoboxError as exc:
-            log.error("start failed: %s", exc)
-            await self._shutdown(SandboxState.DEAD, str(exc), error_detail(exc))
-            return 1
-        except Exception as exc:  # a bug: still end cleanly and say what happened
-            log.exception("start failed unexpectedly")
-            await self._shutdown(SandboxState.DEAD, f"internal error while starting: {exc!r}")
+        except Exception as exc:
+            await self._failed_start(exc, resume)
             return 1
         self.folder.control_socket.unlink(missing_ok=True)
         server = await asyncio.start_unix_server(
@@ -119,6 +101,27 @@ class Supervisor:
             state, reason = self._stop_reason
             await self._shutdown(state, reason)
         return 0
+
+    async def _failed_start(self, exc: Exception, resume: bool) -> None:
+        """End a start that failed, saying why. A failed resume stays paused: its saved
+        state was put back intact and can be resumed again (or killed)."""
+        if isinstance(exc, CryoboxError):
+            log.error("start failed: %s", exc)
+            reason, detail = str(exc), error_detail(exc)
+        else:  # a bug: still end cleanly and say what happened
+            log.exception("start failed unexpectedly")
+            reason, detail = f"internal error while starting: {exc!r}", None
+        if resume:
+            await self.machine.stop_qemu()
+            self.machine.update(
+                state=SandboxState.PAUSED,
+                supervisor_pid=None,
+                qemu_pid=None,
+                error=reason,
+                failure=detail,
+            )
+        else:
+            await self._shutdown(SandboxState.DEAD, reason, detail)
 
     def stop(self, state: SandboxState, reason: str | None) -> None:
         if not self._stop.is_set():
