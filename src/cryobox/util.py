@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,45 @@ def write_json_atomic(path: Path, value: Any, *, durable: bool = True) -> None:
     write_atomic(
         path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode(), durable=durable
     )
+
+
+def data_extents(fd: int) -> Iterator[tuple[int, int]]:
+    """The (start, end) byte ranges of a file that hold data; holes are skipped unread."""
+    size = os.fstat(fd).st_size
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole remains
+                return
+            raise
+        offset = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, offset
+
+
+def copy_sparse(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` (created or resized to its size) keeping holes.
+
+    copy_file_range shares blocks where the file system can (XFS, btrfs) and copies in
+    the kernel elsewhere; only the data extents are copied, at the same offsets, so a
+    target already mapped by QEMU (sized, not truncated) can be filled in place.
+    """
+    with open(source, "rb") as src:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(dst, os.fstat(src.fileno()).st_size)
+            for start, end in data_extents(src.fileno()):
+                position = start
+                while position < end:
+                    copied = os.copy_file_range(
+                        src.fileno(), dst, end - position, position, position
+                    )
+                    if copied <= 0:
+                        raise OSError(f"copy_file_range stopped at {position} of {source}")
+                    position += copied
+        finally:
+            os.close(dst)
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from cryobox.errors import (
 )
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import store
+from cryobox.util import copy_sparse
 
 
 def sample_manifest(snapshot_id: str, **changes: object) -> mf.Manifest:
@@ -152,3 +153,21 @@ def test_errors_cross_process_boundaries_intact(error: Exception) -> None:
     rebuilt = error_from_detail(error_detail(error), str(error))  # type: ignore[arg-type]
     assert type(rebuilt) is type(error)
     assert str(rebuilt) == str(error) or isinstance(error, QemuError)
+
+
+def test_copy_sparse_keeps_data_and_holes_and_fills_a_sized_target(tmp_path: Path) -> None:
+    source = tmp_path / "ram"
+    with open(source, "wb") as handle:
+        handle.truncate(32 << 20)
+        handle.seek(20 << 20)
+        handle.write(b"guest page")
+    target = tmp_path / "copy"
+    copy_sparse(source, target)
+    assert target.read_bytes() == source.read_bytes()
+    assert target.stat().st_blocks * 512 < 1 << 20  # the holes stayed holes
+    sized = tmp_path / "mapped"
+    with open(sized, "wb") as handle:  # as QEMU has it: created and sized, not truncated later
+        handle.truncate(32 << 20)
+    inode = sized.stat().st_ino
+    copy_sparse(source, sized)
+    assert sized.stat().st_ino == inode and mf.file_digest(sized) == mf.file_digest(source)

@@ -11,7 +11,6 @@ import codecs
 import contextlib
 import os
 import signal as signals
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -566,9 +565,7 @@ class AsyncSandbox:
             channel = await self._channel()
             with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
                 await channel.request("sandbox.kill")
-            deadline = time.monotonic() + 15
-            while not self._folder.record().state.finished and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await local.wait_finished(self._folder)
         origin = self._folder.record().origin
         await self.close()
         local.kill_sandbox_files(self._folder)

@@ -274,19 +274,18 @@ class RunningCommand:
         self._loop.add_reader(pidfd, self._on_exit, pidfd)
         return self._done
 
-    def _on_output(self, fd: int, name: str) -> bool:
-        """Forward what the pipe holds now; False once it is exhausted for good."""
+    def _on_output(self, fd: int, name: str) -> None:
+        """Forward what the pipe holds now; stop watching it at end-of-file."""
         try:
             chunk = os.read(fd, READ_SIZE)
         except BlockingIOError:
-            return True
+            return
         except OSError:
             chunk = b""
         if chunk:
             self._send({"id": self._rid, "event": name}, chunk, droppable=True)
-            return True
-        self._close(fd)
-        return False
+        else:
+            self._close(fd)
 
     def _on_exit(self, pidfd: int) -> None:
         """The child exited: drain what it wrote and finish, even if a process it left

@@ -350,7 +350,7 @@ async def build_template(
         with contextlib.suppress(Exception):
             await client.request("sandbox.kill")
         await client.close()
-        await _wait_finished(folder)
+        await wait_finished(folder)
         shutil.rmtree(folder.path, ignore_errors=True)
     previous = store.template(name)
     store.set_template(
@@ -364,7 +364,8 @@ async def build_template(
     return store.snapshots_dir() / str(saved["id"])
 
 
-async def _wait_finished(folder: SandboxDir, timeout: float = 15.0) -> None:
+async def wait_finished(folder: SandboxDir, timeout: float = 15.0) -> None:
+    """Return once the sandbox's record says killed or dead (or ``timeout`` passed)."""
     deadline = time.monotonic() + timeout
     while not folder.record().state.finished and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

@@ -22,7 +22,6 @@ RAM mapped shared is skipped by the migration stream (the file is the RAM, the
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import shutil
@@ -44,7 +43,7 @@ from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import store
 from cryobox.snapshot.manifest import Manifest
-from cryobox.util import free_port, new_id
+from cryobox.util import copy_sparse, free_port, new_id
 
 log = logging.getLogger("cryobox.supervisor")
 
@@ -158,7 +157,7 @@ class Machine:
                 # Filled while QEMU starts (it only maps the file; nothing reads guest RAM
                 # before the device state loads, which waits for the copy).
                 copying = asyncio.ensure_future(
-                    asyncio.to_thread(copy_data_extents, folder / mf.MEMORY, memory)
+                    asyncio.to_thread(copy_sparse, folder / mf.MEMORY, memory)
                 )
         self.update(
             disk=str(disk),
@@ -346,12 +345,14 @@ class Machine:
             crash_point("stopped")
             # Stopping drained and flushed the disk: its active layer is consistent on disk
             # and copies cheaply (it holds only what changed above its frozen backing).
-            await _copy_sparse(Path(self.record.disk), temp / mf.DISK)
+            await asyncio.to_thread(copy_sparse, Path(self.record.disk), temp / mf.DISK)
             crash_point("disk-copied")
             files = [mf.DISK]
             ram_in_stream = memory and not self.record.memory_shared
             if memory and self.record.memory_shared:
-                await _copy_sparse(Path(self.record.memory_file or ""), temp / mf.MEMORY)
+                await asyncio.to_thread(
+                    copy_sparse, Path(self.record.memory_file or ""), temp / mf.MEMORY
+                )
                 files.append(mf.MEMORY)
             if memory:
                 await self.qemu.save_device_state(temp / mf.DEVICE_STATE)
@@ -540,52 +541,6 @@ def _qemu_img(*args: str) -> None:
             command=["qemu-img", *args],
             exitcode=done.returncode,
             stderr=done.stderr,
-        )
-
-
-def copy_data_extents(source: Path, target: Path) -> None:
-    """Copy the data extents of ``source`` into the same offsets of ``target`` (already
-    sized). copy_file_range shares blocks where the file system can (XFS, btrfs) and
-    copies in the kernel elsewhere; holes are never read."""
-    with open(source, "rb") as src, open(target, "r+b") as dst:
-        size = os.fstat(src.fileno()).st_size
-        offset = 0
-        while offset < size:
-            try:
-                start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:
-                    return
-                raise
-            end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
-            position = start
-            while position < end:
-                copied = os.copy_file_range(
-                    src.fileno(), dst.fileno(), end - position, position, position
-                )
-                if copied <= 0:
-                    raise OSError(f"copy_file_range stopped at {position} of {source}")
-                position += copied
-            offset = end
-
-
-async def _copy_sparse(source: Path, target: Path) -> None:
-    """Copy a RAM file keeping its holes (and sharing blocks where the FS can reflink)."""
-    proc = await asyncio.create_subprocess_exec(
-        "cp",
-        "--sparse=always",
-        "--reflink=auto",
-        str(source),
-        str(target),
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise QemuError(
-            f"copying {source} failed",
-            command=["cp", str(source), str(target)],
-            exitcode=proc.returncode,
-            stderr=err.decode(errors="replace"),
         )
 
 

@@ -21,7 +21,6 @@ the next restore hash it again.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox.errors import SnapshotIncompatible, SnapshotNotFound, SnapshotVerificationFailed
-from cryobox.util import fsync_dir, write_json_atomic
+from cryobox.util import data_extents, fsync_dir, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -86,25 +85,18 @@ def file_digest(path: Path) -> str:
     as a hole, so the digest does not depend on how a copy laid the file out.
     """
     digest = hashlib.sha256()
-    size = path.stat().st_size
-    digest.update(size.to_bytes(8, "big"))
     with open(path, "rb") as handle:
-        fd = handle.fileno()
-        window = 0
-        while window < size:
-            try:
-                data = os.lseek(fd, window, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # nothing but a hole remains
-                    break
-                raise
-            window = data - data % HASH_BLOCK
-            handle.seek(window)
-            block = handle.read(HASH_BLOCK)
-            if block.count(0) != len(block):
-                digest.update(window.to_bytes(8, "big"))
-                digest.update(block)
-            window += HASH_BLOCK
+        digest.update(os.fstat(handle.fileno()).st_size.to_bytes(8, "big"))
+        window = 0  # windows below this offset are hashed already
+        for start, end in data_extents(handle.fileno()):
+            window = max(window, start - start % HASH_BLOCK)
+            while window < end:
+                handle.seek(window)
+                block = handle.read(HASH_BLOCK)
+                if block.count(0) != len(block):
+                    digest.update(window.to_bytes(8, "big"))
+                    digest.update(block)
+                window += HASH_BLOCK
     return digest.hexdigest()
 
 
