@@ -65,18 +65,27 @@ def data_extents(fd: int) -> Iterator[tuple[int, int]]:
         yield start, offset
 
 
-def copy_sparse(source: Path, target: Path) -> None:
+PAGE = 4096
+_ZERO_PAGE = bytes(PAGE)
+
+
+def copy_sparse(source: Path, target: Path, *, skip_zero_pages: bool = False) -> None:
     """Copy ``source`` to ``target`` (created or resized to its size) keeping holes.
 
-    copy_file_range shares blocks where the file system can (XFS, btrfs) and copies in
-    the kernel elsewhere; only the data extents are copied, at the same offsets, so a
-    target already mapped by QEMU (sized, not truncated) can be filled in place.
+    Only data extents are copied, at the same offsets, so a target already mapped by
+    QEMU (sized, never truncated) can be filled in place. By default through
+    copy_file_range, which shares blocks where the file system can (XFS, btrfs) and
+    copies in the kernel elsewhere. ``skip_zero_pages`` also leaves zeroed pages inside
+    data extents as holes, for a live RAM file whose guest freed and zeroed memory.
     """
     with open(source, "rb") as src:
         dst = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.ftruncate(dst, os.fstat(src.fileno()).st_size)
             for start, end in data_extents(src.fileno()):
+                if skip_zero_pages:
+                    _copy_nonzero_pages(src.fileno(), dst, start, end)
+                    continue
                 position = start
                 while position < end:
                     copied = os.copy_file_range(
@@ -87,6 +96,23 @@ def copy_sparse(source: Path, target: Path) -> None:
                     position += copied
         finally:
             os.close(dst)
+
+
+def _copy_nonzero_pages(src: int, dst: int, start: int, end: int) -> None:
+    """Write the runs of non-zero pages of ``src[start:end]`` to the same offsets of ``dst``."""
+    chunk = 1 << 20
+    for base in range(start, end, chunk):
+        view = memoryview(os.pread(src, min(chunk, end - base), base))
+        run = None  # offset in view where the current run of non-zero pages began
+        for offset in range(0, len(view), PAGE):
+            zero = view[offset : offset + PAGE] == _ZERO_PAGE[: len(view) - offset]
+            if zero and run is not None:
+                os.pwrite(dst, view[run:offset], base + run)
+                run = None
+            elif not zero and run is None:
+                run = offset
+        if run is not None:
+            os.pwrite(dst, view[run:], base + run)
 
 
 def free_port() -> int:

@@ -171,3 +171,14 @@ def test_copy_sparse_keeps_data_and_holes_and_fills_a_sized_target(tmp_path: Pat
     inode = sized.stat().st_ino
     copy_sparse(source, sized)
     assert sized.stat().st_ino == inode and mf.file_digest(sized) == mf.file_digest(source)
+
+
+def test_copy_sparse_can_leave_zeroed_pages_as_holes(tmp_path: Path) -> None:
+    source = tmp_path / "live-ram"
+    # written zeros (allocated blocks, as a guest's zeroed memory is), then one data page
+    source.write_bytes(bytes(8 << 20) + b"x" * 4096 + bytes(4096 * 3) + b"tail")
+    plain, skipping = tmp_path / "plain", tmp_path / "skipping"
+    copy_sparse(source, plain)
+    copy_sparse(source, skipping, skip_zero_pages=True)
+    assert plain.read_bytes() == skipping.read_bytes() == source.read_bytes()
+    assert skipping.stat().st_blocks * 512 <= 64 * 1024 < plain.stat().st_blocks * 512

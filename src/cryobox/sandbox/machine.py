@@ -351,7 +351,10 @@ class Machine:
             ram_in_stream = memory and not self.record.memory_shared
             if memory and self.record.memory_shared:
                 await asyncio.to_thread(
-                    copy_sparse, Path(self.record.memory_file or ""), temp / mf.MEMORY
+                    copy_sparse,
+                    Path(self.record.memory_file or ""),
+                    temp / mf.MEMORY,
+                    skip_zero_pages=True,
                 )
                 files.append(mf.MEMORY)
             if memory:
