@@ -24,8 +24,8 @@ from typing import Any
 
 from cryobox import config
 from cryobox.client import AsyncSandbox
+from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
-from cryobox.sandbox import registry
 
 SCENARIOS = (
     "cold-boot",
@@ -126,18 +126,14 @@ def disk_bandwidth_mb_s(size_mb: int = 256) -> float:
         return size_mb * 1.048576 / (time.perf_counter() - start)
 
 
-def qemu_pss_mib(sandboxes: list[AsyncSandbox]) -> float:
+async def qemu_pss_mib(sandboxes: list[AsyncSandbox]) -> float:
     """Sum of the QEMU processes' proportional set sizes: shared pages counted once."""
     total_kib = 0
     for sbx in sandboxes:
-        pid = registry.find(sbx.id).record().qemu_pid
+        pid = (await sbx.info()).vmm_pid
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
             total_kib += sum(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
     return total_kib / 1024
-
-
-def allocated_mb(folder: Path) -> float:
-    return sum(p.stat().st_blocks * 512 for p in folder.iterdir() if p.is_file()) / 1e6
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -170,11 +166,11 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
                 )
             )
         if "ping" in names:
-            channel = await sbx._channel()
+            transport = default_transport()
             figures.append(
                 summarize(
                     "ping",
-                    await _timed(lambda: channel.request("ping"), repeat),
+                    await _timed(lambda: transport.ping(sbx.id), repeat),
                     "ms",
                     scale=1000,
                     note="agent no-op via supervisor",
@@ -230,8 +226,7 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
         )
         await asyncio.sleep(3 if ctx.quick else 8)
         for _ in range(runs):
-            memory = Path(registry.find(sbx.id).record().memory_file or "")
-            used_mb = memory.stat().st_blocks * 512 / 1e6
+            used_mb = (await sbx.info()).ram_file_bytes / 1e6
             start = time.perf_counter()
             await sbx.pause()
             pauses.append(time.perf_counter() - start)
@@ -321,7 +316,7 @@ async def fork(ctx: Context) -> list[Figure]:
         forks = await parent.fork(count)
         await asyncio.gather(*(f.commands.run(["true"]) for f in forks))
         elapsed = time.perf_counter() - start
-        pss = qemu_pss_mib(forks)
+        pss = await qemu_pss_mib(forks)
         for sbx in forks:
             await sbx.kill()
         await parent.kill()
@@ -384,8 +379,7 @@ async def snapshot_bytes(ctx: Context) -> list[Figure]:
         for changed_mb in (8,) if ctx.quick else (8, 64, 256):
             await sbx.commands.run(f"head -c {changed_mb}M /dev/urandom > /root/blob")
             saved = await sbx.snapshot(f"bench-bytes-{changed_mb}")
-            folder = Path(config.state_dir()) / "snapshots" / saved.id
-            stored = allocated_mb(folder)
+            stored = saved.stored_bytes / 1e6
             figures.append(
                 summarize(
                     f"snapshot-{changed_mb}MB-changed",
@@ -436,13 +430,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await restore_vs_ram(ctx)
     if "snapshot-bytes" in names:
         figures += await snapshot_bytes(ctx)
-    from cryobox.snapshot import store
-
     for template in ctx.made_templates:  # leave no benchmark templates behind
-        entry = store.template(template)
-        if entry:
-            await AsyncSandbox.delete_snapshot(str(entry["snapshot"]))
-            (store.templates_dir() / f"{template}.json").unlink(missing_ok=True)
+        await AsyncSandbox.delete_template(template)
     return figures
 
 

@@ -15,7 +15,8 @@
      │    ├── SnapshotNotFound         no snapshot, checkpoint or template by that name (ref)
      │    ├── SnapshotIncompatible     saved on another QEMU/machine/CPU... (field, saved, host)
      │    └── SnapshotVerificationFailed   a file is missing or its hash differs (file)
-     ├── ChannelError             the connection to the guest agent failed or closed
+     ├── StorageError             the host could not write or read saved state (doing, path, reason)
+ ├── ChannelError             the connection to the guest agent failed or closed
      │    └── ProtocolError       the peer sent bytes that are not our protocol
      └── GuestError               the agent answered with an error (op, kind, message)
           ├── GuestFileNotFound   a path that does not exist in the guest
@@ -147,6 +148,16 @@ class SnapshotVerificationFailed(SnapshotError):
         super().__init__(f"snapshot {snapshot_id} refused: {file}: {reason}")
 
 
+class StorageError(CryoboxError):
+    """The host's file system failed us (full, read-only...); nothing was half-written."""
+
+    def __init__(self, doing: str, path: str, reason: str) -> None:
+        self.action = doing
+        self.file = path
+        self.reason = reason
+        super().__init__(f"{doing} failed: {reason} ({path})")
+
+
 class ChannelError(CryoboxError):
     """The connection to the guest agent (or the sandbox's supervisor) failed."""
 
@@ -177,11 +188,12 @@ class GuestPermissionError(GuestError, PermissionError):
     pass
 
 
-# --------------------------------------------------------------------------- transport
-# A supervisor runs in another process: its errors travel as plain dicts (in the state
-# record, in an error answer's "detail") and are rebuilt here, the one place that does it.
+# --------------------------------------------------------------------------- wire
+# Errors cross process boundaries (supervisor -> service, later server -> SDK) as plain
+# dicts and are rebuilt here, the one place that does it, as the same type with the same
+# context attributes, whatever the type: a new error class needs no code here.
 
-_DETAIL_FIELDS = (
+_CONTEXT_FIELDS = (
     "snapshot_id",
     "field",
     "saved",
@@ -193,55 +205,49 @@ _DETAIL_FIELDS = (
     "state",
     "required",
     "action",
+    "needed_mib",
+    "available_mib",
+    "command",
+    "exitcode",
+    "stderr",
+    "output",
+    "op",
+    "kind",
+    "message",
 )
+
+
+def _error_types() -> dict[str, type[CryoboxError]]:
+    found: dict[str, type[CryoboxError]] = {}
+    pending: list[type[CryoboxError]] = [CryoboxError]
+    while pending:
+        cls = pending.pop()
+        found[cls.__name__] = cls
+        pending.extend(cls.__subclasses__())
+    return found
 
 
 def error_detail(exc: CryoboxError) -> dict[str, Any]:
     """A JSON-able description of ``exc`` that :func:`error_from_detail` turns back."""
-    if isinstance(exc, QemuError):
-        return {
-            "type": "QemuError",
-            "command": exc.command,
-            "exitcode": exc.exitcode,
-            "stderr": exc.stderr,
-        }
-    values = {name: getattr(exc, name) for name in _DETAIL_FIELDS if hasattr(exc, name)}
-    return {
-        "type": type(exc).__name__,
-        **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()},
-    }
+    fields = {}
+    for name in _CONTEXT_FIELDS:
+        if hasattr(exc, name):
+            value = getattr(exc, name)
+            fields[name] = list(value) if isinstance(value, tuple) else value
+    return {"type": type(exc).__name__, "message": str(exc), "fields": fields}
 
 
-def error_from_detail(detail: dict[str, Any], message: str) -> CryoboxError | None:
-    """The exception a detail describes, or None when it names no known type."""
-    kind = detail.get("type")
-    try:
-        if kind == "QemuError":
-            return QemuError(
-                message,
-                command=list(detail.get("command") or []),
-                exitcode=detail.get("exitcode"),
-                stderr=str(detail.get("stderr") or ""),
-            )
-        if kind == "SnapshotIncompatible":
-            return SnapshotIncompatible(
-                str(detail["snapshot_id"]), str(detail["field"]), detail["saved"], detail["host"]
-            )
-        if kind == "SnapshotVerificationFailed":
-            return SnapshotVerificationFailed(
-                str(detail["snapshot_id"]), str(detail["file"]), str(detail["reason"])
-            )
-        if kind == "SnapshotNotFound":
-            return SnapshotNotFound(str(detail["ref"]))
-        if kind == "StateError":
-            return StateError(
-                str(detail["sandbox_id"]),
-                str(detail["state"]),
-                [str(r) for r in detail["required"]],
-                str(detail["action"]),
-            )
-        if kind == "InvalidArgument":
-            return InvalidArgument(message)
-    except (KeyError, TypeError):
+def error_from_detail(detail: dict[str, Any], message: str | None = None) -> CryoboxError | None:
+    """The exception a detail describes (same type, message and context attributes), or
+    None when it names no cryobox error type."""
+    cls = _error_types().get(str(detail.get("type")))
+    if cls is None:
         return None
-    return None
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, str(detail.get("message") or message or cls.__name__))
+    fields = detail.get("fields")
+    if isinstance(fields, dict):
+        for name, value in fields.items():
+            if name in _CONTEXT_FIELDS:
+                setattr(exc, name, tuple(value) if name == "required" else value)
+    return exc

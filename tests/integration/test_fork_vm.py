@@ -9,8 +9,9 @@ import pytest
 
 from cryobox import Sandbox
 from cryobox.errors import CapacityError, InvalidArgument
-from cryobox.sandbox import local, registry
-from cryobox.snapshot import store
+from cryobox.sandbox import registry
+from cryobox.service import service
+from cryobox.snapshot.store import LocalSnapshotStore
 
 from .test_snapshots_vm import grows
 
@@ -101,7 +102,7 @@ def test_fork_limits_refuse_before_starting(
     for count in (0, 101):
         with pytest.raises(InvalidArgument, match=f"count={count}"):
             parent.fork(count)
-    monkeypatch.setattr(local, "mem_available_mib", lambda: 1000)
+    monkeypatch.setattr(service, "mem_available_mib", lambda: 1000)
     with pytest.raises(CapacityError, match="cannot fork 50") as info:
         parent.fork(50)
     assert info.value.available_mib == 1000 and info.value.needed_mib > 1000
@@ -112,17 +113,18 @@ def test_a_fork_that_fails_halfway_leaves_nothing_behind(
     sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parent = sandbox_factory()
-    real = local.create_sandbox
+    real = service.SandboxService.create
 
-    async def flaky(**kwargs: Any) -> Any:
+    async def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("fork_index") == 3:
             raise InvalidArgument("simulated failure of fork 3")
-        return await real(**kwargs)
+        return await real(self, *args, **kwargs)
 
-    monkeypatch.setattr(local, "create_sandbox", flaky)
+    monkeypatch.setattr(service.SandboxService, "create", flaky)
     before = {i.id for i in Sandbox.list(all=True)}
     snapshots = {s.id for s in Sandbox.snapshots()}
-    partial = set(store.snapshots_dir().glob(".tmp-*"))  # left by other tests' kill -9 runs
+    snapshots_dir = LocalSnapshotStore().folder(".tmp-").parent
+    partial = set(snapshots_dir.glob(".tmp-*"))  # left by other tests' kill -9 runs
     with pytest.raises(InvalidArgument, match="fork 3"):
         parent.fork(4)
     assert {i.id for i in Sandbox.list(all=True)} == before
@@ -130,4 +132,4 @@ def test_a_fork_that_fails_halfway_leaves_nothing_behind(
     assert parent.commands.run("true").exit_code == 0
     for spec, record in registry.list_sandboxes():
         assert spec.forked_from != parent.id or record.state.finished
-    assert set(store.snapshots_dir().glob(".tmp-*")) == partial
+    assert set(snapshots_dir.glob(".tmp-*")) == partial

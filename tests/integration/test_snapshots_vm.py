@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -19,8 +20,9 @@ from cryobox.errors import (
     SnapshotVerificationFailed,
     StateError,
 )
-from cryobox.sandbox import local, registry
-from cryobox.snapshot import store
+from cryobox.sandbox import registry
+from cryobox.service import discard_spare
+from cryobox.snapshot.store import LocalSnapshotStore
 
 pytestmark = pytest.mark.vm
 
@@ -73,6 +75,10 @@ def grows(read: Callable[[], int], within: float = 10.0) -> bool:
         if read() > first:
             return True
     return False
+
+
+def echoed_lines(sbx: Sandbox) -> int:
+    return len(sbx.files.read_text("/root/echoed").split())
 
 
 def still_counting(sbx: Sandbox) -> bool:
@@ -155,7 +161,7 @@ def test_snapshot_starts_new_sandboxes_that_continue_with_their_own_identity(
         assert ident["boot_id"] != before["boot_id"]
         assert abs(int(ident["time"]) - time.time()) < 5
         # the connection between two processes inside the VM survived the restore
-        assert grows(lambda c=copy: len(c.files.read_text("/root/echoed").split()))
+        assert grows(partial(echoed_lines, copy))
         assert copy.info().template == ""
     assert len({s["random"] for s in (before, *seen)}) == 3
     assert len({s["machine_id"] for s in seen}) == 2
@@ -176,7 +182,7 @@ def test_disk_snapshot_boots_fresh_with_the_files(sandbox_factory: Any) -> None:
 def test_tampered_or_incompatible_snapshots_are_refused(sandbox_factory: Any) -> None:
     source = sandbox_factory()
     snap = source.snapshot("to-tamper")
-    folder = store.snapshots_dir() / snap.id
+    folder = LocalSnapshotStore().folder(snap.id)
     before = {i.id for i in Sandbox.list(all=True)}
     with open(folder / "devices.state", "r+b") as handle:
         handle.seek(4096)
@@ -186,11 +192,11 @@ def test_tampered_or_incompatible_snapshots_are_refused(sandbox_factory: Any) ->
     with pytest.raises(SnapshotVerificationFailed, match=r"devices\.state.*SHA-256"):
         Sandbox.create(from_snapshot="to-tamper")
     manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["qemu_version"] = "6.0.0"
+    manifest["backend"]["version"] = "6.0.0"
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(SnapshotIncompatible, match="qemu_version") as info:
+    with pytest.raises(SnapshotIncompatible, match=r"backend\.version") as info:
         Sandbox.create(from_snapshot="to-tamper")
-    assert info.value.field == "qemu_version" and info.value.saved == "6.0.0"
+    assert info.value.field == "backend.version" and info.value.saved == "6.0.0"
     with pytest.raises(SnapshotIncompatible, match="memory_mib"):
         Sandbox.create(from_snapshot=snap.id, memory_mib=2048)
     new = [i for i in Sandbox.list(all=True) if i.id not in before]
@@ -221,7 +227,7 @@ def test_kill_9_during_a_checkpoint_never_leaves_a_half_snapshot(
     sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
     monkeypatch.setenv("CRYOBOX_TEST_CRASH_AT", step)
-    local.discard_spare()  # the next supervisor starts with the crash point set
+    discard_spare()  # the next supervisor starts with the crash point set
     try:
         sbx = sandbox_factory()
         existing = {s.id for s in Sandbox.snapshots()}
@@ -229,13 +235,13 @@ def test_kill_9_during_a_checkpoint_never_leaves_a_half_snapshot(
             sbx.checkpoint("doomed")
     finally:
         monkeypatch.delenv("CRYOBOX_TEST_CRASH_AT")
-        local.discard_spare()
+        discard_spare()
     assert {s.id for s in Sandbox.snapshots()} == existing  # nothing half-written is listed
     deadline = time.monotonic() + 10
     while sbx.info().state != "dead" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sbx.info().state == "dead"  # its VM went down with its supervisor
-    partial = list(store.snapshots_dir().glob(".tmp-*"))
+    partial = list(LocalSnapshotStore().folder(".tmp-").parent.glob(".tmp-*"))
     for folder in partial:
         assert not (folder / "manifest.json").exists()
 
@@ -245,14 +251,14 @@ def test_kill_9_during_pause_leaves_no_pause_that_resume_would_accept(
     sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CRYOBOX_TEST_CRASH_AT", "hashed")
-    local.discard_spare()
+    discard_spare()
     try:
         sbx = sandbox_factory()
         with pytest.raises(Exception):  # noqa: B017
             sbx.pause()
     finally:
         monkeypatch.delenv("CRYOBOX_TEST_CRASH_AT")
-        local.discard_spare()
+        discard_spare()
     assert sbx.info().state == "dead"
     assert not (registry.find(sbx.id).paused / "manifest.json").exists()
     with pytest.raises(StateError):

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from cryobox.errors import InvalidArgument, QemuNotInstalled
-from cryobox.qemu import MachineSpec, PortForward, build_command
+from cryobox.qemu import build_command
 from cryobox.qemu.accel import cpu_has_virtualization, detect_accelerator
 from cryobox.qemu.process import qemu_binary
+from cryobox.vmm import MachineSpec, PortForward
 
 
 def spec(**changes: object) -> MachineSpec:
@@ -20,9 +21,9 @@ def spec(**changes: object) -> MachineSpec:
         accelerator="tcg",
         kernel=Path("/k"),
         initrd=Path("/i"),
-        disk=Path("/d.qcow2"),
+        disk_chain=(Path("/d.qcow2"), Path("/base.qcow2")),
         memory_file=Path("/mem"),
-        qmp_socket=Path("/q.sock"),
+        monitor_socket=Path("/q.sock"),
         agent_socket=Path("/a.sock"),
         console_log=Path("/c.log"),
     )
@@ -55,6 +56,17 @@ def test_restore_maps_memory_privately_and_waits_for_migration() -> None:
     argv = build_command("qemu", spec(memory_shared=False, incoming=True))
     assert any("share=off" in o for o in option(argv, "-object"))
     assert option(argv, "-incoming") == ["defer"]
+
+
+def test_disk_chain_is_opened_layer_by_layer_never_from_qcow2_headers() -> None:
+    argv = build_command("qemu", spec())
+    blockdevs = option(argv, "-blockdev")
+    assert len(blockdevs) == 2
+    assert "file.filename=/base.qcow2" in blockdevs[0] and "backing" not in blockdevs[0]
+    assert "read-only=on" in blockdevs[0]
+    assert "node-name=root" in blockdevs[1] and "file.filename=/d.qcow2" in blockdevs[1]
+    assert "backing=layer0" in blockdevs[1] and "read-only=off" in blockdevs[1]
+    assert "virtio-blk-pci,drive=root,id=rootdisk" in option(argv, "-device")
 
 
 def test_kvm_uses_host_cpu() -> None:

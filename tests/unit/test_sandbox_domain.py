@@ -11,10 +11,11 @@ import pytest
 
 from cryobox import Sandbox
 from cryobox.errors import InvalidArgument, QemuNotInstalled, SandboxNotFound, StateError
+from cryobox.models import CreateRequest
 from cryobox.sandbox import registry
-from cryobox.sandbox.local import validate
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec, process_start
 from cryobox.sandbox.state import SandboxState, check_transition, require
+from cryobox.service.service import validate
 
 
 def test_state_error_names_the_state_and_what_was_needed() -> None:
@@ -41,13 +42,17 @@ def test_finished_states_are_final() -> None:
         ({"disk_gib": 1}, "disk_gib=1"),
         ({"timeout": 0}, "timeout=0"),
         ({"ports": [70000]}, "port 70000"),
+        ({"cpus": True}, "cpus=True"),
+        ({"cpus": 2.5}, "cpus=2.5"),
+        ({"timeout": float("inf")}, "timeout=inf"),
+        ({"timeout": float("nan")}, "timeout=nan"),
     ],
 )
 def test_bad_create_arguments_are_named(kwargs: dict[str, object], named: str) -> None:
     args: dict[str, object] = dict(cpus=2, memory_mib=512, disk_gib=4, timeout=60.0, ports=[])
     args.update(kwargs)
     with pytest.raises(InvalidArgument, match=named):
-        validate(**args)  # type: ignore[arg-type]
+        validate(CreateRequest(**args))  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match=named):
         Sandbox.create("base", **kwargs)  # type: ignore[arg-type]
 
@@ -77,7 +82,6 @@ def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
         SandboxSpec(
             id=folder.id,
             image_id="i",
-            image_path="/i",
             accelerator="tcg",
             cpus=1,
             memory_mib=256,

@@ -1,4 +1,6 @@
-"""The sync SDK mirrors the async one: same methods, same parameters."""
+"""The sync SDK is derived from the async one: same members, same full signatures (kinds,
+annotations with the sync types' names, defaults), same docstrings; the async members
+are coroutines."""
 
 from __future__ import annotations
 
@@ -16,28 +18,51 @@ from cryobox.client import (
     Files,
     Sandbox,
 )
+from cryobox.client._blocking import sync_name
 
 
 def public(cls: type) -> dict[str, object]:
     return {name: member for name, member in inspect.getmembers(cls) if not name.startswith("_")}
 
 
-@pytest.mark.parametrize(
-    ("sync", "async_"),
-    [
-        (Sandbox, AsyncSandbox),
-        (Commands, AsyncCommands),
-        (Files, AsyncFiles),
-        (CommandHandle, AsyncCommandHandle),
-    ],
-)
-def test_same_methods_and_signatures(sync: type, async_: type) -> None:
+def described(member: object, drop_self: bool) -> list[tuple[str, str, object, str]]:
+    signature = inspect.signature(member)  # type: ignore[arg-type]
+    params = list(signature.parameters.values())[1 if drop_self else 0 :]
+    return [(p.name, p.kind.name, p.default, sync_name(str(p.annotation))) for p in params] + [
+        ("return", "", None, sync_name(str(signature.return_annotation)))
+    ]
+
+
+PAIRS = [
+    (Sandbox, AsyncSandbox),
+    (Commands, AsyncCommands),
+    (Files, AsyncFiles),
+    (CommandHandle, AsyncCommandHandle),
+]
+
+
+@pytest.mark.parametrize(("sync", "async_"), PAIRS)
+def test_same_members_signatures_and_docstrings(sync: type, async_: type) -> None:
     sync_members, async_members = public(sync), public(async_)
     assert sorted(sync_members) == sorted(async_members)
     for name, member in async_members.items():
-        if callable(member) and not isinstance(member, type):
-            async_sig = inspect.signature(member)  # type: ignore[arg-type]
-            sync_sig = inspect.signature(sync_members[name])  # type: ignore[arg-type]
-            assert list(sync_sig.parameters) == list(async_sig.parameters), name
-            for param in async_sig.parameters.values():
-                assert sync_sig.parameters[param.name].default == param.default, (name, param.name)
+        if isinstance(member, property):
+            assert inspect.getdoc(sync_members[name]) == inspect.getdoc(member), name
+            continue
+        assert callable(member), name
+        assert inspect.iscoroutinefunction(member), f"{async_.__name__}.{name} is not async"
+        mine = sync_members[name]
+        assert inspect.getdoc(mine) == inspect.getdoc(member), name
+        if name == "run":  # overloads: compare the options declared once (RunOptions)
+            assert "options" in inspect.signature(mine).parameters  # type: ignore[arg-type]
+            continue
+        instance = not isinstance(inspect.getattr_static(async_, name), staticmethod | classmethod)
+        # An instance member read from the class: the async one still has ``self``; the
+        # sync descriptor gives the same parameters with the target first.
+        assert described(mine, drop_self=instance) == described(member, drop_self=instance), name
+
+
+def test_every_async_member_has_a_docstring() -> None:
+    for _, async_ in PAIRS:
+        for name, member in public(async_).items():
+            assert inspect.getdoc(member), f"{async_.__name__}.{name} has no docstring"

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from cryobox.errors import (
-    InvalidArgument,
     QemuError,
     SnapshotIncompatible,
     SnapshotNotFound,
@@ -28,25 +27,27 @@ from cryobox.util import copy_sparse
 def sample_manifest(snapshot_id: str, **changes: object) -> mf.Manifest:
     base = mf.Manifest(
         id=snapshot_id,
-        kind="memory",
-        purpose="snapshot",
+        kind=mf.SnapshotKind.MEMORY,
+        purpose=mf.SnapshotPurpose.SNAPSHOT,
         name="n",
         created_at=time.time(),
         source_sandbox="sbx-1",
         parent=None,
         image_id="img",
-        image_path="/img",
-        qemu_version="7.2.22",
-        machine_type="q35",
-        accelerator="tcg",
-        cpu_model="max",
         cpus=2,
         memory_mib=1024,
         disk_gib=4,
-        devices=("virtio-blk-pci",),
         disk_chain=(),
         ports=(),
         ram_in_stream=False,
+        backend={
+            "name": "qemu",
+            "version": "7.2.22",
+            "machine_type": "q35",
+            "accelerator": "tcg",
+            "cpu_model": "max",
+            "devices": ["virtio-blk-pci"],
+        },
     )
     return replace(base, **changes)  # type: ignore[arg-type]
 
@@ -108,33 +109,33 @@ def test_a_folder_without_manifest_is_not_a_snapshot(tmp_path: Path) -> None:
 
 def test_compatibility_names_the_field() -> None:
     manifest = sample_manifest("snap-2")
-    host = {
-        "qemu_version": "7.2.22",
-        "machine_type": "q35",
-        "accelerator": "tcg",
-        "cpu_model": "max",
-        "cpus": 2,
-        "memory_mib": 1024,
-        "devices": ["virtio-blk-pci"],
-    }
-    mf.check_compatible(manifest, host)
+    host = dict(manifest.backend)
+    shape = {"cpus": 2, "memory_mib": 1024}
+    mf.check_compatible(manifest, host, shape)
     with pytest.raises(SnapshotIncompatible) as info:
-        mf.check_compatible(manifest, {**host, "accelerator": "kvm"})
-    assert (info.value.field, info.value.saved, info.value.host) == ("accelerator", "tcg", "kvm")
+        mf.check_compatible(manifest, {**host, "accelerator": "kvm"}, shape)
+    assert (info.value.field, info.value.saved, info.value.host) == (
+        "backend.accelerator",
+        "tcg",
+        "kvm",
+    )
+    with pytest.raises(SnapshotIncompatible, match="memory_mib"):
+        mf.check_compatible(manifest, host, {"cpus": 2, "memory_mib": 2048})
     with pytest.raises(SnapshotIncompatible, match="format_version"):
-        mf.check_compatible(replace(manifest, format_version=99), host)
+        mf.check_compatible(replace(manifest, format_version=99), host, shape)
 
 
-def test_store_finds_by_name_and_refuses_to_delete_a_base(tmp_path: Path) -> None:
-    folder, manifest = committed(store.snapshots_dir(), "snap-unit-a")
+def test_store_finds_by_id_and_name_and_deletes(tmp_path: Path) -> None:
+    local = store.LocalSnapshotStore(tmp_path)
+    folder, manifest = committed(local.folder("x").parent, "snap-unit-a")
     try:
-        assert store.find("snap-unit-a") == (folder, manifest)
-        assert store.find("name-of-snap-unit-a") == (folder, manifest)
-        with pytest.raises(InvalidArgument, match="base of sandbox disk"):
-            store.delete("snap-unit-a", sandbox_disks=[str(folder / mf.DISK)])
-        store.delete("snap-unit-a")
+        assert local.get("snap-unit-a") == manifest
+        assert local.get("name-of-snap-unit-a") == manifest
+        assert local.folder("snap-unit-a") == folder
+        local.delete("snap-unit-a")
         with pytest.raises(SnapshotNotFound):
-            store.find("snap-unit-a")
+            local.get("snap-unit-a")
+        assert not list(folder.parent.iterdir())  # nothing half-deleted left behind
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

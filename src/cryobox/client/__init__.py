@@ -1,7 +1,14 @@
 """The Python SDK: :class:`Sandbox` (blocking) and :class:`AsyncSandbox` (asyncio)."""
 
-from .async_sandbox import AsyncCommandHandle, AsyncCommands, AsyncFiles, AsyncSandbox
-from .models import CommandResult, EntryInfo, SandboxInfo, SnapshotInfo
+from cryobox.models import CommandResult, EntryInfo, SandboxInfo, SnapshotInfo, TemplateInfo
+
+from .async_sandbox import (
+    AsyncCommandHandle,
+    AsyncCommands,
+    AsyncFiles,
+    AsyncSandbox,
+    RunOptions,
+)
 from .sync_sandbox import CommandHandle, Commands, Files, Sandbox
 
 __all__ = [
@@ -14,7 +21,9 @@ __all__ = [
     "Commands",
     "EntryInfo",
     "Files",
+    "RunOptions",
     "Sandbox",
     "SandboxInfo",
     "SnapshotInfo",
+    "TemplateInfo",
 ]

@@ -1,111 +1,95 @@
 """The asynchronous SDK: :class:`AsyncSandbox` and its ``commands`` and ``files``.
 
-This is the core; :mod:`cryobox.client.sync_sandbox` is a thin blocking shell over it.
+This is the one definition of the SDK; :mod:`cryobox.client.sync_sandbox` derives the
+blocking twin from it. It holds no host paths and does no domain work: every call
+goes through a :class:`~cryobox.client.transport.Transport` to the service.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import codecs
-import contextlib
 import os
 import signal as signals
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, Unpack, overload
 
 from cryobox import config
-from cryobox.errors import (
-    ChannelError,
-    CryoboxError,
-    GuestFileNotFound,
-    InvalidArgument,
-    SandboxDead,
-)
+from cryobox.errors import GuestFileNotFound, InvalidArgument
 from cryobox.guest import protocol as p
-from cryobox.guest.client import AgentClient, EventHandler
 from cryobox.image.build import Progress
-from cryobox.sandbox import local, registry
-from cryobox.sandbox.registry import SandboxDir
-from cryobox.sandbox.state import SandboxState, require
-from cryobox.snapshot import manifest as mf
-from cryobox.snapshot import store
+from cryobox.models import (
+    CommandRequest,
+    CommandResult,
+    CreateRequest,
+    EntryInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from cryobox.service.commands import CommandSession
+from cryobox.snapshot.manifest import SnapshotPurpose
 
-from .models import CommandResult, EntryInfo, SandboxInfo, SnapshotInfo
+from .transport import Transport, default_transport
 
 OutputHandler = Callable[[str], Any]
+
+
+class RunOptions(TypedDict, total=False):
+    """Options of ``commands.run``, declared once for both SDKs.
+
+    ``env``: variables on top of the guest's login-like base; ``cwd``, ``user``: where
+    and as whom; ``timeout``: seconds before the command is killed (``timed_out`` is
+    then set); ``stdin``: data to feed and close, or True to feed it later through the
+    handle; ``on_stdout``/``on_stderr``: called with text as it comes.
+    """
+
+    env: dict[str, str] | None
+    cwd: str | None
+    user: str | None
+    timeout: float | None
+    stdin: bytes | str | bool | None
+    on_stdout: OutputHandler | None
+    on_stderr: OutputHandler | None
 
 
 class AsyncCommandHandle:
     """A command running in the sandbox: wait for it, feed its stdin, kill it."""
 
-    def __init__(
-        self, channel: AgentClient, on_stdout: OutputHandler | None, on_stderr: OutputHandler | None
-    ) -> None:
-        self._channel = channel
+    def __init__(self, on_stdout: OutputHandler | None, on_stderr: OutputHandler | None) -> None:
         self._handlers = {"stdout": on_stdout, "stderr": on_stderr}
         self._decoders = {
             name: codecs.getincrementaldecoder("utf-8")("replace") for name in self._handlers
         }
         self._output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
-        self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._request: asyncio.Future[dict[str, Any]] | None = None
-        self._pid = 0
-        self._exec_id = 0
+        self._session: CommandSession | None = None
 
     @property
     def pid(self) -> int:
         """The command's process id in the guest (0 until it has started)."""
-        return self._pid
+        return self._session.pid if self._session is not None else 0
 
-    def _start(self, args: dict[str, Any]) -> None:
-        self._request = asyncio.ensure_future(
-            self._channel.request("exec", args, on_event=self._on_event)
-        )
-        self._request.add_done_callback(self._on_request_done)
-
-    def _on_request_done(self, request: asyncio.Future[dict[str, Any]]) -> None:
-        error = None if request.cancelled() else request.exception()  # marks it retrieved
-        if self._started.done():
-            return
-        if request.cancelled():
-            self._started.cancel()
-        elif error is not None:
-            self._started.set_exception(error)
-        else:
-            self._started.set_result(None)
-
-    def _on_event(self, header: dict[str, Any], payload: bytes) -> None:
-        event = header.get("event")
-        if event == "started":
-            self._pid = int(header.get("pid", 0))
-            self._exec_id = int(header.get("exec_id", 0))
-            if not self._started.done():
-                self._started.set_result(None)
-        elif event in self._output:
-            self._output[event] += payload
-            handler = self._handlers[event]
-            if handler is not None:
-                handler(self._decoders[event].decode(payload))
-
-    async def _wait_started(self) -> None:
-        await self._started
+    def _on_output(self, stream: str, data: bytes) -> None:
+        self._output[stream] += data
+        handler = self._handlers[stream]
+        if handler is not None:
+            handler(self._decoders[stream].decode(data))
 
     async def wait(self) -> CommandResult:
         """Wait for the command to end and return how it ended.
 
         :raises ChannelError: when the connection to the sandbox is lost first.
         """
-        assert self._request is not None
-        result = await self._request
+        assert self._session is not None
+        result = await self._session.wait()
         out, err = bytes(self._output["stdout"]), bytes(self._output["stderr"])
         return CommandResult(
             exit_code=int(result["exit_code"]),
             stdout=out.decode(errors="replace"),
             stderr=err.decode(errors="replace"),
-            pid=int(result.get("pid", self._pid)),
+            pid=int(result.get("pid", self.pid)),
             signal=result.get("signal"),
             timed_out=bool(result.get("timed_out")),
             stdout_bytes=out,
@@ -114,22 +98,35 @@ class AsyncCommandHandle:
 
     async def send_stdin(self, data: bytes | str, eof: bool = False) -> None:
         """Write to the command's stdin (it must have been started with ``stdin=True``)."""
-        payload = data.encode() if isinstance(data, str) else data
-        for start in range(0, max(len(payload), 1), p.CHUNK):
-            last = start + p.CHUNK >= len(payload)
-            await self._channel.request(
-                "exec.stdin",
-                {"exec_id": self._exec_id, "eof": eof and last},
-                payload[start : start + p.CHUNK],
-            )
+        assert self._session is not None
+        await self._session.send_stdin(data.encode() if isinstance(data, str) else data, eof)
 
     async def kill(self, signal: int = signals.SIGKILL) -> None:
         """Send ``signal`` to the command's process group."""
-        await self._channel.request("exec.kill", {"exec_id": self._exec_id, "signal": int(signal)})
+        assert self._session is not None
+        await self._session.kill(signal)
+
+
+def _command(cmd: str | Sequence[str], options: RunOptions) -> CommandRequest:
+    timeout = options.get("timeout")
+    if timeout is not None and not timeout > 0:
+        raise InvalidArgument(f"timeout={timeout}: must be positive")
+    common: dict[str, Any] = {
+        "env": dict(options.get("env") or {}),
+        "cwd": options.get("cwd"),
+        "user": options.get("user"),
+        "timeout": timeout,
+        "stdin": options.get("stdin") not in (None, False),
+    }
+    if isinstance(cmd, str):
+        return CommandRequest(shell=cmd, **common)
+    if cmd and all(isinstance(word, str) for word in cmd):
+        return CommandRequest(argv=tuple(cmd), **common)
+    raise InvalidArgument(f"cmd must be a string or a non-empty list of strings, not {cmd!r}")
 
 
 class AsyncCommands:
-    """Run commands in the sandbox: ``sbx.commands.run("make test")``."""
+    """Run commands in the sandbox: ``await sbx.commands.run("make test")``."""
 
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sandbox = sandbox
@@ -140,75 +137,34 @@ class AsyncCommands:
         cmd: str | Sequence[str],
         *,
         background: Literal[False] = False,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        timeout: float | None = None,
-        stdin: bytes | str | bool | None = None,
-        on_stdout: OutputHandler | None = None,
-        on_stderr: OutputHandler | None = None,
+        **options: Unpack[RunOptions],
     ) -> CommandResult: ...
 
     @overload
     async def run(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        background: Literal[True],
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        timeout: float | None = None,
-        stdin: bytes | str | bool | None = None,
-        on_stdout: OutputHandler | None = None,
-        on_stderr: OutputHandler | None = None,
+        self, cmd: str | Sequence[str], *, background: Literal[True], **options: Unpack[RunOptions]
     ) -> AsyncCommandHandle: ...
 
     async def run(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        background: bool = False,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        timeout: float | None = None,
-        stdin: bytes | str | bool | None = None,
-        on_stdout: OutputHandler | None = None,
-        on_stderr: OutputHandler | None = None,
+        self, cmd: str | Sequence[str], *, background: bool = False, **options: Unpack[RunOptions]
     ) -> CommandResult | AsyncCommandHandle:
         """Run ``cmd``: a string goes to ``/bin/sh -c``, a list is the argv itself.
 
         Output streams to ``on_stdout``/``on_stderr`` as it comes and is collected in the
-        result. ``stdin`` is data to feed and close, or True to feed it later through the
-        handle. ``timeout`` kills the command after that many seconds (``timed_out`` is
-        then set). With ``background=True`` returns a handle as soon as it has started.
+        result. With ``background=True`` returns a handle as soon as it has started. The
+        options are :class:`RunOptions`.
 
         :raises CommandNotFound: when the argv's program does not exist in the guest.
         :raises GuestFileNotFound: when ``cwd`` does not exist.
         """
-        args: dict[str, Any] = {
-            "env": dict(env or {}),
-            "cwd": cwd,
-            "user": user,
-            "timeout": timeout,
-            "stdin": stdin not in (None, False),
-        }
-        if isinstance(cmd, str):
-            args["shell"] = cmd
-        elif cmd and all(isinstance(word, str) for word in cmd):
-            args["argv"] = list(cmd)
-        else:
-            raise InvalidArgument(
-                f"cmd must be a string or a non-empty list of strings, not {cmd!r}"
-            )
-        if timeout is not None and timeout <= 0:
-            raise InvalidArgument(f"timeout={timeout}: must be positive")
-        handle = AsyncCommandHandle(await self._sandbox._channel(), on_stdout, on_stderr)
-        handle._start(args)
+        request = _command(cmd, options)
+        stdin = options.get("stdin")
+        handle = AsyncCommandHandle(options.get("on_stdout"), options.get("on_stderr"))
+        transport, sandbox_id = self._sandbox._transport, self._sandbox.id
+        handle._session = await transport.start_command(sandbox_id, request, handle._on_output)
         if stdin not in (None, False, True) or background:
-            await handle._wait_started()
-        if isinstance(stdin, (bytes, str)):
+            await handle._session.started()
+        if isinstance(stdin, bytes | str):
             await handle.send_stdin(stdin, eof=True)
         return handle if background else await handle.wait()
 
@@ -219,48 +175,23 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sandbox = sandbox
 
-    async def _request(
-        self,
-        op: str,
-        on_event: EventHandler | None = None,
-        on_retry: Callable[[], None] | None = None,
-        **args: Any,
-    ) -> dict[str, Any]:
-        """A read-only request, retried once on a fresh connection if the channel broke
-        (the sandbox was paused and resumed in between, say)."""
-        try:
-            channel = await self._sandbox._channel()
-            return await channel.request(op, args, on_event=on_event)
-        except ChannelError:
-            await self._sandbox.close()
-            if on_retry is not None:
-                on_retry()
-            channel = await self._sandbox._channel()
-            return await channel.request(op, args, on_event=on_event)
-
     async def read(self, path: str) -> bytes:
         """The file's bytes.
 
         :raises GuestFileNotFound: when there is no such file.
         """
-        chunks: list[bytes] = []
-        await self._request(
-            "file.read",
-            on_event=lambda _h, data: chunks.append(data),
-            on_retry=chunks.clear,
-            path=path,
-        )
+        chunks = [c async for c in self._sandbox._transport.read_file(self._sandbox.id, path)]
         return b"".join(chunks)
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The file's text."""
         return (await self.read(path)).decode(encoding)
 
     async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` (replaced atomically; the folder must exist)."""
         payload = data.encode() if isinstance(data, str) else data
-        await self._upload(
-            path, mode, (payload[i : i + p.CHUNK] for i in range(0, len(payload), p.CHUNK))
-        )
+        chunks = (payload[i : i + p.CHUNK] for i in range(0, len(payload), p.CHUNK))
+        await self._sandbox._transport.write_file(self._sandbox.id, path, chunks, mode)
 
     async def upload(
         self, local_path: str | os.PathLike[str], path: str, mode: int | None = None
@@ -270,52 +201,37 @@ class AsyncFiles:
         if not source.is_file():
             raise InvalidArgument(f"local file {source} does not exist")
 
-        def chunks() -> Any:
+        def chunks() -> Iterator[bytes]:
             with open(source, "rb") as handle:
                 while chunk := handle.read(p.CHUNK):
                     yield chunk
 
-        await self._upload(
-            path, mode if mode is not None else source.stat().st_mode & 0o777, chunks()
-        )
-
-    async def _upload(self, path: str, mode: int, chunks: Any) -> None:
-        channel = await self._sandbox._channel()
-        handle = (await channel.request("file.write.begin", {"path": path, "mode": mode}))["handle"]
-        try:
-            for chunk in chunks:
-                await channel.request("file.write.chunk", {"handle": handle}, chunk)
-        except BaseException:
-            if not channel.closed:
-                await channel.request("file.write.end", {"handle": handle, "abort": True})
-            raise
-        await channel.request("file.write.end", {"handle": handle})
+        mode = mode if mode is not None else source.stat().st_mode & 0o777
+        await self._sandbox._transport.write_file(self._sandbox.id, path, chunks(), mode)
 
     async def download(self, path: str, local_path: str | os.PathLike[str]) -> None:
         """Copy a guest file to the host, written to a temporary name then renamed."""
         target = Path(local_path)
         temp = target.with_name(f".{target.name}.cryobox-part")
-        channel = await self._sandbox._channel()
-        with open(temp, "wb") as handle:
-
-            def write(_header: dict[str, Any], data: bytes) -> None:
-                handle.write(data)
-
-            try:
-                await channel.request("file.read", {"path": path}, on_event=write)
-            except BaseException:
-                temp.unlink(missing_ok=True)
-                raise
+        try:
+            with open(temp, "wb") as handle:
+                async for chunk in self._sandbox._transport.read_file(self._sandbox.id, path):
+                    handle.write(chunk)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
         temp.replace(target)
 
-    async def list(self, path: str) -> list[EntryInfo]:
-        result = await self._request("file.list", path=path)
-        return [EntryInfo.from_json(entry) for entry in result["entries"]]
+    async def list(self, path: str) -> builtins.list[EntryInfo]:
+        """The entries of a guest folder."""
+        return await self._sandbox._transport.list_dir(self._sandbox.id, path)
 
     async def stat(self, path: str) -> EntryInfo:
-        return EntryInfo.from_json(await self._request("file.stat", path=path))
+        """What ``path`` is: type, size, mode, mtime."""
+        return await self._sandbox._transport.stat(self._sandbox.id, path)
 
     async def exists(self, path: str) -> bool:
+        """Whether ``path`` exists in the guest."""
         try:
             await self.stat(path)
         except GuestFileNotFound:
@@ -323,29 +239,32 @@ class AsyncFiles:
         return True
 
     async def mkdir(self, path: str, parents: bool = True) -> None:
-        await self._request("file.mkdir", path=path, parents=parents)
+        """Make a folder (and its parents)."""
+        await self._sandbox._transport.mkdir(self._sandbox.id, path, parents)
 
     async def remove(self, path: str, recursive: bool = False) -> None:
-        await self._request("file.remove", path=path, recursive=recursive)
+        """Remove a file, or a folder (its contents too with ``recursive``)."""
+        await self._sandbox._transport.remove(self._sandbox.id, path, recursive)
 
 
 class AsyncSandbox:
     """A running VM sandbox. ``async with await AsyncSandbox.create() as sbx: ...``"""
 
-    def __init__(self, folder: SandboxDir) -> None:
-        self._folder = folder
-        self._client: AgentClient | None = None
+    def __init__(self, info: SandboxInfo, transport: Transport) -> None:
+        self._info = info
+        self._transport = transport
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
 
     @property
     def id(self) -> str:
-        return self._folder.id
+        """The sandbox's id (``sbx-...``), also its guest hostname."""
+        return self._info.id
 
     @property
     def ports(self) -> dict[int, int]:
         """Guest port -> host port on 127.0.0.1, for every forwarded port."""
-        return dict(self._folder.record().ports)
+        return dict(self._info.ports)
 
     @classmethod
     async def create(
@@ -373,17 +292,17 @@ class AsyncSandbox:
             fails verification (never cold-booted instead).
         :raises QemuError: when QEMU is missing, fails to start or the guest never answers.
         """
-        folder = await local.create_sandbox(
+        transport = default_transport()
+        request = CreateRequest(
             template=template,
             from_snapshot=from_snapshot,
             cpus=cpus,
             memory_mib=memory_mib,
             disk_gib=disk_gib,
             timeout=timeout,
-            ports=ports,
-            progress=progress,
+            ports=tuple(ports),
         )
-        return cls(folder)
+        return cls(await transport.create(request, progress), transport)
 
     @classmethod
     async def resume(cls, sandbox_id: str) -> AsyncSandbox:
@@ -392,7 +311,20 @@ class AsyncSandbox:
         :raises StateError: when it is not paused.
         :raises SnapshotError: when its saved state is refused; it stays paused.
         """
-        return cls(await local.resume_sandbox(sandbox_id))
+        transport = default_transport()
+        return cls(await transport.resume(sandbox_id), transport)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str) -> AsyncSandbox:
+        """Attach to a sandbox by id, from any process.
+
+        A sandbox that is not running can still be inspected (``info``, ``logs``) and
+        killed; running commands in it raises :class:`SandboxDead` or :class:`StateError`.
+
+        :raises SandboxNotFound: when there is no such sandbox.
+        """
+        transport = default_transport()
+        return cls(await transport.get(sandbox_id), transport)
 
     @staticmethod
     async def build_template(
@@ -407,15 +339,27 @@ class AsyncSandbox:
 
         :raises InvalidArgument: for a bad name or a setup command that fails (with its output).
         """
-        folder = await local.build_template(
+        return await default_transport().build_template(
             name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
         )
-        return SnapshotInfo.from_manifest(mf.load(folder).to_json())
+
+    @staticmethod
+    async def templates() -> builtins.list[TemplateInfo]:
+        """Every template of this host (``base`` and ``default`` aside until built)."""
+        return await default_transport().templates()
+
+    @staticmethod
+    async def delete_template(name: str) -> None:
+        """Remove a template and its snapshot (kept while a sandbox builds on it).
+
+        :raises InvalidArgument: when there is no such template.
+        """
+        await default_transport().delete_template(name)
 
     @staticmethod
     async def snapshots() -> builtins.list[SnapshotInfo]:
         """Every saved snapshot, checkpoint and template snapshot on this host."""
-        return [SnapshotInfo.from_manifest(m.to_json()) for _, m in store.all_snapshots()]
+        return await default_transport().snapshots()
 
     @staticmethod
     async def delete_snapshot(ref: str) -> None:
@@ -424,42 +368,22 @@ class AsyncSandbox:
         :raises SnapshotNotFound:
         :raises InvalidArgument: when a sandbox or another snapshot still uses its disk.
         """
-        disks = [
-            d for _, r in registry.list_sandboxes() if not r.state.finished for d in r.disk_chain
-        ]
-        store.delete(ref, sandbox_disks=disks)
-
-    @classmethod
-    async def connect(cls, sandbox_id: str) -> AsyncSandbox:
-        """Attach to a sandbox by id, from any process.
-
-        A sandbox that is not running can still be inspected (``info``, ``logs``) and
-        killed; running commands in it raises :class:`SandboxDead` or :class:`StateError`.
-
-        :raises SandboxNotFound: when there is no such sandbox.
-        """
-        return cls(registry.find(sandbox_id))
+        await default_transport().delete_snapshot(ref)
 
     @staticmethod
-    async def list(all: bool = False) -> list[SandboxInfo]:
+    async def list(all: bool = False) -> builtins.list[SandboxInfo]:
         """Sandboxes on this host; finished ones too with ``all=True``."""
-        return [
-            _info(spec, record)
-            for spec, record in registry.list_sandboxes()
-            if all or not record.state.finished
-        ]
+        return await default_transport().list(all=all)
+
+    @staticmethod
+    async def lineage() -> builtins.list[dict[str, Any]]:
+        """Sandboxes and snapshots of this host as nodes naming their parent."""
+        return await default_transport().lineage()
 
     async def info(self) -> SandboxInfo:
-        return _info(self._folder.spec(), self._folder.record())
-
-    async def _channel(self) -> AgentClient:
-        if self._client is None or self._client.closed:
-            record = self._folder.record()
-            if record.state.finished:
-                raise SandboxDead(self.id, record.error or record.state.value)
-            require(self.id, record.state, (SandboxState.RUNNING,), "use")
-            self._client = await AgentClient.connect(self._folder.control_socket)
-        return self._client
+        """The sandbox as it is now (state, deadline, ports, origin...)."""
+        self._info = await self._transport.get(self.id)
+        return self._info
 
     async def pause(self) -> None:
         """Save the whole machine (RAM, devices, disk) and stop it: no CPU or RAM used.
@@ -468,10 +392,7 @@ class AsyncSandbox:
 
         :raises StateError: when the sandbox is not running.
         """
-        self._require_running("pause")
-        channel = await self._channel()
-        await channel.request("sandbox.pause")
-        await self.close()
+        await self._transport.pause(self.id)
 
     async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
         """``count`` (1-100) new running sandboxes that continue from this instant.
@@ -484,40 +405,24 @@ class AsyncSandbox:
 
         :raises CapacityError: when the host cannot hold them; nothing is started.
         """
-        self._require_running("fork")
-        folders = await local.fork_sandbox(self.id, count)
-        return [AsyncSandbox(folder) for folder in folders]
-
-    @staticmethod
-    async def lineage() -> builtins.list[dict[str, Any]]:
-        """Sandboxes and snapshots of this host as nodes naming their parent."""
-        return local.lineage()
+        forks = await self._transport.fork(self.id, count)
+        return [AsyncSandbox(info, self._transport) for info in forks]
 
     async def checkpoint(self, name: str | None = None) -> SnapshotInfo:
         """Save the running machine so that :meth:`rollback` can return to this instant."""
-        return await self._capture("checkpoint", name, memory=True)
+        return await self._transport.capture(self.id, SnapshotPurpose.CHECKPOINT, name)
 
     async def snapshot(self, name: str, memory: bool = True) -> SnapshotInfo:
         """Save the machine beyond this sandbox's life; ``create(from_snapshot=name)`` starts
         new sandboxes from it. ``memory=False`` saves the files only: those sandboxes boot."""
-        if not name:
-            raise InvalidArgument("a snapshot needs a name")
-        return await self._capture("snapshot", name, memory=memory)
-
-    async def _capture(self, purpose: str, name: str | None, memory: bool) -> SnapshotInfo:
-        self._require_running(purpose)
-        channel = await self._channel()
-        manifest = await channel.request(
-            "sandbox.snapshot", {"purpose": purpose, "name": name, "memory": memory}
-        )
-        return SnapshotInfo.from_manifest(manifest)
+        return await self._transport.capture(self.id, SnapshotPurpose.SNAPSHOT, name, memory)
 
     async def checkpoints(self) -> builtins.list[SnapshotInfo]:
         """This sandbox's checkpoints, oldest first."""
         return [
             s
-            for s in await AsyncSandbox.snapshots()
-            if s.source_sandbox == self.id and s.purpose == "checkpoint"
+            for s in await self._transport.snapshots()
+            if s.source_sandbox == self.id and s.purpose == SnapshotPurpose.CHECKPOINT
         ]
 
     async def rollback(self, checkpoint: SnapshotInfo | str) -> None:
@@ -526,59 +431,33 @@ class AsyncSandbox:
         :raises SnapshotError: when the checkpoint is missing or fails verification.
         :raises InvalidArgument: when it belongs to another sandbox or has no memory.
         """
-        self._require_running("roll back")
         ref = checkpoint.id if isinstance(checkpoint, SnapshotInfo) else checkpoint
-        channel = await self._channel()
-        await channel.request("sandbox.rollback", {"snapshot": ref})
-
-    def _require_running(self, action: str) -> None:
-        record = self._folder.record()
-        require(self.id, record.state, (SandboxState.RUNNING,), action)
+        await self._transport.rollback(self.id, ref)
 
     async def expose_port(self, guest_port: int) -> int:
         """Forward a guest TCP port to a free port on 127.0.0.1 and return that port."""
-        channel = await self._channel()
-        return int(
-            (await channel.request("sandbox.expose_port", {"guest_port": guest_port}))["host_port"]
-        )
+        host_port = await self._transport.expose_port(self.id, guest_port)
+        await self.info()
+        return host_port
 
     async def set_timeout(self, seconds: float) -> None:
         """Kill the sandbox ``seconds`` from now unless extended again."""
-        if not seconds > 0:
-            raise InvalidArgument(f"seconds={seconds}: must be positive")
-        channel = await self._channel()
-        await channel.request("sandbox.set_timeout", {"seconds": seconds})
+        await self._transport.set_timeout(self.id, seconds)
 
     async def logs(self) -> str:
         """The guest's serial console so far."""
-        try:
-            return self._folder.console_log.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return await self._transport.logs(self.id)
 
     async def kill(self) -> None:
         """Stop the VM and remove the sandbox (disk, memory, folder); returns once it is gone.
 
         Killing a sandbox that already died or timed out removes what is left of it.
         """
-        if self._folder.record().state is SandboxState.RUNNING:
-            channel = await self._channel()
-            with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
-                await channel.request("sandbox.kill")
-            await local.wait_finished(self._folder)
-        origin = self._folder.record().origin
-        await self.close()
-        local.kill_sandbox_files(self._folder)
-        local.collect_fork_snapshot(origin)
-        for checkpoint in reversed(await self.checkpoints()):
-            with contextlib.suppress(CryoboxError):  # kept while a snapshot builds on it
-                store.delete(checkpoint.id)
+        await self._transport.kill(self.id)
 
     async def close(self) -> None:
         """Drop this process's connection; the sandbox keeps running."""
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self._transport.disconnect(self.id)
 
     async def __aenter__(self) -> AsyncSandbox:
         return self
@@ -590,22 +469,3 @@ class AsyncSandbox:
         tb: TracebackType | None,
     ) -> None:
         await self.kill()
-
-
-def _info(spec: registry.SandboxSpec, record: registry.SandboxRecord) -> SandboxInfo:
-    return SandboxInfo(
-        id=spec.id,
-        state=record.state.value,
-        template=spec.template,
-        cpus=spec.cpus,
-        memory_mib=spec.memory_mib,
-        disk_gib=spec.disk_gib,
-        accelerator=spec.accelerator,
-        image_id=spec.image_id,
-        created_at=spec.created_at,
-        deadline=record.deadline,
-        ports=record.ports,
-        error=record.error,
-        origin=record.origin,
-        forked_from=spec.forked_from,
-    )

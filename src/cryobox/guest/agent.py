@@ -325,19 +325,19 @@ class Agent:
         self._uploads: dict[int, tuple[Any, str, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._handlers: dict[str, Callable[[int, dict[str, Any], bytes], Any]] = {
-            "ping": self.ping,
-            "exec": self.exec,
-            "exec.stdin": self.exec_stdin,
-            "exec.kill": self.exec_kill,
-            "file.read": self.file_read,
-            "file.write.begin": self.file_write_begin,
-            "file.write.chunk": self.file_write_chunk,
-            "file.write.end": self.file_write_end,
-            "file.list": self.file_list,
-            "file.stat": self.file_stat,
-            "file.mkdir": self.file_mkdir,
-            "file.remove": self.file_remove,
-            "sys.refresh": self.sys_refresh,
+            p.GuestOp.PING: self.ping,
+            p.GuestOp.EXEC: self.exec,
+            p.GuestOp.EXEC_STDIN: self.exec_stdin,
+            p.GuestOp.EXEC_KILL: self.exec_kill,
+            p.GuestOp.FILE_READ: self.file_read,
+            p.GuestOp.FILE_WRITE_BEGIN: self.file_write_begin,
+            p.GuestOp.FILE_WRITE_CHUNK: self.file_write_chunk,
+            p.GuestOp.FILE_WRITE_END: self.file_write_end,
+            p.GuestOp.FILE_LIST: self.file_list,
+            p.GuestOp.FILE_STAT: self.file_stat,
+            p.GuestOp.FILE_MKDIR: self.file_mkdir,
+            p.GuestOp.FILE_REMOVE: self.file_remove,
+            p.GuestOp.SYS_REFRESH: self.sys_refresh,
         }
 
     # -- plumbing

@@ -23,6 +23,7 @@ Message shapes (``id`` pairs a request with everything sent back for it):
 
 from __future__ import annotations
 
+import enum
 import json
 import struct
 from dataclasses import dataclass, field
@@ -34,6 +35,25 @@ MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 1024 * 1024
 #: Size of the chunks that streamed data (output, files) is cut into.
 CHUNK = 256 * 1024
+
+
+class GuestOp(enum.StrEnum):
+    """What the guest agent does on request: the one vocabulary of operations."""
+
+    PING = "ping"
+    EXEC = "exec"
+    EXEC_STDIN = "exec.stdin"
+    EXEC_KILL = "exec.kill"
+    FILE_READ = "file.read"
+    FILE_WRITE_BEGIN = "file.write.begin"
+    FILE_WRITE_CHUNK = "file.write.chunk"
+    FILE_WRITE_END = "file.write.end"
+    FILE_LIST = "file.list"
+    FILE_STAT = "file.stat"
+    FILE_MKDIR = "file.mkdir"
+    FILE_REMOVE = "file.remove"
+    SYS_REFRESH = "sys.refresh"
+
 
 # Error kinds: the one vocabulary both sides use for failures.
 BAD_FRAME = "bad_frame"

@@ -8,8 +8,9 @@ machine and devices on both sides.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from cryobox.vmm.base import MachineSpec, PortForward
 
 MACHINE_TYPE = "q35"
 AGENT_PORT_NAME = "org.cryobox.agent.0"
@@ -29,50 +30,48 @@ BASE_KERNEL_ARGS = (
 )
 
 
-@dataclass(frozen=True)
-class PortForward:
-    """A TCP port of the guest reachable on 127.0.0.1:host_port."""
-
-    guest_port: int
-    host_port: int
-
-    def hostfwd(self) -> str:
-        return f"tcp:127.0.0.1:{self.host_port}-:{self.guest_port}"
+def hostfwd(forward: PortForward) -> str:
+    """QEMU's user-mode network syntax for a forward to 127.0.0.1 only."""
+    return f"tcp:127.0.0.1:{forward.host_port}-:{forward.guest_port}"
 
 
-@dataclass(frozen=True)
-class MachineSpec:
-    """Everything QEMU needs to run one machine; paths are absolute."""
+def cpu_model(accelerator: str) -> str:
+    return "host" if accelerator == "kvm" else os.environ.get("CRYOBOX_TCG_CPU", "max")
 
-    name: str
-    cpus: int
-    memory_mib: int
-    accelerator: str
-    kernel: Path
-    initrd: Path
-    disk: Path
-    memory_file: Path
-    qmp_socket: Path
-    agent_socket: Path
-    console_log: Path
-    kernel_args: tuple[str, ...] = ()
-    ports: tuple[PortForward, ...] = ()
-    #: Map guest RAM shared (writes reach the file) or private (copy-on-write).
-    memory_shared: bool = True
-    #: Wait for an incoming migration (restore of a memory snapshot) instead of booting.
-    incoming: bool = False
-    extra: tuple[str, ...] = field(default=())
 
-    @property
-    def cpu_model(self) -> str:
-        return "host" if self.accelerator == "kvm" else os.environ.get("CRYOBOX_TCG_CPU", "max")
+def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
+    """``-blockdev`` options opening each layer as given, the bottom one first.
+
+    Every layer names its backing node explicitly, so what a qcow2 header says about its
+    backing file is never used: the chain is resolved from ids by the caller each time,
+    and a state folder can move without breaking it.
+    """
+    args: list[str] = []
+    below = None
+    for depth, layer in enumerate(reversed(chain)):
+        top = depth == len(chain) - 1
+        node = ROOT_DRIVE if top else f"layer{depth}"
+        options = [
+            "driver=qcow2",
+            f"node-name={node}",
+            "file.driver=file",
+            f"file.filename={layer}",
+            f"read-only={'off' if top else 'on'}",
+        ]
+        if below:  # the image at the bottom has no backing of its own
+            options.append(f"backing={below}")
+        if top:
+            options += ["discard=unmap", "cache.direct=off"]
+        args += ["-blockdev", ",".join(options)]
+        below = node
+    return args
 
 
 def build_command(binary: str, spec: MachineSpec) -> list[str]:
     """The argv that starts ``spec``'s machine."""
     accel = "kvm" if spec.accelerator == "kvm" else "tcg,thread=multi"
     share = "on" if spec.memory_shared else "off"
-    netdev = "user,id=net0" + "".join(f",hostfwd={p.hostfwd()}" for p in spec.ports)
+    netdev = "user,id=net0" + "".join(f",hostfwd={hostfwd(p)}" for p in spec.ports)
     argv = [
         binary,
         "-name",
@@ -82,7 +81,7 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         "-accel",
         accel,
         "-cpu",
-        spec.cpu_model,
+        cpu_model(spec.accelerator),
         "-smp",
         str(spec.cpus),
         "-m",
@@ -109,8 +108,7 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         f"file,id=console,path={spec.console_log},append=on",
         "-serial",
         "chardev:console",
-        "-drive",
-        f"if=none,id={ROOT_DRIVE},file={spec.disk},format=qcow2,cache=writeback,discard=unmap",
+        *disk_chain_args(spec.disk_chain),
         "-device",
         f"virtio-blk-pci,drive={ROOT_DRIVE},id=rootdisk",
         "-device",
@@ -128,8 +126,7 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         "-device",
         "vmgenid,guid=auto,id=vmgenid0",
         "-qmp",
-        f"unix:{spec.qmp_socket},server=on,wait=off",
-        *spec.extra,
+        f"unix:{spec.monitor_socket},server=on,wait=off",
     ]
     if spec.incoming:
         # Stay stopped after the state is loaded: the caller continues the machine.

@@ -17,7 +17,8 @@ from typing import Any
 from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
 from cryobox.errors import QemuError, QemuNotInstalled
-from cryobox.qemu.command import MachineSpec, build_command
+from cryobox.qemu.command import build_command, hostfwd
+from cryobox.vmm.base import MachineSpec, PortForward
 
 BINARY = "qemu-system-x86_64"
 PR_SET_PDEATHSIG = 1
@@ -94,7 +95,7 @@ class QemuProcess:
 
         :raises QemuError: when QEMU exits or its monitor does not appear in time.
         """
-        self.spec.qmp_socket.unlink(missing_ok=True)
+        self.spec.monitor_socket.unlink(missing_ok=True)
         with open(self.stderr_path, "wb") as stderr:
             self._process = await asyncio.create_subprocess_exec(
                 *self.command,
@@ -117,10 +118,10 @@ class QemuProcess:
         while True:
             if self._process.returncode is not None:
                 raise self.error("QEMU exited while starting")
-            if self.spec.qmp_socket.exists():
+            if self.spec.monitor_socket.exists():
                 client = QMPClient(self.spec.name)
                 try:
-                    await client.connect(str(self.spec.qmp_socket))
+                    await client.connect(str(self.spec.monitor_socket))
                 except (OSError, ConnectError):
                     pass  # the socket exists before QEMU listens on it: try again
                 else:
@@ -150,6 +151,17 @@ class QemuProcess:
         out = await self.execute("human-monitor-command", {"command-line": command_line})
         return str(out)
 
+    async def stop_cpus(self) -> None:
+        await self.execute("stop")
+
+    async def continue_cpus(self) -> None:
+        await self.execute("cont")
+
+    async def add_port_forward(self, forward: PortForward) -> None:
+        answer = await self.human_monitor(f"hostfwd_add net0 {hostfwd(forward)}")
+        if answer.strip():
+            raise QemuError(f"hostfwd_add refused: {answer.strip()}", command=self.command)
+
     # -- snapshots: the device state travels by migration, RAM stays in its file
 
     async def _migration_setup(self) -> None:
@@ -161,7 +173,7 @@ class QemuProcess:
         )
         await self.execute("migrate-set-parameters", {"max-bandwidth": 32 << 30})
 
-    async def save_device_state(self, path: Path, timeout: float = 600.0) -> None:
+    async def save_state(self, path: Path, timeout: float = 600.0) -> None:
         """Write the stopped machine's device state (and any private RAM) to ``path``.
 
         :raises QemuError: when the migration fails or does not finish in time.
@@ -170,7 +182,7 @@ class QemuProcess:
         await self.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
         await self._wait_migration(timeout)
 
-    async def load_device_state(self, path: Path, timeout: float = 600.0) -> None:
+    async def load_state(self, path: Path, timeout: float = 600.0) -> None:
         """Feed a saved device state to a QEMU started with ``incoming``; it stays stopped."""
         await self._migration_setup()
         await self.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(path))}"})

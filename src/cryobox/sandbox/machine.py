@@ -15,17 +15,24 @@ Every way a sandbox starts and every snapshot goes through here:
 - **pause**: the same capture, but the machine does not continue: QEMU ends and the
   sandbox's own files move into ``paused/``; **resume** moves them back and continues.
 
-RAM mapped shared is skipped by the migration stream (the file is the RAM, the
-``x-ignore-shared`` capability); RAM mapped privately travels inside it.
+RAM mapped shared is skipped by the device state (the file is the RAM); RAM mapped
+privately travels inside it. The machine talks to its VM only through the
+:class:`~cryobox.vmm.Vmm` Protocol, and to saved snapshots only through the
+:class:`~cryobox.snapshot.store.SnapshotStore` Protocol, by id.
+
+A failure while saving never leaves the machine stopped: a checkpoint or snapshot that
+fails lets the VM continue and removes what it wrote; a pause that fails before QEMU
+ends lets the VM continue too (everything a pause needs on disk is written, hashed and
+described before the VM is ended, so what remains after that is renames).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -33,17 +40,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cryobox.errors import ChannelError, InvalidArgument, QemuError, SnapshotIncompatible
+from cryobox.errors import (
+    ChannelError,
+    CryoboxError,
+    InvalidArgument,
+    SnapshotIncompatible,
+    StorageError,
+)
 from cryobox.guest.client import AgentClient
-from cryobox.image import Image
-from cryobox.qemu import MachineSpec, PortForward, QemuProcess, build_command, qemu_version
-from cryobox.qemu.command import MACHINE_TYPE, device_drivers
+from cryobox.guest.protocol import GuestOp
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec, process_start
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
-from cryobox.snapshot import store
-from cryobox.snapshot.manifest import Manifest
-from cryobox.util import copy_sparse, free_port, new_id
+from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
+from cryobox.snapshot.store import SnapshotStore
+from cryobox.util import copy_sparse, free_port, new_id, write_json_atomic
+from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
 
 log = logging.getLogger("cryobox.supervisor")
 
@@ -53,6 +65,8 @@ BOOT_TIMEOUT = 240.0
 RESTORE_TIMEOUT = 60.0
 #: Test hook: the supervisor kills itself with SIGKILL on reaching this step.
 CRASH_AT = os.environ.get("CRYOBOX_TEST_CRASH_AT", "")
+
+Probe = Callable[[], tuple[str, dict[str, Any], bytes]]
 
 
 class StepTimer:
@@ -79,14 +93,32 @@ def crash_point(step: str) -> None:
         os.kill(os.getpid(), 9)
 
 
+def storage_error(exc: OSError, doing: str, where: Path) -> StorageError:
+    """A host file system failure as a domain error that says what and how much."""
+    free = shutil.disk_usage(where).free if where.exists() else 0
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = f"no space left on the host's state file system ({free >> 20} MiB free)"
+    else:
+        reason = exc.strerror or str(exc)
+    return StorageError(doing, str(exc.filename or where), reason)
+
+
 class Machine:
-    def __init__(self, folder: SandboxDir, save: Callable[[SandboxRecord], None]) -> None:
+    def __init__(
+        self,
+        folder: SandboxDir,
+        save: Callable[[SandboxRecord], None],
+        vmm: Vmm,
+        store: SnapshotStore,
+    ) -> None:
         self.folder = folder
         self.spec: SandboxSpec = folder.spec()
-        self.image = Image.load(Path(self.spec.image_path))
+        self.vmm = vmm
+        self.store = store
+        self.image = vmm.load_image(self.spec.image_id)
         self.record = folder.record()
         self._save = save
-        self.qemu: QemuProcess | None = None
+        self.vm: Vm | None = None
         self.agent: AgentClient | None = None
         self._layers = len(list(folder.path.glob("disk*.qcow2")))
 
@@ -103,36 +135,51 @@ class Machine:
             deadline=time.time() + self.spec.timeout,
         )
 
+    # -- where things are (resolved from ids each time: the state folder may move)
+
+    def _disk_chain_paths(self) -> tuple[Path, ...]:
+        assert self.record.disk
+        frozen = [self.store.folder(s) / mf.DISK for s in self.record.disk_chain]
+        return (self.folder.path / self.record.disk, *frozen, self.image.rootfs)
+
+    def _memory_path(self) -> Path:
+        if self.record.memory_from:
+            return self.store.folder(self.record.memory_from) / mf.MEMORY
+        return self.folder.path / (self.record.memory_file or "memory")
+
     # -- start
 
     async def start(self, supervisor_pid: int) -> None:
         """Boot cold, or restore the snapshot the spec names."""
         self._claim(SandboxState.CREATING, supervisor_pid)
         if self.spec.restore_from is None:
-            await self._cold_boot(self.image.rootfs, (str(self.image.rootfs),))
+            await self._cold_boot(())
             return
-        folder = Path(self.spec.restore_from)
-        manifest = self._trusted(folder)
-        if manifest.kind == "disk":
-            await self._cold_boot(folder / mf.DISK, (str(folder / mf.DISK), *manifest.disk_chain))
+        manifest = self._trusted(self.spec.restore_from)
+        if manifest.kind is SnapshotKind.DISK:
+            await self._cold_boot((manifest.id, *manifest.disk_chain))
         else:
-            await self._restore(folder, manifest, new_identity=True)
+            await self._restore(manifest, new_identity=True)
         self.update(origin=manifest.id)
 
-    async def _cold_boot(self, base: Path, chain: tuple[str, ...]) -> None:
-        disk = self._new_layer(base)
+    async def _cold_boot(self, chain: tuple[str, ...]) -> None:
+        disk = self._new_layer(chain)
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
         self.update(
-            disk=str(disk), disk_chain=tuple(chain), memory_file=str(memory), memory_shared=True
+            disk=disk,
+            disk_chain=chain,
+            memory_file=memory.name,
+            memory_from=None,
+            memory_shared=True,
         )
-        await self._start_qemu(
+        await self._start_vm(
             incoming=False,
             kernel_args=(f"cryobox.time_ns={time.time_ns()}", f"cryobox.hostname={self.spec.id}"),
         )
         self.agent = await self._connect_agent(BOOT_TIMEOUT)
 
-    async def _restore(self, folder: Path, manifest: Manifest, *, new_identity: bool) -> None:
+    async def _restore(self, manifest: Manifest, *, new_identity: bool) -> None:
         """Continue a memory snapshot in this sandbox, on a new disk overlay.
 
         The sandbox gets a RAM file of its own: a reflink (instant where the file system
@@ -140,34 +187,38 @@ class Machine:
         pauses and checkpoints stay cheap and the snapshot's file is never written.
         """
         timer = StepTimer(f"restore of {manifest.id}")
-        disk = self._new_layer(folder / mf.DISK)
+        folder = self.store.folder(manifest.id)
+        disk = self._new_layer((manifest.id, *manifest.disk_chain))
         timer("disk layer")
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
         shared = not manifest.ram_in_stream
         copying: asyncio.Future[None] | None = None
+        memory_from = None
         if self.spec.forked_from and new_identity and shared:
             # Forks map the one frozen file privately: its pages are shared by every fork
             # in the page cache, and each fork's writes are copy-on-write of its own.
-            memory, shared = folder / mf.MEMORY, False
+            memory_from, shared = manifest.id, False
         else:
             with open(memory, "wb") as handle:
                 handle.truncate(manifest.memory_mib << 20)
+            os.chmod(memory, 0o600)
             if not manifest.ram_in_stream:
-                # Filled while QEMU starts (it only maps the file; nothing reads guest RAM
-                # before the device state loads, which waits for the copy).
+                # Filled while the VM starts (it only maps the file; nothing reads guest
+                # RAM before the device state loads, which waits for the copy).
                 copying = asyncio.ensure_future(
                     asyncio.to_thread(copy_sparse, folder / mf.MEMORY, memory)
                 )
         self.update(
-            disk=str(disk),
-            disk_chain=(str(folder / mf.DISK), *manifest.disk_chain),
-            memory_file=str(memory),
+            disk=disk,
+            disk_chain=(manifest.id, *manifest.disk_chain),
+            memory_file=None if memory_from else memory.name,
+            memory_from=memory_from,
             memory_shared=shared,
         )
         try:
-            await self._start_qemu(incoming=True, guest_ports=manifest.ports)
-            timer("qemu start")
+            await self._start_vm(incoming=True, guest_ports=manifest.ports)
+            timer("vm start")
         finally:
             if copying is not None:
                 await copying
@@ -178,14 +229,14 @@ class Machine:
     async def _continue(
         self, device_state: Path, *, new_identity: bool, timer: StepTimer | None = None
     ) -> None:
-        assert self.qemu is not None
+        assert self.vm is not None
         step = timer or StepTimer("continue")
         # Connected before the state loads, the port looks to the guest as it did when it
         # was saved (host connected): the agent never sees a hang-up and answers at once.
         agent = await AgentClient.connect(self.folder.agent_socket)
-        await self.qemu.load_device_state(device_state)
+        await self.vm.load_state(device_state)
         step("device state")
-        await self.qemu.execute("cont")
+        await self.vm.continue_cpus()
         # The refresh is the first request: the agent was running when saved, so its answer
         # is the readiness signal (one round trip instead of a ping and then the refresh).
         self.agent = await self._connect_agent(
@@ -199,9 +250,9 @@ class Machine:
         op, args, payload = self._refresh_args(new_identity)()
         await self.agent.request(op, args, payload, timeout=30)
 
-    def _refresh_args(self, new_identity: bool) -> Callable[[], tuple[str, dict[str, Any], bytes]]:
+    def _refresh_args(self, new_identity: bool) -> Probe:
         """The refresh request, built when sent (the time must be current)."""
-        return lambda: ("sys.refresh", self._refresh_fields(new_identity), os.urandom(64))
+        return lambda: (GuestOp.SYS_REFRESH, self._refresh_fields(new_identity), os.urandom(64))
 
     def _refresh_fields(self, new_identity: bool) -> dict[str, Any]:
         args: dict[str, Any] = {"time_ns": time.time_ns()}
@@ -213,29 +264,22 @@ class Machine:
                 args.update(fork_id=self.spec.fork_index, forked_from=self.spec.forked_from)
         return args
 
-    def _new_layer(self, backing: Path) -> Path:
-        """A new writable qcow2 layer on ``backing`` (its path, as it will be once final)."""
+    def _new_layer(self, chain: tuple[str, ...]) -> str:
+        """A new writable layer over ``chain``'s top (the image when empty); its file name."""
         self._layers += 1
-        disk = self.folder.path / f"disk-{self._layers}.qcow2"
-        _qemu_img(
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-u",
-            "-F",
-            "qcow2",
-            "-b",
-            str(backing),
-            str(disk),
-            f"{self.spec.disk_gib}G",
-        )
-        return disk
+        name = f"disk-{self._layers}.qcow2"
+        backing = self.store.folder(chain[0]) / mf.DISK if chain else self.image.rootfs
+        path = self.folder.path / name
+        try:
+            self.vmm.create_layer(path, backing, self.spec.disk_gib)
+        except OSError as exc:
+            raise storage_error(exc, "creating a disk layer", self.folder.path) from exc
+        os.chmod(path, 0o600)
+        return name
 
     def _machine_spec(
         self, incoming: bool, ports: tuple[PortForward, ...], kernel_args: tuple[str, ...] = ()
     ) -> MachineSpec:
-        assert self.record.disk and self.record.memory_file
         return MachineSpec(
             name=f"cryobox-{self.spec.id}",
             cpus=self.spec.cpus,
@@ -243,9 +287,9 @@ class Machine:
             accelerator=self.spec.accelerator,
             kernel=self.image.kernel,
             initrd=self.image.initrd,
-            disk=Path(self.record.disk),
-            memory_file=Path(self.record.memory_file),
-            qmp_socket=self.folder.qmp_socket,
+            disk_chain=self._disk_chain_paths(),
+            memory_file=self._memory_path(),
+            monitor_socket=self.folder.qmp_socket,
             agent_socket=self.folder.agent_socket,
             console_log=self.folder.console_log,
             ports=ports,
@@ -254,7 +298,7 @@ class Machine:
             incoming=incoming,
         )
 
-    async def _start_qemu(
+    async def _start_vm(
         self,
         *,
         incoming: bool,
@@ -263,39 +307,35 @@ class Machine:
     ) -> None:
         wanted = dict.fromkeys((*self.spec.ports, *guest_ports, *self.record.ports))
         forwards = tuple(PortForward(g, self.record.ports.get(g) or free_port()) for g in wanted)
-        self.qemu = QemuProcess(
+        self.vm = await self.vmm.start(
             self._machine_spec(incoming, forwards, kernel_args), self.folder.qemu_stderr
         )
-        await self.qemu.start()
-        self.update(qemu_pid=self.qemu.pid, ports={f.guest_port: f.host_port for f in forwards})
+        self.update(qemu_pid=self.vm.pid, ports={f.guest_port: f.host_port for f in forwards})
 
     async def _connect_agent(
-        self,
-        timeout: float,
-        agent: AgentClient | None = None,
-        probe: Callable[[], tuple[str, dict[str, Any], bytes]] | None = None,
+        self, timeout: float, agent: AgentClient | None = None, probe: Probe | None = None
     ) -> AgentClient:
         """Connect to the guest agent (unless given a connection) and wait until it answers
         ``probe``'s request (a ping by default), resent until the deadline."""
-        assert self.qemu is not None
+        assert self.vm is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         agent = agent or await AgentClient.connect(self.folder.agent_socket)
         while True:
-            if self.qemu.returncode is not None:
+            if self.vm.returncode is not None:
                 await agent.close()
-                raise self.qemu.error(
-                    "QEMU exited before the guest agent answered; console:\n"
+                raise self.vm.error(
+                    "the VM exited before the guest agent answered; console:\n"
                     + _tail(self.folder.console_log)
                 )
             try:
-                op, args, payload = probe() if probe else ("ping", {}, b"")
+                op, args, payload = probe() if probe else (GuestOp.PING, {}, b"")
                 await agent.request(op, args, payload, timeout=0.5 if probe else 0.25)
                 return agent
             except ChannelError:
                 if loop.time() > deadline:
                     await agent.close()
-                    raise self.qemu.error(
+                    raise self.vm.error(
                         f"the guest agent did not answer within {timeout:.0f} s; console:\n"
                         + _tail(self.folder.console_log)
                     ) from None
@@ -304,165 +344,206 @@ class Machine:
 
     # -- snapshots
 
-    def host_facts(self) -> dict[str, Any]:
-        """What a memory snapshot must match to continue here."""
-        argv = build_command("qemu", _placeholder_spec(self.spec, self.image))
-        return {
-            "qemu_version": qemu_version(),
-            "machine_type": MACHINE_TYPE,
-            "accelerator": self.spec.accelerator,
-            "cpu_model": _cpu_model(self.spec),
-            "cpus": self.spec.cpus,
-            "memory_mib": self.spec.memory_mib,
-            "devices": tuple(device_drivers(argv)),
-        }
+    def backend_facts(self) -> dict[str, Any]:
+        """What a memory snapshot must match to continue here (the manifest's ``backend``)."""
+        return self.vmm.facts(
+            self.spec.cpus, self.spec.memory_mib, self.spec.accelerator, self.image
+        )
 
-    def _trusted(self, folder: Path) -> Manifest:
-        """The snapshot's manifest once it is verified and compatible with this host.
+    def _trusted(self, ref: str) -> Manifest:
+        """The snapshot's manifest once it is verified and compatible with this sandbox.
 
         :raises SnapshotError: naming the file or field that is wrong.
         """
-        manifest = mf.load(folder)
-        if manifest.kind == "memory":
-            mf.check_compatible(manifest, self.host_facts())
-        elif manifest.image_id != self.spec.image_id:
+        manifest = self.store.get(ref)
+        if manifest.image_id != self.spec.image_id:
             raise SnapshotIncompatible(
                 manifest.id, "image_id", manifest.image_id, self.spec.image_id
             )
+        if manifest.kind is SnapshotKind.MEMORY:
+            mf.check_compatible(
+                manifest,
+                self.backend_facts(),
+                {"cpus": self.spec.cpus, "memory_mib": self.spec.memory_mib},
+            )
+        mf.verify(self.store.folder(manifest.id), manifest)
+        return manifest
+
+    def _trusted_pause(self, folder: Path) -> Manifest:
+        manifest = mf.load(folder)
+        mf.check_compatible(
+            manifest,
+            self.backend_facts(),
+            {"cpus": self.spec.cpus, "memory_mib": self.spec.memory_mib},
+        )
         mf.verify(folder, manifest)
         return manifest
 
-    async def capture(self, *, purpose: str, name: str | None, memory: bool) -> Manifest:
-        """Save this running machine as a snapshot and let it go on running."""
-        assert self.qemu is not None and self.agent is not None and self.record.disk
+    async def capture(
+        self, *, purpose: SnapshotPurpose, name: str | None, memory: bool
+    ) -> Manifest:
+        """Save this running machine as a snapshot and let it go on running.
+
+        Whatever fails, the machine continues and nothing half-written stays behind.
+
+        :raises StorageError: when the host cannot write it (a full disk, say).
+        """
+        assert self.vm is not None and self.agent is not None and self.record.disk
         if not memory:
-            await self.agent.request("exec", {"argv": ["sync"]}, timeout=60)
+            await self.agent.request(GuestOp.EXEC, {"argv": ["sync"]}, timeout=60)
         snapshot_id = new_id("snap")
-        temp = store.temp_folder(snapshot_id)
-        final = store.snapshots_dir() / snapshot_id
-        await self.qemu.execute("stop")
+        temp = self.store.begin(snapshot_id)
+        try:
+            files = await self._save_files(temp, memory)
+            manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
+            described = await asyncio.to_thread(mf.describe_files, temp, files)
+            manifest = replace(manifest, files=described)
+            crash_point("hashed")
+            self.store.commit(temp, manifest)
+        except OSError as exc:
+            self.store.abandon(temp)
+            raise storage_error(exc, f"saving {purpose} {snapshot_id}", temp.parent) from exc
+        except BaseException:
+            self.store.abandon(temp)
+            raise
+        if memory:
+            try:
+                await self._refresh_guest(new_identity=False)
+            except CryoboxError as exc:  # the snapshot is committed and sound
+                log.warning("clock refresh after %s failed: %s", snapshot_id, exc)
+        return manifest
+
+    async def _save_files(self, temp: Path, memory: bool) -> list[str]:
+        """Copy the stopped machine's disk layer, RAM and device state into ``temp``;
+        the machine continues whatever happens."""
+        assert self.vm is not None and self.record.disk
+        await self.vm.stop_cpus()
         try:
             crash_point("stopped")
             # Stopping drained and flushed the disk: its active layer is consistent on disk
             # and copies cheaply (it holds only what changed above its frozen backing).
-            await asyncio.to_thread(copy_sparse, Path(self.record.disk), temp / mf.DISK)
+            await asyncio.to_thread(
+                copy_sparse, self.folder.path / self.record.disk, temp / mf.DISK
+            )
             crash_point("disk-copied")
             files = [mf.DISK]
-            ram_in_stream = memory and not self.record.memory_shared
             if memory and self.record.memory_shared:
                 await asyncio.to_thread(
-                    copy_sparse,
-                    Path(self.record.memory_file or ""),
-                    temp / mf.MEMORY,
-                    skip_zero_pages=True,
+                    copy_sparse, self._memory_path(), temp / mf.MEMORY, skip_zero_pages=True
                 )
                 files.append(mf.MEMORY)
             if memory:
-                await self.qemu.save_device_state(temp / mf.DEVICE_STATE)
+                await self.vm.save_state(temp / mf.DEVICE_STATE)
                 files.append(mf.DEVICE_STATE)
             crash_point("state-saved")
+            return files
         finally:
-            await self.qemu.execute("cont")
-        manifest = self._manifest(
-            snapshot_id, purpose, name, memory, ram_in_stream, self.record.disk_chain
-        )
-        manifest = replace(manifest, files=await asyncio.to_thread(mf.describe_files, temp, files))
-        crash_point("hashed")
-        mf.finish(temp, final, manifest)
-        if memory:
-            await self._refresh_guest(new_identity=False)
-        return manifest
+            await self.vm.continue_cpus()
 
     def _manifest(
         self,
         snapshot_id: str,
-        purpose: str,
+        purpose: SnapshotPurpose,
         name: str | None,
         memory: bool,
-        ram_in_stream: bool,
         chain: tuple[str, ...],
     ) -> Manifest:
-        facts = self.host_facts()
         return Manifest(
             id=snapshot_id,
-            kind="memory" if memory else "disk",
+            kind=SnapshotKind.MEMORY if memory else SnapshotKind.DISK,
             purpose=purpose,
             name=name,
             created_at=time.time(),
             source_sandbox=self.spec.id,
             parent=self.record.origin,
             image_id=self.spec.image_id,
-            image_path=self.spec.image_path,
-            qemu_version=facts["qemu_version"],
-            machine_type=facts["machine_type"],
-            accelerator=facts["accelerator"],
-            cpu_model=facts["cpu_model"],
             cpus=self.spec.cpus,
             memory_mib=self.spec.memory_mib,
             disk_gib=self.spec.disk_gib,
-            devices=facts["devices"],
             disk_chain=chain,
             ports=tuple(self.record.ports),
-            ram_in_stream=ram_in_stream,
+            ram_in_stream=memory and not self.record.memory_shared,
+            backend=self.backend_facts(),
         )
 
     async def pause(self) -> None:
-        """Save the whole machine into ``paused/`` and end QEMU: no CPU, no RAM in use."""
-        assert self.qemu is not None and self.record.disk and self.record.memory_file
+        """Save the whole machine into ``paused/`` and end the VM: no CPU, no RAM in use.
+
+        Everything is written, hashed and described while the VM is only frozen; a
+        failure up to there lets it continue. Only renames follow the end of the VM.
+
+        :raises StorageError: when the host cannot write the device state.
+        """
+        assert self.vm is not None and self.record.disk
         temp = self.folder.path / "paused.tmp"
         shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir()
-        await self.qemu.execute("stop")
-        crash_point("stopped")
-        await self.qemu.save_device_state(temp / mf.DEVICE_STATE)
-        crash_point("state-saved")
-        await self.stop_qemu()
-        files = [mf.DEVICE_STATE, mf.DISK]
-        os.rename(self.record.disk, temp / mf.DISK)
-        if self.record.memory_shared:
-            os.rename(self.record.memory_file, temp / mf.MEMORY)
-            files.append(mf.MEMORY)
-        manifest = self._manifest(
-            new_id("pause"),
-            "pause",
-            None,
-            True,
-            not self.record.memory_shared,
-            self.record.disk_chain,
-        )
-        manifest = replace(manifest, files=await asyncio.to_thread(mf.describe_files, temp, files))
+        temp.mkdir(mode=0o700)
+        disk, memory = self.folder.path / self.record.disk, self._memory_path()
+        await self.vm.stop_cpus()
+        try:
+            crash_point("stopped")
+            await self.vm.save_state(temp / mf.DEVICE_STATE)
+            crash_point("state-saved")
+            files = {mf.DEVICE_STATE: temp / mf.DEVICE_STATE, mf.DISK: disk}
+            if self.record.memory_shared:
+                files[mf.MEMORY] = memory
+            described = await asyncio.to_thread(_describe, files)
+            manifest = replace(
+                self._manifest(
+                    new_id("pause"), SnapshotPurpose.PAUSE, None, True, self.record.disk_chain
+                ),
+                files=described,
+            )
+            write_json_atomic(temp / mf.PENDING_MANIFEST, manifest.to_json())
+        except BaseException as exc:
+            shutil.rmtree(temp, ignore_errors=True)
+            await self.vm.continue_cpus()
+            if isinstance(exc, OSError):
+                raise storage_error(exc, "pausing", self.folder.path) from exc
+            raise
         crash_point("hashed")
-        mf.finish(temp, self.folder.paused, manifest)
+        await self.stop_vm()
+        # The disk layer moves last: once it is out of the sandbox folder, everything is
+        # in the pause folder and a new supervisor can finish the pause (registry).
+        if self.record.memory_shared:
+            os.rename(memory, temp / mf.MEMORY)
+        os.rename(disk, temp / mf.DISK)
+        crash_point("moved")
+        mf.commit_pending(temp, self.folder.paused)
         self.update(state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None)
 
     async def resume(self, supervisor_pid: int) -> None:
         """Continue the paused machine with every process where it was."""
         self._claim(SandboxState.RESUMING, supervisor_pid)
         paused = self.folder.paused
-        manifest = self._trusted(paused)
-        disk = self.folder.path / f"disk-{self._layers + 1}.qcow2"
+        manifest = self._trusted_pause(paused)
         self._layers += 1
-        moved = [(paused / mf.DISK, disk)]
+        disk = f"disk-{self._layers}.qcow2"
+        moved = [(paused / mf.DISK, self.folder.path / disk)]
         if manifest.ram_in_stream:
             memory = self.folder.path / f"memory-{uuid.uuid4().hex[:8]}"
             with open(memory, "wb") as handle:
                 handle.truncate(manifest.memory_mib << 20)
+            os.chmod(memory, 0o600)
         else:
             memory = self.folder.memory_file
             moved.append((paused / mf.MEMORY, memory))
         for source, target in moved:
             os.rename(source, target)
         self.update(
-            disk=str(disk), memory_file=str(memory), memory_shared=not manifest.ram_in_stream
+            disk=disk,
+            memory_file=memory.name,
+            memory_from=None,
+            memory_shared=not manifest.ram_in_stream,
         )
         timer = StepTimer("resume")
         try:
-            await self._start_qemu(incoming=True)
-            timer("qemu start")
+            await self._start_vm(incoming=True)
+            timer("vm start")
             await self._continue(paused / mf.DEVICE_STATE, new_identity=False, timer=timer)
             timer.log()
         except BaseException:
-            await self.stop_qemu()
+            await self.stop_vm()
             for source, target in moved:  # give the pause back intact
                 os.rename(target, source)
             raise
@@ -470,43 +551,39 @@ class Machine:
 
     async def rollback(self, ref: str) -> None:
         """Return this running sandbox to one of its memory snapshots."""
-        folder, manifest = store.find(ref)
-        if manifest.kind != "memory":
+        manifest = self.store.get(ref)
+        if manifest.kind is not SnapshotKind.MEMORY:
             raise InvalidArgument(f"{ref} is a disk snapshot: rollback needs a memory snapshot")
         if manifest.source_sandbox != self.spec.id:
             raise InvalidArgument(
                 f"{ref} belongs to sandbox {manifest.source_sandbox}, not {self.spec.id}"
             )
-        self._trusted(folder)
-        old_disk, old_memory = self.record.disk, self.record.memory_file
-        await self.stop_qemu()
-        await self._restore(folder, manifest, new_identity=False)
-        current = (self.record.disk, self.record.memory_file)
-        for path in (old_disk, old_memory):
-            if path and path not in current and Path(path).parent == self.folder.path:
-                Path(path).unlink(missing_ok=True)
+        self._trusted(manifest.id)
+        old = [self.folder.path / n for n in (self.record.disk, self.record.memory_file) if n]
+        await self.stop_vm()
+        await self._restore(manifest, new_identity=False)
+        current = {self.record.disk, self.record.memory_file}
+        for path in old:
+            if path.name not in current:
+                path.unlink(missing_ok=True)
 
     async def expose_port(self, guest_port: int) -> int:
-        if not 1 <= guest_port <= 65535:
-            raise ValueError(f"guest port {guest_port} is not in 1..65535")
         if guest_port in self.record.ports:
             return self.record.ports[guest_port]
-        assert self.qemu is not None
+        assert self.vm is not None
         forward = PortForward(guest_port, free_port())
-        answer = await self.qemu.human_monitor(f"hostfwd_add net0 {forward.hostfwd()}")
-        if answer.strip():
-            raise QemuError(f"hostfwd_add refused: {answer.strip()}")
+        await self.vm.add_port_forward(forward)
         self.update(ports={**self.record.ports, guest_port: forward.host_port})
         return forward.host_port
 
     # -- end
 
-    async def stop_qemu(self) -> None:
+    async def stop_vm(self) -> None:
         if self.agent is not None:
             await self.agent.close()
             self.agent = None
-        if self.qemu is not None:
-            await self.qemu.kill()
+        if self.vm is not None:
+            await self.vm.kill()
 
     def remove_runtime_files(self) -> None:
         """Delete the disk layers, RAM file and sockets of a sandbox that ended."""
@@ -515,36 +592,12 @@ class Machine:
                 path.unlink(missing_ok=True)
 
 
-def _cpu_model(spec: SandboxSpec) -> str:
-    return "host" if spec.accelerator == "kvm" else os.environ.get("CRYOBOX_TCG_CPU", "max")
-
-
-def _placeholder_spec(spec: SandboxSpec, image: Image) -> MachineSpec:
-    path = Path("/")
-    return MachineSpec(
-        name="x",
-        cpus=spec.cpus,
-        memory_mib=spec.memory_mib,
-        accelerator=spec.accelerator,
-        kernel=image.kernel,
-        initrd=image.initrd,
-        disk=path,
-        memory_file=path,
-        qmp_socket=path,
-        agent_socket=path,
-        console_log=path,
-    )
-
-
-def _qemu_img(*args: str) -> None:
-    done = subprocess.run(["qemu-img", *args], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise QemuError(
-            "qemu-img failed",
-            command=["qemu-img", *args],
-            exitcode=done.returncode,
-            stderr=done.stderr,
-        )
+def _describe(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """Digest and size of files that are about to be moved into a snapshot folder."""
+    return {
+        name: {"sha256": mf.file_digest(path), "size": path.stat().st_size}
+        for name, path in files.items()
+    }
 
 
 def _tail(path: Path, lines: int = 30) -> str:

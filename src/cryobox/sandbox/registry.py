@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox import config
-from cryobox.errors import SandboxNotFound
+from cryobox.errors import CryoboxError, SandboxNotFound
 from cryobox.sandbox.state import SandboxState, check_transition
 from cryobox.util import write_json_atomic
 
@@ -27,7 +27,6 @@ class SandboxSpec:
 
     id: str
     image_id: str
-    image_path: str
     accelerator: str
     cpus: int
     memory_mib: int
@@ -35,7 +34,7 @@ class SandboxSpec:
     timeout: float
     ports: tuple[int, ...] = ()
     template: str = "base"
-    #: Folder of the snapshot this sandbox starts from (None: a cold boot of the image).
+    #: Id of the snapshot this sandbox starts from (None: a cold boot of the image).
     restore_from: str | None = None
     #: For a fork: the sandbox it was forked from, and its number among its siblings
     #: (its RAM maps the fork snapshot's file privately, shared copy-on-write).
@@ -45,6 +44,8 @@ class SandboxSpec:
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:
+        known = {f.name for f in fields(cls)}
+        value = {k: v for k, v in value.items() if k in known}
         return cls(**{**value, "ports": tuple(value.get("ports", ()))})
 
 
@@ -63,11 +64,14 @@ class SandboxRecord:
     error: str | None = None
     #: Structured detail of ``error`` (a QEMU failure's command, exit code, stderr).
     failure: dict[str, Any] | None = None
-    #: The active (writable) disk layer and the frozen layers below it, top first.
+    #: The active (writable) disk layer's file name in the sandbox folder, and the ids of
+    #: the snapshots whose frozen layers are below it, top first (the image is the bottom).
     disk: str | None = None
     disk_chain: tuple[str, ...] = ()
-    #: The RAM file QEMU maps, and whether it maps it shared (its own) or private (CoW).
+    #: The RAM file the VM maps (a file name in the sandbox folder), or the id of the
+    #: snapshot whose RAM file it maps privately (a fork); shared (its own) or private.
     memory_file: str | None = None
+    memory_from: str | None = None
     memory_shared: bool = True
     #: The snapshot this sandbox was restored from last: its parent in the lineage.
     origin: str | None = None
@@ -121,7 +125,7 @@ class SandboxDir:
         return SandboxSpec.from_json(json.loads(self.spec_file.read_text()))
 
     def write_spec(self, spec: SandboxSpec) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_json_atomic(self.spec_file, asdict(spec))
 
     def record(self) -> SandboxRecord:
@@ -135,6 +139,7 @@ class SandboxDir:
         # A creator writes "creating" before its supervisor has a pid: allow it a moment.
         orphaned = record.supervisor_pid is not None or time.time() - record.updated_at > 30
         if orphaned and not supervisor_alive(record):
+            self._complete_pause()
             if (self.paused / "manifest.json").exists():
                 # The supervisor died after committing a pause: the pause stands.
                 return replace(
@@ -146,6 +151,20 @@ class SandboxDir:
                 error=record.error or "its supervisor process is gone",
             )
         return record
+
+    def _complete_pause(self) -> None:
+        """A supervisor that died after its pause had written everything (the VM was
+        ended, only renames were left): finish the pause, so the sandbox is not lost."""
+        from cryobox.snapshot import manifest as mf
+
+        temp = self.path / "paused.tmp"
+        if not (temp / mf.PENDING_MANIFEST).exists() and not (temp / mf.MANIFEST).exists():
+            return
+        disk = [p for p in self.path.glob("disk-*.qcow2")]
+        if disk:
+            return  # the disk layer was not moved yet: the VM was still using it
+        with contextlib.suppress(OSError, ValueError, CryoboxError):
+            mf.commit_pending(temp, self.paused)
 
     def write_record(self, record: SandboxRecord, *, check: bool = True) -> None:
         if check and self.state_file.exists():

@@ -1,19 +1,20 @@
-"""The supervisor: one process per sandbox that owns its QEMU for the sandbox's life.
+"""The supervisor: one process per sandbox that owns its VM for the sandbox's life.
 
-Why a process of its own: QEMU's monitor and the guest agent's port each accept one
+Why a process of its own: the VM's monitor and the guest agent's port each accept one
 connection, yet several clients (an SDK program, ``cryobox exec`` in another shell)
 use a sandbox at once, and someone must enforce its timeout while nobody is
 connected. The supervisor holds both connections and serves any number of clients
-on ``control.sock`` with the same frame protocol as the agent: guest operations
-are forwarded, ``sandbox.*`` operations (status, timeout, ports, pause, checkpoint,
-snapshot, rollback, kill) are its own. Snapshot work is in :mod:`.machine`.
+on ``control.sock`` (:mod:`.control`): guest operations are forwarded, its own
+operations (status, timeout, ports, pause, snapshot, rollback, kill) are handled
+here, snapshot work in :mod:`.machine`. Every request is answered, whatever happens.
 
-It is the only writer of the sandbox's state record. QEMU is started with a parent
+It is the only writer of the sandbox's state record. The VM is started with a parent
 death signal, so a supervisor killed with SIGKILL takes its VM with it.
 
-Run as ``python -m cryobox.sandbox.supervisor SANDBOX_DIR [--resume]``, or with no
-folder: then it imports everything, waits for a folder on stdin and starts from
-there (a spare kept warm by creators, so a restore does not wait for Python).
+Started as ``python -m cryobox.sandbox.supervisor --fd N``: it imports everything,
+then waits on the socket ``N`` for a :class:`~.control.StartRequest` (a spare kept
+warm by the service, so a restore does not wait for Python), reports progress and
+readiness or failure on it, then closes it.
 """
 
 from __future__ import annotations
@@ -23,19 +24,55 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
-from cryobox.errors import ChannelError, CryoboxError, GuestError, error_detail
+from cryobox.errors import (
+    ChannelError,
+    CryoboxError,
+    GuestError,
+    InvalidArgument,
+    StorageError,
+    error_detail,
+)
 from cryobox.guest import protocol as p
-from cryobox.qemu import qemu_version
+from cryobox.sandbox.control import (
+    ControlOp,
+    ExposePort,
+    Rollback,
+    SetTimeout,
+    StartRequest,
+    TakeSnapshot,
+)
 from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.vmm import Vmm, backend
 
 log = logging.getLogger("cryobox.supervisor")
+
+
+def error_reply(rid: int | None, exc: BaseException, op: str) -> dict[str, Any]:
+    """The one mapping from an exception to an error reply."""
+    if isinstance(exc, GuestError):
+        return p.error_header(rid, exc.kind, exc.message)
+    if isinstance(exc, InvalidArgument):
+        header = p.error_header(rid, p.INVALID, str(exc))
+    elif isinstance(exc, ChannelError):
+        header = p.error_header(rid, p.CHANNEL, str(exc))
+    elif isinstance(exc, CryoboxError):
+        header = p.error_header(rid, p.INTERNAL, str(exc))
+    else:  # a bug: say what it was, and keep serving
+        log.error("%s failed unexpectedly:\n%s", op, "".join(traceback.format_exception(exc)))
+        return p.error_header(
+            rid, p.INTERNAL, f"{op}: internal error in the supervisor: {type(exc).__name__}: {exc}"
+        )
+    return {**header, "detail": error_detail(exc)}
 
 
 class ClientConnection:
@@ -50,9 +87,9 @@ class ClientConnection:
 
 
 class Supervisor:
-    def __init__(self, folder: SandboxDir) -> None:
+    def __init__(self, folder: SandboxDir, vmm: Vmm | None = None) -> None:
         self.folder = folder
-        self.machine = Machine(folder, self._save)
+        self.machine = Machine(folder, self._save, vmm or backend(), LocalSnapshotStore())
         self._stop = asyncio.Event()
         self._stop_reason: tuple[SandboxState, str | None] = (SandboxState.KILLED, None)
         self._deadline_changed = asyncio.Event()
@@ -70,7 +107,11 @@ class Supervisor:
 
     # -- life
 
-    async def run(self, resume: bool) -> int:
+    async def run(self, resume: bool, report: ClientConnection | None = None) -> int:
+        """Start (or resume) the sandbox, serve it until it ends; 0 unless the start failed.
+
+        ``report`` receives the start's outcome: the state record, or the error.
+        """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop, SandboxState.KILLED, f"signal {sig.name}")
@@ -81,15 +122,20 @@ class Supervisor:
                 await self.machine.start(os.getpid())
         except Exception as exc:
             await self._failed_start(exc, resume)
+            if report is not None:
+                report.send(error_reply(0, exc, "start"))
             return 1
         self.folder.control_socket.unlink(missing_ok=True)
         server = await asyncio.start_unix_server(
             self._serve_client, str(self.folder.control_socket)
         )
+        os.chmod(self.folder.control_socket, 0o600)
         self.machine.update(state=SandboxState.RUNNING, error=None, failure=None)
         log.info("running")
+        if report is not None:
+            report.send({"id": 0, "ok": True, "result": self.record.to_json()})
         watchers = [
-            asyncio.ensure_future(self._watch_qemu()),
+            asyncio.ensure_future(self._watch_vm()),
             asyncio.ensure_future(self._watch_deadline()),
         ]
         await self._stop.wait()
@@ -112,7 +158,7 @@ class Supervisor:
             log.exception("start failed unexpectedly")
             reason, detail = f"internal error while starting: {exc!r}", None
         if resume:
-            await self.machine.stop_qemu()
+            await self.machine.stop_vm()
             self.machine.update(
                 state=SandboxState.PAUSED,
                 supervisor_pid=None,
@@ -128,19 +174,19 @@ class Supervisor:
             self._stop_reason = (state, reason)
             self._stop.set()
 
-    async def _watch_qemu(self) -> None:
+    async def _watch_vm(self) -> None:
         while True:
-            qemu = self.machine.qemu
-            assert qemu is not None
-            code = await qemu.wait()
-            if qemu is self.machine.qemu and not self._lifecycle.locked():
+            vm = self.machine.vm
+            assert vm is not None
+            code = await vm.wait()
+            if vm is self.machine.vm and not self._lifecycle.locked():
                 self.stop(
                     SandboxState.DEAD,
-                    f"QEMU exited with code {code}: " + qemu.stderr_text().strip()[-2000:],
+                    f"the VM exited with code {code}: " + vm.stderr_text().strip()[-2000:],
                 )
                 return
-            # A rollback replaced QEMU on purpose: watch the new one.
-            while self._lifecycle.locked() or self.machine.qemu is qemu:
+            # A rollback replaced the VM on purpose: watch the new one.
+            while self._lifecycle.locked() or self.machine.vm is vm:
                 await asyncio.sleep(0.05)
 
     async def _watch_deadline(self) -> None:
@@ -157,7 +203,7 @@ class Supervisor:
     async def _shutdown(
         self, state: SandboxState, reason: str | None, failure: dict[str, Any] | None = None
     ) -> None:
-        await self.machine.stop_qemu()
+        await self.machine.stop_vm()
         self.machine.remove_runtime_files()
         self.machine.update(state=state, error=reason, failure=failure, qemu_pid=None)
         log.info("%s: %s", state.value, reason)
@@ -184,6 +230,7 @@ class Supervisor:
             writer.close()
 
     async def _handle(self, client: ClientConnection, frame: p.Frame) -> None:
+        """Answer one request: a result, or an error reply whatever went wrong."""
         rid, op = frame.id, frame.header.get("op")
         args = frame.header.get("args") or {}
         if rid is None or not isinstance(op, str) or not isinstance(args, dict):
@@ -194,18 +241,12 @@ class Supervisor:
             )
             return
         try:
-            if op.startswith("sandbox."):
-                result = await self._sandbox_op(op, args)
+            if op in ControlOp.__members__.values():
+                result = await self._control(ControlOp(op), args)
             else:
                 result = await self._forward(client, rid, op, args, frame.payload)
-        except GuestError as exc:
-            client.send(p.error_header(rid, exc.kind, exc.message))
-        except ChannelError as exc:
-            client.send(p.error_header(rid, p.CHANNEL, str(exc)))
-        except (KeyError, TypeError, ValueError) as exc:
-            client.send(p.error_header(rid, p.INVALID, f"{op}: bad arguments ({exc!r})"))
-        except CryoboxError as exc:
-            client.send({**p.error_header(rid, p.INTERNAL, str(exc)), "detail": error_detail(exc)})
+        except Exception as exc:
+            client.send(error_reply(rid, exc, op))
         else:
             client.send({"id": rid, "ok": True, "result": result})
 
@@ -223,60 +264,81 @@ class Supervisor:
 
         return await agent.request(op, args, payload, on_event=relay)
 
-    async def _sandbox_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        if op == "sandbox.status":
+    async def _control(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
+        if op is ControlOp.STATUS:
             return self.record.to_json()
-        if op == "sandbox.set_timeout":
-            seconds = float(args["seconds"])
-            if seconds <= 0:
-                raise ValueError("seconds must be positive")
+        if op is ControlOp.SET_TIMEOUT:
+            seconds = SetTimeout.parse(args).seconds
             self.machine.update(deadline=time.time() + seconds)
             self._deadline_changed.set()
             return {"deadline": self.record.deadline}
-        if op == "sandbox.kill":
+        if op is ControlOp.KILL:
             self.stop(SandboxState.KILLED, "killed by request")
             return {}
-        if op == "sandbox.expose_port":
-            return {"host_port": await self.machine.expose_port(int(args["guest_port"]))}
+        if op is ControlOp.EXPOSE_PORT:
+            return {"host_port": await self.machine.expose_port(ExposePort.parse(args).guest_port)}
         async with self._lifecycle:
             require(self.record.id, self.record.state, (SandboxState.RUNNING,), op.split(".")[1])
-            if op == "sandbox.pause":
+            if op is ControlOp.PAUSE:
                 await self.machine.pause()
                 self._exit_paused = True
                 self.stop(SandboxState.PAUSED, None)
                 return {}
-            if op == "sandbox.snapshot":
+            if op is ControlOp.SNAPSHOT:
+                request = TakeSnapshot.parse(args)
                 manifest = await self.machine.capture(
-                    purpose=str(args.get("purpose", "snapshot")),
-                    name=args.get("name"),
-                    memory=bool(args.get("memory", True)),
+                    purpose=request.purpose, name=request.name, memory=request.memory
                 )
                 return manifest.to_json()
-            if op == "sandbox.rollback":
-                await self.machine.rollback(str(args["snapshot"]))
+            if op is ControlOp.ROLLBACK:
+                await self.machine.rollback(Rollback.parse(args).snapshot_id)
                 return {}
-        raise GuestError(op, p.UNKNOWN_OP, f"unknown op {op!r}")
+        raise InvalidArgument(f"{op} is not a request a running supervisor takes")
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    if not args:
-        # A warm spare: everything is imported and QEMU's version known; wait for a folder.
-        with contextlib.suppress(CryoboxError):
-            qemu_version()
-        line = sys.stdin.readline().strip()
-        if not line:
-            return
-        args = line.split()
-    folder = SandboxDir(Path(args[0]))
-    resume = "--resume" in args[1:]
+async def _serve(sock: socket.socket) -> int:
+    """Read the start request from the service, then run the sandbox."""
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    decoder = p.Decoder()
+    request: StartRequest | None = None
+    while request is None:
+        data = await reader.read(p.MAX_HEADER)
+        if not data:
+            return 0  # the service went away without handing us a sandbox
+        for item in decoder.feed(data):
+            if isinstance(item, p.Frame) and item.header.get("op") == ControlOp.START:
+                request = StartRequest.parse(item.header.get("args") or {})
+                break
+    folder = SandboxDir(Path(request.folder))
     handler = logging.FileHandler(folder.supervisor_log)
     logging.basicConfig(
         level=logging.INFO,
         handlers=[handler],
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    sys.exit(asyncio.run(Supervisor(folder).run(resume)))
+    report = ClientConnection(writer)
+    try:
+        supervisor = Supervisor(folder)
+    except (CryoboxError, OSError) as exc:
+        if isinstance(exc, OSError):
+            exc = StorageError("starting the supervisor", str(folder.path), str(exc))
+        report.send(error_reply(0, exc, "start"))
+        await writer.drain()
+        return 1
+    code = await supervisor.run(request.resume, report)
+    writer.close()
+    return code
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if len(args) != 2 or args[0] != "--fd":
+        sys.exit("usage: python -m cryobox.sandbox.supervisor --fd N (started by the service)")
+    # Imported and ready before a sandbox is handed over: the VMM's version is cached.
+    with contextlib.suppress(CryoboxError):
+        backend().check_installed()
+    sock = socket.socket(fileno=int(args[1]))
+    sys.exit(asyncio.run(_serve(sock)))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ A snapshot folder holds ``manifest.json`` and, by kind:
   device state), ``devices.state`` (QEMU's migration stream) and ``disk.qcow2``;
 - disk snapshot: ``disk.qcow2`` only.
 
-``disk.qcow2`` is a frozen qcow2 layer whose backing chain ends in the image's root
-filesystem; the manifest lists that chain. Every file's SHA-256 is in the manifest.
+``disk.qcow2`` is a frozen qcow2 layer; the layers below it are named in the manifest's
+``disk_chain`` by snapshot id (top first), and the guest image (by ``image_id``) is the
+bottom: no path is stored, so the state folder can move. Every file's SHA-256 is in
+the manifest. What the VMM backend must match to continue a memory snapshot (its
+version, machine type, accelerator, CPU model, devices) is the ``backend`` sub-record.
 A snapshot is written in a folder with a temporary name and renamed into place after
 its manifest is fsynced: a folder without a manifest is never a snapshot.
 
@@ -21,6 +24,7 @@ the next restore hash it again.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import json
 import os
@@ -31,13 +35,30 @@ from typing import Any
 from cryobox.errors import SnapshotIncompatible, SnapshotNotFound, SnapshotVerificationFailed
 from cryobox.util import data_extents, fsync_dir, write_json_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 MEMORY = "memory"
 DEVICE_STATE = "devices.state"
 DISK = "disk.qcow2"
 STAMP = ".verified.json"
+#: A manifest written before its files are all in place (a pause moves files last).
+PENDING_MANIFEST = "manifest.pending.json"
 HASH_BLOCK = 4 << 20
+
+
+class SnapshotKind(enum.StrEnum):
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+class SnapshotPurpose(enum.StrEnum):
+    """Why a snapshot was taken: decides who may use it and when it is collected."""
+
+    PAUSE = "pause"
+    CHECKPOINT = "checkpoint"
+    SNAPSHOT = "snapshot"
+    TEMPLATE = "template"
+    FORK = "fork"
 
 
 @dataclass(frozen=True)
@@ -45,37 +66,38 @@ class Manifest:
     """What a snapshot is and what restore must check before trusting it."""
 
     id: str
-    kind: str  # "memory" | "disk"
-    purpose: str  # "pause" | "checkpoint" | "snapshot" | "template"
+    kind: SnapshotKind
+    purpose: SnapshotPurpose
     name: str | None
     created_at: float
     source_sandbox: str
     parent: str | None
     image_id: str
-    image_path: str
-    qemu_version: str
-    machine_type: str
-    accelerator: str
-    cpu_model: str
     cpus: int
     memory_mib: int
     disk_gib: int
-    devices: tuple[str, ...]
+    #: Snapshot ids of the frozen disk layers below this one's, top first.
     disk_chain: tuple[str, ...]
     ports: tuple[int, ...]
     #: True when the RAM is inside devices.state (the source mapped it privately).
     ram_in_stream: bool
+    #: The VMM backend's facts a memory snapshot must match (name, version, machine...).
+    backend: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Manifest:
-        tuples = ("devices", "disk_chain", "ports")
+        tuples = ("disk_chain", "ports")
         fields: dict[str, Any] = {k: (tuple(v) if k in tuples else v) for k, v in value.items()}
+        fields["kind"] = SnapshotKind(fields["kind"])
+        fields["purpose"] = SnapshotPurpose(fields["purpose"])
         return cls(**fields)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        value = asdict(self)
+        value["kind"], value["purpose"] = self.kind.value, self.purpose.value
+        return value
 
 
 def file_digest(path: Path) -> str:
@@ -128,7 +150,7 @@ def load(folder: Path) -> Manifest:
         raise SnapshotVerificationFailed(folder.name, MANIFEST, f"unreadable: {exc}") from exc
     try:
         return Manifest.from_json(raw)
-    except TypeError as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise SnapshotVerificationFailed(folder.name, MANIFEST, f"malformed: {exc}") from exc
 
 
@@ -159,18 +181,14 @@ def verify(folder: Path, manifest: Manifest) -> None:
             raise SnapshotVerificationFailed(manifest.id, name, "SHA-256 differs from the manifest")
         stamp[name] = key
         changed = True
-    for layer in manifest.disk_chain:
-        if not Path(layer).exists():
-            raise SnapshotVerificationFailed(
-                manifest.id, layer, "a layer of the disk chain is missing"
-            )
     if changed:
         with contextlib.suppress(OSError):
             write_json_atomic(stamp_path, stamp)
 
 
-def check_compatible(manifest: Manifest, host: dict[str, Any]) -> None:
-    """Refuse a snapshot this host cannot continue, naming the field that differs.
+def check_compatible(manifest: Manifest, backend: dict[str, Any], shape: dict[str, Any]) -> None:
+    """Refuse a snapshot this host cannot continue, naming the field that differs
+    (``backend.version`` for the VMM's version, ``memory_mib`` for the RAM size...).
 
     :raises SnapshotIncompatible:
     """
@@ -178,12 +196,15 @@ def check_compatible(manifest: Manifest, host: dict[str, Any]) -> None:
         raise SnapshotIncompatible(
             manifest.id, "format_version", manifest.format_version, FORMAT_VERSION
         )
-    for name, value in host.items():
-        ours = getattr(manifest, name)
-        if isinstance(ours, tuple):
-            value = tuple(value)
-        if ours != value:
-            raise SnapshotIncompatible(manifest.id, name, ours, value)
+    for name, value in shape.items():
+        if getattr(manifest, name) != value:
+            raise SnapshotIncompatible(manifest.id, name, getattr(manifest, name), value)
+    for name, value in backend.items():
+        saved = manifest.backend.get(name)
+        if isinstance(saved, list | tuple) and isinstance(value, list | tuple):
+            saved, value = list(saved), list(value)
+        if saved != value:
+            raise SnapshotIncompatible(manifest.id, f"backend.{name}", saved, value)
 
 
 def fsync_file(path: Path) -> None:
@@ -198,5 +219,27 @@ def finish(temp: Path, final: Path, manifest: Manifest) -> None:
     # The files were hashed just now: record that, so the first restore need not hash again.
     write_json_atomic(temp / STAMP, {name: _stat_key(temp / name) for name in manifest.files})
     write_json_atomic(temp / MANIFEST, manifest.to_json())
+    os.replace(temp, final)
+    fsync_dir(final.parent)
+
+
+def commit_pending(temp: Path, final: Path) -> None:
+    """Commit a folder whose manifest was written as pending, once its files are all in
+    it: the stamp, the manifest under its real name, then the folder renamed into place.
+
+    :raises SnapshotVerificationFailed: when a file the manifest lists is not there.
+    """
+    pending = temp / PENDING_MANIFEST
+    if pending.exists():
+        manifest = Manifest.from_json(json.loads(pending.read_text()))
+        for name in manifest.files:
+            if not (temp / name).exists():
+                raise SnapshotVerificationFailed(manifest.id, name, "file is missing")
+        for name in manifest.files:
+            fsync_file(temp / name)
+        with contextlib.suppress(OSError):  # a missing stamp only costs a re-hash
+            write_json_atomic(temp / STAMP, {n: _stat_key(temp / n) for n in manifest.files})
+        os.replace(pending, temp / MANIFEST)
+        fsync_dir(temp)
     os.replace(temp, final)
     fsync_dir(final.parent)

@@ -1,8 +1,15 @@
-"""Where saved snapshots live on this host, and the names that point at them.
+"""Where saved snapshots live, behind one Protocol: :class:`SnapshotStore`.
 
-``snapshots/ID/`` holds each saved snapshot, checkpoint or template snapshot;
-``snapshots/.tmp-ID/`` is one being written (never read, removed by :func:`sweep`).
-``templates/NAME.json`` names the snapshot a template starts from.
+Everything refers to a snapshot by its id (or a name that resolves to one), never by
+a path: only the store knows where its files are. :class:`LocalSnapshotStore` keeps
+them under the state folder:
+
+- ``snapshots/ID/`` holds each saved snapshot, checkpoint, fork or template snapshot;
+- ``snapshots/.tmp-ID/`` is one being written (never read; removed by :meth:`sweep`);
+- ``templates/NAME.json`` names the snapshot a template starts from.
+
+The store does not decide what may be deleted: the service knows which sandboxes and
+snapshots build on which, and asks the store to delete only what nothing needs.
 """
 
 from __future__ import annotations
@@ -12,112 +19,163 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cryobox import config
-from cryobox.errors import InvalidArgument, SnapshotError, SnapshotNotFound
+from cryobox.errors import SnapshotError, SnapshotNotFound
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.util import write_json_atomic
 
 TEMP_PREFIX = ".tmp-"
+#: A temporary folder older than this was left by a writer that died.
+ABANDONED_AFTER = 600.0
 
 
-def snapshots_dir() -> Path:
-    path = config.state_dir() / "snapshots"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def valid_name(name: str) -> bool:
+    """Whether ``name`` can be a file name in the store (no paths, no hidden names)."""
+    return bool(name) and "/" not in name and not name.startswith(".") and "\0" not in name
 
 
-def templates_dir() -> Path:
-    path = config.state_dir() / "templates"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+class SnapshotStore(Protocol):
+    """Saved snapshots and template names."""
+
+    def begin(self, snapshot_id: str) -> Path:
+        """A new empty folder to write a snapshot's files into before :meth:`commit`."""
+        ...
+
+    def commit(self, temp: Path, manifest: Manifest) -> None:
+        """Make the snapshot in ``temp`` visible, atomically (the manifest is the commit)."""
+        ...
+
+    def abandon(self, temp: Path) -> None:
+        """Remove a folder from :meth:`begin` that will not be committed."""
+        ...
+
+    def get(self, ref: str) -> Manifest:
+        """A snapshot by id or by name (the newest of that name).
+
+        :raises SnapshotNotFound:
+        """
+        ...
+
+    def folder(self, snapshot_id: str) -> Path:
+        """The local folder that holds the snapshot's files."""
+        ...
+
+    def all(self) -> list[Manifest]:
+        """Every committed snapshot, oldest first."""
+        ...
+
+    def delete(self, snapshot_id: str) -> None: ...
+
+    def stored_bytes(self, snapshot_id: str) -> int:
+        """Bytes the snapshot's files take on the store's disk (holes not counted)."""
+        ...
+
+    def sweep(self) -> None:
+        """Remove what writers that died left behind."""
+        ...
+
+    def set_template(self, name: str, snapshot_id: str, info: dict[str, Any]) -> None: ...
+
+    def template(self, name: str) -> dict[str, Any] | None: ...
+
+    def templates(self) -> list[dict[str, Any]]: ...
+
+    def delete_template(self, name: str) -> None: ...
 
 
-def temp_folder(snapshot_id: str) -> Path:
-    folder = snapshots_dir() / f"{TEMP_PREFIX}{snapshot_id}"
-    folder.mkdir()
-    return folder
+class LocalSnapshotStore:
+    """Snapshots as folders under the state folder (``CRYOBOX_STATE_DIR``)."""
 
+    def __init__(self, root: Path | None = None) -> None:
+        self._root = root
 
-def all_snapshots() -> list[tuple[Path, Manifest]]:
-    """Every complete snapshot, oldest first."""
-    found = []
-    for folder in snapshots_dir().iterdir():
-        if folder.name.startswith("."):
-            continue
-        with contextlib.suppress(SnapshotError):
-            found.append((folder, mf.load(folder)))
-    found.sort(key=lambda pair: pair[1].created_at)
-    return found
+    @property
+    def root(self) -> Path:
+        return self._root or config.state_dir()
 
+    def _dir(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path
 
-def find(ref: str) -> tuple[Path, Manifest]:
-    """A snapshot by id or by name (the newest of that name).
+    def begin(self, snapshot_id: str) -> Path:
+        folder = self._dir("snapshots") / f"{TEMP_PREFIX}{snapshot_id}"
+        folder.mkdir(mode=0o700)
+        return folder
 
-    :raises SnapshotNotFound:
-    """
-    if ref and "/" not in ref and not ref.startswith("."):
-        folder = snapshots_dir() / ref
-        if (folder / mf.MANIFEST).exists():
-            return folder, mf.load(folder)
-    named = [pair for pair in all_snapshots() if pair[1].name == ref]
-    if not named:
-        raise SnapshotNotFound(ref)
-    return named[-1]
+    def commit(self, temp: Path, manifest: Manifest) -> None:
+        mf.finish(temp, self._dir("snapshots") / manifest.id, manifest)
 
+    def abandon(self, temp: Path) -> None:
+        shutil.rmtree(temp, ignore_errors=True)
 
-def dependents(snapshot_id: str) -> list[str]:
-    """Snapshots whose disk chain goes through this one's disk."""
-    disk = str(snapshots_dir() / snapshot_id / mf.DISK)
-    return [m.id for _, m in all_snapshots() if m.id != snapshot_id and disk in m.disk_chain]
+    def folder(self, snapshot_id: str) -> Path:
+        return self._dir("snapshots") / snapshot_id
 
+    def get(self, ref: str) -> Manifest:
+        if valid_name(ref):
+            folder = self.folder(ref)
+            if (folder / mf.MANIFEST).exists():
+                return mf.load(folder)
+        named = [m for m in self.all() if m.name == ref]
+        if not named:
+            raise SnapshotNotFound(ref)
+        return named[-1]
 
-def delete(ref: str, *, sandbox_disks: list[str] | None = None) -> None:
-    """Delete a snapshot unless another snapshot or a sandbox still builds on its disk.
+    def all(self) -> list[Manifest]:
+        found = []
+        for folder in self._dir("snapshots").iterdir():
+            if folder.name.startswith("."):
+                continue
+            with contextlib.suppress(SnapshotError):
+                found.append(mf.load(folder))
+        found.sort(key=lambda manifest: manifest.created_at)
+        return found
 
-    :raises InvalidArgument: naming what depends on it.
-    """
-    folder, manifest = find(ref)
-    users = dependents(manifest.id)
-    disk = str(folder / mf.DISK)
-    users += [f"sandbox disk {d}" for d in (sandbox_disks or []) if d == disk]
-    if users:
-        raise InvalidArgument(
-            f"snapshot {manifest.id} is the base of {', '.join(users)}; delete those first"
+    def delete(self, snapshot_id: str) -> None:
+        folder = self.folder(snapshot_id)
+        # Renamed first, so a crash midway never leaves a half-deleted snapshot listed.
+        doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{snapshot_id}")
+        with contextlib.suppress(FileNotFoundError):
+            folder.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def stored_bytes(self, snapshot_id: str) -> int:
+        folder = self.folder(snapshot_id)
+        return sum(p.stat().st_blocks * 512 for p in folder.iterdir() if p.is_file())
+
+    def sweep(self) -> None:
+        for folder in self._dir("snapshots").glob(f"{TEMP_PREFIX}*"):
+            with contextlib.suppress(OSError):
+                if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
+                    shutil.rmtree(folder)
+
+    def set_template(self, name: str, snapshot_id: str, info: dict[str, Any]) -> None:
+        write_json_atomic(
+            self._dir("templates") / f"{name}.json", {"name": name, "snapshot": snapshot_id, **info}
         )
-    shutil.rmtree(folder)
 
+    def template(self, name: str) -> dict[str, Any] | None:
+        if not valid_name(name):
+            return None
+        try:
+            value: dict[str, Any] = json.loads(
+                (self._dir("templates") / f"{name}.json").read_text()
+            )
+        except (OSError, ValueError):
+            return None
+        return value
 
-def sweep() -> None:
-    """Remove folders of snapshots whose writer died before finishing them."""
-    for folder in snapshots_dir().glob(f"{TEMP_PREFIX}*"):
-        with contextlib.suppress(OSError):
-            if time.time() - folder.stat().st_mtime > 600:
-                shutil.rmtree(folder)
+    def templates(self) -> list[dict[str, Any]]:
+        found = []
+        for path in sorted(self._dir("templates").glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                found.append(json.loads(path.read_text()))
+        return found
 
-
-def set_template(name: str, snapshot_id: str, info: dict[str, Any]) -> None:
-    write_json_atomic(
-        templates_dir() / f"{name}.json", {"name": name, "snapshot": snapshot_id, **info}
-    )
-
-
-def template(name: str) -> dict[str, Any] | None:
-    """The template record, or None if no template has that name."""
-    if not name or "/" in name or name.startswith("."):
-        return None
-    try:
-        value: dict[str, Any] = json.loads((templates_dir() / f"{name}.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return value
-
-
-def list_templates() -> list[dict[str, Any]]:
-    found = []
-    for path in sorted(templates_dir().glob("*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            found.append(json.loads(path.read_text()))
-    return found
+    def delete_template(self, name: str) -> None:
+        if valid_name(name):
+            (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)

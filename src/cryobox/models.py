@@ -1,7 +1,9 @@
-"""Plain records the SDK returns: results of commands, file entries, sandbox info."""
+"""Plain records that cross the transport: what the SDK sends (requests) and gets back
+(sandbox, snapshot and template info, command results, file entries)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +69,10 @@ class SandboxInfo:
     origin: str | None = None
     #: For a fork: the sandbox it was forked from.
     forked_from: str | None = None
+    #: The VM's host process while it runs (for measuring it), and the bytes its RAM
+    #: file holds on the host.
+    vmm_pid: int | None = None
+    ram_file_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,11 @@ class SnapshotInfo:
     memory_mib: int
     cpus: int
     size_bytes: int
+    #: Bytes its files take on the store's disk (holes and shared blocks not counted).
+    stored_bytes: int = 0
 
     @classmethod
-    def from_manifest(cls, value: dict[str, Any]) -> SnapshotInfo:
+    def from_manifest(cls, value: dict[str, Any], stored_bytes: int = 0) -> SnapshotInfo:
         size = sum(int(f.get("size", 0)) for f in (value.get("files") or {}).values())
         return cls(
             id=value["id"],
@@ -98,4 +106,57 @@ class SnapshotInfo:
             memory_mib=int(value["memory_mib"]),
             cpus=int(value["cpus"]),
             size_bytes=size,
+            stored_bytes=stored_bytes,
         )
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """A named starting point: the snapshot ``create(template=name)`` restores."""
+
+    name: str
+    snapshot_id: str
+    image_id: str
+    setup: tuple[str, ...]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """What a new sandbox should be; ``None`` shape fields come from its template."""
+
+    template: str = "default"
+    from_snapshot: str | None = None
+    cpus: int | None = None
+    memory_mib: int | None = None
+    disk_gib: int | None = None
+    timeout: float = 300.0
+    ports: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class CommandRequest:
+    """One command to run in a sandbox (see ``AsyncCommands.run``)."""
+
+    argv: tuple[str, ...] | None = None
+    shell: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    timeout: float | None = None
+    #: Whether the caller will feed stdin (else the command's stdin is empty).
+    stdin: bool = False
+
+    def to_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "env": dict(self.env),
+            "cwd": self.cwd,
+            "user": self.user,
+            "timeout": self.timeout,
+            "stdin": self.stdin,
+        }
+        if self.shell is not None:
+            args["shell"] = self.shell
+        else:
+            args["argv"] = list(self.argv or ())
+        return args

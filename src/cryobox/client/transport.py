@@ -1,0 +1,96 @@
+"""The SDK's one I/O seam: a :class:`Transport` carries each call to the service.
+
+:class:`LocalTransport` runs the service in this process (the embedded default: the
+sandboxes are this host's); an HTTP transport to ``cryobox server`` plugs in here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import weakref
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Protocol
+
+from cryobox.image.build import Progress
+from cryobox.models import (
+    CommandRequest,
+    CreateRequest,
+    EntryInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from cryobox.service import SandboxService
+from cryobox.service.commands import CommandSession, OutputSink
+from cryobox.snapshot.manifest import SnapshotPurpose
+
+
+class Transport(Protocol):
+    """Every operation the SDK can ask for (the service's interface)."""
+
+    async def create(
+        self, request: CreateRequest, progress: Progress | None = None
+    ) -> SandboxInfo: ...
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+    async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]: ...
+    async def kill(self, sandbox_id: str) -> None: ...
+    async def pause(self, sandbox_id: str) -> None: ...
+    async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo: ...
+    async def capture(
+        self, sandbox_id: str, purpose: SnapshotPurpose, name: str | None, memory: bool = True
+    ) -> SnapshotInfo: ...
+    async def rollback(self, sandbox_id: str, ref: str) -> None: ...
+    async def fork(
+        self, sandbox_id: str, count: int, timeout: float | None = None
+    ) -> builtins.list[SandboxInfo]: ...
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> None: ...
+    async def expose_port(self, sandbox_id: str, guest_port: int) -> int: ...
+    async def logs(self, sandbox_id: str) -> str: ...
+    async def ping(self, sandbox_id: str) -> None: ...
+    async def lineage(self) -> builtins.list[dict[str, Any]]: ...
+    async def start_command(
+        self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
+    ) -> CommandSession: ...
+    def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]: ...
+    async def write_file(
+        self, sandbox_id: str, path: str, chunks: Iterable[bytes], mode: int
+    ) -> None: ...
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]: ...
+    async def stat(self, sandbox_id: str, path: str) -> EntryInfo: ...
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None: ...
+    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
+    async def snapshots(self) -> builtins.list[SnapshotInfo]: ...
+    async def delete_snapshot(self, ref: str) -> None: ...
+    async def build_template(
+        self,
+        name: str,
+        setup: Sequence[str],
+        *,
+        cpus: int = ...,
+        memory_mib: int = ...,
+        disk_gib: int = ...,
+    ) -> SnapshotInfo: ...
+    async def templates(self) -> builtins.list[TemplateInfo]: ...
+    async def delete_template(self, name: str) -> None: ...
+    async def collect_garbage(self) -> builtins.list[str]: ...
+    async def disconnect(self, sandbox_id: str) -> None: ...
+
+
+class LocalTransport(SandboxService):
+    """The service itself, in this process: sandboxes of this host, as this user."""
+
+
+_local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LocalTransport] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def default_transport() -> Transport:
+    """The transport the SDK uses when given none: one local service per event loop
+    (its connections belong to that loop)."""
+    loop = asyncio.get_running_loop()
+    transport = _local.get(loop)
+    if transport is None:
+        transport = _local[loop] = LocalTransport()
+    return transport

@@ -1,0 +1,82 @@
+"""A command running in a sandbox, as the service sees it: a request to the guest agent
+whose events are the command's start, output and end."""
+
+from __future__ import annotations
+
+import asyncio
+import signal as signals
+from collections.abc import Callable
+from typing import Any
+
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient
+from cryobox.models import CommandRequest
+
+#: Called with ("stdout" | "stderr", bytes) as output arrives.
+OutputSink = Callable[[str, bytes], None]
+
+
+class CommandSession:
+    """Start it with :meth:`start`; then :meth:`wait`, :meth:`send_stdin`, :meth:`kill`."""
+
+    def __init__(self, channel: AgentClient, on_output: OutputSink) -> None:
+        self._channel = channel
+        self._on_output = on_output
+        self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._request: asyncio.Future[dict[str, Any]] | None = None
+        self.pid = 0
+        self._exec_id = 0
+
+    def start(self, request: CommandRequest) -> None:
+        self._request = asyncio.ensure_future(
+            self._channel.request(p.GuestOp.EXEC, request.to_args(), on_event=self._on_event)
+        )
+        self._request.add_done_callback(self._on_request_done)
+
+    def _on_request_done(self, request: asyncio.Future[dict[str, Any]]) -> None:
+        error = None if request.cancelled() else request.exception()  # marks it retrieved
+        if self._started.done():
+            return
+        if request.cancelled():
+            self._started.cancel()
+        elif error is not None:
+            self._started.set_exception(error)
+        else:
+            self._started.set_result(None)
+
+    def _on_event(self, header: dict[str, Any], payload: bytes) -> None:
+        event = header.get("event")
+        if event == "started":
+            self.pid = int(header.get("pid", 0))
+            self._exec_id = int(header.get("exec_id", 0))
+            if not self._started.done():
+                self._started.set_result(None)
+        elif event in ("stdout", "stderr"):
+            self._on_output(str(event), payload)
+
+    async def started(self) -> None:
+        """Return once the process runs in the guest.
+
+        :raises CommandNotFound: when its program does not exist (and the like).
+        """
+        await asyncio.shield(self._started)
+
+    async def wait(self) -> dict[str, Any]:
+        """How the command ended: ``exit_code``, ``pid``, ``signal``, ``timed_out``."""
+        assert self._request is not None
+        return await asyncio.shield(self._request)
+
+    async def send_stdin(self, data: bytes, eof: bool = False) -> None:
+        for start in range(0, max(len(data), 1), p.CHUNK):
+            last = start + p.CHUNK >= len(data)
+            await self._channel.request(
+                p.GuestOp.EXEC_STDIN,
+                {"exec_id": self._exec_id, "eof": eof and last},
+                data[start : start + p.CHUNK],
+                timeout=60,
+            )
+
+    async def kill(self, signal: int = signals.SIGKILL) -> None:
+        await self._channel.request(
+            p.GuestOp.EXEC_KILL, {"exec_id": self._exec_id, "signal": int(signal)}, timeout=30
+        )

@@ -1,0 +1,52 @@
+"""What builds on what: the snapshots and sandboxes that need a snapshot's files.
+
+A snapshot is needed while a sandbox (running or paused) or another snapshot has its
+disk layer in its chain, or maps its RAM file (a fork). Checkpoints and fork snapshots
+belong to a sandbox's life: they are collected once their sandbox is gone (a fork
+snapshot: once its last fork is) and nothing needs them any more. Saved snapshots and
+template snapshots are the user's: deleted only when asked, and never while needed.
+"""
+
+from __future__ import annotations
+
+from cryobox.sandbox.registry import SandboxRecord, SandboxSpec
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+
+#: Snapshots that live and die with the sandboxes that made them.
+OWNED_BY_A_SANDBOX = (SnapshotPurpose.CHECKPOINT, SnapshotPurpose.FORK)
+
+
+def users(
+    snapshot_id: str,
+    snapshots: list[Manifest],
+    sandboxes: list[tuple[SandboxSpec, SandboxRecord]],
+) -> list[str]:
+    """Who needs ``snapshot_id``'s files, as readable names (empty: nobody)."""
+    found = [
+        f"snapshot {m.id}" for m in snapshots if m.id != snapshot_id and snapshot_id in m.disk_chain
+    ]
+    for spec, record in sandboxes:
+        if record.state.finished:
+            continue
+        if snapshot_id in record.disk_chain or snapshot_id == record.memory_from:
+            found.append(f"sandbox {spec.id}")
+        elif spec.restore_from == snapshot_id and not record.disk_chain:
+            found.append(f"sandbox {spec.id} (starting)")
+    return found
+
+
+def collectable(
+    snapshots: list[Manifest], sandboxes: list[tuple[SandboxSpec, SandboxRecord]]
+) -> list[Manifest]:
+    """Checkpoints and fork snapshots that nothing needs and whose sandbox is gone (for a
+    fork snapshot: whose forks are all gone), newest first so a chain unwinds in one pass."""
+    alive = {spec.id for spec, record in sandboxes if not record.state.finished}
+    found = []
+    for manifest in reversed(snapshots):
+        if manifest.purpose not in OWNED_BY_A_SANDBOX:
+            continue
+        if manifest.purpose is SnapshotPurpose.CHECKPOINT and manifest.source_sandbox in alive:
+            continue
+        if not users(manifest.id, [m for m in snapshots if m not in found], sandboxes):
+            found.append(manifest)
+    return found

@@ -1,0 +1,690 @@
+"""The domain service: every operation on sandboxes, snapshots and templates, in one place.
+
+The SDK reaches it through a transport (in-process for the embedded default, HTTP
+later); the CLI and the benchmark use the SDK. The service decides and checks; each
+sandbox's supervisor (:mod:`cryobox.sandbox.supervisor`) carries out what touches its
+VM, over the typed control protocol (:mod:`cryobox.sandbox.control`); saved state is
+reached through the :class:`~cryobox.snapshot.store.SnapshotStore` Protocol, by id.
+
+Templates: ``base`` boots the image cold; any other name restores the template's
+memory snapshot. ``default`` is built on first use (boot the image, save the machine),
+so every later create is a restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cryobox import config
+from cryobox.errors import (
+    CapacityError,
+    ChannelError,
+    CryoboxError,
+    InvalidArgument,
+    SandboxDead,
+    SnapshotIncompatible,
+    SnapshotNotFound,
+)
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient, EventHandler
+from cryobox.image.build import Progress
+from cryobox.models import (
+    CommandRequest,
+    CreateRequest,
+    EntryInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from cryobox.sandbox import registry
+from cryobox.sandbox.control import TIMEOUTS, ControlOp, TakeSnapshot
+from cryobox.sandbox.launcher import Launcher
+from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
+from cryobox.sandbox.state import SandboxState, require
+from cryobox.service import references
+from cryobox.service.commands import CommandSession, OutputSink
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, valid_name
+from cryobox.util import new_id
+from cryobox.vmm import Vmm, backend
+
+BASE_TEMPLATE = "base"
+DEFAULT_TEMPLATE = "default"
+MAX_FORKS = 100
+#: Host memory a fork needs beyond the frozen RAM all forks share: QEMU itself (about
+#: 140 MB RSS measured under TCG) plus an eighth of its RAM for pages it writes.
+FORK_OVERHEAD_MIB = 160
+#: Forks started at once: each start is mostly CPU (a supervisor, QEMU, the guest's JIT).
+FORK_CONCURRENCY = 4
+#: Seconds a file or status request to the guest may take before it counts as hung.
+GUEST_REQUEST_TIMEOUT = 120.0
+
+_LAUNCHER = Launcher()
+
+
+def mem_available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def _integer(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name}={value!r}: must be a whole number")
+    if not low <= value <= high:
+        raise InvalidArgument(f"{name}={value}: must be between {low} and {high}")
+    return value
+
+
+def _seconds(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidArgument(f"{name}={value!r}: must be a positive, finite number of seconds")
+    return float(value)
+
+
+def validate(request: CreateRequest) -> None:
+    """Reject a request that cannot work, naming the argument.
+
+    :raises InvalidArgument:
+    """
+    if request.cpus is not None:
+        _integer("cpus", request.cpus, 1, config.MAX_CPUS)
+    if request.memory_mib is not None:
+        _integer("memory_mib", request.memory_mib, config.MIN_MEMORY_MIB, config.MAX_MEMORY_MIB)
+    if request.disk_gib is not None:
+        _integer("disk_gib", request.disk_gib, config.MIN_DISK_GIB, config.MAX_DISK_GIB)
+    _seconds("timeout", request.timeout)
+    for port in request.ports:
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
+
+
+def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -> SandboxInfo:
+    ram = 0
+    if record.memory_file and not record.state.finished:
+        with contextlib.suppress(OSError):
+            ram = (folder.path / record.memory_file).stat().st_blocks * 512
+    return SandboxInfo(
+        id=spec.id,
+        state=record.state.value,
+        template=spec.template,
+        cpus=spec.cpus,
+        memory_mib=spec.memory_mib,
+        disk_gib=spec.disk_gib,
+        accelerator=spec.accelerator,
+        image_id=spec.image_id,
+        created_at=spec.created_at,
+        deadline=record.deadline,
+        ports=record.ports,
+        error=record.error,
+        origin=record.origin,
+        forked_from=spec.forked_from,
+        vmm_pid=record.qemu_pid if record.state is SandboxState.RUNNING else None,
+        ram_file_bytes=ram,
+    )
+
+
+class SandboxService:
+    """Owns every operation; holds one control connection per sandbox it talks to."""
+
+    def __init__(
+        self,
+        vmm: Vmm | None = None,
+        store: SnapshotStore | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:
+        self.vmm = vmm or backend()
+        self.store = store or LocalSnapshotStore()
+        self.launcher = launcher or _LAUNCHER
+        self._channels: dict[str, AgentClient] = {}
+
+    # ------------------------------------------------------------------ sandboxes
+
+    async def create(
+        self,
+        request: CreateRequest,
+        progress: Progress | None = None,
+        *,
+        forked_from: str | None = None,
+        fork_index: int = 0,
+    ) -> SandboxInfo:
+        """Start a sandbox and return it once its guest agent answers.
+
+        :raises InvalidArgument: for a request that cannot work, naming the argument.
+        :raises SnapshotError: when the template or snapshot is missing, incompatible or
+            fails verification (never cold-booted instead).
+        :raises QemuError: when the VMM is missing, fails to start or the guest never answers.
+        """
+        validate(request)
+        self.vmm.check_installed()  # fail early and clearly
+        image = await asyncio.to_thread(self.vmm.ensure_image, progress)
+        source: Manifest | None = None
+        if request.from_snapshot is not None:
+            source = self.store.get(request.from_snapshot)
+        elif request.template != BASE_TEMPLATE:
+            source = await self._template_snapshot(request.template, image.id, progress)
+        shape = {
+            "cpus": request.cpus,
+            "memory_mib": request.memory_mib,
+            "disk_gib": request.disk_gib,
+        }
+        if source is not None:
+            for name, asked in shape.items():
+                if asked is not None and asked != getattr(source, name):
+                    raise SnapshotIncompatible(source.id, name, getattr(source, name), asked)
+                shape[name] = getattr(source, name)
+        accelerator = await asyncio.to_thread(self.vmm.accelerator, image)
+        spec = SandboxSpec(
+            id=new_id("sbx"),
+            image_id=image.id,
+            accelerator=accelerator,
+            cpus=shape["cpus"] or config.DEFAULT_CPUS,
+            memory_mib=shape["memory_mib"] or config.DEFAULT_MEMORY_MIB,
+            disk_gib=shape["disk_gib"] or config.DEFAULT_DISK_GIB,
+            timeout=request.timeout,
+            ports=tuple(request.ports),
+            template=request.template if request.from_snapshot is None else "",
+            restore_from=source.id if source else None,
+            forked_from=forked_from,
+            fork_index=fork_index,
+        )
+        folder = SandboxDir.for_id(spec.id)
+        folder.write_spec(spec)
+        folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING), check=False)
+        try:
+            record = await self.launcher.start(folder, resume=False, progress=progress)
+        except BaseException:
+            _remove(folder)  # a failed create leaves nothing behind
+            raise
+        return sandbox_info(spec, record, folder)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        """:raises SandboxNotFound:"""
+        folder = registry.find(sandbox_id)
+        return sandbox_info(folder.spec(), folder.record(), folder)
+
+    async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]:
+        """Sandboxes on this host, oldest first; finished ones too with ``all``."""
+        return [
+            sandbox_info(spec, record, SandboxDir.for_id(spec.id))
+            for spec, record in registry.list_sandboxes()
+            if all or not record.state.finished
+        ]
+
+    async def kill(self, sandbox_id: str) -> None:
+        """Stop the VM and remove the sandbox (disk, memory, folder) and the checkpoints
+        nothing else builds on; returns once it is gone."""
+        folder = registry.find(sandbox_id)
+        if folder.record().state is SandboxState.RUNNING:
+            with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
+                await self._control(sandbox_id, ControlOp.KILL)
+            await _wait_finished(folder)
+        await self.disconnect(sandbox_id)
+        record = folder.record()
+        if registry.supervisor_alive(record) and record.supervisor_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.supervisor_pid, signal.SIGKILL)
+        if record.qemu_pid and registry.process_alive(record.qemu_pid, folder.id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.qemu_pid, signal.SIGKILL)
+        _remove(folder)
+        await self.collect_garbage()
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Save the whole machine and end its VM; :meth:`resume` continues it.
+
+        :raises StateError: when it is not running.
+        :raises StorageError: when the host cannot hold the pause (it keeps running).
+        """
+        self._require_running(sandbox_id, "pause")
+        await self._control(sandbox_id, ControlOp.PAUSE)
+        await self.disconnect(sandbox_id)
+
+    async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
+        """Continue a paused sandbox with every process where it was.
+
+        :raises StateError: when it is not paused.
+        :raises SnapshotError: when its saved state is refused (it stays paused).
+        """
+        folder = registry.find(sandbox_id)
+        require(sandbox_id, folder.record().state, (SandboxState.PAUSED,), "resume")
+        record = await self.launcher.start(folder, resume=True, progress=progress)
+        return sandbox_info(folder.spec(), record, folder)
+
+    async def capture(
+        self, sandbox_id: str, purpose: SnapshotPurpose, name: str | None, memory: bool = True
+    ) -> SnapshotInfo:
+        """A checkpoint, snapshot, template or fork snapshot of a running sandbox.
+
+        :raises StateError: when it is not running.
+        :raises InvalidArgument: for a snapshot without a name.
+        :raises StorageError: when the host cannot hold it (the sandbox keeps running).
+        """
+        if purpose is SnapshotPurpose.SNAPSHOT and not name:
+            raise InvalidArgument("a snapshot needs a name")
+        self._require_running(sandbox_id, purpose.value)
+        result = await self._control(
+            sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
+        )
+        return self._snapshot_info(Manifest.from_json(result))
+
+    async def rollback(self, sandbox_id: str, ref: str) -> None:
+        """Return a running sandbox to one of its checkpoints (id or name).
+
+        :raises SnapshotError: when the checkpoint is missing or fails verification.
+        :raises InvalidArgument: when it belongs to another sandbox or has no memory.
+        """
+        self._require_running(sandbox_id, "roll back")
+        await self._control(sandbox_id, ControlOp.ROLLBACK, {"snapshot": ref})
+
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
+        await self._control(
+            sandbox_id, ControlOp.SET_TIMEOUT, {"seconds": _seconds("seconds", seconds)}
+        )
+
+    async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
+        _integer("guest_port", guest_port, 1, 65535)
+        result = await self._control(sandbox_id, ControlOp.EXPOSE_PORT, {"guest_port": guest_port})
+        return int(result["host_port"])
+
+    async def logs(self, sandbox_id: str) -> str:
+        """The guest's serial console so far."""
+        try:
+            return registry.find(sandbox_id).console_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    async def ping(self, sandbox_id: str) -> None:
+        """One round trip to the guest agent (for measuring the channel)."""
+        await self._guest(sandbox_id, p.GuestOp.PING, {})
+
+    async def fork(
+        self, sandbox_id: str, count: int, timeout: float | None = None
+    ) -> builtins.list[SandboxInfo]:
+        """``count`` new running sandboxes continuing from this instant of a running one.
+
+        The parent is saved once (it goes on running, on its own RAM file), then the
+        forks restore that snapshot with its RAM mapped privately: shared pages stay
+        shared. All or nothing: a fork that fails kills the others.
+
+        :raises InvalidArgument: when ``count`` is not within 1..100.
+        :raises CapacityError: when the host cannot hold them; nothing is started.
+        :raises StateError: when the parent is not running.
+        """
+        _integer("count", count, 1, MAX_FORKS)
+        folder = registry.find(sandbox_id)
+        require(sandbox_id, folder.record().state, (SandboxState.RUNNING,), "fork")
+        spec = folder.spec()
+        needed = count * (FORK_OVERHEAD_MIB + spec.memory_mib // 8)
+        available = mem_available_mib()
+        if needed > available:
+            raise CapacityError(
+                f"cannot fork {count} copies of {sandbox_id}",
+                needed_mib=needed,
+                available_mib=available,
+            )
+        saved = await self.capture(sandbox_id, SnapshotPurpose.FORK, f"fork-of-{sandbox_id}")
+        gate = asyncio.Semaphore(FORK_CONCURRENCY)
+
+        async def one(index: int) -> SandboxInfo:
+            async with gate:
+                return await self.create(
+                    CreateRequest(from_snapshot=saved.id, timeout=timeout or spec.timeout),
+                    forked_from=sandbox_id,
+                    fork_index=index,
+                )
+
+        results = await asyncio.gather(
+            *(one(i) for i in range(1, count + 1)), return_exceptions=True
+        )
+        started = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for fork in started:  # no fork is left behind unreturned
+                with contextlib.suppress(CryoboxError):
+                    await self.kill(fork.id)
+            await self.collect_garbage()
+            raise failed[0]
+        return started
+
+    async def lineage(self) -> builtins.list[dict[str, Any]]:
+        """Every sandbox and snapshot on this host as nodes naming their parent.
+
+        A sandbox's parent is the snapshot it was restored from (none for a cold boot); a
+        snapshot's parent is the sandbox it was taken of.
+        """
+        nodes: list[dict[str, Any]] = []
+        for spec, record in registry.list_sandboxes():
+            nodes.append(
+                {
+                    "id": spec.id,
+                    "kind": "sandbox",
+                    "parent": record.origin,
+                    "state": record.state.value,
+                    "forked_from": spec.forked_from,
+                    "label": spec.template or "",
+                }
+            )
+        for manifest in self.store.all():
+            nodes.append(
+                {
+                    "id": manifest.id,
+                    "kind": "snapshot",
+                    "parent": manifest.source_sandbox,
+                    "state": manifest.kind.value,
+                    "forked_from": None,
+                    "label": manifest.purpose + (f" {manifest.name}" if manifest.name else ""),
+                }
+            )
+        return nodes
+
+    # ------------------------------------------------------------------ commands and files
+
+    async def start_command(
+        self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
+    ) -> CommandSession:
+        """Start a command; the session says when it ends and feeds or kills it."""
+        if request.timeout is not None:
+            _seconds("timeout", request.timeout)
+        session = CommandSession(await self._channel(sandbox_id), on_output)
+        session.start(request)
+        return session
+
+    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes in chunks, as they arrive (a bounded queue: the guest waits
+        for a slow reader only as far as the channel buffers).
+
+        :raises GuestFileNotFound:
+        """
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        def chunk(_header: dict[str, Any], data: bytes) -> None:
+            queue.put_nowait(data)
+
+        channel = await self._channel(sandbox_id)
+        request = asyncio.ensure_future(
+            channel.request(p.GuestOp.FILE_READ, {"path": path}, on_event=chunk)
+        )
+        request.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (data := await queue.get()) is not None:
+                yield data
+            await request
+        finally:
+            if not request.done():
+                request.cancel()
+
+    async def write_file(
+        self, sandbox_id: str, path: str, chunks: Iterable[bytes], mode: int
+    ) -> None:
+        """Write a file from chunks, under a temporary name renamed at the end."""
+        channel = await self._channel(sandbox_id)
+        begun = await channel.request(
+            p.GuestOp.FILE_WRITE_BEGIN, {"path": path, "mode": mode}, timeout=GUEST_REQUEST_TIMEOUT
+        )
+        handle = begun["handle"]
+        try:
+            for chunk in chunks:
+                await channel.request(
+                    p.GuestOp.FILE_WRITE_CHUNK,
+                    {"handle": handle},
+                    chunk,
+                    timeout=GUEST_REQUEST_TIMEOUT,
+                )
+        except BaseException:
+            if not channel.closed:
+                await channel.request(
+                    p.GuestOp.FILE_WRITE_END, {"handle": handle, "abort": True}, timeout=30
+                )
+            raise
+        await channel.request(
+            p.GuestOp.FILE_WRITE_END, {"handle": handle}, timeout=GUEST_REQUEST_TIMEOUT
+        )
+
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]:
+        result = await self._guest(sandbox_id, p.GuestOp.FILE_LIST, {"path": path})
+        return [EntryInfo.from_json(entry) for entry in result["entries"]]
+
+    async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
+        return EntryInfo.from_json(
+            await self._guest(sandbox_id, p.GuestOp.FILE_STAT, {"path": path})
+        )
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
+        await self._guest(sandbox_id, p.GuestOp.FILE_MKDIR, {"path": path, "parents": parents})
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self._guest(sandbox_id, p.GuestOp.FILE_REMOVE, {"path": path, "recursive": recursive})
+
+    # ------------------------------------------------------------------ snapshots, templates
+
+    def _snapshot_info(self, manifest: Manifest) -> SnapshotInfo:
+        stored = 0
+        with contextlib.suppress(OSError):
+            stored = self.store.stored_bytes(manifest.id)
+        return SnapshotInfo.from_manifest(manifest.to_json(), stored)
+
+    async def snapshots(self) -> builtins.list[SnapshotInfo]:
+        """Every saved snapshot, checkpoint and template snapshot on this host."""
+        return [self._snapshot_info(m) for m in self.store.all()]
+
+    async def delete_snapshot(self, ref: str) -> None:
+        """Delete a snapshot (by id or name) that nothing builds on.
+
+        :raises SnapshotNotFound:
+        :raises InvalidArgument: naming the sandboxes or snapshots that still use it.
+        """
+        manifest = self.store.get(ref)
+        needed_by = references.users(manifest.id, self.store.all(), registry.list_sandboxes())
+        if needed_by:
+            raise InvalidArgument(
+                f"snapshot {manifest.id} is the base of {', '.join(needed_by)}; delete those first"
+            )
+        self.store.delete(manifest.id)
+        for template in self.store.templates():
+            if template.get("snapshot") == manifest.id:
+                self.store.delete_template(str(template["name"]))
+
+    async def collect_garbage(self) -> builtins.list[str]:
+        """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
+        self.store.sweep()
+        doomed = references.collectable(self.store.all(), registry.list_sandboxes())
+        for manifest in doomed:
+            self.store.delete(manifest.id)
+        return [m.id for m in doomed]
+
+    async def templates(self) -> builtins.list[TemplateInfo]:
+        return [
+            TemplateInfo(
+                name=str(t["name"]),
+                snapshot_id=str(t["snapshot"]),
+                image_id=str(t.get("image_id", "")),
+                setup=tuple(t.get("setup") or ()),
+                created_at=float(t.get("created_at", 0)),
+            )
+            for t in self.store.templates()
+        ]
+
+    async def delete_template(self, name: str) -> None:
+        """Remove a template and its snapshot (kept while a sandbox builds on it).
+
+        :raises InvalidArgument: when there is no such template.
+        """
+        entry = self.store.template(name)
+        if entry is None:
+            raise InvalidArgument(f"template {name!r} does not exist")
+        self.store.delete_template(name)
+        with contextlib.suppress(CryoboxError):
+            await self.delete_snapshot(str(entry["snapshot"]))
+
+    async def _template_snapshot(
+        self, name: str, image_id: str, progress: Progress | None
+    ) -> Manifest:
+        """The snapshot a template starts from; builds ``default`` when missing or stale."""
+        entry = self.store.template(name)
+        if entry is not None and entry.get("image_id") == image_id:
+            with contextlib.suppress(SnapshotNotFound):
+                return self.store.get(str(entry["snapshot"]))
+        if name != DEFAULT_TEMPLATE:
+            if entry is None:
+                known = [t["name"] for t in self.store.templates()]
+                raise InvalidArgument(
+                    f"template {name!r} does not exist (known: "
+                    f"{', '.join([BASE_TEMPLATE, DEFAULT_TEMPLATE, *known])})"
+                )
+            raise SnapshotIncompatible(
+                str(entry.get("snapshot")), "image_id", entry.get("image_id"), image_id
+            )
+        if progress:
+            progress("building the default template (one cold boot, then every create restores)")
+        info = await self.build_template(DEFAULT_TEMPLATE, [])
+        return self.store.get(info.id)
+
+    async def build_template(
+        self,
+        name: str,
+        setup: Sequence[str],
+        *,
+        cpus: int = config.DEFAULT_CPUS,
+        memory_mib: int = config.DEFAULT_MEMORY_MIB,
+        disk_gib: int = config.DEFAULT_DISK_GIB,
+    ) -> SnapshotInfo:
+        """Boot the image, run ``setup`` commands, save the machine as template ``name``.
+
+        :raises InvalidArgument: for a bad name, or a setup command that fails (its output).
+        """
+        if not valid_name(name) or name == BASE_TEMPLATE:
+            raise InvalidArgument(f"template name {name!r} is not allowed")
+        sandbox = await self.create(
+            CreateRequest(
+                template=BASE_TEMPLATE,
+                cpus=cpus,
+                memory_mib=memory_mib,
+                disk_gib=disk_gib,
+                timeout=3600,
+            )
+        )
+        try:
+            for command in setup:
+                output = bytearray()
+                session = await self.start_command(
+                    sandbox.id, CommandRequest(shell=command), _collector(output)
+                )
+                result = await session.wait()
+                if result["exit_code"] != 0:
+                    text = output.decode(errors="replace")[-2000:]
+                    raise InvalidArgument(
+                        f"template {name}: setup command {command!r} exited with "
+                        f"{result['exit_code']}:\n{text}"
+                    )
+            saved = await self.capture(sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}")
+        finally:
+            with contextlib.suppress(CryoboxError):
+                await self.kill(sandbox.id)
+        previous = self.store.template(name)
+        self.store.set_template(
+            name,
+            saved.id,
+            {"image_id": sandbox.image_id, "setup": list(setup), "created_at": time.time()},
+        )
+        if previous and previous.get("snapshot") != saved.id:
+            with contextlib.suppress(CryoboxError):  # kept while something builds on it
+                await self.delete_snapshot(str(previous["snapshot"]))
+        return saved
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _require_running(self, sandbox_id: str, action: str) -> None:
+        record = registry.find(sandbox_id).record()
+        if record.state.finished:
+            raise SandboxDead(sandbox_id, record.error or record.state.value)
+        require(sandbox_id, record.state, (SandboxState.RUNNING,), action)
+
+    async def _channel(self, sandbox_id: str) -> AgentClient:
+        """The control connection to the sandbox's supervisor, opened on first use.
+
+        :raises SandboxDead: when it died or was killed.
+        :raises StateError: when it is not running (paused, say).
+        """
+        channel = self._channels.get(sandbox_id)
+        if channel is None or channel.closed:
+            folder = registry.find(sandbox_id)
+            self._require_running(sandbox_id, "use")
+            channel = await AgentClient.connect(folder.control_socket)
+            self._channels[sandbox_id] = channel
+        return channel
+
+    async def _control(
+        self, sandbox_id: str, op: ControlOp, args: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        channel = await self._channel(sandbox_id)
+        return await channel.request(op, args or {}, timeout=TIMEOUTS[op])
+
+    async def _guest(
+        self,
+        sandbox_id: str,
+        op: p.GuestOp,
+        args: dict[str, Any],
+        on_event: EventHandler | None = None,
+    ) -> dict[str, Any]:
+        """A read-only or idempotent guest request, retried once on a fresh connection if
+        the channel broke (the sandbox was paused and resumed in between, say)."""
+        try:
+            channel = await self._channel(sandbox_id)
+            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
+        except ChannelError:
+            await self.disconnect(sandbox_id)
+            channel = await self._channel(sandbox_id)
+            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
+
+    async def disconnect(self, sandbox_id: str) -> None:
+        """Drop this process's connection to a sandbox; the sandbox keeps running."""
+        channel = self._channels.pop(sandbox_id, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for sandbox_id in list(self._channels):
+            await self.disconnect(sandbox_id)
+
+
+async def _wait_finished(folder: SandboxDir, timeout: float = 15.0) -> None:
+    """Return once the sandbox's record says killed or dead (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while not folder.record().state.finished and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def _collector(into: bytearray) -> OutputSink:
+    def collect(_stream: str, data: bytes) -> None:
+        into.extend(data)
+
+    return collect
+
+
+def _remove(folder: SandboxDir) -> None:
+    shutil.rmtree(folder.path, ignore_errors=True)
+
+
+def discard_spare() -> None:
+    """Let the process's warm spare supervisor go (tests that change its environment)."""
+    _LAUNCHER.discard_spare()
+
+
+__all__ = ["SandboxService", "discard_spare", "validate"]

@@ -1,0 +1,120 @@
+"""What a VMM backend must do for cryobox, as Protocols, and the machine it is asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from cryobox.errors import CryoboxError
+from cryobox.image.build import Image
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PortForward:
+    """A TCP port of the guest reachable on 127.0.0.1:host_port."""
+
+    guest_port: int
+    host_port: int
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """Everything a backend needs to run one machine; paths are absolute.
+
+    ``disk_chain`` is the root disk's layers, the writable one first, each backed by the
+    next: the backend opens them as given, so no layer has to name its backing by path.
+    """
+
+    name: str
+    cpus: int
+    memory_mib: int
+    accelerator: str
+    kernel: Path
+    initrd: Path
+    disk_chain: tuple[Path, ...]
+    memory_file: Path
+    monitor_socket: Path
+    agent_socket: Path
+    console_log: Path
+    kernel_args: tuple[str, ...] = ()
+    ports: tuple[PortForward, ...] = ()
+    #: Map guest RAM shared (writes reach the file) or private (copy-on-write).
+    memory_shared: bool = True
+    #: Wait for saved device state (a restore) instead of booting.
+    incoming: bool = False
+
+
+class Vm(Protocol):
+    """One running machine."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int:
+        """Return the exit code once the machine's process has ended."""
+        ...
+
+    async def stop_cpus(self) -> None:
+        """Freeze the guest: nothing in it runs, its disk is flushed."""
+        ...
+
+    async def continue_cpus(self) -> None: ...
+
+    async def save_state(self, path: Path) -> None:
+        """Write the frozen machine's device state (and RAM not in its file) to ``path``."""
+        ...
+
+    async def load_state(self, path: Path) -> None:
+        """Load a saved device state into a machine started with ``incoming``."""
+        ...
+
+    async def add_port_forward(self, forward: PortForward) -> None: ...
+
+    async def kill(self) -> None:
+        """End the machine at once and reap it."""
+        ...
+
+    def error(self, message: str) -> CryoboxError:
+        """An error that carries what the backend knows (command, exit code, stderr)."""
+        ...
+
+    def stderr_text(self) -> str: ...
+
+
+class Vmm(Protocol):
+    """A virtual machine monitor backend."""
+
+    name: str
+
+    def check_installed(self) -> None:
+        """:raises QemuNotInstalled: (or the backend's own) when it cannot run here."""
+        ...
+
+    def ensure_image(self, progress: Progress | None = None) -> Image:
+        """The guest image this backend boots, built first if missing."""
+        ...
+
+    def load_image(self, image_id: str) -> Image:
+        """:raises ImageError: when the image with that id is not on this host."""
+        ...
+
+    def accelerator(self, image: Image) -> str: ...
+
+    def facts(self, cpus: int, memory_mib: int, accelerator: str, image: Image) -> dict[str, Any]:
+        """What a memory snapshot taken under this backend must match to continue here."""
+        ...
+
+    def create_layer(self, path: Path, backing: Path, size_gib: int) -> None:
+        """A new writable disk layer at ``path`` over the frozen ``backing`` layer."""
+        ...
+
+    async def start(self, spec: MachineSpec, stderr_path: Path) -> Vm:
+        """Start the machine (booting, or waiting for state when ``spec.incoming``)."""
+        ...

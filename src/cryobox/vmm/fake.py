@@ -1,0 +1,200 @@
+"""A stand-in VMM for unit tests: the same Protocol, no QEMU, no guest kernel.
+
+A fake machine is a small host process (so pids, deaths and kills behave as with QEMU)
+plus the real guest agent's request handling served on the machine's agent socket, so
+commands and files work against the host under a temporary folder. What the guest
+would remember across a snapshot (its identity refreshes, a counter of boots) lives
+in a small JSON "guest state" that ``save_state`` writes and ``load_state`` reads, the
+way QEMU's device state travels; the RAM file gets a recognisable header.
+
+``CRYOBOX_FAKE_FAIL=step[,step...]`` makes a step fail: ``start``, ``save_state``
+(``ENOSPC``), ``load_state``, ``create_layer`` (``ENOSPC``), ``agent`` (the agent
+never answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from cryobox.errors import CryoboxError, QemuError
+from cryobox.guest import agent as guest_agent
+from cryobox.guest import protocol as p
+from cryobox.image.build import Image
+from cryobox.vmm.base import MachineSpec, PortForward, Progress
+
+FAKE_IMAGE_ID = "fake-image-1"
+RAM_HEADER = b"CRYOBOX-FAKE-RAM"
+_WAIT_FOREVER = "import signal; signal.pause()"
+
+
+def failing(step: str) -> bool:
+    return step in os.environ.get("CRYOBOX_FAKE_FAIL", "").split(",")
+
+
+class _SocketChannel:
+    """The agent's channel over an asyncio stream instead of a virtio-serial port."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    def send(
+        self, header: dict[str, Any], payload: bytes = b"", *, droppable: bool = False
+    ) -> None:
+        if not self._writer.is_closing():
+            self._writer.write(p.encode(header, payload))
+
+
+class FakeAgent(guest_agent.Agent):
+    """The real agent's handlers, except that a refresh is recorded, not applied to the
+    host (it would set the host's clock and hostname)."""
+
+    def __init__(self, vm: FakeVm) -> None:
+        super().__init__()
+        self.vm = vm
+
+    async def sys_refresh(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        self.vm.guest.setdefault("refreshes", []).append({**args, "entropy": len(payload)})
+        if "hostname" in args:
+            self.vm.guest["hostname"] = args["hostname"]
+        return {"time_ns": args.get("time_ns", 0)}
+
+
+class FakeVm:
+    """One fake machine: a host process standing for QEMU, an agent, a guest state."""
+
+    def __init__(self, spec: MachineSpec, process: subprocess.Popen[bytes]) -> None:
+        self.spec = spec
+        self._process = process
+        self.guest: dict[str, Any] = {"boots": 0}
+        self.running = False
+        self.ports: list[PortForward] = list(spec.ports)
+        self._server: asyncio.AbstractServer | None = None
+        self._waiter = asyncio.ensure_future(asyncio.to_thread(process.wait))
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.poll()
+
+    async def serve_agent(self) -> None:
+        self.spec.agent_socket.unlink(missing_ok=True)
+        self._server = await asyncio.start_unix_server(self._agent, str(self.spec.agent_socket))
+
+    async def _agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        agent = FakeAgent(self)
+        agent.channel = _SocketChannel(writer)  # type: ignore[assignment]
+        decoder = p.Decoder()
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(256 * 1024):
+                if failing("agent") or not self.running:
+                    continue  # a frozen or broken guest does not answer
+                for item in decoder.feed(data):
+                    if isinstance(item, p.Frame):
+                        agent.on_frame(item)
+        writer.close()
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._waiter)
+
+    async def stop_cpus(self) -> None:
+        self._alive()
+        self.running = False
+
+    async def continue_cpus(self) -> None:
+        self._alive()
+        self.running = True
+
+    async def save_state(self, path: Path) -> None:
+        self._alive()
+        if failing("save_state"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        path.write_text(json.dumps(self.guest))
+
+    async def load_state(self, path: Path) -> None:
+        self._alive()
+        if failing("load_state"):
+            raise QemuError("migration failed: fake load_state failure")
+        self.guest = json.loads(path.read_text())
+
+    async def add_port_forward(self, forward: PortForward) -> None:
+        self.ports.append(forward)
+
+    async def kill(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._process.poll() is None:
+            self._process.kill()
+        await self.wait()
+
+    def _alive(self) -> None:
+        if self._process.poll() is not None:
+            raise self.error("the fake machine is gone")
+
+    def error(self, message: str) -> CryoboxError:
+        return QemuError(message, command=["fake-vm", self.spec.name], exitcode=self.returncode)
+
+    def stderr_text(self) -> str:
+        return ""
+
+
+class FakeVmm:
+    """The :class:`~cryobox.vmm.Vmm` Protocol without QEMU."""
+
+    name = "fake"
+
+    def check_installed(self) -> None:
+        return None
+
+    def ensure_image(self, progress: Progress | None = None) -> Image:
+        from cryobox import config
+
+        path = config.cache_dir() / "fake-image"
+        path.mkdir(parents=True, exist_ok=True)
+        for name in ("vmlinuz", "initrd.img", "rootfs.qcow2"):
+            (path / name).touch()
+        return Image(id=FAKE_IMAGE_ID, path=path, kernel_version="fake", manifest={})
+
+    def load_image(self, image_id: str) -> Image:
+        return self.ensure_image()
+
+    def accelerator(self, image: Image) -> str:
+        return "fake"
+
+    def facts(self, cpus: int, memory_mib: int, accelerator: str, image: Image) -> dict[str, Any]:
+        return {"name": self.name, "version": "1", "accelerator": accelerator}
+
+    def create_layer(self, path: Path, backing: Path, size_gib: int) -> None:
+        if failing("create_layer"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        path.write_bytes(b"fake layer over " + str(backing).encode())
+
+    async def start(self, spec: MachineSpec, stderr_path: Path) -> FakeVm:
+        if failing("start"):
+            raise QemuError("fake machine failed to start", command=["fake-vm"], exitcode=1)
+        for layer in spec.disk_chain:
+            if not layer.exists():
+                raise QemuError(f"could not open disk layer {layer}", command=["fake-vm"])
+        process = subprocess.Popen(
+            [sys.executable, "-c", _WAIT_FOREVER, spec.name], stdin=subprocess.DEVNULL
+        )
+        vm = FakeVm(spec, process)
+        if not spec.memory_file.exists() or spec.memory_file.stat().st_size == 0:
+            with open(spec.memory_file, "wb") as ram:
+                ram.write(RAM_HEADER)
+                ram.truncate(spec.memory_mib << 20)
+        if not spec.incoming:
+            vm.guest["boots"] = 1
+            vm.running = True
+        await vm.serve_agent()
+        return vm

@@ -1,0 +1,200 @@
+"""The service, supervisor and machine lifecycle over the fake VMM: no QEMU needed.
+
+Each test runs real supervisor processes against :mod:`cryobox.vmm.fake` (a host
+process standing for QEMU, the real agent code serving commands on the host), so the
+whole path SDK -> transport -> service -> supervisor -> VMM is exercised in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cryobox import Sandbox
+from cryobox.errors import (
+    CapacityError,
+    InvalidArgument,
+    SandboxDead,
+    SnapshotNotFound,
+    StateError,
+    StorageError,
+)
+from cryobox.guest import protocol as p
+from cryobox.sandbox import registry
+from cryobox.service import discard_spare, service
+
+
+@pytest.fixture(autouse=True)
+def fake_vmm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A state folder of its own and the fake VMM, for this test only."""
+    state = Path(tempfile.mkdtemp(prefix="cbx-fake-"))
+    monkeypatch.setenv("CRYOBOX_VMM", "fake")
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
+    discard_spare()
+    yield state
+    for info in Sandbox.list(all=True):
+        try:
+            Sandbox.connect(info.id).kill()
+        except Exception as exc:  # report, keep cleaning
+            print(f"cleanup of {info.id} failed: {exc}")
+    discard_spare()
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def fail_at(monkeypatch: pytest.MonkeyPatch, *steps: str) -> None:
+    """Make the fake VMM of the next supervisors fail at these steps."""
+    monkeypatch.setenv("CRYOBOX_FAKE_FAIL", ",".join(steps))
+    discard_spare()
+
+
+def temp_folders(state: Path) -> list[Path]:
+    return list((state / "snapshots").glob(".tmp-*"))
+
+
+def test_whole_lifecycle_over_the_fake() -> None:
+    sbx = Sandbox.create("base")
+    assert sbx.commands.run("echo hi").stdout == "hi\n"
+    first = sbx.checkpoint("first")
+    assert [c.id for c in sbx.checkpoints()] == [first.id]
+    sbx.rollback("first")
+    sbx.pause()
+    assert sbx.info().state == "paused"
+    with pytest.raises(StateError, match="paused"):
+        sbx.commands.run("true")
+    sbx = Sandbox.resume(sbx.id)
+    assert sbx.info().state == "running"
+    saved = sbx.snapshot("saved")
+    copy = Sandbox.create(from_snapshot="saved")
+    assert copy.info().origin == saved.id
+    forks = sbx.fork(3)
+    assert len({f.id for f in forks}) == 3
+    assert all(f.info().forked_from == sbx.id for f in forks)
+    for fork in forks:
+        fork.kill()
+    sbx.kill()
+    assert not registry.SandboxDir.for_id(sbx.id).path.exists()
+    with pytest.raises(InvalidArgument, match="a snapshot needs a name"):
+        copy.snapshot("")
+
+
+def test_a_checkpoint_that_runs_out_of_space_fails_fast_and_the_sandbox_runs_on(
+    monkeypatch: pytest.MonkeyPatch, fake_vmm: Path
+) -> None:
+    fail_at(monkeypatch, "save_state")
+    sbx = Sandbox.create("base")
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="no space left") as info:
+        sbx.checkpoint("doomed")
+    assert time.monotonic() - started < 10
+    assert "checkpoint" in str(info.value)
+    assert sbx.info().state == "running"
+    assert sbx.commands.run("echo still here").stdout == "still here\n"
+    assert Sandbox.snapshots() == [] and temp_folders(fake_vmm) == []
+    with pytest.raises(StorageError):
+        sbx.snapshot("also-doomed")
+
+
+def test_a_pause_that_fails_leaves_the_sandbox_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    fail_at(monkeypatch, "save_state")
+    sbx = Sandbox.create("base")
+    with pytest.raises(StorageError, match="pausing"):
+        sbx.pause()
+    assert sbx.info().state == "running"
+    assert sbx.commands.run("echo running").stdout == "running\n"
+    assert not registry.SandboxDir.for_id(sbx.id).paused.exists()
+
+
+def test_a_checkpoint_another_sandbox_builds_on_is_kept_until_nothing_needs_it() -> None:
+    a = Sandbox.create("base")
+    checkpoint = a.checkpoint("shared")
+    b = Sandbox.create(from_snapshot=checkpoint.id)
+    a.kill()
+    assert checkpoint.id in {s.id for s in Sandbox.snapshots()}  # B builds on it
+    b.pause()
+    b = Sandbox.resume(b.id)  # its disk chain is whole
+    assert b.commands.run("true").exit_code == 0
+    b.kill()
+    assert checkpoint.id not in {s.id for s in Sandbox.snapshots()}  # collected now
+    with pytest.raises(SnapshotNotFound):
+        Sandbox.create(from_snapshot=checkpoint.id)
+
+
+def test_deleting_a_snapshot_others_need_is_refused_naming_them() -> None:
+    a = Sandbox.create("base")
+    saved = a.snapshot("base-of-b")
+    b = Sandbox.create(from_snapshot="base-of-b")
+    with pytest.raises(InvalidArgument, match=f"sandbox {b.id}"):
+        Sandbox.delete_snapshot("base-of-b")
+    b.kill()
+    Sandbox.delete_snapshot(saved.id)
+    assert Sandbox.snapshots() == []
+
+
+def test_the_state_folder_can_move(monkeypatch: pytest.MonkeyPatch, fake_vmm: Path) -> None:
+    sbx = Sandbox.create("base")
+    sbx.snapshot("portable")
+    sbx.pause()
+    moved = Path(tempfile.mkdtemp(prefix="cbx-moved-")) / "state"
+    shutil.move(str(fake_vmm), moved)
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(moved))
+    discard_spare()
+    try:
+        copy = Sandbox.create(from_snapshot="portable")
+        assert copy.commands.run("true").exit_code == 0
+        resumed = Sandbox.resume(sbx.id)
+        assert resumed.info().state == "running"
+        copy.kill()
+        resumed.kill()
+    finally:
+        shutil.rmtree(moved.parent, ignore_errors=True)
+
+
+def test_service_errors_reach_the_sdk_as_their_own_types(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sbx = Sandbox.create("base")
+    monkeypatch.setattr(service, "mem_available_mib", lambda: 100)
+    with pytest.raises(CapacityError) as info:
+        sbx.fork(5)
+    assert info.value.available_mib == 100
+    vm_pid = sbx.info().vmm_pid
+    assert vm_pid
+    os.kill(vm_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while sbx.info().state != "dead" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(SandboxDead, match="exited"):
+        sbx.commands.run("true")
+
+
+def test_a_failed_create_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    fail_at(monkeypatch, "start")
+    with pytest.raises(Exception, match="fake machine failed to start") as info:
+        Sandbox.create("base")
+    assert type(info.value).__name__ == "QemuError"
+    assert Sandbox.list(all=True) == []
+
+
+async def test_the_supervisor_answers_every_request_even_a_bad_one() -> None:
+    from cryobox.guest.client import AgentClient
+
+    sbx = Sandbox.create("base")
+    client = await AgentClient.connect(registry.SandboxDir.for_id(sbx.id).control_socket)
+    try:
+        for args in ({"seconds": "soon"}, {"seconds": float("inf")}, {"seconds": True}, {}):
+            with pytest.raises(InvalidArgument, match="seconds"):
+                await client.request("sandbox.set_timeout", args, timeout=5)
+        with pytest.raises(InvalidArgument, match="purpose"):
+            await client.request("sandbox.snapshot", {"purpose": "nope"}, timeout=5)
+        with pytest.raises(Exception, match="unknown op"):
+            await client.request("no.such.op", {}, timeout=5)
+        assert (await client.request(p.GuestOp.PING, {}, timeout=5)) is not None
+    finally:
+        await client.close()
