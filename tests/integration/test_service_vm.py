@@ -27,6 +27,15 @@ COUNTER = (
 )
 
 
+def kill_all() -> None:
+    """Kill every sandbox of the current state folder, reporting what fails."""
+    for info in Sandbox.list(all=True):
+        try:
+            Sandbox.connect(info.id).kill()
+        except Exception as exc:
+            print(f"cleanup of {info.id} failed: {exc}")
+
+
 @pytest.fixture
 def own_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A state folder of this test's own (kept short: unix socket paths are limited)."""
@@ -34,11 +43,7 @@ def own_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
     discard_spare()
     yield state
-    for info in Sandbox.list(all=True):
-        try:
-            Sandbox.connect(info.id).kill()
-        except Exception as exc:
-            print(f"cleanup of {info.id} failed: {exc}")
+    kill_all()
     discard_spare()
 
 
@@ -53,11 +58,7 @@ def small_tmpfs(own_state: Path) -> Iterator[Path]:
     try:
         yield own_state
     finally:
-        for info in Sandbox.list(all=True):
-            try:
-                Sandbox.connect(info.id).kill()
-            except Exception as exc:
-                print(f"cleanup of {info.id} failed: {exc}")
+        kill_all()
         discard_spare()
         subprocess.run(["umount", "-l", str(own_state)], check=False)
         shutil.rmtree(own_state, ignore_errors=True)

@@ -198,3 +198,24 @@ async def test_the_supervisor_answers_every_request_even_a_bad_one() -> None:
         assert (await client.request(p.GuestOp.PING, {}, timeout=5)) is not None
     finally:
         await client.close()
+
+
+def test_templates_are_listed_and_removed_through_the_cli() -> None:
+    from typer.testing import CliRunner
+
+    from cryobox.cli.main import app
+
+    Sandbox.build_template("tools", ["true"])
+    runner = CliRunner()
+    listed = runner.invoke(app, ["template", "ls"])
+    assert listed.exit_code == 0 and "tools" in listed.stdout
+    sbx = Sandbox.create("tools")
+    assert runner.invoke(app, ["template", "rm", "tools"]).exit_code == 0
+    assert "tools" not in runner.invoke(app, ["template", "ls"]).stdout
+    assert sbx.commands.run("true").exit_code == 0  # its snapshot is kept while sbx needs it
+    snapshot = sbx.info().origin
+    assert snapshot in {s.id for s in Sandbox.snapshots()}
+    failed = runner.invoke(app, ["template", "rm", "tools"])
+    assert failed.exit_code == 1 and "does not exist" in failed.output
+    sbx.kill()
+    assert snapshot not in {s.id for s in Sandbox.snapshots()}  # collected with its last user

@@ -454,6 +454,27 @@ def template_build(
     out.print(f"template {name}: snapshot {snap.id}")
 
 
+@template_app.command("ls")
+def template_ls() -> None:
+    """List templates (tab-separated when piped)."""
+    with errors_reported():
+        now = time.time()
+        rows = [
+            (t.name, t.snapshot_id, str(len(t.setup)), f"{now - t.created_at:.0f}s")
+            for t in Sandbox.templates()
+        ]
+        print_rows(("NAME", "SNAPSHOT", "SETUP STEPS", "AGE"), rows)
+
+
+@template_app.command("rm")
+def template_rm(names: list[str]) -> None:
+    """Remove templates and their snapshots (kept while a sandbox builds on one)."""
+    with errors_reported():
+        for name in names:
+            Sandbox.delete_template(name)
+            out.print(f"removed template {name}")
+
+
 @app.command()
 def bench(
     scenarios: Annotated[list[str] | None, typer.Argument(help="Scenarios (default: all).")] = None,

@@ -37,8 +37,8 @@ def _signature(fn: Callable[..., Any], drop_first: bool) -> inspect.Signature:
     return signature.replace(parameters=parameters, return_annotation=annotation)
 
 
-class _Method(Generic[P, T]):
-    """An instance member: ``obj.name(...)`` runs ``fn(obj._async, ...)``."""
+class _Twin:
+    """A sync member standing for the async ``fn``; ``wrap`` converts what it returns."""
 
     def __init__(
         self, fn: Callable[..., Coroutine[Any, Any, Any]], wrap: Callable[[Any], Any]
@@ -46,7 +46,10 @@ class _Method(Generic[P, T]):
         self._fn = fn
         self._wrap = wrap
         self.__doc__ = fn.__doc__
-        self.__wrapped__ = fn
+
+
+class _Method(_Twin, Generic[P, T]):
+    """An instance member: ``obj.name(...)`` runs ``fn(obj._async, ...)``."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
@@ -74,15 +77,8 @@ class _Method(Generic[P, T]):
         return functools.update_wrapper(bound, fn, assigned=("__doc__", "__name__"))
 
 
-class _Static(Generic[P, T]):
+class _Static(_Twin, Generic[P, T]):
     """A class-level member (a static or class method of the async twin)."""
-
-    def __init__(
-        self, fn: Callable[..., Coroutine[Any, Any, Any]], wrap: Callable[[Any], Any]
-    ) -> None:
-        self._fn = fn
-        self._wrap = wrap
-        self.__doc__ = fn.__doc__
 
     def __get__(self, obj: object | None, owner: type) -> Callable[P, T]:
         fn, wrap = self._fn, self._wrap

@@ -182,7 +182,8 @@ class Supervisor:
             if vm is self.machine.vm and not self._lifecycle.locked():
                 self.stop(
                     SandboxState.DEAD,
-                    f"the VM exited with code {code}: " + vm.stderr_text().strip()[-2000:],
+                    f"{self.machine.vmm.name.upper()} exited with code {code}: "
+                    + vm.stderr_text().strip()[-2000:],
                 )
                 return
             # A rollback replaced the VM on purpose: watch the new one.

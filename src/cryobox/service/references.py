@@ -3,8 +3,9 @@
 A snapshot is needed while a sandbox (running or paused) or another snapshot has its
 disk layer in its chain, or maps its RAM file (a fork). Checkpoints and fork snapshots
 belong to a sandbox's life: they are collected once their sandbox is gone (a fork
-snapshot: once its last fork is) and nothing needs them any more. Saved snapshots and
-template snapshots are the user's: deleted only when asked, and never while needed.
+snapshot: once its last fork is) and nothing needs them any more; so is a template's
+snapshot once no template names it. Saved snapshots are the user's: deleted only when
+asked, and never while needed.
 """
 
 from __future__ import annotations
@@ -36,14 +37,19 @@ def users(
 
 
 def collectable(
-    snapshots: list[Manifest], sandboxes: list[tuple[SandboxSpec, SandboxRecord]]
+    snapshots: list[Manifest],
+    sandboxes: list[tuple[SandboxSpec, SandboxRecord]],
+    templates: set[str],
 ) -> list[Manifest]:
     """Checkpoints and fork snapshots that nothing needs and whose sandbox is gone (for a
     fork snapshot: whose forks are all gone), newest first so a chain unwinds in one pass."""
     alive = {spec.id for spec, record in sandboxes if not record.state.finished}
     found = []
     for manifest in reversed(snapshots):
-        if manifest.purpose not in OWNED_BY_A_SANDBOX:
+        orphaned_template = (
+            manifest.purpose is SnapshotPurpose.TEMPLATE and manifest.id not in templates
+        )
+        if manifest.purpose not in OWNED_BY_A_SANDBOX and not orphaned_template:
             continue
         if manifest.purpose is SnapshotPurpose.CHECKPOINT and manifest.source_sandbox in alive:
             continue

@@ -504,7 +504,8 @@ class SandboxService:
     async def collect_garbage(self) -> builtins.list[str]:
         """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
         self.store.sweep()
-        doomed = references.collectable(self.store.all(), registry.list_sandboxes())
+        named = {str(t.get("snapshot")) for t in self.store.templates()}
+        doomed = references.collectable(self.store.all(), registry.list_sandboxes(), named)
         for manifest in doomed:
             self.store.delete(manifest.id)
         return [m.id for m in doomed]
@@ -594,15 +595,16 @@ class SandboxService:
                         f"{result['exit_code']}:\n{text}"
                     )
             saved = await self.capture(sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}")
+            # Named before the build sandbox is killed: its kill collects unnamed templates.
+            previous = self.store.template(name)
+            self.store.set_template(
+                name,
+                saved.id,
+                {"image_id": sandbox.image_id, "setup": list(setup), "created_at": time.time()},
+            )
         finally:
             with contextlib.suppress(CryoboxError):
                 await self.kill(sandbox.id)
-        previous = self.store.template(name)
-        self.store.set_template(
-            name,
-            saved.id,
-            {"image_id": sandbox.image_id, "setup": list(setup), "created_at": time.time()},
-        )
         if previous and previous.get("snapshot") != saved.id:
             with contextlib.suppress(CryoboxError):  # kept while something builds on it
                 await self.delete_snapshot(str(previous["snapshot"]))
