@@ -18,10 +18,10 @@ state record) or the failure, on that same socket.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from cryobox.arguments import positive_seconds, whole_number
 from cryobox.errors import InvalidArgument
 from cryobox.snapshot.manifest import SnapshotPurpose
 
@@ -54,28 +54,13 @@ TIMEOUTS: dict[ControlOp, float] = {
 }
 
 
-def _number(op: ControlOp, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidArgument(f"{op}: {name}={value!r} must be a finite number")
-    return float(value)
-
-
-def _integer(op: ControlOp, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{op}: {name}={value!r} must be an integer")
-    return value
-
-
 @dataclass(frozen=True)
 class SetTimeout:
     seconds: float
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> SetTimeout:
-        seconds = _number(ControlOp.SET_TIMEOUT, "seconds", args.get("seconds"))
-        if seconds <= 0:
-            raise InvalidArgument(f"seconds={seconds}: must be positive")
-        return cls(seconds)
+        return cls(positive_seconds("seconds", args.get("seconds")))
 
 
 @dataclass(frozen=True)
@@ -84,10 +69,7 @@ class ExposePort:
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> ExposePort:
-        port = _integer(ControlOp.EXPOSE_PORT, "guest_port", args.get("guest_port"))
-        if not 1 <= port <= 65535:
-            raise InvalidArgument(f"guest port {port} is not in 1..65535")
-        return cls(port)
+        return cls(whole_number("guest_port", args.get("guest_port"), 1, 65535))
 
 
 @dataclass(frozen=True)

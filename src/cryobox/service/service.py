@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import math
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox import config
+from cryobox.arguments import positive_seconds, whole_number
 from cryobox.errors import (
     CapacityError,
     ChannelError,
@@ -79,37 +79,18 @@ def mem_available_mib() -> int:
     return 0
 
 
-def _integer(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{name}={value!r}: must be a whole number")
-    if not low <= value <= high:
-        raise InvalidArgument(f"{name}={value}: must be between {low} and {high}")
-    return value
-
-
-def _seconds(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidArgument(f"{name}={value!r}: must be a positive, finite number of seconds")
-    return float(value)
-
-
 def validate(request: CreateRequest) -> None:
     """Reject a request that cannot work, naming the argument.
 
     :raises InvalidArgument:
     """
     if request.cpus is not None:
-        _integer("cpus", request.cpus, 1, config.MAX_CPUS)
+        whole_number("cpus", request.cpus, 1, config.MAX_CPUS)
     if request.memory_mib is not None:
-        _integer("memory_mib", request.memory_mib, config.MIN_MEMORY_MIB, config.MAX_MEMORY_MIB)
+        whole_number("memory_mib", request.memory_mib, config.MIN_MEMORY_MIB, config.MAX_MEMORY_MIB)
     if request.disk_gib is not None:
-        _integer("disk_gib", request.disk_gib, config.MIN_DISK_GIB, config.MAX_DISK_GIB)
-    _seconds("timeout", request.timeout)
+        whole_number("disk_gib", request.disk_gib, config.MIN_DISK_GIB, config.MAX_DISK_GIB)
+    positive_seconds("timeout", request.timeout)
     for port in request.ports:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
@@ -295,11 +276,11 @@ class SandboxService:
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
         await self._control(
-            sandbox_id, ControlOp.SET_TIMEOUT, {"seconds": _seconds("seconds", seconds)}
+            sandbox_id, ControlOp.SET_TIMEOUT, {"seconds": positive_seconds("seconds", seconds)}
         )
 
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
-        _integer("guest_port", guest_port, 1, 65535)
+        whole_number("guest_port", guest_port, 1, 65535)
         result = await self._control(sandbox_id, ControlOp.EXPOSE_PORT, {"guest_port": guest_port})
         return int(result["host_port"])
 
@@ -327,7 +308,7 @@ class SandboxService:
         :raises CapacityError: when the host cannot hold them; nothing is started.
         :raises StateError: when the parent is not running.
         """
-        _integer("count", count, 1, MAX_FORKS)
+        whole_number("count", count, 1, MAX_FORKS)
         folder = registry.find(sandbox_id)
         require(sandbox_id, folder.record().state, (SandboxState.RUNNING,), "fork")
         spec = folder.spec()
@@ -401,7 +382,7 @@ class SandboxService:
     ) -> CommandSession:
         """Start a command; the session says when it ends and feeds or kills it."""
         if request.timeout is not None:
-            _seconds("timeout", request.timeout)
+            positive_seconds("timeout", request.timeout)
         session = CommandSession(await self._channel(sandbox_id), on_output)
         session.start(request)
         return session
