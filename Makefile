@@ -8,15 +8,22 @@ PYTHON    := $(VENV)/bin/python
 CRYOBOX   := $(VENV)/bin/cryobox
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Host tools: QEMU (without its GUI), the image build chain.
-APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates
+# The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
+APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates \
+                iproute2 util-linux nftables
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done
 
 .PHONY: setup image demo test lint unit bench clean
 
-setup: $(APT_STAMP) $(PIP_STAMP)
+# QEMU runs as this unprivileged system user when cryobox runs as root.
+VM_USER   := cryobox-vm
 
-$(APT_STAMP):
+setup: $(APT_STAMP) $(PIP_STAMP)
+	@id -u $(VM_USER) >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	    useradd --system --no-create-home --shell /usr/sbin/nologin $(VM_USER)
+
+$(APT_STAMP): Makefile
 	@missing=""; for p in $(APT_PACKAGES) mmdebstrap; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

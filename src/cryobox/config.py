@@ -26,19 +26,25 @@ MIN_DISK_GIB = 2
 MAX_DISK_GIB = 1024
 
 
+def _private(path: Path) -> Path:
+    """The folder, made if missing, readable by its owner only (0700): it holds guest
+    RAM, disks and logs that may contain any secret a guest had."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
 def cache_dir() -> Path:
     path = Path(os.environ.get("CRYOBOX_CACHE_DIR") or platformdirs.user_cache_dir("cryobox"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _private(path)
 
 
 def state_dir() -> Path:
     path = Path(os.environ.get("CRYOBOX_STATE_DIR") or platformdirs.user_data_dir("cryobox"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _private(path)
 
 
 def sandboxes_dir() -> Path:
     path = state_dir() / "sandboxes"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _private(path)

@@ -16,6 +16,7 @@
      │    ├── SnapshotIncompatible     saved on another QEMU/machine/CPU... (field, saved, host)
      │    └── SnapshotVerificationFailed   a file is missing or its hash differs (file)
      ├── StorageError             the host could not write or read saved state (doing, path, reason)
+     ├── NetworkError             the sandbox's network could not be set up as its policy says
  ├── ChannelError             the connection to the guest agent failed or closed
      │    └── ProtocolError       the peer sent bytes that are not our protocol
      └── GuestError               the agent answered with an error (op, kind, message)
@@ -156,6 +157,10 @@ class StorageError(CryoboxError):
         self.file = path
         self.reason = reason
         super().__init__(f"{doing} failed: {reason} ({path})")
+
+
+class NetworkError(CryoboxError):
+    """The sandbox's isolated network could not be set up (the VM is not started)."""
 
 
 class ChannelError(CryoboxError):

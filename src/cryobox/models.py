@@ -73,6 +73,8 @@ class SandboxInfo:
     #: file holds on the host.
     vmm_pid: int | None = None
     ram_file_bytes: int = 0
+    #: The network policy's JSON form: "internet", "none" or the allowed rules.
+    network: str | list[str] = "internet"
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ class CreateRequest:
     disk_gib: int | None = None
     timeout: float = 300.0
     ports: Sequence[int] = ()
+    #: What the guest may connect to: "internet", "none" or a list of rules
+    #: ("HOST:PORT", "HOST", "CIDR", "CIDR:PORT"); see :mod:`cryobox.network.policy`.
+    #: ``None``: the snapshot's or parent's policy for a fork, else "internet".
+    network: str | Sequence[str] | None = None
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def copy_sparse(source: Path, target: Path, *, skip_zero_pages: bool = False) ->
     data extents as holes, for a live RAM file whose guest freed and zeroed memory.
     """
     with open(source, "rb") as src:
-        dst = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             os.ftruncate(dst, os.fstat(src.fileno()).st_size)
             for start, end in data_extents(src.fileno()):

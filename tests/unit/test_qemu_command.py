@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cryobox.errors import InvalidArgument, QemuNotInstalled
+from cryobox.network.policy import NetworkPolicy, parse_policy
 from cryobox.qemu import build_command
 from cryobox.qemu.accel import cpu_has_virtualization, detect_accelerator
 from cryobox.qemu.process import qemu_binary
@@ -48,7 +49,8 @@ def test_devices_for_agent_identity_and_network() -> None:
     devices = option(argv, "-device")
     assert "vmgenid,guid=auto,id=vmgenid0" in devices
     assert any(d.startswith("virtserialport,") and "org.cryobox.agent.0" in d for d in devices)
-    assert option(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:41000-:8000"]
+    # not isolated: QEMU listens on the host port itself
+    assert option(argv, "-netdev") == ["user,id=net0,ipv6=off,hostfwd=tcp:127.0.0.1:41000-:8000"]
     assert "socket,id=agent,path=/a.sock,server=on,wait=off" in option(argv, "-chardev")
 
 
@@ -66,7 +68,9 @@ def test_disk_chain_is_opened_layer_by_layer_never_from_qcow2_headers() -> None:
     assert "read-only=on" in blockdevs[0]
     assert "node-name=root" in blockdevs[1] and "file.filename=/d.qcow2" in blockdevs[1]
     assert "backing=layer0" in blockdevs[1] and "read-only=off" in blockdevs[1]
-    assert "virtio-blk-pci,drive=root,id=rootdisk" in option(argv, "-device")
+    assert "virtio-blk-pci,drive=root,id=rootdisk,werror=report,rerror=report" in option(
+        argv, "-device"
+    )
 
 
 def test_kvm_uses_host_cpu() -> None:
@@ -92,3 +96,62 @@ def test_missing_qemu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CRYOBOX_QEMU", "/nonexistent/qemu-system-x86_64")
     with pytest.raises(QemuNotInstalled, match="qemu-system-x86"):
         qemu_binary()
+
+
+def test_isolated_forwards_listen_inside_the_namespace_and_none_is_restricted() -> None:
+    forward = (PortForward(80, 41000),)
+    argv = build_command("qemu", spec(ports=forward, isolated=True))
+    # inside the sandbox's own namespace; the supervisor joins host port 41000 to it
+    assert option(argv, "-netdev") == ["user,id=net0,ipv6=off,hostfwd=tcp:127.0.0.1:80-:80"]
+    closed = build_command("qemu", spec(network=parse_policy("none"), isolated=True))
+    assert option(closed, "-netdev") == ["user,id=net0,ipv6=off,restrict=on"]
+
+
+def test_qemu_is_confined_by_seccomp_and_runs_unprivileged() -> None:
+    as_root = build_command("qemu", spec(), runas="cryobox-vm")
+    assert option(as_root, "-runas") == ["cryobox-vm"]
+    (policy,) = option(as_root, "-sandbox")
+    assert {"on", "spawn=deny", "obsolete=deny", "resourcecontrol=deny"} <= set(policy.split(","))
+    unprivileged = build_command("qemu", spec())
+    assert "-runas" not in unprivileged
+    assert "elevateprivileges=deny" in option(unprivileged, "-sandbox")[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "json"),
+    [
+        ("internet", "internet"),
+        ("none", "none"),
+        (
+            ["10.1.2.3:443", "192.168.0.0/16", "10.9.9.9"],
+            ["10.1.2.3/32:443", "192.168.0.0/16", "10.9.9.9/32"],
+        ),
+        (("127.0.0.1:80", "127.0.0.1:80"), ["127.0.0.1/32:80"]),
+        (["localhost:8080"], ["127.0.0.1/32:8080"]),
+    ],
+)
+def test_network_policy_parses_modes_rules_and_names(value: object, json: object) -> None:
+    policy = parse_policy(value)
+    assert policy.to_json() == json
+    assert NetworkPolicy.from_json(policy.to_json()) == policy
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "all",
+        "",
+        3,
+        None,
+        [""],
+        [" 1.2.3.4"],
+        ["1.2.3.4:0"],
+        ["1.2.3.4:x"],
+        ["fd00::/8"],
+        [None],
+        ["no-such-host.invalid"],
+    ],
+)
+def test_network_policy_refuses_bad_entries_naming_them(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="network"):
+        parse_policy(bad)

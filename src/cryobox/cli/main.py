@@ -46,6 +46,14 @@ FromSnapshotOption = Annotated[
 TimeoutOption = Annotated[
     float, typer.Option("--timeout", help="Seconds until the sandbox is killed unless extended.")
 ]
+NetworkOption = Annotated[
+    str,
+    typer.Option(
+        "--network",
+        help="What the guest may reach: internet, none, or comma-separated "
+        "HOST:PORT / HOST / CIDR / CIDR:PORT entries.",
+    ),
+]
 PortOption = Annotated[
     list[int] | None, typer.Option("--port", "-p", help="Guest TCP port to forward (repeatable).")
 ]
@@ -85,6 +93,7 @@ def create_sandbox(
     ports: list[int] | None,
     template: str = "default",
     from_snapshot: str | None = None,
+    network: str = "internet",
 ) -> Sandbox:
     with console.status("starting sandbox (building the guest image first if needed)") as status:
         return Sandbox.create(
@@ -95,6 +104,7 @@ def create_sandbox(
             disk_gib=disk,
             timeout=timeout,
             ports=ports or [],
+            network=network if network in ("internet", "none") else network.split(","),
             progress=lambda step: status.update(step),
         )
 
@@ -108,10 +118,11 @@ def create(
     disk: ShapeDisk = None,
     timeout: TimeoutOption = config.DEFAULT_TIMEOUT,
     port: PortOption = None,
+    network: NetworkOption = "internet",
 ) -> None:
     """Start a sandbox and print its id."""
     with errors_reported():
-        sbx = create_sandbox(cpus, memory, disk, timeout, port, template, from_snapshot)
+        sbx = create_sandbox(cpus, memory, disk, timeout, port, template, from_snapshot, network)
         for guest, host in sbx.ports.items():
             console.print(f"port {guest} -> 127.0.0.1:{host}")
         out.print(sbx.id)

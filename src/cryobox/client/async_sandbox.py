@@ -277,6 +277,7 @@ class AsyncSandbox:
         disk_gib: int | None = None,
         timeout: float = config.DEFAULT_TIMEOUT,
         ports: Sequence[int] = (),
+        network: str | Sequence[str] = "internet",
         progress: Progress | None = None,
     ) -> AsyncSandbox:
         """Start a new sandbox and return it once it can run commands.
@@ -286,6 +287,11 @@ class AsyncSandbox:
         :meth:`build_template`. ``from_snapshot`` (an id or name from :meth:`snapshot`)
         starts from a saved snapshot instead. A template or snapshot fixes ``cpus``,
         ``memory_mib`` and ``disk_gib`` (default 2, 1024, 4 for ``base``).
+
+        ``network`` is what the guest may connect to: ``"internet"`` (anywhere the host
+        reaches, never the host itself nor other sandboxes), ``"none"``, or a list of
+        ``"HOST:PORT"``, ``"HOST"``, ``"CIDR"``, ``"CIDR:PORT"`` entries. Ports forwarded
+        from the host into the guest work whatever the policy.
 
         :raises InvalidArgument: for a request that cannot work, naming the argument.
         :raises SnapshotError: when the template or snapshot is missing, incompatible or
@@ -301,6 +307,7 @@ class AsyncSandbox:
             disk_gib=disk_gib,
             timeout=timeout,
             ports=tuple(ports),
+            network=network if isinstance(network, str) else tuple(network),
         )
         return cls(await transport.create(request, progress), transport)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cryobox.network.policy import NONE
 from cryobox.vmm.base import MachineSpec, PortForward
 
 MACHINE_TYPE = "q35"
@@ -30,9 +31,30 @@ BASE_KERNEL_ARGS = (
 )
 
 
-def hostfwd(forward: PortForward) -> str:
-    """QEMU's user-mode network syntax for a forward to 127.0.0.1 only."""
-    return f"tcp:127.0.0.1:{forward.host_port}-:{forward.guest_port}"
+#: QEMU's seccomp filter: no obsolete calls, no spawning (``exec:`` URIs, helpers), no
+#: scheduler or resource changes. Privilege elevation is denied by the kernel instead:
+#: QEMU 7.2 installs the filter before ``-runas`` switches user, so
+#: ``elevateprivileges=deny`` would kill it; after the switch every uid is unprivileged,
+#: no capability is left and ``no_new_privs`` is set, so no set*uid can elevate.
+SECCOMP = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
+SECCOMP_UNPRIVILEGED = SECCOMP + ",elevateprivileges=deny"
+
+
+def hostfwd(forward: PortForward, isolated: bool) -> str:
+    """QEMU's user-mode network syntax for a forward from 127.0.0.1 only: of the sandbox's
+    own namespace when isolated (the supervisor joins the host port to it), else of the
+    host."""
+    outer = forward.guest_port if isolated else forward.host_port
+    return f"tcp:127.0.0.1:{outer}-:{forward.guest_port}"
+
+
+def netdev(spec: MachineSpec) -> str:
+    """User-mode networking (slirp); ``restrict=on`` when the policy is "none"."""
+    options = ["user", "id=net0", "ipv6=off"]
+    if spec.network.mode == NONE:
+        options.append("restrict=on")
+    options += [f"hostfwd={hostfwd(p, spec.isolated)}" for p in spec.ports]
+    return ",".join(options)
 
 
 def cpu_model(accelerator: str) -> str:
@@ -67,11 +89,10 @@ def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
     return args
 
 
-def build_command(binary: str, spec: MachineSpec) -> list[str]:
-    """The argv that starts ``spec``'s machine."""
+def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
+    """The argv that starts ``spec``'s machine (as user ``runas`` once it is set up)."""
     accel = "kvm" if spec.accelerator == "kvm" else "tcg,thread=multi"
     share = "on" if spec.memory_shared else "off"
-    netdev = "user,id=net0" + "".join(f",hostfwd={hostfwd(p)}" for p in spec.ports)
     argv = [
         binary,
         "-name",
@@ -110,7 +131,9 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         "chardev:console",
         *disk_chain_args(spec.disk_chain),
         "-device",
-        f"virtio-blk-pci,drive={ROOT_DRIVE},id=rootdisk",
+        # A host disk that fills up is an I/O error for the guest, never a VM stopped by
+        # QEMU (its default) while cryobox says it runs.
+        f"virtio-blk-pci,drive={ROOT_DRIVE},id=rootdisk,werror=report,rerror=report",
         "-device",
         "virtio-serial-pci,id=vser0",
         "-chardev",
@@ -118,7 +141,7 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         "-device",
         f"virtserialport,bus=vser0.0,chardev=agent,name={AGENT_PORT_NAME}",
         "-netdev",
-        netdev,
+        netdev(spec),
         "-device",
         "virtio-net-pci,netdev=net0,id=nic0",
         "-device",
@@ -128,6 +151,10 @@ def build_command(binary: str, spec: MachineSpec) -> list[str]:
         "-qmp",
         f"unix:{spec.monitor_socket},server=on,wait=off",
     ]
+    if runas:
+        argv += ["-runas", runas, "-sandbox", SECCOMP]
+    else:
+        argv += ["-sandbox", SECCOMP_UNPRIVILEGED]
     if spec.incoming:
         # Stay stopped after the state is loaded: the caller continues the machine.
         argv += ["-incoming", "defer", "-S"]

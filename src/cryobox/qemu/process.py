@@ -7,7 +7,7 @@ import contextlib
 import ctypes
 import functools
 import os
-import shlex
+import pwd
 import shutil
 import signal
 import subprocess
@@ -17,6 +17,7 @@ from typing import Any
 from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
 from cryobox.errors import QemuError, QemuNotInstalled
+from cryobox.network.namespace import Link, attach, isolate_this_process
 from cryobox.qemu.command import build_command, hostfwd
 from cryobox.vmm.base import MachineSpec, PortForward
 
@@ -49,10 +50,37 @@ def qemu_version(binary: str | None = None) -> str:
     )
 
 
+#: The unprivileged user QEMU runs as when cryobox runs as root (`make setup` adds it).
+VM_USER = os.environ.get("CRYOBOX_VM_USER", "cryobox-vm")
+
+
+def vm_user() -> str | None:
+    """The user QEMU switches to with ``-runas``: None when cryobox is not root (QEMU
+    then runs as the caller, already unprivileged).
+
+    :raises QemuNotInstalled: when running as root and the user does not exist.
+    """
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(VM_USER)
+    except KeyError:
+        raise QemuNotInstalled(
+            f"user {VM_USER!r} for running QEMU unprivileged does not exist: "
+            f"`make setup` adds it (useradd --system --no-create-home {VM_USER})"
+        ) from None
+    return VM_USER
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL QEMU if the process that started it dies."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _isolated_child() -> None:
+    _die_with_parent()
+    isolate_this_process()
 
 
 class QemuProcess:
@@ -65,9 +93,10 @@ class QemuProcess:
     def __init__(self, spec: MachineSpec, stderr_path: Path, binary: str | None = None) -> None:
         self.spec = spec
         self.stderr_path = stderr_path
-        self.command = build_command(binary or qemu_binary(), spec)
+        self.command = build_command(binary or qemu_binary(), spec, vm_user())
         self._process: asyncio.subprocess.Process | None = None
         self._qmp: QMPClient | None = None
+        self.link: Link | None = None
 
     @property
     def pid(self) -> int:
@@ -102,9 +131,11 @@ class QemuProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_isolated_child if self.spec.isolated else _die_with_parent,
             )
         try:
+            if self.spec.isolated:
+                self.link = await attach(self._process.pid, self.spec.network)
             await asyncio.wait_for(self._connect_qmp(), timeout)
         except TimeoutError:
             await self.kill()
@@ -158,7 +189,9 @@ class QemuProcess:
         await self.execute("cont")
 
     async def add_port_forward(self, forward: PortForward) -> None:
-        answer = await self.human_monitor(f"hostfwd_add net0 {hostfwd(forward)}")
+        answer = await self.human_monitor(
+            f"hostfwd_add net0 {hostfwd(forward, self.spec.isolated)}"
+        )
         if answer.strip():
             raise QemuError(f"hostfwd_add refused: {answer.strip()}", command=self.command)
 
@@ -179,14 +212,31 @@ class QemuProcess:
         :raises QemuError: when the migration fails or does not finish in time.
         """
         await self._migration_setup()
-        await self.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
-        await self._wait_migration(timeout)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await self._pass_fd(fd, "state")
+            await self.execute("migrate", {"uri": "fd:state"})
+            await self._wait_migration(timeout)
+        finally:
+            os.close(fd)
 
     async def load_state(self, path: Path, timeout: float = 600.0) -> None:
         """Feed a saved device state to a QEMU started with ``incoming``; it stays stopped."""
         await self._migration_setup()
-        await self.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(path))}"})
-        await self._wait_migration(timeout)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await self._pass_fd(fd, "state")
+            await self.execute("migrate-incoming", {"uri": "fd:state"})
+            await self._wait_migration(timeout)
+        finally:
+            os.close(fd)
+
+    async def _pass_fd(self, fd: int, name: str) -> None:
+        """Hand QEMU an open file (it may neither open our files nor spawn ``cat``)."""
+        if self._qmp is None:
+            raise self.error("QMP getfd: not connected")
+        self._qmp.send_fd_scm(fd)
+        await self.execute("getfd", {"fdname": name})
 
     async def _wait_migration(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()

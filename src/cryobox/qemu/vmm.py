@@ -10,7 +10,7 @@ from cryobox.errors import ImageError, QemuError
 from cryobox.image.build import Image, ensure_image, find_image
 from cryobox.qemu.accel import detect_accelerator
 from cryobox.qemu.command import MACHINE_TYPE, build_command, cpu_model, device_drivers
-from cryobox.qemu.process import QemuProcess, qemu_binary, qemu_version
+from cryobox.qemu.process import QemuProcess, qemu_binary, qemu_version, vm_user
 from cryobox.vmm.base import MachineSpec, Progress
 
 
@@ -18,9 +18,11 @@ class QemuVmm:
     """Machines run by Debian's ``qemu-system-x86_64``, disks made by ``qemu-img``."""
 
     name = "qemu"
+    isolates_network = True
 
     def check_installed(self) -> None:
         qemu_binary()
+        vm_user()
 
     def ensure_image(self, progress: Progress | None = None) -> Image:
         return ensure_image(progress)

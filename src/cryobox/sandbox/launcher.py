@@ -54,7 +54,8 @@ class Launcher:
 
     def _spawn(self) -> _Spare:
         ours, theirs = socket.socketpair()
-        log = open(config.state_dir() / "supervisor-spare.log", "ab")  # noqa: SIM115
+        path = config.state_dir() / "supervisor-spare.log"
+        log = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         with log, theirs:
             process = subprocess.Popen(
                 [sys.executable, "-m", "cryobox.sandbox.supervisor", "--fd", str(theirs.fileno())],

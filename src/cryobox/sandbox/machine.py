@@ -44,11 +44,15 @@ from cryobox.errors import (
     ChannelError,
     CryoboxError,
     InvalidArgument,
+    NetworkError,
     SnapshotIncompatible,
     StorageError,
 )
 from cryobox.guest.client import AgentClient
 from cryobox.guest.protocol import GuestOp
+from cryobox.network.forward import PortForwarder
+from cryobox.network.namespace import isolation_enabled
+from cryobox.network.policy import NetworkPolicy
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec, process_start
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
@@ -93,6 +97,54 @@ def crash_point(step: str) -> None:
         os.kill(os.getpid(), 9)
 
 
+#: Room kept for a device state beside the RAM and disk a snapshot copies (it is a few
+#: MB; RAM mapped privately travels inside it and is counted on its own).
+DEVICE_STATE_ROOM = 64 << 20
+
+
+def allocated(path: Path) -> int:
+    """Bytes the file holds on disk (a sparse RAM file: the pages the guest touched)."""
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def check_space(needed: int, doing: str, where: Path) -> None:
+    """Refuse, before touching anything, work that cannot fit in ``where``'s free space.
+
+    :raises StorageError: "needs N MB, M MB free".
+    """
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise StorageError(
+            doing, str(where), f"needs {needed >> 20} MB, {free >> 20} MB free on the host"
+        )
+
+
+def reserve_ram(path: Path, size: int) -> None:
+    """Allocate every block of a RAM file before the VM maps it shared.
+
+    A guest writing to a page of a sparse file on a full file system gets SIGBUS, which
+    kills QEMU: reserved blocks (unwritten extents: they read as zeros, cost nothing to
+    copy sparsely) make a running guest's RAM independent of the host's free space.
+
+    :raises StorageError: naming the space needed and free.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = shutil.disk_usage(path.parent).free
+        raise StorageError(
+            "reserving the guest's RAM",
+            str(path),
+            f"needs {size >> 20} MB, {free >> 20} MB free on the host ({exc.strerror})",
+        ) from exc
+    finally:
+        os.close(fd)
+
+
 def storage_error(exc: OSError, doing: str, where: Path) -> StorageError:
     """A host file system failure as a domain error that says what and how much."""
     free = shutil.disk_usage(where).free if where.exists() else 0
@@ -120,6 +172,10 @@ class Machine:
         self._save = save
         self.vm: Vm | None = None
         self.agent: AgentClient | None = None
+        self.network = NetworkPolicy.from_json(self.spec.network)
+        #: In a namespace of its own, host ports are joined to the VM by the supervisor.
+        self.isolated = vmm.isolates_network and isolation_enabled()
+        self.forwarder: PortForwarder | None = None
         self._layers = len(list(folder.path.glob("disk*.qcow2")))
 
     def update(self, **changes: Any) -> None:
@@ -166,6 +222,7 @@ class Machine:
         disk = self._new_layer(chain)
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
+        reserve_ram(memory, self.spec.memory_mib << 20)
         self.update(
             disk=disk,
             disk_chain=chain,
@@ -203,6 +260,8 @@ class Machine:
             with open(memory, "wb") as handle:
                 handle.truncate(manifest.memory_mib << 20)
             os.chmod(memory, 0o600)
+            if shared:
+                reserve_ram(memory, manifest.memory_mib << 20)
             if not manifest.ram_in_stream:
                 # Filled while the VM starts (it only maps the file; nothing reads guest
                 # RAM before the device state loads, which waits for the copy).
@@ -296,6 +355,8 @@ class Machine:
             kernel_args=kernel_args,
             memory_shared=self.record.memory_shared,
             incoming=incoming,
+            network=self.network,
+            isolated=self.isolated,
         )
 
     async def _start_vm(
@@ -310,6 +371,14 @@ class Machine:
         self.vm = await self.vmm.start(
             self._machine_spec(incoming, forwards, kernel_args), self.folder.qemu_stderr
         )
+        if self.isolated:
+            self.forwarder = PortForwarder(self.vm.pid)
+            try:
+                for forward in forwards:
+                    await self.forwarder.forward(forward.host_port, forward.guest_port)
+            except OSError as exc:
+                await self.stop_vm()
+                raise NetworkError(f"cannot listen on a forwarded host port: {exc}") from exc
         self.update(qemu_pid=self.vm.pid, ports={f.guest_port: f.host_port for f in forwards})
 
     async def _connect_agent(
@@ -389,11 +458,16 @@ class Machine:
         :raises StorageError: when the host cannot write it (a full disk, say).
         """
         assert self.vm is not None and self.agent is not None and self.record.disk
-        if not memory:
-            await self.agent.request(GuestOp.EXEC, {"argv": ["sync"]}, timeout=60)
+        needed = allocated(self.folder.path / self.record.disk) + DEVICE_STATE_ROOM
+        if memory:
+            ram = self.spec.memory_mib << 20
+            needed += allocated(self._memory_path()) if self.record.memory_shared else ram
         snapshot_id = new_id("snap")
         temp = self.store.begin(snapshot_id)
         try:
+            check_space(needed, f"saving a {purpose}", temp)
+            if not memory:
+                await self.agent.request(GuestOp.EXEC, {"argv": ["sync"]}, timeout=60)
             files = await self._save_files(temp, memory)
             manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
             described = await asyncio.to_thread(mf.describe_files, temp, files)
@@ -475,6 +549,11 @@ class Machine:
         :raises StorageError: when the host cannot write the device state.
         """
         assert self.vm is not None and self.record.disk
+        # The disk layer and RAM file are renamed, not copied: only the device state is new.
+        needed = DEVICE_STATE_ROOM
+        if not self.record.memory_shared:
+            needed += self.spec.memory_mib << 20
+        check_space(needed, "pausing", self.folder.path)
         temp = self.folder.path / "paused.tmp"
         shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir(mode=0o700)
@@ -530,6 +609,13 @@ class Machine:
             moved.append((paused / mf.MEMORY, memory))
         for source, target in moved:
             os.rename(source, target)
+        if not manifest.ram_in_stream:
+            try:
+                reserve_ram(memory, manifest.memory_mib << 20)
+            except StorageError:
+                for source, target in moved:
+                    os.rename(target, source)
+                raise
         self.update(
             disk=disk,
             memory_file=memory.name,
@@ -573,12 +659,17 @@ class Machine:
         assert self.vm is not None
         forward = PortForward(guest_port, free_port())
         await self.vm.add_port_forward(forward)
+        if self.forwarder is not None:
+            await self.forwarder.forward(forward.host_port, forward.guest_port)
         self.update(ports={**self.record.ports, guest_port: forward.host_port})
         return forward.host_port
 
     # -- end
 
     async def stop_vm(self) -> None:
+        if self.forwarder is not None:
+            await self.forwarder.close()
+            self.forwarder = None
         if self.agent is not None:
             await self.agent.close()
             self.agent = None

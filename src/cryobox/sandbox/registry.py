@@ -41,6 +41,8 @@ class SandboxSpec:
     forked_from: str | None = None
     fork_index: int = 0
     created_at: float = field(default_factory=time.time)
+    #: The network policy's JSON form (see :class:`cryobox.network.NetworkPolicy`).
+    network: str | list[str] = "internet"
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:

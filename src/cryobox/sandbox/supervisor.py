@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import logging.handlers
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -55,6 +57,12 @@ from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.vmm import Vmm, backend
 
 log = logging.getLogger("cryobox.supervisor")
+#: supervisor.log is rotated at this size (one old file kept): at most 2 MiB on disk.
+LOG_MAX_BYTES = 1 << 20
+#: console.log is rotated past this size, checked every few seconds: it holds at most
+#: this plus what the guest prints between two checks, and one old file is kept.
+CONSOLE_MAX_BYTES = 1 << 20
+CONSOLE_CHECK_SECONDS = 2.0
 
 
 def error_reply(rid: int | None, exc: BaseException, op: str) -> dict[str, Any]:
@@ -137,6 +145,7 @@ class Supervisor:
         watchers = [
             asyncio.ensure_future(self._watch_vm()),
             asyncio.ensure_future(self._watch_deadline()),
+            asyncio.ensure_future(self._watch_console()),
         ]
         await self._stop.wait()
         for watcher in watchers:
@@ -200,6 +209,17 @@ class Supervisor:
             self._deadline_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._deadline_changed.wait(), remaining)
+
+    async def _watch_console(self) -> None:
+        """Keep console.log under its cap: past it, the log moves to console.log.1 and
+        starts again (QEMU appends, so it writes on at the new end)."""
+        path = self.folder.console_log
+        while True:
+            await asyncio.sleep(CONSOLE_CHECK_SECONDS)
+            with contextlib.suppress(OSError):
+                if path.stat().st_size > CONSOLE_MAX_BYTES:
+                    shutil.copyfile(path, path.with_name(path.name + ".1"))
+                    os.truncate(path, 0)
 
     async def _shutdown(
         self, state: SandboxState, reason: str | None, failure: dict[str, Any] | None = None
@@ -311,7 +331,9 @@ async def _serve(sock: socket.socket) -> int:
                 request = StartRequest.parse(item.header.get("args") or {})
                 break
     folder = SandboxDir(Path(request.folder))
-    handler = logging.FileHandler(folder.supervisor_log)
+    handler = logging.handlers.RotatingFileHandler(
+        folder.supervisor_log, maxBytes=LOG_MAX_BYTES, backupCount=1
+    )
     logging.basicConfig(
         level=logging.INFO,
         handlers=[handler],
@@ -338,6 +360,7 @@ def main() -> None:
     # Imported and ready before a sandbox is handed over: the VMM's version is cached.
     with contextlib.suppress(CryoboxError):
         backend().check_installed()
+    os.umask(0o077)  # every file this process or its VM writes: 0600, folders 0700
     sock = socket.socket(fileno=int(args[1]))
     sys.exit(asyncio.run(_serve(sock)))
 

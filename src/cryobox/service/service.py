@@ -46,6 +46,8 @@ from cryobox.models import (
     SnapshotInfo,
     TemplateInfo,
 )
+from cryobox.network.namespace import check_can_isolate
+from cryobox.network.policy import INTERNET, parse_policy
 from cryobox.sandbox import registry
 from cryobox.sandbox.control import TIMEOUTS, ControlOp, TakeSnapshot
 from cryobox.sandbox.launcher import Launcher
@@ -118,6 +120,7 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         forked_from=spec.forked_from,
         vmm_pid=record.qemu_pid if record.state is SandboxState.RUNNING else None,
         ram_file_bytes=ram,
+        network=spec.network,
     )
 
 
@@ -153,7 +156,11 @@ class SandboxService:
         :raises QemuError: when the VMM is missing, fails to start or the guest never answers.
         """
         validate(request)
+        # Host names in rules are resolved once, here (the guest's DNS may differ later).
+        policy = await asyncio.to_thread(parse_policy, request.network or INTERNET)
         self.vmm.check_installed()  # fail early and clearly
+        if self.vmm.isolates_network:
+            check_can_isolate()
         image = await asyncio.to_thread(self.vmm.ensure_image, progress)
         source: Manifest | None = None
         if request.from_snapshot is not None:
@@ -184,6 +191,7 @@ class SandboxService:
             restore_from=source.id if source else None,
             forked_from=forked_from,
             fork_index=fork_index,
+            network=policy.to_json(),
         )
         folder = SandboxDir.for_id(spec.id)
         folder.write_spec(spec)
@@ -326,7 +334,11 @@ class SandboxService:
         async def one(index: int) -> SandboxInfo:
             async with gate:
                 return await self.create(
-                    CreateRequest(from_snapshot=saved.id, timeout=timeout or spec.timeout),
+                    CreateRequest(
+                        from_snapshot=saved.id,
+                        timeout=timeout or spec.timeout,
+                        network=spec.network,
+                    ),
                     forked_from=sandbox_id,
                     fork_index=index,
                 )

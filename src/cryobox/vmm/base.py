@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from cryobox.errors import CryoboxError
 from cryobox.image.build import Image
+from cryobox.network.policy import NetworkPolicy
 
 Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class PortForward:
-    """A TCP port of the guest reachable on 127.0.0.1:host_port."""
+    """A TCP port of the guest reachable on the host's 127.0.0.1:host_port.
+
+    In an isolated network the VMM forwards ``127.0.0.1:guest_port`` of the sandbox's
+    namespace to the guest, and the supervisor joins the host port to it.
+    """
 
     guest_port: int
     host_port: int
@@ -46,6 +51,9 @@ class MachineSpec:
     memory_shared: bool = True
     #: Wait for saved device state (a restore) instead of booting.
     incoming: bool = False
+    #: What the guest may reach; enforced when ``isolated`` (a namespace of its own).
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)
+    isolated: bool = False
 
 
 class Vm(Protocol):
@@ -92,6 +100,8 @@ class Vmm(Protocol):
     """A virtual machine monitor backend."""
 
     name: str
+    #: Whether its machines run in a network namespace of their own (policy enforced).
+    isolates_network: bool
 
     def check_installed(self) -> None:
         """:raises QemuNotInstalled: (or the backend's own) when it cannot run here."""

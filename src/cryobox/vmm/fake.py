@@ -152,6 +152,8 @@ class FakeVmm:
     """The :class:`~cryobox.vmm.Vmm` Protocol without QEMU."""
 
     name = "fake"
+    #: A fake machine is a host process: there is no guest network to isolate.
+    isolates_network = False
 
     def check_installed(self) -> None:
         return None

@@ -1,0 +1,86 @@
+"""Host ports forwarded into a sandbox's namespace.
+
+QEMU forwards ``127.0.0.1:G`` inside the sandbox's namespace to guest port ``G``; the
+supervisor listens on the host's ``127.0.0.1:H`` and joins each connection to a new
+connection made inside that namespace. So a forwarded port is reachable from the host
+and from nowhere else, and no sandbox can reach another's (they live in other
+namespaces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from cryobox.network.namespace import connect_inside
+
+log = logging.getLogger("cryobox.supervisor")
+CHUNK = 64 * 1024
+
+
+class PortForwarder:
+    """Listens on host ports; one per sandbox, owned by its supervisor."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._servers: dict[int, asyncio.Server] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def forward(self, host_port: int, inner_port: int) -> None:
+        """Serve ``127.0.0.1:host_port`` on the host, joined to ``inner_port`` inside.
+
+        :raises OSError: when the host port cannot be bound.
+        """
+        if host_port in self._servers:
+            return
+
+        async def joined(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._tasks.add(task)
+            try:
+                await self._join(reader, writer, inner_port)
+            finally:
+                self._tasks.discard(task)
+
+        server = await asyncio.start_server(joined, "127.0.0.1", host_port, reuse_address=True)
+        self._servers[host_port] = server
+
+    async def _join(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inner_port: int
+    ) -> None:
+        try:
+            sock = await asyncio.to_thread(connect_inside, self.pid, inner_port)
+            inner_reader, inner_writer = await asyncio.open_connection(sock=sock)
+        except OSError as exc:
+            log.info("forward to port %d refused: %s", inner_port, exc)
+            writer.close()
+            return
+        try:
+            await asyncio.gather(_pump(reader, inner_writer), _pump(inner_reader, writer))
+        finally:
+            for w in (writer, inner_writer):
+                w.close()
+
+    async def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+        self._servers.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy until end-of-file, with backpressure (drain), then half-close."""
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError):
+        writer.close()

@@ -1,0 +1,297 @@
+"""A network namespace per VM process: how a sandbox's policy is enforced.
+
+Why a namespace: QEMU's user-mode network (slirp) opens ordinary sockets for the guest
+and maps the guest's gateway address to the loopback of whatever namespace it runs in.
+Run in the host's namespace, a guest reaches every service on the host's 127.0.0.1
+and every other sandbox's forwarded port. Run in a namespace of its own, that
+loopback is empty, and the only way out is the one this module builds:
+
+- ``"none"``: no way out at all (the namespace has only its loopback);
+- ``"internet"`` and lists of rules: a veth pair, the sandbox's end in the namespace
+  with a default route, the host's end routed and masqueraded by the host. One nftables
+  table on the host, ``ip cryobox``, drops everything from sandbox links to the host
+  itself (all its addresses), to other sandbox links and to link-local addresses
+  (cloud metadata services); replies to the host's own connections pass. A list of
+  rules becomes an nftables output filter inside the sandbox's namespace, where
+  slirp's sockets are opened.
+
+The namespace is made by QEMU's own process before it executes (``unshare``), so it
+ends with QEMU: a supervisor killed with -9 leaves no namespace and no link behind
+(the veth pair is deleted with the namespace). Each link's name is its lock: creating
+``cbxN`` fails if another sandbox holds N.
+
+This is the mechanism E2B's and Firecracker's orchestrators use (a namespace per
+microVM with a veth pair and host NAT), rather than Debian's ``passt`` with
+``--no-map-gw``, which still lets the guest reach the host's other addresses and has
+no filter for allow-lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import ipaddress
+import os
+import random
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryobox.errors import NetworkError
+from cryobox.network.policy import ALLOW, NONE, NetworkPolicy
+
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+LINK_PREFIX = "cbx"
+#: The addresses of sandbox links: a /30 per sandbox (host end .1, sandbox end .2).
+SUBNET = ipaddress.IPv4Network(os.environ.get("CRYOBOX_SANDBOX_SUBNET", "10.213.0.0/16"))
+#: Link-local addresses (cloud metadata services) are never reachable from a sandbox.
+LINK_LOCAL = "169.254.0.0/16"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def isolation_enabled() -> bool:
+    """False only when the operator turned isolation off (``CRYOBOX_NETWORK_ISOLATION=off``)."""
+    return os.environ.get("CRYOBOX_NETWORK_ISOLATION", "on") != "off"
+
+
+def check_can_isolate() -> None:
+    """:raises NetworkError: when this process may not make namespaces and links."""
+    if isolation_enabled() and os.geteuid() != 0:
+        raise NetworkError(
+            "network isolation needs root (namespaces, veth links, nftables); run cryobox "
+            "as root, or set CRYOBOX_NETWORK_ISOLATION=off to accept an unrestricted "
+            "user-mode network that reaches the host's loopback"
+        )
+
+
+def isolate_this_process() -> None:
+    """In the VM's child process before exec: a namespace of its own, loopback up.
+
+    Ports below 1024 become bindable by the unprivileged user QEMU turns into, so that
+    forwards to guest ports like 80 work inside the namespace (and nowhere else).
+    """
+    if _libc.unshare(CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+    Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").write_text("0")
+
+
+def namespace_path(pid: int) -> str:
+    return f"/proc/{pid}/ns/net"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A sandbox's way out: the host end's name and both ends' addresses."""
+
+    name: str
+    host_address: str
+    sandbox_address: str
+
+
+HOST_RULES = f"""
+table ip cryobox
+delete table ip cryobox
+table ip cryobox {{
+    chain input {{
+        type filter hook input priority filter - 10; policy accept;
+        iifname "{LINK_PREFIX}*" ct state established,related accept
+        iifname "{LINK_PREFIX}*" reject
+    }}
+    chain forward {{
+        type filter hook forward priority filter - 10; policy accept;
+        iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*" reject
+        iifname "{LINK_PREFIX}*" ip daddr {LINK_LOCAL} reject
+        iifname "{LINK_PREFIX}*" accept
+        oifname "{LINK_PREFIX}*" ct state established,related accept
+        oifname "{LINK_PREFIX}*" drop
+    }}
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        ip saddr {SUBNET} oifname != "{LINK_PREFIX}*" masquerade
+    }}
+}}
+"""
+
+_host_ready: asyncio.Lock | None = None
+_host_done = False
+
+
+async def _run(argv: list[str], stdin: str = "") -> None:
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except FileNotFoundError as exc:
+        raise NetworkError(
+            f"{argv[0]} not found: install Debian's iproute2, nftables and util-linux "
+            "(`make setup` does)"
+        ) from exc
+    _, err = await process.communicate(stdin.encode())
+    if process.returncode != 0:
+        raise NetworkError(f"{' '.join(argv)} failed: {err.decode(errors='replace').strip()}")
+
+
+async def ensure_host_rules() -> None:
+    """Forwarding on and the host's ``cryobox`` nftables table in place (once per process;
+    replacing the table is one atomic transaction, so concurrent supervisors agree)."""
+    global _host_ready, _host_done
+    if _host_done:
+        return
+    _host_ready = _host_ready or asyncio.Lock()
+    async with _host_ready:
+        if _host_done:
+            return
+        forwarding = Path("/proc/sys/net/ipv4/ip_forward")
+        if forwarding.read_text().strip() != "1":
+            forwarding.write_text("1")
+        await _run(["nft", "-f", "-"], HOST_RULES)
+        _host_done = True
+
+
+def _sandbox_rules(policy: NetworkPolicy) -> str:
+    """An output filter inside the namespace: only the listed destinations (and DNS to
+    the host's resolvers, which slirp's 10.0.2.3 relays to) get out."""
+    lines = [
+        "oifname lo accept",
+        "ct state established,related accept",
+    ]
+    for resolver in _resolvers():
+        lines += [
+            f"ip daddr {resolver} udp dport 53 accept",
+            f"ip daddr {resolver} tcp dport 53 accept",
+        ]
+    for rule in policy.rules:
+        if rule.port is None:
+            lines.append(f"ip daddr {rule.network} accept")
+        else:
+            lines += [
+                f"ip daddr {rule.network} tcp dport {rule.port} accept",
+                f"ip daddr {rule.network} udp dport {rule.port} accept",
+            ]
+    lines.append("reject")
+    body = "\n        ".join(lines)
+    return f"""
+table ip sandbox {{
+    chain output {{
+        type filter hook output priority filter; policy drop;
+        {body}
+    }}
+}}
+"""
+
+
+def _resolvers() -> list[str]:
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/resolv.conf").read_text().splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] == "nameserver":
+                with contextlib.suppress(ValueError):
+                    if ipaddress.ip_address(words[1]).version == 4:
+                        found.append(words[1])
+    return found
+
+
+async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
+    """Give the namespace of process ``pid`` its way out, as ``policy`` allows.
+
+    :raises NetworkError: when the link or the rules cannot be made; the caller ends
+        the VM (which removes whatever was made with its namespace).
+    """
+    if policy.mode == NONE:
+        return None
+    await ensure_host_rules()
+    link = await _new_link(pid)
+    prefix = 30
+    await _run(
+        ["ip", "-batch", "-"],
+        f"addr add {link.host_address}/{prefix} dev {link.name}\nlink set {link.name} up\n",
+    )
+    enter = ["nsenter", f"--net={namespace_path(pid)}", "--"]
+    await _run(
+        [*enter, "ip", "-batch", "-"],
+        f"addr add {link.sandbox_address}/{prefix} dev eth0\nlink set eth0 up\n"
+        f"route add default via {link.host_address}\n",
+    )
+    if policy.mode == ALLOW:
+        await _run([*enter, "nft", "-f", "-"], _sandbox_rules(policy))
+    return link
+
+
+async def _new_link(pid: int) -> Link:
+    """A veth pair whose host end ``cbxN`` is free; N picks the sandbox's /30."""
+    slots = SUBNET.num_addresses // 4
+    first = random.randrange(slots)
+    for attempt in range(min(slots, 64)):
+        slot = (first + attempt) % slots
+        name = f"{LINK_PREFIX}{slot}"
+        base = SUBNET.network_address + 4 * slot
+        try:
+            await _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    name,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    str(pid),
+                ]
+            )
+        except NetworkError as exc:
+            if "exists" in str(exc):
+                continue
+            raise
+        return Link(name, str(base + 1), str(base + 2))
+    raise NetworkError(f"no free sandbox link in {SUBNET} after 64 tries")
+
+
+def connect_inside(pid: int, port: int, timeout: float = 10.0) -> socket.socket:
+    """A TCP connection to ``127.0.0.1:port`` inside process ``pid``'s namespace
+    (blocking: run it in a thread; the namespace switch affects this thread only)."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(namespace_path(pid), os.O_RDONLY)
+        try:
+            _setns(target)
+            try:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            finally:
+                _setns(own)
+        finally:
+            os.close(target)
+    finally:
+        os.close(own)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")

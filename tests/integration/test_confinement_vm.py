@@ -1,0 +1,57 @@
+"""QEMU runs confined, and nothing cryobox writes is readable by other local users."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cryobox import Sandbox, config
+
+pytestmark = pytest.mark.vm
+
+
+def status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="-runas applies when cryobox runs as root")
+def test_qemu_runs_unprivileged_under_seccomp_with_no_capabilities(
+    sandbox_factory: Callable[..., Any],
+) -> None:
+    sbx = sandbox_factory(timeout=600)
+    pid = sbx.info().vmm_pid
+    assert pid
+    fields = status(pid)
+    assert fields["Seccomp"] == "2"  # a filter is installed
+    assert fields["NoNewPrivs"] == "1"
+    assert int(fields["CapEff"], 16) == 0 and int(fields["CapPrm"], 16) == 0
+    assert all(uid != "0" for uid in fields["Uid"].split())  # real, effective, saved, fs
+    assert all(gid != "0" for gid in fields["Gid"].split())
+    # ...and it cannot write outside what it was handed: not even its own folder
+    assert not os.access(config.sandboxes_dir(), os.W_OK) or os.geteuid() == 0
+    assert Path(f"/proc/{pid}/ns/net").resolve() != Path("/proc/self/ns/net").resolve()
+
+
+def test_every_file_is_private_to_its_owner(sandbox_factory: Callable[..., Any]) -> None:
+    sbx = sandbox_factory(timeout=600)
+    sbx.files.write("/root/secret", "hunter2")
+    sbx.checkpoint()
+    sbx.snapshot("modes-test")
+    sbx.pause()
+    resumed = Sandbox.resume(sbx.id)
+    assert resumed.commands.run("cat /root/secret").stdout == "hunter2"
+    state = config.state_dir()
+    checked = 0
+    for path in [state, *state.rglob("*")]:
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            continue
+        checked += 1
+        assert mode & 0o077 == 0, f"{path} is {stat.filemode(mode)}"
+    assert checked > 20

@@ -1,0 +1,159 @@
+"""A guest is hostile: it reaches nothing of the host, nor other sandboxes, and only
+what its network policy allows (real VMs, real namespaces and nftables).
+
+"The internet" here is a test host of our own: a network namespace with a web server
+on 203.0.113.2 (TEST-NET-3), routed from the host like any outside address. Host
+services are on the host's loopback and on its address toward that test host. No test
+aims at any address outside this machine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from cryobox import Sandbox
+
+pytestmark = pytest.mark.vm
+
+TEST_NS = "cryobox-test-outside"
+OUTSIDE = "203.0.113.2"
+HOST_SIDE = "203.0.113.1"
+
+PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), 4).close()
+    print("open")
+except OSError as exc:
+    print("closed", type(exc).__name__)
+"""
+
+
+def reach(sbx: Sandbox, host: str, port: int) -> bool:
+    """Whether a TCP connection from the guest to ``host:port`` succeeds."""
+    result = sbx.commands.run(["python3", "-c", PROBE, host, str(port)], timeout=30)
+    assert result.stdout.startswith(("open", "closed")), result
+    return result.stdout.startswith("open")
+
+
+def _server(port: int, bind: str, netns: str | None = None) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", bind]
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    return server
+
+
+@pytest.fixture(scope="module")
+def outside() -> Iterator[None]:
+    """The test host "outside": web servers on 203.0.113.2:8080 and :8081."""
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    subprocess.run(["ip", "netns", "del", TEST_NS], capture_output=True, check=False)
+    ip("netns", "add", TEST_NS)
+    ip("link", "add", "cbtest0", "type", "veth", "peer", "name", "eth0", "netns", TEST_NS)
+    ip("addr", "add", f"{HOST_SIDE}/24", "dev", "cbtest0")
+    ip("link", "set", "cbtest0", "up")
+    for cmd in (
+        f"addr add {OUTSIDE}/24 dev eth0",
+        "link set eth0 up",
+        "link set lo up",
+        f"route add default via {HOST_SIDE}",
+    ):
+        ip("-n", TEST_NS, *cmd.split())
+    servers = [_server(8080, OUTSIDE, TEST_NS), _server(8081, OUTSIDE, TEST_NS)]
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "netns", "del", TEST_NS], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def host_services(outside: None) -> Iterator[dict[str, int]]:
+    """Web servers on the host's loopback and on its address toward the test host."""
+    ports = {"loopback": 18777, "host_address": 18778}
+    servers = [_server(18777, "127.0.0.1"), _server(18778, HOST_SIDE)]
+    yield ports
+    for server in servers:
+        server.kill()
+        server.wait()
+
+
+def test_guest_reaches_neither_host_nor_other_sandboxes(
+    sandbox_factory: Callable[..., Any], outside: None, host_services: dict[str, int]
+) -> None:
+    other = sandbox_factory(timeout=600)
+    other.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    other_port = other.expose_port(8000)
+    deadline = time.time() + 30
+    while True:  # the forward from the host into a guest works
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{other_port}/", timeout=5) as r:
+                assert r.status == 200
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+
+    sbx = sandbox_factory(timeout=600)
+    assert not reach(sbx, "10.0.2.2", host_services["loopback"])  # host loopback
+    assert not reach(sbx, "10.0.2.2", other_port)  # another sandbox's forwarded port
+    assert not reach(sbx, HOST_SIDE, host_services["host_address"])  # a host address
+    assert reach(sbx, OUTSIDE, 8080)  # ...while the outside is reachable
+    # the host itself reaches both services (so the refusals above are the policy's)
+    for host, port in (("127.0.0.1", 18777), (HOST_SIDE, 18778)):
+        with urllib.request.urlopen(f"http://{host}:{port}/", timeout=5) as r:
+            assert r.status == 200
+
+
+def test_network_none_and_allow_lists(sandbox_factory: Callable[..., Any], outside: None) -> None:
+    closed = sandbox_factory(timeout=600, network="none")
+    assert not reach(closed, OUTSIDE, 8080)
+    closed.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    port = closed.expose_port(8000)
+    deadline = time.time() + 30
+    while True:  # forwarded ports still work with network="none"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
+                assert r.status == 200
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+
+    listed = sandbox_factory(timeout=600, network=[f"{OUTSIDE}:8080"])
+    assert listed.info().network == [f"{OUTSIDE}/32:8080"]
+    assert reach(listed, OUTSIDE, 8080)
+    assert not reach(listed, OUTSIDE, 8081)  # same host, a port not listed
+
+    forks = listed.fork(1)
+    try:  # a fork keeps its parent's policy, in a namespace of its own
+        assert forks[0].info().network == [f"{OUTSIDE}/32:8080"]
+        assert reach(forks[0], OUTSIDE, 8080)
+        assert not reach(forks[0], OUTSIDE, 8081)
+    finally:
+        for fork in forks:
+            fork.kill()
+
+
+def test_bad_network_argument_is_refused_naming_it() -> None:
+    from cryobox.errors import InvalidArgument
+
+    for bad in ("everything", ["10.0.0.0/8:99999"], [""], ["::1"], [42]):
+        with pytest.raises(InvalidArgument, match="network"):
+            Sandbox.create(network=bad)  # type: ignore[arg-type]
