@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+from cryobox.errors import CryoboxError
+from cryobox.sandbox import registry
 
 pytestmark = pytest.mark.vm
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -45,3 +52,100 @@ def test_full_state_file_system_refuses_saves_and_keeps_the_sandbox_running() ->
     assert seen["state"] == "running"
     assert seen["checkpoint_after_room"] == "memory"
     assert seen["after_all"] == "kept"
+
+
+PAUSE_STEPS = ("stopped", "state-saved", "hashed", "moved")
+
+
+@pytest.fixture(scope="module")
+def default_template() -> None:
+    """The default template built before any supervisor is told to crash (its build
+    takes a snapshot, which passes the same steps)."""
+    from cryobox import Sandbox
+
+    Sandbox.create(timeout=60).kill()
+
+
+def _supervisor_killed_during_pause(step: str) -> str:
+    """Create, start a process, pause with the supervisor dying at ``step``; return id."""
+    from cryobox import Sandbox
+    from cryobox.service import discard_spare
+
+    os.environ["CRYOBOX_TEST_CRASH_AT"] = step
+    discard_spare()  # the next supervisor reads the variable
+    try:
+        sbx = Sandbox.create(timeout=600)
+        sbx.commands.run("echo before > /root/mark && nohup sleep 4242 >/dev/null 2>&1 &")
+        with pytest.raises(CryoboxError):
+            sbx.pause()
+        return sbx.id
+    finally:
+        del os.environ["CRYOBOX_TEST_CRASH_AT"]
+        discard_spare()
+
+
+@pytest.mark.parametrize("step", PAUSE_STEPS)
+def test_supervisor_killed_at_each_step_of_a_pause_loses_nothing(
+    step: str, default_template: None
+) -> None:
+    from cryobox import Sandbox
+
+    sandbox_id = _supervisor_killed_during_pause(step)
+    try:
+        state = Sandbox.connect(sandbox_id).info().state
+        # Before the VM ended, a new supervisor adopts it running; after, the pause completes.
+        assert state == ("paused" if step == "moved" else "running")
+        sbx = Sandbox.resume(sandbox_id) if state == "paused" else Sandbox.connect(sandbox_id)
+        assert sbx.commands.run("cat /root/mark").stdout == "before\n"
+        assert sbx.commands.run("pgrep -x sleep").exit_code == 0  # still running
+        sbx.pause()  # and it goes on working: a clean pause and resume
+        again = Sandbox.resume(sandbox_id)
+        assert again.commands.run("pgrep -x sleep").exit_code == 0
+    finally:
+        with contextlib.suppress(CryoboxError):
+            Sandbox.connect(sandbox_id).kill()
+
+
+def test_supervisor_killed_while_running_is_replaced_and_the_guest_goes_on(
+    default_template: None,
+) -> None:
+    from cryobox import Sandbox
+
+    sbx = Sandbox.create(timeout=600, ports=[8000])
+    try:
+        sbx.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+        info = sbx.info()
+        url = f"http://127.0.0.1:{info.ports[8000]}/"
+        assert _get(url) == 200
+        record = registry.find(sbx.id).record()
+        assert record.supervisor_pid
+        os.kill(record.supervisor_pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert Path(f"/proc/{info.vmm_pid}").exists()  # QEMU outlives its supervisor
+
+        again = Sandbox.connect(sbx.id)
+        assert again.commands.run("echo adopted").stdout == "adopted\n"
+        adopted = registry.find(sbx.id).record()
+        assert adopted.supervisor_pid not in (None, record.supervisor_pid)
+        assert adopted.qemu_pid == info.vmm_pid  # the same VM, not a restart
+        assert adopted.deadline == record.deadline  # its timeout is kept
+        assert _get(url) == 200  # the forwarded port is back
+    finally:
+        Sandbox.connect(sbx.id).kill()
+    assert (
+        not Path(f"/proc/{info.vmm_pid}").exists()
+        or b"cryobox" not in Path(f"/proc/{info.vmm_pid}/cmdline").read_bytes()
+    )
+
+
+def _get(url: str) -> int:
+    """The status of a GET, retried for 30 s while the server in the guest starts."""
+    deadline = time.time() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                return int(reply.status)
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import os
 import pwd
@@ -22,7 +21,6 @@ from cryobox.qemu.command import build_command, hostfwd
 from cryobox.vmm.base import MachineSpec, PortForward
 
 BINARY = "qemu-system-x86_64"
-PR_SET_PDEATHSIG = 1
 
 
 def qemu_binary() -> str:
@@ -72,15 +70,40 @@ def vm_user() -> str | None:
     return VM_USER
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL QEMU if the process that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def _isolated_child() -> None:
-    _die_with_parent()
     isolate_this_process()
+
+
+class _Adopted:
+    """A QEMU that another supervisor started (and died): waited on through a pidfd,
+    since only a parent can reap it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._fd = os.pidfd_open(pid)
+        self._ended: asyncio.Future[None] | None = None
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            loop = asyncio.get_running_loop()
+            if self._ended is None:
+                ended = self._ended = loop.create_future()
+
+                def exited() -> None:
+                    if not ended.done():
+                        ended.set_result(None)
+
+                loop.add_reader(self._fd, exited)
+            await asyncio.shield(self._ended)
+            if self.returncode is None:
+                loop.remove_reader(self._fd)
+                os.close(self._fd)
+                self.returncode = -1  # not our child: its exit code is not ours to read
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
 
 
 class QemuProcess:
@@ -94,7 +117,7 @@ class QemuProcess:
         self.spec = spec
         self.stderr_path = stderr_path
         self.command = build_command(binary or qemu_binary(), spec, vm_user())
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: asyncio.subprocess.Process | _Adopted | None = None
         self._qmp: QMPClient | None = None
         self.link: Link | None = None
 
@@ -131,7 +154,9 @@ class QemuProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
-                preexec_fn=_isolated_child if self.spec.isolated else _die_with_parent,
+                # No parent-death signal: a supervisor killed with -9 leaves its VM
+                # running for a new supervisor to adopt (see adopt()).
+                preexec_fn=_isolated_child if self.spec.isolated else None,
             )
         try:
             if self.spec.isolated:
@@ -143,6 +168,22 @@ class QemuProcess:
         except BaseException:
             await self.kill()
             raise
+
+    async def adopt(self, pid: int, timeout: float = 30.0) -> None:
+        """Take over a running QEMU whose supervisor died: connect to its monitor.
+
+        :raises QemuError: when it exits or its monitor does not answer in time.
+        """
+        try:
+            self._process = _Adopted(pid)
+        except OSError as exc:
+            raise self.error(f"cannot adopt QEMU {pid}: {exc.strerror}") from exc
+        try:
+            await asyncio.wait_for(self._connect_qmp(), timeout)
+        except TimeoutError:
+            raise self.error(
+                f"QEMU {pid}'s monitor did not answer within {timeout:.0f} s"
+            ) from None
 
     async def _connect_qmp(self) -> None:
         assert self._process is not None

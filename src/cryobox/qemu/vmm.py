@@ -76,6 +76,11 @@ class QemuVmm:
                 "qemu-img failed", command=argv, exitcode=done.returncode, stderr=done.stderr
             )
 
+    async def adopt(self, spec: MachineSpec, pid: int, stderr_path: Path) -> QemuProcess:
+        process = QemuProcess(spec, stderr_path)
+        await process.adopt(pid)
+        return process
+
     async def start(self, spec: MachineSpec, stderr_path: Path) -> QemuProcess:
         process = QemuProcess(spec, stderr_path)
         await process.start()

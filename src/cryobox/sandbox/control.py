@@ -117,13 +117,23 @@ class StartRequest:
 
     folder: str
     resume: bool
+    #: Take over the sandbox's running VM, whose supervisor died.
+    adopt: bool = False
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> StartRequest:
         folder, resume = args.get("folder"), args.get("resume", False)
-        if not isinstance(folder, str) or not folder or not isinstance(resume, bool):
-            raise InvalidArgument(f"{ControlOp.START}: needs a folder and a boolean resume")
-        return cls(folder, resume)
+        adopt = args.get("adopt", False)
+        if (
+            not isinstance(folder, str)
+            or not folder
+            or not isinstance(resume, bool)
+            or not isinstance(adopt, bool)
+        ):
+            raise InvalidArgument(
+                f"{ControlOp.START}: needs a folder and booleans resume and adopt"
+            )
+        return cls(folder, resume, adopt)
 
     def to_args(self) -> dict[str, Any]:
-        return {"folder": self.folder, "resume": self.resume}
+        return {"folder": self.folder, "resume": self.resume, "adopt": self.adopt}

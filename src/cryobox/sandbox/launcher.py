@@ -92,7 +92,12 @@ class Launcher:
         _release(spare)
 
     async def start(
-        self, folder: SandboxDir, *, resume: bool, progress: Callable[[str], None] | None = None
+        self,
+        folder: SandboxDir,
+        *,
+        resume: bool,
+        adopt: bool = False,
+        progress: Callable[[str], None] | None = None,
     ) -> SandboxRecord:
         """Hand ``folder`` to a supervisor; return its record once the sandbox runs.
 
@@ -101,7 +106,7 @@ class Launcher:
         spare = self._take()
         try:
             outcome = await asyncio.wait_for(
-                self._converse(spare, StartRequest(str(folder.path), resume), progress),
+                self._converse(spare, StartRequest(str(folder.path), resume, adopt), progress),
                 TIMEOUTS[ControlOp.START],
             )
         except TimeoutError:

@@ -29,10 +29,12 @@ described before the VM is ended, so what remains after that is renames).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +47,7 @@ from cryobox.errors import (
     CryoboxError,
     InvalidArgument,
     NetworkError,
+    SandboxDead,
     SnapshotIncompatible,
     StorageError,
 )
@@ -53,7 +56,13 @@ from cryobox.guest.protocol import GuestOp
 from cryobox.network.forward import PortForwarder
 from cryobox.network.namespace import isolation_enabled
 from cryobox.network.policy import NetworkPolicy
-from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec, process_start
+from cryobox.sandbox.registry import (
+    SandboxDir,
+    SandboxRecord,
+    SandboxSpec,
+    process_alive,
+    process_start,
+)
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
@@ -218,6 +227,39 @@ class Machine:
             await self._restore(manifest, new_identity=True)
         self.update(origin=manifest.id)
 
+    async def adopt(self, supervisor_pid: int) -> None:
+        """Serve the running VM of a supervisor that died (killed with -9, crashed).
+
+        QEMU outlives its supervisor (as containerd's shim outlives containerd): this
+        connects to its monitor and guest agent again, lets a pause or snapshot that was
+        interrupted with the CPUs stopped go on running, listens on its forwarded ports
+        again, and keeps its deadline. Whatever fails, the VM is killed: nobody else
+        could serve it.
+
+        :raises SandboxDead: when its VM is gone too.
+        """
+        pid = self.record.qemu_pid
+        if not pid or not process_alive(pid, f"cryobox-{self.spec.id}"):
+            raise SandboxDead(self.spec.id, "its supervisor and its VM are gone")
+        self.update(supervisor_pid=supervisor_pid, supervisor_started=process_start(supervisor_pid))
+        forwards = tuple(PortForward(g, h) for g, h in self.record.ports.items())
+        try:
+            self.vm = await self.vmm.adopt(
+                self._machine_spec(False, forwards), pid, self.folder.qemu_stderr
+            )
+            await self.vm.continue_cpus()  # a save was cut short with the guest frozen
+            shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
+            await self._listen(forwards)
+            self.agent = await self._connect_agent(RESTORE_TIMEOUT)
+        except BaseException:
+            if self.vm is not None:
+                await self.stop_vm()
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise
+        log.info("adopted QEMU %d", pid)
+
     async def _cold_boot(self, chain: tuple[str, ...]) -> None:
         disk = self._new_layer(chain)
         memory = self.folder.memory_file
@@ -371,15 +413,21 @@ class Machine:
         self.vm = await self.vmm.start(
             self._machine_spec(incoming, forwards, kernel_args), self.folder.qemu_stderr
         )
-        if self.isolated:
-            self.forwarder = PortForwarder(self.vm.pid)
-            try:
-                for forward in forwards:
-                    await self.forwarder.forward(forward.host_port, forward.guest_port)
-            except OSError as exc:
-                await self.stop_vm()
-                raise NetworkError(f"cannot listen on a forwarded host port: {exc}") from exc
+        await self._listen(forwards)
         self.update(qemu_pid=self.vm.pid, ports={f.guest_port: f.host_port for f in forwards})
+
+    async def _listen(self, forwards: tuple[PortForward, ...]) -> None:
+        """Join the host ports to the VM's namespace (when it has one of its own)."""
+        assert self.vm is not None
+        if not self.isolated:
+            return
+        self.forwarder = PortForwarder(self.vm.pid)
+        try:
+            for forward in forwards:
+                await self.forwarder.forward(forward.host_port, forward.guest_port)
+        except OSError as exc:
+            await self.stop_vm()
+            raise NetworkError(f"cannot listen on a forwarded host port: {exc}") from exc
 
     async def _connect_agent(
         self, timeout: float, agent: AgentClient | None = None, probe: Probe | None = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -141,12 +143,21 @@ class SandboxDir:
         # A creator writes "creating" before its supervisor has a pid: allow it a moment.
         orphaned = record.supervisor_pid is not None or time.time() - record.updated_at > 30
         if orphaned and not supervisor_alive(record):
-            self._complete_pause()
+            vm_alive = process_alive(record.qemu_pid, f"cryobox-{self.id}")
+            if vm_alive and record.state is SandboxState.RUNNING:
+                return record  # its VM runs on: the next use adopts it (see needs_adoption)
+            if vm_alive:  # a start or resume cut short: nobody can finish it
+                kill_vm(record, self.id)
+            self._complete_pause(record)
             if (self.paused / "manifest.json").exists():
-                # The supervisor died after committing a pause: the pause stands.
-                return replace(
+                # The supervisor died after committing a pause: the pause stands (recorded
+                # here, so that a resume finds the state it needs).
+                paused = replace(
                     record, state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None
                 )
+                with contextlib.suppress(OSError, CryoboxError):
+                    self.write_record(paused)
+                return paused
             return replace(
                 record,
                 state=SandboxState.DEAD,
@@ -154,18 +165,30 @@ class SandboxDir:
             )
         return record
 
-    def _complete_pause(self) -> None:
-        """A supervisor that died after its pause had written everything (the VM was
-        ended, only renames were left): finish the pause, so the sandbox is not lost."""
+    def needs_adoption(self, record: SandboxRecord) -> bool:
+        """Whether the sandbox runs but its supervisor is gone (killed, crashed)."""
+        return record.state is SandboxState.RUNNING and not supervisor_alive(record)
+
+    def _complete_pause(self, record: SandboxRecord) -> None:
+        """Finish the pause of a supervisor that died after writing and hashing all of it
+        (its VM frozen, then ended): only renames were left, so the sandbox is not lost.
+
+        Called only once the VM is gone: while it runs, it is adopted instead.
+        """
         from cryobox.snapshot import manifest as mf
 
         temp = self.path / "paused.tmp"
         if not (temp / mf.PENDING_MANIFEST).exists() and not (temp / mf.MANIFEST).exists():
             return
-        disk = [p for p in self.path.glob("disk-*.qcow2")]
-        if disk:
-            return  # the disk layer was not moved yet: the VM was still using it
+        moves = []
+        if record.disk and (self.path / record.disk).exists():
+            moves.append((self.path / record.disk, temp / mf.DISK))
+        memory = self.path / (record.memory_file or "memory")
+        if record.memory_shared and memory.exists() and not (temp / mf.MEMORY).exists():
+            moves.append((memory, temp / mf.MEMORY))
         with contextlib.suppress(OSError, ValueError, CryoboxError):
+            for source, target in moves:
+                os.rename(source, target)
             mf.commit_pending(temp, self.paused)
 
     def write_record(self, record: SandboxRecord, *, check: bool = True) -> None:
@@ -188,6 +211,13 @@ def process_start(pid: int) -> int | None:
     except (OSError, IndexError):
         return None
     return None if fields[0] == "Z" else int(fields[19])
+
+
+def kill_vm(record: SandboxRecord, sandbox_id: str) -> None:
+    """SIGKILL the sandbox's VM process if it still runs (and is that sandbox's)."""
+    if record.qemu_pid and process_alive(record.qemu_pid, f"cryobox-{sandbox_id}"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.qemu_pid, signal.SIGKILL)
 
 
 def supervisor_alive(record: SandboxRecord) -> bool:

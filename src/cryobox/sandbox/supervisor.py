@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import logging.handlers
 import os
@@ -38,6 +39,7 @@ from cryobox.errors import (
     CryoboxError,
     GuestError,
     InvalidArgument,
+    SandboxDead,
     StorageError,
     error_detail,
 )
@@ -115,7 +117,9 @@ class Supervisor:
 
     # -- life
 
-    async def run(self, resume: bool, report: ClientConnection | None = None) -> int:
+    async def run(
+        self, resume: bool, report: ClientConnection | None = None, *, adopt: bool = False
+    ) -> int:
         """Start (or resume) the sandbox, serve it until it ends; 0 unless the start failed.
 
         ``report`` receives the start's outcome: the state record, or the error.
@@ -124,7 +128,9 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop, SandboxState.KILLED, f"signal {sig.name}")
         try:
-            if resume:
+            if adopt:
+                await self.machine.adopt(os.getpid())
+            elif resume:
                 await self.machine.resume(os.getpid())
             else:
                 await self.machine.start(os.getpid())
@@ -331,6 +337,18 @@ async def _serve(sock: socket.socket) -> int:
                 request = StartRequest.parse(item.header.get("args") or {})
                 break
     folder = SandboxDir(Path(request.folder))
+    # Two processes may find the same orphaned VM at once: the first adopter holds this
+    # lock for its life, a second one finds it taken and leaves.
+    lock = os.open(folder.path / "adopt.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if request.adopt:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        ClientConnection(writer).send(
+            error_reply(0, SandboxDead(folder.id, "another supervisor serves it"), "start")
+        )
+        await writer.drain()
+        return 1
     handler = logging.handlers.RotatingFileHandler(
         folder.supervisor_log, maxBytes=LOG_MAX_BYTES, backupCount=1
     )
@@ -348,7 +366,7 @@ async def _serve(sock: socket.socket) -> int:
         report.send(error_reply(0, exc, "start"))
         await writer.drain()
         return 1
-    code = await supervisor.run(request.resume, report)
+    code = await supervisor.run(request.resume, report, adopt=request.adopt)
     writer.close()
     return code
 

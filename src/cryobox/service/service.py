@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -621,9 +622,24 @@ class SandboxService:
         if channel is None or channel.closed:
             folder = registry.find(sandbox_id)
             self._require_running(sandbox_id, "use")
+            if folder.needs_adoption(folder.record()):
+                await self._adopt(folder)
             channel = await AgentClient.connect(folder.control_socket)
             self._channels[sandbox_id] = channel
         return channel
+
+    async def _adopt(self, folder: SandboxDir) -> None:
+        """Start a supervisor for a running VM whose supervisor died.
+
+        :raises SandboxDead: when its VM cannot be taken over (it is then killed).
+        """
+        try:
+            await self.launcher.start(folder, resume=False, adopt=True)
+        except CryoboxError:
+            record = folder.record()
+            if record.state is SandboxState.RUNNING and registry.supervisor_alive(record):
+                return  # another process adopted it at the same moment
+            raise
 
     async def _control(
         self, sandbox_id: str, op: ControlOp, args: dict[str, Any] | None = None
@@ -674,6 +690,11 @@ def _collector(into: bytearray) -> OutputSink:
 
 
 def _remove(folder: SandboxDir) -> None:
+    """Remove a sandbox's folder, and its VM first if a failed start left one running."""
+    with contextlib.suppress(OSError, ValueError):
+        registry.kill_vm(
+            SandboxRecord.from_json(json.loads(folder.state_file.read_text())), folder.id
+        )
     shutil.rmtree(folder.path, ignore_errors=True)
 
 

@@ -128,3 +128,10 @@ class Vmm(Protocol):
     async def start(self, spec: MachineSpec, stderr_path: Path) -> Vm:
         """Start the machine (booting, or waiting for state when ``spec.incoming``)."""
         ...
+
+    async def adopt(self, spec: MachineSpec, pid: int, stderr_path: Path) -> Vm:
+        """Take over the running machine process ``pid`` whose supervisor died.
+
+        :raises CryoboxError: when it cannot be taken over (it is then killed by the caller).
+        """
+        ...

@@ -181,6 +181,9 @@ class FakeVmm:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         path.write_bytes(b"fake layer over " + str(backing).encode())
 
+    async def adopt(self, spec: MachineSpec, pid: int, stderr_path: Path) -> FakeVm:
+        raise QemuError("a fake machine's agent lives in its supervisor: it cannot be adopted")
+
     async def start(self, spec: MachineSpec, stderr_path: Path) -> FakeVm:
         if failing("start"):
             raise QemuError("fake machine failed to start", command=["fake-vm"], exitcode=1)
