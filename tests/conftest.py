@@ -16,6 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# hypothesis is imported here, early: imported first by its own pytest plugin at the end
+# of a run where no test used it, CPython 3.11.7's parser fails with "AST constructor
+# recursion depth mismatch" (a CPython bug, fixed in later 3.11 releases).
+import hypothesis  # noqa: F401
 import pytest
 
 _STATE = Path(tempfile.mkdtemp(prefix="cbx-"))

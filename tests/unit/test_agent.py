@@ -157,7 +157,9 @@ async def test_agent_answers_garbage_with_an_error_and_keeps_serving() -> None:
     got: list[p.Frame | p.FrameError] = []
     while not any(isinstance(f, p.Frame) and f.id == 1 for f in got):
         got += decoder.feed(await asyncio.wait_for(reader.read(65536), 5))
-    answers = [f for f in got if isinstance(f, p.Frame)]
+    frames = [f for f in got if isinstance(f, p.Frame)]
+    assert frames[0].header == {"id": None, "event": "hello", "pid": os.getpid()}  # at start
+    answers = frames[1:]
     assert answers[0].header["error"]["kind"] == p.BAD_FRAME
     assert answers[-1].header["ok"] is True
     writer.close()

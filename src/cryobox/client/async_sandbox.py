@@ -86,12 +86,12 @@ class AsyncCommandHandle:
         result = await self._session.wait()
         out, err = bytes(self._output["stdout"]), bytes(self._output["stderr"])
         return CommandResult(
-            exit_code=int(result["exit_code"]),
+            exit_code=result["exit_code"],
             stdout=out.decode(errors="replace"),
             stderr=err.decode(errors="replace"),
-            pid=int(result.get("pid", self.pid)),
+            pid=result["pid"] or self.pid,
             signal=result.get("signal"),
-            timed_out=bool(result.get("timed_out")),
+            timed_out=result["timed_out"],
             stdout_bytes=out,
             stderr_bytes=err,
         )

@@ -192,6 +192,9 @@ class Channel:
         self._connected = threading.Event()
         threading.Thread(target=self._read_loop, name="port-reader", daemon=True).start()
         threading.Thread(target=self._write_loop, name="port-writer", daemon=True).start()
+        # Said at every start: a host that is connected learns that the agent restarted
+        # (and that its requests in flight are lost) by the new pid.
+        self.send({"id": None, "event": "hello", "pid": os.getpid()})
 
     def send(
         self, header: dict[str, Any], payload: bytes = b"", *, droppable: bool = False
@@ -260,6 +263,8 @@ class RunningCommand:
         self._loop = asyncio.get_running_loop()
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._open: set[int] = set()
+        self._outputs: dict[int, str] = {}
+        self._paused = False
 
     def watch(self) -> asyncio.Future[None]:
         """A future that resolves once the child exited and both pipes reached end-of-file."""
@@ -268,11 +273,27 @@ class RunningCommand:
             fd = stream.fileno()
             os.set_blocking(fd, False)
             self._open.add(fd)
+            self._outputs[fd] = name
             self._loop.add_reader(fd, self._on_output, fd, name)
         pidfd = os.pidfd_open(self._proc.pid)
         self._open.add(pidfd)
         self._loop.add_reader(pidfd, self._on_exit, pidfd)
         return self._done
+
+    def pause(self) -> None:
+        """Stop reading the child's output: once its pipe is full, the child waits."""
+        if not self._paused:
+            self._paused = True
+            for fd in self._outputs:
+                if fd in self._open:
+                    self._loop.remove_reader(fd)
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            for fd, name in self._outputs.items():
+                if fd in self._open:
+                    self._loop.add_reader(fd, self._on_output, fd, name)
 
     def _on_output(self, fd: int, name: str) -> None:
         """Forward what the pipe holds now; stop watching it at end-of-file."""
@@ -322,6 +343,9 @@ class Agent:
     def __init__(self) -> None:
         self.channel: Channel | None = None
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
+        #: Output producers by request id, for flow control: commands and file reads.
+        self._running: dict[int, RunningCommand] = {}
+        self._flowing: dict[int, asyncio.Event] = {}
         self._uploads: dict[int, tuple[Any, str, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._handlers: dict[str, Callable[[int, dict[str, Any], bytes], Any]] = {
@@ -329,6 +353,7 @@ class Agent:
             p.GuestOp.EXEC: self.exec,
             p.GuestOp.EXEC_STDIN: self.exec_stdin,
             p.GuestOp.EXEC_KILL: self.exec_kill,
+            p.GuestOp.FLOW: self.flow,
             p.GuestOp.FILE_READ: self.file_read,
             p.GuestOp.FILE_WRITE_BEGIN: self.file_write_begin,
             p.GuestOp.FILE_WRITE_CHUNK: self.file_write_chunk,
@@ -392,6 +417,7 @@ class Agent:
             "time_ns": time.time_ns(),
             "boot_id": read_text("/proc/sys/kernel/random/boot_id"),
             "hostname": socket.gethostname(),
+            "pid": os.getpid(),  # the host notices a restarted agent by it
         }
 
     async def exec(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
@@ -427,7 +453,8 @@ class Agent:
         self.send({"id": rid, "event": "started", "pid": proc.pid, "exec_id": rid})
         timed_out = False
         try:
-            watch = RunningCommand(rid, proc, self.send).watch()
+            running = self._running[rid] = RunningCommand(rid, proc, self.send)
+            watch = running.watch()
             try:
                 await asyncio.wait_for(asyncio.shield(watch), timeout)
             except TimeoutError:
@@ -436,6 +463,7 @@ class Agent:
                 await watch
         finally:
             self._processes.pop(rid, None)
+            self._running.pop(rid, None)
         code = proc.returncode
         assert code is not None
         return {
@@ -459,6 +487,18 @@ class Agent:
         except (BrokenPipeError, ConnectionResetError, ValueError) as exc:
             raise OpError(p.INVALID, "the command closed its stdin") from exc
 
+    async def flow(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
+        """Pause or resume request ``target``'s output (a command's, a file read's)."""
+        target, paused = args.get("target"), args.get("paused")
+        if not isinstance(target, int) or not isinstance(paused, bool):
+            raise OpError(p.INVALID, "flow needs an integer target and a boolean paused")
+        command = self._running.get(target)
+        if command is not None:
+            command.pause() if paused else command.resume()
+        gate = self._flowing.get(target)
+        if gate is not None:
+            gate.clear() if paused else gate.set()
+
     async def exec_kill(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
         proc = self._process(args)
         kill_group(proc.pid, int(args.get("signal", signal.SIGKILL)))
@@ -472,10 +512,16 @@ class Agent:
     async def file_read(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         path = str(args["path"])
         size = 0
-        with open(path, "rb") as handle:
-            while chunk := handle.read(p.CHUNK):
-                size += len(chunk)
-                self.send({"id": rid, "event": "chunk"}, chunk)
+        gate = self._flowing[rid] = asyncio.Event()
+        gate.set()
+        try:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(p.CHUNK):
+                    size += len(chunk)
+                    self.send({"id": rid, "event": "chunk"}, chunk)
+                    await gate.wait()  # also lets other requests run between chunks
+        finally:
+            self._flowing.pop(rid, None)
         return {"size": size}
 
     async def file_write_begin(
@@ -566,7 +612,7 @@ class Agent:
             set_boot_id(str(args["boot_id"]))
         if "fork_id" in args:
             set_fork_identity(int(args["fork_id"]), str(args.get("forked_from", "")))
-        return {"time_ns": time.time_ns()}
+        return {"time_ns": time.time_ns(), "pid": os.getpid()}
 
 
 def read_text(path: str) -> str:

@@ -67,6 +67,8 @@ class AgentClient:
         self._pending: dict[int, _Pending] = {}
         self._closed_reason: str | None = None
         self.on_unsolicited: EventHandler | None = None
+        #: The guest agent's pid as its last "hello" said: a new one means it restarted.
+        self.peer_pid: int | None = None
         self._reader_task = asyncio.ensure_future(self._read_loop())
 
     @classmethod
@@ -92,6 +94,17 @@ class AgentClient:
     @property
     def closed(self) -> bool:
         return self._closed_reason is not None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._pending)
+
+    def fail_pending(self, reason: str) -> None:
+        """Fail every request in flight with ``reason``; the channel stays open."""
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_exception(ChannelError(f"{pending.op}: {reason}"))
 
     async def request(
         self,
@@ -124,7 +137,10 @@ class AgentClient:
                 await self._writer.drain()
             except (ConnectionError, OSError) as exc:
                 raise ChannelError(f"{op}: {exc}") from exc
-            return await asyncio.wait_for(future, timeout)
+            answer = await asyncio.wait_for(future, timeout)
+            if op in (p.GuestOp.PING, p.GuestOp.SYS_REFRESH):
+                self._hello(answer.get("pid"))  # the agent's pid, as a hello says it
+            return answer
         except TimeoutError:
             raise ChannelError(f"{op}: no answer within {timeout} s") from None
         finally:
@@ -163,7 +179,9 @@ class AgentClient:
         pending = self._pending.get(frame.id) if frame.id is not None else None
         header = frame.header
         if pending is None:
-            if "ok" in header and not header.get("ok"):
+            if header.get("event") == "hello":
+                self._hello(header.get("pid"))
+            elif "ok" in header and not header.get("ok"):
                 log.warning("error from the peer for no request of ours: %s", header.get("error"))
             elif self.on_unsolicited is not None:
                 self.on_unsolicited(header, frame.payload)
@@ -189,6 +207,17 @@ class AgentClient:
                 message = str((header.get("error") or {}).get("message", ""))
                 rebuilt = error_from_detail(detail, message)
             pending.future.set_exception(rebuilt or guest_error(pending.op, header.get("error")))
+
+    def _hello(self, pid: Any) -> None:
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            return
+        if self.peer_pid is not None and pid != self.peer_pid:
+            log.warning("the guest agent restarted (pid %s, was %s)", pid, self.peer_pid)
+            self.fail_pending(
+                f"the guest agent restarted (pid {self.peer_pid} -> {pid}): "
+                "the request was lost (the agent was killed or crashed)"
+            )
+        self.peer_pid = pid
 
     def _fail_all(self, reason: str, *, protocol: bool = False) -> None:
         if not protocol and self._closed_reason is None:

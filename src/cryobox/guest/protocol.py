@@ -44,6 +44,8 @@ class GuestOp(enum.StrEnum):
     EXEC = "exec"
     EXEC_STDIN = "exec.stdin"
     EXEC_KILL = "exec.kill"
+    #: Pause or resume the output of request ``target`` (the host's reader lags behind).
+    FLOW = "flow"
     FILE_READ = "file.read"
     FILE_WRITE_BEGIN = "file.write.begin"
     FILE_WRITE_CHUNK = "file.write.chunk"

@@ -621,7 +621,7 @@ class Machine:
                 ),
                 files=described,
             )
-            write_json_atomic(temp / mf.PENDING_MANIFEST, manifest.to_json())
+            write_json_atomic(temp / mf.PENDING_MANIFEST, manifest.to_signed_json())
         except BaseException as exc:
             shutil.rmtree(temp, ignore_errors=True)
             await self.vm.continue_cpus()

@@ -8,8 +8,9 @@ on ``control.sock`` (:mod:`.control`): guest operations are forwarded, its own
 operations (status, timeout, ports, pause, snapshot, rollback, kill) are handled
 here, snapshot work in :mod:`.machine`. Every request is answered, whatever happens.
 
-It is the only writer of the sandbox's state record. The VM is started with a parent
-death signal, so a supervisor killed with SIGKILL takes its VM with it.
+It is the only writer of the sandbox's state record. The VM outlives it: a supervisor
+killed with SIGKILL leaves its VM running, and the next use of the sandbox starts a new
+supervisor that adopts it (``Machine.adopt``), as containers outlive containerd.
 
 Started as ``python -m cryobox.sandbox.supervisor --fd N``: it imports everything,
 then waits on the socket ``N`` for a :class:`~.control.StartRequest` (a spare kept
@@ -44,6 +45,7 @@ from cryobox.errors import (
     error_detail,
 )
 from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient
 from cryobox.sandbox.control import (
     ControlOp,
     ExposePort,
@@ -65,6 +67,14 @@ LOG_MAX_BYTES = 1 << 20
 #: this plus what the guest prints between two checks, and one old file is kept.
 CONSOLE_MAX_BYTES = 1 << 20
 CONSOLE_CHECK_SECONDS = 2.0
+#: Output held for a client that does not read before the guest is told to wait.
+OUTPUT_HIGH = 4 << 20
+OUTPUT_LOW = 1 << 20
+#: While requests are in flight, the agent is pinged this often; one that does not
+#: answer within AGENT_DEADLINE seconds (stopped, killed without restart, starved by a
+#: fork bomb) fails them with a clear error instead of leaving them waiting forever.
+AGENT_CHECK_SECONDS = 5.0
+AGENT_DEADLINE = 30.0
 
 
 def error_reply(rid: int | None, exc: BaseException, op: str) -> dict[str, Any]:
@@ -94,6 +104,51 @@ class ClientConnection:
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         if not self.writer.is_closing():
             self.writer.write(p.encode(header, payload))
+
+    @property
+    def gone(self) -> bool:
+        return self.writer.is_closing()
+
+    def buffered(self) -> int:
+        """Bytes written to this client and not yet taken by it."""
+        transport = self.writer.transport
+        return 0 if transport.is_closing() else transport.get_write_buffer_size()
+
+
+class OutputFlow:
+    """Backpressure from a slow client to the guest, per request.
+
+    Output for a client that does not read piles up here; past ``OUTPUT_HIGH`` bytes
+    the agent is told to pause that request (it stops reading the command's pipes, so
+    the command itself waits on its full pipe), and once the client has taken all but
+    ``OUTPUT_LOW`` bytes, to resume. Nothing is dropped, and the supervisor holds at
+    most ``OUTPUT_HIGH`` plus what was already on its way per slow request.
+    """
+
+    def __init__(self, agent: AgentClient, client: ClientConnection) -> None:
+        self._agent = agent
+        self._client = client
+        self._paused: set[int] = set()
+
+    def after_send(self, agent_rid: int | None) -> None:
+        if agent_rid is None or agent_rid in self._paused or self._client.buffered() <= OUTPUT_HIGH:
+            return
+        self._paused.add(agent_rid)
+        task = asyncio.ensure_future(self._hold(agent_rid))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _hold(self, agent_rid: int) -> None:
+        try:
+            await self._agent.request(
+                p.GuestOp.FLOW, {"target": agent_rid, "paused": True}, timeout=30
+            )
+            while self._client.buffered() > OUTPUT_LOW and not self._client.gone:
+                await asyncio.sleep(0.02)
+            await self._agent.request(
+                p.GuestOp.FLOW, {"target": agent_rid, "paused": False}, timeout=30
+            )
+        finally:
+            self._paused.discard(agent_rid)
 
 
 class Supervisor:
@@ -152,6 +207,7 @@ class Supervisor:
             asyncio.ensure_future(self._watch_vm()),
             asyncio.ensure_future(self._watch_deadline()),
             asyncio.ensure_future(self._watch_console()),
+            asyncio.ensure_future(self._watch_agent()),
         ]
         await self._stop.wait()
         for watcher in watchers:
@@ -215,6 +271,29 @@ class Supervisor:
             self._deadline_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._deadline_changed.wait(), remaining)
+
+    async def _watch_agent(self) -> None:
+        """Fail requests in flight when the guest agent stops answering."""
+        while True:
+            await asyncio.sleep(AGENT_CHECK_SECONDS)
+            agent = self.machine.agent
+            if agent is None or agent.in_flight == 0 or self._lifecycle.locked():
+                continue
+            known = agent.peer_pid
+            try:
+                await agent.request(p.GuestOp.PING, timeout=AGENT_DEADLINE)
+            except GuestError:
+                pass  # it answered
+            except ChannelError:
+                restarted = agent.peer_pid != known  # its requests were failed already
+                if agent is self.machine.agent and not self._lifecycle.locked() and not restarted:
+                    log.warning(
+                        "guest agent silent for %.0f s: failing its requests", AGENT_DEADLINE
+                    )
+                    agent.fail_pending(
+                        f"the guest agent did not answer for {AGENT_DEADLINE:.0f} s (stopped, "
+                        "starved by a fork bomb, or out of memory?)"
+                    )
 
     async def _watch_console(self) -> None:
         """Keep console.log under its cap: past it, the log moves to console.log.1 and
@@ -286,8 +365,13 @@ class Supervisor:
         if agent is None:
             raise ChannelError("the guest agent is not connected")
 
+        flow = OutputFlow(agent, client)
+
         def relay(header: dict[str, Any], event_payload: bytes) -> None:
             client.send({**header, "id": rid}, event_payload)
+            if event_payload:
+                agent_rid = header.get("id")
+                flow.after_send(agent_rid if isinstance(agent_rid, int) else None)
 
         return await agent.request(op, args, payload, on_event=relay)
 

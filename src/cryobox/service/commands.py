@@ -8,6 +8,7 @@ import signal as signals
 from collections.abc import Callable
 from typing import Any
 
+from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 from cryobox.models import CommandRequest
@@ -47,8 +48,7 @@ class CommandSession:
     def _on_event(self, header: dict[str, Any], payload: bytes) -> None:
         event = header.get("event")
         if event == "started":
-            self.pid = int(header.get("pid", 0))
-            self._exec_id = int(header.get("exec_id", 0))
+            self.pid, self._exec_id = answers.started(header)  # ProtocolError if forged
             if not self._started.done():
                 self._started.set_result(None)
         elif event in ("stdout", "stderr"):
@@ -64,7 +64,7 @@ class CommandSession:
     async def wait(self) -> dict[str, Any]:
         """How the command ended: ``exit_code``, ``pid``, ``signal``, ``timed_out``."""
         assert self._request is not None
-        return await asyncio.shield(self._request)
+        return answers.exec_result(await asyncio.shield(self._request))
 
     async def send_stdin(self, data: bytes, eof: bool = False) -> None:
         for start in range(0, max(len(data), 1), p.CHUNK):

@@ -36,6 +36,7 @@ from cryobox.errors import (
     SnapshotIncompatible,
     SnapshotNotFound,
 )
+from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient, EventHandler
 from cryobox.image.build import Progress
@@ -453,12 +454,11 @@ class SandboxService:
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]:
         result = await self._guest(sandbox_id, p.GuestOp.FILE_LIST, {"path": path})
-        return [EntryInfo.from_json(entry) for entry in result["entries"]]
+        return answers.entries(result, "list")
 
     async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
-        return EntryInfo.from_json(
-            await self._guest(sandbox_id, p.GuestOp.FILE_STAT, {"path": path})
-        )
+        result = await self._guest(sandbox_id, p.GuestOp.FILE_STAT, {"path": path})
+        return answers.entry(result, "stat")
 
     async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
         await self._guest(sandbox_id, p.GuestOp.FILE_MKDIR, {"path": path, "parents": parents})

@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from cryobox.errors import SnapshotIncompatible, SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.snapshot import keys
 from cryobox.util import data_extents, fsync_dir, write_json_atomic
 
-FORMAT_VERSION = 2
+#: 3: the manifest carries a MAC (:mod:`.keys`).
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 MEMORY = "memory"
 DEVICE_STATE = "devices.state"
@@ -99,6 +101,10 @@ class Manifest:
         value["kind"], value["purpose"] = self.kind.value, self.purpose.value
         return value
 
+    def to_signed_json(self) -> dict[str, Any]:
+        """What is written to disk: the fields and their MAC with the host's key."""
+        return keys.signed(self.to_json())
+
 
 def file_digest(path: Path) -> str:
     """SHA-256 over the file's non-zero 4 MiB windows and their offsets.
@@ -148,8 +154,20 @@ def load(folder: Path) -> Manifest:
         raise SnapshotNotFound(folder.name) from exc
     except (OSError, ValueError) as exc:
         raise SnapshotVerificationFailed(folder.name, MANIFEST, f"unreadable: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise SnapshotVerificationFailed(folder.name, MANIFEST, "malformed: not an object")
+    if raw.get("format_version") != FORMAT_VERSION:  # older ones carry no MAC
+        raise SnapshotIncompatible(
+            folder.name, "format_version", raw.get("format_version"), FORMAT_VERSION
+        )
+    if not keys.authentic(raw):
+        raise SnapshotVerificationFailed(
+            folder.name,
+            MANIFEST,
+            "its MAC does not match: edited, or written on another host (another key)",
+        )
     try:
-        return Manifest.from_json(raw)
+        return Manifest.from_json({k: v for k, v in raw.items() if k != keys.MAC_FIELD})
     except (TypeError, ValueError, KeyError) as exc:
         raise SnapshotVerificationFailed(folder.name, MANIFEST, f"malformed: {exc}") from exc
 
@@ -218,7 +236,7 @@ def finish(temp: Path, final: Path, manifest: Manifest) -> None:
         fsync_file(temp / name)
     # The files were hashed just now: record that, so the first restore need not hash again.
     write_json_atomic(temp / STAMP, {name: _stat_key(temp / name) for name in manifest.files})
-    write_json_atomic(temp / MANIFEST, manifest.to_json())
+    write_json_atomic(temp / MANIFEST, manifest.to_signed_json())
     os.replace(temp, final)
     fsync_dir(final.parent)
 
@@ -231,7 +249,8 @@ def commit_pending(temp: Path, final: Path) -> None:
     """
     pending = temp / PENDING_MANIFEST
     if pending.exists():
-        manifest = Manifest.from_json(json.loads(pending.read_text()))
+        raw = json.loads(pending.read_text())
+        manifest = Manifest.from_json({k: v for k, v in raw.items() if k != keys.MAC_FIELD})
         for name in manifest.files:
             if not (temp / name).exists():
                 raise SnapshotVerificationFailed(manifest.id, name, "file is missing")

@@ -1,0 +1,78 @@
+"""What the guest agent says, checked field by field before anything uses it.
+
+The guest runs code nobody reviewed: it can replace the agent and answer anything. A
+forged or malformed answer becomes a :class:`~cryobox.errors.ProtocolError` naming
+the field, never a raw ``ValueError`` or ``KeyError`` somewhere in the SDK.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cryobox.errors import ProtocolError
+from cryobox.models import EntryInfo
+
+ENTRY_TYPES = ("file", "dir", "symlink", "other")
+
+
+def whole(answer: dict[str, Any], key: str, op: str, default: int | None = None) -> int:
+    value = answer.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{op}: the guest sent {key}={value!r}, not a whole number")
+    return value
+
+
+def text(answer: dict[str, Any], key: str, op: str) -> str:
+    value = answer.get(key)
+    if not isinstance(value, str):
+        raise ProtocolError(f"{op}: the guest sent {key}={value!r}, not a string")
+    return value
+
+
+def started(header: dict[str, Any]) -> tuple[int, int]:
+    """The pid and exec id of a command's "started" event."""
+    return whole(header, "pid", "exec"), whole(header, "exec_id", "exec")
+
+
+def exec_result(answer: dict[str, Any]) -> dict[str, Any]:
+    """How a command ended: exit_code, pid, signal (or None), timed_out."""
+    signal = answer.get("signal")
+    if signal is not None:
+        signal = whole(answer, "signal", "exec")
+    timed_out = answer.get("timed_out", False)
+    if not isinstance(timed_out, bool):
+        raise ProtocolError(f"exec: the guest sent timed_out={timed_out!r}, not a boolean")
+    return {
+        "exit_code": whole(answer, "exit_code", "exec"),
+        "pid": whole(answer, "pid", "exec", 0),
+        "signal": signal,
+        "timed_out": timed_out,
+    }
+
+
+def entry(value: Any, op: str) -> EntryInfo:
+    """A file entry of a listing or stat."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{op}: the guest sent an entry that is not an object: {value!r}")
+    mtime = value.get("mtime")
+    if isinstance(mtime, bool) or not isinstance(mtime, int | float) or not math.isfinite(mtime):
+        raise ProtocolError(f"{op}: the guest sent mtime={mtime!r}, not a time")
+    kind = text(value, "type", op)
+    if kind not in ENTRY_TYPES:
+        raise ProtocolError(f"{op}: the guest sent type={kind!r}, not one of {ENTRY_TYPES}")
+    return EntryInfo(
+        name=text(value, "name", op),
+        path=text(value, "path", op),
+        type=kind,
+        size=whole(value, "size", op),
+        mode=whole(value, "mode", op),
+        mtime=float(mtime),
+    )
+
+
+def entries(answer: dict[str, Any], op: str) -> list[EntryInfo]:
+    found = answer.get("entries")
+    if not isinstance(found, list):
+        raise ProtocolError(f"{op}: the guest sent entries={found!r}, not a list")
+    return [entry(item, op) for item in found]

@@ -1,0 +1,265 @@
+"""Both ends of the agent protocol against a hostile or broken peer: forged answers,
+garbage, restarts, a reader that lags (flow control), and property-based fuzzing
+(hypothesis) of the decoder, the host client and the agent's request handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cryobox.errors import ChannelError, CryoboxError, ProtocolError
+from cryobox.guest import agent as guest_agent
+from cryobox.guest import answers
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+# --------------------------------------------------------------------------- forged answers
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {},
+        {"exit_code": "0"},
+        {"exit_code": True},
+        {"exit_code": 0, "pid": 1.5},
+        {"exit_code": 0, "timed_out": "no"},
+        {"exit_code": 0, "signal": "KILL"},
+    ],
+)
+def test_a_forged_command_result_is_a_protocol_error_naming_the_field(
+    answer: dict[str, Any],
+) -> None:
+    with pytest.raises(ProtocolError, match="exec: the guest sent"):
+        answers.exec_result(answer)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        None,
+        [],
+        {"name": "a", "path": "/a", "type": "file", "size": "1", "mode": 420, "mtime": 0},
+        {"name": "a", "path": "/a", "type": "bomb", "size": 1, "mode": 420, "mtime": 0},
+        {"name": "a", "path": "/a", "type": "file", "size": 1, "mode": 420, "mtime": float("nan")},
+        {"name": 3, "path": "/a", "type": "file", "size": 1, "mode": 420, "mtime": 0},
+    ],
+)
+def test_a_forged_file_entry_is_a_protocol_error(entry: Any) -> None:
+    with pytest.raises(ProtocolError, match="list"):
+        answers.entries({"entries": [entry]}, "list")
+
+
+def test_sound_answers_pass() -> None:
+    assert answers.exec_result({"exit_code": 3, "pid": 7, "signal": None, "timed_out": False}) == {
+        "exit_code": 3,
+        "pid": 7,
+        "signal": None,
+        "timed_out": False,
+    }
+    (entry,) = answers.entries(
+        {
+            "entries": [
+                {"name": "a", "path": "/a", "type": "dir", "size": 0, "mode": 493, "mtime": 1}
+            ]
+        },
+        "list",
+    )
+    assert entry.type == "dir" and entry.mtime == 1.0
+
+
+# --------------------------------------------------------------------------- a peer we script
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[tuple[AgentClient, socket.socket]]:
+    """A client whose peer is a raw socket the test writes frames to."""
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    client = AgentClient(reader, writer)
+    yield client, theirs
+    await client.close()
+    theirs.close()
+
+
+async def test_an_agent_restart_fails_requests_in_flight_at_once(
+    scripted: tuple[AgentClient, socket.socket],
+) -> None:
+    client, peer = scripted
+    peer.sendall(p.encode({"id": None, "event": "hello", "pid": 100}))
+    request = asyncio.ensure_future(client.request("exec", {"argv": ["sleep", "100"]}))
+    await asyncio.sleep(0.05)
+    assert not request.done()
+    peer.sendall(p.encode({"id": None, "event": "hello", "pid": 100}))  # same agent: nothing
+    await asyncio.sleep(0.05)
+    assert not request.done()
+    peer.sendall(p.encode({"id": None, "event": "hello", "pid": 101}))  # a new agent
+    with pytest.raises(ChannelError, match="restarted"):
+        await asyncio.wait_for(request, 2)
+    assert not client.closed  # the new agent is served on the same channel
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(noise=st.binary(max_size=3000), headers=st.lists(JSON, max_size=5))
+def test_host_client_survives_any_bytes_and_frames(noise: bytes, headers: list[Any]) -> None:
+    """Whatever the peer sends, a request ends with its answer or a CryoboxError."""
+
+    async def run() -> None:
+        ours, theirs = socket.socketpair()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        client = AgentClient(reader, writer)
+        try:
+            request = asyncio.ensure_future(client.request("ping", timeout=0.3))
+            await asyncio.sleep(0)
+            frames = b"".join(
+                p.encode(h if isinstance(h, dict) else {"id": 1, "event": h})
+                for h in headers
+                if len(json.dumps(h)) < p.MAX_HEADER
+            )
+            theirs.sendall(noise + frames)
+            with contextlib.suppress(CryoboxError):  # anything else fails the test
+                await request
+        finally:
+            await client.close()
+            theirs.close()
+
+    asyncio.run(run())
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=4000), cut=st.integers(min_value=1, max_value=64))
+def test_decoder_yields_frames_or_frame_errors_only(data: bytes, cut: int) -> None:
+    decoder = p.Decoder()
+    for start in range(0, len(data), cut):
+        for item in decoder.feed(data[start : start + cut]):
+            assert isinstance(item, p.Frame | p.FrameError)
+
+
+SAFE_OPS = [op for op in p.GuestOp if op not in (p.GuestOp.EXEC, p.GuestOp.SYS_REFRESH)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    op=st.sampled_from([*SAFE_OPS, "no.such.op"]) | st.text(max_size=10),
+    args=st.dictionaries(st.text(max_size=10), JSON, max_size=4) | JSON,
+    payload=st.binary(max_size=64),
+)
+def test_agent_answers_every_request_once_whatever_its_arguments(
+    op: str, args: Any, payload: bytes
+) -> None:
+    """A request with any op and arguments gets exactly one answer, and the agent goes
+    on serving. (Ops that change the host running these tests are left out: exec with
+    arbitrary argv, sys.refresh; exec is fuzzed with malformed commands below.)"""
+    if op == p.GuestOp.FILE_READ or (isinstance(args, dict) and "path" in args):
+        args = {**args, "path": "/nonexistent/cryobox-fuzz"} if isinstance(args, dict) else args
+    asyncio.run(_one_request(op, args, payload))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    argv=JSON.filter(
+        lambda v: not (isinstance(v, list) and v and all(isinstance(a, str) for a in v))
+    )
+)
+def test_agent_refuses_malformed_commands(argv: Any) -> None:
+    asyncio.run(_one_request("exec", {"argv": argv}, b""))
+
+
+async def _one_request(op: str, args: Any, payload: bytes) -> None:
+    ours, theirs = socket.socketpair()
+    agent = guest_agent.Agent()
+    agent.channel = guest_agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
+    )
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    try:
+        header = {"id": 7, "op": op, "args": args}
+        if len(json.dumps(header)) >= p.MAX_HEADER:
+            return
+        writer.write(p.encode(header, payload) + p.encode({"id": 8, "op": "ping"}))
+        decoder = p.Decoder()
+        answered: list[dict[str, Any]] = []
+
+        def final(rid: int) -> list[dict[str, Any]]:
+            return [h for h in answered if h.get("id") == rid and "ok" in h]
+
+        while not (final(7) and final(8)):
+            for item in decoder.feed(await asyncio.wait_for(reader.read(65536), 10)):
+                assert isinstance(item, p.Frame)  # the agent never sends garbage
+                answered.append(item.header)
+        await asyncio.sleep(0.05)
+        for item in decoder.feed(await _pending_bytes(reader)):
+            assert isinstance(item, p.Frame)
+            answered.append(item.header)
+        assert len(final(7)) == 1  # one answer, never none and never two
+        assert final(8)[0]["ok"] is True  # and it goes on serving
+    finally:
+        writer.close()
+
+
+async def _pending_bytes(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.read(65536), 0.05)
+    except TimeoutError:
+        return b""
+
+
+# --------------------------------------------------------------------------- flow control
+
+
+async def test_a_paused_command_waits_on_its_full_pipe_and_loses_nothing() -> None:
+    ours, theirs = socket.socketpair()
+    agent = guest_agent.Agent()
+    agent.channel = guest_agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
+    )
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours, limit=p.MAX_PAYLOAD * 2)
+    client = AgentClient(reader, writer)
+    received = bytearray()
+    try:
+        total = 8 << 20
+        command = asyncio.ensure_future(
+            client.request(
+                "exec",
+                {"argv": ["head", "-c", str(total), "/dev/zero"]},
+                on_event=lambda h, data: (
+                    received.extend(data) if h.get("event") == "stdout" else None
+                ),
+            )
+        )
+        while not received:
+            await asyncio.sleep(0.01)
+        await client.request(p.GuestOp.FLOW, {"target": 1, "paused": True}, timeout=5)
+        await asyncio.sleep(0.3)
+        held = len(received)
+        await asyncio.sleep(0.5)
+        assert len(received) - held <= 2 * guest_agent.READ_SIZE  # it stopped
+        assert not command.done()  # ...and the command waits, it is not dropped
+        await client.request(p.GuestOp.FLOW, {"target": 1, "paused": False}, timeout=5)
+        result = await asyncio.wait_for(command, 30)
+        assert result["exit_code"] == 0
+        assert len(received) == total  # nothing lost
+    finally:
+        await client.close()
