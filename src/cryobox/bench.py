@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryobox import config
+from cryobox import bench_bounds, config
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
@@ -40,6 +40,7 @@ SCENARIOS = (
     "fork",
     "restore-vs-ram",
     "snapshot-bytes",
+    "guest-flood",
 )
 GUEST_SPAWN = """
 import subprocess, time
@@ -397,6 +398,32 @@ async def snapshot_bytes(ctx: Context) -> list[Figure]:
     return figures
 
 
+async def guest_flood(ctx: Context) -> list[Figure]:
+    before, peak, logs = await bench_bounds.flood(ctx.quick)
+    streamed = bench_bounds.FLOOD_BYTES / (10 if ctx.quick else 1) / 2**20
+    from cryobox.sandbox.supervisor import CONSOLE_MAX_BYTES, LOG_MAX_BYTES, OUTPUT_HIGH
+
+    return [
+        summarize(
+            "flood-supervisor-growth",
+            [peak - before],
+            "MiB",
+            baseline="MiB streamed to a client that did not read",
+            base_value=streamed,
+            note=f"supervisor RSS {before:.0f} -> peak {peak:.0f} MiB; flow control "
+            f"pauses the command past {OUTPUT_HIGH >> 20} MiB held",
+        ),
+        summarize(
+            "garbage-logs",
+            [logs],
+            "MiB",
+            baseline="the logs' cap",
+            base_value=2 * (LOG_MAX_BYTES + CONSOLE_MAX_BYTES) / 2**20,
+            note="all logs of a sandbox after 20 MB of random bytes on its agent port",
+        ),
+    ]
+
+
 async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Figure]:
     """Run the named scenarios (their baselines first); ``quick`` is the smoke mode."""
     unknown = [name for name in names if name not in SCENARIOS]
@@ -430,6 +457,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await restore_vs_ram(ctx)
     if "snapshot-bytes" in names:
         figures += await snapshot_bytes(ctx)
+    if "guest-flood" in names:
+        figures += await guest_flood(ctx)
     for template in ctx.made_templates:  # leave no benchmark templates behind
         await AsyncSandbox.delete_template(template)
     return figures

@@ -69,12 +69,16 @@ class SandboxInfo:
     origin: str | None = None
     #: For a fork: the sandbox it was forked from.
     forked_from: str | None = None
-    #: The VM's host process while it runs (for measuring it), and the bytes its RAM
-    #: file holds on the host.
+    #: The VM's host process while it runs (for measuring it), and the bytes of guest RAM
+    #: written to its RAM file (whose blocks are all reserved on the host).
     vmm_pid: int | None = None
     ram_file_bytes: int = 0
     #: The network policy's JSON form: "internet", "none" or the allowed rules.
     network: str | list[str] = "internet"
+    #: The supervisor process while one serves the sandbox (for measuring it), and the
+    #: bytes its logs hold on the host (console and supervisor, rotations included).
+    supervisor_pid: int | None = None
+    log_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,19 @@ PAGE = 4096
 _ZERO_PAGE = bytes(PAGE)
 
 
+def data_bytes(path: Path) -> int:
+    """Bytes of ``path`` that hold data: its data extents (holes and reserved but never
+    written blocks excluded). 0 if it is missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        return sum(end - start for start, end in data_extents(fd))
+    finally:
+        os.close(fd)
+
+
 def copy_sparse(source: Path, target: Path, *, skip_zero_pages: bool = False) -> None:
     """Copy ``source`` to ``target`` (created or resized to its size) keeping holes.
 

@@ -149,3 +149,32 @@ def _get(url: str) -> int:
             if time.time() > deadline:
                 raise
             time.sleep(0.5)
+
+
+@pytest.mark.parametrize("step", ["resume-moved", "resume-continued"])
+def test_supervisor_killed_during_a_resume_loses_nothing(step: str, default_template: None) -> None:
+    from cryobox import Sandbox
+    from cryobox.service import discard_spare
+
+    sbx = Sandbox.create(timeout=600)
+    try:
+        sbx.commands.run("echo before > /root/mark && nohup sleep 4242 >/dev/null 2>&1 &")
+        sbx.pause()
+        os.environ["CRYOBOX_TEST_CRASH_AT"] = step
+        discard_spare()
+        try:
+            with pytest.raises(CryoboxError):
+                Sandbox.resume(sbx.id)
+        finally:
+            del os.environ["CRYOBOX_TEST_CRASH_AT"]
+            discard_spare()
+        # Cut short before the guest ran, the pause is given back and resumed again;
+        # after, the running VM is adopted. Either way: the same guest, still running.
+        again = Sandbox.resume(sbx.id)
+        assert again.info().state == "running"
+        assert again.commands.run("cat /root/mark").stdout == "before\n"
+        assert again.commands.run("pgrep -x sleep").exit_code == 0
+        assert not registry.find(sbx.id).paused.exists()
+    finally:
+        with contextlib.suppress(CryoboxError):
+            Sandbox.connect(sbx.id).kill()

@@ -129,3 +129,24 @@ def test_a_stopped_agent_fails_requests_by_its_deadline(
     assert waited <= AGENT_DEADLINE + 2 * AGENT_CHECK_SECONDS + 10
     sbx.kill()  # and it can be killed cleanly
     assert not registry.process_alive(vm, sbx.id)
+
+
+def test_a_fork_bomb_in_the_guest_never_hangs_its_callers_and_the_sandbox_can_be_killed(
+    sandbox_factory: Callable[..., Any],
+) -> None:
+    sbx: Sandbox = sandbox_factory(timeout=600)
+    vm = registry.find(sbx.id).record().qemu_pid
+    sbx.commands.run("setsid sh -c 'b() { b | b & }; b' >/dev/null 2>&1 < /dev/null &")
+    time.sleep(5)
+    started = time.monotonic()
+    try:  # the agent may still answer, slowly, or be starved: never a hang
+        answered = sbx.commands.run("echo alive", timeout=60).stdout == "alive\n"
+    except ChannelError as exc:
+        answered = False
+        assert "did not answer" in str(exc) or "no answer" in str(exc), exc
+    waited = time.monotonic() - started
+    assert waited <= AGENT_DEADLINE + 2 * AGENT_CHECK_SECONDS + 60, (waited, answered)
+    started = time.monotonic()
+    sbx.kill()
+    assert not registry.process_alive(vm, sbx.id)
+    assert time.monotonic() - started < 30

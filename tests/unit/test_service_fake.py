@@ -219,3 +219,18 @@ def test_templates_are_listed_and_removed_through_the_cli() -> None:
     assert failed.exit_code == 1 and "does not exist" in failed.output
     sbx.kill()
     assert snapshot not in {s.id for s in Sandbox.snapshots()}  # collected with its last user
+
+
+def test_an_extended_timeout_survives_pause_and_resume_and_is_what_expiry_reports() -> None:
+    sbx = Sandbox.create("base", timeout=600)
+    sbx.set_timeout(900)
+    sbx.pause()
+    resumed = Sandbox.resume(sbx.id)
+    remaining = (resumed.info().deadline or 0) - time.time()
+    assert 880 < remaining <= 900  # the extension, not the 600 s it was created with
+    resumed.set_timeout(1)
+    deadline = time.time() + 15
+    while resumed.info().state != "killed" and time.time() < deadline:
+        time.sleep(0.2)
+    info = resumed.info()
+    assert info.state == "killed" and info.error == "timed out after 1 s"

@@ -183,3 +183,41 @@ def test_copy_sparse_can_leave_zeroed_pages_as_holes(tmp_path: Path) -> None:
     copy_sparse(source, skipping, skip_zero_pages=True)
     assert plain.read_bytes() == skipping.read_bytes() == source.read_bytes()
     assert skipping.stat().st_blocks * 512 <= 64 * 1024 < plain.stat().st_blocks * 512
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"name": "renamed"},
+        {"disk_gib": 400},
+        {"source_sandbox": "sbx-other"},
+        {"cpus": 64},
+        {"files": {}},
+        {"mac": "0" * 64},
+    ],
+)
+def test_an_edited_manifest_is_refused_by_its_mac(tmp_path: Path, edit: dict[str, object]) -> None:
+    import json
+
+    folder = tmp_path / "snap-1"
+    temp = tmp_path / ".tmp-snap-1"
+    temp.mkdir()
+    (temp / mf.DISK).write_bytes(b"disk")
+    manifest = sample_manifest("snap-1", files=mf.describe_files(temp, [mf.DISK]))
+    mf.finish(temp, folder, manifest)
+    assert mf.load(folder) == manifest  # as written: authentic
+    raw = json.loads((folder / mf.MANIFEST).read_text())
+    (folder / mf.MANIFEST).write_text(json.dumps({**raw, **edit}))
+    with pytest.raises(SnapshotVerificationFailed, match="MAC does not match"):
+        mf.load(folder)
+
+
+def test_a_manifest_without_a_mac_is_refused_as_an_older_format(tmp_path: Path) -> None:
+    import json
+
+    folder = tmp_path / "snap-2"
+    folder.mkdir()
+    raw = {**sample_manifest("snap-2").to_json(), "format_version": 2}
+    (folder / mf.MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(SnapshotIncompatible, match="format_version"):
+        mf.load(folder)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import threading
+from collections.abc import Callable
 
 from cryobox.network.namespace import connect_inside
 
@@ -51,7 +54,7 @@ class PortForwarder:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inner_port: int
     ) -> None:
         try:
-            sock = await asyncio.to_thread(connect_inside, self.pid, inner_port)
+            sock = await _in_own_thread(connect_inside, self.pid, inner_port)
             inner_reader, inner_writer = await asyncio.open_connection(sock=sock)
         except OSError as exc:
             log.info("forward to port %d refused: %s", inner_port, exc)
@@ -72,6 +75,39 @@ class PortForwarder:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+
+
+async def _in_own_thread(
+    fn: Callable[[int, int], socket.socket], pid: int, port: int
+) -> socket.socket:
+    """Run ``fn`` in a thread of its own that ends with it: a thread that entered another
+    namespace must never serve anything else (were the switch back ever to fail)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[socket.socket] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn(pid, port)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(_settle, done, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    threading.Thread(target=run, name="netns-connect", daemon=True).start()
+    return await done
+
+
+def _settle(
+    future: asyncio.Future[socket.socket], result: socket.socket | None, exc: BaseException | None
+) -> None:
+    if future.cancelled():
+        if result is not None:
+            result.close()
+    elif exc is not None:
+        future.set_exception(exc)
+    else:
+        assert result is not None
+        future.set_result(result)
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -100,6 +100,10 @@ class Link:
     sandbox_address: str
 
 
+#: Written when cryobox turned IPv4 forwarding on (it was off): the host then forwards
+#: nothing but sandbox traffic. /run is emptied at boot, as the setting is.
+FORWARDING_MARK = Path("/run/cryobox-enabled-forwarding")
+
 HOST_RULES = f"""
 table ip cryobox
 delete table ip cryobox
@@ -116,6 +120,7 @@ table ip cryobox {{
         iifname "{LINK_PREFIX}*" accept
         oifname "{LINK_PREFIX}*" ct state established,related accept
         oifname "{LINK_PREFIX}*" drop
+        ONLY_SANDBOXES
     }}
     chain postrouting {{
         type nat hook postrouting priority srcnat; policy accept;
@@ -158,8 +163,11 @@ async def ensure_host_rules() -> None:
             return
         forwarding = Path("/proc/sys/net/ipv4/ip_forward")
         if forwarding.read_text().strip() != "1":
+            FORWARDING_MARK.touch()
             forwarding.write_text("1")
-        await _run(["nft", "-f", "-"], HOST_RULES)
+        # Forwarding was off before cryobox: keep it off for everything but sandboxes.
+        only = "drop" if FORWARDING_MARK.exists() else ""
+        await _run(["nft", "-f", "-"], HOST_RULES.replace("ONLY_SANDBOXES", only))
         _host_done = True
 
 

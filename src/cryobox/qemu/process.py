@@ -15,7 +15,7 @@ from typing import Any
 
 from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
-from cryobox.errors import QemuError, QemuNotInstalled
+from cryobox.errors import NetworkError, QemuError, QemuNotInstalled
 from cryobox.network.namespace import Link, attach, isolate_this_process
 from cryobox.qemu.command import build_command, hostfwd
 from cryobox.vmm.base import MachineSpec, PortForward
@@ -160,7 +160,14 @@ class QemuProcess:
             )
         try:
             if self.spec.isolated:
-                self.link = await attach(self._process.pid, self.spec.network)
+                try:
+                    self.link = await attach(self._process.pid, self.spec.network)
+                except NetworkError:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._process.wait(), 0.5)
+                    if self._process.returncode is not None:  # the real cause: QEMU ended
+                        raise self.error("QEMU exited while starting") from None
+                    raise
             await asyncio.wait_for(self._connect_qmp(), timeout)
         except TimeoutError:
             await self.kill()
@@ -222,6 +229,10 @@ class QemuProcess:
         """An HMP command (some, like ``hostfwd_add``, have no QMP twin)."""
         out = await self.execute("human-monitor-command", {"command-line": command_line})
         return str(out)
+
+    async def run_state(self) -> str:
+        status = await self.execute("query-status")
+        return str(status.get("status", "")) if isinstance(status, dict) else ""
 
     async def stop_cpus(self) -> None:
         await self.execute("stop")

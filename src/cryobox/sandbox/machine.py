@@ -49,6 +49,7 @@ from cryobox.errors import (
     NetworkError,
     SandboxDead,
     SnapshotIncompatible,
+    StateError,
     StorageError,
 )
 from cryobox.guest.client import AgentClient
@@ -67,7 +68,7 @@ from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore
-from cryobox.util import copy_sparse, free_port, new_id, write_json_atomic
+from cryobox.util import copy_sparse, data_bytes, free_port, new_id, write_json_atomic
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
 
 log = logging.getLogger("cryobox.supervisor")
@@ -192,13 +193,19 @@ class Machine:
         self._save(self.record)
 
     def _claim(self, state: SandboxState, supervisor_pid: int) -> None:
-        """Record this supervisor as the sandbox's owner, with a fresh deadline."""
+        """Record this supervisor as the sandbox's owner, with a fresh deadline (the time
+        paused does not count against it)."""
         self.update(
             state=state,
             supervisor_pid=supervisor_pid,
             supervisor_started=process_start(supervisor_pid),
-            deadline=time.time() + self.spec.timeout,
+            deadline=time.time() + self.timeout,
         )
+
+    @property
+    def timeout(self) -> float:
+        """Seconds of life from a start or resume: the last ``set_timeout``'s, else the spec's."""
+        return self.record.timeout or self.spec.timeout
 
     # -- where things are (resolved from ids each time: the state folder may move)
 
@@ -247,6 +254,16 @@ class Machine:
             self.vm = await self.vmm.adopt(
                 self._machine_spec(False, forwards), pid, self.folder.qemu_stderr
             )
+            if self.record.state is SandboxState.RESUMING:
+                if await self.vm.run_state() in ("inmigrate", "prelaunch"):
+                    # Cut short before the guest ran: the pause is still whole.
+                    await self.stop_vm()
+                    self.folder.give_back_pause(self.record)
+                    self.update(state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None)
+                    raise StateError(
+                        self.spec.id, "paused", ["running"], "adopt (its resume was cut short)"
+                    )
+                shutil.rmtree(self.folder.paused, ignore_errors=True)  # the guest ran on
             await self.vm.continue_cpus()  # a save was cut short with the guest frozen
             shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
             await self._listen(forwards)
@@ -509,7 +526,8 @@ class Machine:
         needed = allocated(self.folder.path / self.record.disk) + DEVICE_STATE_ROOM
         if memory:
             ram = self.spec.memory_mib << 20
-            needed += allocated(self._memory_path()) if self.record.memory_shared else ram
+            # the pages the guest wrote (its RAM file's blocks are all reserved)
+            needed += data_bytes(self._memory_path()) if self.record.memory_shared else ram
         snapshot_id = new_id("snap")
         temp = self.store.begin(snapshot_id)
         try:
@@ -655,8 +673,17 @@ class Machine:
         else:
             memory = self.folder.memory_file
             moved.append((paused / mf.MEMORY, memory))
+        # Recorded before the files move: a supervisor dying from here on leaves a record
+        # that names where they went, so the pause can be given back (registry).
+        self.update(
+            disk=disk,
+            memory_file=memory.name,
+            memory_from=None,
+            memory_shared=not manifest.ram_in_stream,
+        )
         for source, target in moved:
             os.rename(source, target)
+        crash_point("resume-moved")
         if not manifest.ram_in_stream:
             try:
                 reserve_ram(memory, manifest.memory_mib << 20)
@@ -664,17 +691,12 @@ class Machine:
                 for source, target in moved:
                     os.rename(target, source)
                 raise
-        self.update(
-            disk=disk,
-            memory_file=memory.name,
-            memory_from=None,
-            memory_shared=not manifest.ram_in_stream,
-        )
         timer = StepTimer("resume")
         try:
             await self._start_vm(incoming=True)
             timer("vm start")
             await self._continue(paused / mf.DEVICE_STATE, new_identity=False, timer=timer)
+            crash_point("resume-continued")
             timer.log()
         except BaseException:
             await self.stop_vm()

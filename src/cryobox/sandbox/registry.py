@@ -65,6 +65,9 @@ class SandboxRecord:
     qemu_pid: int | None = None
     ports: dict[int, int] = field(default_factory=dict)
     deadline: float | None = None
+    #: Seconds of life the sandbox gets from each start or resume: the spec's timeout
+    #: until ``set_timeout`` changes it (so an extension survives pause and resume).
+    timeout: float | None = None
     error: str | None = None
     #: Structured detail of ``error`` (a QEMU failure's command, exit code, stderr).
     failure: dict[str, Any] | None = None
@@ -144,10 +147,12 @@ class SandboxDir:
         orphaned = record.supervisor_pid is not None or time.time() - record.updated_at > 30
         if orphaned and not supervisor_alive(record):
             vm_alive = process_alive(record.qemu_pid, f"cryobox-{self.id}")
-            if vm_alive and record.state is SandboxState.RUNNING:
+            if vm_alive and record.state in ADOPTABLE:
                 return record  # its VM runs on: the next use adopts it (see needs_adoption)
-            if vm_alive:  # a start or resume cut short: nobody can finish it
+            if vm_alive:  # a start cut short: nobody can finish it
                 kill_vm(record, self.id)
+            if record.state is SandboxState.RESUMING:
+                self.give_back_pause(record)
             self._complete_pause(record)
             if (self.paused / "manifest.json").exists():
                 # The supervisor died after committing a pause: the pause stands (recorded
@@ -166,8 +171,21 @@ class SandboxDir:
         return record
 
     def needs_adoption(self, record: SandboxRecord) -> bool:
-        """Whether the sandbox runs but its supervisor is gone (killed, crashed)."""
-        return record.state is SandboxState.RUNNING and not supervisor_alive(record)
+        """Whether the sandbox's VM runs (or was being resumed) but its supervisor is gone."""
+        return record.state in ADOPTABLE and not supervisor_alive(record)
+
+    def give_back_pause(self, record: SandboxRecord) -> None:
+        """Undo a resume cut short before its guest ran: the files it moved out of
+        ``paused/`` go back, so the pause is whole again (its hashes still match)."""
+        from cryobox.snapshot import manifest as mf
+
+        if not (self.paused / mf.MANIFEST).exists():
+            return
+        memory = record.memory_file if record.memory_shared else None  # else: RAM in stream
+        for name, saved in ((record.disk, mf.DISK), (memory, mf.MEMORY)):
+            if name and (self.path / name).exists() and not (self.paused / saved).exists():
+                with contextlib.suppress(OSError):
+                    os.rename(self.path / name, self.paused / saved)
 
     def _complete_pause(self, record: SandboxRecord) -> None:
         """Finish the pause of a supervisor that died after writing and hashing all of it
@@ -211,6 +229,10 @@ def process_start(pid: int) -> int | None:
     except (OSError, IndexError):
         return None
     return None if fields[0] == "Z" else int(fields[19])
+
+
+#: States whose VM a new supervisor takes over when its own died.
+ADOPTABLE = (SandboxState.RUNNING, SandboxState.RESUMING)
 
 
 def kill_vm(record: SandboxRecord, sandbox_id: str) -> None:

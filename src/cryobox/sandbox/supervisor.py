@@ -266,7 +266,7 @@ class Supervisor:
             assert self.record.deadline is not None
             remaining = self.record.deadline - time.time()
             if remaining <= 0:
-                self.stop(SandboxState.KILLED, f"timed out after {self.machine.spec.timeout:.0f} s")
+                self.stop(SandboxState.KILLED, f"timed out after {self.machine.timeout:g} s")
                 return
             self._deadline_changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -380,7 +380,7 @@ class Supervisor:
             return self.record.to_json()
         if op is ControlOp.SET_TIMEOUT:
             seconds = SetTimeout.parse(args).seconds
-            self.machine.update(deadline=time.time() + seconds)
+            self.machine.update(deadline=time.time() + seconds, timeout=seconds)
             self._deadline_changed.set()
             return {"deadline": self.record.deadline}
         if op is ControlOp.KILL:

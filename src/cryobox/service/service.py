@@ -35,6 +35,7 @@ from cryobox.errors import (
     SandboxDead,
     SnapshotIncompatible,
     SnapshotNotFound,
+    StateError,
 )
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
@@ -59,7 +60,7 @@ from cryobox.service import references
 from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, valid_name
-from cryobox.util import new_id
+from cryobox.util import data_bytes, new_id
 from cryobox.vmm import Vmm, backend
 
 BASE_TEMPLATE = "base"
@@ -103,8 +104,7 @@ def validate(request: CreateRequest) -> None:
 def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -> SandboxInfo:
     ram = 0
     if record.memory_file and not record.state.finished:
-        with contextlib.suppress(OSError):
-            ram = (folder.path / record.memory_file).stat().st_blocks * 512
+        ram = data_bytes(folder.path / record.memory_file)  # pages written, not reserved
     return SandboxInfo(
         id=spec.id,
         state=record.state.value,
@@ -123,6 +123,8 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         vmm_pid=record.qemu_pid if record.state is SandboxState.RUNNING else None,
         ram_file_bytes=ram,
         network=spec.network,
+        supervisor_pid=record.supervisor_pid if registry.supervisor_alive(record) else None,
+        log_bytes=sum(path.stat().st_size for path in folder.path.glob("*.log*") if path.is_file()),
     )
 
 
@@ -254,6 +256,13 @@ class SandboxService:
         :raises SnapshotError: when its saved state is refused (it stays paused).
         """
         folder = registry.find(sandbox_id)
+        if folder.needs_adoption(folder.record()):
+            # A resume cut short (its supervisor died): running on, or paused again.
+            with contextlib.suppress(StateError):
+                await self._adopt(folder)
+            record = folder.record()
+            if record.state is SandboxState.RUNNING:
+                return sandbox_info(folder.spec(), record, folder)
         require(sandbox_id, folder.record().state, (SandboxState.PAUSED,), "resume")
         record = await self.launcher.start(folder, resume=True, progress=progress)
         return sandbox_info(folder.spec(), record, folder)
@@ -621,9 +630,9 @@ class SandboxService:
         channel = self._channels.get(sandbox_id)
         if channel is None or channel.closed:
             folder = registry.find(sandbox_id)
-            self._require_running(sandbox_id, "use")
             if folder.needs_adoption(folder.record()):
                 await self._adopt(folder)
+            self._require_running(sandbox_id, "use")
             channel = await AgentClient.connect(folder.control_socket)
             self._channels[sandbox_id] = channel
         return channel

@@ -122,8 +122,18 @@ class LocalSnapshotStore:
                 return mf.load(folder)
         named = [m for m in self.all() if m.name == ref]
         if not named:
+            self._refuse_unlisted(ref)
             raise SnapshotNotFound(ref)
         return named[-1]
+
+    def _refuse_unlisted(self, name: str) -> None:
+        """A snapshot of that name that is not listed because it failed verification or
+        is of another format: say why it is refused rather than "not found"."""
+        for path in self._dir("snapshots").glob(f"*/{mf.MANIFEST}"):
+            with contextlib.suppress(OSError, ValueError):
+                raw = json.loads(path.read_text())
+                if isinstance(raw, dict) and raw.get("name") == name:
+                    mf.load(path.parent)  # raises the refusal, naming what is wrong
 
     def all(self) -> list[Manifest]:
         found = []

@@ -85,6 +85,11 @@ class Vm(Protocol):
 
     async def add_port_forward(self, forward: PortForward) -> None: ...
 
+    async def run_state(self) -> str:
+        """The machine's own state: "running", "paused", or "inmigrate" while it still
+        waits for the device state of a restore."""
+        ...
+
     async def kill(self) -> None:
         """End the machine at once and reap it."""
         ...

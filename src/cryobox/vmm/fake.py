@@ -127,6 +127,9 @@ class FakeVm:
             raise QemuError("migration failed: fake load_state failure")
         self.guest = json.loads(path.read_text())
 
+    async def run_state(self) -> str:
+        return "running"
+
     async def add_port_forward(self, forward: PortForward) -> None:
         self.ports.append(forward)
 
