@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -78,6 +79,29 @@ def data_bytes(path: Path) -> int:
         return 0
     try:
         return sum(end - start for start, end in data_extents(fd))
+    finally:
+        os.close(fd)
+
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def release_unwritten(path: Path) -> None:
+    """Give back the blocks reserved for ``path`` and never written (its holes as
+    SEEK_DATA sees them), keeping its content: a paused RAM file then holds only the
+    pages the guest used. Best effort: a file system without hole punching keeps them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size, offset = os.fstat(fd).st_size, 0
+        for start, end in [*data_extents(fd), (size, size)]:
+            if start > offset:
+                libc.fallocate(
+                    fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, start - offset
+                )
+            offset = max(offset, end)
     finally:
         os.close(fd)
 

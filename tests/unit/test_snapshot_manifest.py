@@ -221,3 +221,19 @@ def test_a_manifest_without_a_mac_is_refused_as_an_older_format(tmp_path: Path) 
     (folder / mf.MANIFEST).write_text(json.dumps(raw))
     with pytest.raises(SnapshotIncompatible, match="format_version"):
         mf.load(folder)
+
+
+def test_reserved_ram_is_released_without_changing_content(tmp_path: Path) -> None:
+    from cryobox.util import data_bytes, release_unwritten
+
+    ram = tmp_path / "memory"
+    fd = os.open(ram, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, 64 << 20)  # reserved, as a running VM's RAM file is
+    os.pwrite(fd, b"guest" * 1000, 20 << 20)
+    os.close(fd)
+    digest = mf.file_digest(ram)
+    assert ram.stat().st_blocks * 512 >= 64 << 20
+    release_unwritten(ram)
+    assert ram.stat().st_blocks * 512 <= 8 << 20  # about the written pages stay
+    assert data_bytes(ram) > 0 and mf.file_digest(ram) == digest
+    assert ram.stat().st_size == 64 << 20

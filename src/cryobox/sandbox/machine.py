@@ -68,7 +68,14 @@ from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore
-from cryobox.util import copy_sparse, data_bytes, free_port, new_id, write_json_atomic
+from cryobox.util import (
+    copy_sparse,
+    data_bytes,
+    free_port,
+    new_id,
+    release_unwritten,
+    write_json_atomic,
+)
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
 
 log = logging.getLogger("cryobox.supervisor")
@@ -651,6 +658,9 @@ class Machine:
         # The disk layer moves last: once it is out of the sandbox folder, everything is
         # in the pause folder and a new supervisor can finish the pause (registry).
         if self.record.memory_shared:
+            # Paused, the RAM file needs no reserve: only the pages the guest wrote stay.
+            with contextlib.suppress(OSError):
+                release_unwritten(memory)
             os.rename(memory, temp / mf.MEMORY)
         os.rename(disk, temp / mf.DISK)
         crash_point("moved")
