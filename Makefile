@@ -16,12 +16,7 @@ PIP_STAMP := $(VENV)/.pip-done
 
 .PHONY: setup image demo test lint unit bench clean
 
-# QEMU runs as this unprivileged system user when cryobox runs as root.
-VM_USER   := cryobox-vm
-
 setup: $(APT_STAMP) $(PIP_STAMP)
-	@id -u $(VM_USER) >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
-	    useradd --system --no-create-home --shell /usr/sbin/nologin $(VM_USER)
 
 $(APT_STAMP): Makefile
 	@missing=""; for p in $(APT_PACKAGES) mmdebstrap; do \

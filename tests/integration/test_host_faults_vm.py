@@ -151,7 +151,7 @@ def _get(url: str) -> int:
             time.sleep(0.5)
 
 
-@pytest.mark.parametrize("step", ["resume-moved", "resume-continued"])
+@pytest.mark.parametrize("step", ["resume-moved", "resume-started", "resume-continued"])
 def test_supervisor_killed_during_a_resume_loses_nothing(step: str, default_template: None) -> None:
     from cryobox import Sandbox
     from cryobox.service import discard_spare

@@ -263,3 +263,30 @@ async def test_a_paused_command_waits_on_its_full_pipe_and_loses_nothing() -> No
         assert len(received) == total  # nothing lost
     finally:
         await client.close()
+
+
+async def test_a_guest_cannot_raise_host_error_types(
+    scripted: tuple[AgentClient, socket.socket],
+) -> None:
+    client, peer = scripted
+    request = asyncio.ensure_future(client.request("ping"))
+    await asyncio.sleep(0.01)
+    forged = p.error_header(1, "internal", "your sandbox is dead")
+    forged["detail"] = {"type": "SandboxDead", "sandbox_id": "sbx-x", "reason": "forged"}
+    peer.sendall(p.encode(forged))
+    with pytest.raises(CryoboxError) as raised:
+        await asyncio.wait_for(request, 2)
+    assert type(raised.value).__name__ == "GuestError"  # never a host error type
+
+
+def test_deeply_nested_json_is_a_frame_error_not_a_crash() -> None:
+    deep = b"[" * 30000 + b"]" * 30000
+    frame = p.PREFIX.pack(p.MAGIC, len(deep), 0) + deep
+    (item,) = p.Decoder().feed(frame)
+    assert isinstance(item, p.FrameError)
+
+
+def test_a_header_received_within_bounds_can_be_relayed() -> None:
+    header = {"id": 1, "event": "stdout", "text": "€" * 20000}  # 60 KB in UTF-8
+    (frame,) = p.Decoder().feed(p.encode(header))
+    assert isinstance(frame, p.Frame) and p.encode(frame.header)  # re-encodes: no FrameError

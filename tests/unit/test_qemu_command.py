@@ -108,8 +108,8 @@ def test_isolated_forwards_listen_inside_the_namespace_and_none_is_restricted() 
 
 
 def test_qemu_is_confined_by_seccomp_and_runs_unprivileged() -> None:
-    as_root = build_command("qemu", spec(), runas="cryobox-vm")
-    assert option(as_root, "-runas") == ["cryobox-vm"]
+    as_root = build_command("qemu", spec(), runas="1543503872:1543503872")
+    assert option(as_root, "-runas") == ["1543503872:1543503872"]
     (policy,) = option(as_root, "-sandbox")
     assert {"on", "spawn=deny", "obsolete=deny", "resourcecontrol=deny"} <= set(policy.split(","))
     unprivileged = build_command("qemu", spec())

@@ -186,7 +186,9 @@ async def test_the_supervisor_answers_every_request_even_a_bad_one() -> None:
     from cryobox.guest.client import AgentClient
 
     sbx = Sandbox.create("base")
-    client = await AgentClient.connect(registry.SandboxDir.for_id(sbx.id).control_socket)
+    client = await AgentClient.connect(
+        registry.SandboxDir.for_id(sbx.id).control_socket, trusted=True
+    )
     try:
         for args in ({"seconds": "soon"}, {"seconds": float("inf")}, {"seconds": True}, {}):
             with pytest.raises(InvalidArgument, match="seconds"):

@@ -237,3 +237,33 @@ def test_reserved_ram_is_released_without_changing_content(tmp_path: Path) -> No
     assert ram.stat().st_blocks * 512 <= 8 << 20  # about the written pages stay
     assert data_bytes(ram) > 0 and mf.file_digest(ram) == digest
     assert ram.stat().st_size == 64 << 20
+
+
+def test_a_forged_verification_stamp_does_not_skip_the_hash_check(tmp_path: Path) -> None:
+    import json
+
+    folder = tmp_path / "snap-3"
+    temp = tmp_path / ".tmp-snap-3"
+    temp.mkdir()
+    (temp / mf.DISK).write_bytes(b"disk" * 1000)
+    manifest = sample_manifest("snap-3", files=mf.describe_files(temp, [mf.DISK]))
+    mf.finish(temp, folder, manifest)
+    mf.verify(folder, manifest)
+    with open(folder / mf.DISK, "r+b") as handle:
+        handle.write(b"EVIL")  # same size
+    st = (folder / mf.DISK).stat()
+    forged = {mf.DISK: [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino], "id": "snap-3"}
+    (folder / mf.STAMP).write_text(json.dumps(forged))  # no MAC: written without the key
+    with pytest.raises(SnapshotVerificationFailed, match="SHA-256"):
+        mf.verify(folder, manifest)
+
+
+def test_a_manifest_in_another_snapshots_folder_is_refused(tmp_path: Path) -> None:
+    local = store.LocalSnapshotStore(tmp_path)
+    for name in ("snap-a", "snap-b"):
+        temp = local.begin(name)
+        (temp / mf.DISK).write_bytes(name.encode())
+        local.commit(temp, sample_manifest(name, files=mf.describe_files(temp, [mf.DISK])))
+    shutil.copy(local.folder("snap-a") / mf.MANIFEST, local.folder("snap-b") / mf.MANIFEST)
+    with pytest.raises(SnapshotVerificationFailed, match="describes snapshot snap-a"):
+        local.get("snap-b")

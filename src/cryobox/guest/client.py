@@ -60,9 +60,18 @@ class _Pending:
 class AgentClient:
     """An open channel; use :meth:`connect`, then :meth:`request`, then :meth:`close`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        trusted: bool = False,
+    ) -> None:
         self._reader = reader
         self._writer = writer
+        #: Whether the peer is ours (a supervisor): only then are the error types it names
+        #: rebuilt. A guest agent's errors are always GuestErrors, whatever it claims.
+        self._trusted = trusted
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._closed_reason: str | None = None
@@ -72,7 +81,9 @@ class AgentClient:
         self._reader_task = asyncio.ensure_future(self._read_loop())
 
     @classmethod
-    async def connect(cls, path: Path, timeout: float = 10.0) -> AgentClient:
+    async def connect(
+        cls, path: Path, timeout: float = 10.0, *, trusted: bool = False
+    ) -> AgentClient:
         """Connect to a unix socket, retrying until it accepts or ``timeout`` passes.
 
         :raises ChannelError: when nothing accepts in time.
@@ -89,7 +100,7 @@ class AgentClient:
                     raise ChannelError(f"cannot connect to {path}: {exc}") from exc
                 await asyncio.sleep(0.01)
             else:
-                return cls(reader, writer)
+                return cls(reader, writer, trusted=trusted)
 
     @property
     def closed(self) -> bool:
@@ -201,7 +212,7 @@ class AgentClient:
             result = header.get("result")
             pending.future.set_result(result if isinstance(result, dict) else {})
         else:
-            detail = header.get("detail")
+            detail = header.get("detail") if self._trusted else None
             rebuilt = None
             if isinstance(detail, dict):
                 message = str((header.get("error") or {}).get("message", ""))

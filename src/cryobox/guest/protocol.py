@@ -95,7 +95,8 @@ def encode(header: dict[str, Any], payload: bytes = b"") -> bytes:
 
     :raises FrameError: when the header or payload exceeds its bound.
     """
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    # ensure_ascii=False: a header received within the bound is re-sent within it too
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     if len(raw) > MAX_HEADER:
         raise FrameError(f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
     if len(payload) > MAX_PAYLOAD:
@@ -154,6 +155,8 @@ class Decoder:
             header = json.loads(raw_header)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             return FrameError(f"header is not JSON: {exc}")
+        except RecursionError:
+            return FrameError("header is JSON nested too deep")
         if not isinstance(header, dict):
             return FrameError("header is not a JSON object")
         return Frame(header, payload)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
 
-from cryobox.network.namespace import connect_inside
+from cryobox.network.namespace import connect_inside, open_namespace
 
 log = logging.getLogger("cryobox.supervisor")
 CHUNK = 64 * 1024
@@ -26,7 +27,7 @@ class PortForwarder:
     """Listens on host ports; one per sandbox, owned by its supervisor."""
 
     def __init__(self, pid: int) -> None:
-        self.pid = pid
+        self.namespace = open_namespace(pid)
         self._servers: dict[int, asyncio.Server] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -54,7 +55,7 @@ class PortForwarder:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inner_port: int
     ) -> None:
         try:
-            sock = await _in_own_thread(connect_inside, self.pid, inner_port)
+            sock = await _in_own_thread(connect_inside, self.namespace, inner_port)
             inner_reader, inner_writer = await asyncio.open_connection(sock=sock)
         except OSError as exc:
             log.info("forward to port %d refused: %s", inner_port, exc)
@@ -67,6 +68,9 @@ class PortForwarder:
                 w.close()
 
     async def close(self) -> None:
+        if self.namespace >= 0:
+            os.close(self.namespace)
+            self.namespace = -1
         for server in self._servers.values():
             server.close()
         self._servers.clear()
@@ -78,7 +82,7 @@ class PortForwarder:
 
 
 async def _in_own_thread(
-    fn: Callable[[int, int], socket.socket], pid: int, port: int
+    fn: Callable[[int, int], socket.socket], namespace: int, port: int
 ) -> socket.socket:
     """Run ``fn`` in a thread of its own that ends with it: a thread that entered another
     namespace must never serve anything else (were the switch back ever to fail)."""
@@ -87,7 +91,7 @@ async def _in_own_thread(
 
     def run() -> None:
         try:
-            result = fn(pid, port)
+            result = fn(namespace, port)
         except BaseException as exc:
             loop.call_soon_threadsafe(_settle, done, None, exc)
         else:

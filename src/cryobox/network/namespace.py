@@ -9,7 +9,7 @@ loopback is empty, and the only way out is the one this module builds:
 - ``"none"``: no way out at all (the namespace has only its loopback);
 - ``"internet"`` and lists of rules: a veth pair, the sandbox's end in the namespace
   with a default route, the host's end routed and masqueraded by the host. One nftables
-  table on the host, ``ip cryobox``, drops everything from sandbox links to the host
+  table on the host, ``inet cryobox``, drops everything from sandbox links to the host
   itself (all its addresses), to other sandbox links and to link-local addresses
   (cloud metadata services); replies to the host's own connections pass. A list of
   rules becomes an nftables output filter inside the sandbox's namespace, where
@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import fcntl
 import ipaddress
+import json
 import os
 import random
 import socket
@@ -105,9 +106,9 @@ class Link:
 FORWARDING_MARK = Path("/run/cryobox-enabled-forwarding")
 
 HOST_RULES = f"""
-table ip cryobox
-delete table ip cryobox
-table ip cryobox {{
+table inet cryobox
+delete table inet cryobox
+table inet cryobox {{
     chain input {{
         type filter hook input priority filter - 10; policy accept;
         iifname "{LINK_PREFIX}*" ct state established,related accept
@@ -133,12 +134,16 @@ _host_ready: asyncio.Lock | None = None
 _host_done = False
 
 
-async def _run(argv: list[str], stdin: str = "") -> None:
+async def _run(argv: list[str], stdin: str = "") -> str:
+    """Run a network tool; its output.
+
+    :raises NetworkError: naming the command and what it said.
+    """
     try:
         process = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
     except FileNotFoundError as exc:
@@ -146,9 +151,10 @@ async def _run(argv: list[str], stdin: str = "") -> None:
             f"{argv[0]} not found: install Debian's iproute2, nftables and util-linux "
             "(`make setup` does)"
         ) from exc
-    _, err = await process.communicate(stdin.encode())
+    out, err = await process.communicate(stdin.encode())
     if process.returncode != 0:
         raise NetworkError(f"{' '.join(argv)} failed: {err.decode(errors='replace').strip()}")
+    return out.decode(errors="replace")
 
 
 async def ensure_host_rules() -> None:
@@ -171,13 +177,24 @@ async def ensure_host_rules() -> None:
         _host_done = True
 
 
-def _sandbox_rules(policy: NetworkPolicy) -> str:
-    """An output filter inside the namespace: only the listed destinations (and DNS to
-    the host's resolvers, which slirp's 10.0.2.3 relays to) get out."""
+def _sandbox_rules(policy: NetworkPolicy, link: Link, host_addresses: list[str]) -> str:
+    """The output filter inside the namespace, where slirp opens the guest's sockets.
+
+    Always: nothing to the host (its gateway here, every address the host has), to any
+    sandbox link or to link-local addresses, and no IPv6. This repeats the host table's
+    rules where a host firewall reload (``flush ruleset``) or a host DNAT cannot reach.
+    For a list of rules: only the listed destinations, and DNS to the host's resolvers
+    (which slirp's 10.0.2.3 relays to), get out.
+    """
+    never = sorted({link.host_address, str(SUBNET), LINK_LOCAL, *host_addresses})
     lines = [
         "oifname lo accept",
         "ct state established,related accept",
+        "meta nfproto ipv6 reject",
+        f"ip daddr {{ {', '.join(never)} }} reject",
     ]
+    if policy.mode != ALLOW:
+        lines.append("accept")
     for resolver in _resolvers():
         lines += [
             f"ip daddr {resolver} udp dport 53 accept",
@@ -194,7 +211,7 @@ def _sandbox_rules(policy: NetworkPolicy) -> str:
     lines.append("reject")
     body = "\n        ".join(lines)
     return f"""
-table ip sandbox {{
+table inet sandbox {{
     chain output {{
         type filter hook output priority filter; policy drop;
         {body}
@@ -231,14 +248,25 @@ async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
         f"addr add {link.host_address}/{prefix} dev {link.name}\nlink set {link.name} up\n",
     )
     enter = ["nsenter", f"--net={namespace_path(pid)}", "--"]
+    # The filter first, the route last: nothing leaves before the rules are in place.
+    rules = _sandbox_rules(policy, link, await _host_addresses())
+    await _run([*enter, "nft", "-f", "-"], rules)
     await _run(
         [*enter, "ip", "-batch", "-"],
         f"addr add {link.sandbox_address}/{prefix} dev eth0\nlink set eth0 up\n"
         f"route add default via {link.host_address}\n",
     )
-    if policy.mode == ALLOW:
-        await _run([*enter, "nft", "-f", "-"], _sandbox_rules(policy))
     return link
+
+
+async def _host_addresses() -> list[str]:
+    """Every IPv4 address the host has (on any interface), as /32s."""
+    found = []
+    for interface in json.loads(await _run(["ip", "-j", "-4", "addr", "show"]) or "[]"):
+        for info in interface.get("addr_info", []):
+            if info.get("family") == "inet" and info.get("local"):
+                found.append(f"{info['local']}/32")
+    return found
 
 
 async def _new_link(pid: int) -> Link:
@@ -273,20 +301,22 @@ async def _new_link(pid: int) -> Link:
     raise NetworkError(f"no free sandbox link in {SUBNET} after 64 tries")
 
 
-def connect_inside(pid: int, port: int, timeout: float = 10.0) -> socket.socket:
-    """A TCP connection to ``127.0.0.1:port`` inside process ``pid``'s namespace
+def open_namespace(pid: int) -> int:
+    """A descriptor of process ``pid``'s namespace: it names that namespace for as long
+    as it is open, even if the pid is reused."""
+    return os.open(namespace_path(pid), os.O_RDONLY | os.O_CLOEXEC)
+
+
+def connect_inside(namespace: int, port: int, timeout: float = 10.0) -> socket.socket:
+    """A TCP connection to ``127.0.0.1:port`` inside the namespace open as ``namespace``
     (blocking: run it in a thread; the namespace switch affects this thread only)."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
-        target = os.open(namespace_path(pid), os.O_RDONLY)
+        _setns(namespace)
         try:
-            _setns(target)
-            try:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            finally:
-                _setns(own)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         finally:
-            os.close(target)
+            _setns(own)
     finally:
         os.close(own)
     try:

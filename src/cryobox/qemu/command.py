@@ -90,7 +90,8 @@ def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
 
 
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
-    """The argv that starts ``spec``'s machine (as user ``runas`` once it is set up)."""
+    """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
+    once it is set up)."""
     accel = "kvm" if spec.accelerator == "kvm" else "tcg,thread=multi"
     share = "on" if spec.memory_shared else "off"
     argv = [

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import os
-import pwd
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,26 +49,19 @@ def qemu_version(binary: str | None = None) -> str:
     )
 
 
-#: The unprivileged user QEMU runs as when cryobox runs as root (`make setup` adds it).
-VM_USER = os.environ.get("CRYOBOX_VM_USER", "cryobox-vm")
+#: QEMUs run as uids from here on (2^24 of them, none in /etc/passwd) when cryobox is
+#: root: each VM its own uid and gid, so that a guest escaping into one QEMU cannot even
+#: signal another.
+VM_UID_BASE = 0x5C000000
 
 
-def vm_user() -> str | None:
-    """The user QEMU switches to with ``-runas``: None when cryobox is not root (QEMU
-    then runs as the caller, already unprivileged).
-
-    :raises QemuNotInstalled: when running as root and the user does not exist.
-    """
+def vm_user(name: str) -> str | None:
+    """``uid:gid`` for QEMU's ``-runas``, derived from the machine's name (a sandbox id):
+    None when cryobox is not root (QEMU then runs as the caller, already unprivileged)."""
     if os.geteuid() != 0:
         return None
-    try:
-        pwd.getpwnam(VM_USER)
-    except KeyError:
-        raise QemuNotInstalled(
-            f"user {VM_USER!r} for running QEMU unprivileged does not exist: "
-            f"`make setup` adds it (useradd --system --no-create-home {VM_USER})"
-        ) from None
-    return VM_USER
+    uid = VM_UID_BASE + int.from_bytes(hashlib.sha256(name.encode()).digest()[:3], "big")
+    return f"{uid}:{uid}"
 
 
 def _isolated_child() -> None:
@@ -103,7 +97,8 @@ class _Adopted:
         return self.returncode
 
     def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
+        if self.returncode is None:  # by pidfd: never another process that got the pid
+            signal.pidfd_send_signal(self._fd, signal.SIGKILL)
 
 
 class QemuProcess:
@@ -116,7 +111,7 @@ class QemuProcess:
     def __init__(self, spec: MachineSpec, stderr_path: Path, binary: str | None = None) -> None:
         self.spec = spec
         self.stderr_path = stderr_path
-        self.command = build_command(binary or qemu_binary(), spec, vm_user())
+        self.command = build_command(binary or qemu_binary(), spec, vm_user(spec.name))
         self._process: asyncio.subprocess.Process | _Adopted | None = None
         self._qmp: QMPClient | None = None
         self.link: Link | None = None
@@ -142,7 +137,9 @@ class QemuProcess:
             message, command=self.command, exitcode=self.returncode, stderr=self.stderr_text()
         )
 
-    async def start(self, timeout: float = 30.0) -> None:
+    async def start(
+        self, timeout: float = 30.0, on_spawn: Callable[[int], None] | None = None
+    ) -> None:
         """Start QEMU and connect to its monitor.
 
         :raises QemuError: when QEMU exits or its monitor does not appear in time.
@@ -159,6 +156,8 @@ class QemuProcess:
                 preexec_fn=_isolated_child if self.spec.isolated else None,
             )
         try:
+            if on_spawn is not None:
+                on_spawn(self._process.pid)
             if self.spec.isolated:
                 try:
                     self.link = await attach(self._process.pid, self.spec.network)

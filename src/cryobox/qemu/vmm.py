@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from cryobox.errors import ImageError, QemuError
 from cryobox.image.build import Image, ensure_image, find_image
 from cryobox.qemu.accel import detect_accelerator
 from cryobox.qemu.command import MACHINE_TYPE, build_command, cpu_model, device_drivers
-from cryobox.qemu.process import QemuProcess, qemu_binary, qemu_version, vm_user
+from cryobox.qemu.process import QemuProcess, qemu_binary, qemu_version
 from cryobox.vmm.base import MachineSpec, Progress
 
 
@@ -22,7 +23,6 @@ class QemuVmm:
 
     def check_installed(self) -> None:
         qemu_binary()
-        vm_user()
 
     def ensure_image(self, progress: Progress | None = None) -> Image:
         return ensure_image(progress)
@@ -81,7 +81,12 @@ class QemuVmm:
         await process.adopt(pid)
         return process
 
-    async def start(self, spec: MachineSpec, stderr_path: Path) -> QemuProcess:
+    async def start(
+        self,
+        spec: MachineSpec,
+        stderr_path: Path,
+        on_spawn: Callable[[int], None] | None = None,
+    ) -> QemuProcess:
         process = QemuProcess(spec, stderr_path)
-        await process.start()
+        await process.start(on_spawn=on_spawn)
         return process

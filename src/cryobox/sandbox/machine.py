@@ -64,7 +64,7 @@ from cryobox.sandbox.registry import (
     process_alive,
     process_start,
 )
-from cryobox.sandbox.state import SandboxState
+from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore
@@ -252,6 +252,10 @@ class Machine:
 
         :raises SandboxDead: when its VM is gone too.
         """
+        if not self.folder.needs_adoption(self.record):  # re-read under the supervisor lock
+            raise StateError(
+                self.spec.id, self.record.state.value, ["running with no supervisor"], "adopt"
+            )
         pid = self.record.qemu_pid
         if not pid or not process_alive(pid, f"cryobox-{self.spec.id}"):
             raise SandboxDead(self.spec.id, "its supervisor and its VM are gone")
@@ -435,7 +439,10 @@ class Machine:
         wanted = dict.fromkeys((*self.spec.ports, *guest_ports, *self.record.ports))
         forwards = tuple(PortForward(g, self.record.ports.get(g) or free_port()) for g in wanted)
         self.vm = await self.vmm.start(
-            self._machine_spec(incoming, forwards, kernel_args), self.folder.qemu_stderr
+            self._machine_spec(incoming, forwards, kernel_args),
+            self.folder.qemu_stderr,
+            # Recorded at once: a supervisor dying while the VM starts leaves it findable.
+            on_spawn=lambda pid: self.update(qemu_pid=pid),
         )
         await self._listen(forwards)
         self.update(qemu_pid=self.vm.pid, ports={f.guest_port: f.host_port for f in forwards})
@@ -669,6 +676,8 @@ class Machine:
 
     async def resume(self, supervisor_pid: int) -> None:
         """Continue the paused machine with every process where it was."""
+        # Re-read under the supervisor lock: two resumes of one sandbox, one goes ahead.
+        require(self.spec.id, self.record.state, (SandboxState.PAUSED,), "resume")
         self._claim(SandboxState.RESUMING, supervisor_pid)
         paused = self.folder.paused
         manifest = self._trusted_pause(paused)
@@ -704,6 +713,7 @@ class Machine:
         timer = StepTimer("resume")
         try:
             await self._start_vm(incoming=True)
+            crash_point("resume-started")  # QEMU waits for its state: the guest has not run
             timer("vm start")
             await self._continue(paused / mf.DEVICE_STATE, new_identity=False, timer=timer)
             crash_point("resume-continued")
@@ -725,6 +735,10 @@ class Machine:
                 f"{ref} belongs to sandbox {manifest.source_sandbox}, not {self.spec.id}"
             )
         self._trusted(manifest.id)
+        # Checked before the VM stops: a new RAM file is reserved in full beside the old.
+        check_space(
+            (manifest.memory_mib << 20) + DEVICE_STATE_ROOM, "rolling back", self.folder.path
+        )
         old = [self.folder.path / n for n in (self.record.disk, self.record.memory_file) if n]
         await self.stop_vm()
         await self._restore(manifest, new_identity=False)

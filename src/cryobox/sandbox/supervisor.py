@@ -41,6 +41,7 @@ from cryobox.errors import (
     GuestError,
     InvalidArgument,
     SandboxDead,
+    StateError,
     StorageError,
     error_detail,
 )
@@ -70,10 +71,14 @@ CONSOLE_CHECK_SECONDS = 2.0
 #: Output held for a client that does not read before the guest is told to wait.
 OUTPUT_HIGH = 4 << 20
 OUTPUT_LOW = 1 << 20
+#: Held output past which a guest that ignores "pause" has its request ended.
+OUTPUT_LIMIT = 64 << 20
 #: While requests are in flight, the agent is pinged this often; one that does not
 #: answer within AGENT_DEADLINE seconds (stopped, killed without restart, starved by a
 #: fork bomb) fails them with a clear error instead of leaving them waiting forever.
 AGENT_CHECK_SECONDS = 5.0
+#: How long a start waits for the previous supervisor of its sandbox to be gone.
+LOCK_WAIT_SECONDS = 15.0
 AGENT_DEADLINE = 30.0
 
 
@@ -102,8 +107,20 @@ class ClientConnection:
         self.writer = writer
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        if not self.writer.is_closing():
-            self.writer.write(p.encode(header, payload))
+        """Write one frame; one that cannot be encoded (a guest's answer too large to
+        relay, say) becomes an error for its request, so the client is never left
+        waiting."""
+        if self.writer.is_closing():
+            return
+        try:
+            frame = p.encode(header, payload)
+        except p.FrameError as exc:
+            if "ok" not in header and "event" in header:
+                return  # an event: dropped (its request still gets its answer)
+            frame = p.encode(
+                p.error_header(header.get("id"), p.BAD_FRAME, f"answer not relayed: {exc}")
+            )
+        self.writer.write(frame)
 
     @property
     def gone(self) -> bool:
@@ -122,16 +139,36 @@ class OutputFlow:
     the agent is told to pause that request (it stops reading the command's pipes, so
     the command itself waits on its full pipe), and once the client has taken all but
     ``OUTPUT_LOW`` bytes, to resume. Nothing is dropped, and the supervisor holds at
-    most ``OUTPUT_HIGH`` plus what was already on its way per slow request.
+    most ``OUTPUT_HIGH`` plus what was already on its way per slow request. A guest
+    that does not pause (a replaced agent) is cut off at ``OUTPUT_LIMIT``: its request
+    ends with an error and its command is killed.
     """
 
     def __init__(self, agent: AgentClient, client: ClientConnection) -> None:
         self._agent = agent
         self._client = client
         self._paused: set[int] = set()
+        #: Requests whose output passed OUTPUT_LIMIT: a guest that ignores "pause".
+        self.overflowed: set[int] = set()
 
     def after_send(self, agent_rid: int | None) -> None:
-        if agent_rid is None or agent_rid in self._paused or self._client.buffered() <= OUTPUT_HIGH:
+        if agent_rid is None:
+            return
+        if self._client.buffered() > OUTPUT_LIMIT and agent_rid not in self.overflowed:
+            # The guest went on sending after being told to pause: stop relaying, and
+            # end the command (its answer becomes an error, see Supervisor._forward).
+            self.overflowed.add(agent_rid)
+            log.warning(
+                "request %d: %d MiB held, the guest ignored flow control",
+                agent_rid,
+                OUTPUT_LIMIT >> 20,
+            )
+            kill = asyncio.ensure_future(
+                self._agent.request(p.GuestOp.EXEC_KILL, {"exec_id": agent_rid}, timeout=30)
+            )
+            kill.add_done_callback(lambda t: t.cancelled() or t.exception())
+            return
+        if agent_rid in self._paused or self._client.buffered() <= OUTPUT_HIGH:
             return
         self._paused.add(agent_rid)
         task = asyncio.ensure_future(self._hold(agent_rid))
@@ -190,7 +227,8 @@ class Supervisor:
             else:
                 await self.machine.start(os.getpid())
         except Exception as exc:
-            await self._failed_start(exc, resume)
+            if not adopt or not self._leave_as_is(exc):
+                await self._failed_start(exc, resume)
             if report is not None:
                 report.send(error_reply(0, exc, "start"))
             return 1
@@ -218,6 +256,11 @@ class Supervisor:
             state, reason = self._stop_reason
             await self._shutdown(state, reason)
         return 0
+
+    def _leave_as_is(self, exc: Exception) -> bool:
+        """Whether a failed adoption left the sandbox as it should stay: paused again (a
+        resume cut short before its guest ran), or served by another supervisor."""
+        return self.record.state is SandboxState.PAUSED or isinstance(exc, StateError)
 
     async def _failed_start(self, exc: Exception, resume: bool) -> None:
         """End a start that failed, saying why. A failed resume stays paused: its saved
@@ -368,12 +411,20 @@ class Supervisor:
         flow = OutputFlow(agent, client)
 
         def relay(header: dict[str, Any], event_payload: bytes) -> None:
+            agent_rid = header.get("id")
+            if agent_rid in flow.overflowed:
+                return
             client.send({**header, "id": rid}, event_payload)
             if event_payload:
-                agent_rid = header.get("id")
                 flow.after_send(agent_rid if isinstance(agent_rid, int) else None)
 
-        return await agent.request(op, args, payload, on_event=relay)
+        result = await agent.request(op, args, payload, on_event=relay)
+        if flow.overflowed:
+            raise ChannelError(
+                f"{op}: more than {OUTPUT_LIMIT >> 20} MiB of output waited for this client "
+                "and the guest did not pause: the command was killed"
+            )
+        return result
 
     async def _control(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
         if op is ControlOp.STATUS:
@@ -390,20 +441,34 @@ class Supervisor:
             return {"host_port": await self.machine.expose_port(ExposePort.parse(args).guest_port)}
         async with self._lifecycle:
             require(self.record.id, self.record.state, (SandboxState.RUNNING,), op.split(".")[1])
-            if op is ControlOp.PAUSE:
-                await self.machine.pause()
-                self._exit_paused = True
-                self.stop(SandboxState.PAUSED, None)
-                return {}
-            if op is ControlOp.SNAPSHOT:
-                request = TakeSnapshot.parse(args)
-                manifest = await self.machine.capture(
-                    purpose=request.purpose, name=request.name, memory=request.memory
-                )
-                return manifest.to_json()
-            if op is ControlOp.ROLLBACK:
-                await self.machine.rollback(Rollback.parse(args).snapshot_id)
-                return {}
+            try:
+                return await self._lifecycle_op(op, args)
+            except Exception as exc:
+                vm = self.machine.vm
+                if vm is not None and vm.returncode is not None:  # it failed past the VM
+                    if op is ControlOp.PAUSE:  # every file was written: completed later
+                        self._exit_paused = True
+                        self.stop(SandboxState.PAUSED, None)
+                    else:
+                        self.stop(SandboxState.DEAD, f"{op} failed after its VM ended: {exc}")
+                raise
+
+    async def _lifecycle_op(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
+        """Pause, snapshot or rollback (the caller holds the lifecycle lock)."""
+        if op is ControlOp.PAUSE:
+            await self.machine.pause()
+            self._exit_paused = True
+            self.stop(SandboxState.PAUSED, None)
+            return {}
+        if op is ControlOp.SNAPSHOT:
+            request = TakeSnapshot.parse(args)
+            manifest = await self.machine.capture(
+                purpose=request.purpose, name=request.name, memory=request.memory
+            )
+            return manifest.to_json()
+        if op is ControlOp.ROLLBACK:
+            await self.machine.rollback(Rollback.parse(args).snapshot_id)
+            return {}
         raise InvalidArgument(f"{op} is not a request a running supervisor takes")
 
 
@@ -423,16 +488,22 @@ async def _serve(sock: socket.socket) -> int:
     folder = SandboxDir(Path(request.folder))
     # Two processes may find the same orphaned VM at once: the first adopter holds this
     # lock for its life, a second one finds it taken and leaves.
-    lock = os.open(folder.path / "adopt.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        if request.adopt:
+    # One supervisor per sandbox: it holds this lock for its life. An adopter gives up at
+    # once if another holds it (someone adopted first); a resume waits for the supervisor
+    # that paused to be gone. Each re-reads the state once it holds the lock (Machine).
+    lock = os.open(folder.path / "supervisor.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + (0 if request.adopt else LOCK_WAIT_SECONDS)
+    while True:
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        ClientConnection(writer).send(
-            error_reply(0, SandboxDead(folder.id, "another supervisor serves it"), "start")
-        )
-        await writer.drain()
-        return 1
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                busy = SandboxDead(folder.id, "another supervisor serves it")
+                ClientConnection(writer).send(error_reply(0, busy, "start"))
+                await writer.drain()
+                return 1
+            await asyncio.sleep(0.05)
     handler = logging.handlers.RotatingFileHandler(
         folder.supervisor_log, maxBytes=LOG_MAX_BYTES, backupCount=1
     )

@@ -442,7 +442,7 @@ class SandboxService:
         begun = await channel.request(
             p.GuestOp.FILE_WRITE_BEGIN, {"path": path, "mode": mode}, timeout=GUEST_REQUEST_TIMEOUT
         )
-        handle = begun["handle"]
+        handle = answers.whole(begun, "handle", "write")
         try:
             for chunk in chunks:
                 await channel.request(
@@ -633,7 +633,7 @@ class SandboxService:
             if folder.needs_adoption(folder.record()):
                 await self._adopt(folder)
             self._require_running(sandbox_id, "use")
-            channel = await AgentClient.connect(folder.control_socket)
+            channel = await AgentClient.connect(folder.control_socket, trusted=True)
             self._channels[sandbox_id] = channel
         return channel
 

@@ -136,6 +136,12 @@ def describe_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _signed_stamp(snapshot_id: str, keys_by_file: dict[str, Any]) -> dict[str, Any]:
+    """The record of which file versions were hashed, authenticated with the host key
+    (else whoever can write the folder could forge it and skip the hash check)."""
+    return keys.signed({**keys_by_file, "id": snapshot_id})
+
+
 def _stat_key(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
@@ -182,6 +188,10 @@ def verify(folder: Path, manifest: Manifest) -> None:
         stamp = json.loads(stamp_path.read_text())
     except (OSError, ValueError):
         stamp = {}
+    # Only a stamp this host wrote for this very snapshot spares a file its hashing.
+    if not isinstance(stamp, dict) or not keys.authentic(stamp) or stamp.get("id") != manifest.id:
+        stamp = {}
+    stamp = {k: v for k, v in stamp.items() if k not in ("id", keys.MAC_FIELD)}
     changed = False
     for name, expected in sorted(manifest.files.items()):
         path = folder / name
@@ -201,7 +211,7 @@ def verify(folder: Path, manifest: Manifest) -> None:
         changed = True
     if changed:
         with contextlib.suppress(OSError):
-            write_json_atomic(stamp_path, stamp)
+            write_json_atomic(stamp_path, _signed_stamp(manifest.id, stamp))
 
 
 def check_compatible(manifest: Manifest, backend: dict[str, Any], shape: dict[str, Any]) -> None:
@@ -235,7 +245,8 @@ def finish(temp: Path, final: Path, manifest: Manifest) -> None:
     for name in manifest.files:
         fsync_file(temp / name)
     # The files were hashed just now: record that, so the first restore need not hash again.
-    write_json_atomic(temp / STAMP, {name: _stat_key(temp / name) for name in manifest.files})
+    stamp = {name: _stat_key(temp / name) for name in manifest.files}
+    write_json_atomic(temp / STAMP, _signed_stamp(manifest.id, stamp))
     write_json_atomic(temp / MANIFEST, manifest.to_signed_json())
     os.replace(temp, final)
     fsync_dir(final.parent)
@@ -257,7 +268,8 @@ def commit_pending(temp: Path, final: Path) -> None:
         for name in manifest.files:
             fsync_file(temp / name)
         with contextlib.suppress(OSError):  # a missing stamp only costs a re-hash
-            write_json_atomic(temp / STAMP, {n: _stat_key(temp / n) for n in manifest.files})
+            stamp = {n: _stat_key(temp / n) for n in manifest.files}
+            write_json_atomic(temp / STAMP, _signed_stamp(manifest.id, stamp))
         os.replace(pending, temp / MANIFEST)
         fsync_dir(temp)
     os.replace(temp, final)

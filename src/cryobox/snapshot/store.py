@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cryobox import config
-from cryobox.errors import SnapshotError, SnapshotNotFound
+from cryobox.errors import SnapshotError, SnapshotNotFound, SnapshotVerificationFailed
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.util import write_json_atomic
@@ -119,7 +119,7 @@ class LocalSnapshotStore:
         if valid_name(ref):
             folder = self.folder(ref)
             if (folder / mf.MANIFEST).exists():
-                return mf.load(folder)
+                return _load(folder)
         named = [m for m in self.all() if m.name == ref]
         if not named:
             self._refuse_unlisted(ref)
@@ -133,7 +133,7 @@ class LocalSnapshotStore:
             with contextlib.suppress(OSError, ValueError):
                 raw = json.loads(path.read_text())
                 if isinstance(raw, dict) and raw.get("name") == name:
-                    mf.load(path.parent)  # raises the refusal, naming what is wrong
+                    _load(path.parent)  # raises the refusal, naming what is wrong
 
     def all(self) -> list[Manifest]:
         found = []
@@ -141,7 +141,7 @@ class LocalSnapshotStore:
             if folder.name.startswith("."):
                 continue
             with contextlib.suppress(SnapshotError):
-                found.append(mf.load(folder))
+                found.append(_load(folder))
         found.sort(key=lambda manifest: manifest.created_at)
         return found
 
@@ -189,3 +189,17 @@ class LocalSnapshotStore:
     def delete_template(self, name: str) -> None:
         if valid_name(name):
             (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)
+
+
+def _load(folder: Path) -> Manifest:
+    """A stored snapshot's manifest, which must name the folder it is in: a manifest
+    copied into another snapshot's folder would otherwise restore that one's files.
+
+    :raises SnapshotVerificationFailed:
+    """
+    manifest = mf.load(folder)
+    if manifest.id != folder.name:
+        raise SnapshotVerificationFailed(
+            folder.name, mf.MANIFEST, f"it describes snapshot {manifest.id}, not this one"
+        )
+    return manifest

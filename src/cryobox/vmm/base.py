@@ -130,8 +130,14 @@ class Vmm(Protocol):
         """A new writable disk layer at ``path`` over the frozen ``backing`` layer."""
         ...
 
-    async def start(self, spec: MachineSpec, stderr_path: Path) -> Vm:
-        """Start the machine (booting, or waiting for state when ``spec.incoming``)."""
+    async def start(
+        self,
+        spec: MachineSpec,
+        stderr_path: Path,
+        on_spawn: Callable[[int], None] | None = None,
+    ) -> Vm:
+        """Start the machine (booting, or waiting for state when ``spec.incoming``);
+        ``on_spawn`` hears its process id as soon as it exists."""
         ...
 
     async def adopt(self, spec: MachineSpec, pid: int, stderr_path: Path) -> Vm:

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,12 @@ class FakeVmm:
     async def adopt(self, spec: MachineSpec, pid: int, stderr_path: Path) -> FakeVm:
         raise QemuError("a fake machine's agent lives in its supervisor: it cannot be adopted")
 
-    async def start(self, spec: MachineSpec, stderr_path: Path) -> FakeVm:
+    async def start(
+        self,
+        spec: MachineSpec,
+        stderr_path: Path,
+        on_spawn: Callable[[int], None] | None = None,
+    ) -> FakeVm:
         if failing("start"):
             raise QemuError("fake machine failed to start", command=["fake-vm"], exitcode=1)
         for layer in spec.disk_chain:
@@ -196,6 +202,8 @@ class FakeVmm:
         process = subprocess.Popen(
             [sys.executable, "-c", _WAIT_FOREVER, spec.name], stdin=subprocess.DEVNULL
         )
+        if on_spawn is not None:
+            on_spawn(process.pid)
         vm = FakeVm(spec, process)
         if not spec.memory_file.exists() or spec.memory_file.stat().st_size == 0:
             with open(spec.memory_file, "wb") as ram:
