@@ -290,3 +290,36 @@ def test_a_header_received_within_bounds_can_be_relayed() -> None:
     header = {"id": 1, "event": "stdout", "text": "€" * 20000}  # 60 KB in UTF-8
     (frame,) = p.Decoder().feed(p.encode(header))
     assert isinstance(frame, p.Frame) and p.encode(frame.header)  # re-encodes: no FrameError
+
+
+async def test_a_guest_that_ignores_pause_is_cut_off_and_its_command_killed(
+    scripted: tuple[AgentClient, socket.socket],
+) -> None:
+    from cryobox.sandbox import supervisor
+
+    class SlowClient:
+        """A client that took nothing of what was written to it."""
+
+        held = 0
+        gone = False
+
+        def buffered(self) -> int:
+            return self.held
+
+    agent, peer = scripted
+    client = SlowClient()
+    flow = supervisor.OutputFlow(agent, client)  # type: ignore[arg-type]
+    client.held = supervisor.OUTPUT_HIGH + 1
+    flow.after_send(5)  # past the high mark: the guest is asked to pause request 5
+    client.held = supervisor.OUTPUT_LIMIT + 1
+    flow.after_send(5)  # it went on sending: cut off
+    assert flow.overflowed == {5}
+    decoder, ops = p.Decoder(), []
+    peer.settimeout(2)
+    while "exec.kill" not in ops:
+        for frame in decoder.feed(await asyncio.to_thread(peer.recv, 65536)):
+            assert isinstance(frame, p.Frame)
+            ops.append(frame.header.get("op"))
+            if frame.header.get("op") == "exec.kill":
+                assert frame.header["args"] == {"exec_id": 5}
+    assert ops[0] == p.GuestOp.FLOW
