@@ -68,6 +68,7 @@ def data_extents(fd: int) -> Iterator[tuple[int, int]]:
 
 PAGE = 4096
 _ZERO_PAGE = bytes(PAGE)
+_ZERO_CHUNK = bytes(1 << 20)
 
 
 def data_bytes(path: Path) -> int:
@@ -137,9 +138,11 @@ def copy_sparse(source: Path, target: Path, *, skip_zero_pages: bool = False) ->
 
 def _copy_nonzero_pages(src: int, dst: int, start: int, end: int) -> None:
     """Write the runs of non-zero pages of ``src[start:end]`` to the same offsets of ``dst``."""
-    chunk = 1 << 20
+    chunk = len(_ZERO_CHUNK)
     for base in range(start, end, chunk):
         view = memoryview(os.pread(src, min(chunk, end - base), base))
+        if view == _ZERO_CHUNK[: len(view)]:
+            continue  # the common case in a reserved RAM file: one memcmp, no page loop
         run = None  # offset in view where the current run of non-zero pages began
         for offset in range(0, len(view), PAGE):
             zero = view[offset : offset + PAGE] == _ZERO_PAGE[: len(view) - offset]

@@ -26,8 +26,9 @@ SCRIPTS = Path(__file__).parent / "scripts"
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_full_state_file_system_refuses_saves_and_keeps_the_sandbox_running() -> None:
     mount = Path(tempfile.mkdtemp(prefix="cbx-full-"))
+    # 3 GiB: room enough that a 256 MiB guest's RAM is left sparse at first (margin 2 GiB)
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=700m,mode=0700", "tmpfs", str(mount)], check=True
+        ["mount", "-t", "tmpfs", "-o", "size=3g,mode=0700", "tmpfs", str(mount)], check=True
     )
     try:
         env = {**os.environ, "CRYOBOX_STATE_DIR": str(mount)}
@@ -44,6 +45,7 @@ def test_full_state_file_system_refuses_saves_and_keeps_the_sandbox_running() ->
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
         mount.rmdir()
+    assert not seen["reserved_at_start"] and seen["reserved_when_short"], seen
     for what in ("checkpoint", "pause", "snapshot"):
         assert "needs" in seen[what] and "MB free" in seen[what], seen
         assert seen[f"{what}_then"] == "kept", seen  # still running, nothing lost

@@ -68,6 +68,7 @@ LOG_MAX_BYTES = 1 << 20
 #: this plus what the guest prints between two checks, and one old file is kept.
 CONSOLE_MAX_BYTES = 1 << 20
 CONSOLE_CHECK_SECONDS = 2.0
+SPACE_CHECK_SECONDS = 1.0
 #: Output held for a client that does not read before the guest is told to wait.
 OUTPUT_HIGH = 4 << 20
 OUTPUT_LOW = 1 << 20
@@ -246,6 +247,7 @@ class Supervisor:
             asyncio.ensure_future(self._watch_deadline()),
             asyncio.ensure_future(self._watch_console()),
             asyncio.ensure_future(self._watch_agent()),
+            asyncio.ensure_future(self._watch_space()),
         ]
         await self._stop.wait()
         for watcher in watchers:
@@ -337,6 +339,17 @@ class Supervisor:
                         f"the guest agent did not answer for {AGENT_DEADLINE:.0f} s (stopped, "
                         "starved by a fork bomb, or out of memory?)"
                     )
+
+    async def _watch_space(self) -> None:
+        """Reserve the RAM file's blocks as soon as the free space runs short."""
+        while True:
+            await asyncio.sleep(SPACE_CHECK_SECONDS)
+            if self._lifecycle.locked():
+                continue
+            try:
+                await self.machine.keep_ram_safe()
+            except (StorageError, OSError) as exc:
+                log.error("cannot reserve the RAM file's blocks: %s", exc)
 
     async def _watch_console(self) -> None:
         """Keep console.log under its cap: past it, the log moves to console.log.1 and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from cryobox import Sandbox
@@ -16,11 +17,20 @@ seen: dict[str, object] = {}
 sbx = Sandbox.create("base", memory_mib=256, timeout=600)
 try:
     sbx.commands.run("echo kept > /root/kept && sync")
+    ram = state / "sandboxes" / sbx.id / "memory"
+    seen["reserved_at_start"] = ram.stat().st_blocks * 512 >= 256 << 20  # room enough: no
     filler = state / "filler"
-    free = os.statvfs(state).f_bavail * os.statvfs(state).f_frsize
-    with open(filler, "wb") as handle:  # leave 8 MB
-        handle.truncate(0)
-        os.posix_fallocate(handle.fileno(), 0, max(free - (8 << 20), 0))
+
+    def fill(leave: int) -> None:
+        free = os.statvfs(state).f_bavail * os.statvfs(state).f_frsize
+        with open(filler, "ab") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            os.posix_fallocate(handle.fileno(), size, max(free - leave, 1))
+
+    fill(1 << 30)  # the free space shrinks below RAM + margin: the supervisor reserves
+    time.sleep(3)
+    seen["reserved_when_short"] = ram.stat().st_blocks * 512 >= 256 << 20
+    fill(8 << 20)  # and then the disk is full
     for what in ("checkpoint", "pause", "snapshot"):
         try:
             getattr(sbx, what)(*(["full"] if what == "snapshot" else []))
