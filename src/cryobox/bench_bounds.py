@@ -15,10 +15,10 @@ from pathlib import Path
 from cryobox.client import AsyncSandbox
 
 FLOOD_BYTES = 100_000_000
-GARBAGE = (
-    "setsid sh -c 'pkill -9 -f cryobox.guest.agent; "
-    "head -c 20000000 /dev/urandom > /dev/virtio-ports/org.cryobox.agent.0' "
-    ">/dev/null 2>&1 < /dev/null &"
+GARBAGE = (  # retried: the port is busy until the killed agent is gone
+    "setsid sh -c 'pkill -9 -f [c]ryobox.guest.agent; for i in 1 2 3 4 5 6 7 8 9; do "
+    "head -c 20000000 /dev/urandom > /dev/virtio-ports/org.cryobox.agent.0 && break; "
+    "sleep 0.1; done' >/dev/null 2>&1 < /dev/null &"
 )
 
 
