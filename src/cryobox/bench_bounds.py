@@ -8,6 +8,7 @@ random bytes to the agent's port: the sandbox's logs stay under their caps.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -59,6 +60,7 @@ async def flood(quick: bool) -> tuple[float, float, float]:
         stop.set()
         sampler.join()
         await sbx.commands.run(GARBAGE)
+        await asyncio.sleep(3)  # the agent is killed, the garbage is on its way
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:

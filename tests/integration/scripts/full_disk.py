@@ -39,8 +39,8 @@ try:
             seen[what] = str(exc)
         seen[f"{what}_then"] = sbx.commands.run("cat /root/kept").stdout.strip()
     # the guest fills its disk on a full host: an I/O error for it, the VM goes on
-    fill = "dd if=/dev/urandom of=/root/big bs=1M count=64 conv=fsync"
-    writing = sbx.commands.run(fill, timeout=120)
+    dd = "dd if=/dev/urandom of=/root/big bs=1M count=64 conv=fsync"
+    writing = sbx.commands.run(dd, timeout=120)
     seen["guest_write_exit"] = writing.exit_code
     seen["after_guest_write"] = sbx.commands.run("echo alive").stdout.strip()
     seen["state"] = sbx.info().state
