@@ -11,13 +11,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import registry
+
+from .guest_http import fetch_until_up
 
 pytestmark = pytest.mark.vm
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -118,7 +119,7 @@ def test_supervisor_killed_while_running_is_replaced_and_the_guest_goes_on(
         sbx.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
         info = sbx.info()
         url = f"http://127.0.0.1:{info.ports[8000]}/"
-        assert _get(url) == 200
+        assert fetch_until_up(url, within=30)[0] == 200
         record = registry.find(sbx.id).record()
         assert record.supervisor_pid
         os.kill(record.supervisor_pid, signal.SIGKILL)
@@ -131,26 +132,13 @@ def test_supervisor_killed_while_running_is_replaced_and_the_guest_goes_on(
         assert adopted.supervisor_pid not in (None, record.supervisor_pid)
         assert adopted.qemu_pid == info.vmm_pid  # the same VM, not a restart
         assert adopted.deadline == record.deadline  # its timeout is kept
-        assert _get(url) == 200  # the forwarded port is back
+        assert fetch_until_up(url, within=30)[0] == 200  # the forwarded port is back
     finally:
         Sandbox.connect(sbx.id).kill()
     assert (
         not Path(f"/proc/{info.vmm_pid}").exists()
         or b"cryobox" not in Path(f"/proc/{info.vmm_pid}/cmdline").read_bytes()
     )
-
-
-def _get(url: str) -> int:
-    """The status of a GET, retried for 30 s while the server in the guest starts."""
-    deadline = time.time() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                return int(reply.status)
-        except OSError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 @pytest.mark.parametrize("step", ["resume-moved", "resume-started", "resume-continued"])

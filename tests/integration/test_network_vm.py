@@ -20,6 +20,8 @@ import pytest
 
 from cryobox import Sandbox
 
+from .guest_http import fetch_until_up
+
 pytestmark = pytest.mark.vm
 
 TEST_NS = "cryobox-test-outside"
@@ -98,16 +100,8 @@ def test_guest_reaches_neither_host_nor_other_sandboxes(
     other = sandbox_factory(timeout=600)
     other.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
     other_port = other.expose_port(8000)
-    deadline = time.time() + 30
-    while True:  # the forward from the host into a guest works
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{other_port}/", timeout=5) as r:
-                assert r.status == 200
-            break
-        except OSError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.5)
+    # the forward from the host into a guest works
+    assert fetch_until_up(f"http://127.0.0.1:{other_port}/", within=30)[0] == 200
 
     sbx = sandbox_factory(timeout=600)
     assert not reach(sbx, "10.0.2.2", host_services["loopback"])  # host loopback
@@ -125,16 +119,8 @@ def test_network_none_and_allow_lists(sandbox_factory: Callable[..., Any], outsi
     assert not reach(closed, OUTSIDE, 8080)
     closed.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
     port = closed.expose_port(8000)
-    deadline = time.time() + 30
-    while True:  # forwarded ports still work with network="none"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
-                assert r.status == 200
-            break
-        except OSError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.5)
+    # forwarded ports still work with network="none"
+    assert fetch_until_up(f"http://127.0.0.1:{port}/", within=30)[0] == 200
 
     listed = sandbox_factory(timeout=600, network=[f"{OUTSIDE}:8080"])
     assert listed.info().network == [f"{OUTSIDE}/32:8080"]

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,8 @@ from cryobox.errors import (
     SandboxDead,
 )
 from cryobox.sandbox import registry
+
+from .guest_http import fetch_until_up
 
 pytestmark = pytest.mark.vm
 CLI = [sys.executable, "-m", "cryobox.cli.main"]
@@ -118,26 +119,13 @@ def test_port_forward_reaches_a_guest_server(shared_sandbox: Sandbox) -> None:
         "cd /root && python3 -m http.server 8000 >/dev/null 2>&1", background=True
     )
     url = f"http://127.0.0.1:{shared_sandbox.ports[8000]}/index.html"
-    body = _fetch_until_up(url)
+    body = fetch_until_up(url)[1]
     assert body == b"served from the guest"
     late = shared_sandbox.expose_port(9000)
     shared_sandbox.commands.run(
         "cd /root && python3 -m http.server 9000 >/dev/null 2>&1", background=True
     )
-    assert _fetch_until_up(f"http://127.0.0.1:{late}/index.html") == b"served from the guest"
-
-
-def _fetch_until_up(url: str) -> bytes:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                body: bytes = response.read()
-                return body
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    assert fetch_until_up(f"http://127.0.0.1:{late}/index.html")[1] == b"served from the guest"
 
 
 def test_other_processes_see_and_use_the_sandbox(shared_sandbox: Sandbox, tmp_path: Path) -> None:

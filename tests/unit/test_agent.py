@@ -8,27 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from cryobox.errors import CommandNotFound, GuestError, GuestFileNotFound, ProtocolError
-from cryobox.guest import agent as guest_agent
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+
+from .agent_pair import serve_agent
 
 
 @pytest.fixture
 async def client() -> AsyncIterator[AgentClient]:
-    ours, theirs = socket.socketpair()
-    agent = guest_agent.Agent()
-    agent.channel = guest_agent.Channel(
-        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
-    )
-    theirs.close()
-    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    reader, writer = await serve_agent()
     channel = AgentClient(reader, writer)
     yield channel
     await channel.close()
@@ -145,13 +139,7 @@ async def test_unknown_op_and_bad_arguments(client: AgentClient) -> None:
 
 
 async def test_agent_answers_garbage_with_an_error_and_keeps_serving() -> None:
-    ours, theirs = socket.socketpair()
-    agent = guest_agent.Agent()
-    agent.channel = guest_agent.Channel(
-        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
-    )
-    theirs.close()
-    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    reader, writer = await serve_agent()
     writer.write(b"\x00\x01this is not a frame" + p.encode({"id": 1, "op": "ping"}))
     decoder = p.Decoder()
     got: list[p.Frame | p.FrameError] = []

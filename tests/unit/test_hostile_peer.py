@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +20,8 @@ from cryobox.guest import agent as guest_agent
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+
+from .agent_pair import serve_agent
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
@@ -186,13 +187,7 @@ def test_agent_refuses_malformed_commands(argv: Any) -> None:
 
 
 async def _one_request(op: str, args: Any, payload: bytes) -> None:
-    ours, theirs = socket.socketpair()
-    agent = guest_agent.Agent()
-    agent.channel = guest_agent.Channel(
-        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
-    )
-    theirs.close()
-    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    reader, writer = await serve_agent()
     try:
         header = {"id": 7, "op": op, "args": args}
         if len(json.dumps(header)) >= p.MAX_HEADER:
@@ -229,13 +224,7 @@ async def _pending_bytes(reader: asyncio.StreamReader) -> bytes:
 
 
 async def test_a_paused_command_waits_on_its_full_pipe_and_loses_nothing() -> None:
-    ours, theirs = socket.socketpair()
-    agent = guest_agent.Agent()
-    agent.channel = guest_agent.Channel(
-        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
-    )
-    theirs.close()
-    reader, writer = await asyncio.open_unix_connection(sock=ours, limit=p.MAX_PAYLOAD * 2)
+    reader, writer = await serve_agent()
     client = AgentClient(reader, writer)
     received = bytearray()
     try:

@@ -262,22 +262,20 @@ class QemuProcess:
 
         :raises QemuError: when the migration fails or does not finish in time.
         """
-        await self._migration_setup()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            await self._pass_fd(fd, "state")
-            await self.execute("migrate", {"uri": "fd:state"})
-            await self._wait_migration(timeout)
-        finally:
-            os.close(fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        await self._migrate_through(path, flags, "migrate", timeout)
 
     async def load_state(self, path: Path, timeout: float = 600.0) -> None:
         """Feed a saved device state to a QEMU started with ``incoming``; it stays stopped."""
+        await self._migrate_through(path, os.O_RDONLY, "migrate-incoming", timeout)
+
+    async def _migrate_through(self, path: Path, flags: int, command: str, timeout: float) -> None:
+        """Run migration ``command`` through ``path``, opened here and handed to QEMU."""
         await self._migration_setup()
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
         try:
             await self._pass_fd(fd, "state")
-            await self.execute("migrate-incoming", {"uri": "fd:state"})
+            await self.execute(command, {"uri": "fd:state"})
             await self._wait_migration(timeout)
         finally:
             os.close(fd)

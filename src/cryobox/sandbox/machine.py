@@ -34,7 +34,6 @@ import errno
 import logging
 import os
 import shutil
-import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -61,6 +60,7 @@ from cryobox.sandbox.registry import (
     SandboxDir,
     SandboxRecord,
     SandboxSpec,
+    kill_vm,
     process_alive,
     process_start,
 )
@@ -320,8 +320,7 @@ class Machine:
             if self.vm is not None:
                 await self.stop_vm()
             else:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                kill_vm(self.record, self.spec.id)
             raise
         log.info("adopted QEMU %d", pid)
 
