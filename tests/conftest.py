@@ -22,6 +22,8 @@ from typing import Any
 import hypothesis  # noqa: F401
 import pytest
 
+from api_server import ApiServer, make_server
+
 _STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
 os.environ["CRYOBOX_STATE_DIR"] = str(_STATE)
 
@@ -93,3 +95,16 @@ def shared_sandbox(request: pytest.FixtureRequest) -> Iterator[Any]:
     sbx = Sandbox.create("base", ports=[8000])  # the cold-boot path; others restore
     yield sbx
     sbx.kill()
+
+
+# --------------------------------------------------------------------------- cryobox server
+
+
+@pytest.fixture(scope="session")
+def api_server() -> Iterator[ApiServer]:
+    """A real server over the real VMM and this session's state folder, with a tenant."""
+    server = make_server(_STATE / "server")
+    server.key = server.tenant("tests")
+    server.start()
+    yield server
+    server.stop()

@@ -7,7 +7,10 @@
      ├── SandboxNotFound          no sandbox with that id (sandbox_id)
      ├── SandboxDead              its VM is gone (sandbox_id, reason)
      ├── InvalidArgument          bad input from the caller, named
+     │    └── TemplateNotFound    no template by that name (name)
      ├── CapacityError            the host cannot hold what was asked (needed, available)
+     ├── QuotaExceeded            a tenant's limit on the server would be passed (limit)
+     ├── AuthenticationError      the server refused the API key (or none was given)
      ├── QemuError                QEMU failed to start or died (command, exitcode, stderr)
      │    └── QemuNotInstalled
      ├── ImageError               building or finding the guest image failed (command, output)
@@ -66,6 +69,13 @@ class InvalidArgument(CryoboxError, ValueError):
     """The caller passed something that cannot work; the message names it."""
 
 
+class TemplateNotFound(InvalidArgument):
+    def __init__(self, name: str, known: Sequence[str] = ()) -> None:
+        self.ref = name
+        listed = f" (known: {', '.join(known)})" if known else ""
+        super().__init__(f"template {name!r} does not exist{listed}")
+
+
 class CapacityError(CryoboxError):
     """The host cannot hold what was asked; refused before anything started."""
 
@@ -75,6 +85,20 @@ class CapacityError(CryoboxError):
         super().__init__(
             f"{message}: needs about {needed_mib} MiB, the host has {available_mib} MiB available"
         )
+
+
+class QuotaExceeded(CryoboxError):
+    """A tenant asked for more than its quota on the server allows; nothing was started."""
+
+    def __init__(self, limit: str, allowed: int, wanted: int) -> None:
+        self.limit = limit
+        self.allowed = allowed
+        self.wanted = wanted
+        super().__init__(f"quota {limit} is {allowed}; this would make it {wanted}")
+
+
+class AuthenticationError(CryoboxError):
+    """The server did not accept the API key, or the request carried none."""
 
 
 class QemuError(CryoboxError):
@@ -219,6 +243,9 @@ _CONTEXT_FIELDS = (
     "op",
     "kind",
     "message",
+    "limit",
+    "allowed",
+    "wanted",
 )
 
 

@@ -142,6 +142,10 @@ class CreateRequest:
     #: ("HOST:PORT", "HOST", "CIDR", "CIDR:PORT"); see :mod:`cryobox.network.policy`.
     #: ``None``: the snapshot's or parent's policy for a fork, else "internet".
     network: str | Sequence[str] | None = None
+    #: Seconds without use after which ``cryobox server`` pauses the sandbox, to be woken
+    #: by the next call or connection (0: never; None: the server's default, 600). Only a
+    #: server watches for idleness: embedded, nothing runs between calls to notice it.
+    idle_timeout: float | None = None
 
 
 @dataclass(frozen=True)

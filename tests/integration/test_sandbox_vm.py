@@ -1,7 +1,8 @@
 """A real sandbox, booted under TCG, used the way an agent uses it.
 
-Most checks share one sandbox (a cold boot costs ~15 s here); lifecycle checks that
-end a sandbox make their own through ``sandbox_factory``.
+Most checks share one sandbox, made twice: embedded (a cold boot, ~15 s here) and
+through a real ``cryobox server`` over HTTP (the same checks over the other transport).
+Lifecycle checks that end a sandbox make their own through ``sandbox_factory``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from api_server import ApiServer
 from cryobox import AsyncSandbox, Sandbox
 from cryobox.errors import (
     CommandNotFound,
@@ -34,10 +37,33 @@ pytestmark = pytest.mark.vm
 CLI = [sys.executable, "-m", "cryobox.cli.main"]
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
+
+
+@pytest.fixture(scope="module", params=["embedded", "http"])
+def shared_sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    """The module's sandbox, booted cold (the path others restore from) in this process
+    or by a server."""
+    if request.param == "http":
+        server: ApiServer = request.getfixturevalue("api_server")
+        sbx = Sandbox.create("base", ports=[8000], api_url=server.url, api_key=server.key)
+    else:
+        sbx = Sandbox.create("base", ports=[8000])
+    yield sbx
+    sbx.kill()
+
+
+def cli_env(sbx: Sandbox, request: pytest.FixtureRequest) -> dict[str, str] | None:
+    """The environment for a CLI that reaches ``sbx`` the way it was made."""
+    if getattr(sbx._async._transport, "api_url", None) is None:
+        return None
+    server: ApiServer = request.getfixturevalue("api_server")
+    return server.client_env()
 
 
 def test_runs_python_in_the_guest_kernel(shared_sandbox: Sandbox) -> None:
@@ -128,28 +154,42 @@ def test_port_forward_reaches_a_guest_server(shared_sandbox: Sandbox) -> None:
     assert fetch_until_up(f"http://127.0.0.1:{late}/index.html")[1] == b"served from the guest"
 
 
-def test_other_processes_see_and_use_the_sandbox(shared_sandbox: Sandbox, tmp_path: Path) -> None:
-    listing = cli("ls")
+def test_other_processes_see_and_use_the_sandbox(
+    shared_sandbox: Sandbox, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    env = cli_env(shared_sandbox, request)
+    listing = cli("ls", env=env)
     assert (
         listing.returncode == 0
         and shared_sandbox.id in listing.stdout
         and "running" in listing.stdout
     )
     done = cli(
-        "exec", shared_sandbox.id, "--", "python3", "-c", "import sys; print(7); sys.exit(3)"
+        "exec",
+        shared_sandbox.id,
+        "--",
+        "python3",
+        "-c",
+        "import sys; print(7); sys.exit(3)",
+        env=env,
     )
     assert done.returncode == 3 and done.stdout == "7\n"
     source = tmp_path / "in.txt"
     source.write_text("via cp")
-    assert cli("cp", str(source), f"{shared_sandbox.id}:/root/in.txt").returncode == 0
-    assert cli("cp", f"{shared_sandbox.id}:/root/in.txt", str(tmp_path / "out.txt")).returncode == 0
+    assert cli("cp", str(source), f"{shared_sandbox.id}:/root/in.txt", env=env).returncode == 0
+    assert (
+        cli(
+            "cp", f"{shared_sandbox.id}:/root/in.txt", str(tmp_path / "out.txt"), env=env
+        ).returncode
+        == 0
+    )
     assert (tmp_path / "out.txt").read_text() == "via cp"
-    assert "cryobox-agent: ready" in cli("logs", shared_sandbox.id).stdout
+    assert "cryobox-agent: ready" in cli("logs", shared_sandbox.id, env=env).stdout
     concurrent: list[Any] = []
     threads = [
         threading.Thread(
             target=lambda: concurrent.append(
-                cli("exec", shared_sandbox.id, "--", "sleep", "1").returncode
+                cli("exec", shared_sandbox.id, "--", "sleep", "1", env=env).returncode
             )
         )
         for _ in range(3)

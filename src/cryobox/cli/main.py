@@ -8,26 +8,24 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from cryobox import config
 from cryobox.client import Sandbox
-from cryobox.errors import CryoboxError, InvalidArgument
+from cryobox.errors import InvalidArgument
+
+from .output import console, errors_reported, out, print_rows
+from .server_commands import server, tenant_app, usage
 
 app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
 image_app = typer.Typer(no_args_is_help=True, help="The guest image built from Debian packages.")
 app.add_typer(image_app, name="image")
 template_app = typer.Typer(no_args_is_help=True, help="Templates: saved machines to start from.")
 app.add_typer(template_app, name="template")
-console = Console(stderr=True)
-out = Console()
 
 CpusOption = Annotated[int, typer.Option("--cpus", help="vCPUs.")]
 MemoryOption = Annotated[int, typer.Option("--memory", help="RAM in MiB.")]
@@ -57,32 +55,6 @@ NetworkOption = Annotated[
 PortOption = Annotated[
     list[int] | None, typer.Option("--port", "-p", help="Guest TCP port to forward (repeatable).")
 ]
-
-
-def fail(error: Exception) -> None:
-    console.print(f"[red]error:[/red] {error}", highlight=False, markup=True)
-    raise typer.Exit(1)
-
-
-def print_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A table on a terminal; tab-separated lines, whole values, when piped."""
-    if not out.is_terminal:
-        for row in (header, *rows):
-            print("\t".join(row))
-        return
-    table = Table(*header)
-    for row in rows:
-        table.add_row(*row)
-    out.print(table)
-
-
-@contextmanager
-def errors_reported() -> Iterator[None]:
-    """Turn cryobox errors into one readable line and exit code 1."""
-    try:
-        yield
-    except CryoboxError as exc:
-        fail(exc)
 
 
 def create_sandbox(
@@ -526,6 +498,10 @@ def bench(
         if markdown is not None:
             markdown.write_text(benchmarks.to_markdown_document(figures, host, quick))
 
+
+app.command()(server)
+app.add_typer(tenant_app, name="tenant")
+app.command()(usage)
 
 if __name__ == "__main__":
     app()

@@ -29,10 +29,10 @@ from cryobox.models import (
     SnapshotInfo,
     TemplateInfo,
 )
-from cryobox.service.commands import CommandSession
+from cryobox.service.commands import StartedCommand
 from cryobox.snapshot.manifest import SnapshotPurpose
 
-from .transport import Transport, default_transport
+from .transport import Transport, transport_for
 
 OutputHandler = Callable[[str], Any]
 
@@ -64,7 +64,7 @@ class AsyncCommandHandle:
             name: codecs.getincrementaldecoder("utf-8")("replace") for name in self._handlers
         }
         self._output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
-        self._session: CommandSession | None = None
+        self._session: StartedCommand | None = None
 
     @property
     def pid(self) -> int:
@@ -278,7 +278,10 @@ class AsyncSandbox:
         timeout: float = config.DEFAULT_TIMEOUT,
         ports: Sequence[int] = (),
         network: str | Sequence[str] = "internet",
+        idle_timeout: float | None = None,
         progress: Progress | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> AsyncSandbox:
         """Start a new sandbox and return it once it can run commands.
 
@@ -293,12 +296,16 @@ class AsyncSandbox:
         ``"HOST:PORT"``, ``"HOST"``, ``"CIDR"``, ``"CIDR:PORT"`` entries. Ports forwarded
         from the host into the guest work whatever the policy.
 
+        ``api_url`` and ``api_key`` (or ``CRYOBOX_API_URL`` and ``CRYOBOX_API_KEY``) run it
+        on a ``cryobox server`` instead of this host; there ``idle_timeout`` seconds
+        without use pause the sandbox until its next call (0: never; default 600).
+
         :raises InvalidArgument: for a request that cannot work, naming the argument.
         :raises SnapshotError: when the template or snapshot is missing, incompatible or
             fails verification (never cold-booted instead).
         :raises QemuError: when QEMU is missing, fails to start or the guest never answers.
         """
-        transport = default_transport()
+        transport = transport_for(api_url, api_key)
         request = CreateRequest(
             template=template,
             from_snapshot=from_snapshot,
@@ -308,21 +315,26 @@ class AsyncSandbox:
             timeout=timeout,
             ports=tuple(ports),
             network=network if isinstance(network, str) else tuple(network),
+            idle_timeout=idle_timeout,
         )
         return cls(await transport.create(request, progress), transport)
 
     @classmethod
-    async def resume(cls, sandbox_id: str) -> AsyncSandbox:
+    async def resume(
+        cls, sandbox_id: str, *, api_url: str | None = None, api_key: str | None = None
+    ) -> AsyncSandbox:
         """Continue a paused sandbox with every process where it was.
 
         :raises StateError: when it is not paused.
         :raises SnapshotError: when its saved state is refused; it stays paused.
         """
-        transport = default_transport()
+        transport = transport_for(api_url, api_key)
         return cls(await transport.resume(sandbox_id), transport)
 
     @classmethod
-    async def connect(cls, sandbox_id: str) -> AsyncSandbox:
+    async def connect(
+        cls, sandbox_id: str, *, api_url: str | None = None, api_key: str | None = None
+    ) -> AsyncSandbox:
         """Attach to a sandbox by id, from any process.
 
         A sandbox that is not running can still be inspected (``info``, ``logs``) and
@@ -330,7 +342,7 @@ class AsyncSandbox:
 
         :raises SandboxNotFound: when there is no such sandbox.
         """
-        transport = default_transport()
+        transport = transport_for(api_url, api_key)
         return cls(await transport.get(sandbox_id), transport)
 
     @staticmethod
@@ -341,51 +353,65 @@ class AsyncSandbox:
         cpus: int = config.DEFAULT_CPUS,
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> SnapshotInfo:
         """Boot the image, run ``setup`` shell commands, save the machine as template ``name``.
 
         :raises InvalidArgument: for a bad name or a setup command that fails (with its output).
         """
-        return await default_transport().build_template(
+        return await transport_for(api_url, api_key).build_template(
             name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
         )
 
     @staticmethod
-    async def templates() -> builtins.list[TemplateInfo]:
+    async def templates(
+        *, api_url: str | None = None, api_key: str | None = None
+    ) -> builtins.list[TemplateInfo]:
         """Every template of this host (``base`` and ``default`` aside until built)."""
-        return await default_transport().templates()
+        return await transport_for(api_url, api_key).templates()
 
     @staticmethod
-    async def delete_template(name: str) -> None:
+    async def delete_template(
+        name: str, *, api_url: str | None = None, api_key: str | None = None
+    ) -> None:
         """Remove a template and its snapshot (kept while a sandbox builds on it).
 
         :raises InvalidArgument: when there is no such template.
         """
-        await default_transport().delete_template(name)
+        await transport_for(api_url, api_key).delete_template(name)
 
     @staticmethod
-    async def snapshots() -> builtins.list[SnapshotInfo]:
+    async def snapshots(
+        *, api_url: str | None = None, api_key: str | None = None
+    ) -> builtins.list[SnapshotInfo]:
         """Every saved snapshot, checkpoint and template snapshot on this host."""
-        return await default_transport().snapshots()
+        return await transport_for(api_url, api_key).snapshots()
 
     @staticmethod
-    async def delete_snapshot(ref: str) -> None:
+    async def delete_snapshot(
+        ref: str, *, api_url: str | None = None, api_key: str | None = None
+    ) -> None:
         """Delete a snapshot (by id or name) that nothing builds on.
 
         :raises SnapshotNotFound:
         :raises InvalidArgument: when a sandbox or another snapshot still uses its disk.
         """
-        await default_transport().delete_snapshot(ref)
+        await transport_for(api_url, api_key).delete_snapshot(ref)
 
     @staticmethod
-    async def list(all: bool = False) -> builtins.list[SandboxInfo]:
+    async def list(
+        all: bool = False, *, api_url: str | None = None, api_key: str | None = None
+    ) -> builtins.list[SandboxInfo]:
         """Sandboxes on this host; finished ones too with ``all=True``."""
-        return await default_transport().list(all=all)
+        return await transport_for(api_url, api_key).list(all=all)
 
     @staticmethod
-    async def lineage() -> builtins.list[dict[str, Any]]:
+    async def lineage(
+        *, api_url: str | None = None, api_key: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
         """Sandboxes and snapshots of this host as nodes naming their parent."""
-        return await default_transport().lineage()
+        return await transport_for(api_url, api_key).lineage()
 
     async def info(self) -> SandboxInfo:
         """The sandbox as it is now (state, deadline, ports, origin...)."""

@@ -1,17 +1,20 @@
 """The SDK's one I/O seam: a :class:`Transport` carries each call to the service.
 
 :class:`LocalTransport` runs the service in this process (the embedded default: the
-sandboxes are this host's); an HTTP transport to ``cryobox server`` plugs in here.
+sandboxes are this host's); :class:`~.http_transport.HttpTransport` talks to a
+``cryobox server`` over HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import os
 import weakref
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from typing import Any, Protocol
 
+from cryobox.errors import AuthenticationError
 from cryobox.image.build import Progress
 from cryobox.models import (
     CommandRequest,
@@ -22,8 +25,10 @@ from cryobox.models import (
     TemplateInfo,
 )
 from cryobox.service import SandboxService
-from cryobox.service.commands import CommandSession, OutputSink
+from cryobox.service.commands import OutputSink, StartedCommand
 from cryobox.snapshot.manifest import SnapshotPurpose
+
+from .http_transport import HttpTransport
 
 
 class Transport(Protocol):
@@ -51,10 +56,10 @@ class Transport(Protocol):
     async def lineage(self) -> builtins.list[dict[str, Any]]: ...
     async def start_command(
         self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
-    ) -> CommandSession: ...
+    ) -> StartedCommand: ...
     def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]: ...
     async def write_file(
-        self, sandbox_id: str, path: str, chunks: Iterable[bytes], mode: int
+        self, sandbox_id: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], mode: int
     ) -> None: ...
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]: ...
     async def stat(self, sandbox_id: str, path: str) -> EntryInfo: ...
@@ -84,13 +89,38 @@ class LocalTransport(SandboxService):
 _local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LocalTransport] = (
     weakref.WeakKeyDictionary()
 )
+_remote: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[tuple[str, str], HttpTransport]
+] = weakref.WeakKeyDictionary()
 
 
 def default_transport() -> Transport:
-    """The transport the SDK uses when given none: one local service per event loop
-    (its connections belong to that loop)."""
+    """The transport the SDK uses when given none: :func:`transport_for` with neither an
+    API URL nor a key (so the variables decide)."""
+    return transport_for()
+
+
+def transport_for(api_url: str | None = None, api_key: str | None = None) -> Transport:
+    """Over HTTP to ``cryobox server`` when an API URL is given or ``CRYOBOX_API_URL`` is
+    set (with ``api_key`` or ``CRYOBOX_API_KEY``), else the embedded service. One of each
+    per event loop (connections belong to their loop).
+
+    :raises AuthenticationError: when a server is named without a key.
+    """
     loop = asyncio.get_running_loop()
-    transport = _local.get(loop)
-    if transport is None:
-        transport = _local[loop] = LocalTransport()
-    return transport
+    url = api_url or os.environ.get("CRYOBOX_API_URL")
+    if not url:
+        transport = _local.get(loop)
+        if transport is None:
+            transport = _local[loop] = LocalTransport()
+        return transport
+    key = api_key or os.environ.get("CRYOBOX_API_KEY")
+    if not key:
+        raise AuthenticationError(
+            f"a server is named ({url}) but no API key: pass api_key= or set CRYOBOX_API_KEY"
+        )
+    clients = _remote.setdefault(loop, {})
+    remote = clients.get((url, key))
+    if remote is None:
+        remote = clients[url, key] = HttpTransport(url, key)
+    return remote

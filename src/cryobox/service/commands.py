@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal as signals
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
@@ -15,6 +15,17 @@ from cryobox.models import CommandRequest
 
 #: Called with ("stdout" | "stderr", bytes) as output arrives.
 OutputSink = Callable[[str, bytes], None]
+
+
+class StartedCommand(Protocol):
+    """A command as any transport hands it to the SDK (in this process or over HTTP)."""
+
+    pid: int
+
+    async def started(self) -> None: ...
+    async def wait(self) -> dict[str, Any]: ...
+    async def send_stdin(self, data: bytes, eof: bool = False) -> None: ...
+    async def kill(self, signal: int = signals.SIGKILL) -> None: ...
 
 
 class CommandSession:

@@ -21,7 +21,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from cryobox.errors import (
     SnapshotIncompatible,
     SnapshotNotFound,
     StateError,
+    TemplateNotFound,
 )
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
@@ -435,16 +436,17 @@ class SandboxService:
                 request.cancel()
 
     async def write_file(
-        self, sandbox_id: str, path: str, chunks: Iterable[bytes], mode: int
+        self, sandbox_id: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], mode: int
     ) -> None:
-        """Write a file from chunks, under a temporary name renamed at the end."""
+        """Write a file from chunks (of at most the protocol's chunk size), under a
+        temporary name renamed at the end."""
         channel = await self._channel(sandbox_id)
         begun = await channel.request(
             p.GuestOp.FILE_WRITE_BEGIN, {"path": path, "mode": mode}, timeout=GUEST_REQUEST_TIMEOUT
         )
         handle = answers.whole(begun, "handle", "write")
         try:
-            for chunk in chunks:
+            async for chunk in _each(chunks):
                 await channel.request(
                     p.GuestOp.FILE_WRITE_CHUNK,
                     {"handle": handle},
@@ -528,11 +530,11 @@ class SandboxService:
     async def delete_template(self, name: str) -> None:
         """Remove a template and its snapshot (kept while a sandbox builds on it).
 
-        :raises InvalidArgument: when there is no such template.
+        :raises TemplateNotFound: when there is no such template.
         """
         entry = self.store.template(name)
         if entry is None:
-            raise InvalidArgument(f"template {name!r} does not exist")
+            raise TemplateNotFound(name)
         self.store.delete_template(name)
         with contextlib.suppress(CryoboxError):
             await self.delete_snapshot(str(entry["snapshot"]))
@@ -548,10 +550,7 @@ class SandboxService:
         if name != DEFAULT_TEMPLATE:
             if entry is None:
                 known = [t["name"] for t in self.store.templates()]
-                raise InvalidArgument(
-                    f"template {name!r} does not exist (known: "
-                    f"{', '.join([BASE_TEMPLATE, DEFAULT_TEMPLATE, *known])})"
-                )
+                raise TemplateNotFound(name, [BASE_TEMPLATE, DEFAULT_TEMPLATE, *known])
             raise SnapshotIncompatible(
                 str(entry.get("snapshot")), "image_id", entry.get("image_id"), image_id
             )
@@ -689,6 +688,15 @@ async def _wait_finished(folder: SandboxDir, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not folder.record().state.finished and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
+
+
+async def _each(chunks: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    if isinstance(chunks, AsyncIterable):
+        async for chunk in chunks:
+            yield chunk
+    else:
+        for chunk in chunks:
+            yield chunk
 
 
 def _collector(into: bytearray) -> OutputSink:

@@ -1,0 +1,152 @@
+"""``cryobox server``, ``cryobox tenant ...`` and ``cryobox usage``.
+
+``server`` and ``tenant`` act on this host (the tenant commands edit the server's
+database directly: run them where the server runs); ``usage`` asks a server over HTTP
+(``CRYOBOX_API_URL`` and ``CRYOBOX_API_KEY``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Annotated
+
+import typer
+
+from cryobox.errors import AuthenticationError
+
+from .output import errors_reported, out, print_rows
+
+tenant_app = typer.Typer(no_args_is_help=True, help="Tenants of `cryobox server` and their keys.")
+
+DatabaseOption = Annotated[
+    str | None,
+    typer.Option(
+        "--database", help="The server's SQLite file (default $CRYOBOX_STATE_DIR/server.db)."
+    ),
+]
+
+
+def server(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port to listen on.")] = 8080,
+    database: DatabaseOption = None,
+    tick: Annotated[
+        float, typer.Option("--tick", help="Seconds between idle and state checks.")
+    ] = 1.0,
+    storage_interval: Annotated[
+        float, typer.Option("--storage-interval", help="Seconds between saved-state metering.")
+    ] = 60.0,
+) -> None:
+    """Serve the HTTP API (docs at /docs). Stopping it leaves every sandbox running."""
+    from cryobox.server import serve
+
+    serve(host, port, database, tick=tick, storage_interval=storage_interval)
+
+
+def _tenants(database: str | None):  # type: ignore[no-untyped-def]
+    from cryobox.server import database_path
+    from cryobox.server.database import Database
+    from cryobox.server.tenants import Tenants
+
+    return Tenants(Database(database_path(database)))
+
+
+@tenant_app.command("create")
+def tenant_create(
+    name: str,
+    database: DatabaseOption = None,
+    max_sandboxes: Annotated[int, typer.Option(help="Sandboxes running at once.")] = 20,
+    max_vcpus: Annotated[int, typer.Option(help="vCPUs of running sandboxes.")] = 40,
+    max_memory_mib: Annotated[int, typer.Option(help="MiB of running sandboxes.")] = 40960,
+    max_stored_gib: Annotated[int, typer.Option(help="GiB of saved state.")] = 100,
+) -> None:
+    """Create a tenant; its API key is the last line printed (shown only now)."""
+    from cryobox.server.tenants import Quota
+
+    with errors_reported():
+        quota = Quota(max_sandboxes, max_vcpus, max_memory_mib, max_stored_gib * 1024**3)
+        tenant, key = _tenants(database).create(name, quota)
+        out.print(f"tenant {tenant.name} ({tenant.id}) created; its API key:", highlight=False)
+        print(key)
+
+
+@tenant_app.command("ls")
+def tenant_ls(database: DatabaseOption = None) -> None:
+    """List tenants with their quotas."""
+    with errors_reported():
+        tenants = _tenants(database)
+        rows = [
+            (
+                t.id,
+                t.name,
+                str(t.quota.max_sandboxes),
+                str(t.quota.max_vcpus),
+                f"{t.quota.max_memory_mib}MiB",
+                f"{t.quota.max_stored_bytes / 1024**3:g}GiB",
+                str(tenants.key_count(t)),
+            )
+            for t in tenants.all()
+        ]
+        print_rows(("ID", "NAME", "SANDBOXES", "VCPUS", "MEMORY", "STORED", "KEYS"), rows)
+
+
+@tenant_app.command("key-rotate")
+def tenant_key_rotate(name: str, database: DatabaseOption = None) -> None:
+    """Replace the tenant's keys with a new one (the last line); old keys stop at once."""
+    with errors_reported():
+        key = _tenants(database).rotate_key(name)
+        out.print(f"new API key of {name} (the old ones no longer work):")
+        print(key)
+
+
+@tenant_app.command("rm")
+def tenant_rm(name: str, database: DatabaseOption = None) -> None:
+    """Remove a tenant and its keys (once it has no sandboxes left)."""
+    with errors_reported():
+        tenant = _tenants(database).remove(name)
+        out.print(f"removed tenant {tenant.name}")
+
+
+def usage(
+    sandbox_id: Annotated[str | None, typer.Argument(help="One sandbox only.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The whole report as JSON.")] = False,
+) -> None:
+    """Compute and saved-state usage so far, and what it costs (asks the server)."""
+    from cryobox.client.http_transport import HttpTransport
+
+    with errors_reported():
+        url, key = os.environ.get("CRYOBOX_API_URL"), os.environ.get("CRYOBOX_API_KEY")
+        if not url or not key:
+            raise AuthenticationError(
+                "usage is metered by a server: set CRYOBOX_API_URL and CRYOBOX_API_KEY"
+            )
+
+        async def fetch() -> dict[str, object]:
+            transport = HttpTransport(url, key)
+            try:
+                return await transport.usage(sandbox_id)
+            finally:
+                await transport.close()
+
+        report = asyncio.run(fetch())
+        if as_json or sandbox_id:
+            print(json.dumps(report, indent=2))
+            return
+        cost = report["cost_usd"]
+        assert isinstance(cost, dict)
+        print_rows(
+            ("VCPU-S", "GIB-S", "STORED", "GB-MONTHS", "COMPUTE $", "STORAGE $", "TOTAL $"),
+            [
+                (
+                    f"{report['vcpu_seconds']:.1f}",
+                    f"{report['gib_seconds']:.1f}",
+                    f"{int(str(report['stored_bytes'])) / 1e6:.1f}MB",
+                    f"{report['stored_gb_months']:.6f}",
+                    f"{cost['compute']:.6f}",
+                    f"{cost['storage']:.6f}",
+                    f"{cost['total']:.6f}",
+                )
+            ],
+        )

@@ -1,0 +1,410 @@
+"""The SDK's transport to a ``cryobox server`` over HTTP (httpx).
+
+Each call is one request to the server's REST API (:mod:`cryobox.server.app`); errors
+come back as the same exception types the embedded service raises, rebuilt from the
+body's ``error`` detail. A command's output streams back as NDJSON lines while it
+runs; files stream both ways in chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import builtins
+import dataclasses
+import json
+import signal as signals
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from cryobox import config
+from cryobox.errors import (
+    AuthenticationError,
+    ChannelError,
+    CryoboxError,
+    InvalidArgument,
+    error_from_detail,
+)
+from cryobox.image.build import Progress
+from cryobox.models import (
+    CommandRequest,
+    CreateRequest,
+    EntryInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from cryobox.service.commands import OutputSink
+from cryobox.snapshot.manifest import SnapshotPurpose
+
+#: Calls that answer at once; lifecycle calls (create, fork, template build) may take
+#: minutes under TCG; command streams last as long as their command.
+QUICK = httpx.Timeout(60.0, connect=15.0)
+LONG = httpx.Timeout(1800.0, connect=15.0)
+STREAM = httpx.Timeout(None, connect=15.0)
+
+
+def _fields(cls: type, value: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in value.items() if k in names}
+
+
+def sandbox_info(value: dict[str, Any]) -> SandboxInfo:
+    fields = _fields(SandboxInfo, value)
+    fields["ports"] = {int(g): int(h) for g, h in (value.get("ports") or {}).items()}
+    return SandboxInfo(**fields)
+
+
+def snapshot_info(value: dict[str, Any]) -> SnapshotInfo:
+    return SnapshotInfo(**_fields(SnapshotInfo, value))
+
+
+def template_info(value: dict[str, Any]) -> TemplateInfo:
+    fields = _fields(TemplateInfo, value)
+    fields["setup"] = tuple(fields.get("setup") or ())
+    return TemplateInfo(**fields)
+
+
+def raise_for(response: httpx.Response) -> None:
+    """Raise the cryobox error a failed response describes."""
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"detail": response.text}
+    detail = body.get("detail") if isinstance(body, dict) else body
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        rebuilt = error_from_detail(error, str(detail))
+        if rebuilt is not None:
+            raise rebuilt
+    if response.status_code == 422 and isinstance(detail, list):
+        raise InvalidArgument(
+            "; ".join(
+                f"{'.'.join(str(part) for part in item.get('loc', ())[1:])}: {item.get('msg')}"
+                for item in detail
+                if isinstance(item, dict)
+            )
+        )
+    if response.status_code == 401:
+        raise AuthenticationError(str(detail))
+    raise CryoboxError(f"HTTP {response.status_code} from {response.url}: {detail}")
+
+
+async def open_stream(
+    client: httpx.AsyncClient, request: httpx.Request, doing: str
+) -> httpx.Response:
+    """Send ``request`` and return its response with the body still to read.
+
+    :raises ChannelError: when the server does not answer.
+    :raises CryoboxError: the error a failed response describes (the response closed).
+    """
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise ChannelError(f"{doing}: {exc}") from exc
+    if response.status_code >= 400:
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        raise_for(response)
+    return response
+
+
+class HttpCommand:
+    """A command running behind the server: its output stream is read as it comes."""
+
+    def __init__(self, client: httpx.AsyncClient, base: str, on_output: OutputSink) -> None:
+        self._client = client
+        self._base = base
+        self._on_output = on_output
+        self.pid = 0
+        self._id = ""
+        self._reader: asyncio.Future[dict[str, Any]] | None = None
+
+    async def start(self, body: dict[str, Any]) -> None:
+        request = self._client.build_request("POST", self._base, json=body, timeout=STREAM)
+        response = await open_stream(self._client, request, "starting the command")
+        try:
+            lines = response.aiter_lines()
+            first = json.loads(await anext(lines))
+            self.pid, self._id = int(first["pid"]), str(first["command_id"])
+        except BaseException:
+            await response.aclose()
+            raise
+        self._reader = asyncio.ensure_future(self._read(response, lines))
+        self._reader.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _read(self, response: httpx.Response, lines: AsyncIterator[str]) -> dict[str, Any]:
+        try:
+            async for line in lines:
+                event = json.loads(line)
+                kind = event.get("type")
+                if kind in ("stdout", "stderr"):
+                    self._on_output(kind, base64.b64decode(event["data"]))
+                elif kind == "exit":
+                    event.pop("type")
+                    return dict(event)
+                elif kind == "error":
+                    raise error_from_detail(event["error"]) or ChannelError(str(event["error"]))
+        except httpx.HTTPError as exc:
+            raise ChannelError(f"the command's output stream broke: {exc}") from exc
+        finally:
+            await response.aclose()
+        raise ChannelError("the server closed the command's stream before it ended")
+
+    async def started(self) -> None:
+        return  # the server answers a start only once the process runs
+
+    async def wait(self) -> dict[str, Any]:
+        assert self._reader is not None
+        return await asyncio.shield(self._reader)
+
+    async def send_stdin(self, data: bytes, eof: bool = False) -> None:
+        response = await self._client.post(
+            f"{self._base}/{self._id}/stdin",
+            params={"eof": "true" if eof else "false"},
+            content=data,
+            timeout=QUICK,
+        )
+        raise_for(response)
+
+    async def kill(self, signal: int = signals.SIGKILL) -> None:
+        response = await self._client.post(
+            f"{self._base}/{self._id}/kill", json={"signal": int(signal)}, timeout=QUICK
+        )
+        raise_for(response)
+
+
+class HttpTransport:
+    """Every :class:`~cryobox.client.transport.Transport` operation as an HTTP call."""
+
+    def __init__(self, api_url: str, api_key: str) -> None:
+        self.api_url = api_url.rstrip("/")
+        self._client = httpx.AsyncClient(
+            base_url=self.api_url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=QUICK,
+        )
+
+    async def _call(
+        self, method: str, path: str, *, timeout: httpx.Timeout = QUICK, **kwargs: Any
+    ) -> httpx.Response:
+        try:
+            response = await self._client.request(method, path, timeout=timeout, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ChannelError(f"{method} {self.api_url}{path}: {exc}") from exc
+        raise_for(response)
+        return response
+
+    @staticmethod
+    def _sbx(sandbox_id: str, rest: str = "") -> str:
+        return f"/sandboxes/{quote(sandbox_id, safe='')}{rest}"
+
+    async def create(self, request: CreateRequest, progress: Progress | None = None) -> SandboxInfo:
+        body = {
+            "template": request.template,
+            "from_snapshot": request.from_snapshot,
+            "cpus": request.cpus,
+            "memory_mib": request.memory_mib,
+            "disk_gib": request.disk_gib,
+            "timeout": request.timeout,
+            "ports": list(request.ports),
+            "network": (
+                request.network
+                if request.network is None or isinstance(request.network, str)
+                else list(request.network)
+            ),
+            "idle_timeout": request.idle_timeout,
+        }
+        if progress:
+            progress(f"starting a sandbox on {self.api_url}")
+        response = await self._call("POST", "/sandboxes", json=body, timeout=LONG)
+        return sandbox_info(response.json())
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return sandbox_info((await self._call("GET", self._sbx(sandbox_id))).json())
+
+    async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]:
+        response = await self._call("GET", "/sandboxes", params={"all": str(all).lower()})
+        return [sandbox_info(item) for item in response.json()]
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self._call("DELETE", self._sbx(sandbox_id), timeout=LONG)
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self._call("POST", self._sbx(sandbox_id, "/pause"), timeout=LONG)
+
+    async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
+        response = await self._call("POST", self._sbx(sandbox_id, "/resume"), timeout=LONG)
+        return sandbox_info(response.json())
+
+    async def capture(
+        self, sandbox_id: str, purpose: SnapshotPurpose, name: str | None, memory: bool = True
+    ) -> SnapshotInfo:
+        body: dict[str, Any] = {"name": name}
+        if purpose is SnapshotPurpose.CHECKPOINT:
+            path = "/checkpoints"
+        elif purpose is SnapshotPurpose.SNAPSHOT:
+            path, body["memory"] = "/snapshots", memory
+        else:
+            raise InvalidArgument(f"a {purpose.value} snapshot is not taken over HTTP")
+        response = await self._call("POST", self._sbx(sandbox_id, path), json=body, timeout=LONG)
+        return snapshot_info(response.json())
+
+    async def rollback(self, sandbox_id: str, ref: str) -> None:
+        await self._call(
+            "POST", self._sbx(sandbox_id, "/rollback"), json={"checkpoint": ref}, timeout=LONG
+        )
+
+    async def fork(
+        self, sandbox_id: str, count: int, timeout: float | None = None
+    ) -> builtins.list[SandboxInfo]:
+        response = await self._call(
+            "POST",
+            self._sbx(sandbox_id, "/forks"),
+            json={"count": count, "timeout": timeout},
+            timeout=LONG,
+        )
+        return [sandbox_info(item) for item in response.json()]
+
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
+        await self._call("POST", self._sbx(sandbox_id, "/timeout"), json={"seconds": seconds})
+
+    async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
+        response = await self._call(
+            "POST", self._sbx(sandbox_id, "/ports"), json={"guest_port": guest_port}
+        )
+        return int(response.json()["host_port"])
+
+    async def logs(self, sandbox_id: str) -> str:
+        return (await self._call("GET", self._sbx(sandbox_id, "/logs"))).text
+
+    async def ping(self, sandbox_id: str) -> None:
+        await self._call("POST", self._sbx(sandbox_id, "/ping"))
+
+    async def lineage(self) -> builtins.list[dict[str, Any]]:
+        response = await self._call("GET", "/lineage")
+        nodes: builtins.list[dict[str, Any]] = response.json()
+        return nodes
+
+    async def start_command(
+        self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
+    ) -> HttpCommand:
+        body = {
+            "cmd": request.shell if request.shell is not None else list(request.argv or ()),
+            "env": request.env,
+            "cwd": request.cwd,
+            "user": request.user,
+            "timeout": request.timeout,
+            "stdin": request.stdin,
+        }
+        command = HttpCommand(self._client, self._sbx(sandbox_id, "/commands"), on_output)
+        await command.start(body)
+        return command
+
+    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        request = self._client.build_request(
+            "GET", self._sbx(sandbox_id, "/files"), params={"path": path}, timeout=STREAM
+        )
+        response = await open_stream(self._client, request, f"reading {path}")
+        try:
+            async for chunk in response.aiter_bytes():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise ChannelError(f"reading {path}: {exc}") from exc
+        finally:
+            await response.aclose()
+
+    async def write_file(
+        self, sandbox_id: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], mode: int
+    ) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            if isinstance(chunks, AsyncIterable):
+                async for chunk in chunks:
+                    yield chunk
+            else:
+                for chunk in chunks:
+                    yield chunk
+
+        await self._call(
+            "PUT",
+            self._sbx(sandbox_id, "/files"),
+            params={"path": path, "mode": mode},
+            content=body(),
+            timeout=STREAM,
+        )
+
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]:
+        response = await self._call(
+            "GET", self._sbx(sandbox_id, "/files/list"), params={"path": path}
+        )
+        return [EntryInfo.from_json(item) for item in response.json()]
+
+    async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
+        response = await self._call(
+            "GET", self._sbx(sandbox_id, "/files/stat"), params={"path": path}
+        )
+        return EntryInfo.from_json(response.json())
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
+        await self._call(
+            "POST", self._sbx(sandbox_id, "/files/mkdir"), json={"path": path, "parents": parents}
+        )
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self._call(
+            "DELETE",
+            self._sbx(sandbox_id, "/files"),
+            params={"path": path, "recursive": str(recursive).lower()},
+        )
+
+    async def snapshots(self) -> builtins.list[SnapshotInfo]:
+        return [snapshot_info(item) for item in (await self._call("GET", "/snapshots")).json()]
+
+    async def delete_snapshot(self, ref: str) -> None:
+        await self._call("DELETE", f"/snapshots/{quote(ref, safe='')}")
+
+    async def build_template(
+        self,
+        name: str,
+        setup: Sequence[str],
+        *,
+        cpus: int = config.DEFAULT_CPUS,
+        memory_mib: int = config.DEFAULT_MEMORY_MIB,
+        disk_gib: int = config.DEFAULT_DISK_GIB,
+    ) -> SnapshotInfo:
+        body = {
+            "name": name,
+            "setup": list(setup),
+            "cpus": cpus,
+            "memory_mib": memory_mib,
+            "disk_gib": disk_gib,
+        }
+        response = await self._call("POST", "/templates", json=body, timeout=LONG)
+        return snapshot_info(response.json())
+
+    async def templates(self) -> builtins.list[TemplateInfo]:
+        return [template_info(item) for item in (await self._call("GET", "/templates")).json()]
+
+    async def delete_template(self, name: str) -> None:
+        await self._call("DELETE", f"/templates/{quote(name, safe='')}", timeout=LONG)
+
+    async def collect_garbage(self) -> builtins.list[str]:
+        raise InvalidArgument("garbage collection runs on the server itself; it is not an API call")
+
+    async def disconnect(self, sandbox_id: str) -> None:
+        """Nothing is held per sandbox over HTTP (each call is its own request)."""
+
+    async def usage(self, sandbox_id: str | None = None) -> dict[str, Any]:
+        params = {"sandbox_id": sandbox_id} if sandbox_id else {}
+        usage: dict[str, Any] = (await self._call("GET", "/usage", params=params)).json()
+        return usage
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,517 @@
+"""The HTTP API of ``cryobox server``: FastAPI routes over the :class:`~.hub.Hub`.
+
+Resources are plural nouns at the root (``/sandboxes``, ``/snapshots``, ``/templates``,
+``/usage``). Every route but ``/health`` and the docs needs a tenant key
+(``Authorization: Bearer KEY`` or ``X-API-Key: KEY``). cryobox errors become a JSON body
+``{"detail": message, "error": {"type", "message", "fields"}}`` with the status below,
+from which the SDK raises the same exception type.
+
+Streams: a command's output is NDJSON (one JSON object per line: ``started``, then
+``stdout``/``stderr`` with base64 ``data``, then ``exit`` or ``error``); a file download
+is the file's bytes; ``/sandboxes/{id}/events`` is server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from importlib.metadata import version
+from typing import Annotated, Any, cast
+
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from cryobox import errors as e
+from cryobox.guest import protocol as p
+from cryobox.models import (
+    CommandRequest,
+    CreateRequest,
+    EntryInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from cryobox.snapshot.manifest import SnapshotPurpose
+
+from . import schemas as s
+from .hub import Hub
+from .tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+#: A command whose output waits unread past this many bytes is killed (a client that
+#: stopped reading must not hold the server's memory).
+STREAM_BACKLOG_LIMIT = 64 * 1024 * 1024
+
+STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
+    (e.AuthenticationError, 401),
+    (e.SandboxNotFound, 404),
+    (e.SnapshotNotFound, 404),
+    (e.GuestFileNotFound, 404),
+    (e.CommandNotFound, 404),
+    (e.TemplateNotFound, 404),
+    (e.GuestPermissionError, 403),
+    (e.QuotaExceeded, 429),
+    (e.StateError, 409),
+    (e.SandboxDead, 409),
+    (e.SnapshotError, 409),
+    (e.InvalidArgument, 400),
+    (e.GuestError, 400),
+    (e.CapacityError, 429),
+    (e.StorageError, 507),
+    (e.ChannelError, 502),
+)
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": s.ErrorBody} for code in (400, 401, 404, 409, 429)
+}
+
+
+def status_of(exc: e.CryoboxError) -> int:
+    for cls, code in STATUS:
+        if isinstance(exc, cls):
+            return code
+    return 500
+
+
+def error_response(exc: e.CryoboxError) -> JSONResponse:
+    return JSONResponse(
+        {"detail": str(exc), "error": e.error_detail(exc)},
+        status_code=status_of(exc),
+        headers={"WWW-Authenticate": "Bearer"} if isinstance(exc, e.AuthenticationError) else None,
+    )
+
+
+def current_tenant(
+    request: Request,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
+) -> Tenant:
+    """The tenant whose key the request carries (``Authorization: Bearer KEY`` or
+    ``X-API-Key: KEY``).
+
+    :raises AuthenticationError: when there is none or it is not valid.
+    """
+    hub: Hub = request.app.state.hub
+    key = x_api_key
+    if authorization is not None:
+        scheme, _, credentials = authorization.partition(" ")
+        if scheme.lower() == "bearer":
+            key = credentials.strip()
+    found = hub.tenants.authenticate(key) if key else None
+    if found is None:
+        raise e.AuthenticationError(
+            "an API key is required (Authorization: Bearer KEY or X-API-Key: KEY)"
+            if not key
+            else "the API key is not valid"
+        )
+    return found
+
+
+Me = Annotated[Tenant, Depends(current_tenant)]
+PathQ = Annotated[str, Query(min_length=1, max_length=4096)]
+
+
+def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -> FastAPI:
+    """The API over ``hub``; its lifespan runs the monitor (idle pauses, metering,
+    state-change events) every ``tick`` seconds and measures saved state every
+    ``storage_interval`` seconds."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await hub.start()
+        monitor = asyncio.create_task(_monitor(hub, tick, storage_interval))
+        try:
+            yield
+        finally:
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
+            await hub.close()
+
+    app = FastAPI(
+        title="cryobox",
+        version=version("cryobox"),
+        description="Real VM sandboxes for AI agents: create, run, pause, fork, snapshot.",
+        lifespan=lifespan,
+        responses=ERRORS,
+    )
+
+    app.state.hub = hub
+
+    @app.exception_handler(e.CryoboxError)
+    async def cryobox_error(_request: Request, exc: e.CryoboxError) -> JSONResponse:
+        return error_response(exc)
+
+    # ------------------------------------------------------------------ health
+
+    @app.get("/health", tags=["server"])
+    async def health() -> s.Health:
+        return s.Health(status="ok", version=version("cryobox"))
+
+    # ------------------------------------------------------------------ sandboxes
+
+    @app.post("/sandboxes", status_code=201, tags=["sandboxes"])
+    async def create_sandbox(body: s.CreateSandbox, me: Me) -> SandboxInfo:
+        """Start a sandbox; answers once its guest runs commands."""
+        network = (
+            body.network
+            if body.network is None or isinstance(body.network, str)
+            else (tuple(body.network))
+        )
+        request = CreateRequest(
+            template=body.template,
+            from_snapshot=body.from_snapshot,
+            cpus=body.cpus,
+            memory_mib=body.memory_mib,
+            disk_gib=body.disk_gib,
+            timeout=body.timeout,
+            ports=tuple(body.ports),
+            network=network,
+        )
+        return await hub.create(me, request, body.idle_timeout)
+
+    @app.get("/sandboxes", tags=["sandboxes"])
+    async def list_sandboxes(
+        me: Me,
+        all: bool = False,
+        state: Annotated[str | None, Query(max_length=20)] = None,
+    ) -> list[SandboxInfo]:
+        """The tenant's sandboxes (killed and dead ones too with ``all``), by ``state``."""
+        found = await hub.list(me, all=all or state in ("killed", "dead"))
+        return [info for info in found if state is None or info.state == state]
+
+    @app.get("/sandboxes/{sandbox_id}", tags=["sandboxes"])
+    async def get_sandbox(sandbox_id: str, me: Me) -> SandboxInfo:
+        return await hub.get(me, sandbox_id)
+
+    @app.delete("/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
+    async def kill_sandbox(sandbox_id: str, me: Me) -> Response:
+        await hub.kill(me, sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/timeout", status_code=204, tags=["sandboxes"])
+    async def set_timeout(sandbox_id: str, body: s.SetTimeout, me: Me) -> Response:
+        await hub.set_timeout(me, sandbox_id, body.seconds)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/pause", status_code=204, tags=["sandboxes"])
+    async def pause(sandbox_id: str, me: Me) -> Response:
+        await hub.pause(me, sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/resume", tags=["sandboxes"])
+    async def resume(sandbox_id: str, me: Me) -> SandboxInfo:
+        return await hub.resume(me, sandbox_id)
+
+    @app.post("/sandboxes/{sandbox_id}/checkpoints", status_code=201, tags=["sandboxes"])
+    async def checkpoint(sandbox_id: str, body: s.Capture, me: Me) -> SnapshotInfo:
+        return await hub.capture(me, sandbox_id, SnapshotPurpose.CHECKPOINT, body.name)
+
+    @app.get("/sandboxes/{sandbox_id}/checkpoints", tags=["sandboxes"])
+    async def checkpoints(sandbox_id: str, me: Me) -> list[SnapshotInfo]:
+        await hub.get(me, sandbox_id)
+        return [
+            snap
+            for snap in await hub.snapshots(me)
+            if snap.source_sandbox == sandbox_id and snap.purpose == SnapshotPurpose.CHECKPOINT
+        ]
+
+    @app.post("/sandboxes/{sandbox_id}/rollback", status_code=204, tags=["sandboxes"])
+    async def rollback(sandbox_id: str, body: s.Rollback, me: Me) -> Response:
+        await hub.rollback(me, sandbox_id, body.checkpoint)
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, tags=["sandboxes"])
+    async def snapshot(sandbox_id: str, body: s.Capture, me: Me) -> SnapshotInfo:
+        if not body.name:
+            raise e.InvalidArgument("name: a snapshot needs a name")
+        return await hub.capture(
+            me, sandbox_id, SnapshotPurpose.SNAPSHOT, body.name, memory=body.memory
+        )
+
+    @app.post("/sandboxes/{sandbox_id}/forks", status_code=201, tags=["sandboxes"])
+    async def fork(sandbox_id: str, body: s.Fork, me: Me) -> list[SandboxInfo]:
+        return await hub.fork(me, sandbox_id, body.count, body.timeout)
+
+    @app.post("/sandboxes/{sandbox_id}/ports", tags=["sandboxes"])
+    async def expose_port(sandbox_id: str, body: s.ExposePort, me: Me) -> s.HostPort:
+        host_port = await hub.expose_port(me, sandbox_id, body.guest_port)
+        return s.HostPort(guest_port=body.guest_port, host_port=host_port)
+
+    @app.get("/sandboxes/{sandbox_id}/logs", response_class=PlainTextResponse, tags=["sandboxes"])
+    async def logs(sandbox_id: str, me: Me) -> str:
+        return await hub.logs(me, sandbox_id)
+
+    @app.post("/sandboxes/{sandbox_id}/ping", status_code=204, tags=["sandboxes"])
+    async def ping(sandbox_id: str, me: Me) -> Response:
+        await hub.use(me, sandbox_id)
+        await hub.service.ping(sandbox_id)
+        return Response(status_code=204)
+
+    @app.get("/sandboxes/{sandbox_id}/lineage", tags=["sandboxes"])
+    async def sandbox_lineage(sandbox_id: str, me: Me) -> list[dict[str, Any]]:
+        """The sandbox and its ancestors: the snapshots and sandboxes it came from."""
+        await hub.get(me, sandbox_id)
+        nodes = {node["id"]: node for node in await hub.lineage(me)}
+        chain, current = [], nodes.get(sandbox_id)
+        while current is not None and current not in chain:
+            chain.append(current)
+            current = nodes.get(current["parent"] or "")
+        return chain
+
+    @app.get("/lineage", tags=["sandboxes"])
+    async def lineage(me: Me) -> list[dict[str, Any]]:
+        return await hub.lineage(me)
+
+    @app.get("/sandboxes/{sandbox_id}/events", tags=["sandboxes"])
+    async def events(sandbox_id: str, me: Me, request: Request) -> StreamingResponse:
+        """Server-sent events of the sandbox's state changes (created, paused, resumed,
+        forked, snapshot stored, rolled back, timed out, died, killed)."""
+        await hub.get(me, sandbox_id)
+
+        async def stream() -> AsyncIterator[str]:
+            async with hub.events.subscribe(me.id, sandbox_id) as sub:
+                yield ": subscribed\n\n"
+                while not await request.is_disconnected():
+                    try:
+                        event = await asyncio.wait_for(sub.queue.get(), 15)
+                    except TimeoutError:
+                        yield ": keep-alive\n\n"
+                        continue
+                    payload = {**event.to_json(), "dropped": sub.dropped}
+                    yield f"event: {event.type}\ndata: {json.dumps(payload)}\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------ commands
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/commands",
+        tags=["commands"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}}},
+    )
+    async def run_command(sandbox_id: str, body: s.RunCommand, me: Me) -> StreamingResponse:
+        """Run a command; its output streams back as it is produced (NDJSON). A client
+        that disconnects kills the command."""
+        await hub.use(me, sandbox_id)
+        request = CommandRequest(
+            shell=body.cmd if isinstance(body.cmd, str) else None,
+            argv=tuple(body.cmd) if isinstance(body.cmd, list) else None,
+            env=body.env,
+            cwd=body.cwd,
+            user=body.user,
+            timeout=body.timeout,
+            stdin=body.stdin,
+        )
+        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        backlog = 0
+
+        def on_output(stream: str, data: bytes) -> None:
+            nonlocal backlog
+            backlog += len(data)
+            queue.put_nowait((stream, data))
+
+        session = await hub.service.start_command(sandbox_id, request, on_output)
+        await session.started()  # a missing program or cwd is answered with its status
+        command_id = hub.register_command(me, sandbox_id, session)
+        ended = asyncio.ensure_future(session.wait())
+        ended.add_done_callback(lambda _: queue.put_nowait(None))
+
+        async def lines() -> AsyncIterator[bytes]:
+            nonlocal backlog
+            finished = False
+            async with hub.busy(sandbox_id):
+                try:
+                    started = {"type": "started", "pid": session.pid, "command_id": command_id}
+                    yield _line(started)
+                    while (item := await queue.get()) is not None:
+                        stream, data = item
+                        backlog -= len(data)
+                        yield _line({"type": stream, "data": base64.b64encode(data).decode()})
+                        if backlog > STREAM_BACKLOG_LIMIT:
+                            await session.kill()
+                    try:
+                        yield _line({"type": "exit", **await ended})
+                    except e.CryoboxError as exc:
+                        yield _line({"type": "error", "error": e.error_detail(exc)})
+                    finished = True
+                finally:
+                    hub.commands.pop(command_id, None)
+                    if not finished and not ended.done():  # the client went away
+                        with contextlib.suppress(e.CryoboxError):
+                            await session.kill()
+                    with contextlib.suppress(e.CryoboxError, asyncio.CancelledError):
+                        await asyncio.wait_for(asyncio.shield(ended), 5)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/commands/{command_id}/stdin", status_code=204, tags=["commands"]
+    )
+    async def command_stdin(
+        sandbox_id: str, command_id: str, me: Me, request: Request, eof: bool = False
+    ) -> Response:
+        """Feed the raw request body to the command's stdin (``eof`` closes it after)."""
+        await hub.use(me, sandbox_id)
+        session = hub.command(me, sandbox_id, command_id)
+        data = await request.body()
+        await session.send_stdin(data, eof)
+        return Response(status_code=204)
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/commands/{command_id}/kill", status_code=204, tags=["commands"]
+    )
+    async def command_kill(sandbox_id: str, command_id: str, body: s.Signal, me: Me) -> Response:
+        await hub.use(me, sandbox_id)
+        await hub.command(me, sandbox_id, command_id).kill(body.signal)
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------ files
+
+    @app.get(
+        "/sandboxes/{sandbox_id}/files",
+        tags=["files"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def download(sandbox_id: str, path: PathQ, me: Me) -> StreamingResponse:
+        """The file's bytes, streamed."""
+        await hub.use(me, sandbox_id)
+        chunks = cast(AsyncGenerator[bytes, None], hub.service.read_file(sandbox_id, path))
+        try:
+            first = await anext(chunks)  # a missing file is a 404, not an empty body
+        except StopAsyncIteration:
+            first = b""
+
+        async def body() -> AsyncIterator[bytes]:
+            async with hub.busy(sandbox_id):
+                try:
+                    yield first
+                    async for chunk in chunks:
+                        yield chunk
+                finally:
+                    await chunks.aclose()
+
+        return StreamingResponse(body(), media_type="application/octet-stream")
+
+    @app.put("/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
+    async def upload(
+        sandbox_id: str,
+        path: PathQ,
+        me: Me,
+        request: Request,
+        mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+    ) -> Response:
+        """Write the streamed request body to ``path`` (replaced atomically)."""
+        await hub.use(me, sandbox_id)
+        async with hub.busy(sandbox_id):
+            await hub.service.write_file(sandbox_id, path, _rechunk(request.stream()), mode)
+        return Response(status_code=204)
+
+    @app.delete("/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
+    async def remove(sandbox_id: str, path: PathQ, me: Me, recursive: bool = False) -> Response:
+        await hub.use(me, sandbox_id)
+        await hub.service.remove(sandbox_id, path, recursive)
+        return Response(status_code=204)
+
+    @app.get("/sandboxes/{sandbox_id}/files/list", tags=["files"])
+    async def list_dir(sandbox_id: str, path: PathQ, me: Me) -> list[EntryInfo]:
+        await hub.use(me, sandbox_id)
+        return await hub.service.list_dir(sandbox_id, path)
+
+    @app.get("/sandboxes/{sandbox_id}/files/stat", tags=["files"])
+    async def stat(sandbox_id: str, path: PathQ, me: Me) -> EntryInfo:
+        await hub.use(me, sandbox_id)
+        return await hub.service.stat(sandbox_id, path)
+
+    @app.post("/sandboxes/{sandbox_id}/files/mkdir", status_code=204, tags=["files"])
+    async def mkdir(sandbox_id: str, body: s.MakeDir, me: Me) -> Response:
+        await hub.use(me, sandbox_id)
+        await hub.service.mkdir(sandbox_id, body.path, body.parents)
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------ snapshots, templates
+
+    @app.get("/snapshots", tags=["snapshots"])
+    async def snapshots(me: Me) -> list[SnapshotInfo]:
+        return await hub.snapshots(me)
+
+    @app.get("/snapshots/{ref}", tags=["snapshots"])
+    async def get_snapshot(ref: str, me: Me) -> SnapshotInfo:
+        return await hub.snapshot(me, ref)
+
+    @app.delete("/snapshots/{ref}", status_code=204, tags=["snapshots"])
+    async def delete_snapshot(ref: str, me: Me) -> Response:
+        await hub.delete_snapshot(me, ref)
+        return Response(status_code=204)
+
+    @app.get("/templates", tags=["templates"])
+    async def templates(me: Me) -> list[TemplateInfo]:
+        return await hub.templates(me)
+
+    @app.post("/templates", status_code=201, tags=["templates"])
+    async def build_template(body: s.BuildTemplate, me: Me) -> SnapshotInfo:
+        """Boot the image, run the setup commands, save the machine as a template."""
+        return await hub.build_template(
+            me, body.name, body.setup, body.cpus, body.memory_mib, body.disk_gib
+        )
+
+    @app.delete("/templates/{name}", status_code=204, tags=["templates"])
+    async def delete_template(name: str, me: Me) -> Response:
+        await hub.delete_template(me, name)
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------ usage
+
+    @app.get("/usage", tags=["usage"])
+    async def usage(
+        me: Me, sandbox_id: Annotated[str | None, Query(max_length=200)] = None
+    ) -> dict[str, Any]:
+        """Compute (vCPU-seconds, GiB-seconds, only while running) and saved state
+        (GB-months) so far, priced."""
+        return hub.usage(me, sandbox_id)
+
+    return app
+
+
+def _line(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode() + b"\n"
+
+
+async def _rechunk(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The body's bytes in the guest protocol's chunk size, whatever the client sent."""
+    pending = bytearray()
+    async for data in stream:
+        pending += data
+        while len(pending) >= p.CHUNK:
+            yield bytes(pending[: p.CHUNK])
+            del pending[: p.CHUNK]
+    if pending:
+        yield bytes(pending)
+
+
+async def _monitor(hub: Hub, tick: float, storage_interval: float) -> None:
+    """The server's clock: every ``tick``, state changes, metering and idle pauses."""
+    last_storage = asyncio.get_running_loop().time()
+    await _guarded(hub.measure_storage, 0.0)
+    while True:
+        await asyncio.sleep(tick)
+        await _guarded(hub.observe)
+        now = asyncio.get_running_loop().time()
+        if now - last_storage >= storage_interval:
+            await _guarded(hub.measure_storage, now - last_storage)
+            last_storage = now
+
+
+async def _guarded(step: Callable[..., Awaitable[None]], *args: Any) -> None:
+    try:
+        await step(*args)
+    except Exception:  # the monitor must outlive any one failure; the log says what
+        log.exception("monitor step %s failed", getattr(step, "__name__", step))

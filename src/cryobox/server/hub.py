@@ -1,0 +1,545 @@
+"""The server's domain layer: the service, seen through tenants.
+
+Every call names its tenant. A sandbox, snapshot or template the tenant does not own
+is answered exactly as one that does not exist (so ids do not leak across tenants);
+quotas are checked before anything starts; lifecycle calls on one sandbox are
+serialized by a lock of that sandbox; a sandbox paused for being idle is woken by the
+next call that uses it. Routes (:mod:`cryobox.server.app`) only translate HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from cryobox import config
+from cryobox.errors import (
+    CryoboxError,
+    InvalidArgument,
+    QuotaExceeded,
+    SandboxNotFound,
+    SnapshotNotFound,
+    TemplateNotFound,
+)
+from cryobox.models import CreateRequest, SandboxInfo, SnapshotInfo, TemplateInfo
+from cryobox.sandbox.registry import SandboxDir
+from cryobox.service import SandboxService
+from cryobox.service.commands import CommandSession
+from cryobox.service.service import BASE_TEMPLATE, DEFAULT_TEMPLATE
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+
+from .database import Database
+from .events import EventBus
+from .meter import Meter, Prices, bytes_on_disk, usage_report
+from .ports import PortProxy
+from .tenants import Quota, Tenant, Tenants
+
+log = logging.getLogger(__name__)
+
+#: States in which a sandbox holds compute (and counts against the running quotas).
+ACTIVE = ("creating", "running", "resuming")
+#: States a sandbox only passes through (no event is sent for them).
+TRANSIENT = ("creating", "resuming")
+DEFAULT_IDLE_TIMEOUT = 600.0
+
+
+@dataclass
+class RunningCommand:
+    tenant_id: str
+    sandbox_id: str
+    session: CommandSession
+
+
+@dataclass
+class _Use:
+    """What a tenant holds or is about to hold (for the quotas)."""
+
+    sandboxes: int = 0
+    vcpus: int = 0
+    memory_mib: int = 0
+
+
+class Hub:
+    def __init__(
+        self,
+        service: SandboxService,
+        db: Database,
+        *,
+        host: str = "127.0.0.1",
+        prices: Prices | None = None,
+    ) -> None:
+        self.service = service
+        self.db = db
+        self.tenants = Tenants(db)
+        self.meter = Meter(db)
+        self.events = EventBus()
+        self.prices = prices or Prices()
+        self.ports = PortProxy(host, self._host_port, self.meter.touch)
+        self.commands: dict[str, RunningCommand] = {}
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._quota_lock = asyncio.Lock()
+        self._reserved: defaultdict[str, _Use] = defaultdict(_Use)
+        self._busy: Counter[str] = Counter()
+        self._stored: dict[str, int] = {}
+
+    async def start(self) -> None:
+        """Take over what a previous server left: publish the ports of live sandboxes."""
+        for row in self.db.rows("SELECT * FROM ports"):
+            with contextlib.suppress(OSError):
+                await self.ports.publish(row["sandbox_id"], row["guest_port"], row["public_port"])
+
+    async def close(self) -> None:
+        """Stop serving; the sandboxes go on running (a later server adopts them)."""
+        await self.ports.close()
+        await self.service.close()
+
+    # ------------------------------------------------------------------ ownership
+
+    def _sandbox(self, tenant: Tenant, sandbox_id: str) -> None:
+        if not self.tenants.owns(tenant.id, "sandbox", sandbox_id):
+            raise SandboxNotFound(sandbox_id)
+
+    def _present(self, info: SandboxInfo) -> SandboxInfo:
+        """A sandbox as a tenant sees it: the server's public ports, no host pids."""
+        return dataclasses.replace(
+            info, ports=self.ports.published(info.id), vmm_pid=None, supervisor_pid=None
+        )
+
+    def _snapshot(self, tenant: Tenant, ref: str) -> Manifest:
+        """One of the tenant's snapshots by id or name (the newest of that name)."""
+        found: list[Manifest] = []
+        for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
+            try:
+                manifest = self.service.store.get(snapshot_id)
+            except SnapshotNotFound:
+                continue
+            if ref in (manifest.id, manifest.name):
+                found.append(manifest)
+        if not found:
+            raise SnapshotNotFound(ref)
+        return max(found, key=lambda m: m.created_at)
+
+    def _template(self, tenant: Tenant, name: str) -> str:
+        """The store's name for template ``name`` as this tenant sees it: its own
+        (stored as ``TENANT.NAME``) or one of the host's."""
+        if name in (BASE_TEMPLATE, DEFAULT_TEMPLATE):
+            return name
+        internal = f"{tenant.id}.{name}"
+        if self.tenants.owns(tenant.id, "template", internal):
+            return internal
+        if not name.startswith("tn-") and self.service.store.template(name) is not None:
+            return name
+        raise TemplateNotFound(name)
+
+    # ------------------------------------------------------------------ quotas
+
+    def _in_use(self, tenant: Tenant) -> _Use:
+        use = _Use()
+        for tracked in self.meter.tracked():
+            if tracked.tenant_id != tenant.id:
+                continue
+            try:
+                state = SandboxDir.for_id(tracked.id).record().state.value
+            except (CryoboxError, OSError):
+                continue
+            if state in ACTIVE:
+                use.sandboxes += 1
+                use.vcpus += tracked.cpus
+                use.memory_mib += tracked.memory_mib
+        return use
+
+    @asynccontextmanager
+    async def _reserve(
+        self, tenant: Tenant, count: int, cpus: int, memory_mib: int
+    ) -> AsyncIterator[None]:
+        """Hold quota for ``count`` sandboxes of a shape while they start.
+
+        :raises QuotaExceeded: naming the first limit that would be passed.
+        """
+        async with self._quota_lock:
+            use, held = self._in_use(tenant), self._reserved[tenant.id]
+            q = tenant.quota
+            for limit, allowed, wanted in (
+                ("max_sandboxes", q.max_sandboxes, use.sandboxes + held.sandboxes + count),
+                ("max_vcpus", q.max_vcpus, use.vcpus + held.vcpus + count * cpus),
+                (
+                    "max_memory_mib",
+                    q.max_memory_mib,
+                    use.memory_mib + held.memory_mib + count * memory_mib,
+                ),
+            ):
+                if wanted > allowed:
+                    raise QuotaExceeded(limit, allowed, wanted)
+            held.sandboxes += count
+            held.vcpus += count * cpus
+            held.memory_mib += count * memory_mib
+        try:
+            yield
+        finally:
+            held.sandboxes -= count
+            held.vcpus -= count * cpus
+            held.memory_mib -= count * memory_mib
+
+    def _check_storage(self, tenant: Tenant) -> None:
+        stored = self._stored.get(tenant.id, 0)
+        if stored >= tenant.quota.max_stored_bytes:
+            raise QuotaExceeded("max_stored_bytes", tenant.quota.max_stored_bytes, stored)
+
+    def _shape(self, request: CreateRequest) -> tuple[int, int]:
+        """The vCPUs and MiB a create will take (the source snapshot's when it has one)."""
+        source: Manifest | None = None
+        with contextlib.suppress(CryoboxError):
+            if request.from_snapshot is not None:
+                source = self.service.store.get(request.from_snapshot)
+            elif request.template != BASE_TEMPLATE:
+                entry = self.service.store.template(request.template)
+                if entry is not None:
+                    source = self.service.store.get(str(entry["snapshot"]))
+        if source is not None:
+            return source.cpus, source.memory_mib
+        return (
+            request.cpus or config.DEFAULT_CPUS,
+            request.memory_mib or config.DEFAULT_MEMORY_MIB,
+        )
+
+    # ------------------------------------------------------------------ sandboxes
+
+    async def _adopt_new(self, tenant: Tenant, info: SandboxInfo, idle_timeout: float) -> None:
+        """Make a sandbox just started the tenant's: owned, tracked, ports published."""
+        self.tenants.own(tenant.id, "sandbox", info.id)
+        self.meter.track(info.id, tenant.id, info.cpus, info.memory_mib, idle_timeout)
+        for guest_port in info.ports:
+            await self._publish(info.id, guest_port)
+        self.events.publish(tenant.id, info.id, "created", origin=info.origin)
+
+    async def _publish(self, sandbox_id: str, guest_port: int) -> int:
+        public = await self.ports.publish(sandbox_id, guest_port)
+        self.db.execute(
+            "INSERT OR REPLACE INTO ports VALUES (?, ?, ?)", (sandbox_id, guest_port, public)
+        )
+        return public
+
+    async def create(
+        self, tenant: Tenant, request: CreateRequest, idle_timeout: float | None
+    ) -> SandboxInfo:
+        request = dataclasses.replace(
+            request,
+            template=self._template(tenant, request.template),
+            from_snapshot=(
+                self._snapshot(tenant, request.from_snapshot).id if request.from_snapshot else None
+            ),
+        )
+        cpus, memory = self._shape(request)
+        async with self._reserve(tenant, 1, cpus, memory):
+            info = await self.service.create(request)
+            await self._adopt_new(tenant, info, _idle(idle_timeout))
+        return self._present(info)
+
+    async def get(self, tenant: Tenant, sandbox_id: str) -> SandboxInfo:
+        self._sandbox(tenant, sandbox_id)
+        return self._present(await self.service.get(sandbox_id))
+
+    async def list(self, tenant: Tenant, *, all: bool = False) -> builtins.list[SandboxInfo]:
+        found = []
+        for sandbox_id in self.tenants.owned(tenant.id, "sandbox"):
+            try:
+                info = await self.service.get(sandbox_id)
+            except SandboxNotFound:
+                continue
+            if all or info.state not in ("killed", "dead"):
+                found.append(self._present(info))
+        return found
+
+    async def kill(self, tenant: Tenant, sandbox_id: str) -> None:
+        self._sandbox(tenant, sandbox_id)
+        async with self._locks[sandbox_id]:
+            with contextlib.suppress(SandboxNotFound):
+                await self.service.kill(sandbox_id)
+            await self._forget(tenant.id, sandbox_id, "killed")
+
+    async def _forget(self, tenant_id: str, sandbox_id: str, event: str, **data: Any) -> None:
+        await self.ports.unpublish(sandbox_id)
+        self.db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
+        self.meter.forget(sandbox_id)
+        self.tenants.disown("sandbox", sandbox_id)
+        self._locks.pop(sandbox_id, None)
+        self.events.publish(tenant_id, sandbox_id, event, **data)
+
+    async def pause(self, tenant: Tenant, sandbox_id: str, *, idle: bool = False) -> bool:
+        """Pause the sandbox; for an idle pause, only if it is still idle once its lock is
+        held (a call may have come in meanwhile). Whether it paused."""
+        self._sandbox(tenant, sandbox_id)
+        async with self._locks[sandbox_id]:
+            tracked = self.meter.get(sandbox_id)
+            if idle and (
+                tracked is None
+                or self._busy[sandbox_id]
+                or time.time() - tracked.last_activity <= tracked.idle_timeout
+            ):
+                return False
+            await self.service.pause(sandbox_id)
+            self.meter.set_idle_paused(sandbox_id, idle)
+            self.meter.observe(sandbox_id, "paused")
+        self.events.publish(tenant.id, sandbox_id, "paused", reason="idle" if idle else "asked")
+        return True
+
+    async def resume(self, tenant: Tenant, sandbox_id: str) -> SandboxInfo:
+        self._sandbox(tenant, sandbox_id)
+        async with self._locks[sandbox_id]:
+            return await self._resume_locked(tenant, sandbox_id, "asked")
+
+    async def _resume_locked(self, tenant: Tenant, sandbox_id: str, reason: str) -> SandboxInfo:
+        tracked = self.meter.get(sandbox_id)
+        cpus, memory = (tracked.cpus, tracked.memory_mib) if tracked else (0, 0)
+        async with self._reserve(tenant, 1, cpus, memory):
+            info = await self.service.resume(sandbox_id)
+        self.meter.set_idle_paused(sandbox_id, False)
+        self.meter.observe(sandbox_id, info.state)
+        self.meter.touch(sandbox_id)
+        self.events.publish(tenant.id, sandbox_id, "resumed", reason=reason)
+        return self._present(info)
+
+    async def use(self, tenant: Tenant, sandbox_id: str) -> None:
+        """Mark the sandbox used now; wake it first if it was paused for being idle (after
+        any lifecycle call in progress on it, so an idle pause under way is seen)."""
+        self._sandbox(tenant, sandbox_id)
+        self.meter.touch(sandbox_id)
+        async with self._locks[sandbox_id]:
+            tracked = self.meter.get(sandbox_id)
+            if tracked is not None and tracked.idle_paused:
+                await self._resume_locked(tenant, sandbox_id, "woken")
+
+    async def _host_port(self, sandbox_id: str, guest_port: int) -> int:
+        """Where a published port's connection goes now (waking the sandbox first)."""
+        owner = self.tenants.owner("sandbox", sandbox_id)
+        if owner is None:
+            raise SandboxNotFound(sandbox_id)
+        await self.use(self.tenants.get(owner), sandbox_id)
+        info = await self.service.get(sandbox_id)
+        if guest_port not in info.ports:
+            raise InvalidArgument(f"port {guest_port} of {sandbox_id} is not forwarded")
+        return info.ports[guest_port]
+
+    async def capture(
+        self,
+        tenant: Tenant,
+        sandbox_id: str,
+        purpose: SnapshotPurpose,
+        name: str | None,
+        memory: bool = True,
+    ) -> SnapshotInfo:
+        await self.use(tenant, sandbox_id)
+        self._check_storage(tenant)
+        async with self._locks[sandbox_id]:
+            info = await self.service.capture(sandbox_id, purpose, name, memory)
+            self.tenants.own(tenant.id, "snapshot", info.id)
+        self.events.publish(
+            tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
+        )
+        return info
+
+    async def rollback(self, tenant: Tenant, sandbox_id: str, ref: str) -> None:
+        await self.use(tenant, sandbox_id)
+        manifest = self._snapshot(tenant, ref)
+        async with self._locks[sandbox_id]:
+            await self.service.rollback(sandbox_id, manifest.id)
+        self.events.publish(tenant.id, sandbox_id, "rolled back", snapshot_id=manifest.id)
+
+    async def fork(
+        self, tenant: Tenant, sandbox_id: str, count: int, timeout: float | None
+    ) -> builtins.list[SandboxInfo]:
+        await self.use(tenant, sandbox_id)
+        tracked = self.meter.get(sandbox_id)
+        info = await self.service.get(sandbox_id)
+        idle = tracked.idle_timeout if tracked else DEFAULT_IDLE_TIMEOUT
+        async with (
+            self._reserve(tenant, count, info.cpus, info.memory_mib),
+            self._locks[sandbox_id],
+        ):
+            forks = await self.service.fork(sandbox_id, count, timeout)
+            for fork in forks:
+                await self._adopt_new(tenant, fork, idle)
+        self.events.publish(tenant.id, sandbox_id, "forked", forks=[f.id for f in forks])
+        return [self._present(f) for f in forks]
+
+    async def set_timeout(self, tenant: Tenant, sandbox_id: str, seconds: float) -> None:
+        await self.use(tenant, sandbox_id)
+        await self.service.set_timeout(sandbox_id, seconds)
+
+    async def expose_port(self, tenant: Tenant, sandbox_id: str, guest_port: int) -> int:
+        await self.use(tenant, sandbox_id)
+        await self.service.expose_port(sandbox_id, guest_port)
+        return await self._publish(sandbox_id, guest_port)
+
+    async def logs(self, tenant: Tenant, sandbox_id: str) -> str:
+        self._sandbox(tenant, sandbox_id)
+        return await self.service.logs(sandbox_id)
+
+    async def lineage(self, tenant: Tenant) -> builtins.list[dict[str, Any]]:
+        mine = set(self.tenants.owned(tenant.id, "sandbox")) | set(
+            self.tenants.owned(tenant.id, "snapshot")
+        )
+        return [node for node in await self.service.lineage() if node["id"] in mine]
+
+    # ------------------------------------------------------------------ commands
+
+    @asynccontextmanager
+    async def busy(self, sandbox_id: str) -> AsyncIterator[None]:
+        """A command stream is open: the sandbox is not idle meanwhile."""
+        self._busy[sandbox_id] += 1
+        try:
+            yield
+        finally:
+            self._busy[sandbox_id] -= 1
+            self.meter.touch(sandbox_id)
+
+    def register_command(self, tenant: Tenant, sandbox_id: str, session: CommandSession) -> str:
+        command_id = uuid.uuid4().hex
+        self.commands[command_id] = RunningCommand(tenant.id, sandbox_id, session)
+        return command_id
+
+    def command(self, tenant: Tenant, sandbox_id: str, command_id: str) -> CommandSession:
+        running = self.commands.get(command_id)
+        if running is None or (running.tenant_id, running.sandbox_id) != (tenant.id, sandbox_id):
+            raise InvalidArgument(f"no running command {command_id!r} in sandbox {sandbox_id}")
+        return running.session
+
+    # ------------------------------------------------------------------ snapshots, templates
+
+    async def snapshots(self, tenant: Tenant) -> builtins.list[SnapshotInfo]:
+        mine = set(self.tenants.owned(tenant.id, "snapshot"))
+        return [s for s in await self.service.snapshots() if s.id in mine]
+
+    async def snapshot(self, tenant: Tenant, ref: str) -> SnapshotInfo:
+        manifest = self._snapshot(tenant, ref)
+        return next(s for s in await self.service.snapshots() if s.id == manifest.id)
+
+    async def delete_snapshot(self, tenant: Tenant, ref: str) -> None:
+        manifest = self._snapshot(tenant, ref)
+        await self.service.delete_snapshot(manifest.id)
+        self.tenants.disown("snapshot", manifest.id)
+
+    async def templates(self, tenant: Tenant) -> builtins.list[TemplateInfo]:
+        prefix = f"{tenant.id}."
+        found = []
+        for template in await self.service.templates():
+            if template.name.startswith(prefix):
+                found.append(dataclasses.replace(template, name=template.name[len(prefix) :]))
+            elif not template.name.startswith("tn-"):
+                found.append(template)
+        return found
+
+    async def build_template(
+        self,
+        tenant: Tenant,
+        name: str,
+        setup: Sequence[str],
+        cpus: int,
+        memory_mib: int,
+        disk_gib: int,
+    ) -> SnapshotInfo:
+        if name in (BASE_TEMPLATE, DEFAULT_TEMPLATE) or "." in name or "/" in name:
+            raise InvalidArgument(f"template name {name!r} is not allowed")
+        internal = f"{tenant.id}.{name}"
+        self._check_storage(tenant)
+        async with self._reserve(tenant, 1, cpus, memory_mib):
+            info = await self.service.build_template(
+                internal, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
+            )
+        self.tenants.own(tenant.id, "template", internal)
+        self.tenants.own(tenant.id, "snapshot", info.id)
+        return info
+
+    async def delete_template(self, tenant: Tenant, name: str) -> None:
+        internal = f"{tenant.id}.{name}"
+        if not self.tenants.owns(tenant.id, "template", internal):
+            raise TemplateNotFound(name)
+        await self.service.delete_template(internal)
+        self.tenants.disown("template", internal)
+
+    # ------------------------------------------------------------------ usage
+
+    def usage(self, tenant: Tenant, sandbox_id: str | None = None) -> dict[str, Any]:
+        report = usage_report(self.db, tenant.id, self.prices, self._stored.get(tenant.id, 0))
+        if sandbox_id is not None:
+            self._sandbox(tenant, sandbox_id)
+            lines = [s for s in report["sandboxes"] if s["id"] == sandbox_id]
+            return {"tenant_id": tenant.id, **lines[0]} if lines else {"id": sandbox_id}
+        return report
+
+    # ------------------------------------------------------------------ the monitor's tick
+
+    async def observe(self) -> None:
+        """Follow every tracked sandbox: record state changes (and tell subscribers),
+        meter compute, pause the idle ones."""
+        now = time.time()
+        for tracked in self.meter.tracked():
+            if self._locks[tracked.id].locked():
+                continue  # a lifecycle call is under way; it records what it did
+            try:
+                info = await self.service.get(tracked.id)
+            except SandboxNotFound:
+                await self._forget(tracked.tenant_id, tracked.id, "killed", reason="gone")
+                continue
+            previous = self.meter.observe(tracked.id, info.state, now)
+            if previous is not None and info.state not in TRANSIENT:
+                self._state_event(tracked.tenant_id, info)
+            if info.state in ("killed", "dead"):
+                await self.ports.unpublish(tracked.id)
+                continue
+            idle_for = now - tracked.last_activity
+            if (
+                info.state == "running"
+                and tracked.idle_timeout > 0
+                and idle_for > tracked.idle_timeout
+                and not self._busy[tracked.id]
+                and not self._locks[tracked.id].locked()
+            ):
+                tenant = self.tenants.get(tracked.tenant_id)
+                try:
+                    if await self.pause(tenant, tracked.id, idle=True):
+                        log.info("paused %s after %.0f s idle", tracked.id, idle_for)
+                except CryoboxError as exc:
+                    log.warning("idle pause of %s failed: %s", tracked.id, exc)
+
+    def _state_event(self, tenant_id: str, info: SandboxInfo) -> None:
+        if info.state == "killed" and (info.error or "").startswith("timed out"):
+            self.events.publish(tenant_id, info.id, "timed out", reason=info.error)
+        elif info.state == "dead":
+            self.events.publish(tenant_id, info.id, "died", reason=info.error)
+        else:
+            self.events.publish(tenant_id, info.id, info.state, reason="observed")
+
+    async def measure_storage(self, seconds: float) -> None:
+        """Count the saved state each tenant holds for ``seconds`` (paused machines and
+        owned snapshots)."""
+        for tenant in self.tenants.all():
+            by_sandbox: dict[str, int] = {}
+            for tracked in self.meter.tracked():
+                if tracked.tenant_id == tenant.id and tracked.last_state == "paused":
+                    folder = SandboxDir.for_id(tracked.id).path
+                    by_sandbox[tracked.id] = await asyncio.to_thread(bytes_on_disk, folder)
+            snapshots = 0
+            for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
+                with contextlib.suppress(CryoboxError, OSError):
+                    snapshots += self.service.store.stored_bytes(snapshot_id)
+            total = sum(by_sandbox.values()) + snapshots
+            self._stored[tenant.id] = total
+            self.meter.accrue_storage(tenant.id, by_sandbox, total, seconds)
+
+
+def _idle(value: float | None) -> float:
+    return DEFAULT_IDLE_TIMEOUT if value is None else value
+
+
+__all__ = ["DEFAULT_IDLE_TIMEOUT", "Hub", "Quota", "Tenant"]

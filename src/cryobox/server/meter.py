@@ -1,0 +1,204 @@
+"""Per-sandbox bookkeeping on the server: activity for the idle pause, and metering.
+
+Compute is counted only while a sandbox runs: the monitor calls :meth:`Meter.observe`
+every tick and each call adds the running time since the last one (vCPU-seconds and
+GiB-seconds, at the sandbox's shape). Saved state is counted as bytes held over time
+(byte-seconds, turned into GB-months by :func:`usage_report`): a paused sandbox's
+saved machine and every snapshot or checkpoint the tenant owns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .database import Database
+
+#: One GB-month: 10^9 bytes held for 30 days, in byte-seconds.
+GB_MONTH = 1e9 * 30 * 86400
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What usage costs, in dollars (defaults from ``CRYOBOX_PRICE_*`` variables)."""
+
+    vcpu_hour: float = 0.0504
+    gib_hour: float = 0.0162
+    gb_month: float = 0.08
+
+    @classmethod
+    def from_env(cls) -> Prices:
+        def price(name: str, default: float) -> float:
+            value = float(os.environ.get(name, default))
+            if not value >= 0:
+                raise ValueError(f"{name}={value}: must be a price >= 0")
+            return value
+
+        return cls(
+            vcpu_hour=price("CRYOBOX_PRICE_VCPU_HOUR", cls.vcpu_hour),
+            gib_hour=price("CRYOBOX_PRICE_GIB_HOUR", cls.gib_hour),
+            gb_month=price("CRYOBOX_PRICE_GB_MONTH", cls.gb_month),
+        )
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """A sandbox as the server tracks it."""
+
+    id: str
+    tenant_id: str
+    cpus: int
+    memory_mib: int
+    idle_timeout: float
+    last_activity: float
+    idle_paused: bool
+    last_state: str
+
+
+class Meter:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def track(
+        self, sandbox_id: str, tenant_id: str, cpus: int, memory_mib: int, idle_timeout: float
+    ) -> None:
+        now = time.time()
+        self.db.execute(
+            "INSERT OR REPLACE INTO sandboxes (id, tenant_id, cpus, memory_mib, idle_timeout, "
+            "last_activity, last_state, running_since) VALUES (?, ?, ?, ?, ?, ?, 'running', ?)",
+            (sandbox_id, tenant_id, cpus, memory_mib, idle_timeout, now, now),
+        )
+
+    def tracked(self) -> list[Tracked]:
+        return [
+            Tracked(
+                id=r["id"],
+                tenant_id=r["tenant_id"],
+                cpus=r["cpus"],
+                memory_mib=r["memory_mib"],
+                idle_timeout=r["idle_timeout"],
+                last_activity=r["last_activity"],
+                idle_paused=bool(r["idle_paused"]),
+                last_state=r["last_state"],
+            )
+            for r in self.db.rows("SELECT * FROM sandboxes")
+        ]
+
+    def get(self, sandbox_id: str) -> Tracked | None:
+        for tracked in self.tracked():
+            if tracked.id == sandbox_id:
+                return tracked
+        return None
+
+    def touch(self, sandbox_id: str) -> None:
+        """The sandbox was used just now (a call, a command's output, port traffic)."""
+        self.db.execute(
+            "UPDATE sandboxes SET last_activity = ? WHERE id = ?", (time.time(), sandbox_id)
+        )
+
+    def set_idle_paused(self, sandbox_id: str, paused: bool) -> None:
+        self.db.execute(
+            "UPDATE sandboxes SET idle_paused = ? WHERE id = ?", (int(paused), sandbox_id)
+        )
+
+    def observe(self, sandbox_id: str, state: str, now: float | None = None) -> str | None:
+        """Record the sandbox's state now; add the running time since the last call to
+        its tenant's compute. Returns the previous state when it changed."""
+        now = now or time.time()
+        with self.db.transaction() as conn:
+            row = conn.execute(
+                "SELECT tenant_id, cpus, memory_mib, last_state, running_since "
+                "FROM sandboxes WHERE id = ?",
+                (sandbox_id,),
+            ).fetchone()
+            if row is None:
+                return None
+            since = row["running_since"]
+            if since is not None:
+                seconds = max(0.0, now - since)
+                conn.execute(
+                    "UPDATE sandboxes SET compute_seconds = compute_seconds + ? WHERE id = ?",
+                    (seconds, sandbox_id),
+                )
+                conn.execute(
+                    "UPDATE tenant_usage SET vcpu_seconds = vcpu_seconds + ?, "
+                    "gib_seconds = gib_seconds + ? WHERE tenant_id = ?",
+                    (seconds * row["cpus"], seconds * row["memory_mib"] / 1024, row["tenant_id"]),
+                )
+            running = state in ("running", "creating", "resuming")
+            conn.execute(
+                "UPDATE sandboxes SET last_state = ?, running_since = ? WHERE id = ?",
+                (state, now if running else None, sandbox_id),
+            )
+        previous = str(row["last_state"])
+        return previous if previous != state else None
+
+    def accrue_storage(
+        self, tenant_id: str, by_sandbox: dict[str, int], tenant_bytes: int, seconds: float
+    ) -> None:
+        """Count ``tenant_bytes`` held for ``seconds`` (and each sandbox's own share)."""
+        with self.db.transaction() as conn:
+            conn.execute(
+                "UPDATE tenant_usage SET stored_byte_seconds = stored_byte_seconds + ? "
+                "WHERE tenant_id = ?",
+                (tenant_bytes * seconds, tenant_id),
+            )
+            for sandbox_id, held in by_sandbox.items():
+                conn.execute(
+                    "UPDATE sandboxes SET stored_byte_seconds = stored_byte_seconds + ?, "
+                    "stored_bytes = ? WHERE id = ?",
+                    (held * seconds, held, sandbox_id),
+                )
+
+    def forget(self, sandbox_id: str) -> None:
+        """Stop tracking a sandbox (killed): its counted usage stays with its tenant."""
+        self.observe(sandbox_id, "killed")
+        self.db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+
+def usage_report(db: Database, tenant_id: str, prices: Prices, stored_bytes: int) -> dict[str, Any]:
+    """The tenant's usage so far and what it costs, with a line per tracked sandbox."""
+    totals = db.row("SELECT * FROM tenant_usage WHERE tenant_id = ?", (tenant_id,))
+    vcpu_s = float(totals["vcpu_seconds"]) if totals else 0.0
+    gib_s = float(totals["gib_seconds"]) if totals else 0.0
+    stored_bs = float(totals["stored_byte_seconds"]) if totals else 0.0
+    sandboxes = [
+        {
+            "id": r["id"],
+            "state": r["last_state"],
+            "vcpu_seconds": r["compute_seconds"] * r["cpus"],
+            "gib_seconds": r["compute_seconds"] * r["memory_mib"] / 1024,
+            "stored_bytes": r["stored_bytes"],
+            "stored_gb_months": r["stored_byte_seconds"] / GB_MONTH,
+        }
+        for r in db.rows("SELECT * FROM sandboxes WHERE tenant_id = ? ORDER BY id", (tenant_id,))
+    ]
+    cost = {
+        "compute": vcpu_s / 3600 * prices.vcpu_hour + gib_s / 3600 * prices.gib_hour,
+        "storage": stored_bs / GB_MONTH * prices.gb_month,
+    }
+    return {
+        "tenant_id": tenant_id,
+        "vcpu_seconds": vcpu_s,
+        "gib_seconds": gib_s,
+        "stored_bytes": stored_bytes,
+        "stored_gb_months": stored_bs / GB_MONTH,
+        "prices": vars(prices),
+        "cost_usd": {**cost, "total": cost["compute"] + cost["storage"]},
+        "sandboxes": sandboxes,
+    }
+
+
+def bytes_on_disk(path: Path) -> int:
+    """Bytes a folder's files take on disk (holes not counted)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total

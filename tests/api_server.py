@@ -1,0 +1,104 @@
+"""A real ``cryobox server`` process on a loopback port, for the HTTP tests (unit tests
+run it over the fake VMM, integration tests over real VMs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CLI = [sys.executable, "-m", "cryobox.cli.main"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ApiServer:
+    """A real ``cryobox server`` process on a loopback port, and one tenant's key."""
+
+    port: int
+    database: Path
+    env: dict[str, str]
+    log: Path
+    key: str = ""
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client_env(self, key: str | None = None) -> dict[str, str]:
+        """The environment of a process that uses this server (the CLI, say)."""
+        return {**self.env, "CRYOBOX_API_URL": self.url, "CRYOBOX_API_KEY": key or self.key}
+
+    def tenant(self, name: str, *options: str) -> str:
+        """Create a tenant with ``cryobox tenant create``; its key (the last line)."""
+        done = subprocess.run(
+            [*CLI, "tenant", "create", name, "--database", str(self.database), *options],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.strip().splitlines()[-1]
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    *CLI,
+                    "server",
+                    "--port",
+                    str(self.port),
+                    "--database",
+                    str(self.database),
+                    "--tick",
+                    "0.2",
+                    "--storage-interval",
+                    "1",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(f"cryobox server did not listen: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM, as a service manager stops it (the sandboxes stay)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def make_server(folder: Path, env: dict[str, str] | None = None) -> ApiServer:
+    folder.mkdir(parents=True, exist_ok=True)
+    server = ApiServer(
+        port=free_port(),
+        database=folder / "server.db",
+        env={**os.environ, **(env or {})},
+        log=folder / "server.log",
+    )
+    for name in ("CRYOBOX_API_URL", "CRYOBOX_API_KEY"):
+        server.env.pop(name, None)
+    return server

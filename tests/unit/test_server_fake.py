@@ -1,0 +1,351 @@
+"""``cryobox server`` as a real process on a loopback port, over the fake VMM.
+
+The HTTP layer's own rules, checked in seconds: keys, quotas, validation, schema
+conformance (schemathesis), serialized concurrent calls, streams that free their
+command when the client leaves, the database's migrations, the tenant commands. The
+same server over real VMs is tested in ``tests/integration/test_server_vm.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.core.result import Ok
+from schemathesis.specs.openapi.checks import response_schema_conformance
+
+from api_server import CLI, ApiServer, make_server
+from cryobox import Sandbox
+from cryobox.errors import AuthenticationError, InvalidArgument, QuotaExceeded, StateError
+from cryobox.server.database import MIGRATIONS, Database
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ApiServer]:
+    state = Path(tempfile.mkdtemp(prefix="cbx-srv-"))
+    made = make_server(state / "server", {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state)})
+    made.key = made.tenant("acme")
+    made.start()
+    yield made
+    client = httpx.Client(base_url=made.url, headers={"X-API-Key": made.key})
+    for info in client.get("/sandboxes", params={"all": "true"}).json():
+        client.delete(f"/sandboxes/{info['id']}")
+    made.stop()
+    subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+def client(server: ApiServer, key: str | None = None) -> httpx.Client:
+    return httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {key or server.key}"}, timeout=60
+    )
+
+
+def sdk(server: ApiServer, key: str | None = None, **kwargs: Any) -> Sandbox:
+    return Sandbox.create(api_url=server.url, api_key=key or server.key, **kwargs)
+
+
+def test_every_call_needs_a_valid_key_in_either_header(server: ApiServer) -> None:
+    anonymous = httpx.Client(base_url=server.url)
+    assert anonymous.get("/health").json()["status"] == "ok"
+    refused = anonymous.get("/sandboxes")
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert "API key is required" in refused.json()["detail"]
+    bad = anonymous.get("/sandboxes", headers={"X-API-Key": "cbx_not-a-key"})
+    assert bad.status_code == 401 and "not valid" in bad.json()["detail"]
+    assert anonymous.get("/sandboxes", headers={"X-API-Key": server.key}).status_code == 200
+    assert client(server).get("/sandboxes").status_code == 200
+    with pytest.raises(AuthenticationError, match="not valid"):
+        Sandbox.list(api_url=server.url, api_key="cbx_wrong")
+
+
+def test_bad_input_is_a_422_naming_the_field(server: ApiServer) -> None:
+    http = client(server)
+    for body, field in (
+        ({"cpus": 0}, "cpus"),
+        ({"timeout": "NaN"}, "timeout"),
+        ({"ports": [70000]}, "ports"),
+        ({"memory_mib": True, "nonsense": 1}, "nonsense"),
+    ):
+        answer = http.post("/sandboxes", json=body)
+        assert answer.status_code == 422, body
+        assert any(field in item["loc"] for item in answer.json()["detail"]), answer.json()
+    with pytest.raises(InvalidArgument, match="cpus"):
+        sdk(server, cpus=0)
+    missing = http.post("/sandboxes", json={"template": "nope"})
+    assert missing.status_code == 404 and "template 'nope' does not exist" in missing.text
+
+
+def test_quotas_are_answered_429_naming_the_limit(server: ApiServer) -> None:
+    key = server.tenant("tiny", "--max-sandboxes", "1", "--max-vcpus", "2")
+    first = sdk(server, key)
+    try:
+        with pytest.raises(QuotaExceeded, match="max_sandboxes is 1") as refused:
+            sdk(server, key)
+        assert refused.value.limit == "max_sandboxes"
+        raw = client(server, key).post(f"/sandboxes/{first.id}/forks", json={"count": 1})
+        assert raw.status_code == 429 and "max_sandboxes" in raw.json()["detail"]
+        first.pause()  # a paused sandbox holds no compute
+        second = sdk(server, key)
+        with pytest.raises(QuotaExceeded, match="max_sandboxes"):
+            Sandbox.resume(first.id, api_url=server.url, api_key=key)
+        second.kill()
+    finally:
+        first.kill()
+
+
+def test_the_sdk_works_over_http(server: ApiServer, tmp_path: Path) -> None:
+    with sdk(server, ports=[8000]) as sbx:
+        seen: list[str] = []
+        result = sbx.commands.run("echo out; echo err >&2; exit 3", on_stdout=seen.append)
+        assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
+        assert seen == ["out\n"]
+        handle = sbx.commands.run("cat", background=True, stdin=True)
+        handle.send_stdin("fed\n", eof=True)
+        assert handle.wait().stdout == "fed\n"
+        payload = bytes(range(256)) * 5000  # several chunks, every byte value
+        sbx.files.write("/tmp/blob", payload)
+        assert sbx.files.read("/tmp/blob") == payload
+        assert sbx.files.stat("/tmp/blob").size == len(payload)
+        checkpoint = sbx.checkpoint("before")
+        sbx.rollback("before")
+        assert [c.id for c in sbx.checkpoints()] == [checkpoint.id]
+        info = sbx.info()
+        assert info.vmm_pid is None and info.supervisor_pid is None  # no host pids leak
+        assert set(info.ports) == {8000}
+
+
+def test_concurrent_lifecycle_calls_on_one_sandbox_are_serialized(server: ApiServer) -> None:
+    sbx = sdk(server)
+    results: dict[str, Any] = {}
+
+    def attempt(name: str, call: Any) -> None:
+        try:
+            results[name] = call()
+        except Exception as exc:
+            results[name] = exc
+
+    threads = [
+        threading.Thread(target=attempt, args=("fork-a", lambda: sbx.fork(2))),
+        threading.Thread(target=attempt, args=("fork-b", lambda: sbx.fork(2))),
+        threading.Thread(target=attempt, args=("checkpoint", sbx.checkpoint)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(not isinstance(r, Exception) for r in results.values()), results
+    forks = results["fork-a"] + results["fork-b"]
+    assert len({f.id for f in forks}) == 4
+    for fork in forks:
+        assert fork.commands.run("echo alive").stdout == "alive\n"
+        fork.kill()
+    # A kill while a fork is under way waits for it; the fork's sandboxes stay whole.
+    attempt_thread = threading.Thread(target=attempt, args=("fork-c", lambda: sbx.fork(1)))
+    attempt_thread.start()
+    time.sleep(0.05)
+    sbx.kill()
+    attempt_thread.join()
+    left = results["fork-c"]
+    if isinstance(left, list):
+        assert left[0].commands.run("echo alive").stdout == "alive\n"
+        left[0].kill()
+    else:
+        assert isinstance(left, StateError | Exception)
+    assert sbx.id not in {i.id for i in Sandbox.list(api_url=server.url, api_key=server.key)}
+
+
+def test_a_client_that_leaves_a_command_stream_kills_the_command(server: ApiServer) -> None:
+    with sdk(server) as sbx:
+        http = client(server)
+        with http.stream(
+            "POST", f"/sandboxes/{sbx.id}/commands", json={"cmd": "sleep 600"}
+        ) as stream:
+            lines = stream.iter_lines()  # held: a dropped iterator closes the stream
+            started = json.loads(next(lines))
+            assert started["type"] == "started" and started["pid"] > 0
+            assert sbx.commands.run(f"kill -0 {started['pid']}").exit_code == 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if sbx.commands.run(f"kill -0 {started['pid']}").exit_code != 0:
+                break
+            time.sleep(0.2)
+        assert sbx.commands.run(f"kill -0 {started['pid']}").exit_code != 0
+        stdin = http.post(f"/sandboxes/{sbx.id}/commands/{started['command_id']}/stdin")
+        assert stdin.status_code == 400 and "no running command" in stdin.text
+
+
+def test_idle_sandboxes_pause_and_the_next_call_wakes_them(server: ApiServer) -> None:
+    with sdk(server, idle_timeout=1) as sbx:
+        sbx.commands.run("echo $$ > /tmp/shell-pid")
+        deadline = time.monotonic() + 20
+        while sbx.info().state != "paused" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sbx.info().state == "paused"
+        assert sbx.files.read("/tmp/shell-pid")  # the call wakes it
+        assert sbx.info().state == "running"
+
+
+def test_events_stream_state_changes(server: ApiServer) -> None:
+    sbx = sdk(server)
+    seen: list[dict[str, Any]] = []
+
+    def listen() -> None:
+        with (
+            client(server).stream("GET", f"/sandboxes/{sbx.id}/events", timeout=30) as stream,
+        ):
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                    if seen[-1]["type"] == "killed":
+                        return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    time.sleep(0.5)
+    sbx.pause()
+    Sandbox.resume(sbx.id, api_url=server.url, api_key=server.key)
+    sbx.checkpoint()
+    sbx.kill()
+    listener.join(30)
+    types = [event["type"] for event in seen]
+    assert types == ["paused", "resumed", "snapshot stored", "killed"], seen
+
+
+def test_usage_counts_compute_only_while_running(server: ApiServer) -> None:
+    key = server.tenant("metered")
+    http = client(server, key)
+    sbx = sdk(server, key)
+    time.sleep(1.5)
+    sbx.pause()
+    paused_at = http.get("/usage").json()
+    assert paused_at["vcpu_seconds"] >= 1.5 * 2 and paused_at["gib_seconds"] >= 1.5
+    time.sleep(1.5)
+    later = http.get("/usage").json()
+    assert later["vcpu_seconds"] == pytest.approx(paused_at["vcpu_seconds"], abs=0.5)
+    assert later["stored_gb_months"] > 0 and later["cost_usd"]["storage"] > 0
+    mine = http.get("/usage", params={"sandbox_id": sbx.id}).json()
+    assert mine["id"] == sbx.id and mine["vcpu_seconds"] > 0
+    sbx.kill()
+
+
+def test_the_api_meets_its_own_openapi_schema(server: ApiServer) -> None:
+    """schemathesis generates requests for every operation of /openapi.json: no 5xx, and
+    every answer in the schema it declares (a tenant of its own, quota 2 sandboxes)."""
+    key = server.tenant("fuzz", "--max-sandboxes", "2")
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    failures: list[str] = []
+    operations = calls = 0
+    for result in schema.get_all_operations():
+        assert isinstance(result, Ok), result
+        operation = result.ok()
+        operations += 1
+
+        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case: Any) -> None:
+            nonlocal calls
+            calls += 1
+            try:
+                case.call_and_validate(
+                    headers={"X-API-Key": key},
+                    checks=[not_a_server_error, response_schema_conformance],
+                    timeout=60,
+                )
+            except Exception as exc:
+                failures.append(f"{case.method} {case.formatted_path}: {exc}"[:800])
+
+        check()
+    assert operations > 25 and calls > 5 * operations
+    assert not failures, "\n".join(failures[:8])
+
+
+def test_tenant_commands(server: ApiServer) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, "tenant", *args, "--database", str(server.database)],
+            capture_output=True,
+            text=True,
+            env=server.env,
+            timeout=60,
+            check=False,
+        )
+
+    made = run("create", "rotating")
+    old = made.stdout.strip().splitlines()[-1]
+    assert made.returncode == 0 and old.startswith("cbx_")
+    assert "rotating" in run("ls").stdout
+    assert run("create", "rotating").returncode == 1  # the name is taken
+    assert run("create", "Bad Name").returncode == 1
+    sbx = sdk(server, old)
+    refused = run("rm", "rotating")
+    assert refused.returncode == 1 and sbx.id in refused.stderr
+    new = run("key-rotate", "rotating").stdout.strip().splitlines()[-1]
+    with pytest.raises(AuthenticationError):
+        Sandbox.list(api_url=server.url, api_key=old)
+    Sandbox.connect(sbx.id, api_url=server.url, api_key=new).kill()
+    assert run("rm", "rotating").returncode == 0
+    with pytest.raises(AuthenticationError):
+        Sandbox.list(api_url=server.url, api_key=new)
+    row = sqlite3.connect(server.database).execute("SELECT key_hash FROM api_keys").fetchall()
+    assert all(new not in str(r) and old not in str(r) for r in row)  # stored hashed only
+
+
+def test_the_database_migrates_forward_and_refuses_a_newer_one(tmp_path: Path) -> None:
+    path = tmp_path / "server.db"
+    first = Database(path)
+    assert first.version == len(MIGRATIONS)
+    first.execute(
+        "INSERT INTO tenants VALUES ('tn-1', 'kept', 0, 1, 1, 1, 1)",
+    )
+    first.close()
+    assert Database(path).row("SELECT name FROM tenants")["name"] == "kept"  # type: ignore[index]
+    with sqlite3.connect(path) as raw:
+        raw.execute(f"PRAGMA user_version={len(MIGRATIONS) + 1}")
+    with pytest.raises(InvalidArgument, match="newer than this cryobox knows"):
+        Database(path)
+
+
+def test_async_sdk_over_http(server: ApiServer) -> None:
+    from cryobox import AsyncSandbox
+
+    async def main() -> list[str]:
+        sbx = await AsyncSandbox.create(api_url=server.url, api_key=server.key)
+        try:
+            results = await asyncio.gather(*(sbx.commands.run(f"echo {i}") for i in range(5)))
+            return [r.stdout for r in results]
+        finally:
+            await sbx.kill()
+
+    assert asyncio.run(main()) == [f"{i}\n" for i in range(5)]
+
+
+def test_templates_are_each_tenants_own(server: ApiServer) -> None:
+    maker, other = server.key, server.tenant("other-builder")
+    built = Sandbox.build_template(
+        "web", ["echo served > /root/page"], api_url=server.url, api_key=maker
+    )
+    theirs = client(server, other)
+    assert [t.name for t in Sandbox.templates(api_url=server.url, api_key=maker)].count("web") == 1
+    assert "web" not in theirs.get("/templates").text
+    assert theirs.post("/sandboxes", json={"template": "web"}).status_code == 404
+    assert theirs.delete("/templates/web").status_code == 404
+    assert theirs.get(f"/snapshots/{built.id}").status_code == 404
+    with sdk(server, maker, template="web") as sbx:
+        assert sbx.files.read_text("/root/page") == "served\n"
+    Sandbox.build_template("web", [], api_url=server.url, api_key=other)  # a name of its own
+    Sandbox.delete_template("web", api_url=server.url, api_key=other)
+    Sandbox.delete_template("web", api_url=server.url, api_key=maker)
+    assert "web" not in client(server).get("/templates").text
