@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryobox import bench_bounds, config
+from cryobox import bench_bounds, bench_http, config
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
@@ -41,6 +41,8 @@ SCENARIOS = (
     "restore-vs-ram",
     "snapshot-bytes",
     "guest-flood",
+    "http-exec",
+    "http-get",
 )
 GUEST_SPAWN = """
 import subprocess, time
@@ -459,6 +461,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await snapshot_bytes(ctx)
     if "guest-flood" in names:
         figures += await guest_flood(ctx)
+    if {"http-exec", "http-get"} & set(names):
+        figures += await http_api(ctx, names)
     for template in ctx.made_templates:  # leave no benchmark templates behind
         await AsyncSandbox.delete_template(template)
     return figures
@@ -531,6 +535,49 @@ def plot(figures: list[Figure], path: Path) -> None:
         ax.text(f.median, index, " " + label, va="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+async def http_api(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
+    figures = []
+    async with bench_http.running_server() as (url, key):
+        if "http-exec" in names:
+            over_http, embedded = await bench_http.exec_over_both(
+                url, key, 10 if ctx.quick else 100
+            )
+            figures.append(
+                summarize(
+                    "http-exec-embedded",
+                    embedded,
+                    "ms",
+                    scale=1000,
+                    note="`true` on the server's sandbox through this process's own service",
+                )
+            )
+            figures.append(
+                summarize(
+                    "http-exec",
+                    over_http,
+                    "ms",
+                    scale=1000,
+                    baseline="http-exec-embedded",
+                    base_value=statistics.median(embedded) * 1000,
+                    note="`true` via SDK -> HTTP -> server -> supervisor -> agent (interleaved)",
+                )
+            )
+        if "http-get" in names:
+            rates = await bench_http.gets_per_second(
+                url, key, 2 if ctx.quick else 5, 4 if ctx.quick else 40
+            )
+            figures.append(
+                summarize(
+                    "http-get",
+                    rates,
+                    "req/s",
+                    note=f"GET /sandboxes/{{id}}, {bench_http.CLIENTS} concurrent clients, "
+                    "server and load on the same cores",
+                )
+            )
+    return figures
 
 
 INTRO = (
