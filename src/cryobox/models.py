@@ -36,6 +36,10 @@ class EntryInfo:
     size: int
     mode: int
     mtime: float
+    #: Its owner's and group's names in the guest, and where a symlink points.
+    owner: str = ""
+    group: str = ""
+    symlink_target: str | None = None
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> EntryInfo:
@@ -46,6 +50,9 @@ class EntryInfo:
             size=int(value["size"]),
             mode=int(value["mode"]),
             mtime=float(value["mtime"]),
+            owner=str(value.get("owner") or ""),
+            group=str(value.get("group") or ""),
+            symlink_target=value.get("symlink_target"),
         )
 
 

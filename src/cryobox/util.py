@@ -9,7 +9,7 @@ import os
 import secrets
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +166,16 @@ def free_port() -> int:
 def new_id(prefix: str) -> str:
     """A short random id such as ``sbx-3f9a1c2b7d0e``."""
     return f"{prefix}-{secrets.token_hex(6)}"
+
+
+async def rechunked(stream: AsyncIterator[bytes], size: int) -> AsyncIterator[bytes]:
+    """The stream's bytes in pieces of ``size`` (the last may be shorter), whatever
+    pieces they came in: an HTTP body becomes the guest protocol's file chunks."""
+    pending = bytearray()
+    async for data in stream:
+        pending += data
+        while len(pending) >= size:
+            yield bytes(pending[:size])
+            del pending[:size]
+    if pending:
+        yield bytes(pending)

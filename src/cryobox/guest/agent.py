@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import grp
 import os
 import pwd
 import queue
@@ -530,12 +531,17 @@ class Agent:
         path = str(args["path"])
         if os.path.isdir(path):
             raise OpError(p.IS_DIRECTORY, f"is a directory: {path}")
+        owner = pwd.getpwnam(str(args["owner"])) if args.get("owner") else None
         directory = os.path.dirname(path) or "."
         if not os.path.isdir(directory):
-            raise OpError(p.NOT_FOUND, f"no such directory: {directory}")
+            if not args.get("parents"):
+                raise OpError(p.NOT_FOUND, f"no such directory: {directory}")
+            make_folders(directory, owner)
         temp = os.path.join(directory, f".{os.path.basename(path)}.cryobox-{rid}")
         handle = open(temp, "wb")  # noqa: SIM115 - closed by file_write_end/abort
         os.chmod(temp, int(args.get("mode", 0o644)))
+        if owner is not None:
+            os.chown(temp, owner.pw_uid, owner.pw_gid)
         self._uploads[rid] = (handle, temp, path)
         return {"handle": rid}
 
@@ -615,6 +621,18 @@ class Agent:
         return {"time_ns": time.time_ns(), "pid": os.getpid()}
 
 
+def make_folders(directory: str, owner: Any) -> None:
+    """``mkdir -p``, the folders it makes owned by ``owner`` (a passwd entry) if given."""
+    missing = []
+    while directory and not os.path.isdir(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for folder in reversed(missing):
+        os.mkdir(folder)
+        if owner is not None:
+            os.chown(folder, owner.pw_uid, owner.pw_gid)
+
+
 def read_text(path: str) -> str:
     try:
         return Path(path).read_text().strip()
@@ -631,14 +649,27 @@ def describe(path: str, st: os.stat_result) -> dict[str, Any]:
         kind = "file"
     else:
         kind = "other"
-    return {
+    found = {
         "name": os.path.basename(path.rstrip("/")) or "/",
         "path": path,
         "type": kind,
         "size": st.st_size,
         "mode": stat.S_IMODE(st.st_mode),
         "mtime": st.st_mtime,
+        "owner": name_of(pwd.getpwuid, st.st_uid),
+        "group": name_of(grp.getgrgid, st.st_gid),
     }
+    if kind == "symlink":
+        with contextlib.suppress(OSError):
+            found["target"] = os.path.realpath(path)
+    return found
+
+
+def name_of(lookup: Callable[[int], Any], number: int) -> str:
+    try:
+        return str(lookup(number)[0])
+    except KeyError:
+        return str(number)
 
 
 def command_env(extra: dict[str, Any], user: Any) -> tuple[dict[str, str], str | None]:

@@ -68,7 +68,18 @@ def entry(value: Any, op: str) -> EntryInfo:
         size=whole(value, "size", op),
         mode=whole(value, "mode", op),
         mtime=float(mtime),
+        owner=optional_text(value, "owner", op),
+        group=optional_text(value, "group", op),
+        symlink_target=optional_text(value, "target", op) or None,
     )
+
+
+def optional_text(value: dict[str, Any], name: str, op: str) -> str:
+    """A string field the agent may leave out (an older agent does)."""
+    found = value.get(name, "")
+    if not isinstance(found, str):
+        raise ProtocolError(f"{op}: the guest sent {name}={found!r}, not a string")
+    return found
 
 
 def entries(answer: dict[str, Any], op: str) -> list[EntryInfo]:

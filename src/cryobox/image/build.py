@@ -36,7 +36,7 @@ from cryobox.errors import ImageError
 from cryobox.util import write_json_atomic
 
 #: Bump when the build steps change in a way the other inputs do not show.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 SUITE = "bookworm"
 KERNEL_METAPACKAGE = "linux-image-amd64"
 ROOTFS_PACKAGES = (
@@ -50,7 +50,13 @@ ROOTFS_PACKAGES = (
     "tini",
     "e2fsprogs",
     "util-linux",
+    "bash",
+    "sudo",
+    "python3-pip",
+    "python3-venv",
 )
+#: The unprivileged account E2B's SDK runs commands as by default (home /home/user).
+GUEST_USER = "user"
 #: Loaded by the initramfs with their dependencies, in dependency order.
 INITRAMFS_MODULES = (
     "virtio_pci",
@@ -164,12 +170,12 @@ def _apt_lists_stamp() -> str:
 def package_versions() -> dict[str, str]:
     """Versions the Debian mirror offers for our packages, cached per ``apt-get update``."""
     cache = config.cache_dir() / "apt-versions.json"
-    stamp = _apt_lists_stamp()
+    names = (*ROOTFS_PACKAGES, KERNEL_METAPACKAGE)
+    stamp = f"{_apt_lists_stamp()} {' '.join(sorted(names))}"  # new packages: asked again
     with contextlib.suppress(OSError, ValueError):
         cached = json.loads(cache.read_text())
         if cached.get("stamp") == stamp:
             return dict(cached["versions"])
-    names = (*ROOTFS_PACKAGES, KERNEL_METAPACKAGE)
     versions = _candidates(run(["apt-cache", "policy", *names]))
     kernel = next(
         (
@@ -358,6 +364,9 @@ def _rootfs(rootfs_key: str, packages: dict[str, str]) -> Path:
                 '--customize-hook=rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*',
                 '--customize-hook=echo cryobox > "$1"/etc/hostname',
                 '--customize-hook=: > "$1"/etc/machine-id',
+                f'--customize-hook=chroot "$1" useradd -m -u 1000 -s /bin/bash {GUEST_USER}',
+                f"--customize-hook=echo '{GUEST_USER} ALL=(ALL) NOPASSWD:ALL' "
+                f'> "$1"/etc/sudoers.d/{GUEST_USER} && chmod 0440 "$1"/etc/sudoers.d/{GUEST_USER}',
                 SUITE,
                 str(tree),
             ]

@@ -24,9 +24,14 @@ from importlib.metadata import version
 from typing import Annotated, Any, cast
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from cryobox import errors as e
+from cryobox.e2b import rest as e2b_rest
+from cryobox.e2b.envd import Envd, EnvdRpc, envd_router
+from cryobox.e2b.records import E2bRecords
 from cryobox.guest import protocol as p
 from cryobox.models import (
     CommandRequest,
@@ -37,6 +42,7 @@ from cryobox.models import (
     TemplateInfo,
 )
 from cryobox.snapshot.manifest import SnapshotPurpose
+from cryobox.util import rechunked
 
 from . import schemas as s
 from .hub import Hub
@@ -145,8 +151,27 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
     app.state.hub = hub
 
     @app.exception_handler(e.CryoboxError)
-    async def cryobox_error(_request: Request, exc: e.CryoboxError) -> JSONResponse:
+    async def cryobox_error(request: Request, exc: e.CryoboxError) -> JSONResponse:
+        if request.url.path.startswith("/e2b/"):
+            return e2b_rest.error_body(e2b_rest.status_of_e2b(exc, status_of(exc)), exc)
         return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path.startswith("/e2b/"):
+            fields = "; ".join(
+                f"{'.'.join(str(part) for part in item.get('loc', ()))}: {item.get('msg')}"
+                for item in exc.errors()
+            )
+            return JSONResponse({"code": 400, "message": fields}, status_code=400)
+        return await request_validation_exception_handler(request, exc)
+
+    # E2B's control plane and in-sandbox API under /e2b (see cryobox.e2b).
+    records = E2bRecords(hub.db)
+    envd = Envd(hub, records)
+    app.include_router(e2b_rest.e2b_router(hub, records))
+    app.include_router(envd_router(envd))
+    app.add_middleware(EnvdRpc, envd=envd)
 
     # ------------------------------------------------------------------ health
 
@@ -412,7 +437,9 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
         """Write the streamed request body to ``path`` (replaced atomically)."""
         await hub.use(me, sandbox_id)
         async with hub.busy(sandbox_id):
-            await hub.service.write_file(sandbox_id, path, _rechunk(request.stream()), mode)
+            await hub.service.write_file(
+                sandbox_id, path, rechunked(request.stream(), p.CHUNK), mode
+            )
         return Response(status_code=204)
 
     @app.delete("/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
@@ -483,18 +510,6 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
 
 def _line(value: dict[str, Any]) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode() + b"\n"
-
-
-async def _rechunk(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The body's bytes in the guest protocol's chunk size, whatever the client sent."""
-    pending = bytearray()
-    async for data in stream:
-        pending += data
-        while len(pending) >= p.CHUNK:
-            yield bytes(pending[: p.CHUNK])
-            del pending[: p.CHUNK]
-    if pending:
-        yield bytes(pending)
 
 
 async def _monitor(hub: Hub, tick: float, storage_interval: float) -> None:

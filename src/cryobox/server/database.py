@@ -71,6 +71,18 @@ MIGRATIONS: tuple[str, ...] = (
         stored_byte_seconds REAL NOT NULL DEFAULT 0
     );
     """,
+    # 2: what the E2B-compatible API keeps per sandbox.
+    """
+    CREATE TABLE e2b_sandboxes (
+        sandbox_id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        template_id TEXT NOT NULL,
+        access_token TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        metadata TEXT NOT NULL,
+        envs TEXT NOT NULL
+    );
+    """,
 )
 
 

@@ -115,7 +115,7 @@ class Hub:
             info, ports=self.ports.published(info.id), vmm_pid=None, supervisor_pid=None
         )
 
-    def _snapshot(self, tenant: Tenant, ref: str) -> Manifest:
+    def find_snapshot(self, tenant: Tenant, ref: str) -> Manifest:
         """One of the tenant's snapshots by id or name (the newest of that name)."""
         found: list[Manifest] = []
         for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
@@ -236,7 +236,9 @@ class Hub:
             request,
             template=self._template(tenant, request.template),
             from_snapshot=(
-                self._snapshot(tenant, request.from_snapshot).id if request.from_snapshot else None
+                self.find_snapshot(tenant, request.from_snapshot).id
+                if request.from_snapshot
+                else None
             ),
         )
         cpus, memory = self._shape(request)
@@ -350,7 +352,7 @@ class Hub:
 
     async def rollback(self, tenant: Tenant, sandbox_id: str, ref: str) -> None:
         await self.use(tenant, sandbox_id)
-        manifest = self._snapshot(tenant, ref)
+        manifest = self.find_snapshot(tenant, ref)
         async with self._locks[sandbox_id]:
             await self.service.rollback(sandbox_id, manifest.id)
         self.events.publish(tenant.id, sandbox_id, "rolled back", snapshot_id=manifest.id)
@@ -421,11 +423,11 @@ class Hub:
         return [s for s in await self.service.snapshots() if s.id in mine]
 
     async def snapshot(self, tenant: Tenant, ref: str) -> SnapshotInfo:
-        manifest = self._snapshot(tenant, ref)
+        manifest = self.find_snapshot(tenant, ref)
         return next(s for s in await self.service.snapshots() if s.id == manifest.id)
 
     async def delete_snapshot(self, tenant: Tenant, ref: str) -> None:
-        manifest = self._snapshot(tenant, ref)
+        manifest = self.find_snapshot(tenant, ref)
         await self.service.delete_snapshot(manifest.id)
         self.tenants.disown("snapshot", manifest.id)
 

@@ -436,13 +436,23 @@ class SandboxService:
                 request.cancel()
 
     async def write_file(
-        self, sandbox_id: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], mode: int
+        self,
+        sandbox_id: str,
+        path: str,
+        chunks: Iterable[bytes] | AsyncIterable[bytes],
+        mode: int,
+        *,
+        owner: str | None = None,
     ) -> None:
         """Write a file from chunks (of at most the protocol's chunk size), under a
-        temporary name renamed at the end."""
+        temporary name renamed at the end; missing parent folders are made. ``owner``: a
+        guest user to own the file and the folders made (else root)."""
         channel = await self._channel(sandbox_id)
+        args: dict[str, Any] = {"path": path, "mode": mode, "parents": True}
+        if owner is not None:
+            args["owner"] = owner
         begun = await channel.request(
-            p.GuestOp.FILE_WRITE_BEGIN, {"path": path, "mode": mode}, timeout=GUEST_REQUEST_TIMEOUT
+            p.GuestOp.FILE_WRITE_BEGIN, args, timeout=GUEST_REQUEST_TIMEOUT
         )
         handle = answers.whole(begun, "handle", "write")
         try:

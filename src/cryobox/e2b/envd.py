@@ -1,0 +1,704 @@
+"""E2B's in-sandbox API ("envd") under ``/e2b``, for every sandbox, mapped onto the
+service's commands and files.
+
+The E2B SDK sends every envd call to one URL (``E2B_SANDBOX_URL``) with the headers
+``E2b-Sandbox-Id`` and ``X-Access-Token`` (the token cryobox returned at create): the
+sandbox is found by the first and the call allowed by the second. A sandbox that is
+unknown, paused or gone is answered as E2B's edge answers it (502, "The sandbox was
+not found"; ``unavailable`` over RPC), which the SDK turns into "not running".
+
+The RPC services (Connect protocol, JSON) are ``process.Process`` and
+``filesystem.Filesystem``, served by connect-python with the message types and ASGI
+applications generated into the pinned ``e2b`` package; files move over plain HTTP at
+``/files``. Processes outlive the stream that started them (as in E2B): the server
+tracks them per sandbox until they exit, for ``Connect``, ``List`` and signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import posixpath
+import signal as signals
+import stat as stats
+import zlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.filesystem import filesystem_pb as fs
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process import process_pb as pr
+from e2b.envd.process.process_connect import ProcessASGIApplication
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from protobuf import Oneof
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+
+from cryobox.errors import (
+    ChannelError,
+    CommandNotFound,
+    CryoboxError,
+    GuestFileNotFound,
+    GuestPermissionError,
+    InvalidArgument,
+    SandboxDead,
+    SandboxNotFound,
+    StateError,
+)
+from cryobox.guest import protocol as p
+from cryobox.models import CommandRequest, EntryInfo
+from cryobox.server.hub import Hub
+from cryobox.util import rechunked
+
+from .records import E2bRecords, E2bSandbox
+
+#: The user E2B runs commands and writes files as when the call names none.
+DEFAULT_USER = "user"
+NOT_RUNNING = "The sandbox was not found"
+KEEPALIVE_SECONDS = 50.0
+SIGNALS = {"SIGKILL": signals.SIGKILL, "SIGTERM": signals.SIGTERM}
+RPC_PREFIXES = ("/e2b/process.Process/", "/e2b/filesystem.Filesystem/")
+
+
+def one(field: str, value: Any) -> Any:
+    """A oneof member (the generated types want each field name as a literal)."""
+    return Oneof(field, value)
+
+
+class NotRunning(Exception):
+    """The sandbox is unknown to this key, paused or gone (E2B's edge answers 502)."""
+
+
+@dataclass
+class Caller:
+    record: E2bSandbox
+    user: str
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.record.sandbox_id
+
+    @property
+    def home(self) -> str:
+        return "/root" if self.user == "root" else f"/home/{self.user}"
+
+    def path(self, path: str) -> str:
+        """A path as envd resolves it: relative to the user's home, ``~`` expanded."""
+        if path == "~" or path.startswith("~/"):
+            path = self.home + path[1:]
+        if not path.startswith("/"):
+            path = posixpath.join(self.home, path)
+        return posixpath.normpath(path)
+
+
+def basic_user(authorization: str | None) -> str | None:
+    """The user name of ``Authorization: Basic base64("user:")``, if any."""
+    if not authorization or not authorization.lower().startswith("basic "):
+        return None
+    try:
+        decoded = base64.b64decode(authorization[6:].strip()).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return decoded.split(":", 1)[0] or None
+
+
+class Envd:
+    """Finds the sandbox of a call and runs what it asks through the hub's service."""
+
+    def __init__(self, hub: Hub, records: E2bRecords) -> None:
+        self.hub = hub
+        self.records = records
+        self.processes: dict[tuple[str, int], Process] = {}
+
+    async def caller(self, headers: Mapping[str, str], user: str | None = None) -> Caller:
+        """:raises NotRunning: for an unknown sandbox, a wrong token, or one not running."""
+        sandbox_id = headers.get("e2b-sandbox-id")
+        record = (
+            self.records.by_token(sandbox_id, headers.get("x-access-token"))
+            if (sandbox_id)
+            else None
+        )
+        if record is None:
+            raise NotRunning(sandbox_id)
+        try:
+            tenant = self.hub.tenants.get(record.tenant_id)
+            await self.hub.use(tenant, record.sandbox_id)  # wakes an idle-paused one
+            info = await self.hub.service.get(record.sandbox_id)
+        except CryoboxError as exc:
+            raise NotRunning(sandbox_id) from exc
+        if info.state != "running":
+            raise NotRunning(sandbox_id)
+        name = user or basic_user(headers.get("authorization")) or DEFAULT_USER
+        return Caller(record, name)
+
+    async def run(self, caller: Caller, argv: list[str]) -> tuple[int, str]:
+        """Run a short helper command as the caller; (exit code, its output)."""
+        output = bytearray()
+        session = await self.hub.service.start_command(
+            caller.sandbox_id,
+            CommandRequest(argv=tuple(argv), user=caller.user),
+            lambda _stream, data: output.extend(data),
+        )
+        result = await session.wait()
+        return int(result["exit_code"]), output.decode(errors="replace")
+
+
+@dataclass(eq=False)
+class Process:
+    """A process started through envd, tracked until it exits."""
+
+    sandbox_id: str
+    config: pr.ProcessConfig
+    tag: str | None
+    pid: int = 0
+    session: Any = None
+    subscribers: set[asyncio.Queue[tuple[str, bytes] | None]] = field(default_factory=set)
+    result: dict[str, Any] | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Future[None] | None = None
+    #: Its channel ended with a pause: it runs on in the guest, unreachable but by signal.
+    detached: bool = False
+
+    def on_output(self, stream: str, data: bytes) -> None:
+        for queue in self.subscribers:
+            queue.put_nowait((stream, data))
+
+    def finish(self, result: dict[str, Any] | None) -> None:
+        self.result = result
+        self.ended.set()
+        for queue in self.subscribers:
+            queue.put_nowait(None)
+
+
+def connect_error(exc: Exception, sandbox_id: str) -> ConnectError:
+    """The Connect error the SDK maps to the exception a user of E2B expects."""
+    if isinstance(exc, ConnectError):
+        return exc
+    if isinstance(exc, NotRunning | SandboxNotFound | SandboxDead):
+        return ConnectError(Code.UNAVAILABLE, NOT_RUNNING)
+    if isinstance(exc, GuestFileNotFound | CommandNotFound):
+        return ConnectError(Code.NOT_FOUND, str(exc))
+    if isinstance(exc, GuestPermissionError):
+        return ConnectError(Code.PERMISSION_DENIED, str(exc))
+    if isinstance(exc, StateError | ChannelError):
+        return ConnectError(
+            Code.UNAVAILABLE, f"the connection to sandbox {sandbox_id} ended: {exc}"
+        )
+    if isinstance(exc, InvalidArgument):
+        return ConnectError(Code.INVALID_ARGUMENT, str(exc))
+    return ConnectError(Code.INTERNAL, str(exc))
+
+
+def end_event(result: dict[str, Any] | None) -> pr.ProcessEvent:
+    if result is None:
+        end = pr.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="lost")
+    elif result.get("signal"):
+        name = {signals.SIGKILL: "killed", signals.SIGTERM: "terminated"}.get(
+            result["signal"], f"signal {result['signal']}"
+        )
+        end = pr.ProcessEvent.EndEvent(
+            exit_code=-1, exited=False, status=f"signal: {name}", error=f"signal: {name}"
+        )
+    else:
+        code = int(result["exit_code"])
+        status = f"exit status {code}"
+        end = pr.ProcessEvent.EndEvent(
+            exit_code=code, exited=True, status=status, error=status if code else None
+        )
+    return pr.ProcessEvent(event=one("end", end))
+
+
+class ProcessService:
+    """``process.Process`` over the service's commands."""
+
+    def __init__(self, envd: Envd) -> None:
+        self.envd = envd
+
+    def _find(self, caller: Caller, selector: pr.ProcessSelector | None) -> Process:
+        choice = selector.selector if selector is not None else None
+        for (sandbox_id, pid), process in self.envd.processes.items():
+            if sandbox_id != caller.sandbox_id:
+                continue
+            if isinstance(choice, Oneof) and (
+                (choice.field == "pid" and choice.value == pid)
+                or (choice.field == "tag" and choice.value == process.tag)
+            ):
+                return process
+        wanted = choice.value if isinstance(choice, Oneof) else None
+        raise ConnectError(Code.NOT_FOUND, f"process {wanted} not found")
+
+    async def _events(
+        self, process: Process, queue: asyncio.Queue[tuple[str, bytes] | None]
+    ) -> AsyncIterator[pr.ProcessEvent]:
+        yield pr.ProcessEvent(event=one("start", pr.ProcessEvent.StartEvent(pid=process.pid)))
+        while True:
+            if process.ended.is_set() and queue.empty():
+                break
+            try:
+                item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+            except TimeoutError:
+                yield pr.ProcessEvent(event=one("keepalive", pr.ProcessEvent.KeepAlive()))
+                continue
+            if item is None:
+                break
+            stream, data = item
+            yield pr.ProcessEvent(
+                event=one("data", pr.ProcessEvent.DataEvent(output=one(stream, data)))
+            )
+        yield end_event(process.result)
+
+    async def start(
+        self, request: pr.StartRequest, ctx: RequestContext[Any, Any]
+    ) -> AsyncIterator[pr.StartResponse]:
+        headers = ctx.request_headers
+        try:
+            caller = await self.envd.caller(headers)
+        except NotRunning as exc:
+            raise connect_error(exc, "") from exc
+        if request.pty is not None:
+            raise ConnectError(Code.UNIMPLEMENTED, "pty.create is not supported by cryobox yet")
+        config = request.process or pr.ProcessConfig()
+        argv = (config.cmd, *config.args)
+        env = {**caller.record.envs, **dict(config.envs)}
+        process = Process(caller.sandbox_id, config, request.tag)
+        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        process.subscribers.add(queue)
+        try:
+            process.session = await self.envd.hub.service.start_command(
+                caller.sandbox_id,
+                CommandRequest(
+                    argv=argv,
+                    env=env,
+                    cwd=caller.path(config.cwd) if config.cwd else caller.home,
+                    user=caller.user,
+                    stdin=request.stdin is not False,
+                ),
+                process.on_output,
+            )
+            await process.session.started()
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+        process.pid = process.session.pid
+        key = (caller.sandbox_id, process.pid)
+        self.envd.processes[key] = process
+        process.watcher = asyncio.ensure_future(self._watch(key, process, ctx.timeout_ms))
+        try:
+            async for event in self._events(process, queue):
+                yield pr.StartResponse(event=event)
+        finally:
+            process.subscribers.discard(queue)
+
+    async def _watch(
+        self, key: tuple[str, int], process: Process, timeout_ms: float | None
+    ) -> None:
+        """Wait for the process to end (killed once the caller's deadline has passed, as
+        envd does), then forget it. A process whose channel ended with a pause lives on
+        in the saved machine: it stays listed, detached (see :meth:`_attached`)."""
+        detached = False
+        try:
+            wait = process.session.wait()
+            if timeout_ms:
+                try:
+                    result = await asyncio.wait_for(asyncio.shield(wait), timeout_ms / 1000 + 0.5)
+                except TimeoutError:
+                    with contextlib.suppress(CryoboxError):
+                        await process.session.kill(signals.SIGKILL)
+                    result = await wait
+            else:
+                result = await wait
+            process.finish(result)
+        except (ChannelError, StateError):
+            detached = process.detached = True
+            process.finish(None)
+        except CryoboxError:
+            process.finish(None)
+        finally:
+            if not detached:
+                self.envd.processes.pop(key, None)
+
+    def _attached(self, process: Process) -> Process:
+        if process.detached:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"process {process.pid} was started before the sandbox was paused: it runs on, "
+                "but its input and output cannot be re-attached (only signals reach it)",
+            )
+        return process
+
+    async def _alive(self, caller: Caller) -> None:
+        """Forget detached processes of the sandbox that have exited since."""
+        detached = [
+            pid
+            for (sandbox_id, pid), p in self.envd.processes.items()
+            if sandbox_id == caller.sandbox_id and p.detached
+        ]
+        if not detached:
+            return
+        script = (
+            "for p in " + " ".join(map(str, detached)) + "; do [ -d /proc/$p ] && echo $p; done"
+        )
+        _code, output = await self.envd.run(Caller(caller.record, "root"), ["sh", "-c", script])
+        alive = {int(word) for word in output.split() if word.isdigit()}
+        for pid in detached:
+            if pid not in alive:
+                self.envd.processes.pop((caller.sandbox_id, pid), None)
+
+    async def connect(
+        self, request: pr.ConnectRequest, ctx: RequestContext[Any, Any]
+    ) -> AsyncIterator[pr.ConnectResponse]:
+        try:
+            caller = await self.envd.caller(ctx.request_headers)
+        except NotRunning as exc:
+            raise connect_error(exc, "") from exc
+        process = self._attached(self._find(caller, request.process))
+        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        process.subscribers.add(queue)
+        try:
+            async for event in self._events(process, queue):
+                yield pr.ConnectResponse(event=event)
+        finally:
+            process.subscribers.discard(queue)
+
+    async def list(self, request: pr.ListRequest, ctx: RequestContext[Any, Any]) -> pr.ListResponse:
+        caller = await self._caller(ctx)
+        await self._alive(caller)
+        return pr.ListResponse(
+            processes=[
+                pr.ProcessInfo(config=p.config, pid=pid, tag=p.tag)
+                for (sandbox_id, pid), p in self.envd.processes.items()
+                if sandbox_id == caller.sandbox_id
+            ]
+        )
+
+    async def _caller(self, ctx: RequestContext[Any, Any]) -> Caller:
+        try:
+            return await self.envd.caller(ctx.request_headers)
+        except NotRunning as exc:
+            raise connect_error(exc, "") from exc
+
+    async def _input(self, caller: Caller, process: Process, data: pr.ProcessInput | None) -> None:
+        self._attached(process)
+        choice = data.input if data is not None else None
+        if isinstance(choice, Oneof) and choice.field == "pty":
+            raise ConnectError(Code.UNIMPLEMENTED, "pty input is not supported by cryobox yet")
+        payload = choice.value if isinstance(choice, Oneof) else b""
+        try:
+            await process.session.send_stdin(bytes(payload))
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+
+    async def send_input(
+        self, request: pr.SendInputRequest, ctx: RequestContext[Any, Any]
+    ) -> pr.SendInputResponse:
+        caller = await self._caller(ctx)
+        await self._input(caller, self._find(caller, request.process), request.input)
+        return pr.SendInputResponse()
+
+    async def stream_input(
+        self, request: AsyncIterator[pr.StreamInputRequest], ctx: RequestContext[Any, Any]
+    ) -> pr.StreamInputResponse:
+        caller = await self._caller(ctx)
+        process: Process | None = None
+        async for message in request:
+            event = message.event
+            if not isinstance(event, Oneof):
+                continue
+            if event.field == "start":
+                process = self._find(caller, event.value.process)
+            elif event.field == "data":
+                if process is None:
+                    raise ConnectError(Code.INVALID_ARGUMENT, "stream_input: data before start")
+                await self._input(caller, process, event.value.input)
+        return pr.StreamInputResponse()
+
+    async def send_signal(
+        self, request: pr.SendSignalRequest, ctx: RequestContext[Any, Any]
+    ) -> pr.SendSignalResponse:
+        caller = await self._caller(ctx)
+        process = self._find(caller, request.process)
+        number = SIGNALS.get(str(getattr(request.signal, "name", request.signal)), signals.SIGKILL)
+        try:
+            if process.detached:  # its group, as the agent would signal it
+                await self.envd.run(
+                    Caller(caller.record, "root"), ["kill", f"-{int(number)}", f"-{process.pid}"]
+                )
+                self.envd.processes.pop((caller.sandbox_id, process.pid), None)
+            else:
+                await process.session.kill(number)
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+        return pr.SendSignalResponse()
+
+    async def close_stdin(
+        self, request: pr.CloseStdinRequest, ctx: RequestContext[Any, Any]
+    ) -> pr.CloseStdinResponse:
+        caller = await self._caller(ctx)
+        process = self._attached(self._find(caller, request.process))
+        try:
+            await process.session.send_stdin(b"", eof=True)
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+        return pr.CloseStdinResponse()
+
+    async def update(
+        self, request: pr.UpdateRequest, ctx: RequestContext[Any, Any]
+    ) -> pr.UpdateResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "pty.resize is not supported by cryobox yet")
+
+
+def entry_info(entry: EntryInfo) -> fs.EntryInfo:
+    kind = {
+        "file": fs.FileType.FILE,
+        "dir": fs.FileType.DIRECTORY,
+        "symlink": fs.FileType.SYMLINK,
+    }.get(entry.type, fs.FileType.UNSPECIFIED)
+    type_bits = {"dir": stats.S_IFDIR, "symlink": stats.S_IFLNK}.get(entry.type, stats.S_IFREG)
+    seconds = int(entry.mtime)
+    return fs.EntryInfo(
+        name=entry.name,
+        type=kind,
+        path=entry.path,
+        size=entry.size,
+        mode=entry.mode,
+        permissions=stats.filemode(type_bits | entry.mode),
+        owner=entry.owner,
+        group=entry.group,
+        modified_time=Timestamp(seconds=seconds, nanos=int((entry.mtime - seconds) * 1e9)),
+        symlink_target=entry.symlink_target,
+    )
+
+
+class FilesystemService:
+    """``filesystem.Filesystem`` over the service's file operations."""
+
+    def __init__(self, envd: Envd) -> None:
+        self.envd = envd
+
+    async def _caller(self, ctx: RequestContext[Any, Any]) -> Caller:
+        try:
+            return await self.envd.caller(ctx.request_headers)
+        except NotRunning as exc:
+            raise connect_error(exc, "") from exc
+
+    async def _stat(self, caller: Caller, path: str) -> fs.EntryInfo:
+        try:
+            return entry_info(await self.envd.hub.service.stat(caller.sandbox_id, path))
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+
+    async def stat(self, request: fs.StatRequest, ctx: RequestContext[Any, Any]) -> fs.StatResponse:
+        caller = await self._caller(ctx)
+        return fs.StatResponse(entry=await self._stat(caller, caller.path(request.path)))
+
+    async def make_dir(
+        self, request: fs.MakeDirRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.MakeDirResponse:
+        caller = await self._caller(ctx)
+        path = caller.path(request.path)
+        try:
+            await self._stat(caller, path)
+        except ConnectError:
+            pass  # not there yet: make it
+        else:
+            raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
+        code, output = await self.envd.run(caller, ["mkdir", "-p", "--", path])
+        if code != 0:
+            raise ConnectError(Code.PERMISSION_DENIED, output.strip() or f"mkdir {path} failed")
+        return fs.MakeDirResponse(entry=await self._stat(caller, path))
+
+    async def move(self, request: fs.MoveRequest, ctx: RequestContext[Any, Any]) -> fs.MoveResponse:
+        caller = await self._caller(ctx)
+        source, target = caller.path(request.source), caller.path(request.destination)
+        await self._stat(caller, source)  # not_found when missing
+        code, output = await self.envd.run(caller, ["mv", "-T", "--", source, target])
+        if code != 0:
+            raise ConnectError(Code.INVALID_ARGUMENT, output.strip() or "move failed")
+        return fs.MoveResponse(entry=await self._stat(caller, target))
+
+    async def list_dir(
+        self, request: fs.ListDirRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.ListDirResponse:
+        caller = await self._caller(ctx)
+        depth = max(1, int(request.depth or 1))
+        found: list[EntryInfo] = []
+
+        async def walk(path: str, level: int) -> None:
+            try:
+                entries = await self.envd.hub.service.list_dir(caller.sandbox_id, path)
+            except CryoboxError as exc:
+                raise connect_error(exc, caller.sandbox_id) from exc
+            for entry in entries:
+                found.append(entry)
+                if entry.type == "dir" and level < depth:
+                    await walk(entry.path, level + 1)
+
+        root = caller.path(request.path)
+        if (await self._stat(caller, root)).type != fs.FileType.DIRECTORY:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"{root} is not a directory")
+        await walk(root, 1)
+        found.sort(key=lambda e: e.path)
+        return fs.ListDirResponse(entries=[entry_info(e) for e in found])
+
+    async def remove(
+        self, request: fs.RemoveRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.RemoveResponse:
+        caller = await self._caller(ctx)
+        try:
+            await self.envd.hub.service.remove(caller.sandbox_id, caller.path(request.path), True)
+        except GuestFileNotFound:
+            pass  # removing what is not there succeeds, as in E2B
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+        return fs.RemoveResponse()
+
+    def watch_dir(
+        self, request: fs.WatchDirRequest, ctx: RequestContext[Any, Any]
+    ) -> AsyncIterator[fs.WatchDirResponse]:
+        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+
+    async def create_watcher(
+        self, request: fs.CreateWatcherRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.CreateWatcherResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+
+    async def get_watcher_events(
+        self, request: fs.GetWatcherEventsRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.GetWatcherEventsResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+
+    async def remove_watcher(
+        self, request: fs.RemoveWatcherRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.RemoveWatcherResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+
+
+class EnvdRpc:
+    """ASGI middleware: ``/e2b/process.Process/*`` and ``/e2b/filesystem.Filesystem/*``
+    go to the Connect applications (without the prefix), the rest to the app."""
+
+    def __init__(self, app: Any, envd: Envd) -> None:
+        self.app = app
+        self.process = ProcessASGIApplication(ProcessService(envd))  # type: ignore[arg-type]
+        self.filesystem = FilesystemASGIApplication(FilesystemService(envd))  # type: ignore[arg-type]
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") == "http" and path.startswith(RPC_PREFIXES):
+            inner = dict(scope, path=path[len("/e2b") :], raw_path=path[len("/e2b") :].encode())
+            target = self.process if path.startswith(RPC_PREFIXES[0]) else self.filesystem
+            await target(inner, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def envd_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def not_running(sandbox_id: str | None) -> JSONResponse:
+    return JSONResponse(
+        {"sandboxId": sandbox_id, "message": NOT_RUNNING, "code": 502}, status_code=502
+    )
+
+
+def envd_router(envd: Envd) -> APIRouter:
+    """The plain-HTTP half of envd: ``/health`` and ``/files``."""
+    router = APIRouter(prefix="/e2b", include_in_schema=False)
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        try:
+            await envd.caller(request.headers)
+        except NotRunning:
+            return not_running(request.headers.get("e2b-sandbox-id"))
+        return Response(status_code=204)
+
+    @router.get("/files")
+    async def download(request: Request, path: str, username: str | None = None) -> Response:
+        try:
+            caller = await envd.caller(request.headers, username)
+        except NotRunning:
+            return not_running(request.headers.get("e2b-sandbox-id"))
+        target = caller.path(path)
+        chunks = envd.hub.service.read_file(caller.sandbox_id, target)
+        try:
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            first = b""
+        except GuestFileNotFound:
+            return envd_error(404, f"path '{target}' does not exist")
+        except CryoboxError as exc:
+            return envd_error(400, str(exc))
+
+        async def body() -> AsyncIterator[bytes]:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+        return StreamingResponse(body(), media_type="application/octet-stream")
+
+    @router.post("/files")
+    async def upload(
+        request: Request, path: str | None = None, username: str | None = None
+    ) -> Response:
+        try:
+            caller = await envd.caller(request.headers, username)
+        except NotRunning:
+            return not_running(request.headers.get("e2b-sandbox-id"))
+        kind = request.headers.get("content-type", "")
+        written: list[dict[str, Any]] = []
+        try:
+            if kind.startswith("multipart/form-data"):
+                form = await request.form()
+                parts = form.getlist("file")
+                for part in parts:
+                    if isinstance(part, str):
+                        continue
+                    name = path if path and len(parts) == 1 else part.filename or ""
+                    data = await part.read()
+                    written.append(await _write(envd, caller, name, _once(data)))
+            else:
+                if not path:
+                    return envd_error(400, "path is required for an octet-stream upload")
+                stream: AsyncIterator[bytes] = request.stream()
+                if request.headers.get("content-encoding", "").lower() == "gzip":
+                    stream = _gunzip(stream)
+                written.append(await _write(envd, caller, path, stream))
+        except GuestFileNotFound as exc:
+            return envd_error(404, str(exc))
+        except GuestPermissionError as exc:
+            return envd_error(403, str(exc))
+        except CryoboxError as exc:
+            return envd_error(400, str(exc))
+        return JSONResponse(written)
+
+    return router
+
+
+async def _write(
+    envd: Envd, caller: Caller, name: str, chunks: AsyncIterator[bytes]
+) -> dict[str, Any]:
+    if not name:
+        raise InvalidArgument("a file part has no file name")
+    target = caller.path(name)
+    await envd.hub.service.write_file(
+        caller.sandbox_id, target, rechunked(chunks, p.CHUNK), 0o644, owner=caller.user
+    )
+    return {"name": posixpath.basename(target), "type": "file", "path": target, "metadata": {}}
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    async for data in chunks:
+        yield inflate.decompress(data)
+    yield inflate.flush()

@@ -1,0 +1,86 @@
+"""What the E2B API knows of a sandbox beyond cryobox's own record: the template name it
+was asked for, its metadata, the environment every command gets, and the envd access
+token that the E2B SDK sends with every in-sandbox call (``X-Access-Token``)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from cryobox.server.database import Database
+
+
+@dataclass(frozen=True)
+class E2bSandbox:
+    sandbox_id: str
+    tenant_id: str
+    template_id: str
+    access_token: str
+    started_at: float
+    metadata: dict[str, str] = field(default_factory=dict)
+    envs: dict[str, str] = field(default_factory=dict)
+
+
+class E2bRecords:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def add(
+        self,
+        sandbox_id: str,
+        tenant_id: str,
+        template_id: str,
+        metadata: dict[str, str],
+        envs: dict[str, str],
+    ) -> E2bSandbox:
+        record = E2bSandbox(
+            sandbox_id,
+            tenant_id,
+            template_id,
+            secrets.token_urlsafe(24),
+            time.time(),
+            dict(metadata),
+            dict(envs),
+        )
+        self.db.execute(
+            "INSERT OR REPLACE INTO e2b_sandboxes VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                record.sandbox_id,
+                record.tenant_id,
+                record.template_id,
+                record.access_token,
+                record.started_at,
+                json.dumps(record.metadata),
+                json.dumps(record.envs),
+            ),
+        )
+        return record
+
+    def get(self, sandbox_id: str) -> E2bSandbox | None:
+        row = self.db.row("SELECT * FROM e2b_sandboxes WHERE sandbox_id = ?", (sandbox_id,))
+        if row is None:
+            return None
+        return E2bSandbox(
+            sandbox_id=row["sandbox_id"],
+            tenant_id=row["tenant_id"],
+            template_id=row["template_id"],
+            access_token=row["access_token"],
+            started_at=row["started_at"],
+            metadata=json.loads(row["metadata"]),
+            envs=json.loads(row["envs"]),
+        )
+
+    def by_token(self, sandbox_id: str, token: str | None) -> E2bSandbox | None:
+        """The sandbox when ``token`` is its access token (compared in constant time)."""
+        record = self.get(sandbox_id)
+        if record is None or token is None:
+            return None
+        if not hmac.compare_digest(record.access_token.encode(), token.encode()):
+            return None
+        return record
+
+    def remove(self, sandbox_id: str) -> None:
+        self.db.execute("DELETE FROM e2b_sandboxes WHERE sandbox_id = ?", (sandbox_id,))

@@ -1,0 +1,308 @@
+"""E2B's control-plane REST API under ``/e2b``, mapped onto the hub.
+
+The paths, field names (camelCase) and statuses are the ones the official ``e2b`` SDK
+(2.63) calls and parses; errors carry E2B's body ``{"code": status, "message": ...}``.
+Keys are cryobox tenant keys, sent by the SDK as ``X-API-KEY``. E2B's default template
+``base`` is cryobox's ``default`` template (a restore, not a cold boot); another name is
+one of the tenant's (or the host's) templates, or one of the tenant's snapshots (E2B
+starts sandboxes from a snapshot by passing its id as the template).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Annotated, Any
+from urllib.parse import parse_qsl, unquote
+
+from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from cryobox.errors import (
+    AuthenticationError,
+    CryoboxError,
+    InvalidArgument,
+    SandboxNotFound,
+    SnapshotNotFound,
+    StateError,
+)
+from cryobox.models import CreateRequest, SandboxInfo
+from cryobox.server.hub import Hub
+from cryobox.server.tenants import Tenant
+from cryobox.snapshot.manifest import SnapshotPurpose
+
+from .records import E2bRecords, E2bSandbox
+
+#: The envd version cryobox answers as: the SDK enables every feature it knows from 0.6.4.
+ENVD_VERSION = "0.6.4"
+#: E2B's default sandbox life when create names none (the SDK's own default).
+DEFAULT_TIMEOUT = 300
+PAGE_LIMIT = 100
+
+
+class Unsupported(CryoboxError):
+    """An E2B feature cryobox does not offer (answered 501 naming it)."""
+
+
+class NewSandbox(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    template_id: str = Field(alias="templateID", min_length=1, max_length=200)
+    timeout: int | None = Field(default=None, ge=0, le=30 * 86400)
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+    allow_internet_access: bool | None = None
+    mcp: Any = None
+    network: dict[str, Any] | None = None
+    volume_mounts: list[Any] | None = Field(default=None, alias="volumeMounts")
+
+
+class Timeout(BaseModel):
+    timeout: int = Field(ge=0, le=30 * 86400)
+
+
+class Connect(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    timeout: int | None = Field(default=None, ge=0, le=30 * 86400)
+    memory: bool | None = None
+
+
+class Pause(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    memory: bool | None = None
+
+
+class Fork(BaseModel):
+    timeout: int | None = Field(default=None, ge=1, le=30 * 86400)
+    count: int | None = Field(default=None, ge=1, le=100)
+
+
+class NewSnapshot(BaseModel):
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    memory: bool | None = None
+
+
+def iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).isoformat()
+
+
+def e2b_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> Tenant:
+    """The tenant whose key E2B's SDK sends (``X-API-KEY``)."""
+    hub: Hub = request.app.state.hub
+    found = hub.tenants.authenticate(x_api_key) if x_api_key else None
+    if found is None:
+        raise AuthenticationError("a valid cryobox tenant key is required in X-API-KEY")
+    return found
+
+
+Me = Annotated[Tenant, Depends(e2b_tenant)]
+
+
+def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
+    router = APIRouter(prefix="/e2b", include_in_schema=False)
+
+    def record(me: Tenant, sandbox_id: str) -> E2bSandbox:
+        found = records.get(sandbox_id)
+        if found is None or found.tenant_id != me.id:
+            raise SandboxNotFound(sandbox_id)
+        return found
+
+    def sandbox(info: SandboxInfo, rec: E2bSandbox) -> dict[str, Any]:
+        return {
+            "templateID": rec.template_id,
+            "sandboxID": info.id,
+            "clientID": "cryobox",
+            "envdVersion": ENVD_VERSION,
+            "envdAccessToken": rec.access_token,
+            "trafficAccessToken": None,
+            "domain": None,
+        }
+
+    def detail(info: SandboxInfo, rec: E2bSandbox) -> dict[str, Any]:
+        return {
+            **sandbox(info, rec),
+            "startedAt": iso(info.created_at),
+            "endAt": iso(info.deadline or time.time()),
+            "cpuCount": info.cpus,
+            "memoryMB": info.memory_mib,
+            "diskSizeMB": info.disk_gib * 1024,
+            "state": "paused" if info.state == "paused" else "running",
+            "metadata": rec.metadata,
+        }
+
+    async def start(
+        me: Tenant, template: str, timeout: int, metadata: dict[str, str], envs: dict[str, str]
+    ) -> dict[str, Any]:
+        request = CreateRequest(template="default", timeout=timeout)
+        if template != "base":
+            try:
+                snapshot = hub.find_snapshot(me, template)
+                request = CreateRequest(from_snapshot=snapshot.id, timeout=timeout)
+            except SnapshotNotFound:
+                request = CreateRequest(template=template, timeout=timeout)
+        info = await hub.create(me, request, idle_timeout=0)
+        rec = records.add(info.id, me.id, template, metadata, envs)
+        return sandbox(info, rec)
+
+    @router.post("/sandboxes", status_code=201)
+    @router.post("/v2/sandboxes", status_code=201)
+    async def create(body: NewSandbox, me: Me) -> dict[str, Any]:
+        if body.auto_pause:
+            raise Unsupported(
+                "lifecycle on_timeout='pause' (autoPause) is not supported by cryobox: "
+                "a sandbox that times out is killed; pause it yourself or extend its timeout"
+            )
+        if body.mcp:
+            raise Unsupported("mcp gateways are not supported by cryobox")
+        if body.volume_mounts:
+            raise Unsupported("volume mounts are not supported by cryobox")
+        timeout = body.timeout or DEFAULT_TIMEOUT
+        return await start(me, body.template_id, timeout, body.metadata or {}, body.env_vars or {})
+
+    @router.get("/sandboxes/{sandbox_id}")
+    async def get_info(sandbox_id: str, me: Me) -> dict[str, Any]:
+        rec = record(me, sandbox_id)
+        return detail(await hub.get(me, sandbox_id), rec)
+
+    @router.get("/sandboxes")
+    @router.get("/v2/sandboxes")
+    async def list_sandboxes(
+        request: Request,
+        me: Me,
+        metadata: str | None = None,
+        state: str | None = None,
+        limit: int = PAGE_LIMIT,
+        nextToken: str | None = None,
+    ) -> Response:
+        wanted_states = set((state or "running,paused").split(","))
+        wanted_meta = {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "")}
+        found = []
+        for info in await hub.list(me):
+            rec = records.get(info.id)
+            if rec is None or detail(info, rec)["state"] not in wanted_states:
+                continue
+            if any(rec.metadata.get(k) != v for k, v in wanted_meta.items()):
+                continue
+            found.append(detail(info, rec))
+        found.sort(key=lambda d: d["startedAt"], reverse=True)
+        start = int(nextToken or 0) if (nextToken or "0").isdigit() else 0
+        limit = max(1, min(limit, PAGE_LIMIT))
+        page = found[start : start + limit]
+        headers = {"x-next-token": str(start + limit)} if start + limit < len(found) else {}
+        return JSONResponse(page, headers=headers)
+
+    @router.delete("/sandboxes/{sandbox_id}", status_code=204)
+    async def kill(sandbox_id: str, me: Me) -> Response:
+        record(me, sandbox_id)
+        await hub.kill(me, sandbox_id)
+        records.remove(sandbox_id)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+    async def set_timeout(sandbox_id: str, body: Timeout, me: Me) -> Response:
+        record(me, sandbox_id)
+        if body.timeout == 0:
+            await hub.kill(me, sandbox_id)
+            records.remove(sandbox_id)
+        else:
+            await hub.set_timeout(me, sandbox_id, body.timeout)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+    async def pause(sandbox_id: str, me: Me, body: Pause | None = None) -> Response:
+        record(me, sandbox_id)
+        if body is not None and body.memory is False:
+            raise Unsupported("pause(mode='filesystem') is not supported: cryobox pauses all")
+        if (await hub.get(me, sandbox_id)).state == "paused":
+            raise StateError(sandbox_id, "paused", ["running"], "pause")
+        await hub.pause(me, sandbox_id)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/connect")
+    @router.post("/v2/sandboxes/{sandbox_id}/connect")
+    @router.post("/sandboxes/{sandbox_id}/resume")
+    async def connect(sandbox_id: str, me: Me, body: Connect | None = None) -> JSONResponse:
+        """Resume a paused sandbox (201) or extend a running one's timeout (200)."""
+        rec = record(me, sandbox_id)
+        if body is not None and body.memory is False:
+            raise Unsupported("connect(on_resume='reboot') is not supported by cryobox")
+        info = await hub.get(me, sandbox_id)
+        status = 200
+        if info.state == "paused":
+            info = await hub.resume(me, sandbox_id)
+            status = 201
+        if body is not None and body.timeout:
+            left = (info.deadline or 0) - time.time()
+            if body.timeout > left or status == 201:
+                await hub.set_timeout(me, sandbox_id, body.timeout)
+                info = await hub.get(me, sandbox_id)
+        return JSONResponse(sandbox(info, rec), status_code=status)
+
+    @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+    async def fork(sandbox_id: str, body: Fork, me: Me) -> list[dict[str, Any]]:
+        rec = record(me, sandbox_id)
+        forks = await hub.fork(me, sandbox_id, body.count or 1, body.timeout)
+        made = []
+        for info in forks:
+            child = records.add(info.id, me.id, rec.template_id, rec.metadata, rec.envs)
+            made.append({"sandbox": sandbox(info, child)})
+        return made
+
+    @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+    async def snapshot(sandbox_id: str, body: NewSnapshot, me: Me) -> dict[str, Any]:
+        record(me, sandbox_id)
+        name = body.name or f"snapshot-of-{sandbox_id}-{int(time.time())}"
+        info = await hub.capture(
+            me, sandbox_id, SnapshotPurpose.SNAPSHOT, name, memory=body.memory is not False
+        )
+        return {"snapshotID": info.id, "names": [name]}
+
+    @router.get("/snapshots")
+    async def snapshots(
+        me: Me,
+        sandboxID: str | None = None,
+        name: str | None = None,
+    ) -> list[dict[str, Any]]:
+        return [
+            {"snapshotID": s.id, "names": [s.name] if s.name else []}
+            for s in await hub.snapshots(me)
+            if s.purpose == SnapshotPurpose.SNAPSHOT
+            and sandboxID in (None, s.source_sandbox)
+            and name in (None, s.name)
+        ]
+
+    @router.delete("/templates/{ref}", status_code=204)
+    async def delete_snapshot(ref: str, me: Me) -> Response:
+        await hub.delete_snapshot(me, ref)
+        return Response(status_code=204)
+
+    @router.get("/sandboxes/{sandbox_id}/metrics")
+    async def metrics(sandbox_id: str, me: Me) -> list[Any]:
+        record(me, sandbox_id)
+        raise Unsupported("get_metrics is not supported by cryobox (see GET /usage)")
+
+    @router.put("/sandboxes/{sandbox_id}/network")
+    async def network(sandbox_id: str, me: Me) -> None:
+        record(me, sandbox_id)
+        raise Unsupported(
+            "update_network is not supported: cryobox fixes the network policy at create"
+        )
+
+    return router
+
+
+def error_body(status: int, exc: Exception) -> JSONResponse:
+    """E2B's error shape, which its SDK parses on every failed call."""
+    return JSONResponse({"code": status, "message": str(exc)}, status_code=status)
+
+
+def status_of_e2b(exc: CryoboxError, default: int) -> int:
+    if isinstance(exc, Unsupported):
+        return 501
+    if isinstance(exc, InvalidArgument) and default == 500:
+        return 400
+    return default

@@ -1,0 +1,172 @@
+"""The official ``e2b`` SDK (pinned in the dev dependencies), unchanged, against a real
+``cryobox server`` and real VMs: only ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and
+``E2B_API_KEY`` point it here. Each test is a scenario a user of E2B would run, and
+asserts what that user would check."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from api_server import ApiServer
+
+pytestmark = pytest.mark.vm
+
+e2b = pytest.importorskip("e2b")
+
+
+@pytest.fixture(autouse=True)
+def pointed_at_cryobox(api_server: ApiServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2B_API_URL", f"{api_server.url}/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", f"{api_server.url}/e2b")
+    monkeypatch.setenv("E2B_API_KEY", api_server.key)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+
+
+@pytest.fixture(scope="module")
+def sbx(api_server: ApiServer) -> Iterator[Any]:
+    """One sandbox for the read-mostly scenarios, made the E2B way."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("E2B_API_URL", f"{api_server.url}/e2b")
+        patch.setenv("E2B_SANDBOX_URL", f"{api_server.url}/e2b")
+        patch.setenv("E2B_API_KEY", api_server.key)
+        sandbox = e2b.Sandbox.create(
+            envs={"FROM_CREATE": "everywhere"}, metadata={"suite": "compat"}
+        )
+        yield sandbox
+        sandbox.kill()
+
+
+def test_commands_run_stream_and_fail_like_e2b(sbx: Any) -> None:
+    result = sbx.commands.run("echo $FROM_CREATE; whoami; pwd")
+    assert result.exit_code == 0
+    assert result.stdout.split() == ["everywhere", "user", "/home/user"]
+    seen: list[str] = []
+    streamed = sbx.commands.run(
+        "echo one; sleep 1; echo two; echo err >&2", on_stdout=seen.append, on_stderr=seen.append
+    )
+    assert streamed.stdout == "one\ntwo\n" and streamed.stderr == "err\n"
+    assert seen[0] == "one\n" and "two\n" in seen
+    with pytest.raises(e2b.CommandExitException) as failed:
+        sbx.commands.run("echo bad >&2; exit 3")
+    assert failed.value.exit_code == 3 and failed.value.stderr == "bad\n"
+    assert sbx.commands.run("echo $A", envs={"A": "scoped"}).stdout == "scoped\n"
+    assert sbx.commands.run("echo ${A:-unset}").stdout == "unset\n"
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+    with pytest.raises(e2b.TimeoutException):
+        sbx.commands.run("sleep 30", timeout=2)
+
+
+def test_background_handles_stdin_kill_and_list(sbx: Any) -> None:
+    cat = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(cat.pid, "fed through the handle\n")
+    sbx.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "fed through the handle\n"
+    sleeper = sbx.commands.run("sleep 300", background=True, timeout=0)
+    assert sleeper.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(sleeper.pid) is True
+    with pytest.raises(e2b.CommandExitException):
+        sleeper.wait()
+    assert sleeper.pid not in [p.pid for p in sbx.commands.list()]
+
+
+def test_files_like_e2b(sbx: Any) -> None:
+    info = sbx.files.write("project/src/main.py", "print('hi')\n")  # parents are made
+    assert info.path == "/home/user/project/src/main.py"
+    assert sbx.files.read("project/src/main.py") == "print('hi')\n"
+    payload = bytes(range(256)) * 1000
+    sbx.files.write("/tmp/blob.bin", payload)
+    assert bytes(sbx.files.read("/tmp/blob.bin", format="bytes")) == payload
+    assert sbx.commands.run("python3 project/src/main.py").stdout == "hi\n"
+    assert sbx.files.exists("project/src") and not sbx.files.exists("nope")
+    assert sbx.files.make_dir("project/docs") is True
+    assert sbx.files.make_dir("project/docs") is False  # already there
+    names = [e.name for e in sbx.files.list("project")]
+    assert names == ["docs", "src"]
+    deep = [e.path for e in sbx.files.list("project", depth=2)]
+    assert "/home/user/project/src/main.py" in deep
+    stat = sbx.files.get_info("project/src/main.py")
+    assert stat.type == e2b.FileType.FILE and stat.size == 12 and stat.owner == "user"
+    moved = sbx.files.rename("project/src/main.py", "project/src/app.py")
+    assert moved.path == "/home/user/project/src/app.py"
+    sbx.files.remove("project")
+    assert not sbx.files.exists("project")
+    sbx.files.remove("project")  # removing what is gone succeeds
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.read("project/src/app.py")
+
+
+def test_info_timeout_and_list_by_metadata(sbx: Any, api_server: ApiServer) -> None:
+    info = sbx.get_info()
+    assert info.sandbox_id == sbx.sandbox_id and info.metadata == {"suite": "compat"}
+    sbx.set_timeout(900)
+    assert (sbx.get_info().end_at.timestamp() - time.time()) > 800
+    listed = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "compat"})).next_items()
+    assert [s.sandbox_id for s in listed] == [sbx.sandbox_id]
+    none = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "other"})).next_items()
+    assert none == []
+    assert sbx.is_running()
+
+
+def test_pause_then_connect_keeps_every_process_running() -> None:
+    sandbox = e2b.Sandbox.create()
+    try:
+        counter = sandbox.commands.run(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
+            background=True,
+            timeout=0,
+        )
+        time.sleep(1)
+        assert sandbox.pause() is True
+        assert not sandbox.is_running()
+        with pytest.raises(e2b.SandboxException):
+            sandbox.commands.run("true")
+        back = e2b.Sandbox.connect(sandbox.sandbox_id)
+        assert back.is_running()
+        first = int(back.files.read("/tmp/count"))
+        time.sleep(1)
+        assert int(back.files.read("/tmp/count")) > first  # the same loop, still counting
+        assert counter.pid in [p.pid for p in back.commands.list()]
+    finally:
+        sandbox.kill()
+    assert e2b.Sandbox.kill(sandbox.sandbox_id) is False  # already gone
+
+
+def test_another_tenants_key_cannot_reach_the_sandbox(sbx: Any, api_server: ApiServer) -> None:
+    other = api_server.tenant("e2b-intruder")
+    with pytest.raises(e2b.SandboxNotFoundException):
+        e2b.Sandbox.connect(sbx.sandbox_id, api_key=other)
+    assert e2b.Sandbox.kill(sbx.sandbox_id, api_key=other) is False
+    listed = e2b.Sandbox.list(api_key=other).next_items()
+    assert sbx.sandbox_id not in [s.sandbox_id for s in listed]
+    assert sbx.is_running()
+
+
+def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
+    with pytest.raises(e2b.SandboxException, match="watch_dir"):
+        sbx.files.watch_dir("/tmp")
+    with pytest.raises(e2b.SandboxException, match="pty"):
+        sbx.pty.create(e2b.PtySize(rows=24, cols=80))
+    with pytest.raises(e2b.SandboxException, match="get_metrics"):
+        sbx.get_metrics()
+
+
+def test_async_sandbox_the_same_way() -> None:
+    async def scenario() -> tuple[str, list[str], str]:
+        sandbox = await e2b.AsyncSandbox.create()
+        try:
+            ran = await sandbox.commands.run("echo async")
+            results = await asyncio.gather(*(sandbox.commands.run(f"echo {i}") for i in range(3)))
+            await sandbox.files.write("/tmp/a.txt", "async file")
+            read = await sandbox.files.read("/tmp/a.txt")
+            return ran.stdout, [r.stdout for r in results], read
+        finally:
+            await sandbox.kill()
+
+    out, many, read = asyncio.run(scenario())
+    assert out == "async\n" and many == ["0\n", "1\n", "2\n"] and read == "async file"
