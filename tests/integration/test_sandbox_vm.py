@@ -90,6 +90,9 @@ def test_env_cwd_user_and_timeout(shared_sandbox: Sandbox) -> None:
         ["sh", "-c", 'echo "$A:$(pwd):$(id -un)"'], env={"A": "b"}, cwd="/tmp", user="nobody"
     )
     assert result.stdout == "b:/tmp:nobody\n"
+    # A command run as a user has that user's groups only (none of the agent's root group).
+    ids = shared_sandbox.commands.run("id -u; id -g; id -G", user="user").stdout.split()
+    assert ids == ["1000", "1000", "1000"]
     started = time.monotonic()
     result = shared_sandbox.commands.run("sleep 60", timeout=1)
     assert result.timed_out and result.exit_code == 137 and time.monotonic() - started < 30

@@ -20,6 +20,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import dataclasses
 import posixpath
 import signal as signals
 import stat as stats
@@ -164,6 +165,8 @@ class Process:
     watcher: asyncio.Future[None] | None = None
     #: Its channel ended with a pause: it runs on in the guest, unreachable but by signal.
     detached: bool = False
+    #: Killed because the caller's deadline passed (its streams end with that error).
+    deadline_passed: bool = False
 
     def on_output(self, stream: str, data: bytes) -> None:
         for queue in self.subscribers:
@@ -251,6 +254,15 @@ class ProcessService:
             yield pr.ProcessEvent(
                 event=one("data", pr.ProcessEvent.DataEvent(output=one(stream, data)))
             )
+        if process.deadline_passed:
+            raise ConnectError(
+                Code.DEADLINE_EXCEEDED, f"process {process.pid} was killed: its timeout passed"
+            )
+        if process.result is None:  # killed, paused or lost with its sandbox: no exit code
+            raise ConnectError(
+                Code.UNAVAILABLE,
+                f"the connection to sandbox {process.sandbox_id} ended before the stream completed",
+            )
         yield end_event(process.result)
 
     async def start(
@@ -301,24 +313,23 @@ class ProcessService:
         envd does), then forget it. A process whose channel ended with a pause lives on
         in the saved machine: it stays listed, detached (see :meth:`_attached`)."""
         detached = False
+        result: dict[str, Any] | None = None
         try:
-            wait = process.session.wait()
+            waiting = asyncio.ensure_future(process.session.wait())
             if timeout_ms:
                 try:
-                    result = await asyncio.wait_for(asyncio.shield(wait), timeout_ms / 1000 + 0.5)
+                    await asyncio.wait_for(asyncio.shield(waiting), timeout_ms / 1000 + 0.5)
                 except TimeoutError:
+                    process.deadline_passed = True
                     with contextlib.suppress(CryoboxError):
                         await process.session.kill(signals.SIGKILL)
-                    result = await wait
-            else:
-                result = await wait
-            process.finish(result)
+            result = await waiting
         except (ChannelError, StateError):
             detached = process.detached = True
-            process.finish(None)
         except CryoboxError:
-            process.finish(None)
+            pass
         finally:
+            process.finish(result)  # whatever happened, its streams end
             if not detached:
                 self.envd.processes.pop(key, None)
 
@@ -488,9 +499,19 @@ class FilesystemService:
 
     async def _stat(self, caller: Caller, path: str) -> fs.EntryInfo:
         try:
-            return entry_info(await self.envd.hub.service.stat(caller.sandbox_id, path))
+            entry = await self.envd.hub.service.stat(caller.sandbox_id, path)
+            return entry_info(await self._followed(caller, entry))
         except CryoboxError as exc:
             raise connect_error(exc, caller.sandbox_id) from exc
+
+    async def _followed(self, caller: Caller, entry: EntryInfo) -> EntryInfo:
+        """A symlink as envd shows it: the type of what it points to, and its target."""
+        if entry.type != "symlink" or not entry.symlink_target:
+            return entry
+        with contextlib.suppress(GuestFileNotFound):
+            target = await self.envd.hub.service.stat(caller.sandbox_id, entry.symlink_target)
+            return dataclasses.replace(entry, type=target.type)
+        return entry
 
     async def stat(self, request: fs.StatRequest, ctx: RequestContext[Any, Any]) -> fs.StatResponse:
         caller = await self._caller(ctx)
@@ -543,7 +564,8 @@ class FilesystemService:
             raise ConnectError(Code.INVALID_ARGUMENT, f"{root} is not a directory")
         await walk(root, 1)
         found.sort(key=lambda e: e.path)
-        return fs.ListDirResponse(entries=[entry_info(e) for e in found])
+        followed = [await self._followed(caller, e) for e in found]
+        return fs.ListDirResponse(entries=[entry_info(e) for e in followed])
 
     async def remove(
         self, request: fs.RemoveRequest, ctx: RequestContext[Any, Any]

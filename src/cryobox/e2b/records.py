@@ -4,6 +4,7 @@ token that the E2B SDK sends with every in-sandbox call (``X-Access-Token``)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import secrets
@@ -22,6 +23,12 @@ class E2bSandbox:
     started_at: float
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def traffic_token(self) -> str:
+        """E2B's token for a sandbox's public ports; cryobox publishes ports without one,
+        so this is only a stable value derived from the access token."""
+        return hashlib.sha256(b"traffic:" + self.access_token.encode()).hexdigest()[:32]
 
 
 class E2bRecords:

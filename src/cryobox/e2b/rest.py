@@ -86,6 +86,14 @@ class NewSnapshot(BaseModel):
     memory: bool | None = None
 
 
+def _parse_time(value: str) -> float:
+    """An RFC 3339 time as E2B's SDK sends it (a '+' may arrive decoded as a space)."""
+    try:
+        return datetime.datetime.fromisoformat(value.replace(" ", "+")).timestamp()
+    except ValueError as exc:
+        raise InvalidArgument(f"startedAfter={value!r} is not an RFC 3339 time") from exc
+
+
 def iso(timestamp: float) -> str:
     return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).isoformat()
 
@@ -118,7 +126,7 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
             "clientID": "cryobox",
             "envdVersion": ENVD_VERSION,
             "envdAccessToken": rec.access_token,
-            "trafficAccessToken": None,
+            "trafficAccessToken": rec.traffic_token,
             "domain": None,
         }
 
@@ -135,15 +143,20 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
         }
 
     async def start(
-        me: Tenant, template: str, timeout: int, metadata: dict[str, str], envs: dict[str, str]
+        me: Tenant,
+        template: str,
+        timeout: int,
+        metadata: dict[str, str],
+        envs: dict[str, str],
+        network: str | None,
     ) -> dict[str, Any]:
-        request = CreateRequest(template="default", timeout=timeout)
+        request = CreateRequest(template="default", timeout=timeout, network=network)
         if template != "base":
             try:
                 snapshot = hub.find_snapshot(me, template)
-                request = CreateRequest(from_snapshot=snapshot.id, timeout=timeout)
+                request = CreateRequest(from_snapshot=snapshot.id, timeout=timeout, network=network)
             except SnapshotNotFound:
-                request = CreateRequest(template=template, timeout=timeout)
+                request = CreateRequest(template=template, timeout=timeout, network=network)
         info = await hub.create(me, request, idle_timeout=0)
         rec = records.add(info.id, me.id, template, metadata, envs)
         return sandbox(info, rec)
@@ -160,8 +173,16 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
             raise Unsupported("mcp gateways are not supported by cryobox")
         if body.volume_mounts:
             raise Unsupported("volume mounts are not supported by cryobox")
+        if body.network:
+            raise Unsupported(
+                "network rules are not supported through the E2B API: use "
+                "allow_internet_access, or cryobox's own API for an allow-list"
+            )
         timeout = body.timeout or DEFAULT_TIMEOUT
-        return await start(me, body.template_id, timeout, body.metadata or {}, body.env_vars or {})
+        network = "none" if body.allow_internet_access is False else None
+        return await start(
+            me, body.template_id, timeout, body.metadata or {}, body.env_vars or {}, network
+        )
 
     @router.get("/sandboxes/{sandbox_id}")
     async def get_info(sandbox_id: str, me: Me) -> dict[str, Any]:
@@ -175,10 +196,15 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
         me: Me,
         metadata: str | None = None,
         state: str | None = None,
+        template: str | None = None,
+        startedAfter: str | None = None,
+        order: str = "desc",
         limit: int = PAGE_LIMIT,
         nextToken: str | None = None,
     ) -> Response:
+        """E2B's names for the query parameters (camelCase), newest first by default."""
         wanted_states = set((state or "running,paused").split(","))
+        after = _parse_time(startedAfter) if startedAfter else None
         wanted_meta = {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "")}
         found = []
         for info in await hub.list(me):
@@ -187,8 +213,12 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
                 continue
             if any(rec.metadata.get(k) != v for k, v in wanted_meta.items()):
                 continue
+            if template is not None and rec.template_id != template:
+                continue
+            if after is not None and info.created_at < after:
+                continue
             found.append(detail(info, rec))
-        found.sort(key=lambda d: d["startedAt"], reverse=True)
+        found.sort(key=lambda d: d["startedAt"], reverse=order != "asc")
         start = int(nextToken or 0) if (nextToken or "0").isdigit() else 0
         limit = max(1, min(limit, PAGE_LIMIT))
         page = found[start : start + limit]

@@ -441,8 +441,8 @@ class Agent:
                 stderr=subprocess.PIPE,
                 env=env,
                 cwd=cwd,
-                user=user,
                 start_new_session=True,
+                **identity(user),
             )
         except FileNotFoundError as exc:
             if exc.filename == cwd:
@@ -691,6 +691,19 @@ def command_env(extra: dict[str, Any], user: Any) -> tuple[dict[str, str], str |
     env.update(EXTRA_ENV)
     env.update({str(k): str(v) for k, v in extra.items()})
     return env, (name if user else None)
+
+
+def identity(user: str | None) -> dict[str, Any]:
+    """Popen's arguments to run as ``user``: its uid, its primary group and its other
+    groups (not the agent's root group, which ``user=`` alone would leave)."""
+    if user is None:
+        return {}
+    entry = pwd.getpwnam(user)
+    return {
+        "user": entry.pw_uid,
+        "group": entry.pw_gid,
+        "extra_groups": os.getgrouplist(user, entry.pw_gid),
+    }
 
 
 def kill_group(pid: int, sig: int) -> None:
