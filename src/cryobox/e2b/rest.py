@@ -215,7 +215,7 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
                 continue
             if template is not None and rec.template_id != template:
                 continue
-            if after is not None and info.created_at < after:
+            if after is not None and info.created_at + 1e-6 < after:  # times shown to the µs
                 continue
             found.append(detail(info, rec))
         found.sort(key=lambda d: d["startedAt"], reverse=order != "asc")
