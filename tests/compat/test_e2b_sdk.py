@@ -147,9 +147,23 @@ def test_another_tenants_key_cannot_reach_the_sandbox(sbx: Any, api_server: ApiS
     assert sbx.is_running()
 
 
+def test_watch_dir_reports_changes(sbx: Any) -> None:
+    sbx.files.make_dir("watched/deeper")
+    handle = sbx.files.watch_dir("watched", recursive=True, include_entry=True)
+    sbx.files.write("watched/new.txt", "first")
+    sbx.files.write("watched/new.txt", "second")
+    sbx.commands.run("touch watched/deeper/inner.txt && rm watched/new.txt")
+    seen = [(event.type, event.name) for event in handle.get_new_events()]
+    handle.stop()
+    kinds = e2b.FilesystemEventType
+    assert (kinds.CREATE, "new.txt") in seen and seen.count((kinds.WRITE, "new.txt")) >= 2
+    assert (kinds.CREATE, "deeper/inner.txt") in seen and (kinds.REMOVE, "new.txt") in seen
+    assert not any(".cryobox-" in name for _, name in seen)  # upload temporaries hidden
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.watch_dir("no-such-folder")
+
+
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
-    with pytest.raises(e2b.SandboxException, match="watch_dir"):
-        sbx.files.watch_dir("/tmp")
     with pytest.raises(e2b.SandboxException, match="pty"):
         sbx.pty.create(e2b.PtySize(rows=24, cols=80))
     with pytest.raises(e2b.SandboxException, match="get_metrics"):
@@ -157,16 +171,24 @@ def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
 
 
 def test_async_sandbox_the_same_way() -> None:
-    async def scenario() -> tuple[str, list[str], str]:
+    async def scenario() -> tuple[str, list[str], str, list[str]]:
         sandbox = await e2b.AsyncSandbox.create()
         try:
             ran = await sandbox.commands.run("echo async")
             results = await asyncio.gather(*(sandbox.commands.run(f"echo {i}") for i in range(3)))
+            events: list[Any] = []
+            watch = await sandbox.files.watch_dir("/tmp", on_event=events.append)
             await sandbox.files.write("/tmp/a.txt", "async file")
             read = await sandbox.files.read("/tmp/a.txt")
-            return ran.stdout, [r.stdout for r in results], read
+            for _ in range(50):
+                if any(e.name == "a.txt" for e in events):
+                    break
+                await asyncio.sleep(0.1)
+            await watch.stop()
+            return ran.stdout, [r.stdout for r in results], read, [e.name for e in events]
         finally:
             await sandbox.kill()
 
-    out, many, read = asyncio.run(scenario())
+    out, many, read, watched = asyncio.run(scenario())
     assert out == "async\n" and many == ["0\n", "1\n", "2\n"] and read == "async file"
+    assert "a.txt" in watched

@@ -24,8 +24,10 @@ import dataclasses
 import posixpath
 import signal as signals
 import stat as stats
+import uuid
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.models import CommandRequest, EntryInfo
 from cryobox.server.hub import Hub
+from cryobox.service.watches import FolderWatch
 from cryobox.util import rechunked
 
 from .records import E2bRecords, E2bSandbox
@@ -64,6 +67,16 @@ DEFAULT_USER = "user"
 NOT_RUNNING = "The sandbox was not found"
 KEEPALIVE_SECONDS = 50.0
 SIGNALS = {"SIGKILL": signals.SIGKILL, "SIGTERM": signals.SIGTERM}
+#: Watch events held per watch for a reader that lags, and polled watchers per sandbox.
+WATCH_BACKLOG = 10_000
+MAX_WATCHERS = 64
+EVENT_TYPES = {
+    "create": fs.EventType.CREATE,
+    "write": fs.EventType.WRITE,
+    "remove": fs.EventType.REMOVE,
+    "rename": fs.EventType.RENAME,
+    "chmod": fs.EventType.CHMOD,
+}
 RPC_PREFIXES = ("/e2b/process.Process/", "/e2b/filesystem.Filesystem/")
 
 
@@ -116,6 +129,7 @@ class Envd:
         self.hub = hub
         self.records = records
         self.processes: dict[tuple[str, int], Process] = {}
+        self.watchers: dict[str, Watcher] = {}
 
     async def caller(self, headers: Mapping[str, str], user: str | None = None) -> Caller:
         """:raises NotRunning: for an unknown sandbox, a wrong token, or one not running."""
@@ -579,25 +593,116 @@ class FilesystemService:
             raise connect_error(exc, caller.sandbox_id) from exc
         return fs.RemoveResponse()
 
-    def watch_dir(
+    async def _watch(
+        self, caller: Caller, path: str, recursive: bool, sink: Callable[[str, str], None]
+    ) -> FolderWatch:
+        root = caller.path(path)
+        if (await self._stat(caller, root)).type != fs.FileType.DIRECTORY:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"{root} is not a directory")
+        try:
+            return await self.envd.hub.service.watch(caller.sandbox_id, root, recursive, sink)
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+
+    async def _event(
+        self, caller: Caller, root: str, kind: str, name: str, include_entry: bool
+    ) -> fs.FilesystemEvent:
+        entry = None
+        if include_entry and kind != "remove":  # best effort: it may be gone already
+            with contextlib.suppress(ConnectError):
+                entry = await self._stat(caller, posixpath.join(caller.path(root), name))
+        return fs.FilesystemEvent(name=name, type=EVENT_TYPES[kind], entry=entry)
+
+    async def watch_dir(
         self, request: fs.WatchDirRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[fs.WatchDirResponse]:
-        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+        caller = await self._caller(ctx)
+        queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(WATCH_BACKLOG)
+        watch = await self._watch(
+            caller, request.path, request.recursive, lambda k, n: _offer(queue, (k, n))
+        )
+        try:
+            yield fs.WatchDirResponse(event=one("start", fs.WatchDirResponse.StartEvent()))
+            while not watch.ended.done() or not queue.empty():
+                try:
+                    kind, name = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+                except TimeoutError:
+                    keepalive = fs.WatchDirResponse.KeepAlive()
+                    yield fs.WatchDirResponse(event=one("keepalive", keepalive))
+                    continue
+                event = await self._event(caller, request.path, kind, name, request.include_entry)
+                yield fs.WatchDirResponse(event=one("filesystem", event))
+        finally:
+            await watch.stop()
 
     async def create_watcher(
         self, request: fs.CreateWatcherRequest, ctx: RequestContext[Any, Any]
     ) -> fs.CreateWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+        caller = await self._caller(ctx)
+        for gone in [i for i, w in self.envd.watchers.items() if w.watch.ended.done()]:
+            self.envd.watchers.pop(gone, None)  # their sandbox was paused or killed
+        mine = [w for w in self.envd.watchers.values() if w.sandbox_id == caller.sandbox_id]
+        if len(mine) >= MAX_WATCHERS:
+            raise ConnectError(
+                Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHERS} watchers per sandbox"
+            )
+        events: deque[tuple[str, str]] = deque(maxlen=WATCH_BACKLOG)
+        watch = await self._watch(
+            caller, request.path, request.recursive, lambda k, n: events.append((k, n))
+        )
+        watcher_id = uuid.uuid4().hex
+        self.envd.watchers[watcher_id] = Watcher(
+            caller.sandbox_id, request.path, request.include_entry, watch, events
+        )
+        return fs.CreateWatcherResponse(watcher_id=watcher_id)
+
+    def _watcher(self, caller: Caller, watcher_id: str) -> Watcher:
+        watcher = self.envd.watchers.get(watcher_id)
+        if watcher is None or watcher.sandbox_id != caller.sandbox_id:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id} not found")
+        return watcher
 
     async def get_watcher_events(
         self, request: fs.GetWatcherEventsRequest, ctx: RequestContext[Any, Any]
     ) -> fs.GetWatcherEventsResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+        caller = await self._caller(ctx)
+        watcher = self._watcher(caller, request.watcher_id)
+        await asyncio.sleep(0.05)  # events of a write that just returned are on their way
+        taken = list(watcher.events)
+        watcher.events.clear()
+        return fs.GetWatcherEventsResponse(
+            events=[
+                await self._event(caller, watcher.path, kind, name, watcher.include_entry)
+                for kind, name in taken
+            ]
+        )
 
     async def remove_watcher(
         self, request: fs.RemoveWatcherRequest, ctx: RequestContext[Any, Any]
     ) -> fs.RemoveWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "files.watch_dir is not supported by cryobox yet")
+        caller = await self._caller(ctx)
+        watcher = self._watcher(caller, request.watcher_id)
+        self.envd.watchers.pop(request.watcher_id, None)
+        await watcher.watch.stop()
+        return fs.RemoveWatcherResponse()
+
+
+@dataclass(eq=False)
+class Watcher:
+    """A polled watch (``CreateWatcher``): its events wait here until fetched."""
+
+    sandbox_id: str
+    path: str
+    include_entry: bool
+    watch: FolderWatch
+    events: deque[tuple[str, str]]
+
+
+def _offer(queue: asyncio.Queue[tuple[str, str]], item: tuple[str, str]) -> None:
+    """Queue a watch event; a stream that does not read loses its oldest events."""
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)
 
 
 class EnvdRpc:

@@ -36,11 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from cryobox.guest import protocol as p
+from cryobox.guest.watch import Watch
 
 PORT_NAME = "org.cryobox.agent.0"
 RUN_DIR = Path("/run/cryobox")
 SETUP_MARKER = RUN_DIR / "system-ready"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Folder watches a guest serves at once (each holds an inotify descriptor).
+MAX_WATCHES = 256
 READ_SIZE = 64 * 1024
 #: Variables every command gets on top of its own base (set after a fork).
 EXTRA_ENV: dict[str, str] = {}
@@ -348,6 +351,7 @@ class Agent:
         self._running: dict[int, RunningCommand] = {}
         self._flowing: dict[int, asyncio.Event] = {}
         self._uploads: dict[int, tuple[Any, str, str]] = {}
+        self._watches: dict[int, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._handlers: dict[str, Callable[[int, dict[str, Any], bytes], Any]] = {
             p.GuestOp.PING: self.ping,
@@ -363,6 +367,8 @@ class Agent:
             p.GuestOp.FILE_STAT: self.file_stat,
             p.GuestOp.FILE_MKDIR: self.file_mkdir,
             p.GuestOp.FILE_REMOVE: self.file_remove,
+            p.GuestOp.FILE_WATCH: self.file_watch,
+            p.GuestOp.FILE_UNWATCH: self.file_unwatch,
             p.GuestOp.SYS_REFRESH: self.sys_refresh,
         }
 
@@ -604,6 +610,34 @@ class Agent:
                 os.rmdir(path)
         else:
             os.unlink(path)
+
+    async def file_watch(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        """Send an ``fs`` event per change under ``path`` until unwatched; the first event,
+        ``watching``, carries the id FILE_UNWATCH takes."""
+        if len(self._watches) >= MAX_WATCHES:
+            raise OpError(p.INVALID, f"at most {MAX_WATCHES} watches at once")
+
+        def sink(kind: str, name: str) -> None:
+            self.send({"id": rid, "event": "fs", "type": kind, "name": name})
+
+        watch = Watch(str(args["path"]), bool(args.get("recursive")), sink)
+        stop = self._watches[rid] = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(watch.fd, watch.on_readable)
+        try:
+            self.send({"id": rid, "event": "watching", "watch_id": rid})
+            await stop.wait()
+        finally:
+            loop.remove_reader(watch.fd)
+            watch.close()
+            self._watches.pop(rid, None)
+        return {}
+
+    async def file_unwatch(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
+        stop = self._watches.get(int(args["watch_id"]))
+        if stop is None:
+            raise OpError(p.NOT_FOUND, f"no watch {args['watch_id']}")
+        stop.set()
 
     async def sys_refresh(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         """Make a restored guest current: clock, entropy, and (for a new sandbox) identity."""

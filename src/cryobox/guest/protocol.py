@@ -54,6 +54,9 @@ class GuestOp(enum.StrEnum):
     FILE_STAT = "file.stat"
     FILE_MKDIR = "file.mkdir"
     FILE_REMOVE = "file.remove"
+    #: Report changes under a folder as events until FILE_UNWATCH names the watch.
+    FILE_WATCH = "file.watch"
+    FILE_UNWATCH = "file.unwatch"
     SYS_REFRESH = "sys.refresh"
 
 

@@ -80,7 +80,7 @@ HOST_TOOLS = (
     "cpio",
 )
 #: Files of this package that go into the initramfs (their bytes are part of the key).
-GUEST_FILES = ("guest/__init__.py", "guest/protocol.py", "guest/agent.py")
+GUEST_FILES = ("guest/__init__.py", "guest/protocol.py", "guest/agent.py", "guest/watch.py")
 IMAGE_FILES = ("initramfs-init.sh", "stage2.sh")
 
 Progress = Callable[[str], None]

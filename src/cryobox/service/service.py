@@ -59,6 +59,7 @@ from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import references
 from cryobox.service.commands import CommandSession, OutputSink
+from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, valid_name
 from cryobox.util import data_bytes, new_id
@@ -486,6 +487,18 @@ class SandboxService:
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
         await self._guest(sandbox_id, p.GuestOp.FILE_REMOVE, {"path": path, "recursive": recursive})
+
+    async def watch(
+        self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
+    ) -> FolderWatch:
+        """Report changes under the folder ``path`` to ``on_event(type, name)`` until the
+        watch is stopped.
+
+        :raises GuestFileNotFound: when there is no such folder.
+        """
+        watch = FolderWatch(await self._channel(sandbox_id), on_event)
+        await watch.start(path, recursive)
+        return watch
 
     # ------------------------------------------------------------------ snapshots, templates
 

@@ -1,0 +1,80 @@
+"""A folder watch in a sandbox, as the service sees it: a guest request whose events are
+the changes under the folder, ended by ``file.unwatch``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from cryobox.errors import CryoboxError
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient
+
+#: What a guest may report (anything else from a hostile guest is dropped).
+EVENT_TYPES = frozenset({"create", "write", "remove", "rename", "chmod"})
+#: Called with (event type, name relative to the watched folder).
+WatchSink = Callable[[str, str], None]
+
+
+class FolderWatch:
+    """Start it with :meth:`start`; :meth:`stop` ends it; ``ended`` completes when the
+    guest request does (stopped, or the sandbox went away)."""
+
+    def __init__(self, channel: AgentClient, on_event: WatchSink) -> None:
+        self._channel = channel
+        self._on_event = on_event
+        self._watching: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._request: asyncio.Future[dict[str, Any]] | None = None
+        self._watch_id = 0
+
+    async def start(self, path: str, recursive: bool) -> None:
+        """Return once the guest watches ``path``.
+
+        :raises GuestFileNotFound: when there is no such folder.
+        """
+        self._request = asyncio.ensure_future(
+            self._channel.request(
+                p.GuestOp.FILE_WATCH,
+                {"path": path, "recursive": recursive},
+                on_event=self._event,
+            )
+        )
+        self._request.add_done_callback(self._done)
+        await asyncio.shield(self._watching)
+
+    @property
+    def ended(self) -> asyncio.Future[dict[str, Any]]:
+        assert self._request is not None
+        return self._request
+
+    def _done(self, request: asyncio.Future[dict[str, Any]]) -> None:
+        error = None if request.cancelled() else request.exception()  # marks it retrieved
+        if not self._watching.done():
+            if error is not None:
+                self._watching.set_exception(error)
+            else:
+                self._watching.cancel()
+
+    def _event(self, header: dict[str, Any], _payload: bytes) -> None:
+        event = header.get("event")
+        if event == "watching" and isinstance(header.get("watch_id"), int):
+            self._watch_id = int(header["watch_id"])
+            if not self._watching.done():
+                self._watching.set_result(None)
+        elif event == "fs":
+            kind, name = header.get("type"), header.get("name")
+            if kind in EVENT_TYPES and isinstance(name, str) and len(name) < 4096:
+                self._on_event(str(kind), name)
+
+    async def stop(self) -> None:
+        """End the watch (a watch already ended, or a sandbox gone, is fine)."""
+        if self._request is None or self._request.done():
+            return
+        with contextlib.suppress(CryoboxError):
+            await self._channel.request(
+                p.GuestOp.FILE_UNWATCH, {"watch_id": self._watch_id}, timeout=30
+            )
+        with contextlib.suppress(CryoboxError, asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._request), 10)
