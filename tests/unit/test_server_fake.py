@@ -299,6 +299,12 @@ def test_tenant_commands(server: ApiServer) -> None:
     sbx = sdk(server, old)
     refused = run("rm", "rotating")
     assert refused.returncode == 1 and sbx.id in refused.stderr
+    kept = sbx.snapshot("kept")
+    sbx.kill()
+    refused = run("rm", "rotating")  # nor while it owns saved state
+    assert refused.returncode == 1 and kept.id in refused.stderr
+    Sandbox.delete_snapshot("kept", api_url=server.url, api_key=old)
+    sbx = sdk(server, old)
     new = run("key-rotate", "rotating").stdout.strip().splitlines()[-1]
     with pytest.raises(AuthenticationError):
         Sandbox.list(api_url=server.url, api_key=old)
@@ -356,3 +362,40 @@ def test_templates_are_each_tenants_own(server: ApiServer) -> None:
     Sandbox.delete_template("web", api_url=server.url, api_key=other)
     Sandbox.delete_template("web", api_url=server.url, api_key=maker)
     assert "web" not in client(server).get("/templates").text
+
+
+def test_oversized_bodies_are_refused_before_any_key_is_checked(server: ApiServer) -> None:
+    anonymous = httpx.Client(base_url=server.url, timeout=60)
+    huge = b"x" * (2 * 1024 * 1024)
+    for path in ("/sandboxes", "/e2b/sandboxes"):
+        answer = anonymous.post(path, content=huge, headers={"content-type": "application/json"})
+        assert answer.status_code == 413 and "larger than" in answer.json()["message"]
+    assert client(server).post("/sandboxes", json={"cpus": 0}).status_code == 422  # small: read
+
+
+def test_e2b_file_uploads_refuse_bad_gzip_and_name_the_problem(server: ApiServer) -> None:
+    http = httpx.Client(base_url=server.url, headers={"X-API-KEY": server.key}, timeout=60)
+    made = http.post("/e2b/sandboxes", json={"templateID": "base"})
+    assert made.status_code == 201, made.text
+    sandbox = made.json()
+    envd = {
+        "E2b-Sandbox-Id": sandbox["sandboxID"],
+        "X-Access-Token": sandbox["envdAccessToken"],
+    }
+    try:
+        bad = http.post(
+            "/e2b/files",
+            params={"path": "/tmp/cbx-gzip-test", "username": "root"},  # no "user" on a host
+            content=b"not gzip at all",
+            headers={
+                **envd,
+                "content-type": "application/octet-stream",
+                "content-encoding": "gzip",
+            },
+        )
+        assert bad.status_code == 400 and "gzip" in bad.json()["message"]
+        stranger = http.get("/e2b/health", headers={**envd, "X-Access-Token": "wrong"})
+        assert stranger.status_code == 502 and "was not found" in stranger.json()["message"]
+        assert http.get("/e2b/health", headers=envd).status_code == 204
+    finally:
+        assert http.delete(f"/e2b/sandboxes/{sandbox['sandboxID']}").status_code == 204

@@ -42,6 +42,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+from starlette.requests import ClientDisconnect
 
 from cryobox.errors import (
     ChannelError,
@@ -77,6 +78,13 @@ EVENT_TYPES = {
     "rename": fs.EventType.RENAME,
     "chmod": fs.EventType.CHMOD,
 }
+#: Bounds on what one call may cost the server.
+HELPER_TIMEOUT = 30.0
+HELPER_OUTPUT = 64 * 1024
+MULTIPART_LIMIT = 256 * 1024 * 1024
+MAX_LIST_DEPTH = 32
+MAX_LIST_ENTRIES = 100_000
+MAX_PROCESSES = 1024
 RPC_PREFIXES = ("/e2b/process.Process/", "/e2b/filesystem.Filesystem/")
 
 
@@ -131,6 +139,13 @@ class Envd:
         self.processes: dict[tuple[str, int], Process] = {}
         self.watchers: dict[str, Watcher] = {}
 
+    def forget(self, sandbox_id: str) -> None:
+        """Drop what is tracked for a sandbox that is gone (killed or timed out)."""
+        for key in [k for k in self.processes if k[0] == sandbox_id]:
+            self.processes.pop(key, None)
+        for watcher_id in [i for i, w in self.watchers.items() if w.sandbox_id == sandbox_id]:
+            self.watchers.pop(watcher_id, None)
+
     async def caller(self, headers: Mapping[str, str], user: str | None = None) -> Caller:
         """:raises NotRunning: for an unknown sandbox, a wrong token, or one not running."""
         sandbox_id = headers.get("e2b-sandbox-id")
@@ -153,12 +168,18 @@ class Envd:
         return Caller(record, name)
 
     async def run(self, caller: Caller, argv: list[str]) -> tuple[int, str]:
-        """Run a short helper command as the caller; (exit code, its output)."""
+        """Run a short helper command as the caller; (exit code, its output). It is
+        killed after HELPER_TIMEOUT seconds, and only its first HELPER_OUTPUT bytes kept
+        (a hostile guest can make any program hang or print without end)."""
         output = bytearray()
+
+        def keep(_stream: str, data: bytes) -> None:
+            output.extend(data[: max(0, HELPER_OUTPUT - len(output))])
+
         session = await self.hub.service.start_command(
             caller.sandbox_id,
-            CommandRequest(argv=tuple(argv), user=caller.user),
-            lambda _stream, data: output.extend(data),
+            CommandRequest(argv=tuple(argv), user=caller.user, timeout=HELPER_TIMEOUT),
+            keep,
         )
         result = await session.wait()
         return int(result["exit_code"]), output.decode(errors="replace")
@@ -289,6 +310,8 @@ class ProcessService:
             raise connect_error(exc, "") from exc
         if request.pty is not None:
             raise ConnectError(Code.UNIMPLEMENTED, "pty.create is not supported by cryobox yet")
+        if sum(1 for sid, _ in self.envd.processes if sid == caller.sandbox_id) >= MAX_PROCESSES:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_PROCESSES} processes")
         config = request.process or pr.ProcessConfig()
         argv = (config.cmd, *config.args)
         env = {**caller.record.envs, **dict(config.envs)}
@@ -561,6 +584,8 @@ class FilesystemService:
     ) -> fs.ListDirResponse:
         caller = await self._caller(ctx)
         depth = max(1, int(request.depth or 1))
+        if depth > MAX_LIST_DEPTH:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"depth is at most {MAX_LIST_DEPTH}")
         found: list[EntryInfo] = []
 
         async def walk(path: str, level: int) -> None:
@@ -570,6 +595,10 @@ class FilesystemService:
                 raise connect_error(exc, caller.sandbox_id) from exc
             for entry in entries:
                 found.append(entry)
+                if len(found) > MAX_LIST_ENTRIES:
+                    raise ConnectError(
+                        Code.RESOURCE_EXHAUSTED, f"more than {MAX_LIST_ENTRIES} entries"
+                    )
                 if entry.type == "dir" and level < depth:
                     await walk(entry.path, level + 1)
 
@@ -782,14 +811,20 @@ def envd_router(envd: Envd) -> APIRouter:
         written: list[dict[str, Any]] = []
         try:
             if kind.startswith("multipart/form-data"):
-                form = await request.form()
+                declared = request.headers.get("content-length", "")
+                if not declared.isdigit() or int(declared) > MULTIPART_LIMIT:
+                    return envd_error(
+                        413,
+                        f"a multipart upload needs a Content-Length of at most {MULTIPART_LIMIT}"
+                        " bytes (send larger files as application/octet-stream)",
+                    )
+                form = await request.form(max_files=1000, max_fields=1000)
                 parts = form.getlist("file")
                 for part in parts:
                     if isinstance(part, str):
                         continue
                     name = path if path and len(parts) == 1 else part.filename or ""
-                    data = await part.read()
-                    written.append(await _write(envd, caller, name, _once(data)))
+                    written.append(await _write(envd, caller, name, _parts(part)))
             else:
                 if not path:
                     return envd_error(400, "path is required for an octet-stream upload")
@@ -803,6 +838,10 @@ def envd_router(envd: Envd) -> APIRouter:
             return envd_error(403, str(exc))
         except CryoboxError as exc:
             return envd_error(400, str(exc))
+        except zlib.error as exc:
+            return envd_error(400, f"the body is not valid gzip: {exc}")
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody is left to read it
         return JSONResponse(written)
 
     return router
@@ -820,12 +859,18 @@ async def _write(
     return {"name": posixpath.basename(target), "type": "file", "path": target, "metadata": {}}
 
 
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
 async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Inflate a gzip body in bounded pieces (a small bomb never becomes one big buffer)."""
     inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
     async for data in chunks:
-        yield inflate.decompress(data)
+        pending = data
+        while pending:
+            yield inflate.decompress(pending, p.CHUNK)
+            pending = inflate.unconsumed_tail
     yield inflate.flush()
+
+
+async def _parts(part: Any) -> AsyncIterator[bytes]:
+    """A multipart file's bytes in protocol-sized reads."""
+    while data := await part.read(p.CHUNK):
+        yield data

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
 
@@ -50,8 +51,8 @@ class NewSandbox(BaseModel):
 
     template_id: str = Field(alias="templateID", min_length=1, max_length=200)
     timeout: int | None = Field(default=None, ge=0, le=30 * 86400)
-    metadata: dict[str, str] | None = None
-    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    metadata: dict[str, str] | None = Field(default=None, max_length=64)
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars", max_length=256)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
     allow_internet_access: bool | None = None
     mcp: Any = None
@@ -110,7 +111,9 @@ def e2b_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = No
 Me = Annotated[Tenant, Depends(e2b_tenant)]
 
 
-def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
+def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> APIRouter:
+    """E2B's REST paths; ``forget(sandbox_id)`` drops the in-sandbox API's tracking of a
+    sandbox that is killed here."""
     router = APIRouter(prefix="/e2b", include_in_schema=False)
 
     def record(me: Tenant, sandbox_id: str) -> E2bSandbox:
@@ -230,6 +233,7 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
         record(me, sandbox_id)
         await hub.kill(me, sandbox_id)
         records.remove(sandbox_id)
+        forget(sandbox_id)
         return Response(status_code=204)
 
     @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
@@ -238,6 +242,7 @@ def e2b_router(hub: Hub, records: E2bRecords) -> APIRouter:
         if body.timeout == 0:
             await hub.kill(me, sandbox_id)
             records.remove(sandbox_id)
+            forget(sandbox_id)
         else:
             await hub.set_timeout(me, sandbox_id, body.timeout)
         return Response(status_code=204)

@@ -518,6 +518,9 @@ class Agent:
 
     async def file_read(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         path = str(args["path"])
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a device or FIFO never ends
+            raise OpError(p.INVALID, f"not a regular file: {path}")
         size = 0
         gate = self._flowing[rid] = asyncio.Event()
         gate.set()
@@ -544,7 +547,9 @@ class Agent:
                 raise OpError(p.NOT_FOUND, f"no such directory: {directory}")
             make_folders(directory, owner)
         temp = os.path.join(directory, f".{os.path.basename(path)}.cryobox-{rid}")
-        handle = open(temp, "wb")  # noqa: SIM115 - closed by file_write_end/abort
+        # A new file, never through a link planted under the temporary name.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        handle = os.fdopen(fd, "wb")  # closed by file_write_end/abort
         os.chmod(temp, int(args.get("mode", 0o644)))
         if owner is not None:
             os.chown(temp, owner.pw_uid, owner.pw_gid)

@@ -101,11 +101,14 @@ class Watch:
             if mask & IN_ISDIR and self.recursive:
                 self._add(os.path.join(self.root, path))
         elif mask & IN_MOVED_TO:
+            upload = cookie in self._uploads  # a temporary file renamed over it: written
+            self._uploads.discard(cookie)
             if name not in known:
                 known.add(name)
                 self._sink("create", path)
-            if cookie in self._uploads:  # a temporary file renamed over it: written
-                self._uploads.discard(cookie)
+                if upload:  # as a file made in place: created, given its owner, written
+                    self._sink("chmod", path)
+            if upload:
                 self._sink("write", path)
         elif mask & IN_MODIFY:
             self._sink("write", path)

@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from cryobox import errors as e
 from cryobox.e2b import rest as e2b_rest
@@ -46,6 +47,7 @@ from cryobox.util import rechunked
 
 from . import schemas as s
 from .hub import Hub
+from .limits import BodyLimit
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -169,9 +171,10 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
     # E2B's control plane and in-sandbox API under /e2b (see cryobox.e2b).
     records = E2bRecords(hub.db)
     envd = Envd(hub, records)
-    app.include_router(e2b_rest.e2b_router(hub, records))
+    app.include_router(e2b_rest.e2b_router(hub, records, envd.forget))
     app.include_router(envd_router(envd))
     app.add_middleware(EnvdRpc, envd=envd)
+    app.add_middleware(BodyLimit)  # outermost: before anything reads a body
 
     # ------------------------------------------------------------------ health
 
@@ -337,10 +340,20 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
         )
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         backlog = 0
+        overflowed = False
 
         def on_output(stream: str, data: bytes) -> None:
-            nonlocal backlog
+            # Bounded where it is queued: a client that stops reading costs the server
+            # at most STREAM_BACKLOG_LIMIT, then its command is killed.
+            nonlocal backlog, overflowed
+            if overflowed:
+                return
             backlog += len(data)
+            if backlog > STREAM_BACKLOG_LIMIT:
+                overflowed = True
+                kill = asyncio.ensure_future(session.kill())
+                kill.add_done_callback(lambda t: t.cancelled() or t.exception())
+                return
             queue.put_nowait((stream, data))
 
         session = await hub.service.start_command(sandbox_id, request, on_output)
@@ -351,31 +364,38 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
 
         async def lines() -> AsyncIterator[bytes]:
             nonlocal backlog
-            finished = False
             async with hub.busy(sandbox_id):
+                started = {"type": "started", "pid": session.pid, "command_id": command_id}
+                yield _line(started)
+                while (item := await queue.get()) is not None:
+                    stream, data = item
+                    backlog -= len(data)
+                    yield _line({"type": stream, "data": base64.b64encode(data).decode()})
                 try:
-                    started = {"type": "started", "pid": session.pid, "command_id": command_id}
-                    yield _line(started)
-                    while (item := await queue.get()) is not None:
-                        stream, data = item
-                        backlog -= len(data)
-                        yield _line({"type": stream, "data": base64.b64encode(data).decode()})
-                        if backlog > STREAM_BACKLOG_LIMIT:
-                            await session.kill()
-                    try:
-                        yield _line({"type": "exit", **await ended})
-                    except e.CryoboxError as exc:
-                        yield _line({"type": "error", "error": e.error_detail(exc)})
-                    finished = True
-                finally:
-                    hub.commands.pop(command_id, None)
-                    if not finished and not ended.done():  # the client went away
-                        with contextlib.suppress(e.CryoboxError):
-                            await session.kill()
-                    with contextlib.suppress(e.CryoboxError, asyncio.CancelledError):
-                        await asyncio.wait_for(asyncio.shield(ended), 5)
+                    result = await ended
+                except e.CryoboxError as exc:
+                    yield _line({"type": "error", "error": e.error_detail(exc)})
+                    return
+                if overflowed:
+                    limit = STREAM_BACKLOG_LIMIT >> 20
+                    error = e.ChannelError(f"more than {limit} MiB of output went unread")
+                    yield _line({"type": "error", "error": e.error_detail(error)})
+                else:
+                    yield _line({"type": "exit", **result})
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        async def cleanup() -> None:
+            """After the response, however it ended (a client that left before or during
+            the stream included): the command ends with it."""
+            hub.commands.pop(command_id, None)
+            if not ended.done():
+                with contextlib.suppress(e.CryoboxError):
+                    await session.kill()
+            with contextlib.suppress(e.CryoboxError, asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(ended), 5)
+
+        return StreamingResponse(
+            lines(), media_type="application/x-ndjson", background=BackgroundTask(cleanup)
+        )
 
     @app.post(
         "/sandboxes/{sandbox_id}/commands/{command_id}/stdin", status_code=204, tags=["commands"]
@@ -383,11 +403,14 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
     async def command_stdin(
         sandbox_id: str, command_id: str, me: Me, request: Request, eof: bool = False
     ) -> Response:
-        """Feed the raw request body to the command's stdin (``eof`` closes it after)."""
+        """Feed the raw request body to the command's stdin (``eof`` closes it after),
+        streamed as it arrives."""
         await hub.use(me, sandbox_id)
         session = hub.command(me, sandbox_id, command_id)
-        data = await request.body()
-        await session.send_stdin(data, eof)
+        async for data in rechunked(request.stream(), p.CHUNK):
+            await session.send_stdin(data)
+        if eof:
+            await session.send_stdin(b"", eof=True)
         return Response(status_code=204)
 
     @app.post(
@@ -417,14 +440,13 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
 
         async def body() -> AsyncIterator[bytes]:
             async with hub.busy(sandbox_id):
-                try:
-                    yield first
-                    async for chunk in chunks:
-                        yield chunk
-                finally:
-                    await chunks.aclose()
+                yield first
+                async for chunk in chunks:
+                    yield chunk
 
-        return StreamingResponse(body(), media_type="application/octet-stream")
+        return StreamingResponse(
+            body(), media_type="application/octet-stream", background=BackgroundTask(chunks.aclose)
+        )
 
     @app.put("/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
     async def upload(

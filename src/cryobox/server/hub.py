@@ -96,7 +96,7 @@ class Hub:
         """Take over what a previous server left: publish the ports of live sandboxes."""
         for row in self.db.rows("SELECT * FROM ports"):
             with contextlib.suppress(OSError):
-                await self.ports.publish(row["sandbox_id"], row["guest_port"], row["public_port"])
+                await self._publish(row["sandbox_id"], row["guest_port"], row["public_port"])
 
     async def close(self) -> None:
         """Stop serving; the sandboxes go on running (a later server adopts them)."""
@@ -222,8 +222,9 @@ class Hub:
             await self._publish(info.id, guest_port)
         self.events.publish(tenant.id, info.id, "created", origin=info.origin)
 
-    async def _publish(self, sandbox_id: str, guest_port: int) -> int:
-        public = await self.ports.publish(sandbox_id, guest_port)
+    async def _publish(self, sandbox_id: str, guest_port: int, wanted: int = 0) -> int:
+        """Listen for the port and record the public port actually bound."""
+        public = await self.ports.publish(sandbox_id, guest_port, wanted)
         self.db.execute(
             "INSERT OR REPLACE INTO ports VALUES (?, ?, ?)", (sandbox_id, guest_port, public)
         )
@@ -274,13 +275,17 @@ class Hub:
         self.db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
         self.meter.forget(sandbox_id)
         self.tenants.disown("sandbox", sandbox_id)
-        self._locks.pop(sandbox_id, None)
+        lock = self._locks.get(sandbox_id)
+        if lock is not None and not lock.locked():
+            self._locks.pop(sandbox_id, None)
         self.events.publish(tenant_id, sandbox_id, event, **data)
 
     async def pause(self, tenant: Tenant, sandbox_id: str, *, idle: bool = False) -> bool:
         """Pause the sandbox; for an idle pause, only if it is still idle once its lock is
         held (a call may have come in meanwhile). Whether it paused."""
         self._sandbox(tenant, sandbox_id)
+        if not idle:
+            self._check_storage(tenant)  # a pause writes the machine's RAM to disk
         async with self._locks[sandbox_id]:
             tracked = self.meter.get(sandbox_id)
             if idle and (
@@ -424,7 +429,10 @@ class Hub:
 
     async def snapshot(self, tenant: Tenant, ref: str) -> SnapshotInfo:
         manifest = self.find_snapshot(tenant, ref)
-        return next(s for s in await self.service.snapshots() if s.id == manifest.id)
+        for snapshot in await self.service.snapshots():
+            if snapshot.id == manifest.id:
+                return snapshot
+        raise SnapshotNotFound(ref)  # deleted meanwhile
 
     async def delete_snapshot(self, tenant: Tenant, ref: str) -> None:
         manifest = self.find_snapshot(tenant, ref)

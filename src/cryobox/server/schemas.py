@@ -59,7 +59,7 @@ class ExposePort(Body):
 class RunCommand(Body):
     #: A string runs under ``/bin/sh -c``; a list is the argv itself.
     cmd: Text | Annotated[list[Text], Field(min_length=1, max_length=4096)]
-    env: dict[str, str] = {}
+    env: Annotated[dict[str, str], Field(max_length=256)] = {}
     cwd: Text | None = None
     user: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     timeout: Seconds | None = None

@@ -140,11 +140,12 @@ class Tenants:
         :raises InvalidArgument: while it still owns sandboxes.
         """
         tenant = self.get(name_or_id)
-        left = self.owned(tenant.id, "sandbox")
-        if left:
-            raise InvalidArgument(
-                f"tenant {tenant.name} still owns sandboxes {', '.join(left)}: kill them first"
-            )
+        for kind, how in (("sandbox", "kill"), ("snapshot", "delete"), ("template", "delete")):
+            left = self.owned(tenant.id, kind)  # type: ignore[arg-type]
+            if left:
+                raise InvalidArgument(
+                    f"tenant {tenant.name} still owns {kind}s {', '.join(left)}: {how} them first"
+                )
         self.db.execute("DELETE FROM tenants WHERE id = ?", (tenant.id,))
         return tenant
 

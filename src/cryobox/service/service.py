@@ -68,6 +68,8 @@ from cryobox.vmm import Vmm, backend
 BASE_TEMPLATE = "base"
 DEFAULT_TEMPLATE = "default"
 MAX_FORKS = 100
+#: Bytes of a file read held for a consumer that does not keep up, before the read ends.
+READ_BACKLOG = 64 * 1024 * 1024
 #: Host memory a fork needs beyond the frozen RAM all forks share: QEMU itself (about
 #: 140 MB RSS measured under TCG) plus an eighth of its RAM for pages it writes.
 FORK_OVERHEAD_MIB = 160
@@ -419,8 +421,15 @@ class SandboxService:
         :raises GuestFileNotFound:
         """
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        held = 0
 
         def chunk(_header: dict[str, Any], data: bytes) -> None:
+            nonlocal held
+            held += len(data)
+            if held > READ_BACKLOG:  # the reader fell behind: end the read, hold no more
+                if not request.done():
+                    request.cancel()
+                return
             queue.put_nowait(data)
 
         channel = await self._channel(sandbox_id)
@@ -430,7 +439,12 @@ class SandboxService:
         request.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while (data := await queue.get()) is not None:
+                held -= len(data)
                 yield data
+            if request.cancelled() and held > READ_BACKLOG:
+                raise ChannelError(
+                    f"reading {path}: the reader fell more than {READ_BACKLOG >> 20} MiB behind"
+                )
             await request
         finally:
             if not request.done():
@@ -465,10 +479,11 @@ class SandboxService:
                     timeout=GUEST_REQUEST_TIMEOUT,
                 )
         except BaseException:
-            if not channel.closed:
-                await channel.request(
-                    p.GuestOp.FILE_WRITE_END, {"handle": handle, "abort": True}, timeout=30
-                )
+            if not channel.closed:  # the temporary file goes; the first error is the one
+                with contextlib.suppress(CryoboxError):
+                    await channel.request(
+                        p.GuestOp.FILE_WRITE_END, {"handle": handle, "abort": True}, timeout=30
+                    )
             raise
         await channel.request(
             p.GuestOp.FILE_WRITE_END, {"handle": handle}, timeout=GUEST_REQUEST_TIMEOUT
