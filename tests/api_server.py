@@ -52,7 +52,7 @@ class ApiServer:
         return done.stdout.strip().splitlines()[-1]
 
     def start(self) -> None:
-        with open(self.log, "ab") as log:
+        with open(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             self.process = subprocess.Popen(
                 [
                     *CLI,
@@ -92,7 +92,7 @@ class ApiServer:
 
 
 def make_server(folder: Path, env: dict[str, str] | None = None) -> ApiServer:
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as cryobox's own
     server = ApiServer(
         port=free_port(),
         database=folder / "server.db",

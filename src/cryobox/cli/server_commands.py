@@ -50,6 +50,7 @@ def _tenants(database: str | None):  # type: ignore[no-untyped-def]
     from cryobox.server.database import Database
     from cryobox.server.tenants import Tenants
 
+    os.umask(0o077)  # the database's journal files are as private as the database
     return Tenants(Database(database_path(database)))
 
 

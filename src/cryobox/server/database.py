@@ -92,11 +92,15 @@ class Database:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.touch(mode=0o600)  # private from its first byte (keys' hashes, usage)
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()
         self._conn.execute("PRAGMA journal_mode=WAL")
+        for companion in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            if companion.exists():  # made with the process's umask: as private as the file
+                companion.chmod(0o600)
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.execute("PRAGMA busy_timeout=5000")
         path.chmod(0o600)

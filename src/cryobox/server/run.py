@@ -33,6 +33,7 @@ def serve(
 ) -> None:
     """Serve until SIGINT or SIGTERM. Stopping pauses and kills nothing: the sandboxes
     run on under their supervisors, and the next server takes them over."""
+    os.umask(0o077)  # its database and everything it writes hold tenants' secrets
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
