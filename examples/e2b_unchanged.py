@@ -7,6 +7,8 @@ variables, it runs unchanged on real VMs of your own machine:
     python examples/e2b_unchanged.py
 """
 
+import time
+
 from e2b import Sandbox
 
 with Sandbox.create(envs={"GREETING": "hello"}, metadata={"example": "e2b"}) as sbx:
@@ -23,6 +25,7 @@ with Sandbox.create(envs={"GREETING": "hello"}, metadata={"example": "e2b"}) as 
         background=True,
         timeout=0,
     )
+    time.sleep(1)  # let it count a little
     sbx.pause()  # the whole machine is saved; no CPU, no RAM
     back = Sandbox.connect(sbx.sandbox_id)  # resumed: the loop goes on counting
     print("still counting:", back.files.read("/tmp/count").strip())

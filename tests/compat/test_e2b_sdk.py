@@ -6,8 +6,11 @@ asserts what that user would check."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -192,3 +195,22 @@ def test_async_sandbox_the_same_way() -> None:
     out, many, read, watched = asyncio.run(scenario())
     assert out == "async\n" and many == ["0\n", "1\n", "2\n"] and read == "async file"
     assert "a.txt" in watched
+
+
+def test_the_unchanged_e2b_example_runs(api_server: ApiServer) -> None:
+    """examples/e2b_unchanged.py imports only e2b; three variables point it here."""
+    example = Path(__file__).parents[2] / "examples" / "e2b_unchanged.py"
+    assert "import cryobox" not in example.read_text()
+    env = {
+        **api_server.env,
+        "E2B_API_URL": f"{api_server.url}/e2b",
+        "E2B_SANDBOX_URL": f"{api_server.url}/e2b",
+        "E2B_API_KEY": api_server.key,
+    }
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "live: hello from sbx-" in done.stdout and "exit code 0" in done.stdout
+    counted = next(line for line in done.stdout.splitlines() if line.startswith("still counting"))
+    assert int(counted.split()[-1]) > 0 and "files: ['main.py']" in done.stdout
