@@ -53,6 +53,7 @@ class CommandSession:
             self._started.cancel()
         elif error is not None:
             self._started.set_exception(error)
+            self._started.exception()  # retrieved: the caller may only ever wait() for it
         else:
             self._started.set_result(None)
 
