@@ -3,8 +3,8 @@ variables, it runs unchanged on real VMs of your own machine:
 
     export E2B_API_URL=http://127.0.0.1:8080/e2b
     export E2B_SANDBOX_URL=http://127.0.0.1:8080/e2b
-    export E2B_API_KEY=$(cryobox tenant create demo | tail -1)
-    python examples/e2b_unchanged.py
+    export E2B_API_KEY=$(.venv/bin/cryobox tenant create demo | tail -1)
+    .venv/bin/python examples/e2b_unchanged.py
 """
 
 import time
