@@ -11,13 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryobox.util import free_port
+
 CLI = [sys.executable, "-m", "cryobox.cli.main"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

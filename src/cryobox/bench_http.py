@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,14 +23,9 @@ from pathlib import Path
 import httpx
 
 from cryobox.client import AsyncSandbox
+from cryobox.util import free_port
 
 CLIENTS = 50
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @asynccontextmanager
@@ -49,7 +43,7 @@ async def running_server() -> AsyncIterator[tuple[str, str]]:
         env=env,
     )
     key = made.stdout.strip().splitlines()[-1]
-    port = _free_port()
+    port = free_port()
     with open(folder / "server.log", "wb") as log:
         server = subprocess.Popen(
             [*cli, "server", "--port", str(port), "--database", database],

@@ -9,7 +9,7 @@ import os
 import secrets
 import socket
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +179,14 @@ async def rechunked(stream: AsyncIterator[bytes], size: int) -> AsyncIterator[by
             del pending[:size]
     if pending:
         yield bytes(pending)
+
+
+async def each_chunk(chunks: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """Chunks from a plain or an async iterable, as an async iterator (the SDK accepts
+    both for uploads)."""
+    if isinstance(chunks, AsyncIterable):
+        async for chunk in chunks:
+            yield chunk
+    else:
+        for chunk in chunks:
+            yield chunk

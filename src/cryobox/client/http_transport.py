@@ -39,6 +39,7 @@ from cryobox.models import (
 )
 from cryobox.service.commands import OutputSink
 from cryobox.snapshot.manifest import SnapshotPurpose
+from cryobox.util import each_chunk
 
 #: Calls that answer at once; lifecycle calls (create, fork, template build) may take
 #: minutes under TCG; command streams last as long as their command.
@@ -324,19 +325,11 @@ class HttpTransport:
     async def write_file(
         self, sandbox_id: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], mode: int
     ) -> None:
-        async def body() -> AsyncIterator[bytes]:
-            if isinstance(chunks, AsyncIterable):
-                async for chunk in chunks:
-                    yield chunk
-            else:
-                for chunk in chunks:
-                    yield chunk
-
         await self._call(
             "PUT",
             self._sbx(sandbox_id, "/files"),
             params={"path": path, "mode": mode},
-            content=body(),
+            content=each_chunk(chunks),
             timeout=STREAM,
         )
 

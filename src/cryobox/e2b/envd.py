@@ -167,6 +167,13 @@ class Envd:
         name = user or basic_user(headers.get("authorization")) or DEFAULT_USER
         return Caller(record, name)
 
+    async def rpc_caller(self, ctx: RequestContext[Any, Any]) -> Caller:
+        """:meth:`caller` for an RPC: a sandbox not running is ``unavailable``."""
+        try:
+            return await self.caller(ctx.request_headers)
+        except NotRunning as exc:
+            raise connect_error(exc, "") from exc
+
     async def run(self, caller: Caller, argv: list[str]) -> tuple[int, str]:
         """Run a short helper command as the caller; (exit code, its output). It is
         killed after HELPER_TIMEOUT seconds, and only its first HELPER_OUTPUT bytes kept
@@ -303,11 +310,7 @@ class ProcessService:
     async def start(
         self, request: pr.StartRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[pr.StartResponse]:
-        headers = ctx.request_headers
-        try:
-            caller = await self.envd.caller(headers)
-        except NotRunning as exc:
-            raise connect_error(exc, "") from exc
+        caller = await self.envd.rpc_caller(ctx)
         if request.pty is not None:
             raise ConnectError(Code.UNIMPLEMENTED, "pty.create is not supported by cryobox yet")
         if sum(1 for sid, _ in self.envd.processes if sid == caller.sandbox_id) >= MAX_PROCESSES:
@@ -400,10 +403,7 @@ class ProcessService:
     async def connect(
         self, request: pr.ConnectRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[pr.ConnectResponse]:
-        try:
-            caller = await self.envd.caller(ctx.request_headers)
-        except NotRunning as exc:
-            raise connect_error(exc, "") from exc
+        caller = await self.envd.rpc_caller(ctx)
         process = self._attached(self._find(caller, request.process))
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         process.subscribers.add(queue)
@@ -414,7 +414,7 @@ class ProcessService:
             process.subscribers.discard(queue)
 
     async def list(self, request: pr.ListRequest, ctx: RequestContext[Any, Any]) -> pr.ListResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         await self._alive(caller)
         return pr.ListResponse(
             processes=[
@@ -423,12 +423,6 @@ class ProcessService:
                 if sandbox_id == caller.sandbox_id
             ]
         )
-
-    async def _caller(self, ctx: RequestContext[Any, Any]) -> Caller:
-        try:
-            return await self.envd.caller(ctx.request_headers)
-        except NotRunning as exc:
-            raise connect_error(exc, "") from exc
 
     async def _input(self, caller: Caller, process: Process, data: pr.ProcessInput | None) -> None:
         self._attached(process)
@@ -444,14 +438,14 @@ class ProcessService:
     async def send_input(
         self, request: pr.SendInputRequest, ctx: RequestContext[Any, Any]
     ) -> pr.SendInputResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         await self._input(caller, self._find(caller, request.process), request.input)
         return pr.SendInputResponse()
 
     async def stream_input(
         self, request: AsyncIterator[pr.StreamInputRequest], ctx: RequestContext[Any, Any]
     ) -> pr.StreamInputResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         process: Process | None = None
         async for message in request:
             event = message.event
@@ -468,7 +462,7 @@ class ProcessService:
     async def send_signal(
         self, request: pr.SendSignalRequest, ctx: RequestContext[Any, Any]
     ) -> pr.SendSignalResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         process = self._find(caller, request.process)
         number = SIGNALS.get(str(getattr(request.signal, "name", request.signal)), signals.SIGKILL)
         try:
@@ -486,7 +480,7 @@ class ProcessService:
     async def close_stdin(
         self, request: pr.CloseStdinRequest, ctx: RequestContext[Any, Any]
     ) -> pr.CloseStdinResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         process = self._attached(self._find(caller, request.process))
         try:
             await process.session.send_stdin(b"", eof=True)
@@ -528,12 +522,6 @@ class FilesystemService:
     def __init__(self, envd: Envd) -> None:
         self.envd = envd
 
-    async def _caller(self, ctx: RequestContext[Any, Any]) -> Caller:
-        try:
-            return await self.envd.caller(ctx.request_headers)
-        except NotRunning as exc:
-            raise connect_error(exc, "") from exc
-
     async def _stat(self, caller: Caller, path: str) -> fs.EntryInfo:
         try:
             entry = await self.envd.hub.service.stat(caller.sandbox_id, path)
@@ -551,13 +539,13 @@ class FilesystemService:
         return entry
 
     async def stat(self, request: fs.StatRequest, ctx: RequestContext[Any, Any]) -> fs.StatResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         return fs.StatResponse(entry=await self._stat(caller, caller.path(request.path)))
 
     async def make_dir(
         self, request: fs.MakeDirRequest, ctx: RequestContext[Any, Any]
     ) -> fs.MakeDirResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         path = caller.path(request.path)
         try:
             await self._stat(caller, path)
@@ -571,7 +559,7 @@ class FilesystemService:
         return fs.MakeDirResponse(entry=await self._stat(caller, path))
 
     async def move(self, request: fs.MoveRequest, ctx: RequestContext[Any, Any]) -> fs.MoveResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         source, target = caller.path(request.source), caller.path(request.destination)
         await self._stat(caller, source)  # not_found when missing
         code, output = await self.envd.run(caller, ["mv", "-T", "--", source, target])
@@ -582,7 +570,7 @@ class FilesystemService:
     async def list_dir(
         self, request: fs.ListDirRequest, ctx: RequestContext[Any, Any]
     ) -> fs.ListDirResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         depth = max(1, int(request.depth or 1))
         if depth > MAX_LIST_DEPTH:
             raise ConnectError(Code.INVALID_ARGUMENT, f"depth is at most {MAX_LIST_DEPTH}")
@@ -613,7 +601,7 @@ class FilesystemService:
     async def remove(
         self, request: fs.RemoveRequest, ctx: RequestContext[Any, Any]
     ) -> fs.RemoveResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         try:
             await self.envd.hub.service.remove(caller.sandbox_id, caller.path(request.path), True)
         except GuestFileNotFound:
@@ -645,7 +633,7 @@ class FilesystemService:
     async def watch_dir(
         self, request: fs.WatchDirRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[fs.WatchDirResponse]:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(WATCH_BACKLOG)
         watch = await self._watch(
             caller, request.path, request.recursive, lambda k, n: _offer(queue, (k, n))
@@ -667,7 +655,7 @@ class FilesystemService:
     async def create_watcher(
         self, request: fs.CreateWatcherRequest, ctx: RequestContext[Any, Any]
     ) -> fs.CreateWatcherResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         for gone in [i for i, w in self.envd.watchers.items() if w.watch.ended.done()]:
             self.envd.watchers.pop(gone, None)  # their sandbox was paused or killed
         mine = [w for w in self.envd.watchers.values() if w.sandbox_id == caller.sandbox_id]
@@ -694,7 +682,7 @@ class FilesystemService:
     async def get_watcher_events(
         self, request: fs.GetWatcherEventsRequest, ctx: RequestContext[Any, Any]
     ) -> fs.GetWatcherEventsResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         watcher = self._watcher(caller, request.watcher_id)
         await asyncio.sleep(0.05)  # events of a write that just returned are on their way
         taken = list(watcher.events)
@@ -709,7 +697,7 @@ class FilesystemService:
     async def remove_watcher(
         self, request: fs.RemoveWatcherRequest, ctx: RequestContext[Any, Any]
     ) -> fs.RemoveWatcherResponse:
-        caller = await self._caller(ctx)
+        caller = await self.envd.rpc_caller(ctx)
         watcher = self._watcher(caller, request.watcher_id)
         self.envd.watchers.pop(request.watcher_id, None)
         await watcher.watch.stop()

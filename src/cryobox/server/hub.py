@@ -68,6 +68,11 @@ class _Use:
     vcpus: int = 0
     memory_mib: int = 0
 
+    def add(self, other: _Use, sign: int = 1) -> None:
+        self.sandboxes += sign * other.sandboxes
+        self.vcpus += sign * other.vcpus
+        self.memory_mib += sign * other.memory_mib
+
 
 class Hub:
     def __init__(
@@ -134,7 +139,7 @@ class Hub:
         (stored as ``TENANT.NAME``) or one of the host's."""
         if name in (BASE_TEMPLATE, DEFAULT_TEMPLATE):
             return name
-        internal = f"{tenant.id}.{name}"
+        internal = _tenant_template(tenant, name)
         if self.tenants.owns(tenant.id, "template", internal):
             return internal
         if not name.startswith("tn-") and self.service.store.template(name) is not None:
@@ -145,9 +150,7 @@ class Hub:
 
     def _in_use(self, tenant: Tenant) -> _Use:
         use = _Use()
-        for tracked in self.meter.tracked():
-            if tracked.tenant_id != tenant.id:
-                continue
+        for tracked in self.meter.tracked(tenant.id):
             try:
                 state = SandboxDir.for_id(tracked.id).record().state.value
             except (CryoboxError, OSError):
@@ -166,29 +169,25 @@ class Hub:
 
         :raises QuotaExceeded: naming the first limit that would be passed.
         """
+        asked = _Use(count, count * cpus, count * memory_mib)
         async with self._quota_lock:
-            use, held = self._in_use(tenant), self._reserved[tenant.id]
+            held = self._reserved[tenant.id]
+            total = _Use()
+            for part in (self._in_use(tenant), held, asked):
+                total.add(part)
             q = tenant.quota
             for limit, allowed, wanted in (
-                ("max_sandboxes", q.max_sandboxes, use.sandboxes + held.sandboxes + count),
-                ("max_vcpus", q.max_vcpus, use.vcpus + held.vcpus + count * cpus),
-                (
-                    "max_memory_mib",
-                    q.max_memory_mib,
-                    use.memory_mib + held.memory_mib + count * memory_mib,
-                ),
+                ("max_sandboxes", q.max_sandboxes, total.sandboxes),
+                ("max_vcpus", q.max_vcpus, total.vcpus),
+                ("max_memory_mib", q.max_memory_mib, total.memory_mib),
             ):
                 if wanted > allowed:
                     raise QuotaExceeded(limit, allowed, wanted)
-            held.sandboxes += count
-            held.vcpus += count * cpus
-            held.memory_mib += count * memory_mib
+            held.add(asked)
         try:
             yield
         finally:
-            held.sandboxes -= count
-            held.vcpus -= count * cpus
-            held.memory_mib -= count * memory_mib
+            held.add(asked, -1)
 
     def _check_storage(self, tenant: Tenant) -> None:
         stored = self._stored.get(tenant.id, 0)
@@ -440,7 +439,7 @@ class Hub:
         self.tenants.disown("snapshot", manifest.id)
 
     async def templates(self, tenant: Tenant) -> builtins.list[TemplateInfo]:
-        prefix = f"{tenant.id}."
+        prefix = _tenant_template(tenant, "")
         found = []
         for template in await self.service.templates():
             if template.name.startswith(prefix):
@@ -460,7 +459,7 @@ class Hub:
     ) -> SnapshotInfo:
         if name in (BASE_TEMPLATE, DEFAULT_TEMPLATE) or "." in name or "/" in name:
             raise InvalidArgument(f"template name {name!r} is not allowed")
-        internal = f"{tenant.id}.{name}"
+        internal = _tenant_template(tenant, name)
         self._check_storage(tenant)
         async with self._reserve(tenant, 1, cpus, memory_mib):
             info = await self.service.build_template(
@@ -471,7 +470,7 @@ class Hub:
         return info
 
     async def delete_template(self, tenant: Tenant, name: str) -> None:
-        internal = f"{tenant.id}.{name}"
+        internal = _tenant_template(tenant, name)
         if not self.tenants.owns(tenant.id, "template", internal):
             raise TemplateNotFound(name)
         await self.service.delete_template(internal)
@@ -535,8 +534,8 @@ class Hub:
         owned snapshots)."""
         for tenant in self.tenants.all():
             by_sandbox: dict[str, int] = {}
-            for tracked in self.meter.tracked():
-                if tracked.tenant_id == tenant.id and tracked.last_state == "paused":
+            for tracked in self.meter.tracked(tenant.id):
+                if tracked.last_state == "paused":
                     folder = SandboxDir.for_id(tracked.id).path
                     by_sandbox[tracked.id] = await asyncio.to_thread(bytes_on_disk, folder)
             snapshots = 0
@@ -546,6 +545,11 @@ class Hub:
             total = sum(by_sandbox.values()) + snapshots
             self._stored[tenant.id] = total
             self.meter.accrue_storage(tenant.id, by_sandbox, total, seconds)
+
+
+def _tenant_template(tenant: Tenant, name: str) -> str:
+    """The store's name of a tenant's template: ``TENANT_ID.NAME``."""
+    return f"{tenant.id}.{name}"
 
 
 def _idle(value: float | None) -> float:

@@ -72,26 +72,16 @@ class Meter:
             (sandbox_id, tenant_id, cpus, memory_mib, idle_timeout, now, now),
         )
 
-    def tracked(self) -> list[Tracked]:
-        return [
-            Tracked(
-                id=r["id"],
-                tenant_id=r["tenant_id"],
-                cpus=r["cpus"],
-                memory_mib=r["memory_mib"],
-                idle_timeout=r["idle_timeout"],
-                last_activity=r["last_activity"],
-                idle_paused=bool(r["idle_paused"]),
-                last_state=r["last_state"],
-            )
-            for r in self.db.rows("SELECT * FROM sandboxes")
-        ]
+    def tracked(self, tenant_id: str | None = None) -> list[Tracked]:
+        """Every tracked sandbox, or one tenant's."""
+        if tenant_id is None:
+            return [_tracked(r) for r in self.db.rows("SELECT * FROM sandboxes")]
+        rows = self.db.rows("SELECT * FROM sandboxes WHERE tenant_id = ?", (tenant_id,))
+        return [_tracked(r) for r in rows]
 
     def get(self, sandbox_id: str) -> Tracked | None:
-        for tracked in self.tracked():
-            if tracked.id == sandbox_id:
-                return tracked
-        return None
+        row = self.db.row("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return _tracked(row) if row is not None else None
 
     def touch(self, sandbox_id: str) -> None:
         """The sandbox was used just now (a call, a command's output, port traffic)."""
@@ -157,6 +147,19 @@ class Meter:
         """Stop tracking a sandbox (killed): its counted usage stays with its tenant."""
         self.observe(sandbox_id, "killed")
         self.db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+
+def _tracked(row: Any) -> Tracked:
+    return Tracked(
+        id=row["id"],
+        tenant_id=row["tenant_id"],
+        cpus=row["cpus"],
+        memory_mib=row["memory_mib"],
+        idle_timeout=row["idle_timeout"],
+        last_activity=row["last_activity"],
+        idle_paused=bool(row["idle_paused"]),
+        last_state=row["last_state"],
+    )
 
 
 def usage_report(db: Database, tenant_id: str, prices: Prices, stored_bytes: int) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, valid_name
-from cryobox.util import data_bytes, new_id
+from cryobox.util import data_bytes, each_chunk, new_id
 from cryobox.vmm import Vmm, backend
 
 BASE_TEMPLATE = "base"
@@ -471,7 +471,7 @@ class SandboxService:
         )
         handle = answers.whole(begun, "handle", "write")
         try:
-            async for chunk in _each(chunks):
+            async for chunk in each_chunk(chunks):
                 await channel.request(
                     p.GuestOp.FILE_WRITE_CHUNK,
                     {"handle": handle},
@@ -726,15 +726,6 @@ async def _wait_finished(folder: SandboxDir, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not folder.record().state.finished and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-
-
-async def _each(chunks: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
-    if isinstance(chunks, AsyncIterable):
-        async for chunk in chunks:
-            yield chunk
-    else:
-        for chunk in chunks:
-            yield chunk
 
 
 def _collector(into: bytearray) -> OutputSink:
