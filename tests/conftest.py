@@ -7,6 +7,7 @@ the user's (building it takes a minute; its content key keeps it honest).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             pid = with_pids.get(key)
             if pid and record.parent.name.encode() in _cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
+    for proc in Path("/proc").glob("[0-9]*"):  # background uploaders of this session
+        with contextlib.suppress(OSError):
+            if b"cryobox.store.uploads" in (proc / "cmdline").read_bytes() and (
+                f"CRYOBOX_STATE_DIR={_STATE}".encode() in (proc / "environ").read_bytes()
+            ):
+                os.kill(int(proc.name), signal.SIGKILL)
     shutil.rmtree(_STATE, ignore_errors=True)
 
 
@@ -108,3 +115,16 @@ def api_server() -> Iterator[ApiServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """A real S3 server (SeaweedFS) on a loopback port, for the whole session."""
+    from cryobox.store.seaweed import S3Server
+
+    server = S3Server()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryobox import bench_bounds, bench_http, config
+from cryobox import bench_bounds, bench_http, bench_store, config
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
@@ -43,6 +43,7 @@ SCENARIOS = (
     "guest-flood",
     "http-exec",
     "http-get",
+    "store",
 )
 GUEST_SPAWN = """
 import subprocess, time
@@ -217,9 +218,10 @@ async def template_start(ctx: Context) -> list[Figure]:
 
 
 async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
-    runs = 1 if ctx.quick else 3
+    runs = 2 if ctx.quick else 4
     dirty_mb = 32 if ctx.quick else 256
-    pauses, resumes, expected = [], [], []
+    changed_mb = 16 if ctx.quick else 100
+    pauses, resumes, expected, after_change = [], [], [], []
     sbx = await _ready(await AsyncSandbox.create())
     try:
         # RAM the guest really uses: a process that keeps dirty_mb of data in memory.
@@ -228,11 +230,17 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
             background=True,
         )
         await asyncio.sleep(3 if ctx.quick else 8)
-        for _ in range(runs):
+        for run in range(runs):
+            if run:  # the guest rewrites changed_mb of its RAM between pauses
+                await sbx.commands.run(
+                    f"head -c {changed_mb}M /dev/urandom > /dev/shm/changed-{run}"
+                )
             used_mb = (await sbx.info()).ram_file_bytes / 1e6
             start = time.perf_counter()
             await sbx.pause()
             pauses.append(time.perf_counter() - start)
+            if run:
+                after_change.append(pauses[-1])
             expected.append(used_mb / (ctx.disk_mb_s or 400))
             start = time.perf_counter()
             sbx = await _ready(await AsyncSandbox.resume(sbx.id))
@@ -251,6 +259,17 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                 base_value=statistics.median(expected),
                 note=f"1 GiB guest holding {dirty_mb} MB; beyond writing its "
                 f"used RAM: {statistics.median(over):.2f} s",
+            )
+        )
+        figures.append(
+            summarize(
+                "pause-after-change",
+                after_change,
+                "s",
+                baseline="0.5 s + MB changed / disk bandwidth",
+                base_value=0.5 + changed_mb * 1.048576 / (ctx.disk_mb_s or 400),
+                note=f"1 GiB guest, {changed_mb} MiB of its RAM rewritten since the "
+                "last resume (the store issue's goal: ratio <= 1)",
             )
         )
     if "resume" in names:
@@ -432,6 +451,9 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
     if unknown:
         raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     ctx = Context(quick=quick)
+    # Background uploads would compete with every figure for the cores: the store
+    # scenario pushes in the foreground and times it.
+    os.environ.setdefault("CRYOBOX_STORE_UPLOAD", "off")
     ctx.disk_mb_s = await asyncio.to_thread(disk_bandwidth_mb_s, 64 if quick else 256)
     figures = [
         Figure(
@@ -463,6 +485,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await guest_flood(ctx)
     if {"http-exec", "http-get"} & set(names):
         figures += await http_api(ctx, names)
+    if "store" in names:
+        figures += await store(ctx)
     for template in ctx.made_templates:  # leave no benchmark templates behind
         await AsyncSandbox.delete_template(template)
     return figures
@@ -535,6 +559,58 @@ def plot(figures: list[Figure], path: Path) -> None:
         ax.text(f.median, index, " " + label, va="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+async def store(ctx: Context) -> list[Figure]:
+    found = await bench_store.measure(ctx.quick)
+    ram_mb = found["ram_bytes"] / 1e6
+    save_mb_s = found["save_bytes"] / 1e6 / found["save_s"]
+    return [
+        summarize(
+            "store-second-snapshot",
+            [100 * found["second_bytes"] / found["ram_bytes"]],
+            "% of RAM",
+            baseline="% of RAM changed",
+            base_value=100 * found["changed_mb"] * 1e6 / found["ram_bytes"],
+            note=f"bytes a second snapshot added to the chunk store after "
+            f"{found['changed_mb']} MB of a {ram_mb:.0f} MB guest's RAM changed "
+            "(random data: incompressible)",
+        ),
+        summarize(
+            "store-save",
+            [save_mb_s],
+            "MB/s",
+            baseline="disk-write",
+            base_value=ctx.disk_mb_s,
+            note=f"first push of a snapshot into the local folder store: "
+            f"{found['save_bytes'] / 1e6:.0f} MB written (hashed, zstd, AES-GCM, fsync)",
+        ),
+        summarize(
+            "store-upload-s3",
+            [found["upload_bytes"] / 1e6 / found["upload_s"]],
+            "MB/s",
+            baseline="store-save",
+            base_value=save_mb_s,
+            note=f"the same snapshot pushed to SeaweedFS on loopback: "
+            f"{found['upload_bytes'] / 1e6:.0f} MB",
+        ),
+        summarize(
+            "store-pull-s3",
+            [found["pull_s"]],
+            "s",
+            note=f"pull of that snapshot from S3 with no local copy of any chunk: "
+            f"{found['pull_bytes'] / 1e6:.0f} MB rebuilt and checked",
+        ),
+        summarize(
+            "store-remote-start",
+            [found["remote_start_s"]],
+            "s",
+            baseline="start from the same snapshot, local",
+            base_value=found["local_start_s"],
+            note="create(from_snapshot=) after its local files were evicted: pulled from "
+            "S3, chunks shared with a local snapshot read from disk",
+        ),
+    ]
 
 
 async def http_api(ctx: Context, names: tuple[str, ...]) -> list[Figure]:

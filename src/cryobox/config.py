@@ -48,3 +48,23 @@ def state_dir() -> Path:
 def sandboxes_dir() -> Path:
     path = state_dir() / "sandboxes"
     return _private(path)
+
+
+def env_number(name: str, default: float) -> float:
+    """A non-negative number from the environment variable ``name`` (``default`` when
+    unset or empty).
+
+    :raises InvalidArgument: naming the variable, when it is not such a number.
+    """
+    from cryobox.errors import InvalidArgument
+
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgument(f"{name}={raw!r} is not a number") from None
+    if not value >= 0:
+        raise InvalidArgument(f"{name}={raw!r} must be a number >= 0")
+    return value

@@ -183,6 +183,16 @@ class StorageError(CryoboxError):
         super().__init__(f"{doing} failed: {reason} ({path})")
 
 
+class StoreError(CryoboxError):
+    """The chunk store (a folder or an S3 server) failed us; nothing committed was lost."""
+
+    def __init__(self, url: str, doing: str, reason: str) -> None:
+        self.url = url
+        self.action = doing
+        self.reason = reason
+        super().__init__(f"snapshot store {url}: {doing} failed: {reason}")
+
+
 class NetworkError(CryoboxError):
     """The sandbox's isolated network could not be set up (the VM is not started)."""
 

@@ -104,9 +104,14 @@ class SnapshotInfo:
     size_bytes: int
     #: Bytes its files take on the store's disk (holes and shared blocks not counted).
     stored_bytes: int = 0
+    #: Where it is kept: ``local`` only, or its upload to the chunk store: ``pending``,
+    #: ``uploading``, ``stored`` (``failed`` is retried).
+    location: str = "local"
 
     @classmethod
-    def from_manifest(cls, value: dict[str, Any], stored_bytes: int = 0) -> SnapshotInfo:
+    def from_manifest(
+        cls, value: dict[str, Any], stored_bytes: int = 0, location: str = "local"
+    ) -> SnapshotInfo:
         size = sum(int(f.get("size", 0)) for f in (value.get("files") or {}).values())
         return cls(
             id=value["id"],
@@ -120,6 +125,7 @@ class SnapshotInfo:
             cpus=int(value["cpus"]),
             size_bytes=size,
             stored_bytes=stored_bytes,
+            location=location,
         )
 
 

@@ -171,3 +171,32 @@ def test_sandboxes_outlive_a_server_restart(tmp_path: Path) -> None:
     finally:
         Sandbox.connect(sbx.id, api_url=server.url, api_key=server.key).kill()
         server.stop()
+
+
+def test_a_tenants_snapshots_are_stored_under_its_own_key(api_server: ApiServer) -> None:
+    from cryobox import config as cryobox_config
+    from cryobox.errors import SnapshotNotFound
+    from cryobox.store.chunkstore import ChunkStore
+
+    sbx = Sandbox.create(api_url=api_server.url, api_key=api_server.key)
+    try:
+        saved = sbx.snapshot("tenant-stored")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            mine = Sandbox.snapshots(api_url=api_server.url, api_key=api_server.key)
+            if [s.location for s in mine if s.id == saved.id] == ["stored"]:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the tenant's snapshot was not stored")
+        store_root = cryobox_config.state_dir() / "store" / "snapshots"
+        (where,) = store_root.glob(f"*/{saved.id}.json")
+        tenant = where.parent.name
+        assert tenant != "local"
+        assert ChunkStore(tenant).find(saved.id).manifest["name"] == "tenant-stored"
+        with pytest.raises(SnapshotNotFound):  # not in the embedded (local) tenant's store
+            ChunkStore("local").find(saved.id)
+    finally:
+        sbx.kill()
+        Sandbox.delete_snapshot("tenant-stored", api_url=api_server.url, api_key=api_server.key)
+    assert not list(store_root.glob(f"*/{saved.id}.json"))  # deleted from the store too

@@ -190,7 +190,7 @@ def test_tampered_or_incompatible_snapshots_are_refused(sandbox_factory: Any) ->
         byte = handle.read(1)
         handle.seek(4096)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(SnapshotVerificationFailed, match=r"devices\.state.*SHA-256"):
+    with pytest.raises(SnapshotVerificationFailed, match=r"devices\.state.*BLAKE3"):
         Sandbox.create(from_snapshot="to-tamper")
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["backend"]["version"] = "6.0.0"

@@ -88,7 +88,7 @@ def test_finish_commits_by_rename_and_verify_catches_changes(tmp_path: Path) -> 
     data = bytearray((folder / mf.MEMORY).read_bytes())
     data[100] ^= 0xFF
     (folder / mf.MEMORY).write_bytes(bytes(data))
-    with pytest.raises(SnapshotVerificationFailed, match="memory: SHA-256 differs") as info:
+    with pytest.raises(SnapshotVerificationFailed, match="memory: BLAKE3 differs") as info:
         mf.verify(folder, manifest)
     assert info.value.file == mf.MEMORY
     (folder / mf.DEVICE_STATE).unlink()
@@ -144,7 +144,7 @@ def test_store_finds_by_id_and_name_and_deletes(tmp_path: Path) -> None:
     "error",
     [
         SnapshotIncompatible("snap-1", "cpus", 2, 4),
-        SnapshotVerificationFailed("snap-1", "memory", "SHA-256 differs"),
+        SnapshotVerificationFailed("snap-1", "memory", "BLAKE3 differs"),
         SnapshotNotFound("nope"),
         StateError("sbx-1", "paused", ["running"], "pause"),
         QemuError("boom", command=["qemu"], exitcode=1, stderr="bad"),
@@ -254,7 +254,7 @@ def test_a_forged_verification_stamp_does_not_skip_the_hash_check(tmp_path: Path
     st = (folder / mf.DISK).stat()
     forged = {mf.DISK: [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino], "id": "snap-3"}
     (folder / mf.STAMP).write_text(json.dumps(forged))  # no MAC: written without the key
-    with pytest.raises(SnapshotVerificationFailed, match="SHA-256"):
+    with pytest.raises(SnapshotVerificationFailed, match="BLAKE3"):
         mf.verify(folder, manifest)
 
 

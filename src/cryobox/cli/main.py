@@ -20,12 +20,16 @@ from cryobox.errors import InvalidArgument
 
 from .output import console, errors_reported, out, print_rows
 from .server_commands import server, tenant_app, usage
+from .store_commands import gc, key_app, snapshot_app, store_app
 
 app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
 image_app = typer.Typer(no_args_is_help=True, help="The guest image built from Debian packages.")
 app.add_typer(image_app, name="image")
 template_app = typer.Typer(no_args_is_help=True, help="Templates: saved machines to start from.")
 app.add_typer(template_app, name="template")
+app.add_typer(snapshot_app, name="snapshot")
+app.add_typer(store_app, name="store")
+app.add_typer(key_app, name="key")
 
 CpusOption = Annotated[int, typer.Option("--cpus", help="vCPUs.")]
 MemoryOption = Annotated[int, typer.Option("--memory", help="RAM in MiB.")]
@@ -343,7 +347,7 @@ def rollback(sandbox_id: str, checkpoint_ref: str) -> None:
         out.print(f"rolled {sandbox_id} back to {checkpoint_ref}")
 
 
-@app.command()
+@snapshot_app.command("take")
 def snapshot(
     sandbox_id: str,
     name: str,
@@ -359,12 +363,15 @@ def snapshot(
 @app.command()
 def snapshots(
     delete: Annotated[str | None, typer.Option("--delete", help="Delete this snapshot.")] = None,
+    cascade: Annotated[
+        bool, typer.Option("--cascade", help="With --delete: the snapshots built on it too.")
+    ] = False,
 ) -> None:
     """List saved snapshots, checkpoints and template snapshots (or delete one)."""
     with errors_reported():
         if delete:
-            Sandbox.delete_snapshot(delete)
-            out.print(f"deleted {delete}")
+            for snapshot_id in Sandbox.delete_snapshot(delete, cascade=cascade):
+                out.print(f"deleted {snapshot_id}")
             return
         now = time.time()
         rows = [
@@ -376,10 +383,12 @@ def snapshots(
                 snap.source_sandbox,
                 snap.parent or "-",
                 f"{now - snap.created_at:.0f}s",
+                snap.location,
             )
             for snap in Sandbox.snapshots()
         ]
-        print_rows(("ID", "NAME", "KIND", "PURPOSE", "FROM SANDBOX", "PARENT", "AGE"), rows)
+        header = ("ID", "NAME", "KIND", "PURPOSE", "FROM SANDBOX", "PARENT", "AGE", "LOCATION")
+        print_rows(header, rows)
 
 
 @app.command()
@@ -502,6 +511,7 @@ def bench(
 app.command()(server)
 app.add_typer(tenant_app, name="tenant")
 app.command()(usage)
+app.command()(gc)
 
 if __name__ == "__main__":
     app()

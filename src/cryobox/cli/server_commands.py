@@ -38,11 +38,25 @@ def server(
     storage_interval: Annotated[
         float, typer.Option("--storage-interval", help="Seconds between saved-state metering.")
     ] = 60.0,
+    collect_interval: Annotated[
+        float,
+        typer.Option(
+            "--collect-interval",
+            help="Seconds between retention and chunk-store collections (0: never).",
+        ),
+    ] = 3600.0,
 ) -> None:
     """Serve the HTTP API (docs at /docs). Stopping it leaves every sandbox running."""
     from cryobox.server import serve
 
-    serve(host, port, database, tick=tick, storage_interval=storage_interval)
+    serve(
+        host,
+        port,
+        database,
+        tick=tick,
+        storage_interval=storage_interval,
+        collect_interval=collect_interval,
+    )
 
 
 def _tenants(database: str | None):  # type: ignore[no-untyped-def]

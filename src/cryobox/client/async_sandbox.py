@@ -390,14 +390,20 @@ class AsyncSandbox:
 
     @staticmethod
     async def delete_snapshot(
-        ref: str, *, api_url: str | None = None, api_key: str | None = None
-    ) -> None:
-        """Delete a snapshot (by id or name) that nothing builds on.
+        ref: str,
+        *,
+        cascade: bool = False,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> list[str]:
+        """Delete a snapshot (by id or name) that nothing builds on, here and in the chunk
+        store; ``cascade=True`` deletes the snapshots built on it too. The ids deleted.
 
         :raises SnapshotNotFound:
-        :raises InvalidArgument: when a sandbox or another snapshot still uses its disk.
+        :raises InvalidArgument: when a sandbox (or, without cascade, another snapshot)
+            still uses its disk.
         """
-        await transport_for(api_url, api_key).delete_snapshot(ref)
+        return await transport_for(api_url, api_key).delete_snapshot(ref, cascade=cascade)
 
     @staticmethod
     async def list(

@@ -360,8 +360,13 @@ class HttpTransport:
     async def snapshots(self) -> builtins.list[SnapshotInfo]:
         return [snapshot_info(item) for item in (await self._call("GET", "/snapshots")).json()]
 
-    async def delete_snapshot(self, ref: str) -> None:
-        await self._call("DELETE", f"/snapshots/{quote(ref, safe='')}")
+    async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> builtins.list[str]:
+        response = await self._call(
+            "DELETE",
+            f"/snapshots/{quote(ref, safe='')}",
+            params={"cascade": "true"} if cascade else None,
+        )
+        return [str(i) for i in response.json()["deleted"]]
 
     async def build_template(
         self,

@@ -674,11 +674,14 @@ class Machine:
         shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir(mode=0o700)
         disk, memory = self.folder.path / self.record.disk, self._memory_path()
+        timer = StepTimer("pause")
         await self.vm.stop_cpus()
         try:
             crash_point("stopped")
+            timer("stop")
             await self.vm.save_state(temp / mf.DEVICE_STATE)
             crash_point("state-saved")
+            timer("device state")
             files = {mf.DEVICE_STATE: temp / mf.DEVICE_STATE, mf.DISK: disk}
             if self.record.memory_shared:
                 files[mf.MEMORY] = memory
@@ -697,7 +700,9 @@ class Machine:
                 raise storage_error(exc, "pausing", self.folder.path) from exc
             raise
         crash_point("hashed")
+        timer("hash")
         await self.stop_vm()
+        timer("vm end")
         # The disk layer moves last: once it is out of the sandbox folder, everything is
         # in the pause folder and a new supervisor can finish the pause (registry).
         if self.record.memory_shared:
@@ -707,8 +712,15 @@ class Machine:
             os.rename(memory, temp / mf.MEMORY)
         os.rename(disk, temp / mf.DISK)
         crash_point("moved")
+        timer("move")
+        if self.folder.paused.exists() and not (self.folder.paused / mf.MANIFEST).exists():
+            shutil.rmtree(self.folder.paused)  # what an upload left after the last resume
         mf.commit_pending(temp, self.folder.paused)
-        self.update(state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None)
+        timer("commit")
+        timer.log()
+        self.update(
+            state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None, pause_id=manifest.id
+        )
 
     async def resume(self, supervisor_pid: int) -> None:
         """Continue the paused machine with every process where it was."""
@@ -759,7 +771,11 @@ class Machine:
             for source, target in moved:  # give the pause back intact
                 os.rename(target, source)
             raise
-        shutil.rmtree(paused)
+        # Renamed first: an upload of the pause still running cannot write into it then.
+        done = self.folder.path / f"paused.done-{time.monotonic_ns()}"
+        os.rename(paused, done)
+        shutil.rmtree(done, ignore_errors=True)
+        self.update(pause_id=None)
 
     async def rollback(self, ref: str) -> None:
         """Return this running sandbox to one of its memory snapshots."""
@@ -816,7 +832,7 @@ class Machine:
 def _describe(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
     """Digest and size of files that are about to be moved into a snapshot folder."""
     return {
-        name: {"sha256": mf.file_digest(path), "size": path.stat().st_size}
+        name: {mf.DIGEST: mf.file_digest(path), "size": path.stat().st_size}
         for name, path in files.items()
     }
 

@@ -82,6 +82,8 @@ class SandboxRecord:
     memory_shared: bool = True
     #: The snapshot this sandbox was restored from last: its parent in the lineage.
     origin: str | None = None
+    #: The id of the pause that holds its machine while paused (what a pull must match).
+    pause_id: str | None = None
     updated_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -157,8 +159,15 @@ class SandboxDir:
             if (self.paused / "manifest.json").exists():
                 # The supervisor died after committing a pause: the pause stands (recorded
                 # here, so that a resume finds the state it needs).
+                pause_id = None
+                with contextlib.suppress(OSError, ValueError):
+                    pause_id = json.loads((self.paused / "manifest.json").read_text())["id"]
                 paused = replace(
-                    record, state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None
+                    record,
+                    state=SandboxState.PAUSED,
+                    supervisor_pid=None,
+                    qemu_pid=None,
+                    pause_id=pause_id,
                 )
                 with contextlib.suppress(OSError, CryoboxError):
                     self.write_record(paused)

@@ -72,6 +72,7 @@ STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
     (e.GuestError, 400),
     (e.CapacityError, 429),
     (e.StorageError, 507),
+    (e.StoreError, 503),
     (e.ChannelError, 502),
 )
 
@@ -125,7 +126,13 @@ Me = Annotated[Tenant, Depends(current_tenant)]
 PathQ = Annotated[str, Query(min_length=1, max_length=4096)]
 
 
-def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -> FastAPI:
+def create_app(
+    hub: Hub,
+    *,
+    tick: float = 1.0,
+    storage_interval: float = 60.0,
+    collect_interval: float = 3600.0,
+) -> FastAPI:
     """The API over ``hub``; its lifespan runs the monitor (idle pauses, metering,
     state-change events) every ``tick`` seconds and measures saved state every
     ``storage_interval`` seconds."""
@@ -133,7 +140,7 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await hub.start()
-        monitor = asyncio.create_task(_monitor(hub, tick, storage_interval))
+        monitor = asyncio.create_task(_monitor(hub, tick, storage_interval, collect_interval))
         try:
             yield
         finally:
@@ -496,10 +503,10 @@ def create_app(hub: Hub, *, tick: float = 1.0, storage_interval: float = 60.0) -
     async def get_snapshot(ref: str, me: Me) -> SnapshotInfo:
         return await hub.snapshot(me, ref)
 
-    @app.delete("/snapshots/{ref}", status_code=204, tags=["snapshots"])
-    async def delete_snapshot(ref: str, me: Me) -> Response:
-        await hub.delete_snapshot(me, ref)
-        return Response(status_code=204)
+    @app.delete("/snapshots/{ref}", tags=["snapshots"])
+    async def delete_snapshot(ref: str, me: Me, cascade: bool = False) -> s.Deleted:
+        """Delete a snapshot; ``cascade`` deletes the snapshots built on it first."""
+        return s.Deleted(deleted=await hub.delete_snapshot(me, ref, cascade=cascade))
 
     @app.get("/templates", tags=["templates"])
     async def templates(me: Me) -> list[TemplateInfo]:
@@ -534,9 +541,10 @@ def _line(value: dict[str, Any]) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode() + b"\n"
 
 
-async def _monitor(hub: Hub, tick: float, storage_interval: float) -> None:
-    """The server's clock: every ``tick``, state changes, metering and idle pauses."""
-    last_storage = asyncio.get_running_loop().time()
+async def _monitor(hub: Hub, tick: float, storage_interval: float, collect_interval: float) -> None:
+    """The server's clock: every ``tick``, state changes, metering and idle pauses; every
+    ``collect_interval``, retention and collection of the chunk store."""
+    last_storage = last_collect = asyncio.get_running_loop().time()
     await _guarded(hub.measure_storage, 0.0)
     while True:
         await asyncio.sleep(tick)
@@ -545,6 +553,9 @@ async def _monitor(hub: Hub, tick: float, storage_interval: float) -> None:
         if now - last_storage >= storage_interval:
             await _guarded(hub.measure_storage, now - last_storage)
             last_storage = now
+        if collect_interval > 0 and now - last_collect >= collect_interval:
+            await _guarded(hub.collect)
+            last_collect = now
 
 
 async def _guarded(step: Callable[..., Awaitable[None]], *args: Any) -> None:

@@ -28,15 +28,19 @@ from cryobox.errors import (
     InvalidArgument,
     QuotaExceeded,
     SandboxNotFound,
+    SnapshotError,
     SnapshotNotFound,
+    StoreError,
     TemplateNotFound,
 )
 from cryobox.models import CreateRequest, SandboxInfo, SnapshotInfo, TemplateInfo
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import SandboxService
 from cryobox.service.commands import CommandSession
+from cryobox.service.persist import acting_for
 from cryobox.service.service import BASE_TEMPLATE, DEFAULT_TEMPLATE
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+from cryobox.store.retention import Policy
 
 from .database import Database
 from .events import EventBus
@@ -127,7 +131,11 @@ class Hub:
             try:
                 manifest = self.service.store.get(snapshot_id)
             except SnapshotNotFound:
-                continue
+                try:  # evicted from this host, still in the store
+                    stored = self.service.persist.chunks(tenant.id).find(snapshot_id)
+                except (SnapshotError, StoreError):
+                    continue
+                manifest = Manifest.from_json(stored.manifest)
             if ref in (manifest.id, manifest.name):
                 found.append(manifest)
         if not found:
@@ -243,7 +251,8 @@ class Hub:
         )
         cpus, memory = self._shape(request)
         async with self._reserve(tenant, 1, cpus, memory):
-            info = await self.service.create(request)
+            with acting_for(tenant.id):
+                info = await self.service.create(request)
             await self._adopt_new(tenant, info, _idle(idle_timeout))
         return self._present(info)
 
@@ -293,7 +302,8 @@ class Hub:
                 or time.time() - tracked.last_activity <= tracked.idle_timeout
             ):
                 return False
-            await self.service.pause(sandbox_id)
+            with acting_for(tenant.id):
+                await self.service.pause(sandbox_id)
             self.meter.set_idle_paused(sandbox_id, idle)
             self.meter.observe(sandbox_id, "paused")
         self.events.publish(tenant.id, sandbox_id, "paused", reason="idle" if idle else "asked")
@@ -308,7 +318,8 @@ class Hub:
         tracked = self.meter.get(sandbox_id)
         cpus, memory = (tracked.cpus, tracked.memory_mib) if tracked else (0, 0)
         async with self._reserve(tenant, 1, cpus, memory):
-            info = await self.service.resume(sandbox_id)
+            with acting_for(tenant.id):
+                info = await self.service.resume(sandbox_id)
         self.meter.set_idle_paused(sandbox_id, False)
         self.meter.observe(sandbox_id, info.state)
         self.meter.touch(sandbox_id)
@@ -347,7 +358,8 @@ class Hub:
         await self.use(tenant, sandbox_id)
         self._check_storage(tenant)
         async with self._locks[sandbox_id]:
-            info = await self.service.capture(sandbox_id, purpose, name, memory)
+            with acting_for(tenant.id):
+                info = await self.service.capture(sandbox_id, purpose, name, memory)
             self.tenants.own(tenant.id, "snapshot", info.id)
         self.events.publish(
             tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
@@ -433,10 +445,15 @@ class Hub:
                 return snapshot
         raise SnapshotNotFound(ref)  # deleted meanwhile
 
-    async def delete_snapshot(self, tenant: Tenant, ref: str) -> None:
+    async def delete_snapshot(
+        self, tenant: Tenant, ref: str, *, cascade: bool = False
+    ) -> builtins.list[str]:
         manifest = self.find_snapshot(tenant, ref)
-        await self.service.delete_snapshot(manifest.id)
-        self.tenants.disown("snapshot", manifest.id)
+        with acting_for(tenant.id):
+            deleted = await self.service.delete_snapshot(manifest.id, cascade=cascade)
+        for snapshot_id in deleted:
+            self.tenants.disown("snapshot", snapshot_id)
+        return deleted
 
     async def templates(self, tenant: Tenant) -> builtins.list[TemplateInfo]:
         prefix = _tenant_template(tenant, "")
@@ -462,9 +479,10 @@ class Hub:
         internal = _tenant_template(tenant, name)
         self._check_storage(tenant)
         async with self._reserve(tenant, 1, cpus, memory_mib):
-            info = await self.service.build_template(
-                internal, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
-            )
+            with acting_for(tenant.id):
+                info = await self.service.build_template(
+                    internal, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
+                )
         self.tenants.own(tenant.id, "template", internal)
         self.tenants.own(tenant.id, "snapshot", info.id)
         return info
@@ -473,7 +491,8 @@ class Hub:
         internal = _tenant_template(tenant, name)
         if not self.tenants.owns(tenant.id, "template", internal):
             raise TemplateNotFound(name)
-        await self.service.delete_template(internal)
+        with acting_for(tenant.id):
+            await self.service.delete_template(internal)
         self.tenants.disown("template", internal)
 
     # ------------------------------------------------------------------ usage
@@ -529,20 +548,53 @@ class Hub:
         else:
             self.events.publish(tenant_id, info.id, info.state, reason="observed")
 
-    async def measure_storage(self, seconds: float) -> None:
-        """Count the saved state each tenant holds for ``seconds`` (paused machines and
-        owned snapshots)."""
+    async def collect(self) -> None:
+        """Retention and collection for every tenant: expired snapshots they own, stored
+        pauses no longer needed, unreferenced chunks; then unused checkpoints."""
+        policy = Policy.from_env()
         for tenant in self.tenants.all():
+            owned = set(self.tenants.owned(tenant.id, "snapshot"))
+            with acting_for(tenant.id):
+                report = await asyncio.to_thread(self.service.persist.collect, policy, owned=owned)
+            for snapshot_id in report.expired:
+                self.tenants.disown("snapshot", snapshot_id)
+            if report.expired or report.chunks_deleted:
+                log.info(
+                    "collected for %s: %d snapshots expired, %d chunks (%d bytes)",
+                    tenant.id,
+                    len(report.expired),
+                    report.chunks_deleted,
+                    report.bytes_freed,
+                )
+        await self.service.collect_garbage()
+
+    async def measure_storage(self, seconds: float) -> None:
+        """Count the saved state each tenant holds for ``seconds``: the tenant's bytes in
+        the chunk store (each chunk once), plus what is only on this host so far (paused
+        machines and owned snapshots not stored yet)."""
+        for tenant in self.tenants.all():
+            try:
+                stored = await asyncio.to_thread(self.service.persist.usage_of, tenant.id)
+            except CryoboxError as exc:
+                log.warning("store usage of %s unknown: %s", tenant.id, exc)
+                stored = None
+            pauses = {u.sandbox: u.unique_bytes for u in stored.snapshots} if stored else {}
+            in_store = {u.id for u in stored.snapshots} if stored else set()
             by_sandbox: dict[str, int] = {}
             for tracked in self.meter.tracked(tenant.id):
                 if tracked.last_state == "paused":
-                    folder = SandboxDir.for_id(tracked.id).path
-                    by_sandbox[tracked.id] = await asyncio.to_thread(bytes_on_disk, folder)
-            snapshots = 0
+                    if tracked.id in pauses:
+                        by_sandbox[tracked.id] = pauses[tracked.id]
+                    else:
+                        folder = SandboxDir.for_id(tracked.id).path
+                        by_sandbox[tracked.id] = await asyncio.to_thread(bytes_on_disk, folder)
+            local_only = 0
             for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
-                with contextlib.suppress(CryoboxError, OSError):
-                    snapshots += self.service.store.stored_bytes(snapshot_id)
-            total = sum(by_sandbox.values()) + snapshots
+                if snapshot_id not in in_store:
+                    with contextlib.suppress(CryoboxError, OSError):
+                        local_only += self.service.store.stored_bytes(snapshot_id)
+            unpaused = sum(v for k, v in by_sandbox.items() if k not in pauses)
+            total = (stored.stored_bytes if stored else 0) + unpaused + local_only
             self._stored[tenant.id] = total
             self.meter.accrue_storage(tenant.id, by_sandbox, total, seconds)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryobox.config import env_number
+
 from .database import Database
 
 #: One GB-month: 10^9 bytes held for 30 days, in byte-seconds.
@@ -31,16 +33,10 @@ class Prices:
 
     @classmethod
     def from_env(cls) -> Prices:
-        def price(name: str, default: float) -> float:
-            value = float(os.environ.get(name, default))
-            if not value >= 0:
-                raise ValueError(f"{name}={value}: must be a price >= 0")
-            return value
-
         return cls(
-            vcpu_hour=price("CRYOBOX_PRICE_VCPU_HOUR", cls.vcpu_hour),
-            gib_hour=price("CRYOBOX_PRICE_GIB_HOUR", cls.gib_hour),
-            gb_month=price("CRYOBOX_PRICE_GB_MONTH", cls.gb_month),
+            vcpu_hour=env_number("CRYOBOX_PRICE_VCPU_HOUR", cls.vcpu_hour),
+            gib_hour=env_number("CRYOBOX_PRICE_GIB_HOUR", cls.gib_hour),
+            gb_month=env_number("CRYOBOX_PRICE_GB_MONTH", cls.gb_month),
         )
 
 

@@ -30,6 +30,7 @@ def serve(
     *,
     tick: float = 1.0,
     storage_interval: float = 60.0,
+    collect_interval: float = 3600.0,
 ) -> None:
     """Serve until SIGINT or SIGTERM. Stopping pauses and kills nothing: the sandboxes
     run on under their supervisors, and the next server takes them over."""
@@ -40,5 +41,7 @@ def serve(
     hub = Hub(
         SandboxService(), Database(database_path(database)), host=host, prices=Prices.from_env()
     )
-    app = create_app(hub, tick=tick, storage_interval=storage_interval)
+    app = create_app(
+        hub, tick=tick, storage_interval=storage_interval, collect_interval=collect_interval
+    )
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -98,6 +98,12 @@ class ErrorBody(BaseModel):
     error: dict[str, Any]
 
 
+class Deleted(BaseModel):
+    """What a delete removed (a cascade removes more than one)."""
+
+    deleted: list[str]
+
+
 class HostPort(BaseModel):
     guest_port: int
     host_port: int

@@ -59,6 +59,7 @@ from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import references
 from cryobox.service.commands import CommandSession, OutputSink
+from cryobox.service.persist import Persistence
 from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, valid_name
@@ -144,6 +145,7 @@ class SandboxService:
         self.vmm = vmm or backend()
         self.store = store or LocalSnapshotStore()
         self.launcher = launcher or _LAUNCHER
+        self.persist = Persistence(self.store)
         self._channels: dict[str, AgentClient] = {}
 
     # ------------------------------------------------------------------ sandboxes
@@ -172,7 +174,7 @@ class SandboxService:
         image = await asyncio.to_thread(self.vmm.ensure_image, progress)
         source: Manifest | None = None
         if request.from_snapshot is not None:
-            source = self.store.get(request.from_snapshot)
+            source = await self.persist.local_or_pulled(request.from_snapshot)
         elif request.template != BASE_TEMPLATE:
             source = await self._template_snapshot(request.template, image.id, progress)
         shape = {
@@ -252,6 +254,7 @@ class SandboxService:
         self._require_running(sandbox_id, "pause")
         await self._control(sandbox_id, ControlOp.PAUSE)
         await self.disconnect(sandbox_id)
+        self.persist.after_pause(registry.find(sandbox_id))
 
     async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
         """Continue a paused sandbox with every process where it was.
@@ -268,7 +271,9 @@ class SandboxService:
             if record.state is SandboxState.RUNNING:
                 return sandbox_info(folder.spec(), record, folder)
         require(sandbox_id, folder.record().state, (SandboxState.PAUSED,), "resume")
+        await self.persist.paused_here(folder)  # its files deleted here: from the store
         record = await self.launcher.start(folder, resume=True, progress=progress)
+        self.persist.after_resume(folder)
         return sandbox_info(folder.spec(), record, folder)
 
     async def capture(
@@ -286,7 +291,9 @@ class SandboxService:
         result = await self._control(
             sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
         )
-        return self._snapshot_info(Manifest.from_json(result))
+        manifest = Manifest.from_json(result)
+        self.persist.after_capture(manifest)
+        return self._snapshot_info(manifest)
 
     async def rollback(self, sandbox_id: str, ref: str) -> None:
         """Return a running sandbox to one of its checkpoints (id or name).
@@ -521,28 +528,45 @@ class SandboxService:
         stored = 0
         with contextlib.suppress(OSError):
             stored = self.store.stored_bytes(manifest.id)
-        return SnapshotInfo.from_manifest(manifest.to_json(), stored)
+        upload = self.persist.upload_state(manifest.id)
+        return SnapshotInfo.from_manifest(
+            manifest.to_json(), stored, location=str(upload.get("state", "local"))
+        )
 
     async def snapshots(self) -> builtins.list[SnapshotInfo]:
         """Every saved snapshot, checkpoint and template snapshot on this host."""
         return [self._snapshot_info(m) for m in self.store.all()]
 
-    async def delete_snapshot(self, ref: str) -> None:
-        """Delete a snapshot (by id or name) that nothing builds on.
+    async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> builtins.list[str]:
+        """Delete a snapshot (by id or name) that nothing builds on, locally and in the
+        chunk store; with ``cascade``, the snapshots built on it go first (never a
+        sandbox's). Returns the ids deleted.
 
         :raises SnapshotNotFound:
         :raises InvalidArgument: naming the sandboxes or snapshots that still use it.
         """
         manifest = self.store.get(ref)
-        needed_by = references.users(manifest.id, self.store.all(), registry.list_sandboxes())
-        if needed_by:
-            raise InvalidArgument(
-                f"snapshot {manifest.id} is the base of {', '.join(needed_by)}; delete those first"
-            )
-        self.store.delete(manifest.id)
-        for template in self.store.templates():
-            if template.get("snapshot") == manifest.id:
-                self.store.delete_template(str(template["name"]))
+        every = self.store.all()
+        doomed = [manifest]
+        if cascade:  # newest first, so each goes before what it builds on
+            doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
+        ids = {m.id for m in doomed}
+        sandboxes = registry.list_sandboxes()
+        for each in doomed:
+            needed_by = references.users(each.id, [m for m in every if m.id not in ids], sandboxes)
+            if needed_by:
+                hint = "" if cascade else " (or delete with cascade)"
+                raise InvalidArgument(
+                    f"snapshot {each.id} is the base of {', '.join(needed_by)}; "
+                    f"delete those first{hint}"
+                )
+        for each in doomed:
+            self.store.delete(each.id)
+            self.persist.forget(each.id)
+            for template in self.store.templates():
+                if template.get("snapshot") == each.id:
+                    self.store.delete_template(str(template["name"]))
+        return [m.id for m in doomed]
 
     async def collect_garbage(self) -> builtins.list[str]:
         """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
@@ -584,7 +608,7 @@ class SandboxService:
         entry = self.store.template(name)
         if entry is not None and entry.get("image_id") == image_id:
             with contextlib.suppress(SnapshotNotFound):
-                return self.store.get(str(entry["snapshot"]))
+                return await self.persist.local_or_pulled(str(entry["snapshot"]))
         if name != DEFAULT_TEMPLATE:
             if entry is None:
                 known = [t["name"] for t in self.store.templates()]

@@ -1,6 +1,6 @@
 """The host's key that authenticates snapshot manifests (HMAC-SHA256).
 
-Every file of a snapshot is named in its manifest with its SHA-256; the manifest itself
+Every file of a snapshot is named in its manifest with its BLAKE3 digest; the manifest itself
 carries a MAC over all its fields with this key. So no field (name, disk size, source,
 cpus, the file hashes themselves) can be edited without the restore refusing it, unless
 the editor can read the key: a manifest copied from another host, restored from a

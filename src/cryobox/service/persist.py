@@ -1,0 +1,361 @@
+"""The service's side of the chunk store: what gets uploaded, pulled back, expired.
+
+The service keeps restoring from local snapshot folders; this module decides when a
+folder goes into the chunk store (snapshots, templates and pauses, in the background),
+brings folders back from the store when they are gone (a snapshot evicted or taken
+elsewhere, a paused sandbox whose files were deleted), and collects by the retention
+policy. Everything happens on behalf of a tenant: the server sets it per request with
+:func:`acting_for`; embedded use is tenant ``local``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cryobox.errors import (
+    InvalidArgument,
+    SnapshotError,
+    SnapshotNotFound,
+    StoreError,
+)
+from cryobox.sandbox import registry
+from cryobox.sandbox.registry import SandboxDir
+from cryobox.sandbox.state import SandboxState
+from cryobox.service import references
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+from cryobox.snapshot.store import SnapshotStore
+from cryobox.store import archive, catalog, uploads
+from cryobox.store import collect as chunk_collect
+from cryobox.store.catalog import StoredSnapshot
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.collect import CheckResult, TenantUsage
+from cryobox.store.keys import LOCAL_TENANT, rotate
+from cryobox.store.objects import open_objects
+from cryobox.store.retention import Policy, expired
+from cryobox.store.transfer import Progress, local_sources
+
+_tenant: ContextVar[str] = ContextVar("cryobox_store_tenant", default=LOCAL_TENANT)
+#: Purposes uploaded after they are taken (checkpoints and forks live with their sandbox).
+UPLOADED = (SnapshotPurpose.SNAPSHOT, SnapshotPurpose.TEMPLATE)
+
+
+@contextlib.contextmanager
+def acting_for(tenant: str) -> Iterator[None]:
+    token = _tenant.set(tenant)
+    try:
+        yield
+    finally:
+        _tenant.reset(token)
+
+
+def current_tenant() -> str:
+    return _tenant.get()
+
+
+@dataclass
+class CollectReport:
+    """What a collection did."""
+
+    expired: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    forgotten_pauses: list[str] = field(default_factory=list)
+    chunks_deleted: int = 0
+    bytes_freed: int = 0
+    skipped: str | None = None
+
+
+class Persistence:
+    def __init__(self, local: SnapshotStore) -> None:
+        self.local = local
+
+    def chunks(self, tenant: str | None = None) -> ChunkStore:
+        return ChunkStore(tenant or current_tenant())
+
+    # ------------------------------------------------------------------ uploads
+
+    def after_capture(self, manifest: Manifest) -> None:
+        if manifest.purpose in UPLOADED:
+            uploads.schedule(self.local.folder(manifest.id), current_tenant())
+
+    def after_pause(self, folder: SandboxDir) -> None:
+        uploads.schedule(folder.paused, current_tenant())
+
+    def upload_state(self, snapshot_id: str) -> dict[str, Any]:
+        return uploads.state(self.local.folder(snapshot_id))
+
+    async def push(self, ref: str) -> dict[str, Any]:
+        """Store a local snapshot now (resuming an upload cut short); its upload state."""
+        manifest = self.local.get(ref)
+        folder = self.local.folder(manifest.id)
+        uploads.mark(folder, current_tenant())
+        if not await asyncio.to_thread(uploads.upload, folder):
+            raise StoreError(
+                str(self.chunks().objects.url),
+                f"storing {manifest.id}",
+                str(uploads.state(folder).get("error")),
+            )
+        return uploads.state(folder)
+
+    # ------------------------------------------------------------------ back from the store
+
+    def _stored_locally(self) -> list[tuple[Path, StoredSnapshot]]:
+        """Local folders that hold stored snapshots, with their stored form (sources
+        of chunks that need not be fetched)."""
+        store = self.chunks()
+        found = []
+        with contextlib.suppress(StoreError):
+            by_id = {s.id: s for s in store.all() if not s.sandbox}
+            for manifest in self.local.all():
+                if manifest.id in by_id:
+                    found.append((self.local.folder(manifest.id), by_id[manifest.id]))
+        return found
+
+    async def local_or_pulled(self, ref: str, progress: Progress | None = None) -> Manifest:
+        """The local snapshot ``ref``; pulled from the store first when it is not here."""
+        try:
+            return self.local.get(ref)
+        except SnapshotNotFound:
+            try:
+                self.chunks().find(ref)
+            except (SnapshotNotFound, StoreError):
+                raise SnapshotNotFound(ref) from None
+        return await self.pull(ref, progress=progress)
+
+    async def pull(
+        self, ref: str, *, rename: str | None = None, progress: Progress | None = None
+    ) -> Manifest:
+        """Bring a stored snapshot (and the disk layers it builds on) onto this host.
+
+        :raises SnapshotNotFound: when the store does not have it.
+        :raises SnapshotVerificationFailed: naming the manifest, file or chunk that is wrong.
+        """
+        store = self.chunks()
+        stored = await asyncio.to_thread(store.find, ref)
+        if rename is None:
+            with contextlib.suppress(SnapshotNotFound):
+                return self.local.get(stored.id)
+        self._refuse_if_here(stored.id)
+        return await asyncio.to_thread(self._pull_chain, store, stored, rename, progress)
+
+    def _refuse_if_here(self, snapshot_id: str) -> None:
+        """:raises InvalidArgument: when the snapshot is on this host already."""
+        with contextlib.suppress(SnapshotNotFound):
+            here = self.local.get(snapshot_id)
+            raise InvalidArgument(
+                f"snapshot {snapshot_id} is on this host already (as {here.name or 'unnamed'})"
+            )
+
+    def _pull_chain(
+        self,
+        store: ChunkStore,
+        stored: StoredSnapshot,
+        rename: str | None,
+        progress: Progress | None,
+    ) -> Manifest:
+        self._pull_layers_below(store, stored)
+        return self._pull_one(store, stored, rename, progress)
+
+    def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> None:
+        """The disk layers ``stored`` builds on that are not here, bottom first."""
+        local_ids = {m.id for m in self.local.all()}
+        for layer in reversed([str(s) for s in stored.manifest.get("disk_chain", [])]):
+            if layer not in local_ids:
+                self._pull_one(store, store.find(layer), None, None)
+
+    def _pull_one(
+        self,
+        store: ChunkStore,
+        stored: StoredSnapshot,
+        rename: str | None,
+        progress: Progress | None,
+    ) -> Manifest:
+        if rename is not None:
+            stored = replace(stored, manifest={**stored.manifest, "name": rename})
+        temp = self.local.begin(stored.id)
+        final = self.local.folder(stored.id)
+        manifest = store.pull(
+            stored, temp, final, sources=local_sources(self._stored_locally()), progress=progress
+        )
+        uploads.set_state(final, tenant=store.tenant, state="stored", stored_at=stored.stored_at)
+        if rename is not None:  # the store's record carries the new name too
+            store.objects.put(stored.object_key, catalog.encode(store.key, stored))
+        return manifest
+
+    async def paused_here(self, folder: SandboxDir, progress: Progress | None = None) -> None:
+        """Make sure a paused sandbox's saved machine is on this host: when its files
+        are gone, pull the pause from the store (the whole of it, checked)."""
+        expected = folder.record().pause_id
+        if (folder.paused / mf.MANIFEST).exists():
+            with contextlib.suppress(SnapshotError, OSError):
+                saved = mf.load(folder.paused)
+                expected = saved.id
+                if all((folder.paused / name).exists() for name in saved.files):
+                    return
+        if expected is None:
+            return  # which pause it was is unknown: never pull one that may be older
+        marked = uploads.state(folder.paused)
+        store = ChunkStore(
+            str(marked.get("tenant") or current_tenant()),
+            open_objects(str(marked["store"])) if marked.get("store") else None,
+        )
+        try:
+            stored = await asyncio.to_thread(store.pause_of, folder.id)
+        except (SnapshotNotFound, StoreError):
+            return  # the resume refuses the incomplete pause, naming what is missing
+        if stored.id != expected:
+            return  # an older pause (its upload outlived a resume): not this machine
+        await asyncio.to_thread(self._pull_pause, store, stored, folder, progress)
+
+    def _pull_pause(
+        self,
+        store: ChunkStore,
+        stored: StoredSnapshot,
+        folder: SandboxDir,
+        progress: Progress | None,
+    ) -> None:
+        self._pull_layers_below(store, stored)
+        aside = folder.path / "paused.incomplete"
+        if folder.paused.exists():
+            folder.paused.rename(aside)
+        try:
+            store.pull(stored, folder.path / "paused.pull", folder.paused, pending=True)
+        except BaseException:
+            if aside.exists() and not folder.paused.exists():
+                aside.rename(folder.paused)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+        uploads.set_state(folder.paused, tenant=store.tenant, state="stored")
+
+    def after_resume(self, folder: SandboxDir) -> None:
+        """The stored pause is history once the machine runs again."""
+        with contextlib.suppress(StoreError, SnapshotError):
+            self.chunks().delete_pause(folder.id)
+
+    def forget(self, snapshot_id: str) -> None:
+        """Delete a snapshot from the store too (asked by a delete)."""
+        with contextlib.suppress(StoreError):
+            self.chunks().delete(snapshot_id)
+
+    async def evict(self, ref: str) -> Manifest:
+        """Delete a stored snapshot's local files (it comes back when used).
+
+        :raises InvalidArgument: when it is not stored yet, or a sandbox or snapshot
+            on this host builds on its files.
+        """
+        manifest = self.local.get(ref)
+        try:
+            self.chunks().find(manifest.id)
+        except SnapshotNotFound:
+            raise InvalidArgument(
+                f"snapshot {manifest.id} is not in the store yet: `cryobox snapshot push` it first"
+            ) from None
+        needed = references.users(manifest.id, self.local.all(), registry.list_sandboxes())
+        if needed:
+            raise InvalidArgument(
+                f"snapshot {manifest.id} is in use by {', '.join(needed)}; its files stay"
+            )
+        self.local.delete(manifest.id)
+        return manifest
+
+    # ------------------------------------------------------------------ export, import
+
+    async def export(self, ref: str, path: Path) -> int:
+        manifest = await self.local_or_pulled(ref)
+        store = self.chunks()
+        chain = [manifest.id, *manifest.disk_chain]
+        stored = []
+        for snapshot_id in chain:
+            try:
+                stored.append(await asyncio.to_thread(store.find, snapshot_id))
+            except SnapshotNotFound:
+                await self.push(snapshot_id)
+                stored.append(await asyncio.to_thread(store.find, snapshot_id))
+        return await asyncio.to_thread(archive.export, store, stored, path)
+
+    async def import_(self, path: Path, name: str | None) -> Manifest:
+        store = self.chunks()
+        stored = await asyncio.to_thread(archive.read, store, path)
+        top = stored[0]
+        self._refuse_if_here(top.id)
+        return await asyncio.to_thread(self._pull_chain, store, top, name, None)
+
+    # ------------------------------------------------------------------ collection
+
+    def collect(
+        self,
+        policy: Policy,
+        *,
+        grace: float = chunk_collect.GRACE,
+        owned: set[str] | None = None,
+    ) -> CollectReport:
+        """Expire snapshots by ``policy`` (locally and in the store), forget pauses of
+        sandboxes that are not paused any more, and sweep unreferenced chunks.
+
+        ``owned`` limits the local snapshots considered to those ids (a server tenant's);
+        None considers every snapshot on the host (embedded use).
+        """
+        report = CollectReport()
+        now = time.time()
+        store = self.chunks()
+        local = self.local.all()
+        mine = [m for m in local if owned is None or m.id in owned]
+        sandboxes = registry.list_sandboxes()
+        named = {str(t.get("snapshot")) for t in self.local.templates()}
+        for snapshot_id in expired([m.to_json() for m in mine], policy, now):
+            needed = references.users(snapshot_id, local, sandboxes)
+            if snapshot_id in named or needed:
+                report.kept[snapshot_id] = ", ".join(needed) or "a template starts from it"
+                continue
+            self.local.delete(snapshot_id)
+            report.expired.append(snapshot_id)
+        stored = store.all()
+        local_ids = {m.id for m in self.local.all()}
+        for snapshot_id in expired([s.manifest for s in stored if not s.sandbox], policy, now):
+            if snapshot_id not in local_ids and snapshot_id not in report.expired:
+                # evicted and expired: the store's copy goes
+                store.delete(snapshot_id)
+                report.expired.append(snapshot_id)
+        for snapshot_id in report.expired:
+            store.delete(snapshot_id)
+        states = {spec.id: record.state for spec, record in sandboxes}
+        for pause in (s for s in stored if s.sandbox):
+            state = states.get(str(pause.sandbox))
+            if state is None or state in (SandboxState.RUNNING, *_FINISHED):
+                store.delete_pause(str(pause.sandbox))
+                report.forgotten_pauses.append(str(pause.sandbox))
+        swept = chunk_collect.sweep(store, grace)
+        report.chunks_deleted, report.bytes_freed, report.skipped = (
+            swept.deleted,
+            swept.freed_bytes,
+            swept.skipped,
+        )
+        return report
+
+    def check(self, *, deep: bool = True) -> CheckResult:
+        return chunk_collect.check(self.chunks(), deep=deep)
+
+    def usage(self) -> TenantUsage:
+        return chunk_collect.usage(self.chunks())
+
+    def usage_of(self, tenant: str) -> TenantUsage | None:
+        """A tenant's bytes in the store; None when it has stored nothing."""
+        store = self.chunks(tenant)
+        if not store.objects.exists(f"keys/{tenant}.json"):
+            return None
+        return chunk_collect.usage(store)
+
+    def rotate_key(self) -> str:
+        store = self.chunks()
+        return rotate(store.objects, store.tenant)
+
+
+_FINISHED = (SandboxState.KILLED, SandboxState.DEAD)

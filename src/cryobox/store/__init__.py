@@ -1,0 +1,1 @@
+"""The chunk store: snapshots kept deduplicated, compressed, encrypted, on or off the host."""

@@ -1,0 +1,115 @@
+"""One tenant's view of the chunk store: push, find, pull, delete stored snapshots.
+
+The local snapshot folders (:mod:`cryobox.snapshot.store`) stay what a restore reads,
+so starting from a template or a checkpoint costs nothing more; the chunk store is
+where saved state is kept deduplicated, compressed, encrypted and (with ``s3://``) off
+the host, and where it comes back from when the local files are gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from cryobox.errors import SnapshotNotFound
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.manifest import Manifest
+from cryobox.store import catalog, transfer
+from cryobox.store.catalog import StoredSnapshot
+from cryobox.store.keys import LOCAL_TENANT, DataKey, check_tenant, data_key
+from cryobox.store.objects import ObjectStore, open_objects
+from cryobox.store.transfer import Progress
+
+
+class ChunkStore:
+    def __init__(self, tenant: str = LOCAL_TENANT, objects: ObjectStore | None = None) -> None:
+        self.tenant = check_tenant(tenant)
+        self.objects = objects or open_objects()
+
+    @functools.cached_property
+    def key(self) -> DataKey:
+        return data_key(self.objects, self.tenant)
+
+    def push(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        *,
+        sandbox: str | None = None,
+        progress: Progress | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> StoredSnapshot:
+        return transfer.push(
+            self.objects,
+            self.key,
+            folder,
+            manifest,
+            sandbox=sandbox,
+            progress=progress,
+            before_commit=before_commit,
+        )
+
+    def all(self) -> list[StoredSnapshot]:
+        return catalog.all_stored(self.objects, self.key)
+
+    def find(self, ref: str) -> StoredSnapshot:
+        """A stored snapshot by id, or the newest of that name.
+
+        :raises SnapshotNotFound: :raises SnapshotVerificationFailed:
+        """
+        if "/" not in ref and not ref.startswith("."):
+            key = catalog.snapshot_key(self.tenant, ref)
+            if self.objects.exists(key):
+                return catalog.load(self.objects, self.key, key)
+        named = [s for s in self.all() if not s.sandbox and s.manifest.get("name") == ref]
+        if not named:
+            raise SnapshotNotFound(ref)
+        return named[-1]
+
+    def pause_of(self, sandbox_id: str) -> StoredSnapshot:
+        """:raises SnapshotNotFound: :raises SnapshotVerificationFailed:"""
+        return catalog.load(self.objects, self.key, catalog.pause_key(self.tenant, sandbox_id))
+
+    def pull(
+        self,
+        stored: StoredSnapshot,
+        temp: Path,
+        final: Path,
+        *,
+        sources: transfer.LocalSources | None = None,
+        progress: Progress | None = None,
+        pending: bool = False,
+    ) -> Manifest:
+        """Rebuild ``stored`` into ``temp`` (made here, empty) and commit it as ``final``,
+        its manifest signed with this host's key. Nothing is left behind on failure.
+
+        ``pending`` writes the manifest as a pause's pending one (the caller commits).
+        """
+        shutil.rmtree(temp, ignore_errors=True)
+        temp.mkdir(mode=0o700, parents=True)
+        try:
+            manifest = transfer.pull(
+                self.objects, self.key, stored, temp, sources=sources, progress=progress
+            )
+            if pending:
+                from cryobox.util import write_json_atomic
+
+                write_json_atomic(temp / mf.PENDING_MANIFEST, manifest.to_signed_json())
+                mf.commit_pending(temp, final)
+            else:
+                mf.finish(temp, final, manifest)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        return manifest
+
+    def delete(self, snapshot_id: str) -> None:
+        self.objects.delete(catalog.snapshot_key(self.tenant, snapshot_id))
+
+    def delete_pause(self, sandbox_id: str) -> None:
+        self.objects.delete(catalog.pause_key(self.tenant, sandbox_id))
+
+    def stored_bytes(self, stored: StoredSnapshot) -> int:
+        return sum(stored.stored_sizes().values())

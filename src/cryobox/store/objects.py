@@ -1,0 +1,262 @@
+"""Where the chunk store keeps its objects, behind one Protocol: :class:`ObjectStore`.
+
+Two backends: a local directory (the embedded default, ``$CRYOBOX_STATE_DIR/store``)
+and any S3-compatible server (``CRYOBOX_STORE=s3://BUCKET/PREFIX``; the endpoint and
+credentials are boto3's own variables: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). Objects are whole, immutable values under
+a key; a put is atomic in both (temporary name, fsync, rename on disk; a single PUT
+on S3), so a reader never sees half an object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from cryobox import config
+from cryobox.errors import StoreError
+from cryobox.util import fsync_dir
+
+_TEMP = ".tmp-"
+#: A temporary file older than this was left by a writer that died.
+ABANDONED_AFTER = 3600.0
+
+
+class ObjectMissing(KeyError):
+    """No object under that key."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    modified: float
+
+
+class ObjectStore(Protocol):
+    """Immutable objects under string keys (``chunks/TENANT/ab/abcd...``)."""
+
+    url: str
+
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        """Store ``data`` under ``key``; ``durable=False`` leaves it to :meth:`flush`."""
+        ...
+
+    def flush(self) -> None:
+        """Make every put since the last flush durable (before a manifest names them)."""
+        ...
+
+    def get(self, key: str) -> bytes:
+        """:raises ObjectMissing:"""
+        ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing one is not an error."""
+        ...
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        raise ValueError(f"not an object key: {key!r}")
+    return key
+
+
+class LocalObjects:
+    """Objects as files under a folder (0600 files, 0700 folders)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+        self._unsynced: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        path = self._path(key)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temp = path.with_name(f"{_TEMP}{path.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                if durable:
+                    os.fsync(handle.fileno())
+                else:  # starts writing it back now (Linux), so the flush waits for less
+                    os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            os.replace(temp, path)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise StoreError(self.url, f"writing {key}", str(exc)) from exc
+        if durable:
+            fsync_dir(path.parent)
+        else:
+            with self._lock:
+                self._unsynced.add(path)
+
+    def flush(self) -> None:
+        """fsync what was put with ``durable=False``, before a manifest names it."""
+        with self._lock:
+            paths, self._unsynced = self._unsynced, set()
+
+        def sync(path: Path) -> None:
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+        try:
+            # Concurrent fsyncs share journal commits: 16 at a time cost about one each.
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(sync, sorted(paths)))
+                list(pool.map(fsync_dir, sorted({p.parent for p in paths})))
+        except OSError as exc:
+            raise StoreError(self.url, "making chunks durable", str(exc)) from exc
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissing(key) from None
+        except OSError as exc:
+            raise StoreError(self.url, f"reading {key}", str(exc)) from exc
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # The prefix's folder part is walked; its last part filters names.
+        base, _, _start = prefix.rpartition("/")
+        folder = self.root / base if base else self.root
+        if not folder.is_dir():
+            return
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                path = Path(dirpath) / name
+                key = path.relative_to(self.root).as_posix()
+                if name.startswith(".") or not key.startswith(prefix):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = path.stat()
+                    yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def sweep(self) -> None:
+        """Remove temporary files that writers which died left behind."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.rglob(f"{_TEMP}*"):
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > ABANDONED_AFTER:
+                    path.unlink()
+
+
+class S3Objects:
+    """Objects in a bucket of an S3-compatible server, under an optional prefix."""
+
+    def __init__(self, bucket: str, prefix: str = "") -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}"
+        self._client: Any = boto3.client(
+            "s3",
+            region_name=os.environ.get("AWS_REGION") or "us-east-1",
+            config=Config(
+                retries={"mode": "standard", "max_attempts": 5},
+                connect_timeout=10,
+                read_timeout=60,
+                max_pool_connections=16,
+            ),
+        )
+
+    def _call(self, doing: str, method: str, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return getattr(self._client, method)(Bucket=self.bucket, **kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise ObjectMissing(kwargs.get("Key", "")) from None
+            raise StoreError(self.url, doing, str(exc)) from exc
+        except BotoCoreError as exc:
+            raise StoreError(self.url, doing, str(exc)) from exc
+
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        self._call(f"writing {key}", "put_object", Key=self.prefix + _check_key(key), Body=data)
+
+    def flush(self) -> None:
+        """Nothing to do: a PUT is durable when it answers."""
+
+    def get(self, key: str) -> bytes:
+        answer = self._call(f"reading {key}", "get_object", Key=self.prefix + _check_key(key))
+        body: bytes = answer["Body"].read()
+        return body
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call(f"looking up {key}", "head_object", Key=self.prefix + _check_key(key))
+        except ObjectMissing:
+            return False
+        return True
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        token: str | None = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            page = self._call(
+                f"listing {prefix}", "list_objects_v2", Prefix=self.prefix + prefix, **extra
+            )
+            for item in page.get("Contents", []):
+                yield ObjectInfo(
+                    item["Key"][len(self.prefix) :],
+                    int(item["Size"]),
+                    item["LastModified"].timestamp(),
+                )
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    def delete(self, key: str) -> None:
+        self._call(f"deleting {key}", "delete_object", Key=self.prefix + _check_key(key))
+
+    def sweep(self) -> None:
+        """Nothing to do: an S3 PUT is never left half-written."""
+
+
+def store_url() -> str:
+    """``CRYOBOX_STORE``: a folder, or ``s3://BUCKET[/PREFIX]``."""
+    return os.environ.get("CRYOBOX_STORE") or str(config.state_dir() / "store")
+
+
+def open_objects(url: str | None = None) -> LocalObjects | S3Objects:
+    """The object store at ``url`` (default :func:`store_url`)."""
+    url = url or store_url()
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        if not bucket:
+            raise StoreError(url, "opening the store", "no bucket named in the URL")
+        return S3Objects(bucket, prefix)
+    root = Path(url)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return LocalObjects(root)

@@ -1,0 +1,224 @@
+"""Moving a snapshot's files into the chunk store and back.
+
+:func:`push` verifies the local files against their manifest, stores each non-zero
+1 MiB window that the tenant does not have yet (so a second snapshot of a sandbox that
+changed 10% of its RAM costs about 10%), then writes the store manifest: until then,
+nothing new is visible, and a push cut short is resumed by pushing again (what it
+stored is found and not stored twice). :func:`pull` rebuilds the files in a
+temporary folder, taking each chunk from a local file that already holds it (checked
+by its hash) before fetching it, checks every file's digest against the snapshot's
+manifest, then commits the folder under the host's manifest key.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from cryobox.errors import SnapshotVerificationFailed
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.manifest import Manifest
+from cryobox.store import catalog, chunks, locks
+from cryobox.store.catalog import StoredSnapshot
+from cryobox.store.keys import DataKey
+from cryobox.store.objects import ObjectMissing, ObjectStore
+
+#: (bytes done, bytes in all): called from worker threads.
+Progress = Callable[[int, int], None]
+WORKERS = 4
+
+
+def known_chunks(objects: ObjectStore, tenant: str) -> dict[str, int]:
+    """Every chunk the tenant has in the store, with its stored size (one listing)."""
+    return {info.key.rsplit("/", 1)[-1]: info.size for info in objects.list(f"chunks/{tenant}/")}
+
+
+def _push_file(
+    objects: ObjectStore,
+    key: DataKey,
+    path: Path,
+    known: dict[str, int],
+    pool: ThreadPoolExecutor,
+    tick: Callable[[int], None],
+) -> dict[str, object]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+
+        def one(offset: int) -> list[object] | None:
+            data = chunks.read_window(fd, offset, size)
+            if data is None:
+                tick(min(chunks.CHUNK, size - offset))
+                return None
+            name = chunks.name_of(key, data)
+            stored = known.get(name)
+            if stored is None:
+                blob = chunks.seal(key, name, data)
+                objects.put(catalog.chunk_key(key.tenant, name), blob, durable=False)
+                stored = known[name] = len(blob)
+            tick(len(data))
+            return [offset, name, stored]
+
+        found = [c for c in pool.map(one, list(chunks.windows(fd, size))) if c is not None]
+    finally:
+        os.close(fd)
+    return {"size": size, "chunks": found}
+
+
+def push(
+    objects: ObjectStore,
+    key: DataKey,
+    folder: Path,
+    manifest: Manifest,
+    *,
+    sandbox: str | None = None,
+    progress: Progress | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> StoredSnapshot:
+    """Store the snapshot in ``folder`` (a committed snapshot, or a paused sandbox's
+    saved state when ``sandbox`` is given). ``before_commit`` may refuse the commit
+    (raising) once every chunk is stored: a pause resumed meanwhile is not committed.
+
+    :raises SnapshotVerificationFailed: when the local files are not what the manifest says.
+    :raises StoreError: when the store fails (nothing is committed; push again).
+    """
+    mf.verify(folder, manifest)
+    total = sum(_data_size(folder / name) for name in manifest.files)
+    done = 0
+
+    def tick(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress is not None:
+            progress(done, total)
+
+    with locks.uploading(objects, key.tenant), ThreadPoolExecutor(WORKERS) as pool:
+        known = known_chunks(objects, key.tenant)
+        files = {
+            name: _push_file(objects, key, folder / name, known, pool, tick)
+            for name in sorted(manifest.files)
+        }
+        objects.flush()  # every chunk durable before the manifest names it
+        if before_commit is not None:
+            before_commit()
+        stored = StoredSnapshot(
+            tenant=key.tenant,
+            key_id=key.id,
+            manifest=manifest.to_json(),
+            files=files,
+            stored_at=time.time(),
+            sandbox=sandbox,
+        )
+        objects.put(stored.object_key, catalog.encode(key, stored))
+    return stored
+
+
+def _data_size(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        return sum(min(chunks.CHUNK, size - w) for w in chunks.windows(fd, size))
+    finally:
+        os.close(fd)
+
+
+#: chunk name -> (local file, offset) that may hold it (checked before use)
+LocalSources = dict[str, tuple[Path, int]]
+
+
+def local_sources(stored: Iterable[tuple[Path, StoredSnapshot]]) -> LocalSources:
+    """Where local files hold chunks: each (folder, stored form) of a local snapshot."""
+    found: LocalSources = {}
+    for folder, snapshot in stored:
+        for name, entry in snapshot.files.items():
+            if (folder / name).exists():
+                for offset, chunk, _ in entry["chunks"]:
+                    found.setdefault(chunk, (folder / name, offset))
+    return found
+
+
+def pull(
+    objects: ObjectStore,
+    key: DataKey,
+    stored: StoredSnapshot,
+    temp: Path,
+    *,
+    sources: LocalSources | None = None,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Rebuild the snapshot's files in ``temp`` (an empty folder) and check them.
+
+    Returns its manifest (not yet committed: the caller signs and moves it).
+
+    :raises SnapshotVerificationFailed: naming the file and chunk that is wrong.
+    """
+    manifest = Manifest.from_json(stored.manifest)
+    if manifest.format_version != mf.FORMAT_VERSION:
+        raise SnapshotVerificationFailed(
+            manifest.id, "store manifest", f"format {manifest.format_version} is not supported"
+        )
+    sources = sources or {}
+    total = stored.data_bytes()
+    done = 0
+    fetched = 0
+    with ThreadPoolExecutor(WORKERS) as pool:
+        for name, entry in sorted(stored.files.items()):
+            if name not in manifest.files:
+                raise SnapshotVerificationFailed(manifest.id, name, "not in its manifest")
+            fd = os.open(temp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, int(entry["size"]))
+
+                def one(item: list[object], fd: int = fd, name: str = name) -> int:
+                    offset, chunk = int(str(item[0])), str(item[1])
+                    data = _local(key, chunk, sources.get(chunk))
+                    got = 0
+                    if data is None:
+                        data = _fetch(objects, key, manifest.id, name, offset, chunk)
+                        got = len(data)
+                    os.pwrite(fd, data, offset)
+                    return got
+
+                for got in pool.map(one, entry["chunks"]):
+                    fetched += got
+                    done += 1 << 20
+                    if progress is not None:
+                        progress(min(done, total), total)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if mf.file_digest(temp / name) != manifest.files[name][mf.DIGEST]:
+                raise SnapshotVerificationFailed(
+                    manifest.id, name, "BLAKE3 of the rebuilt file differs from the manifest"
+                )
+    return replace(manifest)
+
+
+def _local(key: DataKey, chunk: str, where: tuple[Path, int] | None) -> bytes | None:
+    if where is None:
+        return None
+    try:
+        with open(where[0], "rb") as handle:
+            data = os.pread(handle.fileno(), chunks.CHUNK, where[1])
+    except OSError:
+        return None
+    # The window may be shorter at the end of a file; the name says if it is the one.
+    return data if data and chunks.name_of(key, data) == chunk else None
+
+
+def _fetch(
+    objects: ObjectStore, key: DataKey, snapshot_id: str, name: str, offset: int, chunk: str
+) -> bytes:
+    where = f"{name} chunk at offset {offset} ({chunk[:16]})"
+    try:
+        blob = objects.get(catalog.chunk_key(key.tenant, chunk))
+    except ObjectMissing:
+        raise SnapshotVerificationFailed(snapshot_id, where, "missing from the store") from None
+    try:
+        return chunks.open_chunk(key, chunk, blob)
+    except chunks.ChunkRefused as exc:
+        raise SnapshotVerificationFailed(snapshot_id, where, str(exc)) from None

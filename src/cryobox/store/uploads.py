@@ -1,0 +1,180 @@
+"""Background upload of snapshots and paused machines into the chunk store.
+
+Each local snapshot folder (and a paused sandbox's ``paused/`` folder) that should be
+stored carries ``upload.json``: ``{"tenant", "state", "done", "total", "error",
+"attempts"}`` with state ``pending`` -> ``uploading`` -> ``stored`` (or ``failed``,
+retried at the next run). It is progress, not trust: a restore never reads it.
+
+:func:`schedule` marks a folder and starts the uploader, a detached process
+(``python -m cryobox.store.uploads``) that outlives the caller; one runs at a time per
+state folder (a lock file); a second one waits for the lock and scans again, so
+nothing marked is missed. ``CRYOBOX_STORE_UPLOAD=off`` turns it off (``cryobox
+snapshot push`` still works).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cryobox import config
+from cryobox.errors import CryoboxError, StoreError
+from cryobox.snapshot import manifest as mf
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import open_objects, store_url
+from cryobox.util import write_json_atomic
+
+SIDECAR = "upload.json"
+MAX_ATTEMPTS = 5
+log = logging.getLogger("cryobox.store.uploads")
+
+
+def enabled() -> bool:
+    return os.environ.get("CRYOBOX_STORE_UPLOAD", "on").lower() not in ("off", "0", "no")
+
+
+def state(folder: Path) -> dict[str, Any]:
+    """The folder's upload state; ``{"state": "local"}`` when it was never scheduled."""
+    try:
+        value = json.loads((folder / SIDECAR).read_text())
+    except (OSError, ValueError):
+        return {"state": "local"}
+    return value if isinstance(value, dict) else {"state": "local"}
+
+
+def set_state(folder: Path, **fields: Any) -> None:
+    """Update the sidecar of a snapshot folder; one deleted or resumed meanwhile (its
+    manifest gone) is left alone."""
+    if not (folder / mf.MANIFEST).exists():
+        return
+    with contextlib.suppress(OSError):
+        write_json_atomic(folder / SIDECAR, {**state(folder), **fields, "at": time.time()})
+
+
+def mark(folder: Path, tenant: str) -> None:
+    """Mark for upload by ``tenant`` into the store configured now (``CRYOBOX_STORE``)."""
+    set_state(
+        folder,
+        tenant=tenant,
+        store=store_url(),
+        state="pending",
+        done=0,
+        total=0,
+        attempts=0,
+        error=None,
+    )
+
+
+def schedule(folder: Path, tenant: str) -> None:
+    """Mark ``folder`` for upload and make sure an uploader runs (when enabled)."""
+    if not enabled():
+        return
+    mark(folder, tenant)
+    start_uploader()
+
+
+def start_uploader() -> None:
+    logfile = config.state_dir() / "uploader.log"
+    with open(logfile, "ab") as out:
+        subprocess.Popen(
+            [sys.executable, "-m", "cryobox.store.uploads"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def _candidates() -> list[Path]:
+    """Folders waiting for upload: snapshots, then paused machines."""
+    state_dir = config.state_dir()
+    found = sorted((state_dir / "snapshots").glob(f"*/{SIDECAR}"))
+    found += sorted((state_dir / "sandboxes").glob(f"*/paused/{SIDECAR}"))
+    return [p.parent for p in found if not p.parent.name.startswith(".")]
+
+
+def upload(folder: Path) -> bool:
+    """Upload one marked folder now; True when it is stored."""
+    current = state(folder)
+    if not (folder / mf.MANIFEST).exists():
+        return True  # deleted, or resumed meanwhile: nothing left to store
+    if current.get("state") not in ("pending", "uploading", "failed"):
+        return current.get("state") == "stored"
+    if current.get("state") == "failed" and int(current.get("attempts") or 0) >= MAX_ATTEMPTS:
+        return False
+    tenant = str(current.get("tenant") or "local")
+    sandbox = folder.parent.name if folder.name == "paused" else None
+    last = 0.0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        if time.monotonic() - last > 0.5 or done >= total:
+            last = time.monotonic()
+            set_state(folder, state="uploading", done=done, total=total)
+
+    set_state(folder, state="uploading", attempts=int(current.get("attempts") or 0) + 1)
+    try:
+        manifest = mf.load(folder)
+        files = {name: _stat(folder / name) for name in manifest.files}
+
+        def unchanged() -> None:
+            """Every chunk was read from the files as they were when the upload began
+            (a resume moves them out of ``paused/`` before anything can write them)."""
+            for name, key in files.items():
+                if _stat(folder / name) != key:
+                    raise StoreError(str(folder), "uploading", f"{name} changed meanwhile")
+
+        store = ChunkStore(tenant, open_objects(current.get("store") or None))
+        stored = store.push(
+            folder, manifest, sandbox=sandbox, progress=progress, before_commit=unchanged
+        )
+    except (CryoboxError, OSError, TimeoutError) as exc:
+        if not (folder / mf.MANIFEST).exists():
+            return True
+        set_state(folder, state="failed", error=str(exc))
+        log.warning("upload of %s failed: %s", folder, exc)
+        return False
+    set_state(
+        folder,
+        state="stored",
+        error=None,
+        stored_bytes=sum(stored.stored_sizes().values()),
+        stored_at=stored.stored_at,
+    )
+    return True
+
+
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def run() -> None:
+    """The uploader: take the lock, upload every marked folder, until none is left."""
+    lock_path = config.state_dir() / "uploader.lock"
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for attempt in range(3):
+            waiting = [f for f in _candidates() if state(f).get("state") != "stored"]
+            failed = [f for f in waiting if not upload(f)]
+            if not failed:
+                return
+            time.sleep(2.0 * (attempt + 1))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    os.umask(0o077)
+    run()

@@ -1,0 +1,197 @@
+"""The chunk store with real VMs: snapshots and pauses stored in the background,
+deduplicated across snapshots, brought back when their local files are gone (from a
+folder store and from a real S3 server), refused when altered, exported and imported,
+and sound after the uploader is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cryobox import Sandbox
+from cryobox import config as cryobox_config
+from cryobox.errors import InvalidArgument, SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.store import catalog, collect
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.uploads import SIDECAR
+
+pytestmark = pytest.mark.vm
+MIB = 1 << 20
+CLI = str(Path(sys.executable).with_name("cryobox"))
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def use_s3(server: Any, monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """Point this process (and the uploaders it starts) at ``server``, under ``prefix``."""
+    for name, value in server.env(prefix).items():
+        monkeypatch.setenv(name, value)
+
+
+def wait_stored(name: str, timeout: float = 300.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [s for s in Sandbox.snapshots() if s.name == name]
+        if found and found[0].location == "stored":
+            return found[0]
+        time.sleep(0.5)
+    raise AssertionError(f"{name} not stored: {[(s.name, s.location) for s in found]}")
+
+
+def wait_pause_stored(sandbox_id: str, timeout: float = 300.0) -> dict[str, Any]:
+    sidecar = cryobox_config.state_dir() / "sandboxes" / sandbox_id / "paused" / SIDECAR
+    deadline = time.monotonic() + timeout
+    state: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if sidecar.exists():
+            state = json.loads(sidecar.read_text())
+            if state.get("state") == "stored":
+                return state
+        time.sleep(0.5)
+    raise AssertionError(f"pause of {sandbox_id} not stored: {state}")
+
+
+def test_a_second_snapshot_stores_only_what_changed_and_comes_back(
+    sandbox_factory: Any,
+) -> None:
+    sbx = sandbox_factory(timeout=900)
+    sbx.commands.run("head -c 100000000 /dev/urandom > /dev/shm/first && sha256sum /dev/shm/first")
+    sbx.snapshot("store-first")
+    first = wait_stored("store-first")
+    # 10% of the guest's 1 GiB RAM changes: about as much goes into the store.
+    digest = sbx.commands.run(
+        "head -c 107374182 /dev/urandom > /dev/shm/second; sha256sum /dev/shm/second"
+    ).stdout.split()[0]
+    sbx.snapshot("store-second")
+    second = wait_stored("store-second")
+    usage = {u.id: u for u in collect.usage(ChunkStore()).snapshots}
+    added = usage[second.id].unique_bytes
+    assert 100 * MIB <= added <= 0.15 * 1024 * MIB, added
+    assert usage[first.id].shared_bytes > 90 * MIB
+
+    # Evicted from the host, it is pulled back when used: same files, running processes.
+    cli("snapshot", "evict", "store-second")
+    assert not (cryobox_config.state_dir() / "snapshots" / second.id).exists()
+    again = sandbox_factory(from_snapshot="store-second", timeout=300)
+    assert again.commands.run("sha256sum /dev/shm/second").stdout.split()[0] == digest
+    assert [s.location for s in Sandbox.snapshots() if s.id == second.id] == ["stored"]
+
+    # The uploader killed in the middle of an upload: the store stays sound, and a push
+    # resumes the upload.
+    sbx.commands.run("head -c 50000000 /dev/urandom > /dev/shm/third")
+    sbx.snapshot("store-third")
+    for _ in range(50):
+        pids = _uploader_pids()
+        if pids:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert "0 problems" in cli("store", "check").stdout
+    assert "stored store-third" in cli("snapshot", "push", "store-third").stdout
+    assert wait_stored("store-third").location == "stored"
+
+
+def _uploader_pids() -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"cryobox.store.uploads" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_paused_sandbox_resumes_from_s3_after_its_files_are_deleted(
+    sandbox_factory: Any, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_s3(s3_server, monkeypatch, f"vm-{os.getpid()}")
+    sbx = sandbox_factory(timeout=900)
+    sbx.commands.run(
+        "echo kept > /root/kept; nohup sleep 3000 >/dev/null 2>&1 & echo $! > /root/pid"
+    )
+    sbx.pause()
+    state = wait_pause_stored(sbx.id)
+    assert state["store"].startswith("s3://") and state["done"] == state["total"] > 0
+    paused = cryobox_config.state_dir() / "sandboxes" / sbx.id / "paused"
+    for name in ("memory", "disk.qcow2", "devices.state"):
+        (paused / name).unlink(missing_ok=True)
+    resumed = Sandbox.resume(sbx.id)
+    out = resumed.commands.run("cat /root/kept; kill -0 $(cat /root/pid) && echo alive").stdout
+    assert out.split() == ["kept", "alive"]
+    # Once running again, the stored pause is history.
+    with pytest.raises(SnapshotNotFound):
+        ChunkStore().pause_of(sbx.id)
+
+
+def test_an_altered_chunk_in_s3_is_refused_and_nothing_starts(
+    sandbox_factory: Any, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_s3(s3_server, monkeypatch, f"vm-tamper-{os.getpid()}")
+    sbx = sandbox_factory(timeout=900)
+    sbx.commands.run("head -c 20000000 /dev/urandom > /root/data")
+    sbx.snapshot("store-tampered")
+    snap = wait_stored("store-tampered")
+    cli("snapshot", "evict", "store-tampered")
+    store = ChunkStore()
+    stored = store.find(snap.id)
+    offset, name, _ = stored.files["memory"]["chunks"][len(stored.files["memory"]["chunks"]) // 2]
+    key = catalog.chunk_key(store.tenant, name)
+    blob = bytearray(store.objects.get(key))
+    blob[100] ^= 1
+    store.objects.put(key, bytes(blob))
+    before = {s.id for s in Sandbox.list()}
+    with pytest.raises(SnapshotVerificationFailed) as refused:
+        Sandbox.create(from_snapshot="store-tampered")
+    assert f"memory chunk at offset {offset}" in str(refused.value)
+    assert {s.id for s in Sandbox.list()} == before
+    assert not (cryobox_config.state_dir() / "snapshots" / snap.id).exists()
+    assert not (cryobox_config.state_dir() / "snapshots" / f".tmp-{snap.id}").exists()
+    check = cli("store", "check", check=False)
+    assert check.returncode == 1 and "authentication tag" in check.stderr
+
+
+def test_export_and_import_through_the_cli(sandbox_factory: Any, tmp_path: Path) -> None:
+    sbx = sandbox_factory(timeout=900)
+    sbx.commands.run("echo exported > /root/mark")
+    sbx.snapshot("store-export")
+    path = tmp_path / "one.cbx"
+    assert "exported store-export" in cli("snapshot", "export", "store-export", str(path)).stdout
+    cli("snapshots", "--delete", "store-export")
+    cli("gc", "--grace", "0")
+    snapshot_id = cli("snapshot", "import", str(path), "--name", "store-imported").stdout.strip()
+    assert snapshot_id.startswith("snap-")
+    again = sandbox_factory(from_snapshot="store-imported", timeout=300)
+    assert again.commands.run("cat /root/mark").stdout == "exported\n"
+    # A second import of the same snapshot is refused, naming it.
+    refused = cli("snapshot", "import", str(path), "--name", "twice", check=False)
+    assert refused.returncode == 1 and snapshot_id in refused.stderr
+
+
+def test_deleting_a_snapshot_others_build_on_needs_cascade(sandbox_factory: Any) -> None:
+    parent = sandbox_factory(timeout=600)
+    base = parent.snapshot("cascade-base")
+    child_sandbox = sandbox_factory(from_snapshot="cascade-base", timeout=600)
+    child = child_sandbox.snapshot("cascade-child")
+    assert base.id in {s.id for s in Sandbox.snapshots()}
+    for sbx in (parent, child_sandbox):
+        sbx.kill()
+    with pytest.raises(InvalidArgument, match=f"base of snapshot {child.id}.*cascade"):
+        Sandbox.delete_snapshot("cascade-base")
+    deleted = cli("snapshots", "--delete", "cascade-base", "--cascade").stdout.split("\n")
+    assert deleted[:2] == [f"deleted {child.id}", f"deleted {base.id}"]
+    assert not {base.id, child.id} & {s.id for s in Sandbox.snapshots()}

@@ -1,0 +1,535 @@
+"""The chunk store without VMs: real files, a real folder store and a real S3 server
+(SeaweedFS on loopback). What a user relies on: bytes come back identical, a second
+snapshot costs only what changed, anything altered is refused by name, a collection
+never removes what a committed snapshot needs, even when killed or run concurrently."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cryobox.errors import InvalidArgument, SnapshotVerificationFailed, StoreError
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.store import archive, catalog, chunks, collect, keys, locks, uploads
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import LocalObjects, ObjectInfo, ObjectStore, S3Objects
+from cryobox.store.retention import DAY, Policy, expired
+from cryobox.util import new_id
+
+MIB = 1 << 20
+
+
+@pytest.fixture(params=["folder", "s3"])
+def objects(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> ObjectStore:
+    if request.param == "folder":
+        return LocalObjects(tmp_path / "store")
+    server = request.getfixturevalue("s3_server")
+    for name, value in server.env(f"unit-{uuid.uuid4().hex[:8]}").items():
+        monkeypatch.setenv(name, value)
+    return S3Objects("cryobox", os.environ["CRYOBOX_STORE"].split("/", 3)[3])
+
+
+@pytest.fixture
+def store(objects: ObjectStore) -> ChunkStore:
+    return ChunkStore(f"t{uuid.uuid4().hex[:10]}", objects)
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> LocalSnapshotStore:
+    return LocalSnapshotStore(tmp_path / "local")
+
+
+def _write_memory(path: Path, windows: dict[int, bytes], size: int = 64 * MIB) -> None:
+    with open(path, "wb") as handle:
+        handle.truncate(size)
+        for index, data in windows.items():
+            handle.seek(index * MIB)
+            handle.write(data)
+
+
+def make_snapshot(
+    local: LocalSnapshotStore,
+    windows: dict[int, bytes],
+    name: str = "s",
+    chain: tuple[str, ...] = (),
+    age_days: float = 0.0,
+    kind: SnapshotKind = SnapshotKind.MEMORY,
+) -> Manifest:
+    """A committed memory snapshot whose 64 MiB RAM file holds ``windows`` (index -> bytes)."""
+    snapshot_id = new_id("snap")
+    temp = local.begin(snapshot_id)
+    _write_memory(temp / mf.MEMORY, windows)
+    (temp / mf.DEVICE_STATE).write_bytes(b"device state " * 1000)
+    (temp / mf.DISK).write_bytes(os.urandom(300_000))
+    files = [mf.MEMORY, mf.DEVICE_STATE, mf.DISK]
+    manifest = Manifest(
+        id=snapshot_id,
+        kind=kind,
+        purpose=SnapshotPurpose.SNAPSHOT,
+        name=name,
+        created_at=time.time() - age_days * DAY,
+        source_sandbox="sbx-test",
+        parent=None,
+        image_id="img",
+        cpus=1,
+        memory_mib=64,
+        disk_gib=2,
+        disk_chain=chain,
+        ports=(),
+        ram_in_stream=False,
+        files=mf.describe_files(temp, files),
+    )
+    local.commit(temp, manifest)
+    return manifest
+
+
+def random_windows(count: int, start: int = 0) -> dict[int, bytes]:
+    return {start + i: os.urandom(MIB) for i in range(count)}
+
+
+def chunk_bytes(store: ChunkStore) -> int:
+    return sum(i.size for i in store.objects.list(f"chunks/{store.tenant}/"))
+
+
+def pull_into(store: ChunkStore, local: LocalSnapshotStore, snapshot_id: str) -> Manifest:
+    stored = store.find(snapshot_id)
+    return store.pull(stored, local.begin(snapshot_id), local.folder(snapshot_id))
+
+
+# ---------------------------------------------------------------------- chunks
+
+
+def test_a_chunk_opens_only_unaltered_and_with_its_key(store: ChunkStore) -> None:
+    data = os.urandom(MIB)
+    name = chunks.name_of(store.key, data)
+    blob = chunks.seal(store.key, name, data)
+    assert chunks.open_chunk(store.key, name, blob) == data
+    assert data not in blob and data[:64] not in blob  # encrypted, not just compressed
+    altered = bytearray(blob)
+    altered[len(blob) // 2] ^= 1
+    with pytest.raises(chunks.ChunkRefused, match="authentication tag"):
+        chunks.open_chunk(store.key, name, bytes(altered))
+    other = ChunkStore(f"t{uuid.uuid4().hex[:10]}", store.objects)
+    with pytest.raises(chunks.ChunkRefused):
+        chunks.open_chunk(other.key, name, blob)
+    # Same bytes, another tenant: another name (no dedupe, no leak across tenants).
+    assert chunks.name_of(other.key, data) != name
+
+
+# ---------------------------------------------------------------------- push, pull
+
+
+def test_push_stores_each_window_once_and_no_zeros(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    windows = random_windows(16)
+    windows[40] = bytes(MIB)  # written zeros cost nothing, like the hole around them
+    first = make_snapshot(local, windows, "first")
+    stored = store.push(local.folder(first.id), first)
+    memory_chunks = stored.files[mf.MEMORY]["chunks"]
+    assert [c[0] // MIB for c in memory_chunks] == list(range(16))
+    after_first = chunk_bytes(store)
+    assert 16 * MIB < after_first < 17 * MIB  # random data does not compress
+
+    # The same sandbox later: 10% of its 64 MiB RAM changed (7 windows of 64).
+    changed = dict(windows)
+    changed.update(random_windows(7, start=20))
+    second = make_snapshot(local, changed, "second")
+    store.push(local.folder(second.id), second)
+    added = chunk_bytes(store) - after_first
+    assert 7 * MIB <= added <= 0.15 * 64 * MIB
+
+    usage = collect.usage(store)
+    by_id = {u.id: u for u in usage.snapshots}
+    assert by_id[second.id].unique_bytes >= 7 * MIB
+    assert by_id[first.id].shared_bytes >= 16 * MIB
+    assert usage.stored_bytes == chunk_bytes(store)
+
+
+def test_pull_rebuilds_identical_files_fetching_only_what_is_missing(
+    store: ChunkStore, local: LocalSnapshotStore, tmp_path: Path
+) -> None:
+    base = random_windows(12)
+    first = make_snapshot(local, base, "first")
+    store.push(local.folder(first.id), first)
+    second = make_snapshot(local, {**base, **random_windows(3, start=30)}, "second")
+    store.push(local.folder(second.id), second)
+    digests = {n: f[mf.DIGEST] for n, f in second.files.items()}
+    local.delete(second.id)
+
+    counted = Counting(store.objects)
+    again = ChunkStore(store.tenant, counted)
+    from cryobox.store.transfer import local_sources
+
+    sources = local_sources([(local.folder(first.id), again.find(first.id))])
+    stored = again.find(second.id)
+    progress: list[tuple[int, int]] = []
+    manifest = again.pull(
+        stored,
+        local.begin(second.id),
+        local.folder(second.id),
+        sources=sources,
+        progress=lambda d, t: progress.append((d, t)),
+    )
+    assert manifest.id == second.id
+    assert {n: mf.file_digest(local.folder(second.id) / n) for n in digests} == digests
+    mf.verify(local.folder(second.id), local.get(second.id))  # signed with this host's key
+    fetched = [k for k in counted.gets if k.startswith("chunks/")]
+    # The 12 shared windows came from the first snapshot's local file.
+    assert 3 <= len(fetched) <= 5
+    assert progress and progress[-1][0] == progress[-1][1]
+
+
+class Counting:
+    """An object store that counts reads (to see what a pull fetched)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.gets: list[str] = []
+
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        self.inner.put(key, data, durable=durable)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def get(self, key: str) -> bytes:
+        self.gets.append(key)
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+def test_an_altered_chunk_is_refused_by_name_and_nothing_is_left(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    snap = make_snapshot(local, random_windows(4))
+    stored = store.push(local.folder(snap.id), snap)
+    local.delete(snap.id)
+    offset, name, _ = stored.files[mf.MEMORY]["chunks"][2]
+    key = catalog.chunk_key(store.tenant, name)
+    blob = bytearray(store.objects.get(key))
+    blob[-5] ^= 0x40
+    store.objects.put(key, bytes(blob))
+    with pytest.raises(SnapshotVerificationFailed) as refused:
+        pull_into(store, local, snap.id)
+    assert f"memory chunk at offset {offset}" in str(refused.value)
+    assert "authentication tag" in str(refused.value)
+    assert not local.folder(snap.id).exists()
+    assert not list(local.folder(snap.id).parent.glob(".tmp-*"))
+    problems = collect.check(store).problems
+    assert len(problems) == 1 and "authentication tag" in problems[0]
+
+
+def test_an_altered_store_manifest_is_refused(store: ChunkStore, local: LocalSnapshotStore) -> None:
+    snap = make_snapshot(local, random_windows(2), "kept")
+    stored = store.push(local.folder(snap.id), snap)
+    raw = json.loads(store.objects.get(stored.object_key))
+    raw["manifest"]["memory_mib"] = 128
+    store.objects.put(stored.object_key, json.dumps(raw).encode())
+    with pytest.raises(SnapshotVerificationFailed, match=r"store manifest.*MAC does not match"):
+        store.find(snap.id)
+    # A store manifest copied under another snapshot's name is refused too.
+    other = make_snapshot(local, random_windows(1), "other")
+    moved = store.push(local.folder(other.id), other)
+    store.objects.put(
+        catalog.snapshot_key(store.tenant, "snap-000000000000"),
+        store.objects.get(moved.object_key),
+    )
+    with pytest.raises(SnapshotVerificationFailed, match="describes"):
+        store.find("snap-000000000000")
+
+
+def test_rotating_the_key_rewraps_without_touching_chunks(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    snap = make_snapshot(local, random_windows(3))
+    store.push(local.folder(snap.id), snap)
+    before = {i.key: i.size for i in store.objects.list(f"chunks/{store.tenant}/")}
+    record = json.loads(store.objects.get(f"keys/{store.tenant}.json"))
+    new_kek = keys.rotate(store.objects, store.tenant)
+    after = json.loads(store.objects.get(f"keys/{store.tenant}.json"))
+    assert after["kek"] == new_kek != record["kek"] and after["id"] == record["id"]
+    kek_file = json.loads((keys._folder() / f"{store.tenant}.json").read_text())
+    assert list(kek_file["keys"]) == [new_kek]  # the old KEK is gone from the host
+    assert oct((keys._folder() / f"{store.tenant}.json").stat().st_mode & 0o777) == "0o600"
+    assert {i.key: i.size for i in store.objects.list(f"chunks/{store.tenant}/")} == before
+    local.delete(snap.id)
+    fresh = ChunkStore(store.tenant, store.objects)  # reads the re-wrapped key
+    assert pull_into(fresh, local, snap.id).id == snap.id
+
+
+def test_a_store_without_the_hosts_key_is_refused_clearly(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    snap = make_snapshot(local, random_windows(1))
+    store.push(local.folder(snap.id), snap)
+    kek_file = keys._folder() / f"{store.tenant}.json"
+    saved = kek_file.read_bytes()
+    kek_file.unlink()
+    try:
+        with pytest.raises(StoreError, match="no key kek-"):
+            ChunkStore(store.tenant, store.objects).find(snap.id)
+    finally:
+        kek_file.write_bytes(saved)
+
+
+# ---------------------------------------------------------------------- collection
+
+
+def test_a_sweep_removes_only_unreferenced_chunks(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    shared = random_windows(4)
+    kept = make_snapshot(local, shared, "kept")
+    gone = make_snapshot(local, {**shared, **random_windows(3, start=10)}, "gone")
+    store.push(local.folder(kept.id), kept)
+    store.push(local.folder(gone.id), gone)
+    total = chunk_bytes(store)
+    store.delete(gone.id)
+    assert collect.sweep(store, grace=3600).deleted == 0  # too young
+    result = collect.sweep(store, grace=0)
+    # its 3 own RAM windows and its disk layer (random in every snapshot made here)
+    assert result.deleted == 4 and result.skipped is None
+    assert chunk_bytes(store) == total - result.freed_bytes
+    assert collect.check(store).problems == []
+    local.delete(kept.id)
+    assert pull_into(store, local, kept.id).id == kept.id
+
+
+def test_a_sweep_waits_for_uploads_and_uploads_wait_for_sweeps(store: ChunkStore) -> None:
+    with locks.held(store.objects, store.tenant, "upload"):
+        assert collect.sweep(store, grace=0).skipped is not None
+    entered = threading.Event()
+    with locks.held(store.objects, store.tenant, "collect"):
+
+        def upload() -> None:
+            with locks.uploading(store.objects, store.tenant, wait=30):
+                entered.set()
+
+        thread = threading.Thread(target=upload)
+        thread.start()
+        time.sleep(1.5)
+        assert not entered.is_set()  # held off while the collection runs
+    thread.join(10)
+    assert entered.is_set()
+
+
+def test_collection_running_concurrently_with_pushes_loses_nothing(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    base = random_windows(6)
+    made = [make_snapshot(local, {**base, **random_windows(2, start=20 + 2 * i)}) for i in range(6)]
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def pushes() -> None:
+        try:
+            for snap in made:
+                store.push(local.folder(snap.id), snap)
+                if snap is made[2]:
+                    store.delete(made[0].id)  # an earlier one deleted meanwhile
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def sweeps() -> None:
+        try:
+            while not done.is_set():
+                collect.sweep(store, grace=0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pushes), threading.Thread(target=sweeps)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors
+    collect.sweep(store, grace=0)
+    assert collect.check(store).problems == []
+    for snap in made[1:]:
+        local.delete(snap.id)
+        assert pull_into(store, local, snap.id).id == snap.id
+
+
+_KILLED_PUSH = """
+import sys
+from pathlib import Path
+from cryobox.snapshot import manifest as mf
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import LocalObjects
+from cryobox.store import collect
+store = ChunkStore(sys.argv[1], LocalObjects(Path(sys.argv[2])))
+if sys.argv[3] == "push":
+    folder = Path(sys.argv[4])
+    store.push(folder, mf.load(folder))
+else:
+    collect.sweep(store, grace=0)
+"""
+
+
+def test_kill_9_while_pushing_or_sweeping_leaves_a_sound_store(
+    local: LocalSnapshotStore, tmp_path: Path
+) -> None:
+    objects = LocalObjects(tmp_path / "store")
+    store = ChunkStore(f"t{uuid.uuid4().hex[:10]}", objects)
+    committed = make_snapshot(local, random_windows(8), "committed")
+    store.push(local.folder(committed.id), committed)
+    big = make_snapshot(local, random_windows(48), "big")
+    for delay in (0.05, 0.2, 0.4, 0.8):
+        for what in ("push", "sweep"):
+            args = [store.tenant, str(tmp_path / "store"), what, str(local.folder(big.id))]
+            process = subprocess.Popen([sys.executable, "-c", _KILLED_PUSH, *args])
+            time.sleep(delay)
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            assert collect.check(store, deep=False).problems == []
+    # The killed uploads left leases and chunks: stale leases are ignored once old,
+    # so an upload of the same snapshot (resuming) and a sweep both go through.
+    for info in list(objects.list(f"locks/{store.tenant}/")):
+        os.utime(objects.root / info.key, (0, 0))
+    store.push(local.folder(big.id), big)
+    assert collect.sweep(store, grace=0).skipped is None
+    assert collect.check(store).problems == []
+    for snap in (committed, big):
+        local.delete(snap.id)
+        assert pull_into(store, local, snap.id).id == snap.id
+
+
+# ---------------------------------------------------------------------- export, import
+
+
+def test_export_then_import_brings_the_snapshot_and_its_chain_back(
+    store: ChunkStore, local: LocalSnapshotStore, tmp_path: Path
+) -> None:
+    bottom = make_snapshot(local, random_windows(2), "bottom")
+    top = make_snapshot(local, random_windows(3), "top", chain=(bottom.id,))
+    stored = [store.push(local.folder(s.id), s) for s in (top, bottom)]
+    path = tmp_path / "top.cbx"
+    assert archive.export(store, stored, path) > 5 * MIB
+    for snap in (top, bottom):
+        store.delete(snap.id)
+        local.delete(snap.id)
+    collect.sweep(store, grace=0)
+    back = archive.read(store, path)
+    assert [s.id for s in back] == [top.id, bottom.id]
+    assert collect.check(store).problems == []
+    assert pull_into(store, local, bottom.id).id == bottom.id
+    assert pull_into(store, local, top.id).files == top.files
+
+    # One byte changed anywhere in the file: refused, and the store has no new manifest.
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    altered = tmp_path / "altered.cbx"
+    altered.write_bytes(bytes(raw))
+    for snap in (top, bottom):
+        store.delete(snap.id)
+    with pytest.raises((SnapshotVerificationFailed, InvalidArgument)):
+        archive.read(store, altered)
+    assert not list(store.objects.list(f"snapshots/{store.tenant}/"))
+    other = ChunkStore(f"t{uuid.uuid4().hex[:10]}", store.objects)
+    with pytest.raises(InvalidArgument, match="exported by tenant"):
+        archive.read(other, path)
+
+
+# ---------------------------------------------------------------------- retention, uploads
+
+
+def _m(
+    snapshot_id: str, age_days: float, kind: str = "memory", source: str = "a"
+) -> dict[str, Any]:
+    return {
+        "id": snapshot_id,
+        "purpose": "snapshot",
+        "kind": kind,
+        "created_at": time.time() - age_days * DAY,
+        "source_sandbox": "a",
+    }
+
+
+def test_retention_expires_by_kind_and_keeps_the_newest() -> None:
+    now = time.time()
+    manifests = [
+        _m("old-memory", 8),
+        _m("young-memory", 6),
+        _m("old-disk", 31, kind="disk"),
+        _m("young-disk", 20, kind="disk"),
+        {**_m("checkpoint", 90), "purpose": "checkpoint"},
+    ]
+    assert sorted(expired(manifests, Policy(), now)) == ["old-disk", "old-memory"]
+    # The newest two of sandbox "a" (6 and 8 days old) stay whatever their age.
+    short = Policy(memory_days=1, disk_days=1, keep_last=2)
+    assert sorted(expired(manifests, short, now)) == ["old-disk", "young-disk"]
+    with pytest.raises(InvalidArgument, match="CRYOBOX_RETAIN_MEMORY_DAYS"):
+        os.environ["CRYOBOX_RETAIN_MEMORY_DAYS"] = "soon"
+        try:
+            Policy.from_env()
+        finally:
+            del os.environ["CRYOBOX_RETAIN_MEMORY_DAYS"]
+
+
+def test_an_upload_goes_pending_uploading_stored(
+    local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    snap = make_snapshot(local, random_windows(5))
+    folder = local.folder(snap.id)
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    uploads.mark(folder, tenant)
+    assert uploads.state(folder)["state"] == "pending"
+    assert uploads.upload(folder)
+    state = uploads.state(folder)
+    assert state["state"] == "stored" and state["done"] == state["total"] >= 5 * MIB
+    assert ChunkStore(tenant).find(snap.id).id == snap.id
+
+
+def test_collection_expires_old_snapshots_here_and_in_the_store(
+    local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cryobox.service.persist import Persistence, acting_for
+
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    shared = random_windows(3)
+    old = make_snapshot(local, {**shared, **random_windows(2, start=10)}, "old", age_days=8)
+    young = make_snapshot(local, shared, "young", age_days=6)
+    # 8 days: within the 30 that disk snapshots are kept
+    old_disk = make_snapshot(local, random_windows(1), "old-disk", (), 8, SnapshotKind.DISK)
+    persist = Persistence(local)
+    with acting_for(tenant):
+        store = persist.chunks()
+        for snap in (old, young):
+            store.push(local.folder(snap.id), snap)
+        # A server tenant's pass looks only at what it owns.
+        assert persist.collect(Policy(), grace=0, owned={young.id}).expired == []
+        report = persist.collect(Policy(), grace=0)
+    assert report.expired == [old.id] and report.skipped is None
+    assert {m.id for m in local.all()} == {young.id, old_disk.id}
+    assert [s.id for s in store.all()] == [young.id]
+    assert report.chunks_deleted == 3  # its two own RAM windows and its disk layer
+    assert collect.check(store).problems == []
