@@ -5,15 +5,17 @@ never removes what a committed snapshot needs, even when killed or run concurren
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +208,8 @@ class Counting:
     def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         self.inner.put(key, data, durable=durable)
 
-    def flush(self) -> None:
-        self.inner.flush()
+    def flush(self, also: Iterable[str] = ()) -> None:
+        self.inner.flush(also)
 
     def get(self, key: str) -> bytes:
         self.gets.append(key)
@@ -379,6 +381,7 @@ def test_collection_running_concurrently_with_pushes_loses_nothing(
 
 _KILLED_PUSH = """
 import sys
+import tarfile
 from pathlib import Path
 from cryobox.snapshot import manifest as mf
 from cryobox.store.chunkstore import ChunkStore
@@ -533,3 +536,32 @@ def test_collection_expires_old_snapshots_here_and_in_the_store(
     assert [s.id for s in store.all()] == [young.id]
     assert report.chunks_deleted == 3  # its two own RAM windows and its disk layer
     assert collect.check(store).problems == []
+
+
+def test_a_lost_key_record_is_never_silently_replaced(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    snap = make_snapshot(local, random_windows(1))
+    store.push(local.folder(snap.id), snap)
+    saved = store.objects.get(f"keys/{store.tenant}.json")
+    store.objects.delete(f"keys/{store.tenant}.json")
+    try:
+        with pytest.raises(StoreError, match="is missing but the store holds"):
+            ChunkStore(store.tenant, store.objects).find(snap.id)
+    finally:
+        store.objects.put(f"keys/{store.tenant}.json", saved)
+
+
+@pytest.mark.parametrize(
+    "index", [b"[]", b'{"format": 1}', b'{"format": 1, "snapshots": 5}', b"{", b'{"format": 9}']
+)
+def test_a_malformed_export_is_refused_naming_the_problem(
+    store: ChunkStore, tmp_path: Path, index: bytes
+) -> None:
+    path = tmp_path / "bad.cbx"
+    with tarfile.open(path, "w:") as tar:
+        info = tarfile.TarInfo(archive.INDEX)
+        info.size = len(index)
+        tar.addfile(info, io.BytesIO(index))
+    with pytest.raises(InvalidArgument, match=r"cryobox-export\.json|format"):
+        archive.read(store, path)

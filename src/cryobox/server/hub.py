@@ -566,7 +566,8 @@ class Hub:
                     report.chunks_deleted,
                     report.bytes_freed,
                 )
-        await self.service.collect_garbage()
+        for snapshot_id in await self.service.collect_garbage():
+            self.tenants.disown("snapshot", snapshot_id)
 
     async def measure_storage(self, seconds: float) -> None:
         """Count the saved state each tenant holds for ``seconds``: the tenant's bytes in

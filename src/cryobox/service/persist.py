@@ -39,9 +39,10 @@ from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.collect import CheckResult, TenantUsage
 from cryobox.store.keys import LOCAL_TENANT, rotate
-from cryobox.store.objects import open_objects
+from cryobox.store.objects import open_objects, store_url
 from cryobox.store.retention import Policy, expired
 from cryobox.store.transfer import Progress, local_sources
+from cryobox.util import new_id
 
 _tenant: ContextVar[str] = ContextVar("cryobox_store_tenant", default=LOCAL_TENANT)
 #: Purposes uploaded after they are taken (checkpoints and forks live with their sandbox).
@@ -76,9 +77,14 @@ class CollectReport:
 class Persistence:
     def __init__(self, local: SnapshotStore) -> None:
         self.local = local
+        self._stores: dict[tuple[str, str], ChunkStore] = {}
 
     def chunks(self, tenant: str | None = None) -> ChunkStore:
-        return ChunkStore(tenant or current_tenant())
+        """The tenant's chunk store at ``CRYOBOX_STORE`` as set now (one client each)."""
+        key = (store_url(), tenant or current_tenant())
+        if key not in self._stores:
+            self._stores[key] = ChunkStore(key[1], open_objects(key[0]))
+        return self._stores[key]
 
     # ------------------------------------------------------------------ uploads
 
@@ -124,10 +130,9 @@ class Persistence:
         try:
             return self.local.get(ref)
         except SnapshotNotFound:
-            try:
-                self.chunks().find(ref)
-            except (SnapshotNotFound, StoreError):
-                raise SnapshotNotFound(ref) from None
+            store = self.chunks()
+            if not store.objects.exists(f"keys/{store.tenant}.json"):
+                raise  # this tenant never stored anything
         return await self.pull(ref, progress=progress)
 
     async def pull(
@@ -145,6 +150,13 @@ class Persistence:
                 return self.local.get(stored.id)
         self._refuse_if_here(stored.id)
         return await asyncio.to_thread(self._pull_chain, store, stored, rename, progress)
+
+    def _is_here(self, snapshot_id: str) -> bool:
+        try:
+            self.local.get(snapshot_id)
+        except SnapshotNotFound:
+            return False
+        return True
 
     def _refuse_if_here(self, snapshot_id: str) -> None:
         """:raises InvalidArgument: when the snapshot is on this host already."""
@@ -240,6 +252,23 @@ class Persistence:
         with contextlib.suppress(StoreError, SnapshotError):
             self.chunks().delete_pause(folder.id)
 
+    def stored_users(self, snapshot_id: str) -> list[str]:
+        """Stored snapshots not on this host whose disk layers build on ``snapshot_id``."""
+        store = self.chunks()
+        try:
+            if not store.objects.exists(f"keys/{store.tenant}.json"):
+                return []  # this tenant never stored anything
+            stored = store.all()
+        except StoreError:
+            return []
+        return [
+            s.id
+            for s in stored
+            if not s.sandbox
+            and snapshot_id in s.manifest.get("disk_chain", [])
+            and not self._is_here(s.id)
+        ]
+
     def forget(self, snapshot_id: str) -> None:
         """Delete a snapshot from the store too (asked by a delete)."""
         with contextlib.suppress(StoreError):
@@ -285,7 +314,11 @@ class Persistence:
         store = self.chunks()
         stored = await asyncio.to_thread(archive.read, store, path)
         top = stored[0]
-        self._refuse_if_here(top.id)
+        if self._is_here(top.id):  # imported beside itself: a copy under a new id
+            top = replace(top, manifest={**top.manifest, "id": new_id("snap")})
+            await asyncio.to_thread(
+                store.objects.put, top.object_key, catalog.encode(store.key, top)
+            )
         return await asyncio.to_thread(self._pull_chain, store, top, name, None)
 
     # ------------------------------------------------------------------ collection
@@ -319,7 +352,16 @@ class Persistence:
             report.expired.append(snapshot_id)
         stored = store.all()
         local_ids = {m.id for m in self.local.all()}
+        below = {
+            layer
+            for chain in [s.manifest.get("disk_chain", []) for s in stored]
+            + [m.disk_chain for m in self.local.all()]
+            for layer in chain
+        }
         for snapshot_id in expired([s.manifest for s in stored if not s.sandbox], policy, now):
+            if snapshot_id in below or snapshot_id in named:
+                report.kept.setdefault(snapshot_id, "a stored snapshot builds on it")
+                continue
             if snapshot_id not in local_ids and snapshot_id not in report.expired:
                 # evicted and expired: the store's copy goes
                 store.delete(snapshot_id)

@@ -59,10 +59,11 @@ from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import references
 from cryobox.service.commands import CommandSession, OutputSink
-from cryobox.service.persist import Persistence
+from cryobox.service.persist import Persistence, acting_for
 from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
-from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, valid_name
+from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id, valid_name
+from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, each_chunk, new_id
 from cryobox.vmm import Vmm, backend
 
@@ -287,6 +288,8 @@ class SandboxService:
         """
         if purpose is SnapshotPurpose.SNAPSHOT and not name:
             raise InvalidArgument("a snapshot needs a name")
+        if name and looks_like_id(name):
+            raise InvalidArgument(f"snapshot name {name!r} has the shape of an id; choose another")
         self._require_running(sandbox_id, purpose.value)
         result = await self._control(
             sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
@@ -552,8 +555,11 @@ class SandboxService:
             doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
         ids = {m.id for m in doomed}
         sandboxes = registry.list_sandboxes()
+        stored_children = {each.id: self.persist.stored_users(each.id) for each in doomed}
         for each in doomed:
             needed_by = references.users(each.id, [m for m in every if m.id not in ids], sandboxes)
+            if not cascade:
+                needed_by += [f"stored snapshot {s}" for s in stored_children[each.id]]
             if needed_by:
                 hint = "" if cascade else " (or delete with cascade)"
                 raise InvalidArgument(
@@ -561,6 +567,8 @@ class SandboxService:
                     f"delete those first{hint}"
                 )
         for each in doomed:
+            for child in stored_children[each.id]:  # evicted ones: in the store only
+                self.persist.forget(child)
             self.store.delete(each.id)
             self.persist.forget(each.id)
             for template in self.store.templates():
@@ -607,8 +615,15 @@ class SandboxService:
         """The snapshot a template starts from; builds ``default`` when missing or stale."""
         entry = self.store.template(name)
         if entry is not None and entry.get("image_id") == image_id:
-            with contextlib.suppress(SnapshotNotFound):
+            try:
                 return await self.persist.local_or_pulled(str(entry["snapshot"]))
+            except SnapshotNotFound:
+                pass
+            except SnapshotIncompatible:
+                if name != DEFAULT_TEMPLATE:
+                    raise
+                # The default template is a cache: one saved by an older cryobox (another
+                # snapshot format) is built again, never refused.
         if name != DEFAULT_TEMPLATE:
             if entry is None:
                 known = [t["name"] for t in self.store.templates()]
@@ -618,7 +633,8 @@ class SandboxService:
             )
         if progress:
             progress("building the default template (one cold boot, then every create restores)")
-        info = await self.build_template(DEFAULT_TEMPLATE, [])
+        with acting_for(LOCAL_TENANT):  # the host's, whoever asked first
+            info = await self.build_template(DEFAULT_TEMPLATE, [])
         return self.store.get(info.id)
 
     async def build_template(

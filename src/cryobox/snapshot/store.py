@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -30,6 +31,15 @@ from cryobox.util import write_json_atomic
 TEMP_PREFIX = ".tmp-"
 #: A temporary folder older than this was left by a writer that died.
 ABANDONED_AFTER = 600.0
+
+
+_ID = re.compile(r"(snap|pause)-[0-9a-f]{12}")
+
+
+def looks_like_id(ref: str) -> bool:
+    """Whether ``ref`` has the shape of a snapshot id: then it is looked up as an id only
+    (never as a name, which another tenant could have chosen)."""
+    return bool(_ID.fullmatch(ref))
 
 
 def valid_name(name: str) -> bool:
@@ -103,6 +113,8 @@ class LocalSnapshotStore:
 
     def begin(self, snapshot_id: str) -> Path:
         folder = self._dir("snapshots") / f"{TEMP_PREFIX}{snapshot_id}"
+        if folder.exists():  # left by a pull of the same snapshot that was killed
+            shutil.rmtree(folder)
         folder.mkdir(mode=0o700)
         return folder
 
@@ -120,6 +132,8 @@ class LocalSnapshotStore:
             folder = self.folder(ref)
             if (folder / mf.MANIFEST).exists():
                 return _load(folder)
+        if looks_like_id(ref):
+            raise SnapshotNotFound(ref)
         named = [m for m in self.all() if m.name == ref]
         if not named:
             self._refuse_unlisted(ref)

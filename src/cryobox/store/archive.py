@@ -1,11 +1,13 @@
 """One snapshot with the disk layers it builds on, packed into one file and back.
 
-The file is a tar of the store's own objects (store manifests and sealed chunks, so
-it is as encrypted as the store) with ``cryobox-export.json`` naming the tenant and
-the snapshots, top first. Import checks every manifest's MAC and every chunk's tag
-and hash before anything enters the store: a file altered anywhere is refused,
-naming what is wrong. Reading it back needs the tenant's key (on another host: copy
-``$CRYOBOX_STATE_DIR/keys/store/TENANT.json`` there first).
+The file is an uncompressed tar of the store's own objects (store records and sealed
+chunks, so it is as encrypted as the store, plus the tenant's wrapped data key) with
+``cryobox-export.json`` naming the tenant and the snapshots, top first. Import checks
+the index, every record's MAC and every chunk's tag and hash; a record enters the
+store only once every chunk it names has passed (chunks that pass first are
+unreferenced until then, and a collection would remove them). A file altered anywhere
+is refused, naming what is wrong. Reading it on another host needs the tenant's
+key-encryption key there (copy ``$CRYOBOX_STATE_DIR/keys/store/TENANT.json``).
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ import json
 import os
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from cryobox.errors import InvalidArgument, SnapshotVerificationFailed
-from cryobox.store import catalog, chunks
+from cryobox.store import catalog, chunks, locks
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import ObjectMissing
 
 INDEX = "cryobox-export.json"
 FORMAT = 1
+#: A member larger than this is not something an export holds.
+MAX_RECORD = 64 << 20
+MAX_CHUNK = chunks.CHUNK + 1024
 
 
 def export(store: ChunkStore, stored: list[StoredSnapshot], path: Path) -> int:
@@ -30,22 +37,20 @@ def export(store: ChunkStore, stored: list[StoredSnapshot], path: Path) -> int:
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     index = {"format": FORMAT, "tenant": store.tenant, "snapshots": [s.id for s in stored]}
     try:
-        with tarfile.open(temp, "w") as tar:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle, tarfile.open(fileobj=handle, mode="w:") as tar:
             _add(tar, INDEX, json.dumps(index).encode())
+            _add(tar, "key.json", store.objects.get(f"keys/{store.tenant}.json"))
             for snapshot in stored:
-                raw = store.objects.get(snapshot.object_key)
-                _add(tar, f"snapshots/{snapshot.id}.json", raw)
+                _add(tar, f"snapshots/{snapshot.id}.json", store.objects.get(snapshot.object_key))
             seen: set[str] = set()
             for snapshot in stored:
                 for name in sorted(snapshot.chunk_names() - seen):
                     seen.add(name)
-                    _add(
-                        tar,
-                        f"chunks/{name}",
-                        store.objects.get(catalog.chunk_key(store.tenant, name)),
-                    )
-        with open(temp, "rb") as handle:
-            os.fsync(handle.fileno())
+                    blob = store.objects.get(catalog.chunk_key(store.tenant, name))
+                    _add(tar, f"chunks/{name}", blob)
+        with open(temp, "rb") as synced:
+            os.fsync(synced.fileno())
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
@@ -60,65 +65,84 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+def _index(path: Path, raw: bytes) -> dict[str, Any]:
+    try:
+        index = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgument(f"{path}: {INDEX} is malformed: {exc}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else None
+        raise InvalidArgument(f"{path}: export format {found!r} is not supported")
+    ids = index.get("snapshots")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+        raise InvalidArgument(f"{path}: {INDEX} names no snapshots")
+    return index
+
+
 def read(store: ChunkStore, path: Path) -> list[StoredSnapshot]:
-    """Check the file and put its chunks, then its manifests, into the store; the snapshots
-    it holds, top first.
+    """Check the file and put its chunks, then its records, into the store; the
+    snapshots it holds, top first.
 
     :raises InvalidArgument: when it is not an export of this tenant.
-    :raises SnapshotVerificationFailed: naming the manifest or chunk that is wrong.
+    :raises SnapshotVerificationFailed: naming the record or chunk that is wrong.
     """
     try:
-        tar = tarfile.open(path, "r")  # noqa: SIM115 (closed by the with below)
+        tar = tarfile.open(path, "r:")  # noqa: SIM115 (closed by the with below)
     except (OSError, tarfile.TarError) as exc:
         raise InvalidArgument(f"{path} is not a cryobox export: {exc}") from None
     with tar:
-        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        members = {m.name: m for m in tar.getmembers() if m.isreg() and not m.issparse()}
 
-        def member(name: str) -> bytes:
+        def member(name: str, limit: int) -> bytes:
             found = members.get(name)
-            handle = tar.extractfile(found) if found else None
-            if handle is None:
+            if found is None:
                 raise InvalidArgument(f"{path} has no {name}: not a cryobox export")
+            if found.size > limit:
+                raise InvalidArgument(f"{path}: {name} is {found.size} bytes, more than {limit}")
+            handle = tar.extractfile(found)
+            assert handle is not None  # a regular member
             return handle.read()
 
-        try:
-            index = json.loads(member(INDEX))
-        except ValueError as exc:
-            raise InvalidArgument(f"{path}: {INDEX} is malformed: {exc}") from None
-        if index.get("format") != FORMAT:
-            raise InvalidArgument(f"{path}: export format {index.get('format')} is not supported")
+        index = _index(path, member(INDEX, MAX_RECORD))
         if index.get("tenant") != store.tenant:
             raise InvalidArgument(
                 f"{path} was exported by tenant {index.get('tenant')!r}, not {store.tenant!r}"
             )
+        key_object = f"keys/{store.tenant}.json"
+        try:
+            store.objects.get(key_object)
+        except ObjectMissing:  # a store that has never seen this tenant: its key comes along
+            store.objects.put(key_object, member("key.json", MAX_RECORD))
         stored = [
             catalog.decode(
                 store.key,
-                catalog.snapshot_key(store.tenant, str(sid)),
-                member(f"snapshots/{sid}.json"),
+                catalog.snapshot_key(store.tenant, sid),
+                member(f"snapshots/{sid}.json", MAX_RECORD),
             )
             for sid in index["snapshots"]
         ]
-        # A chunk enters the store once checked; the manifests only after all of them
-        # (until then the chunks are unreferenced, and a collection removes them).
-        blobs: set[str] = set()
-        for snapshot in stored:
-            for file_name, entry in sorted(snapshot.files.items()):
-                for offset, name, _ in entry["chunks"]:
-                    if name in blobs:
-                        continue
-                    where = f"{file_name} chunk at offset {offset} ({name[:16]})"
-                    if f"chunks/{name}" not in members:
-                        raise SnapshotVerificationFailed(
-                            snapshot.id, where, "missing from the file"
+        with locks.uploading(store.objects, store.tenant):
+            checked: set[str] = set()
+            for snapshot in stored:
+                for file_name, entry in sorted(snapshot.files.items()):
+                    for offset, name, _ in entry["chunks"]:
+                        if name in checked:
+                            continue
+                        where = f"{file_name} chunk at offset {offset} ({name[:16]})"
+                        if f"chunks/{name}" not in members:
+                            raise SnapshotVerificationFailed(
+                                snapshot.id, where, "missing from the file"
+                            )
+                        blob = member(f"chunks/{name}", MAX_CHUNK)
+                        try:
+                            chunks.open_chunk(store.key, name, blob)
+                        except chunks.ChunkRefused as exc:
+                            raise SnapshotVerificationFailed(snapshot.id, where, str(exc)) from None
+                        store.objects.put(
+                            catalog.chunk_key(store.tenant, name), blob, durable=False
                         )
-                    blob = member(f"chunks/{name}")
-                    try:
-                        chunks.open_chunk(store.key, name, blob)
-                    except chunks.ChunkRefused as exc:
-                        raise SnapshotVerificationFailed(snapshot.id, where, str(exc)) from None
-                    store.objects.put(catalog.chunk_key(store.tenant, name), blob)
-                    blobs.add(name)
-    for snapshot in reversed(stored):
-        store.objects.put(snapshot.object_key, catalog.encode(store.key, snapshot))
+                        checked.add(name)
+            store.objects.flush()
+            for snapshot in reversed(stored):
+                store.objects.put(snapshot.object_key, catalog.encode(store.key, snapshot))
     return stored

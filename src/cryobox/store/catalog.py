@@ -105,6 +105,10 @@ def decode(key: DataKey, object_key: str, raw: bytes) -> StoredSnapshot:
         stored = StoredSnapshot(**value)
     except TypeError as exc:
         raise SnapshotVerificationFailed(what, "store manifest", f"malformed: {exc}") from None
+    if stored.key_id != key.id:
+        raise SnapshotVerificationFailed(
+            what, "store manifest", f"it was written with key {stored.key_id}, not {key.id}"
+        )
     if stored.tenant != key.tenant or stored.object_key != object_key:
         raise SnapshotVerificationFailed(
             what, "store manifest", f"it describes {stored.object_key}, not {object_key}"

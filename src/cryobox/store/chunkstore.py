@@ -16,6 +16,7 @@ from pathlib import Path
 from cryobox.errors import SnapshotNotFound
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
+from cryobox.snapshot.store import looks_like_id
 from cryobox.store import catalog, transfer
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.keys import LOCAL_TENANT, DataKey, check_tenant, data_key
@@ -63,6 +64,8 @@ class ChunkStore:
             key = catalog.snapshot_key(self.tenant, ref)
             if self.objects.exists(key):
                 return catalog.load(self.objects, self.key, key)
+        if looks_like_id(ref):  # an id is never taken for a name
+            raise SnapshotNotFound(ref)
         named = [s for s in self.all() if not s.sandbox and s.manifest.get("name") == ref]
         if not named:
             raise SnapshotNotFound(ref)

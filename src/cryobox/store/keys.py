@@ -133,6 +133,8 @@ def data_key(objects: ObjectStore, tenant: str) -> DataKey:
             base64.b64decode(record["wrapped"]),
             f"{tenant}/{record['id']}".encode(),
         )
+        if len(raw) != 96:
+            raise ValueError("not 96 bytes")
     except (InvalidTag, ValueError) as exc:
         raise StoreError(
             objects.url, f"opening tenant {tenant}'s data key", "it does not unwrap (altered?)"
@@ -149,10 +151,21 @@ def _read_record(objects: ObjectStore, tenant: str) -> dict[str, str] | None:
         raise StoreError(objects.url, f"reading keys/{tenant}.json", str(exc)) from exc
     if not isinstance(value, dict) or value.get("tenant") != tenant:
         raise StoreError(objects.url, f"reading keys/{tenant}.json", "not this tenant's key")
+    missing = [f for f in ("id", "kek", "nonce", "wrapped") if not isinstance(value.get(f), str)]
+    if missing:
+        raise StoreError(objects.url, f"reading keys/{tenant}.json", f"no {', '.join(missing)}")
     return {k: str(v) for k, v in value.items()}
 
 
 def _create(objects: ObjectStore, tenant: str) -> dict[str, str]:
+    for prefix in (f"chunks/{tenant}/", f"snapshots/{tenant}/"):
+        if next(iter(objects.list(prefix)), None) is not None:
+            # A new key would make everything stored so far unreadable, silently.
+            raise StoreError(
+                objects.url,
+                f"opening tenant {tenant}'s data key",
+                f"keys/{tenant}.json is missing but the store holds {prefix}: restore it",
+            )
     keks = _keks(tenant)
     if not keks:
         kek_id = _new_id("kek")

@@ -5,8 +5,9 @@ collector removed such a chunk (unreferenced until the upload's manifest lands),
 upload would commit a manifest naming a missing chunk. So each side writes a lease
 object first, then looks for the other's: an upload waits while a collection runs,
 and a collection skips its chunk sweep while an upload runs. Whichever wrote second
-sees the first. A lease not renewed for :data:`STALE_AFTER` was left by a process
-that died and is ignored (and removed by the next collection).
+sees the first. A holder renews its lease every :data:`RENEW` seconds (a thread), so a
+lease not renewed for :data:`STALE_AFTER` was left by a process that died and is
+ignored (and removed by the next collection), however long the upload or collection.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 
 from cryobox.store.objects import ObjectStore
 
-STALE_AFTER = 3600.0
+STALE_AFTER = 300.0
+RENEW = 30.0
 
 
 def _key(tenant: str, kind: str) -> str:
@@ -45,10 +48,25 @@ def remove_stale(objects: ObjectStore, tenant: str) -> None:
 @contextlib.contextmanager
 def held(objects: ObjectStore, tenant: str, kind: str) -> Iterator[str]:
     key = _key(tenant, kind)
-    objects.put(key, json.dumps({"pid": os.getpid(), "at": time.time()}).encode())
+
+    def write() -> None:
+        objects.put(key, json.dumps({"pid": os.getpid(), "at": time.time()}).encode())
+
+    write()
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(RENEW):
+            with contextlib.suppress(Exception):  # the next renewal tries again
+                write()
+
+    renewer = threading.Thread(target=renew, name=f"lease {key}", daemon=True)
+    renewer.start()
     try:
         yield key
     finally:
+        done.set()
+        renewer.join()
         objects.delete(key)
 
 

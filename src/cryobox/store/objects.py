@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +49,10 @@ class ObjectStore(Protocol):
         """Store ``data`` under ``key``; ``durable=False`` leaves it to :meth:`flush`."""
         ...
 
-    def flush(self) -> None:
-        """Make every put since the last flush durable (before a manifest names them)."""
+    def flush(self, also: Iterable[str] = ()) -> None:
+        """Make every put since the last flush durable, and the objects ``also`` names
+        (reused ones another writer may not have made durable), before a manifest names
+        them."""
         ...
 
     def get(self, key: str) -> bytes:
@@ -89,7 +91,7 @@ class LocalObjects:
 
     def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         path = self._path(key)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._folder(path.parent)
         temp = path.with_name(f"{_TEMP}{path.name}.{os.getpid()}.{threading.get_ident()}")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -110,10 +112,12 @@ class LocalObjects:
             with self._lock:
                 self._unsynced.add(path)
 
-    def flush(self) -> None:
-        """fsync what was put with ``durable=False``, before a manifest names it."""
+    def flush(self, also: Iterable[str] = ()) -> None:
+        """fsync what was put with ``durable=False`` and the objects ``also`` names
+        (cheap when already on disk), before a manifest names them."""
         with self._lock:
             paths, self._unsynced = self._unsynced, set()
+        paths |= {self._path(key) for key in also}
 
         def sync(path: Path) -> None:
             with open(path, "rb") as handle:
@@ -128,8 +132,10 @@ class LocalObjects:
             raise StoreError(self.url, "making chunks durable", str(exc)) from exc
 
     def get(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
+        try:  # never through a link planted in the folder
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as handle:
+                return handle.read()
         except FileNotFoundError:
             raise ObjectMissing(key) from None
         except OSError as exc:
@@ -137,6 +143,14 @@ class LocalObjects:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def _folder(self, folder: Path) -> None:
+        """Make ``folder`` and the ones above it up to the root, each 0700."""
+        if folder.is_dir():
+            return
+        if folder != self.root:
+            self._folder(folder.parent)
+        folder.mkdir(mode=0o700, exist_ok=True)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         # The prefix's folder part is walked; its last part filters names.
@@ -205,7 +219,7 @@ class S3Objects:
     def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
         self._call(f"writing {key}", "put_object", Key=self.prefix + _check_key(key), Body=data)
 
-    def flush(self) -> None:
+    def flush(self, also: Iterable[str] = ()) -> None:
         """Nothing to do: a PUT is durable when it answers."""
 
     def get(self, key: str) -> bytes:

@@ -44,6 +44,7 @@ def _push_file(
     known: dict[str, int],
     pool: ThreadPoolExecutor,
     tick: Callable[[int], None],
+    reused: set[str],
 ) -> dict[str, object]:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -60,6 +61,8 @@ def _push_file(
                 blob = chunks.seal(key, name, data)
                 objects.put(catalog.chunk_key(key.tenant, name), blob, durable=False)
                 stored = known[name] = len(blob)
+            else:  # written by another push, maybe not durable yet (killed before its flush)
+                reused.add(catalog.chunk_key(key.tenant, name))
             tick(len(data))
             return [offset, name, stored]
 
@@ -98,11 +101,12 @@ def push(
 
     with locks.uploading(objects, key.tenant), ThreadPoolExecutor(WORKERS) as pool:
         known = known_chunks(objects, key.tenant)
+        reused: set[str] = set()
         files = {
-            name: _push_file(objects, key, folder / name, known, pool, tick)
+            name: _push_file(objects, key, folder / name, known, pool, tick, reused)
             for name in sorted(manifest.files)
         }
-        objects.flush()  # every chunk durable before the manifest names it
+        objects.flush(reused)  # every chunk durable before the manifest names it
         if before_commit is not None:
             before_commit()
         stored = StoredSnapshot(

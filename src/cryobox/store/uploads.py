@@ -162,16 +162,35 @@ def _stat(path: Path) -> tuple[int, int, int] | None:
 
 
 def run() -> None:
-    """The uploader: take the lock, upload every marked folder, until none is left."""
-    lock_path = config.state_dir() / "uploader.lock"
-    with open(lock_path, "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for attempt in range(3):
-            waiting = [f for f in _candidates() if state(f).get("state") != "stored"]
-            failed = [f for f in waiting if not upload(f)]
-            if not failed:
-                return
-            time.sleep(2.0 * (attempt + 1))
+    """The uploader: upload every marked folder until none is left.
+
+    One runs at a time (a lock). Another one started meanwhile only raises the rescan
+    flag and leaves: the running one scans again before it ends, and checks the flag
+    once more after letting the lock go, so no mark is missed and no process waits.
+    """
+    folder = config.state_dir()
+    flag = folder / "uploader.rescan"
+    while True:
+        flag.touch()
+        with open(folder / "uploader.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # the running uploader sees the flag
+            while flag.exists():
+                flag.unlink(missing_ok=True)
+                _upload_all()
+        if not flag.exists():
+            return
+
+
+def _upload_all() -> None:
+    for attempt in range(3):
+        waiting = [f for f in _candidates() if state(f).get("state") != "stored"]
+        failed = [f for f in waiting if not upload(f)]
+        if not failed:
+            return
+        time.sleep(2.0 * (attempt + 1))
 
 
 if __name__ == "__main__":
