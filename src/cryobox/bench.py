@@ -582,7 +582,7 @@ async def store(ctx: Context) -> list[Figure]:
             "MB/s",
             baseline="disk-write",
             base_value=ctx.disk_mb_s,
-            note=f"first push of a snapshot into the local folder store: "
+            note=f"first push of a snapshot into the local folder store, after a sync: "
             f"{found['save_bytes'] / 1e6:.0f} MB written (hashed, zstd, AES-GCM, fsync)",
         ),
         summarize(
