@@ -18,7 +18,7 @@ from typing import Any
 from cryobox.client import AsyncSandbox
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.store import collect
+from cryobox.store import catalog, collect
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.seaweed import S3Server
 
@@ -40,7 +40,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def _chunk_bytes(store: ChunkStore) -> int:
-    return sum(i.size for i in store.objects.list(f"chunks/{store.tenant}/"))
+    return sum(catalog.chunk_sizes(store.objects, store.tenant).values())
 
 
 async def _push(persist: Persistence, ref: str) -> tuple[float, int]:

@@ -105,7 +105,7 @@ def random_windows(count: int, start: int = 0) -> dict[int, bytes]:
 
 
 def chunk_bytes(store: ChunkStore) -> int:
-    return sum(i.size for i in store.objects.list(f"chunks/{store.tenant}/"))
+    return sum(catalog.chunk_sizes(store.objects, store.tenant).values())
 
 
 def pull_into(store: ChunkStore, local: LocalSnapshotStore, snapshot_id: str) -> Manifest:

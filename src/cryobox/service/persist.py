@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,7 +41,7 @@ from cryobox.store.collect import CheckResult, TenantUsage
 from cryobox.store.keys import LOCAL_TENANT, rotate
 from cryobox.store.objects import open_objects, store_url
 from cryobox.store.retention import Policy, expired
-from cryobox.store.transfer import Progress, local_sources
+from cryobox.store.transfer import LocalSources, Progress, local_sources
 from cryobox.util import new_id
 
 _tenant: ContextVar[str] = ContextVar("cryobox_store_tenant", default=LOCAL_TENANT)
@@ -113,17 +113,16 @@ class Persistence:
 
     # ------------------------------------------------------------------ back from the store
 
-    def _stored_locally(self) -> list[tuple[Path, StoredSnapshot]]:
-        """Local folders that hold stored snapshots, with their stored form (sources
-        of chunks that need not be fetched)."""
-        store = self.chunks()
+    def _sources(self, store: ChunkStore) -> LocalSources:
+        """Where this host's files already hold the store's chunks: the local folders of
+        snapshots that ``store`` holds (read and checked instead of fetched)."""
         found = []
         with contextlib.suppress(StoreError):
             by_id = {s.id: s for s in store.all() if not s.sandbox}
             for manifest in self.local.all():
                 if manifest.id in by_id:
                     found.append((self.local.folder(manifest.id), by_id[manifest.id]))
-        return found
+        return local_sources(found)
 
     async def local_or_pulled(self, ref: str, progress: Progress | None = None) -> Manifest:
         """The local snapshot ``ref``; pulled from the store first when it is not here."""
@@ -131,7 +130,7 @@ class Persistence:
             return self.local.get(ref)
         except SnapshotNotFound:
             store = self.chunks()
-            if not store.objects.exists(f"keys/{store.tenant}.json"):
+            if not store.has_key():
                 raise  # this tenant never stored anything
         return await self.pull(ref, progress=progress)
 
@@ -173,15 +172,18 @@ class Persistence:
         rename: str | None,
         progress: Progress | None,
     ) -> Manifest:
-        self._pull_layers_below(store, stored)
-        return self._pull_one(store, stored, rename, progress)
+        sources = self._pull_layers_below(store, stored)
+        return self._pull_one(store, stored, rename, progress, sources)
 
-    def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> None:
-        """The disk layers ``stored`` builds on that are not here, bottom first."""
+    def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> LocalSources:
+        """Pull the disk layers ``stored`` builds on that are not here, bottom first;
+        the local sources of chunks, those layers' included, for what is pulled next."""
+        sources = self._sources(store)
         local_ids = {m.id for m in self.local.all()}
         for layer in reversed([str(s) for s in stored.manifest.get("disk_chain", [])]):
             if layer not in local_ids:
-                self._pull_one(store, store.find(layer), None, None)
+                self._pull_one(store, store.find(layer), None, None, sources)
+        return sources
 
     def _pull_one(
         self,
@@ -189,14 +191,16 @@ class Persistence:
         stored: StoredSnapshot,
         rename: str | None,
         progress: Progress | None,
+        sources: LocalSources,
     ) -> Manifest:
+        """Pull one snapshot; ``sources`` gains its chunks (now on this host)."""
         if rename is not None:
             stored = replace(stored, manifest={**stored.manifest, "name": rename})
         temp = self.local.begin(stored.id)
         final = self.local.folder(stored.id)
-        manifest = store.pull(
-            stored, temp, final, sources=local_sources(self._stored_locally()), progress=progress
-        )
+        manifest = store.pull(stored, temp, final, sources=sources, progress=progress)
+        for chunk, where in local_sources([(final, stored)]).items():
+            sources.setdefault(chunk, where)
         uploads.set_state(final, tenant=store.tenant, state="stored", stored_at=stored.stored_at)
         if rename is not None:  # the store's record carries the new name too
             store.objects.put(stored.object_key, catalog.encode(store.key, stored))
@@ -234,12 +238,14 @@ class Persistence:
         folder: SandboxDir,
         progress: Progress | None,
     ) -> None:
-        self._pull_layers_below(store, stored)
+        sources = self._pull_layers_below(store, stored)
         aside = folder.path / "paused.incomplete"
         if folder.paused.exists():
             folder.paused.rename(aside)
         try:
-            store.pull(stored, folder.path / "paused.pull", folder.paused, pending=True)
+            store.pull(
+                stored, folder.path / "paused.pull", folder.paused, sources=sources, pending=True
+            )
         except BaseException:
             if aside.exists() and not folder.paused.exists():
                 aside.rename(folder.paused)
@@ -252,22 +258,20 @@ class Persistence:
         with contextlib.suppress(StoreError, SnapshotError):
             self.chunks().delete_pause(folder.id)
 
-    def stored_users(self, snapshot_id: str) -> list[str]:
-        """Stored snapshots not on this host whose disk layers build on ``snapshot_id``."""
+    def stored_users(self, snapshot_ids: Iterable[str]) -> dict[str, list[str]]:
+        """For each id, the stored snapshots not on this host whose disk layers build on
+        it (one listing of the store for all of them)."""
+        users: dict[str, list[str]] = {snapshot_id: [] for snapshot_id in snapshot_ids}
         store = self.chunks()
         try:
-            if not store.objects.exists(f"keys/{store.tenant}.json"):
-                return []  # this tenant never stored anything
-            stored = store.all()
+            if not store.has_key():
+                return users  # this tenant never stored anything
+            stored = [s for s in store.all() if not s.sandbox and not self._is_here(s.id)]
         except StoreError:
-            return []
-        return [
-            s.id
-            for s in stored
-            if not s.sandbox
-            and snapshot_id in s.manifest.get("disk_chain", [])
-            and not self._is_here(s.id)
-        ]
+            return users
+        for snapshot_id, found in users.items():
+            found += [s.id for s in stored if snapshot_id in s.manifest.get("disk_chain", [])]
+        return users
 
     def forget(self, snapshot_id: str) -> None:
         """Delete a snapshot from the store too (asked by a delete)."""
@@ -391,7 +395,7 @@ class Persistence:
     def usage_of(self, tenant: str) -> TenantUsage | None:
         """A tenant's bytes in the store; None when it has stored nothing."""
         store = self.chunks(tenant)
-        if not store.objects.exists(f"keys/{tenant}.json"):
+        if not store.has_key():
             return None
         return chunk_collect.usage(store)
 

@@ -555,7 +555,7 @@ class SandboxService:
             doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
         ids = {m.id for m in doomed}
         sandboxes = registry.list_sandboxes()
-        stored_children = {each.id: self.persist.stored_users(each.id) for each in doomed}
+        stored_children = self.persist.stored_users(m.id for m in doomed)
         for each in doomed:
             needed_by = references.users(each.id, [m for m in every if m.id not in ids], sandboxes)
             if not cascade:

@@ -148,7 +148,7 @@ def _signed_stamp(snapshot_id: str, keys_by_file: dict[str, Any]) -> dict[str, A
     return keys.signed({**keys_by_file, "id": snapshot_id})
 
 
-def _stat_key(path: Path) -> list[int]:
+def stat_key(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
@@ -202,7 +202,7 @@ def verify(folder: Path, manifest: Manifest) -> None:
     for name, expected in sorted(manifest.files.items()):
         path = folder / name
         try:
-            key = _stat_key(path)
+            key = stat_key(path)
         except FileNotFoundError:
             raise SnapshotVerificationFailed(manifest.id, name, "file is missing") from None
         if stamp.get(name) == key:
@@ -251,7 +251,7 @@ def finish(temp: Path, final: Path, manifest: Manifest) -> None:
     for name in manifest.files:
         fsync_file(temp / name)
     # The files were hashed just now: record that, so the first restore need not hash again.
-    stamp = {name: _stat_key(temp / name) for name in manifest.files}
+    stamp = {name: stat_key(temp / name) for name in manifest.files}
     write_json_atomic(temp / STAMP, _signed_stamp(manifest.id, stamp))
     write_json_atomic(temp / MANIFEST, manifest.to_signed_json())
     os.replace(temp, final)
@@ -274,7 +274,7 @@ def commit_pending(temp: Path, final: Path) -> None:
         for name in manifest.files:
             fsync_file(temp / name)
         with contextlib.suppress(OSError):  # a missing stamp only costs a re-hash
-            stamp = {n: _stat_key(temp / n) for n in manifest.files}
+            stamp = {n: stat_key(temp / n) for n in manifest.files}
             write_json_atomic(temp / STAMP, _signed_stamp(manifest.id, stamp))
         os.replace(pending, temp / MANIFEST)
         fsync_dir(temp)

@@ -23,6 +23,7 @@ from cryobox.errors import InvalidArgument, SnapshotVerificationFailed
 from cryobox.store import catalog, chunks, locks
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.keys import record_key
 from cryobox.store.objects import ObjectMissing
 
 INDEX = "cryobox-export.json"
@@ -40,7 +41,7 @@ def export(store: ChunkStore, stored: list[StoredSnapshot], path: Path) -> int:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as handle, tarfile.open(fileobj=handle, mode="w:") as tar:
             _add(tar, INDEX, json.dumps(index).encode())
-            _add(tar, "key.json", store.objects.get(f"keys/{store.tenant}.json"))
+            _add(tar, "key.json", store.objects.get(record_key(store.tenant)))
             for snapshot in stored:
                 _add(tar, f"snapshots/{snapshot.id}.json", store.objects.get(snapshot.object_key))
             seen: set[str] = set()
@@ -108,7 +109,7 @@ def read(store: ChunkStore, path: Path) -> list[StoredSnapshot]:
             raise InvalidArgument(
                 f"{path} was exported by tenant {index.get('tenant')!r}, not {store.tenant!r}"
             )
-        key_object = f"keys/{store.tenant}.json"
+        key_object = record_key(store.tenant)
         try:
             store.objects.get(key_object)
         except ObjectMissing:  # a store that has never seen this tenant: its key comes along

@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed, StoreError
+from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed
 from cryobox.store.keys import DataKey
 from cryobox.store.objects import ObjectMissing, ObjectStore
 
@@ -125,31 +126,31 @@ def load(objects: ObjectStore, key: DataKey, object_key: str) -> StoredSnapshot:
     return decode(key, object_key, raw)
 
 
-def all_stored(objects: ObjectStore, key: DataKey) -> list[StoredSnapshot]:
-    """Every snapshot and pause of the tenant in the store that verifies, oldest first.
+def record_keys(objects: ObjectStore, tenant: str) -> Iterator[str]:
+    """The object keys of every record of the tenant: snapshots, then pauses."""
+    for prefix in (f"snapshots/{tenant}/", f"pauses/{tenant}/"):
+        for info in objects.list(prefix):
+            if info.key.endswith(".json"):
+                yield info.key
+
+
+def all_stored(objects: ObjectStore, key: DataKey, *, strict: bool = False) -> list[StoredSnapshot]:
+    """Every snapshot and pause of the tenant in the store that verifies, oldest first;
+    with ``strict``, one that does not verify raises instead of being left out.
 
     :raises StoreError: when the store cannot be listed.
     """
     found = []
-    for prefix in (f"snapshots/{key.tenant}/", f"pauses/{key.tenant}/"):
-        for info in objects.list(prefix):
-            if not info.key.endswith(".json"):
-                continue
-            try:
-                found.append(load(objects, key, info.key))
-            except (SnapshotNotFound, SnapshotVerificationFailed):
-                continue
+    for object_key in record_keys(objects, key.tenant):
+        try:
+            found.append(load(objects, key, object_key))
+        except (SnapshotNotFound, SnapshotVerificationFailed):
+            if strict:
+                raise
     found.sort(key=lambda s: s.stored_at)
     return found
 
 
-def tenants(objects: ObjectStore) -> list[str]:
-    """The tenants that have a key in the store."""
-    try:
-        return sorted(
-            info.key.removeprefix("keys/").removesuffix(".json")
-            for info in objects.list("keys/")
-            if info.key.endswith(".json")
-        )
-    except StoreError:
-        raise
+def chunk_sizes(objects: ObjectStore, tenant: str) -> dict[str, int]:
+    """Every chunk the tenant has in the store, with its stored size (one listing)."""
+    return {info.key.rsplit("/", 1)[-1]: info.size for info in objects.list(f"chunks/{tenant}/")}

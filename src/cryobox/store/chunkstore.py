@@ -19,7 +19,7 @@ from cryobox.snapshot.manifest import Manifest
 from cryobox.snapshot.store import looks_like_id
 from cryobox.store import catalog, transfer
 from cryobox.store.catalog import StoredSnapshot
-from cryobox.store.keys import LOCAL_TENANT, DataKey, check_tenant, data_key
+from cryobox.store.keys import LOCAL_TENANT, DataKey, check_tenant, data_key, record_key
 from cryobox.store.objects import ObjectStore, open_objects
 from cryobox.store.transfer import Progress
 
@@ -32,6 +32,10 @@ class ChunkStore:
     @functools.cached_property
     def key(self) -> DataKey:
         return data_key(self.objects, self.tenant)
+
+    def has_key(self) -> bool:
+        """Whether the tenant has a data key in the store (it never stored anything else)."""
+        return self.objects.exists(record_key(self.tenant))
 
     def push(
         self,
@@ -113,6 +117,3 @@ class ChunkStore:
 
     def delete_pause(self, sandbox_id: str) -> None:
         self.objects.delete(catalog.pause_key(self.tenant, sandbox_id))
-
-    def stored_bytes(self, stored: StoredSnapshot) -> int:
-        return sum(stored.stored_sizes().values())

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed
 from cryobox.store import catalog, chunks, locks
-from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import ObjectMissing
 
@@ -33,16 +32,6 @@ class SweepResult:
     skipped: str | None = None
 
 
-def _strict_all(store: ChunkStore) -> list[StoredSnapshot]:
-    """Every store manifest of the tenant; one that does not verify raises."""
-    found = []
-    for prefix in (f"snapshots/{store.tenant}/", f"pauses/{store.tenant}/"):
-        for info in store.objects.list(prefix):
-            if info.key.endswith(".json"):
-                found.append(catalog.load(store.objects, store.key, info.key))
-    return found
-
-
 def sweep(store: ChunkStore, grace: float = GRACE) -> SweepResult:
     """Remove the tenant's chunks that no stored snapshot names."""
     result = SweepResult()
@@ -51,7 +40,8 @@ def sweep(store: ChunkStore, grace: float = GRACE) -> SweepResult:
             result.skipped = "an upload is running; chunks are swept next time"
             return result
         try:
-            referenced = set().union(*(s.chunk_names() for s in _strict_all(store)))
+            stored = catalog.all_stored(store.objects, store.key, strict=True)
+            referenced = set().union(*(s.chunk_names() for s in stored))
         except (SnapshotVerificationFailed, SnapshotNotFound) as exc:
             result.skipped = f"a store manifest does not verify ({exc}); run `cryobox store check`"
             return result
@@ -76,34 +66,29 @@ class CheckResult:
 def check(store: ChunkStore, *, deep: bool = True) -> CheckResult:
     """Verify every stored snapshot of the tenant and every chunk it names."""
     result = CheckResult()
-    present = {
-        info.key.rsplit("/", 1)[-1] for info in store.objects.list(f"chunks/{store.tenant}/")
-    }
-    for prefix in (f"snapshots/{store.tenant}/", f"pauses/{store.tenant}/"):
-        for info in store.objects.list(prefix):
-            if not info.key.endswith(".json"):
-                continue
-            try:
-                stored = catalog.load(store.objects, store.key, info.key)
-            except (SnapshotVerificationFailed, SnapshotNotFound) as exc:
-                result.problems.append(f"{info.key}: {exc}")
-                continue
-            result.snapshots += 1
-            for name, entry in sorted(stored.files.items()):
-                for offset, chunk, _ in entry["chunks"]:
-                    where = f"snapshot {stored.id}: {name} chunk at offset {offset} ({chunk[:16]})"
-                    if chunk not in present:
+    present = catalog.chunk_sizes(store.objects, store.tenant)
+    for object_key in catalog.record_keys(store.objects, store.tenant):
+        try:
+            stored = catalog.load(store.objects, store.key, object_key)
+        except (SnapshotVerificationFailed, SnapshotNotFound) as exc:
+            result.problems.append(f"{object_key}: {exc}")
+            continue
+        result.snapshots += 1
+        for name, entry in sorted(stored.files.items()):
+            for offset, chunk, _ in entry["chunks"]:
+                where = f"snapshot {stored.id}: {name} chunk at offset {offset} ({chunk[:16]})"
+                if chunk not in present:
+                    result.problems.append(f"{where}: missing")
+                    continue
+                result.chunks += 1
+                if deep:
+                    try:
+                        blob = store.objects.get(catalog.chunk_key(store.tenant, chunk))
+                        chunks.open_chunk(store.key, chunk, blob)
+                    except ObjectMissing:
                         result.problems.append(f"{where}: missing")
-                        continue
-                    result.chunks += 1
-                    if deep:
-                        try:
-                            blob = store.objects.get(catalog.chunk_key(store.tenant, chunk))
-                            chunks.open_chunk(store.key, chunk, blob)
-                        except ObjectMissing:
-                            result.problems.append(f"{where}: missing")
-                        except chunks.ChunkRefused as exc:
-                            result.problems.append(f"{where}: {exc}")
+                    except chunks.ChunkRefused as exc:
+                        result.problems.append(f"{where}: {exc}")
     return result
 
 
@@ -128,10 +113,7 @@ def usage(store: ChunkStore) -> TenantUsage:
     """Bytes in the store: per snapshot what only it holds (unique) and what it shares
     with others, and the tenant's total (every chunk once)."""
     stored = store.all()
-    sizes = {
-        info.key.rsplit("/", 1)[-1]: info.size
-        for info in store.objects.list(f"chunks/{store.tenant}/")
-    }
+    sizes = catalog.chunk_sizes(store.objects, store.tenant)
     holders: dict[str, int] = {}
     for snapshot in stored:
         for name in snapshot.chunk_names():

@@ -48,6 +48,11 @@ class DataKey:
     mac: bytes  # HMAC-SHA256 of store manifests
 
 
+def record_key(tenant: str) -> str:
+    """Where the tenant's wrapped data key is in the store."""
+    return f"keys/{tenant}.json"
+
+
 def check_tenant(tenant: str) -> str:
     if not _TENANT.fullmatch(tenant):
         raise InvalidArgument(f"not a tenant name for the store: {tenant!r}")
@@ -144,16 +149,16 @@ def data_key(objects: ObjectStore, tenant: str) -> DataKey:
 
 def _read_record(objects: ObjectStore, tenant: str) -> dict[str, str] | None:
     try:
-        value = json.loads(objects.get(f"keys/{tenant}.json"))
+        value = json.loads(objects.get(record_key(tenant)))
     except ObjectMissing:
         return None
     except ValueError as exc:
-        raise StoreError(objects.url, f"reading keys/{tenant}.json", str(exc)) from exc
+        raise StoreError(objects.url, f"reading {record_key(tenant)}", str(exc)) from exc
     if not isinstance(value, dict) or value.get("tenant") != tenant:
-        raise StoreError(objects.url, f"reading keys/{tenant}.json", "not this tenant's key")
+        raise StoreError(objects.url, f"reading {record_key(tenant)}", "not this tenant's key")
     missing = [f for f in ("id", "kek", "nonce", "wrapped") if not isinstance(value.get(f), str)]
     if missing:
-        raise StoreError(objects.url, f"reading keys/{tenant}.json", f"no {', '.join(missing)}")
+        raise StoreError(objects.url, f"reading {record_key(tenant)}", f"no {', '.join(missing)}")
     return {k: str(v) for k, v in value.items()}
 
 
@@ -164,7 +169,7 @@ def _create(objects: ObjectStore, tenant: str) -> dict[str, str]:
             raise StoreError(
                 objects.url,
                 f"opening tenant {tenant}'s data key",
-                f"keys/{tenant}.json is missing but the store holds {prefix}: restore it",
+                f"{record_key(tenant)} is missing but the store holds {prefix}: restore it",
             )
     keks = _keks(tenant)
     if not keks:
@@ -173,7 +178,7 @@ def _create(objects: ObjectStore, tenant: str) -> dict[str, str]:
         write_json_atomic(_kek_file(tenant), keks)
     kek_id = str(keks["current"])
     record = _wrap(_kek(tenant, kek_id), kek_id, tenant, _new_id("key"), os.urandom(96))
-    objects.put(f"keys/{tenant}.json", json.dumps(record).encode())
+    objects.put(record_key(tenant), json.dumps(record).encode())
     return record
 
 
@@ -198,6 +203,6 @@ def rotate(objects: ObjectStore, tenant: str) -> str:
         write_json_atomic(_kek_file(tenant), {"current": old.get("current"), "keys": keys})
         raw = key.seal + key.name + key.mac
         new = _wrap(kek, kek_id, tenant, key.id, raw)
-        objects.put(f"keys/{tenant}.json", json.dumps(new).encode())
+        objects.put(record_key(tenant), json.dumps(new).encode())
         write_json_atomic(_kek_file(tenant), {"current": kek_id, "keys": {kek_id: _b64(kek)}})
         return kek_id

@@ -32,11 +32,6 @@ Progress = Callable[[int, int], None]
 WORKERS = 4
 
 
-def known_chunks(objects: ObjectStore, tenant: str) -> dict[str, int]:
-    """Every chunk the tenant has in the store, with its stored size (one listing)."""
-    return {info.key.rsplit("/", 1)[-1]: info.size for info in objects.list(f"chunks/{tenant}/")}
-
-
 def _push_file(
     objects: ObjectStore,
     key: DataKey,
@@ -100,7 +95,7 @@ def push(
             progress(done, total)
 
     with locks.uploading(objects, key.tenant), ThreadPoolExecutor(WORKERS) as pool:
-        known = known_chunks(objects, key.tenant)
+        known = catalog.chunk_sizes(objects, key.tenant)
         reused: set[str] = set()
         files = {
             name: _push_file(objects, key, folder / name, known, pool, tick, reused)

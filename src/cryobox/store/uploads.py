@@ -153,12 +153,12 @@ def upload(folder: Path) -> bool:
     return True
 
 
-def _stat(path: Path) -> tuple[int, int, int] | None:
+def _stat(path: Path) -> list[int] | None:
+    """The file's version (as a verification stamp records it), None when it is gone."""
     try:
-        st = path.stat()
+        return mf.stat_key(path)
     except FileNotFoundError:
         return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def run() -> None:
