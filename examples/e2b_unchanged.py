@@ -21,7 +21,9 @@ with Sandbox.create(envs={"GREETING": "hello"}, metadata={"example": "e2b"}) as 
     print("exit code", result.exit_code)
 
     counter = sbx.commands.run(
-        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
+        # written to a new name and renamed, so a read never sees a half-written count
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; "
+        "mv /tmp/count.new /tmp/count; sleep 0.2; done",
         background=True,
         timeout=0,
     )

@@ -120,7 +120,9 @@ def test_pause_then_connect_keeps_every_process_running() -> None:
     sandbox = e2b.Sandbox.create()
     try:
         counter = sandbox.commands.run(
-            "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
+            # written to a new name and renamed, so a read never sees a half-written count
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; "
+            "mv /tmp/count.new /tmp/count; sleep 0.2; done",
             background=True,
             timeout=0,
         )
