@@ -9,8 +9,9 @@ CRYOBOX   := $(VENV)/bin/cryobox
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Host tools: QEMU (without its GUI), the image build chain.
 # The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
+# PostgreSQL: the tests of the multi-host server start one in a temporary folder.
 APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates \
-                iproute2 util-linux nftables
+                iproute2 util-linux nftables postgresql
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done
 

@@ -25,6 +25,8 @@ class ApiServer:
     env: dict[str, str]
     log: Path
     key: str = ""
+    #: PostgreSQL shared with other servers, instead of the SQLite file ``database``.
+    database_url: str | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -35,10 +37,16 @@ class ApiServer:
         """The environment of a process that uses this server (the CLI, say)."""
         return {**self.env, "CRYOBOX_API_URL": self.url, "CRYOBOX_API_KEY": key or self.key}
 
+    @property
+    def database_options(self) -> list[str]:
+        if self.database_url:
+            return ["--database-url", self.database_url]
+        return ["--database", str(self.database)]
+
     def tenant(self, name: str, *options: str) -> str:
         """Create a tenant with ``cryobox tenant create``; its key (the last line)."""
         done = subprocess.run(
-            [*CLI, "tenant", "create", name, "--database", str(self.database), *options],
+            [*CLI, "tenant", "create", name, *self.database_options, *options],
             capture_output=True,
             text=True,
             env=self.env,
@@ -55,8 +63,7 @@ class ApiServer:
                     "server",
                     "--port",
                     str(self.port),
-                    "--database",
-                    str(self.database),
+                    *self.database_options,
                     "--tick",
                     "0.2",
                     "--storage-interval",
@@ -87,13 +94,16 @@ class ApiServer:
                 self.process.wait()
 
 
-def make_server(folder: Path, env: dict[str, str] | None = None) -> ApiServer:
+def make_server(
+    folder: Path, env: dict[str, str] | None = None, database_url: str | None = None
+) -> ApiServer:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as cryobox's own
     server = ApiServer(
         port=free_port(),
         database=folder / "server.db",
         env={**os.environ, **(env or {})},
         log=folder / "server.log",
+        database_url=database_url,
     )
     for name in ("CRYOBOX_API_URL", "CRYOBOX_API_KEY"):
         server.env.pop(name, None)

@@ -31,7 +31,7 @@ os.environ["CRYOBOX_STATE_DIR"] = str(_STATE)
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill anything a test left behind, then remove the state folder."""
-    for record in _STATE.glob("sandboxes/*/state.json"):
+    for record in _STATE.glob("**/sandboxes/*/state.json"):  # other hosts' folders too
         with_pids = json.loads(record.read_text())
         for key in ("supervisor_pid", "qemu_pid"):
             pid = with_pids.get(key)
@@ -115,6 +115,19 @@ def api_server() -> Iterator[ApiServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """A real PostgreSQL server on a loopback port, for the whole session."""
+    from postgres_server import PostgresServer
+
+    server = PostgresServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

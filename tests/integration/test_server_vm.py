@@ -7,7 +7,9 @@ made both ways.)
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import threading
 import time
@@ -19,6 +21,7 @@ import pytest
 
 from api_server import ApiServer, make_server
 from cryobox import Sandbox
+from cryobox.errors import SandboxNotFound
 from cryobox.sandbox import registry
 
 from .guest_http import fetch_until_up
@@ -200,3 +203,44 @@ def test_a_tenants_snapshots_are_stored_under_its_own_key(api_server: ApiServer)
         sbx.kill()
         Sandbox.delete_snapshot("tenant-stored", api_url=api_server.url, api_key=api_server.key)
     assert not list(store_root.glob(f"*/{saved.id}.json"))  # deleted from the store too
+
+
+def test_two_hosts_on_one_postgresql_serve_each_others_sandboxes(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """Host a runs the VM; every call below goes through host b, which forwards it."""
+    url = postgres.create_database("vm_hosts")
+    a = make_server(tmp_path / "a", database_url=url)
+    b_state = Path(os.environ["CRYOBOX_STATE_DIR"]) / "host-b"
+    b = make_server(tmp_path / "b", {"CRYOBOX_STATE_DIR": str(b_state)}, database_url=url)
+    a.key = b.key = a.tenant("two-hosts")
+    a.start()
+    b.start()
+    sbx = Sandbox.create(api_url=a.url, api_key=a.key)
+    try:
+        via_b = Sandbox.connect(sbx.id, api_url=b.url, api_key=b.key)
+        via_b.commands.run(COUNTER, background=True)
+        via_b.files.write("/root/from-b.txt", "through b")
+        assert sbx.files.read("/root/from-b.txt") == b"through b"
+        assert not (b_state / "sandboxes" / sbx.id).exists()  # the VM is a's
+        via_b.pause()
+        assert sbx.info().state == "paused"
+        via_b = Sandbox.resume(sbx.id, api_url=b.url, api_key=b.key)
+        first = int(via_b.files.read("/root/count"))
+        deadline = time.monotonic() + 30
+        while int(via_b.files.read("/root/count")) <= first and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert int(via_b.files.read("/root/count")) > first  # the same loop, still counting
+        via_b.kill()
+        assert Sandbox.list(api_url=a.url, api_key=a.key) == []
+    finally:
+        with contextlib.suppress(SandboxNotFound):
+            Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key).kill()
+        a.stop()
+        b.stop()
+
+
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /root/count.new; "
+    "mv /root/count.new /root/count; sleep 0.2; done"
+)

@@ -37,13 +37,19 @@ from cryobox.errors import (
     SandboxNotFound,
     StateError,
 )
-from cryobox.server.database import MIGRATIONS, Database
+from cryobox.server.database import MIGRATIONS, SqliteDatabase, open_database
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ApiServer]:
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def server(request: pytest.FixtureRequest) -> Iterator[ApiServer]:
+    """The server on each database engine: its SQLite file, then a real PostgreSQL."""
+    url = None
+    if request.param == "postgresql":
+        url = request.getfixturevalue("postgres").create_database("fake_server")
     state = Path(tempfile.mkdtemp(prefix="cbx-srv-"))
-    made = make_server(state / "server", {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state)})
+    made = make_server(
+        state / "server", {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state)}, url
+    )
     made.key = made.tenant("acme")
     made.start()
     yield made
@@ -282,7 +288,7 @@ def test_the_api_meets_its_own_openapi_schema(server: ApiServer) -> None:
 def test_tenant_commands(server: ApiServer) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*CLI, "tenant", *args, "--database", str(server.database)],
+            [*CLI, "tenant", *args, *server.database_options],
             capture_output=True,
             text=True,
             env=server.env,
@@ -312,23 +318,25 @@ def test_tenant_commands(server: ApiServer) -> None:
     assert run("rm", "rotating").returncode == 0
     with pytest.raises(AuthenticationError):
         Sandbox.list(api_url=server.url, api_key=new)
-    row = sqlite3.connect(server.database).execute("SELECT key_hash FROM api_keys").fetchall()
-    assert all(new not in str(r) and old not in str(r) for r in row)  # stored hashed only
+    db = open_database(server.database, server.database_url)
+    rows = db.rows("SELECT * FROM api_keys")
+    db.close()
+    assert rows and all(new not in str(dict(r)) and old not in str(dict(r)) for r in rows)
 
 
 def test_the_database_migrates_forward_and_refuses_a_newer_one(tmp_path: Path) -> None:
     path = tmp_path / "server.db"
-    first = Database(path)
+    first = SqliteDatabase(path)
     assert first.version == len(MIGRATIONS)
     first.execute(
         "INSERT INTO tenants VALUES ('tn-1', 'kept', 0, 1, 1, 1, 1)",
     )
     first.close()
-    assert Database(path).row("SELECT name FROM tenants")["name"] == "kept"  # type: ignore[index]
+    assert SqliteDatabase(path).row("SELECT name FROM tenants")["name"] == "kept"  # type: ignore[index]
     with sqlite3.connect(path) as raw:
         raw.execute(f"PRAGMA user_version={len(MIGRATIONS) + 1}")
     with pytest.raises(InvalidArgument, match="newer than this cryobox knows"):
-        Database(path)
+        SqliteDatabase(path)
 
 
 def test_async_sdk_over_http(server: ApiServer) -> None:

@@ -26,12 +26,31 @@ DatabaseOption = Annotated[
         "--database", help="The server's SQLite file (default $CRYOBOX_STATE_DIR/server.db)."
     ),
 ]
+DatabaseUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        envvar="CRYOBOX_DATABASE_URL",
+        help="PostgreSQL shared by several hosts (postgresql://USER@HOST:PORT/NAME); "
+        "instead of the SQLite file.",
+    ),
+]
 
 
 def server(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port to listen on.")] = 8080,
     database: DatabaseOption = None,
+    database_url: DatabaseUrlOption = None,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            "--advertise-url",
+            envvar="CRYOBOX_ADVERTISE_URL",
+            help="Where other hosts on the same database reach this one "
+            "(default http://HOST:PORT).",
+        ),
+    ] = None,
     tick: Annotated[
         float, typer.Option("--tick", help="Seconds between idle and state checks.")
     ] = 1.0,
@@ -53,25 +72,27 @@ def server(
         host,
         port,
         database,
+        url=database_url,
+        advertise_url=advertise_url,
         tick=tick,
         storage_interval=storage_interval,
         collect_interval=collect_interval,
     )
 
 
-def _tenants(database: str | None):  # type: ignore[no-untyped-def]
-    from cryobox.server import database_path
-    from cryobox.server.database import Database
+def _tenants(database: str | None, url: str | None):  # type: ignore[no-untyped-def]
+    from cryobox.server import connect
     from cryobox.server.tenants import Tenants
 
     os.umask(0o077)  # the database's journal files are as private as the database
-    return Tenants(Database(database_path(database)))
+    return Tenants(connect(database, url))
 
 
 @tenant_app.command("create")
 def tenant_create(
     name: str,
     database: DatabaseOption = None,
+    database_url: DatabaseUrlOption = None,
     max_sandboxes: Annotated[int, typer.Option(help="Sandboxes running at once.")] = 20,
     max_vcpus: Annotated[int, typer.Option(help="vCPUs of running sandboxes.")] = 40,
     max_memory_mib: Annotated[int, typer.Option(help="MiB of running sandboxes.")] = 40960,
@@ -82,16 +103,16 @@ def tenant_create(
 
     with errors_reported():
         quota = Quota(max_sandboxes, max_vcpus, max_memory_mib, max_stored_gib * 1024**3)
-        tenant, key = _tenants(database).create(name, quota)
+        tenant, key = _tenants(database, database_url).create(name, quota)
         out.print(f"tenant {tenant.name} ({tenant.id}) created; its API key:", highlight=False)
         print(key)
 
 
 @tenant_app.command("ls")
-def tenant_ls(database: DatabaseOption = None) -> None:
+def tenant_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption = None) -> None:
     """List tenants with their quotas."""
     with errors_reported():
-        tenants = _tenants(database)
+        tenants = _tenants(database, database_url)
         rows = [
             (
                 t.id,
@@ -108,19 +129,23 @@ def tenant_ls(database: DatabaseOption = None) -> None:
 
 
 @tenant_app.command("key-rotate")
-def tenant_key_rotate(name: str, database: DatabaseOption = None) -> None:
+def tenant_key_rotate(
+    name: str, database: DatabaseOption = None, database_url: DatabaseUrlOption = None
+) -> None:
     """Replace the tenant's keys with a new one (the last line); old keys stop at once."""
     with errors_reported():
-        key = _tenants(database).rotate_key(name)
+        key = _tenants(database, database_url).rotate_key(name)
         out.print(f"new API key of {name} (the old ones no longer work):")
         print(key)
 
 
 @tenant_app.command("rm")
-def tenant_rm(name: str, database: DatabaseOption = None) -> None:
+def tenant_rm(
+    name: str, database: DatabaseOption = None, database_url: DatabaseUrlOption = None
+) -> None:
     """Remove a tenant and its keys (once it has no sandboxes left)."""
     with errors_reported():
-        tenant = _tenants(database).remove(name)
+        tenant = _tenants(database, database_url).remove(name)
         out.print(f"removed tenant {tenant.name}")
 
 

@@ -53,7 +53,10 @@ class E2bRecords:
             dict(envs),
         )
         self.db.execute(
-            "INSERT OR REPLACE INTO e2b_sandboxes VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO e2b_sandboxes VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (sandbox_id) "
+            "DO UPDATE SET tenant_id = excluded.tenant_id, template_id = excluded.template_id, "
+            "access_token = excluded.access_token, started_at = excluded.started_at, "
+            "metadata = excluded.metadata, envs = excluded.envs",
             (
                 record.sandbox_id,
                 record.tenant_id,

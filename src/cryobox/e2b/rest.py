@@ -29,6 +29,7 @@ from cryobox.errors import (
     StateError,
 )
 from cryobox.models import CreateRequest, SandboxInfo
+from cryobox.server.forward import credentials
 from cryobox.server.hub import Hub
 from cryobox.server.tenants import Tenant
 from cryobox.snapshot.manifest import SnapshotPurpose
@@ -210,7 +211,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         after = _parse_time(startedAfter) if startedAfter else None
         wanted_meta = {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "")}
         found = []
-        for info in await hub.list(me):
+        for info in await hub.list(me, credentials=credentials(request)):
             rec = records.get(info.id)
             if rec is None or detail(info, rec)["state"] not in wanted_states:
                 continue

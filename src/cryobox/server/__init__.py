@@ -1,6 +1,6 @@
 """``cryobox server``: the HTTP API for remote agents, with tenants, idle pause and wake,
 and metering, over the same service the embedded SDK uses."""
 
-from .run import database_path, serve
+from .run import connect, database_path, serve
 
-__all__ = ["database_path", "serve"]
+__all__ = ["connect", "database_path", "serve"]

@@ -46,6 +46,7 @@ from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
 
 from . import schemas as s
+from .forward import Forward, credentials
 from .hub import Hub
 from .limits import BodyLimit
 from .tenants import Tenant
@@ -181,6 +182,8 @@ def create_app(
     app.include_router(e2b_rest.e2b_router(hub, records, envd.forget))
     app.include_router(envd_router(envd))
     app.add_middleware(EnvdRpc, envd=envd)
+    # Another host's sandbox: passed on whole, before any route or envd reads it.
+    app.add_middleware(Forward, locate=hub.locate)
     app.add_middleware(BodyLimit)  # outermost: before anything reads a body
 
     # ------------------------------------------------------------------ health
@@ -213,12 +216,15 @@ def create_app(
 
     @app.get("/sandboxes", tags=["sandboxes"])
     async def list_sandboxes(
+        request: Request,
         me: Me,
         all: bool = False,
         state: Annotated[str | None, Query(max_length=20)] = None,
     ) -> list[SandboxInfo]:
         """The tenant's sandboxes (killed and dead ones too with ``all``), by ``state``."""
-        found = await hub.list(me, all=all or state in ("killed", "dead"))
+        found = await hub.list(
+            me, all=all or state in ("killed", "dead"), credentials=credentials(request)
+        )
         return [info for info in found if state is None or info.state == state]
 
     @app.get("/sandboxes/{sandbox_id}", tags=["sandboxes"])

@@ -1,21 +1,30 @@
-"""The server's own records in SQLite: tenants, their hashed API keys, what each tenant
-owns, idle-pause bookkeeping and metered usage.
+"""The server's own records: tenants, their hashed API keys, what each tenant owns, which
+host runs each sandbox, idle-pause bookkeeping and metered usage.
 
-The sandboxes and snapshots themselves stay where the service keeps them (the state
-folder); this database only says whose they are and what they cost. Migrations are
-numbered statements applied in order under ``PRAGMA user_version``, each in one
-transaction, so a database file from an older release is upgraded at open and a
-newer one is refused.
+Two engines behind one small interface (:class:`Database`): a SQLite file under the
+state folder for one host (the default), or PostgreSQL (``--database-url
+postgresql://...``) shared by several hosts. Statements are written once, in the SQL
+both accept, with ``?`` placeholders; the PostgreSQL side turns those into ``%s`` and
+widens ``INTEGER``/``REAL`` columns to 64 bits (byte counts and timestamps).
+
+The sandboxes and snapshots themselves stay where the service keeps them (each host's
+state folder, and the chunk store); this database only says whose they are, where they
+run and what they cost. Migrations are numbered scripts applied in order, each in one
+transaction (the version in ``PRAGMA user_version`` for SQLite, in the table
+``cryobox_schema`` for PostgreSQL, where an advisory lock keeps two hosts starting at
+once from both applying one), so a database from an older release is upgraded at open
+and a newer one is refused.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cryobox.errors import InvalidArgument
 
@@ -83,20 +92,133 @@ MIGRATIONS: tuple[str, ...] = (
         envs TEXT NOT NULL
     );
     """,
+    # 3: several hosts on one database: which host runs each sandbox and publishes each
+    # port, where a host answers, and quota held by creates under way on any host.
+    """
+    CREATE TABLE hosts (
+        id TEXT PRIMARY KEY,
+        url TEXT NOT NULL,
+        store TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        seen_at REAL NOT NULL
+    );
+    ALTER TABLE sandboxes ADD COLUMN host_id TEXT NOT NULL DEFAULT '';
+    ALTER TABLE ports ADD COLUMN host_id TEXT NOT NULL DEFAULT '';
+    CREATE TABLE reservations (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        host_id TEXT NOT NULL,
+        sandboxes INTEGER NOT NULL,
+        vcpus INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL,
+        created_at REAL NOT NULL
+    );
+    """,
 )
 
 
+class Cursor(Protocol):
+    """What a statement run in a transaction gives back (both engines' cursors)."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Connection(Protocol):
+    """A transaction's connection: ``execute`` with ``?`` placeholders on either engine."""
+
+    def execute(self, sql: str, params: Any = (), /) -> Cursor: ...
+
+
 class Database:
+    """The records' interface. Rows are read by column name (``row["id"]``).
+
+    :meth:`transaction` takes an optional ``lock`` name: transactions holding the same
+    name run one at a time across every host (SQLite's ``BEGIN IMMEDIATE`` already runs
+    every writing transaction alone; PostgreSQL takes an advisory lock).
+    """
+
+    #: ``sqlite`` or ``postgresql``.
+    engine: str
+    #: Where the records are, for messages (a path, or the URL without its password).
+    where: str
+
+    @property
+    def version(self) -> int:
+        raise NotImplementedError
+
+    def transaction(self, lock: str | None = None) -> Any:
+        raise NotImplementedError
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run one statement; the number of rows it changed."""
+        with self.transaction() as conn:
+            return int(conn.execute(sql, params).rowcount)
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        with self.transaction() as conn:
+            return list(conn.execute(sql, params).fetchall())
+
+    def row(self, sql: str, params: Sequence[Any] = ()) -> Any | None:
+        with self.transaction() as conn:
+            return conn.execute(sql, params).fetchone()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _too_new(self, version: int) -> InvalidArgument:
+        return InvalidArgument(
+            f"database {self.where} is at schema version {version}, newer than this "
+            f"cryobox knows ({len(MIGRATIONS)}): upgrade cryobox"
+        )
+
+
+def open_database(path: Path | None = None, url: str | None = None) -> Database:
+    """The server's records: PostgreSQL when ``url`` is a ``postgresql://`` URL, else
+    the SQLite file ``path`` (or the one a ``sqlite:///PATH`` URL names).
+
+    :raises InvalidArgument: for a URL of another kind, or a database that cannot be
+        reached or is newer than this cryobox.
+    """
+    if url:
+        if url.startswith(("postgresql://", "postgres://")):
+            from .postgres import PostgresDatabase
+
+            return PostgresDatabase(url)
+        if url.startswith("sqlite:///"):
+            return SqliteDatabase(Path(url.removeprefix("sqlite://")))
+        raise InvalidArgument(
+            f"database URL {redact(url)!r}: use postgresql://USER@HOST:PORT/NAME or sqlite:///PATH"
+        )
+    if path is None:
+        raise InvalidArgument("no database: give a SQLite path or a database URL")
+    return SqliteDatabase(path)
+
+
+def redact(url: str) -> str:
+    """A database URL fit for a message: its password replaced by ``***``."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+class SqliteDatabase(Database):
     """One SQLite file, shared by the server's threads (one connection, one lock: every
     statement here is short)."""
 
+    engine = "sqlite"
+
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.where = str(path)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.touch(mode=0o600)  # private from its first byte (keys' hashes, usage)
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()
+        self._depth = 0
         self._conn.execute("PRAGMA journal_mode=WAL")
         for companion in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
             if companion.exists():  # made with the process's umask: as private as the file
@@ -112,23 +234,15 @@ class Database:
         :raises InvalidArgument: when the file was written by a newer cryobox.
         """
         with self._lock:
-            version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+            version = self.version
             if version > len(MIGRATIONS):
-                raise InvalidArgument(
-                    f"database {self.path} is at schema version {version}, newer than this "
-                    f"cryobox knows ({len(MIGRATIONS)}): upgrade cryobox"
-                )
+                raise self._too_new(version)
             for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
+                with self.transaction() as conn:
                     for statement in script.split(";"):
                         if statement.strip():
-                            self._conn.execute(statement)
-                    self._conn.execute(f"PRAGMA user_version={number}")
-                    self._conn.execute("COMMIT")
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
+                            conn.execute(statement)
+                    conn.execute(f"PRAGMA user_version={number}")
 
     @property
     def version(self) -> int:
@@ -136,30 +250,38 @@ class Database:
             return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """Statements that stand or fall together."""
+    def transaction(self, lock: str | None = None) -> Iterator[Connection]:
+        """Statements that stand or fall together (nested calls join the outer one)."""
         with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield self._conn
+                finally:
+                    self._depth -= 1
+                return
             self._conn.execute("BEGIN IMMEDIATE")
+            self._depth = 1
             try:
                 yield self._conn
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
+            finally:
+                self._depth = 0
             self._conn.execute("COMMIT")
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run one statement; the number of rows it changed."""
-        with self._lock:
+        with self._lock:  # autocommit: a single statement is its own transaction
             return self._conn.execute(sql, params).rowcount
 
-    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         with self._lock:
             return self._conn.execute(sql, params).fetchall()
 
-    def row(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+    def row(self, sql: str, params: Sequence[Any] = ()) -> Any | None:
         with self._lock:
-            result: sqlite3.Row | None = self._conn.execute(sql, params).fetchone()
-            return result
+            return self._conn.execute(sql, params).fetchone()
 
     def close(self) -> None:
         with self._lock:

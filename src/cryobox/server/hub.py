@@ -5,6 +5,11 @@ is answered exactly as one that does not exist (so ids do not leak across tenant
 quotas are checked before anything starts; lifecycle calls on one sandbox are
 serialized by a lock of that sandbox; a sandbox paused for being idle is woken by the
 next call that uses it. Routes (:mod:`cryobox.server.app`) only translate HTTP.
+
+Several hosts may share one database (PostgreSQL): each runs the sandboxes it started,
+follows only those, and sees the others' through the database (ownership, quotas) and
+through their hosts (a request for one of them is forwarded by
+:mod:`cryobox.server.forward`; a listing asks their hosts).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import logging
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import httpx
 
 from cryobox import config
 from cryobox.errors import (
@@ -42,8 +49,10 @@ from cryobox.service.service import BASE_TEMPLATE, DEFAULT_TEMPLATE
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.store.retention import Policy
 
-from .database import Database
+from .database import Connection, Database
 from .events import EventBus
+from .forward import FORWARDED
+from .hosts import Hosts, host_id, store_identity
 from .meter import Meter, Prices, bytes_on_disk, usage_report
 from .ports import PortProxy
 from .tenants import Quota, Tenant, Tenants
@@ -55,6 +64,8 @@ ACTIVE = ("creating", "running", "resuming")
 #: States a sandbox only passes through (no event is sent for them).
 TRANSIENT = ("creating", "resuming")
 DEFAULT_IDLE_TIMEOUT = 600.0
+#: A reservation older than this was left by a host that stopped mid-create.
+RESERVATION_STALE = 900.0
 
 
 @dataclass
@@ -86,9 +97,12 @@ class Hub:
         *,
         host: str = "127.0.0.1",
         prices: Prices | None = None,
+        advertise_url: str = "",
     ) -> None:
         self.service = service
         self.db = db
+        self.hosts = Hosts(db, host_id(), advertise_url, store_identity())
+        self.me = self.hosts.me
         self.tenants = Tenants(db)
         self.meter = Meter(db)
         self.events = EventBus()
@@ -97,20 +111,75 @@ class Hub:
         self.commands: dict[str, RunningCommand] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._quota_lock = asyncio.Lock()
-        self._reserved: defaultdict[str, _Use] = defaultdict(_Use)
         self._busy: Counter[str] = Counter()
         self._stored: dict[str, int] = {}
+        self._peers: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        """Take over what a previous server left: publish the ports of live sandboxes."""
-        for row in self.db.rows("SELECT * FROM ports"):
+        """Say where this host answers, and take over what a previous server on this host
+        left: publish the ports of its live sandboxes."""
+        self.hosts.register()
+        self._adopt_unplaced()
+        self.db.execute(  # creates this host had under way died with its last server
+            "DELETE FROM reservations WHERE host_id = ? OR created_at < ?",
+            (self.me, time.time() - RESERVATION_STALE),
+        )
+        for row in self.db.rows("SELECT * FROM ports WHERE host_id = ?", (self.me,)):
             with contextlib.suppress(OSError):
                 await self._publish(row["sandbox_id"], row["guest_port"], row["public_port"])
 
+    def _adopt_unplaced(self) -> None:
+        """Rows written before hosts were recorded (schema 2) belong to the host whose
+        state folder has the sandbox."""
+        for row in self.db.rows("SELECT id FROM sandboxes WHERE host_id = ''"):
+            if SandboxDir.for_id(row["id"]).path.exists():
+                mine = (self.me, row["id"])
+                with self.db.transaction() as conn:
+                    conn.execute("UPDATE sandboxes SET host_id = ? WHERE id = ?", mine)
+                    conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", mine)
+
     async def close(self) -> None:
         """Stop serving; the sandboxes go on running (a later server adopts them)."""
+        if self._peers is not None:
+            await self._peers.aclose()
         await self.ports.close()
         await self.service.close()
+
+    # ------------------------------------------------------------------ hosts
+
+    def locate(self, sandbox_id: str) -> str | None:
+        """The URL of the host running ``sandbox_id`` when that is another host with a
+        known address; None when this host should answer (its own, or unknown)."""
+        row = self.db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sandbox_id,))
+        if row is None or row["host_id"] in ("", self.me):
+            return None
+        host = self.hosts.get(row["host_id"])
+        return host.url if host is not None and host.url else None
+
+    def _here(self, sandbox_id: str) -> bool:
+        row = self.db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return row is None or row["host_id"] in ("", self.me)
+
+    async def _remote_info(
+        self, sandbox_id: str, credentials: Mapping[str, str]
+    ) -> SandboxInfo | None:
+        """Another host's sandbox as its host shows it (None when it does not answer)."""
+        from cryobox.client.http_transport import sandbox_info
+
+        url = self.locate(sandbox_id)
+        if url is None:
+            return None
+        if self._peers is None:
+            self._peers = httpx.AsyncClient(timeout=10.0)
+        try:
+            answer = await self._peers.get(
+                f"{url.rstrip('/')}/sandboxes/{sandbox_id}",
+                headers={**credentials, FORWARDED: "1"},
+            )
+        except httpx.HTTPError as exc:
+            log.warning("host at %s did not answer for %s: %s", url, sandbox_id, exc)
+            return None
+        return sandbox_info(answer.json()) if answer.status_code == 200 else None
 
     # ------------------------------------------------------------------ ownership
 
@@ -156,17 +225,30 @@ class Hub:
 
     # ------------------------------------------------------------------ quotas
 
-    def _in_use(self, tenant: Tenant) -> _Use:
+    def _in_use(self, tenant: Tenant, conn: Connection) -> _Use:
+        """What the tenant's sandboxes hold on every host, and creates under way: this
+        host's sandboxes by their records, other hosts' by their last observed state."""
         use = _Use()
-        for tracked in self.meter.tracked(tenant.id):
-            try:
-                state = SandboxDir.for_id(tracked.id).record().state.value
-            except (CryoboxError, OSError):
-                continue
+        rows = conn.execute(
+            "SELECT id, host_id, cpus, memory_mib, last_state FROM sandboxes WHERE tenant_id = ?",
+            (tenant.id,),
+        ).fetchall()
+        for row in rows:
+            state = row["last_state"]
+            if row["host_id"] in ("", self.me):
+                try:
+                    state = SandboxDir.for_id(row["id"]).record().state.value
+                except (CryoboxError, OSError):
+                    continue
             if state in ACTIVE:
-                use.sandboxes += 1
-                use.vcpus += tracked.cpus
-                use.memory_mib += tracked.memory_mib
+                use.add(_Use(1, row["cpus"], row["memory_mib"]))
+        held = conn.execute(
+            "SELECT sandboxes, vcpus, memory_mib FROM reservations "
+            "WHERE tenant_id = ? AND created_at > ?",
+            (tenant.id, time.time() - RESERVATION_STALE),
+        ).fetchall()
+        for row in held:
+            use.add(_Use(row["sandboxes"], row["vcpus"], row["memory_mib"]))
         return use
 
     @asynccontextmanager
@@ -178,11 +260,20 @@ class Hub:
         :raises QuotaExceeded: naming the first limit that would be passed.
         """
         asked = _Use(count, count * cpus, count * memory_mib)
+        reservation = uuid.uuid4().hex
         async with self._quota_lock:
-            held = self._reserved[tenant.id]
-            total = _Use()
-            for part in (self._in_use(tenant), held, asked):
-                total.add(part)
+            await asyncio.to_thread(self._hold, tenant, asked, reservation)
+        try:
+            yield
+        finally:
+            self.db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
+
+    def _hold(self, tenant: Tenant, asked: _Use, reservation: str) -> None:
+        """Check the quotas and record the reservation in one transaction, one at a time
+        per tenant on every host (so two hosts cannot both take the last place)."""
+        with self.db.transaction(lock=f"quota:{tenant.id}") as conn:
+            total = self._in_use(tenant, conn)
+            total.add(asked)
             q = tenant.quota
             for limit, allowed, wanted in (
                 ("max_sandboxes", q.max_sandboxes, total.sandboxes),
@@ -191,11 +282,18 @@ class Hub:
             ):
                 if wanted > allowed:
                     raise QuotaExceeded(limit, allowed, wanted)
-            held.add(asked)
-        try:
-            yield
-        finally:
-            held.add(asked, -1)
+            conn.execute(
+                "INSERT INTO reservations VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    reservation,
+                    tenant.id,
+                    self.me,
+                    asked.sandboxes,
+                    asked.vcpus,
+                    asked.memory_mib,
+                    time.time(),
+                ),
+            )
 
     def _check_storage(self, tenant: Tenant) -> None:
         stored = self._stored.get(tenant.id, 0)
@@ -224,7 +322,7 @@ class Hub:
     async def _adopt_new(self, tenant: Tenant, info: SandboxInfo, idle_timeout: float) -> None:
         """Make a sandbox just started the tenant's: owned, tracked, ports published."""
         self.tenants.own(tenant.id, "sandbox", info.id)
-        self.meter.track(info.id, tenant.id, info.cpus, info.memory_mib, idle_timeout)
+        self.meter.track(info.id, tenant.id, info.cpus, info.memory_mib, idle_timeout, self.me)
         for guest_port in info.ports:
             await self._publish(info.id, guest_port)
         self.events.publish(tenant.id, info.id, "created", origin=info.origin)
@@ -233,7 +331,10 @@ class Hub:
         """Listen for the port and record the public port actually bound."""
         public = await self.ports.publish(sandbox_id, guest_port, wanted)
         self.db.execute(
-            "INSERT OR REPLACE INTO ports VALUES (?, ?, ?)", (sandbox_id, guest_port, public)
+            "INSERT INTO ports (sandbox_id, guest_port, public_port, host_id) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (sandbox_id, guest_port) "
+            "DO UPDATE SET public_port = excluded.public_port, host_id = excluded.host_id",
+            (sandbox_id, guest_port, public, self.me),
         )
         return public
 
@@ -260,15 +361,28 @@ class Hub:
         self._sandbox(tenant, sandbox_id)
         return self._present(await self.service.get(sandbox_id))
 
-    async def list(self, tenant: Tenant, *, all: bool = False) -> builtins.list[SandboxInfo]:
+    async def list(
+        self,
+        tenant: Tenant,
+        *,
+        all: bool = False,
+        credentials: Mapping[str, str] | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """The tenant's sandboxes: this host's from its records, other hosts' from those
+        hosts (asked with the caller's ``credentials``; one that does not answer is left
+        out of the list, not failed)."""
         found = []
         for sandbox_id in self.tenants.owned(tenant.id, "sandbox"):
-            try:
-                info = await self.service.get(sandbox_id)
-            except SandboxNotFound:
-                continue
-            if all or info.state not in ("killed", "dead"):
-                found.append(self._present(info))
+            info: SandboxInfo | None
+            if self._here(sandbox_id):
+                try:
+                    info = self._present(await self.service.get(sandbox_id))
+                except SandboxNotFound:
+                    continue
+            else:
+                info = await self._remote_info(sandbox_id, credentials or {})
+            if info is not None and (all or info.state not in ("killed", "dead")):
+                found.append(info)
         return found
 
     async def kill(self, tenant: Tenant, sandbox_id: str) -> None:
@@ -511,7 +625,8 @@ class Hub:
         """Follow every tracked sandbox: record state changes (and tell subscribers),
         meter compute, pause the idle ones."""
         now = time.time()
-        for tracked in self.meter.tracked():
+        self.hosts.heartbeat()
+        for tracked in self.meter.tracked(host_id=self.me):
             if self._locks[tracked.id].locked():
                 continue  # a lifecycle call is under way; it records what it did
             try:
@@ -550,9 +665,11 @@ class Hub:
 
     async def collect(self) -> None:
         """Retention and collection for every tenant: expired snapshots they own, stored
-        pauses no longer needed, unreferenced chunks; then unused checkpoints."""
+        pauses no longer needed, unreferenced chunks (by one host per shared store); then
+        this host's unused checkpoints."""
         policy = Policy.from_env()
-        for tenant in self.tenants.all():
+        leads = await asyncio.to_thread(self.hosts.leads_store)
+        for tenant in self.tenants.all() if leads else []:
             owned = set(self.tenants.owned(tenant.id, "snapshot"))
             with acting_for(tenant.id):
                 report = await asyncio.to_thread(self.service.persist.collect, policy, owned=owned)
@@ -571,8 +688,9 @@ class Hub:
 
     async def measure_storage(self, seconds: float) -> None:
         """Count the saved state each tenant holds for ``seconds``: the tenant's bytes in
-        the chunk store (each chunk once), plus what is only on this host so far (paused
-        machines and owned snapshots not stored yet)."""
+        the chunk store (each chunk once; counted by one host per shared store), plus what
+        is only on this host so far (paused machines and owned snapshots not stored yet)."""
+        leads = await asyncio.to_thread(self.hosts.leads_store)
         for tenant in self.tenants.all():
             try:
                 stored = await asyncio.to_thread(self.service.persist.usage_of, tenant.id)
@@ -582,7 +700,7 @@ class Hub:
             pauses = {u.sandbox: u.unique_bytes for u in stored.snapshots} if stored else {}
             in_store = {u.id for u in stored.snapshots} if stored else set()
             by_sandbox: dict[str, int] = {}
-            for tracked in self.meter.tracked(tenant.id):
+            for tracked in self.meter.tracked(tenant.id, host_id=self.me):
                 if tracked.last_state == "paused":
                     if tracked.id in pauses:
                         by_sandbox[tracked.id] = pauses[tracked.id]
@@ -595,9 +713,10 @@ class Hub:
                     with contextlib.suppress(CryoboxError, OSError):
                         local_only += self.service.store.stored_bytes(snapshot_id)
             unpaused = sum(v for k, v in by_sandbox.items() if k not in pauses)
-            total = (stored.stored_bytes if stored else 0) + unpaused + local_only
-            self._stored[tenant.id] = total
-            self.meter.accrue_storage(tenant.id, by_sandbox, total, seconds)
+            in_store_bytes = stored.stored_bytes if stored else 0
+            self._stored[tenant.id] = in_store_bytes + unpaused + local_only  # for the quota
+            counted = (in_store_bytes if leads else 0) + unpaused + local_only
+            self.meter.accrue_storage(tenant.id, by_sandbox, counted, seconds)
 
 
 def _tenant_template(tenant: Tenant, name: str) -> str:

@@ -59,21 +59,36 @@ class Meter:
         self.db = db
 
     def track(
-        self, sandbox_id: str, tenant_id: str, cpus: int, memory_mib: int, idle_timeout: float
+        self,
+        sandbox_id: str,
+        tenant_id: str,
+        cpus: int,
+        memory_mib: int,
+        idle_timeout: float,
+        host_id: str,
     ) -> None:
+        """Start tracking a sandbox that ``host_id`` runs."""
         now = time.time()
         self.db.execute(
-            "INSERT OR REPLACE INTO sandboxes (id, tenant_id, cpus, memory_mib, idle_timeout, "
-            "last_activity, last_state, running_since) VALUES (?, ?, ?, ?, ?, ?, 'running', ?)",
-            (sandbox_id, tenant_id, cpus, memory_mib, idle_timeout, now, now),
+            "INSERT INTO sandboxes (id, tenant_id, cpus, memory_mib, idle_timeout, "
+            "last_activity, last_state, running_since, host_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?) ON CONFLICT (id) DO UPDATE SET "
+            "tenant_id = excluded.tenant_id, cpus = excluded.cpus, "
+            "memory_mib = excluded.memory_mib, idle_timeout = excluded.idle_timeout, "
+            "last_activity = excluded.last_activity, last_state = excluded.last_state, "
+            "running_since = excluded.running_since, host_id = excluded.host_id",
+            (sandbox_id, tenant_id, cpus, memory_mib, idle_timeout, now, now, host_id),
         )
 
-    def tracked(self, tenant_id: str | None = None) -> list[Tracked]:
-        """Every tracked sandbox, or one tenant's."""
-        if tenant_id is None:
-            return [_tracked(r) for r in self.db.rows("SELECT * FROM sandboxes")]
-        rows = self.db.rows("SELECT * FROM sandboxes WHERE tenant_id = ?", (tenant_id,))
-        return [_tracked(r) for r in rows]
+    def tracked(self, tenant_id: str | None = None, *, host_id: str | None = None) -> list[Tracked]:
+        """Every tracked sandbox, or one tenant's; with ``host_id``, only that host's (and
+        any recorded before hosts were)."""
+        sql, params = "SELECT * FROM sandboxes WHERE 1 = 1", []
+        if tenant_id is not None:
+            sql, params = sql + " AND tenant_id = ?", [tenant_id]
+        if host_id is not None:
+            sql, params = sql + " AND host_id IN (?, '')", [*params, host_id]
+        return [_tracked(r) for r in self.db.rows(sql, params)]
 
     def get(self, sandbox_id: str) -> Tracked | None:
         row = self.db.row("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -12,7 +13,7 @@ from cryobox import config
 from cryobox.service import SandboxService
 
 from .app import create_app
-from .database import Database
+from .database import Database, open_database
 from .hub import Hub
 from .meter import Prices
 
@@ -23,23 +24,48 @@ def database_path(database: str | None = None) -> Path:
     return Path(database or os.environ.get("CRYOBOX_DATABASE") or config.state_dir() / "server.db")
 
 
+def database_url(url: str | None = None) -> str | None:
+    """``--database-url`` or ``CRYOBOX_DATABASE_URL`` (PostgreSQL, for several hosts)."""
+    return url or os.environ.get("CRYOBOX_DATABASE_URL") or None
+
+
+def connect(database: str | None = None, url: str | None = None) -> Database:
+    """The server's records: PostgreSQL at the database URL when one is given, else the
+    SQLite file."""
+    return open_database(database_path(database), database_url(url))
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 8080,
     database: str | None = None,
     *,
+    url: str | None = None,
+    advertise_url: str | None = None,
     tick: float = 1.0,
     storage_interval: float = 60.0,
     collect_interval: float = 3600.0,
 ) -> None:
     """Serve until SIGINT or SIGTERM. Stopping pauses and kills nothing: the sandboxes
-    run on under their supervisors, and the next server takes them over."""
+    run on under their supervisors, and the next server takes them over.
+
+    With a PostgreSQL ``url`` shared by several hosts, ``advertise_url`` is where the
+    other hosts reach this one (default ``http://HOST:PORT``; give it when listening on
+    all addresses or behind NAT)."""
     os.umask(0o077)  # its database and everything it writes hold tenants' secrets
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    advertised = advertise_url or os.environ.get("CRYOBOX_ADVERTISE_URL") or ""
+    if not advertised:
+        shown = host if host not in ("0.0.0.0", "::", "") else socket.getfqdn()
+        advertised = f"http://{shown}:{port}"
     hub = Hub(
-        SandboxService(), Database(database_path(database)), host=host, prices=Prices.from_env()
+        SandboxService(),
+        connect(database, url),
+        host=host,
+        prices=Prices.from_env(),
+        advertise_url=advertised,
     )
     app = create_app(
         hub, tick=tick, storage_interval=storage_interval, collect_interval=collect_interval

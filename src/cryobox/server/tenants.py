@@ -119,8 +119,8 @@ class Tenants:
         return [_tenant(row) for row in self.db.rows("SELECT * FROM tenants ORDER BY created_at")]
 
     def key_count(self, tenant: Tenant) -> int:
-        row = self.db.row("SELECT COUNT(*) FROM api_keys WHERE tenant_id = ?", (tenant.id,))
-        return int(row[0]) if row else 0
+        row = self.db.row("SELECT COUNT(*) AS n FROM api_keys WHERE tenant_id = ?", (tenant.id,))
+        return int(row["n"]) if row else 0
 
     def rotate_key(self, name_or_id: str) -> str:
         """Replace every key of the tenant with one new key (old keys stop at once)."""
@@ -164,7 +164,8 @@ class Tenants:
 
     def own(self, tenant_id: str, kind: Kind, resource_id: str) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO owned VALUES (?, ?, ?, ?)",
+            "INSERT INTO owned VALUES (?, ?, ?, ?) ON CONFLICT (kind, id) DO UPDATE SET "
+            "tenant_id = excluded.tenant_id, created_at = excluded.created_at",
             (kind, resource_id, tenant_id, time.time()),
         )
 
@@ -172,7 +173,7 @@ class Tenants:
         row = self.db.row(
             "SELECT tenant_id FROM owned WHERE kind = ? AND id = ?", (kind, resource_id)
         )
-        return str(row[0]) if row else None
+        return str(row["tenant_id"]) if row else None
 
     def owns(self, tenant_id: str, kind: Kind, resource_id: str) -> bool:
         return self.owner(kind, resource_id) == tenant_id
@@ -182,7 +183,7 @@ class Tenants:
             "SELECT id FROM owned WHERE tenant_id = ? AND kind = ? ORDER BY created_at",
             (tenant_id, kind),
         )
-        return [str(r[0]) for r in rows]
+        return [str(r["id"]) for r in rows]
 
     def disown(self, kind: Kind, resource_id: str) -> None:
         self.db.execute("DELETE FROM owned WHERE kind = ? AND id = ?", (kind, resource_id))

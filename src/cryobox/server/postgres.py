@@ -1,0 +1,128 @@
+"""The server's records in PostgreSQL, for several hosts sharing one database.
+
+A connection pool (``psycopg_pool``) serves the server's threads and replaces
+connections the database dropped; statements keep the ``?`` placeholders the SQLite
+side uses, turned into ``%s`` here, and the migrations' ``INTEGER``/``REAL`` columns are
+widened to ``BIGINT``/``DOUBLE PRECISION`` (byte counts above 2 GiB, timestamps to the
+microsecond).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from cryobox.errors import InvalidArgument
+
+from .database import MIGRATIONS, Connection, Cursor, Database, redact
+
+#: Seconds to wait for the database at open, and for a free connection later.
+CONNECT_TIMEOUT = 15.0
+#: The advisory lock every migration runs under (any constant shared by all hosts).
+_MIGRATION_LOCK = 0x63727962  # "cryb"
+
+
+class PostgresDatabase(Database):
+    engine = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        self.where = redact(url)
+        self._pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=8,
+            kwargs={"autocommit": True, "row_factory": dict_row},
+            check=ConnectionPool.check_connection,
+            timeout=CONNECT_TIMEOUT,
+            open=False,
+            name="cryobox",
+        )
+        try:
+            self._pool.open(wait=True, timeout=CONNECT_TIMEOUT)
+        except PoolTimeout as exc:
+            self._pool.close()
+            raise InvalidArgument(
+                f"cannot reach the database {self.where} within {CONNECT_TIMEOUT:.0f} s "
+                "(is PostgreSQL running there, and does the URL name its user and database?)"
+            ) from exc
+        self.migrate()
+
+    def migrate(self) -> None:
+        """Apply missing migrations, one transaction each, under an advisory lock.
+
+        :raises InvalidArgument: when the database was written by a newer cryobox.
+        """
+        with self._pool.connection() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            conn.execute("CREATE TABLE IF NOT EXISTS cryobox_schema (version BIGINT NOT NULL)")
+            if conn.execute("SELECT version FROM cryobox_schema").fetchone() is None:
+                conn.execute("INSERT INTO cryobox_schema VALUES (0)")
+        for number, script in enumerate(MIGRATIONS, start=1):
+            with self._pool.connection() as conn, conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+                version = _version(conn)
+                if version > len(MIGRATIONS):
+                    raise self._too_new(version)
+                if version >= number:
+                    continue
+                for statement in script.split(";"):
+                    if statement.strip():
+                        conn.execute(_postgres_schema(statement))
+                conn.execute("UPDATE cryobox_schema SET version = %s", (number,))
+        version = self.version
+        if version > len(MIGRATIONS):
+            raise self._too_new(version)
+
+    @property
+    def version(self) -> int:
+        with self._pool.connection() as conn:
+            return _version(conn)
+
+    @contextmanager
+    def transaction(self, lock: str | None = None) -> Iterator[Connection]:
+        """Statements that stand or fall together; with ``lock``, also one at a time
+        with every other transaction holding that name, on any host."""
+        with self._pool.connection() as conn, conn.transaction():
+            if lock is not None:
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(lock),))
+            yield _Statements(conn)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+class _Statements:
+    """A psycopg connection that takes the ``?`` placeholders of the shared SQL."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
+        return self._conn.execute(_placeholders(sql), tuple(params))
+
+
+def _version(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT version FROM cryobox_schema").fetchone()
+    return int(row["version"]) if row else 0
+
+
+def _placeholders(sql: str) -> str:
+    """``?`` to ``%s`` (the shared statements have no literal ``?`` nor ``%``)."""
+    return sql.replace("?", "%s")
+
+
+def _postgres_schema(statement: str) -> str:
+    statement = re.sub(r"\bINTEGER\b", "BIGINT", statement)
+    return re.sub(r"\bREAL\b", "DOUBLE PRECISION", statement)
+
+
+def _lock_key(name: str) -> int:
+    """A stable 32-bit advisory-lock key for a name (the same on every host)."""
+    return zlib.crc32(name.encode())

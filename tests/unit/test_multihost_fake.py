@@ -1,0 +1,236 @@
+"""Several ``cryobox server`` hosts on one real PostgreSQL, over the fake VMM.
+
+Two real server processes, each with its own state folder (its own "host"), share a
+real PostgreSQL database: tenants made once work on both, a sandbox started on one is
+reached through the other (forwarded to the host it runs on), quotas count every
+host, a host that is down is named instead of hanging, and each host follows only its
+own sandboxes. The same forwarding over real VMs is in
+``tests/integration/test_server_vm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api_server import CLI, ApiServer, make_server
+from cryobox import Sandbox
+from cryobox.errors import InvalidArgument, QuotaExceeded, SandboxNotFound
+from cryobox.server.database import MIGRATIONS, open_database
+
+
+@pytest.fixture(scope="module")
+def hosts(postgres: Any) -> Iterator[tuple[ApiServer, ApiServer]]:
+    url = postgres.create_database("hosts")
+    folder = Path(tempfile.mkdtemp(prefix="cbx-mh-"))
+    made = []
+    for name in ("a", "b"):
+        state = folder / name
+        made.append(
+            make_server(
+                state / "server",
+                {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state)},
+                database_url=url,
+            )
+        )
+    a, b = made
+    a.key = b.key = a.tenant("shared")
+    a.start()
+    b.start()
+    yield a, b
+    for server in (a, b):
+        http = httpx.Client(base_url=server.url, headers={"X-API-Key": a.key}, timeout=30)
+        if server.process is not None and server.process.poll() is None:
+            for info in http.get("/sandboxes", params={"all": "true"}).json():
+                http.delete(f"/sandboxes/{info['id']}")
+        server.stop()
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def http(server: ApiServer, key: str | None = None) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"X-API-Key": key or server.key}, timeout=60)
+
+
+def state_folder(server: ApiServer) -> Path:
+    return Path(server.env["CRYOBOX_STATE_DIR"])
+
+
+def test_a_tenant_made_once_is_known_to_every_host(hosts: tuple[ApiServer, ApiServer]) -> None:
+    a, _ = hosts
+    for server in hosts:
+        assert http(server).get("/sandboxes").status_code == 200
+        assert http(server, "cbx_wrong").get("/sandboxes").status_code == 401
+    listed = subprocess.run(
+        [*CLI, "tenant", "ls", *a.database_options],
+        capture_output=True,
+        text=True,
+        env=a.env,
+        check=True,
+    )
+    assert "shared" in listed.stdout
+    ids = {json.loads(line)["id"] for line in _hosts_rows(a)}
+    assert len(ids) == 2  # each server recorded itself as its own host
+
+
+def _hosts_rows(server: ApiServer) -> list[str]:
+    db = open_database(url=server.database_url)
+    try:
+        return [json.dumps(dict(row)) for row in db.rows("SELECT * FROM hosts")]
+    finally:
+        db.close()
+
+
+def test_a_sandbox_is_reached_through_any_host(hosts: tuple[ApiServer, ApiServer]) -> None:
+    a, b = hosts
+    sbx = Sandbox.create(api_url=a.url, api_key=a.key)
+    try:
+        assert (state_folder(a) / "sandboxes" / sbx.id).is_dir()  # it runs on a...
+        assert not (state_folder(b) / "sandboxes" / sbx.id).exists()  # ...not on b
+        via_b = Sandbox.connect(sbx.id, api_url=b.url, api_key=b.key)
+        seen: list[str] = []
+        result = via_b.commands.run("echo one; echo two", on_stdout=seen.append)
+        assert result.stdout == "one\ntwo\n" and "".join(seen) == "one\ntwo\n"
+        via_b.files.write("/tmp/from-b", b"written through b")
+        assert sbx.files.read("/tmp/from-b") == b"written through b"
+        assert sbx.id in [i.id for i in Sandbox.list(api_url=b.url, api_key=b.key)]
+        time.sleep(1)  # b's monitor ticks (0.2 s) and must leave a's sandbox alone
+        assert sbx.info().state == "running"
+        other = b.tenant("intruder-mh")
+        refused = http(b, other).get(f"/sandboxes/{sbx.id}")
+        assert refused.status_code == 404 and sbx.id in refused.text  # as a missing id
+        assert http(b, other).get(f"/sandboxes/{sbx.id}/logs").status_code == 404
+        assert http(b).get(f"/sandboxes/{sbx.id}").json()["id"] == sbx.id
+    finally:
+        Sandbox.connect(sbx.id, api_url=b.url, api_key=b.key).kill()  # killed through b
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key)
+
+
+def test_quotas_count_the_sandboxes_of_every_host(hosts: tuple[ApiServer, ApiServer]) -> None:
+    a, b = hosts
+    key = a.tenant("one-at-a-time", "--max-sandboxes", "1")
+    first = Sandbox.create(api_url=a.url, api_key=key)
+    try:
+        with pytest.raises(QuotaExceeded, match="max_sandboxes is 1"):
+            Sandbox.create(api_url=b.url, api_key=key)
+    finally:
+        first.kill()
+    Sandbox.create(api_url=b.url, api_key=key).kill()  # the place is free again
+
+
+def test_concurrent_creates_on_two_hosts_never_pass_the_quota(
+    hosts: tuple[ApiServer, ApiServer],
+) -> None:
+    a, b = hosts
+    key = a.tenant("racing", "--max-sandboxes", "2")
+    results: list[Any] = []
+
+    def create(server: ApiServer) -> None:
+        try:
+            results.append(Sandbox.create(api_url=server.url, api_key=key))
+        except QuotaExceeded as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=create, args=(s,)) for s in (a, b, a, b, a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    made = [r for r in results if isinstance(r, Sandbox)]
+    try:
+        assert len(made) == 2, results
+        assert sum(isinstance(r, QuotaExceeded) for r in results) == 4
+    finally:
+        for sbx in made:
+            sbx.kill()
+
+
+def test_a_host_that_is_down_is_named_and_adopts_its_sandboxes_again(
+    hosts: tuple[ApiServer, ApiServer],
+) -> None:
+    a, b = hosts
+    sbx = Sandbox.create(api_url=b.url, api_key=b.key)
+    try:
+        b.stop()
+        answer = http(a).get(f"/sandboxes/{sbx.id}", timeout=30)
+        assert answer.status_code == 503
+        assert sbx.id in answer.json()["detail"] and b.url in answer.json()["detail"]
+        listed = http(a).get("/sandboxes")
+        assert listed.status_code == 200 and sbx.id not in [i["id"] for i in listed.json()]
+        b.start()
+        assert http(a).get(f"/sandboxes/{sbx.id}").json()["state"] == "running"
+        back = Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key)
+        assert back.commands.run("echo still here").stdout == "still here\n"
+    finally:
+        Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key).kill()
+
+
+def test_e2b_paths_are_forwarded_too(hosts: tuple[ApiServer, ApiServer]) -> None:
+    a, b = hosts
+    made = http(a).post("/e2b/sandboxes", json={"templateID": "default"})
+    assert made.status_code == 201, made.text
+    sandbox_id = made.json()["sandboxID"]
+    try:
+        seen = http(b).get(f"/e2b/sandboxes/{sandbox_id}")
+        assert seen.status_code == 200 and seen.json()["sandboxID"] == sandbox_id
+        listed = http(b).get("/e2b/v2/sandboxes").json()
+        assert sandbox_id in [s["sandboxID"] for s in listed]
+        # E2B's SDK, pointed at b: its in-sandbox calls name the sandbox by a header.
+        e2b = pytest.importorskip("e2b")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("E2B_API_URL", f"{b.url}/e2b")
+            patch.setenv("E2B_SANDBOX_URL", f"{b.url}/e2b")
+            patch.setenv("E2B_API_KEY", b.key)
+            sandbox = e2b.Sandbox.connect(sandbox_id)
+            root = {"user": "root"}  # the fake VMM's guest has no E2B "user" account
+            assert sandbox.commands.run("echo via b", **root).stdout == "via b\n"
+            sandbox.files.write("/tmp/e2b-via-b", "written", **root)
+            assert sandbox.files.read("/tmp/e2b-via-b", **root) == "written"
+    finally:
+        assert http(b).delete(f"/e2b/sandboxes/{sandbox_id}").status_code == 204
+
+
+def test_hosts_starting_together_migrate_once(postgres: Any) -> None:
+    url = postgres.create_database("racing_migrations")
+    opened: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: opened.append(open_database(url=url))) for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(opened) == 4 and all(db.version == len(MIGRATIONS) for db in opened)
+    with opened[0].transaction() as conn:
+        conn.execute("UPDATE cryobox_schema SET version = ?", (len(MIGRATIONS) + 1,))
+    for db in opened:
+        db.close()
+    with pytest.raises(InvalidArgument, match="newer than this cryobox knows"):
+        open_database(url=url)
+
+
+def test_an_unreachable_database_is_a_clear_error(tmp_path: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(InvalidArgument, match="cannot reach the database") as refused:
+        open_database(url="postgresql://someone:secret@127.0.0.1:1/nowhere")
+    assert "secret" not in str(refused.value)  # the password is never shown
+    assert time.monotonic() - started < 60
+    with pytest.raises(InvalidArgument, match="use postgresql://"):
+        open_database(url="mysql://x@y/z")
+    done = subprocess.run(
+        [*CLI, "tenant", "ls", "--database-url", "postgresql://u:pw@127.0.0.1:1/db"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "cannot reach the database" in done.stderr
+    assert "pw@" not in done.stderr
