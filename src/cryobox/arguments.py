@@ -5,6 +5,8 @@ argument."""
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cryobox.errors import InvalidArgument
@@ -35,3 +37,79 @@ def positive_seconds(name: str, value: Any) -> float:
     ):
         raise InvalidArgument(f"{name}={value!r}: must be a positive, finite number of seconds")
     return float(value)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,62}")
+#: Bounds of what a sandbox carries from its create (kept in its spec, sent with every
+#: command for ``envs``).
+MAX_ENVS_BYTES = 64 * 1024
+MAX_LABELS = 64
+MAX_LABEL_VALUE = 256
+
+
+def env_vars(name: str, value: Any) -> dict[str, str]:
+    """``value`` as environment variables: names a shell accepts, string values without
+    NUL bytes, 64 KiB in all.
+
+    :raises InvalidArgument: naming ``name`` and the offending variable.
+    """
+    found = _string_map(name, value)
+    for key, text in found.items():
+        if not _ENV_NAME.fullmatch(key):
+            raise InvalidArgument(
+                f"{name}: {key!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)"
+            )
+        if "\0" in text:
+            raise InvalidArgument(f"{name}: the value of {key} holds a NUL byte")
+    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in found.items())
+    if size > MAX_ENVS_BYTES:
+        raise InvalidArgument(f"{name}: {size} bytes in all, more than {MAX_ENVS_BYTES}")
+    return found
+
+
+def labels(name: str, value: Any) -> dict[str, str]:
+    """``value`` as free-form labels: at most 64, keys of 1-63 letters, digits and
+    ``_.:/-``, values of at most 256 characters.
+
+    :raises InvalidArgument: naming ``name`` and the offending label.
+    """
+    found = _string_map(name, value)
+    if len(found) > MAX_LABELS:
+        raise InvalidArgument(f"{name}: {len(found)} labels, more than {MAX_LABELS}")
+    for key, text in found.items():
+        if not _LABEL_KEY.fullmatch(key):
+            raise InvalidArgument(
+                f"{name}: key {key!r} must be 1-63 letters, digits or _.:/- "
+                "(starting with a letter or digit)"
+            )
+        if len(text) > MAX_LABEL_VALUE or "\0" in text:
+            raise InvalidArgument(
+                f"{name}: the value of {key} must be at most {MAX_LABEL_VALUE} characters"
+            )
+    return found
+
+
+def _string_map(name: str, value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{name}={value!r}: must be a mapping of strings to strings")
+    for key, text in value.items():
+        if not isinstance(key, str) or not isinstance(text, str):
+            raise InvalidArgument(f"{name}: {key!r}={text!r}: keys and values must be strings")
+    return dict(value)
+
+
+def key_values(name: str, items: Sequence[str]) -> dict[str, str]:
+    """``K=V`` words (a command line's ``--env``/``--label``) as a mapping.
+
+    :raises InvalidArgument: for a word without ``=``.
+    """
+    found: dict[str, str] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"{name} {item!r}: write KEY=VALUE")
+        found[key] = text
+    return found

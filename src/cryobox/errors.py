@@ -193,6 +193,16 @@ class StoreError(CryoboxError):
         super().__init__(f"snapshot store {url}: {doing} failed: {reason}")
 
 
+class HostUnavailable(CryoboxError):
+    """The sandbox runs on another host of the same service, which could not be reached
+    (several servers on one database)."""
+
+    def __init__(self, sandbox_id: str, reason: str) -> None:
+        self.sandbox_id = sandbox_id
+        self.reason = reason
+        super().__init__(f"sandbox {sandbox_id} runs on another host: {reason}")
+
+
 class NetworkError(CryoboxError):
     """The sandbox's isolated network could not be set up (the VM is not started)."""
 

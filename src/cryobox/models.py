@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,8 @@ class SandboxInfo:
     #: bytes its logs hold on the host (console and supervisor, rotations included).
     supervisor_pid: int | None = None
     log_bytes: int = 0
+    #: The labels given at create (``metadata=``), copied to forks.
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,12 @@ class CreateRequest:
     #: by the next call or connection (0: never; None: the server's default, 600). Only a
     #: server watches for idleness: embedded, nothing runs between calls to notice it.
     idle_timeout: float | None = None
+    #: Environment variables every command in the sandbox gets (a command's own ``envs``
+    #: win); kept private on the host, never shown by ``info``.
+    envs: Mapping[str, str] = field(default_factory=dict)
+    #: Free-form string labels kept with the sandbox, shown by ``info`` and ``list``,
+    #: filtered on by ``list(metadata=...)``, copied to its forks.
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -187,3 +195,11 @@ class CommandRequest:
         else:
             args["argv"] = list(self.argv or ())
         return args
+
+
+def matches(info: SandboxInfo, state: str | None, metadata: Mapping[str, str]) -> bool:
+    """Whether a sandbox is in ``state`` (any when None) and carries every label of
+    ``metadata``."""
+    if state is not None and info.state != state:
+        return False
+    return all(info.metadata.get(key) == value for key, value in metadata.items())

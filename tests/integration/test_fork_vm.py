@@ -33,7 +33,7 @@ def counting(sbx: Sandbox) -> bool:
 
 
 def test_fork_ten_copies_each_its_own_machine(sandbox_factory: Any) -> None:
-    parent = sandbox_factory(ports=[8000])
+    parent = sandbox_factory(ports=[8000], envs={"ROLE": "agent"}, metadata={"task": "t-7"})
     parent.commands.run(COUNTER)
     parent.files.write("/root/who", "parent")
     time.sleep(0.5)
@@ -53,6 +53,8 @@ def test_fork_ten_copies_each_its_own_machine(sandbox_factory: Any) -> None:
             seen.append((out[2], out[3]))
             fork.files.write("/root/who", f"fork {index}")  # its own disk
             assert fork.info().forked_from == parent.id
+            assert fork.info().metadata == {"task": "t-7"}  # labels and variables go along
+            assert fork.commands.run("echo $ROLE").stdout == "agent\n"
             assert fork.ports[8000] != parent.ports[8000]  # its own host port
         assert len({boot for boot, _ in seen}) == 10
         assert len({random for _, random in seen}) == 10

@@ -7,7 +7,9 @@ Lifecycle checks that end a sandbox make their own through ``sandbox_factory``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -49,13 +51,20 @@ def cli(
 def shared_sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
     """The module's sandbox, booted cold (the path others restore from) in this process
     or by a server."""
+    context: dict[str, Any] = {"envs": ENVS, "metadata": {**LABELS, "transport": request.param}}
     if request.param == "http":
         server: ApiServer = request.getfixturevalue("api_server")
-        sbx = Sandbox.create("base", ports=[8000], api_url=server.url, api_key=server.key)
+        sbx = Sandbox.create(
+            "base", ports=[8000], api_url=server.url, api_key=server.key, **context
+        )
     else:
-        sbx = Sandbox.create("base", ports=[8000])
+        sbx = Sandbox.create("base", ports=[8000], **context)
     yield sbx
     sbx.kill()
+
+
+ENVS = {"PROJECT": "cryobox", "SECRET_TOKEN": "s3cr3t value"}
+LABELS = {"team": "agents", "run": "shared"}
 
 
 def cli_env(sbx: Sandbox, request: pytest.FixtureRequest) -> dict[str, str] | None:
@@ -294,3 +303,66 @@ def test_probe_boot_reaches_the_initramfs() -> None:
 
     image = ensure_image()
     assert probe_boot(image.kernel, image.initrd, "tcg", timeout=120)
+
+
+def test_envs_reach_every_command_and_metadata_labels_the_sandbox(
+    shared_sandbox: Sandbox, request: pytest.FixtureRequest
+) -> None:
+    sbx = shared_sandbox
+    transport = sbx.info().metadata["transport"]
+    assert sbx.commands.run('echo "$PROJECT|$SECRET_TOKEN"').stdout == "cryobox|s3cr3t value\n"
+    overridden = sbx.commands.run("echo $PROJECT", env={"PROJECT": "mine"})
+    assert overridden.stdout == "mine\n"  # a command's own variables win
+    background = sbx.commands.run("echo $PROJECT > /tmp/bg-env", background=True).wait()
+    assert background.exit_code == 0 and sbx.files.read_text("/tmp/bg-env") == "cryobox\n"
+    info = sbx.info()
+    assert info.metadata == {**LABELS, "transport": transport}
+    assert "s3cr3t" not in repr(info)  # variables are never shown back
+    remote: dict[str, Any] = {}
+    if transport == "http":
+        server: ApiServer = request.getfixturevalue("api_server")
+        remote = {"api_url": server.url, "api_key": server.key}
+    assert sbx.id in [i.id for i in Sandbox.list(metadata={"team": "agents"}, **remote)]
+    assert sbx.id in [i.id for i in Sandbox.list(state="running", metadata=LABELS, **remote)]
+    assert sbx.id not in [i.id for i in Sandbox.list(metadata={"team": "other"}, **remote)]
+    assert sbx.id not in [i.id for i in Sandbox.list(state="paused", **remote)]
+    env = cli_env(sbx, request)
+    listed = cli(
+        "ls", "--label", "team=agents", "--label", f"transport={transport}", "--json", env=env
+    )
+    assert listed.returncode == 0, listed.stderr
+    (record,) = [r for r in json.loads(listed.stdout) if r["id"] == sbx.id]
+    assert record["metadata"]["run"] == "shared" and record["state"] == "running"
+    assert sbx.id not in cli("ls", "--state", "paused", env=env).stdout
+    assert "team=agents" in cli("ls", env=env).stdout
+    with pytest.raises(InvalidArgument, match="envs: '1BAD' is not a variable name"):
+        Sandbox.create(envs={"1BAD": "x"}, **remote)
+    with pytest.raises(InvalidArgument, match="metadata"):
+        Sandbox.create(metadata={"k": "v" * 300}, **remote)
+    bad = cli("ls", "--label", "novalue", env=env)
+    assert bad.returncode == 1 and "--label 'novalue': write KEY=VALUE" in bad.stderr
+
+
+def test_cli_creates_with_envs_and_labels_and_kills_by_label() -> None:
+    made = [
+        cli("create", "--env", "GREETING=hello there", "--label", f"batch={n}", "--label", "job=x")
+        for n in (1, 2)
+    ]
+    ids = [m.stdout.strip().splitlines()[-1] for m in made]
+    try:
+        assert all(m.returncode == 0 for m in made), [m.stderr for m in made]
+        said = cli("exec", ids[0], "--shell", "echo $GREETING")
+        assert said.stdout == "hello there\n"
+        refused = cli("kill", "--label", "job=x")
+        assert refused.returncode == 1 and "--all" in refused.stderr
+        killed = cli("kill", "--all", "--label", "batch=1")
+        assert killed.returncode == 0 and f"killed {ids[0]}" in killed.stdout
+        assert ids[1] not in killed.stdout
+        states = {i.id: i.state for i in Sandbox.list(all=True)}
+        assert states.get(ids[0], "killed") == "killed" and states[ids[1]] == "running"
+        assert cli("kill", "--all", "--label", "job=x").stdout.strip() == f"killed {ids[1]}"
+    finally:
+        for sandbox_id in ids:
+            if sandbox_id.startswith("sbx-"):
+                with contextlib.suppress(Exception):
+                    Sandbox.connect(sandbox_id).kill()

@@ -159,11 +159,21 @@ def test_a_host_that_is_down_is_named_and_adopts_its_sandboxes_again(
 ) -> None:
     a, b = hosts
     sbx = Sandbox.create(api_url=b.url, api_key=b.key)
+    missing = "sbx-000000000000"
     try:
         b.stop()
         answer = http(a).get(f"/sandboxes/{sbx.id}", timeout=30)
-        assert answer.status_code == 503
-        assert sbx.id in answer.json()["detail"] and b.url in answer.json()["detail"]
+        assert answer.status_code == 503 and sbx.id in answer.json()["detail"]
+        assert b.url not in answer.text  # where hosts are is not the caller's business
+        # Anyone else learns nothing: the answers of a missing id, and of no key.
+        other = a.tenant("outsider-mh")
+        for sandbox_id in (sbx.id, missing):
+            theirs = http(a, other).post(f"/sandboxes/{sandbox_id}/pause")
+            assert theirs.status_code == 404 and theirs.json()["detail"] == (
+                f"no sandbox with id {sandbox_id!r}"
+            )
+            anonymous = httpx.post(f"{a.url}/sandboxes/{sandbox_id}/commands", json={})
+            assert anonymous.status_code == 401
         listed = http(a).get("/sandboxes")
         assert listed.status_code == 200 and sbx.id not in [i["id"] for i in listed.json()]
         b.start()
@@ -234,3 +244,50 @@ def test_an_unreachable_database_is_a_clear_error(tmp_path: Path) -> None:
     )
     assert done.returncode != 0 and "cannot reach the database" in done.stderr
     assert "pw@" not in done.stderr
+
+
+def test_a_forged_forwarding_header_is_ignored_and_the_true_one_never_acts_elsewhere(
+    hosts: tuple[ApiServer, ApiServer],
+) -> None:
+    a, b = hosts
+    sbx = Sandbox.create(api_url=a.url, api_key=a.key)
+    try:
+        forged = http(b).get(f"/sandboxes/{sbx.id}", headers={"X-Cryobox-Forwarded": "1"})
+        assert forged.status_code == 200 and forged.json()["id"] == sbx.id  # forwarded anyway
+        db = open_database(url=a.database_url)
+        row = db.row("SELECT value FROM secrets WHERE name = 'forward'")
+        assert row is not None
+        secret = row["value"]
+        held = db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sbx.id,))
+        db.close()
+        # Even the hosts' own marker only makes b answer for itself: it refuses to act.
+        marked = http(b).delete(f"/sandboxes/{sbx.id}", headers={"X-Cryobox-Forwarded": secret})
+        assert marked.status_code == 503 and "does not run it" in marked.json()["detail"]
+        assert sbx.info().state == "running"
+        db = open_database(url=a.database_url)
+        assert db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sbx.id,)) == held
+        db.close()
+        with_body = http(b).request("GET", f"/sandboxes/{sbx.id}", content=b"{}")
+        assert with_body.status_code == 200  # a GET with a body is passed on, not a 500
+    finally:
+        sbx.kill()
+
+
+def test_a_second_server_on_the_same_state_folder_is_refused(
+    hosts: tuple[ApiServer, ApiServer],
+) -> None:
+    a, _ = hosts
+    twin = make_server(
+        state_folder(a) / "twin",
+        {**a.env, "CRYOBOX_STATE_DIR": str(state_folder(a))},
+        database_url=a.database_url,
+    )
+    done = subprocess.run(
+        [*CLI, "server", "--port", str(twin.port), *twin.database_options],
+        capture_output=True,
+        text=True,
+        env=twin.env,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "already served at" in done.stderr and a.url in done.stderr

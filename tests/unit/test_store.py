@@ -538,6 +538,33 @@ def test_collection_expires_old_snapshots_here_and_in_the_store(
     assert collect.check(store).problems == []
 
 
+def test_with_several_hosts_only_one_collects_the_store_and_keeps_others_pauses(
+    local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cryobox.service.persist import Persistence, acting_for
+
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    persist = Persistence(local)
+    with acting_for(tenant):
+        store = persist.chunks()
+        for sandbox in ("sbx-paused-on-b", "sbx-running-on-b", "sbx-gone"):
+            pause = make_snapshot(local, random_windows(1), sandbox)
+            store.push(local.folder(pause.id), pause, sandbox=sandbox)
+            local.delete(pause.id)
+        elsewhere = {"sbx-paused-on-b": "paused", "sbx-running-on-b": "running"}
+        # A host that does not lead the store leaves every stored pause alone...
+        quiet = persist.collect(Policy(), grace=0, store_wide=False, elsewhere=elsewhere)
+        assert quiet.forgotten_pauses == [] and quiet.chunks_deleted == 0
+        assert len([s for s in store.all() if s.sandbox]) == 3
+        # ...and the one that does keeps the pause of a sandbox paused on another host.
+        report = persist.collect(Policy(), grace=0, elsewhere=elsewhere)
+    assert sorted(report.forgotten_pauses) == ["sbx-gone", "sbx-running-on-b"]
+    assert [s.sandbox for s in store.all() if s.sandbox] == ["sbx-paused-on-b"]
+    assert report.chunks_deleted >= 2
+    assert collect.check(store).problems == []
+
+
 def test_a_lost_key_record_is_never_silently_replaced(
     store: ChunkStore, local: LocalSnapshotStore
 ) -> None:

@@ -6,6 +6,8 @@ went wrong, with exit code 1 (a command run in a sandbox passes its own exit cod
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ import typer
 from rich.table import Table
 
 from cryobox import config
+from cryobox.arguments import key_values
 from cryobox.client import Sandbox
 from cryobox.errors import InvalidArgument
 
@@ -59,6 +62,14 @@ NetworkOption = Annotated[
 PortOption = Annotated[
     list[int] | None, typer.Option("--port", "-p", help="Guest TCP port to forward (repeatable).")
 ]
+LabelOption = Annotated[
+    list[str] | None,
+    typer.Option("--label", "-l", help="KEY=VALUE label kept with the sandbox (repeatable)."),
+]
+SandboxEnvOption = Annotated[
+    list[str] | None,
+    typer.Option("--env", "-e", help="NAME=VALUE every command gets (repeatable)."),
+]
 
 
 def create_sandbox(
@@ -70,10 +81,15 @@ def create_sandbox(
     template: str = "default",
     from_snapshot: str | None = None,
     network: str = "internet",
+    env: list[str] | None = None,
+    label: list[str] | None = None,
 ) -> Sandbox:
+    envs, metadata = key_values("--env", env or []), key_values("--label", label or [])
     with console.status("starting sandbox (building the guest image first if needed)") as status:
         return Sandbox.create(
             template,
+            envs=envs,
+            metadata=metadata,
             from_snapshot=from_snapshot,
             cpus=cpus,
             memory_mib=memory,
@@ -95,10 +111,14 @@ def create(
     timeout: TimeoutOption = config.DEFAULT_TIMEOUT,
     port: PortOption = None,
     network: NetworkOption = "internet",
+    env: SandboxEnvOption = None,
+    label: LabelOption = None,
 ) -> None:
     """Start a sandbox and print its id."""
     with errors_reported():
-        sbx = create_sandbox(cpus, memory, disk, timeout, port, template, from_snapshot, network)
+        sbx = create_sandbox(
+            cpus, memory, disk, timeout, port, template, from_snapshot, network, env, label
+        )
         for guest, host in sbx.ports.items():
             console.print(f"port {guest} -> 127.0.0.1:{host}")
         out.print(sbx.id)
@@ -117,12 +137,7 @@ def run_in(
     """Run a command with its output streamed to ours; its exit code."""
     if shell is None and not command:
         raise InvalidArgument("give a command after --, or --shell 'CMD'")
-    variables = {}
-    for item in env or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise InvalidArgument(f"--env {item!r}: expected NAME=VALUE")
-        variables[name] = value
+    variables = key_values("--env", env or [])
     result = sbx.commands.run(
         shell if shell is not None else command,
         env=variables,
@@ -224,16 +239,41 @@ def cp(source: str, destination: str) -> None:
         sbx.close()
 
 
+StateOption = Annotated[
+    str | None,
+    typer.Option("--state", help="Only sandboxes in this state (running, paused, killed...)."),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="One JSON array, whole records.")]
+
+
 @app.command("ls")
 def list_(
     all: Annotated[bool, typer.Option("--all", "-a", help="Include killed and dead ones.")] = False,
+    state: StateOption = None,
+    label: LabelOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """List sandboxes on this host (tab-separated when piped)."""
     with errors_reported():
+        found = Sandbox.list(all=all, state=state, metadata=key_values("--label", label or []))
+        if as_json:
+            print(json.dumps([dataclasses.asdict(info) for info in found], indent=2))
+            return
         now = time.time()
-        header = ("ID", "STATE", "CPUS", "MEMORY", "ACCEL", "AGE", "EXPIRES", "PORTS", "NOTE")
+        header = (
+            "ID",
+            "STATE",
+            "CPUS",
+            "MEMORY",
+            "ACCEL",
+            "AGE",
+            "EXPIRES",
+            "PORTS",
+            "LABELS",
+            "NOTE",
+        )
         rows = []
-        for info in Sandbox.list(all=all):
+        for info in found:
             running = info.deadline and info.state == "running"
             rows.append(
                 (
@@ -245,6 +285,7 @@ def list_(
                     f"{now - info.created_at:.0f}s",
                     f"{info.deadline - now:.0f}s" if info.deadline and running else "-",
                     ",".join(f"{g}->{h}" for g, h in info.ports.items()) or "-",
+                    ",".join(f"{k}={v}" for k, v in info.metadata.items()) or "-",
                     (info.error or "").splitlines()[0][:80] if info.error else "",
                 )
             )
@@ -259,12 +300,28 @@ def logs(sandbox_id: str) -> None:
 
 
 @app.command()
-def kill(sandbox_ids: list[str]) -> None:
+def kill(
+    sandbox_ids: Annotated[list[str] | None, typer.Argument(help="Sandbox ids.")] = None,
+    all: Annotated[
+        bool, typer.Option("--all", help="Every running or paused sandbox (with --label: those).")
+    ] = False,
+    label: LabelOption = None,
+) -> None:
     """Kill sandboxes (or remove what is left of dead ones)."""
     with errors_reported():
-        for sandbox_id in sandbox_ids:
+        if label and not all:
+            raise InvalidArgument("--label selects among --all: give both, or ids")
+        if all == bool(sandbox_ids):
+            raise InvalidArgument("give sandbox ids, or --all (with --label to narrow it)")
+        targets = list(sandbox_ids or [])
+        if all:
+            wanted = key_values("--label", label or [])
+            targets = [info.id for info in Sandbox.list(metadata=wanted)]
+        for sandbox_id in targets:
             Sandbox.connect(sandbox_id).kill()
             out.print(f"killed {sandbox_id}")
+        if all and not targets:
+            console.print("no sandbox to kill")
 
 
 @app.command("set-timeout")

@@ -68,16 +68,17 @@ def server(
     """Serve the HTTP API (docs at /docs). Stopping it leaves every sandbox running."""
     from cryobox.server import serve
 
-    serve(
-        host,
-        port,
-        database,
-        url=database_url,
-        advertise_url=advertise_url,
-        tick=tick,
-        storage_interval=storage_interval,
-        collect_interval=collect_interval,
-    )
+    with errors_reported():  # a database it cannot use is one line, not a traceback
+        serve(
+            host,
+            port,
+            database,
+            url=database_url,
+            advertise_url=advertise_url,
+            tick=tick,
+            storage_interval=storage_interval,
+            collect_interval=collect_interval,
+        )
 
 
 def _tenants(database: str | None, url: str | None):  # type: ignore[no-untyped-def]

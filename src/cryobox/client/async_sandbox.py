@@ -11,12 +11,13 @@ import builtins
 import codecs
 import os
 import signal as signals
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict, Unpack, overload
 
 from cryobox import config
+from cryobox.arguments import labels
 from cryobox.errors import GuestFileNotFound, InvalidArgument
 from cryobox.guest import protocol as p
 from cryobox.image.build import Progress
@@ -28,6 +29,7 @@ from cryobox.models import (
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
+    matches,
 )
 from cryobox.service.commands import StartedCommand
 from cryobox.snapshot.manifest import SnapshotPurpose
@@ -271,7 +273,7 @@ class AsyncSandbox:
         cls,
         template: str = "default",
         *,
-        from_snapshot: str | None = None,
+        from_snapshot: SnapshotInfo | str | None = None,
         cpus: int | None = None,
         memory_mib: int | None = None,
         disk_gib: int | None = None,
@@ -279,6 +281,8 @@ class AsyncSandbox:
         ports: Sequence[int] = (),
         network: str | Sequence[str] = "internet",
         idle_timeout: float | None = None,
+        envs: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
         progress: Progress | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
@@ -287,14 +291,19 @@ class AsyncSandbox:
 
         ``template="default"`` restores the default template's memory snapshot (built on
         first use); ``"base"`` boots the image cold; another name is a template built with
-        :meth:`build_template`. ``from_snapshot`` (an id or name from :meth:`snapshot`)
-        starts from a saved snapshot instead. A template or snapshot fixes ``cpus``,
+        :meth:`build_template`. ``from_snapshot`` (what :meth:`snapshot` returned, or its
+        id or name) starts from a saved snapshot instead. A template or snapshot fixes ``cpus``,
         ``memory_mib`` and ``disk_gib`` (default 2, 1024, 4 for ``base``).
 
         ``network`` is what the guest may connect to: ``"internet"`` (anywhere the host
         reaches, never the host itself nor other sandboxes), ``"none"``, or a list of
         ``"HOST:PORT"``, ``"HOST"``, ``"CIDR"``, ``"CIDR:PORT"`` entries. Ports forwarded
         from the host into the guest work whatever the policy.
+
+        ``envs`` are environment variables every command gets (a command's own ``envs``
+        win), kept with the sandbox and its forks but never shown by :meth:`info`.
+        ``metadata`` are free-form string labels, shown by :meth:`info`, filtered on by
+        :meth:`list`, copied to forks.
 
         ``api_url`` and ``api_key`` (or ``CRYOBOX_API_URL`` and ``CRYOBOX_API_KEY``) run it
         on a ``cryobox server`` instead of this host; there ``idle_timeout`` seconds
@@ -308,7 +317,9 @@ class AsyncSandbox:
         transport = transport_for(api_url, api_key)
         request = CreateRequest(
             template=template,
-            from_snapshot=from_snapshot,
+            from_snapshot=(
+                from_snapshot.id if isinstance(from_snapshot, SnapshotInfo) else from_snapshot
+            ),
             cpus=cpus,
             memory_mib=memory_mib,
             disk_gib=disk_gib,
@@ -316,6 +327,8 @@ class AsyncSandbox:
             ports=tuple(ports),
             network=network if isinstance(network, str) else tuple(network),
             idle_timeout=idle_timeout,
+            envs=dict(envs or {}),
+            metadata=dict(metadata or {}),
         )
         return cls(await transport.create(request, progress), transport)
 
@@ -407,10 +420,18 @@ class AsyncSandbox:
 
     @staticmethod
     async def list(
-        all: bool = False, *, api_url: str | None = None, api_key: str | None = None
+        all: bool = False,
+        *,
+        state: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> builtins.list[SandboxInfo]:
-        """Sandboxes on this host; finished ones too with ``all=True``."""
-        return await transport_for(api_url, api_key).list(all=all)
+        """Sandboxes on this host (or the server's); finished ones too with ``all=True``;
+        only those in ``state`` and carrying every label of ``metadata`` when given."""
+        wanted = labels("metadata", metadata)
+        found = await transport_for(api_url, api_key).list(all=all or state in ("killed", "dead"))
+        return [info for info in found if matches(info, state, wanted)]
 
     @staticmethod
     async def lineage(

@@ -222,6 +222,8 @@ class HttpTransport:
                 else list(request.network)
             ),
             "idle_timeout": request.idle_timeout,
+            "envs": dict(request.envs),
+            "metadata": dict(request.metadata),
         }
         if progress:
             progress(f"starting a sandbox on {self.api_url}")

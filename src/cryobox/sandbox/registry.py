@@ -45,6 +45,9 @@ class SandboxSpec:
     created_at: float = field(default_factory=time.time)
     #: The network policy's JSON form (see :class:`cryobox.network.NetworkPolicy`).
     network: str | list[str] = "internet"
+    #: Variables every command gets, and free-form labels (see ``CreateRequest``).
+    envs: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:

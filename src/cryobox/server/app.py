@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from cryobox import errors as e
+from cryobox.arguments import key_values
 from cryobox.e2b import rest as e2b_rest
 from cryobox.e2b.envd import Envd, EnvdRpc, envd_router
 from cryobox.e2b.records import E2bRecords
@@ -41,6 +42,7 @@ from cryobox.models import (
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
+    matches,
 )
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
@@ -74,6 +76,7 @@ STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
     (e.CapacityError, 429),
     (e.StorageError, 507),
     (e.StoreError, 503),
+    (e.HostUnavailable, 503),
     (e.ChannelError, 502),
 )
 
@@ -183,7 +186,7 @@ def create_app(
     app.include_router(envd_router(envd))
     app.add_middleware(EnvdRpc, envd=envd)
     # Another host's sandbox: passed on whole, before any route or envd reads it.
-    app.add_middleware(Forward, locate=hub.locate)
+    app.add_middleware(Forward, hub=hub)
     app.add_middleware(BodyLimit)  # outermost: before anything reads a body
 
     # ------------------------------------------------------------------ health
@@ -211,6 +214,8 @@ def create_app(
             timeout=body.timeout,
             ports=tuple(body.ports),
             network=network,
+            envs=body.envs,
+            metadata=body.metadata,
         )
         return await hub.create(me, request, body.idle_timeout)
 
@@ -220,12 +225,15 @@ def create_app(
         me: Me,
         all: bool = False,
         state: Annotated[str | None, Query(max_length=20)] = None,
+        label: Annotated[list[str] | None, Query(max_length=64)] = None,
     ) -> list[SandboxInfo]:
-        """The tenant's sandboxes (killed and dead ones too with ``all``), by ``state``."""
+        """The tenant's sandboxes (killed and dead ones too with ``all``), by ``state``,
+        and by labels (``label=KEY=VALUE``, repeatable: all must match)."""
+        wanted = key_values("label", label or [])
         found = await hub.list(
             me, all=all or state in ("killed", "dead"), credentials=credentials(request)
         )
-        return [info for info in found if state is None or info.state == state]
+        return [info for info in found if matches(info, state, wanted)]
 
     @app.get("/sandboxes/{sandbox_id}", tags=["sandboxes"])
     async def get_sandbox(sandbox_id: str, me: Me) -> SandboxInfo:

@@ -93,7 +93,8 @@ MIGRATIONS: tuple[str, ...] = (
     );
     """,
     # 3: several hosts on one database: which host runs each sandbox and publishes each
-    # port, where a host answers, and quota held by creates under way on any host.
+    # port, where a host answers, the hosts' shared secret (marking requests one host
+    # forwards to another), and quota held by creates under way on any host.
     """
     CREATE TABLE hosts (
         id TEXT PRIMARY KEY,
@@ -104,6 +105,10 @@ MIGRATIONS: tuple[str, ...] = (
     );
     ALTER TABLE sandboxes ADD COLUMN host_id TEXT NOT NULL DEFAULT '';
     ALTER TABLE ports ADD COLUMN host_id TEXT NOT NULL DEFAULT '';
+    CREATE TABLE secrets (
+        name TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    );
     CREATE TABLE reservations (
         id TEXT PRIMARY KEY,
         tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
@@ -264,12 +269,13 @@ class SqliteDatabase(Database):
             self._depth = 1
             try:
                 yield self._conn
+                self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
                 raise
             finally:
                 self._depth = 0
-            self._conn.execute("COMMIT")
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         with self._lock:  # autocommit: a single statement is its own transaction

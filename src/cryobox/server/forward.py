@@ -6,8 +6,13 @@ there), so a request naming a sandbox of another host is passed on to that host'
 advertised URL as it came (method, path, query, headers, body streamed both ways),
 and its answer comes back as that host gave it. The other host authenticates the
 request itself (the same keys are in the shared database), so a wrong key still
-gets the same 404 as a missing id. A forwarded request carries
-``X-Cryobox-Forwarded``, and is never forwarded again.
+gets the same 404 as a missing id. When that host does not answer, only a caller who
+may use the sandbox learns so (a 503); anyone else gets the answer for a missing id.
+
+A forwarded request carries ``X-Cryobox-Forwarded`` with the hosts' shared secret
+(kept in the database): such a request is served where it arrives and never forwarded
+again. The header from anyone without the secret is ignored (the request is forwarded
+as any other), so a client cannot make a host act on a sandbox it does not run.
 
 Which requests name a sandbox: ``/sandboxes/ID...``, E2B's ``/e2b/sandboxes/ID...``
 and ``/e2b/v2/sandboxes/ID...``, and E2B's in-sandbox calls under ``/e2b/`` with an
@@ -18,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
 
 import httpx
 from starlette.requests import Request
@@ -44,6 +51,22 @@ _HOP = {
 }
 #: Connect 5 s; a stream may be quiet for as long as its command is.
 _TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0)
+#: No cap on connections to a peer: one tenant's open streams must not starve others.
+_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+
+
+class Peers(Protocol):
+    """What forwarding needs to know of the hosts (the hub)."""
+
+    #: The hosts' shared secret: the value of the forwarded-request header.
+    forward_secret: str
+
+    def locate(self, sandbox_id: str) -> str | None:
+        """The URL of the other host running the sandbox; None to serve it here."""
+
+    def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
+        """Whether the request's credentials reach the sandbox (its tenant's API key, or
+        its E2B access token)."""
 
 
 def target(path: str, headers: dict[str, str]) -> str | None:
@@ -62,15 +85,11 @@ def credentials(request: Request) -> dict[str, str]:
 
 
 class Forward:
-    """ASGI middleware: pass requests for another host's sandboxes to that host.
+    """ASGI middleware: pass requests for another host's sandboxes to that host."""
 
-    ``locate(sandbox_id)`` answers the URL of the host running the sandbox when that is
-    another host, or None to serve the request here.
-    """
-
-    def __init__(self, app: ASGIApp, locate: Callable[[str], str | None]) -> None:
+    def __init__(self, app: ASGIApp, hub: Peers) -> None:
         self.app = app
-        self.locate = locate
+        self.hub = hub
         self._client: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -80,34 +99,58 @@ class Forward:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         sandbox_id = target(scope["path"], headers)
         url = None
-        if sandbox_id is not None and FORWARDED not in headers:
-            url = await asyncio.to_thread(self.locate, sandbox_id)
-        if url is None:
+        if sandbox_id is not None and not self._from_a_host(headers):
+            url = await asyncio.to_thread(self.hub.locate, sandbox_id)
+        if url is None or sandbox_id is None:
             await self.app(scope, receive, send)
             return
-        await self._forward(url, sandbox_id or "", scope, receive, send)
+        body = _Replay(receive)
+        if await self._forward(url, headers, scope, body, send):
+            return
+        # The host is down: only a caller who may use the sandbox hears of it; anyone
+        # else gets this host's own answer (that of a missing id, or of a bad key).
+        if not body.overflow and not await asyncio.to_thread(self.hub.may_use, sandbox_id, headers):
+            await self.app(scope, body.replay, send)
+            return
+        await _answer(
+            send,
+            503,
+            f"sandbox {sandbox_id} runs on another host, which does not answer now; "
+            "try again later",
+        )
+
+    def _from_a_host(self, headers: Mapping[str, str]) -> bool:
+        given = headers.get(FORWARDED)
+        secret = self.hub.forward_secret
+        return bool(given and secret and hmac.compare_digest(given.encode(), secret.encode()))
 
     async def _forward(
-        self, base: str, sandbox_id: str, scope: Scope, receive: Receive, send: Send
-    ) -> None:
+        self,
+        base: str,
+        headers: Mapping[str, str],
+        scope: Scope,
+        receive: _Replay,
+        send: Send,
+    ) -> bool:
+        """Pass the request on; False when the host could not be reached (nothing was
+        answered yet)."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=_TIMEOUT)
+            self._client = httpx.AsyncClient(timeout=_TIMEOUT, limits=_LIMITS)
         query = scope.get("query_string", b"").decode("latin-1")
-        url = base.rstrip("/") + scope["path"] + (f"?{query}" if query else "")
+        raw = scope.get("raw_path") or scope["path"].encode()  # as sent: %2F stays %2F
+        url = base.rstrip("/") + raw.decode("latin-1") + (f"?{query}" if query else "")
+        named = {name.strip().lower() for name in headers.get("connection", "").split(",") if name}
         sent = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
-            if k.decode("latin-1").lower() not in _HOP
+            if k.decode("latin-1").lower() not in _HOP | named | {FORWARDED}
         ]
-        client = scope.get("client")
-        sent.append((FORWARDED, "1"))
-        if client:
-            sent.append(("x-forwarded-for", str(client[0])))
+        sent.append((FORWARDED, self.hub.forward_secret))
         gone = asyncio.Event()
 
         async def body() -> AsyncIterator[bytes]:
             while True:
-                message = await receive()
+                message = await receive.next()
                 if message["type"] == "http.disconnect":
                     gone.set()
                     return
@@ -116,21 +159,15 @@ class Forward:
                     return
 
         method = scope["method"]
-        has_body = method not in ("GET", "HEAD", "DELETE", "OPTIONS")
+        has_body = "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
         request = self._client.build_request(
             method, url, headers=sent, content=body() if has_body else None
         )
         try:
             response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            log.warning("forwarding %s %s to %s failed: %s", method, scope["path"], base, exc)
-            await _answer(
-                send,
-                503,
-                f"sandbox {sandbox_id} runs on the host at {base}, which does not answer: "
-                f"{exc.__class__.__name__}",
-            )
-            return
+        except Exception as exc:  # refused, timed out, or a protocol error on the way
+            log.warning("forwarding %s %s to %s failed: %r", method, scope["path"], base, exc)
+            return False
         try:
             await send(
                 {
@@ -151,7 +188,10 @@ class Forward:
 
             # Whichever ends first: the answer, or the client (leaving mid-stream closes
             # the upstream stream, so the other host frees the command's resources).
-            tasks = {asyncio.create_task(pump()), asyncio.create_task(_until_gone(receive, gone))}
+            tasks = {
+                asyncio.create_task(pump()),
+                asyncio.create_task(_until_gone(receive.next, gone)),
+            }
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
@@ -163,6 +203,36 @@ class Forward:
                     log.warning("forwarded stream from %s ended: %s", base, task.exception())
         finally:
             await response.aclose()
+        return True
+
+
+class _Replay:
+    """The request's messages, kept (up to 1 MiB) so that this host can still answer the
+    request itself when forwarding it failed after reading some of its body."""
+
+    CAP = 1 << 20
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._kept: list[Message] = []
+        self._size = 0
+        self.overflow = False
+
+    async def next(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.request" and not self.overflow:
+            self._size += len(message.get("body", b""))
+            if self._size > self.CAP:
+                self.overflow, self._kept = True, []
+            else:
+                self._kept.append(message)
+        return message
+
+    async def replay(self) -> Message:
+        """What was read first, then the rest of the request."""
+        if self._kept:
+            return self._kept.pop(0)
+        return await self._receive()
 
 
 async def _until_gone(receive: Receive, gone: asyncio.Event) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox import config
+from cryobox.errors import InvalidArgument
 from cryobox.store.objects import store_url
 from cryobox.util import write_atomic
 
@@ -74,8 +75,19 @@ class Hosts:
         self._beat = 0.0
 
     def register(self) -> None:
-        """Say where this host answers (at start: a host may move to another address)."""
+        """Say where this host answers (at start: a host may move to another address).
+
+        :raises InvalidArgument: when a live server already answers for this host id at
+            another URL (two servers on one state folder, or a copied ``host-id``).
+        """
         now = time.time()
+        found = self.get(self.me)
+        if found is not None and found.url != self.url and now - found.seen_at < STALE_AFTER:
+            raise InvalidArgument(
+                f"host {self.me} (this state folder) is already served at {found.url}, seen "
+                f"{now - found.seen_at:.0f} s ago: one server per state folder; stop that one "
+                f"or give this server its own CRYOBOX_STATE_DIR"
+            )
         self.db.execute(
             "INSERT INTO hosts (id, url, store, started_at, seen_at) VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT (id) DO UPDATE SET url = excluded.url, store = excluded.store, "
@@ -83,6 +95,11 @@ class Hosts:
             (self.me, self.url, self.store, now, now),
         )
         self._beat = now
+
+    def leave(self) -> None:
+        """Mark this host stopped (a server started again at once is not taken for a
+        second one)."""
+        self.db.execute("UPDATE hosts SET seen_at = 0 WHERE id = ?", (self.me,))
 
     def heartbeat(self) -> None:
         """Refresh ``seen_at`` (at most every :data:`HEARTBEAT` seconds)."""

@@ -18,7 +18,10 @@ import asyncio
 import builtins
 import contextlib
 import dataclasses
+import functools
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -32,6 +35,7 @@ import httpx
 from cryobox import config
 from cryobox.errors import (
     CryoboxError,
+    HostUnavailable,
     InvalidArgument,
     QuotaExceeded,
     SandboxNotFound,
@@ -114,11 +118,13 @@ class Hub:
         self._busy: Counter[str] = Counter()
         self._stored: dict[str, int] = {}
         self._peers: httpx.AsyncClient | None = None
+        self.forward_secret = ""
 
     async def start(self) -> None:
         """Say where this host answers, and take over what a previous server on this host
         left: publish the ports of its live sandboxes."""
         self.hosts.register()
+        self.forward_secret = self._shared_secret("forward")
         self._adopt_unplaced()
         self.db.execute(  # creates this host had under way died with its last server
             "DELETE FROM reservations WHERE host_id = ? OR created_at < ?",
@@ -138,8 +144,20 @@ class Hub:
                     conn.execute("UPDATE sandboxes SET host_id = ? WHERE id = ?", mine)
                     conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", mine)
 
+    def _shared_secret(self, name: str) -> str:
+        """A secret all hosts of this database share (made by the first to ask)."""
+        self.db.execute(
+            "INSERT INTO secrets (name, value) VALUES (?, ?) ON CONFLICT (name) DO NOTHING",
+            (name, secrets.token_urlsafe(32)),
+        )
+        row = self.db.row("SELECT value FROM secrets WHERE name = ?", (name,))
+        assert row is not None  # just written
+        return str(row["value"])
+
     async def close(self) -> None:
         """Stop serving; the sandboxes go on running (a later server adopts them)."""
+        with contextlib.suppress(Exception):  # a database gone must not stop the stop
+            self.hosts.leave()
         if self._peers is not None:
             await self._peers.aclose()
         await self.ports.close()
@@ -160,6 +178,26 @@ class Hub:
         row = self.db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sandbox_id,))
         return row is None or row["host_id"] in ("", self.me)
 
+    def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
+        """Whether a request's credentials reach the sandbox: its tenant's API key (either
+        header), or its E2B access token."""
+        key = headers.get("x-api-key")
+        scheme, _, credentials = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            key = credentials.strip()
+        tenant = self.tenants.authenticate(key) if key else None
+        if tenant is not None and self.tenants.owns(tenant.id, "sandbox", sandbox_id):
+            return True
+        token = headers.get("x-access-token")
+        if not token:
+            return False
+        row = self.db.row(
+            "SELECT access_token FROM e2b_sandboxes WHERE sandbox_id = ?", (sandbox_id,)
+        )
+        return row is not None and hmac.compare_digest(
+            str(row["access_token"]).encode(), token.encode()
+        )
+
     async def _remote_info(
         self, sandbox_id: str, credentials: Mapping[str, str]
     ) -> SandboxInfo | None:
@@ -174,7 +212,7 @@ class Hub:
         try:
             answer = await self._peers.get(
                 f"{url.rstrip('/')}/sandboxes/{sandbox_id}",
-                headers={**credentials, FORWARDED: "1"},
+                headers={**credentials, FORWARDED: self.forward_secret},
             )
         except httpx.HTTPError as exc:
             log.warning("host at %s did not answer for %s: %s", url, sandbox_id, exc)
@@ -184,8 +222,15 @@ class Hub:
     # ------------------------------------------------------------------ ownership
 
     def _sandbox(self, tenant: Tenant, sandbox_id: str) -> None:
+        """:raises SandboxNotFound: unless the tenant owns it.
+        :raises HostUnavailable: when another host runs it (requests for it are forwarded
+            there; one that arrives here anyway is not acted on)."""
         if not self.tenants.owns(tenant.id, "sandbox", sandbox_id):
             raise SandboxNotFound(sandbox_id)
+        if not self._here(sandbox_id):
+            raise HostUnavailable(
+                sandbox_id, "this request reached a host that does not run it; retry it"
+            )
 
     def _present(self, info: SandboxInfo) -> SandboxInfo:
         """A sandbox as a tenant sees it: the server's public ports, no host pids."""
@@ -371,19 +416,18 @@ class Hub:
         """The tenant's sandboxes: this host's from its records, other hosts' from those
         hosts (asked with the caller's ``credentials``; one that does not answer is left
         out of the list, not failed)."""
-        found = []
-        for sandbox_id in self.tenants.owned(tenant.id, "sandbox"):
-            info: SandboxInfo | None
-            if self._here(sandbox_id):
-                try:
-                    info = self._present(await self.service.get(sandbox_id))
-                except SandboxNotFound:
-                    continue
-            else:
-                info = await self._remote_info(sandbox_id, credentials or {})
-            if info is not None and (all or info.state not in ("killed", "dead")):
-                found.append(info)
-        return found
+
+        async def one(sandbox_id: str) -> SandboxInfo | None:
+            if not self._here(sandbox_id):
+                return await self._remote_info(sandbox_id, credentials or {})
+            try:
+                return self._present(await self.service.get(sandbox_id))
+            except SandboxNotFound:
+                return None
+
+        owned = self.tenants.owned(tenant.id, "sandbox")
+        found = await asyncio.gather(*(one(sandbox_id) for sandbox_id in owned))
+        return [i for i in found if i is not None and (all or i.state not in ("killed", "dead"))]
 
     async def kill(self, tenant: Tenant, sandbox_id: str) -> None:
         self._sandbox(tenant, sandbox_id)
@@ -434,8 +478,8 @@ class Hub:
         async with self._reserve(tenant, 1, cpus, memory):
             with acting_for(tenant.id):
                 info = await self.service.resume(sandbox_id)
+            self.meter.observe(sandbox_id, info.state)  # counted as running before released
         self.meter.set_idle_paused(sandbox_id, False)
-        self.meter.observe(sandbox_id, info.state)
         self.meter.touch(sandbox_id)
         self.events.publish(tenant.id, sandbox_id, "resumed", reason=reason)
         return self._present(info)
@@ -614,7 +658,8 @@ class Hub:
     def usage(self, tenant: Tenant, sandbox_id: str | None = None) -> dict[str, Any]:
         report = usage_report(self.db, tenant.id, self.prices, self._stored.get(tenant.id, 0))
         if sandbox_id is not None:
-            self._sandbox(tenant, sandbox_id)
+            if not self.tenants.owns(tenant.id, "sandbox", sandbox_id):  # on any host
+                raise SandboxNotFound(sandbox_id)
             lines = [s for s in report["sandboxes"] if s["id"] == sandbox_id]
             return {"tenant_id": tenant.id, **lines[0]} if lines else {"id": sandbox_id}
         return report
@@ -669,10 +714,24 @@ class Hub:
         this host's unused checkpoints."""
         policy = Policy.from_env()
         leads = await asyncio.to_thread(self.hosts.leads_store)
-        for tenant in self.tenants.all() if leads else []:
+        elsewhere = {
+            row["id"]: row["last_state"]
+            for row in self.db.rows(
+                "SELECT id, last_state FROM sandboxes WHERE host_id NOT IN (?, '')", (self.me,)
+            )
+        }
+        for tenant in self.tenants.all():
             owned = set(self.tenants.owned(tenant.id, "snapshot"))
             with acting_for(tenant.id):
-                report = await asyncio.to_thread(self.service.persist.collect, policy, owned=owned)
+                report = await asyncio.to_thread(
+                    functools.partial(
+                        self.service.persist.collect,
+                        policy,
+                        owned=owned,
+                        store_wide=leads,
+                        elsewhere=elsewhere,
+                    )
+                )
             for snapshot_id in report.expired:
                 self.tenants.disown("snapshot", snapshot_id)
             if report.expired or report.chunks_deleted:

@@ -39,7 +39,6 @@ class PostgresDatabase(Database):
             min_size=1,
             max_size=8,
             kwargs={"autocommit": True, "row_factory": dict_row},
-            check=ConnectionPool.check_connection,
             timeout=CONNECT_TIMEOUT,
             open=False,
             name="cryobox",
@@ -93,6 +92,19 @@ class PostgresDatabase(Database):
             if lock is not None:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(lock),))
             yield _Statements(conn)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One statement, committed on its own (one round trip: autocommit)."""
+        with self._pool.connection() as conn:
+            return int(conn.execute(_placeholders(sql), tuple(params)).rowcount)
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        with self._pool.connection() as conn:
+            return conn.execute(_placeholders(sql), tuple(params)).fetchall()
+
+    def row(self, sql: str, params: Sequence[Any] = ()) -> Any | None:
+        with self._pool.connection() as conn:
+            return conn.execute(_placeholders(sql), tuple(params)).fetchone()
 
     def close(self) -> None:
         self._pool.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import urllib.parse
 from pathlib import Path
 
 import uvicorn
@@ -16,6 +17,9 @@ from .app import create_app
 from .database import Database, open_database
 from .hub import Hub
 from .meter import Prices
+
+log = logging.getLogger(__name__)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def database_path(database: str | None = None) -> Path:
@@ -60,13 +64,22 @@ def serve(
     if not advertised:
         shown = host if host not in ("0.0.0.0", "::", "") else socket.getfqdn()
         advertised = f"http://{shown}:{port}"
+    db = connect(database, url)
+    if db.engine == "postgresql" and urllib.parse.urlsplit(advertised).hostname in LOOPBACK:
+        log.warning(
+            "advertising %s: other hosts on %s cannot reach this one there; "
+            "give --advertise-url when more than one host shares the database",
+            advertised,
+            db.where,
+        )
     hub = Hub(
         SandboxService(),
-        connect(database, url),
+        db,
         host=host,
         prices=Prices.from_env(),
         advertise_url=advertised,
     )
+    hub.hosts.register()  # refused here, before listening, if another server is this host
     app = create_app(
         hub, tick=tick, storage_interval=storage_interval, collect_interval=collect_interval
     )

@@ -32,6 +32,9 @@ class CreateSandbox(Body):
     network: str | Annotated[list[Text], Field(max_length=256)] | None = None
     #: Seconds without use before the server pauses the sandbox (0: never; default 600).
     idle_timeout: Annotated[float, Field(ge=0, le=30 * 86400, allow_inf_nan=False)] | None = None
+    #: Variables every command gets (never shown back), and free-form labels.
+    envs: Annotated[dict[str, Annotated[str, Field(max_length=65536)]], Field(max_length=1024)] = {}
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=256)]], Field(max_length=64)] = {}
 
 
 class SetTimeout(Body):

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -333,12 +333,17 @@ class Persistence:
         *,
         grace: float = chunk_collect.GRACE,
         owned: set[str] | None = None,
+        store_wide: bool = True,
+        elsewhere: Mapping[str, str] | None = None,
     ) -> CollectReport:
         """Expire snapshots by ``policy`` (locally and in the store), forget pauses of
         sandboxes that are not paused any more, and sweep unreferenced chunks.
 
         ``owned`` limits the local snapshots considered to those ids (a server tenant's);
-        None considers every snapshot on the host (embedded use).
+        None considers every snapshot on the host (embedded use). With several hosts on
+        one store, each expires its own snapshots, and only one (``store_wide``) does the
+        rest; ``elsewhere`` maps the sandboxes other hosts run to their last known state,
+        so that their stored pauses are kept while they may be paused.
         """
         report = CollectReport()
         now = time.time()
@@ -354,6 +359,10 @@ class Persistence:
                 continue
             self.local.delete(snapshot_id)
             report.expired.append(snapshot_id)
+        if not store_wide:
+            for snapshot_id in report.expired:
+                store.delete(snapshot_id)
+            return report
         stored = store.all()
         local_ids = {m.id for m in self.local.all()}
         below = {
@@ -372,10 +381,13 @@ class Persistence:
                 report.expired.append(snapshot_id)
         for snapshot_id in report.expired:
             store.delete(snapshot_id)
-        states = {spec.id: record.state for spec, record in sandboxes}
+        states = {spec.id: record.state.value for spec, record in sandboxes}
+        for sandbox_id, state_name in (elsewhere or {}).items():
+            states.setdefault(sandbox_id, state_name)
+        done = (SandboxState.RUNNING.value, *(s.value for s in _FINISHED))
         for pause in (s for s in stored if s.sandbox):
             state = states.get(str(pause.sandbox))
-            if state is None or state in (SandboxState.RUNNING, *_FINISHED):
+            if state is None or state in done:
                 store.delete_pause(str(pause.sandbox))
                 report.forgotten_pauses.append(str(pause.sandbox))
         swept = chunk_collect.sweep(store, grace)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox import config
-from cryobox.arguments import positive_seconds, whole_number
+from cryobox.arguments import env_vars, labels, positive_seconds, whole_number
 from cryobox.errors import (
     CapacityError,
     ChannelError,
@@ -102,6 +103,8 @@ def validate(request: CreateRequest) -> None:
     if request.disk_gib is not None:
         whole_number("disk_gib", request.disk_gib, config.MIN_DISK_GIB, config.MAX_DISK_GIB)
     positive_seconds("timeout", request.timeout)
+    env_vars("envs", request.envs)
+    labels("metadata", request.metadata)
     for port in request.ports:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
@@ -131,6 +134,7 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         network=spec.network,
         supervisor_pid=record.supervisor_pid if registry.supervisor_alive(record) else None,
         log_bytes=sum(path.stat().st_size for path in folder.path.glob("*.log*") if path.is_file()),
+        metadata=dict(spec.metadata),
     )
 
 
@@ -203,6 +207,8 @@ class SandboxService:
             forked_from=forked_from,
             fork_index=fork_index,
             network=policy.to_json(),
+            envs=dict(request.envs),
+            metadata=dict(request.metadata),
         )
         folder = SandboxDir.for_id(spec.id)
         folder.write_spec(spec)
@@ -363,6 +369,8 @@ class SandboxService:
                         from_snapshot=saved.id,
                         timeout=timeout or spec.timeout,
                         network=spec.network,
+                        envs=spec.envs,
+                        metadata=spec.metadata,
                     ),
                     forked_from=sandbox_id,
                     fork_index=index,
@@ -420,7 +428,11 @@ class SandboxService:
         """Start a command; the session says when it ends and feeds or kills it."""
         if request.timeout is not None:
             positive_seconds("timeout", request.timeout)
-        session = CommandSession(await self._channel(sandbox_id), on_output)
+        channel = await self._channel(sandbox_id)
+        envs = registry.find(sandbox_id).spec().envs
+        if envs:  # the sandbox's variables, under the command's own
+            request = dataclasses.replace(request, env={**envs, **request.env})
+        session = CommandSession(channel, on_output)
         session.start(request)
         return session
 
