@@ -63,7 +63,7 @@ def main() -> None:
         body = fetch(f"http://127.0.0.1:{sbx.ports[8000]}/index.html")
         step.done(f"resumed: the web server still answers -> {body!r}")
 
-        snapshot = sbx.snapshot("demo-machine")
+        snapshot = sbx.snapshot("demo-machine", overwrite=True)  # the same name each run
         step.done(f"saved snapshot {snapshot.id} ({snapshot.kind})")
 
         forks = sbx.fork(3)

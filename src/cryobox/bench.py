@@ -400,7 +400,7 @@ async def snapshot_bytes(ctx: Context) -> list[Figure]:
     try:
         for changed_mb in (8,) if ctx.quick else (8, 64, 256):
             await sbx.commands.run(f"head -c {changed_mb}M /dev/urandom > /root/blob")
-            saved = await sbx.snapshot(f"bench-bytes-{changed_mb}")
+            saved = await sbx.snapshot(f"bench-bytes-{changed_mb}", overwrite=True)
             stored = saved.stored_bytes / 1e6
             figures.append(
                 summarize(

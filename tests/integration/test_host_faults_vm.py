@@ -95,7 +95,7 @@ def test_supervisor_killed_at_each_step_of_a_pause_loses_nothing(
 
     sandbox_id = _supervisor_killed_during_pause(step)
     try:
-        state = Sandbox.connect(sandbox_id).info().state
+        state = Sandbox.connect(sandbox_id, resume=False).info().state
         # Before the VM ended, a new supervisor adopts it running; after, the pause completes.
         assert state == ("paused" if step == "moved" else "running")
         sbx = Sandbox.resume(sandbox_id) if state == "paused" else Sandbox.connect(sandbox_id)
@@ -106,7 +106,7 @@ def test_supervisor_killed_at_each_step_of_a_pause_loses_nothing(
         assert again.commands.run("pgrep -x sleep").exit_code == 0
     finally:
         with contextlib.suppress(CryoboxError):
-            Sandbox.connect(sandbox_id).kill()
+            Sandbox.connect(sandbox_id, resume=False).kill()
 
 
 def test_supervisor_killed_while_running_is_replaced_and_the_guest_goes_on(

@@ -7,6 +7,7 @@ Lifecycle checks that end a sandbox make their own through ``sandbox_factory``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -73,6 +74,14 @@ def cli_env(sbx: Sandbox, request: pytest.FixtureRequest) -> dict[str, str] | No
         return None
     server: ApiServer = request.getfixturevalue("api_server")
     return server.client_env()
+
+
+def remote_of(sbx: Sandbox, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The SDK arguments that reach ``sbx`` the way it was made."""
+    if getattr(sbx._async._transport, "api_url", None) is None:
+        return {}
+    server: ApiServer = request.getfixturevalue("api_server")
+    return {"api_url": server.url, "api_key": server.key}
 
 
 def test_runs_python_in_the_guest_kernel(shared_sandbox: Sandbox) -> None:
@@ -318,10 +327,7 @@ def test_envs_reach_every_command_and_metadata_labels_the_sandbox(
     info = sbx.info()
     assert info.metadata == {**LABELS, "transport": transport}
     assert "s3cr3t" not in repr(info)  # variables are never shown back
-    remote: dict[str, Any] = {}
-    if transport == "http":
-        server: ApiServer = request.getfixturevalue("api_server")
-        remote = {"api_url": server.url, "api_key": server.key}
+    remote = remote_of(sbx, request)
     assert sbx.id in [i.id for i in Sandbox.list(metadata={"team": "agents"}, **remote)]
     assert sbx.id in [i.id for i in Sandbox.list(state="running", metadata=LABELS, **remote)]
     assert sbx.id not in [i.id for i in Sandbox.list(metadata={"team": "other"}, **remote)]
@@ -366,3 +372,94 @@ def test_cli_creates_with_envs_and_labels_and_kills_by_label() -> None:
             if sandbox_id.startswith("sbx-"):
                 with contextlib.suppress(Exception):
                     Sandbox.connect(sandbox_id).kill()
+
+
+def test_cli_pipes_stdin_prints_json_and_says_127_for_a_missing_program(
+    shared_sandbox: Sandbox, request: pytest.FixtureRequest
+) -> None:
+    env = cli_env(shared_sandbox, request)
+    piped = subprocess.run(
+        [*CLI, "exec", "-i", shared_sandbox.id, "--", "cat"],
+        input="hi\nthere\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert piped.returncode == 0 and piped.stdout == "hi\nthere\n", piped.stderr
+    for given in (["--", "no-such-program", "x"], ["--shell", "no-such-program x"]):
+        missing = cli("exec", shared_sandbox.id, *given, env=env)
+        assert missing.returncode == 127, (given, missing.stderr)
+        assert "no-such-program" in missing.stderr
+    info = json.loads(cli("info", shared_sandbox.id, "--json", env=env).stdout)
+    assert info["id"] == shared_sandbox.id and info["metadata"]["team"] == "agents"
+    assert shared_sandbox.id in cli("info", shared_sandbox.id, env=env).stdout
+    snapshots = cli("snapshots", "--json", env=env)
+    assert snapshots.returncode == 0 and isinstance(json.loads(snapshots.stdout), list)
+    tree = json.loads(cli("tree", "--json", env=env).stdout)
+    assert shared_sandbox.id in [node["id"] for node in tree]
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("cryobox ")
+    helped = cli("create", "--help").stdout
+    assert "INTEGER" in helped and "<" not in helped  # types as words, not <list[int]>
+
+
+def test_async_output_handlers_are_awaited_in_order(
+    shared_sandbox: Sandbox, request: pytest.FixtureRequest
+) -> None:
+    remote = remote_of(shared_sandbox, request)
+
+    async def scenario() -> tuple[list[str], str]:
+        sbx = await AsyncSandbox.connect(shared_sandbox.id, **remote)  # this loop's own
+        seen: list[str] = []
+
+        async def slow(text: str) -> None:
+            await asyncio.sleep(0.05)  # a handler that yields: later output must wait
+            seen.append(text)
+
+        result = await sbx.commands.run(
+            "for i in 1 2 3 4 5; do echo $i; sleep 0.1; done", on_stdout=slow
+        )
+        return seen, result.stdout
+
+    seen, stdout = asyncio.run(scenario())
+    assert "".join(seen) == stdout == "1\n2\n3\n4\n5\n"
+
+
+def test_connect_resumes_a_paused_sandbox(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory()
+    sbx.commands.run("sleep 600 >/dev/null 2>&1 &")
+    pid = sbx.commands.run("pgrep -x sleep").stdout.strip()
+    sbx.pause()
+    assert Sandbox.connect(sbx.id, resume=False).info().state == "paused"
+    again = Sandbox.connect(sbx.id)  # as E2B's connect: resumed, every process kept
+    assert again.info().state == "running"
+    assert again.commands.run("pgrep -x sleep").stdout.strip() == pid
+    killed = cli("kill", sbx.id)
+    assert killed.returncode == 0
+
+
+def test_snapshot_names_are_unique_unless_overwritten(
+    shared_sandbox: Sandbox, request: pytest.FixtureRequest
+) -> None:
+    remote = remote_of(shared_sandbox, request)
+    name = "unique-" + ("http" if remote else "embedded")
+    first = shared_sandbox.snapshot(name, memory=False)
+    try:
+        with pytest.raises(InvalidArgument, match=f"a snapshot named '{name}' exists"):
+            shared_sandbox.snapshot(name, memory=False)
+        env = cli_env(shared_sandbox, request)
+        refused = cli("snapshot", "take", shared_sandbox.id, name, "--disk-only", env=env)
+        assert refused.returncode == 1 and "overwrite" in refused.stderr
+        taken = cli(
+            "snapshot", "take", shared_sandbox.id, name, "--disk-only", "--overwrite", env=env
+        )
+        assert taken.returncode == 0, taken.stderr
+        second = taken.stdout.strip()
+        kept = {s.id: s.name for s in Sandbox.snapshots(**remote)}
+        assert second in kept and first.id not in kept  # the older one is gone
+        assert [i for i, n in kept.items() if n == name] == [second]
+    finally:
+        for snap in Sandbox.snapshots(**remote):
+            if snap.name == name:
+                Sandbox.delete_snapshot(snap.id, **remote)

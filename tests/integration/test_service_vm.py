@@ -31,7 +31,7 @@ def kill_all() -> None:
     """Kill every sandbox of the current state folder, reporting what fails."""
     for info in Sandbox.list(all=True):
         try:
-            Sandbox.connect(info.id).kill()
+            Sandbox.connect(info.id, resume=False).kill()
         except Exception as exc:
             print(f"cleanup of {info.id} failed: {exc}")
 

@@ -41,7 +41,7 @@ def fake_vmm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield state
     for info in Sandbox.list(all=True):
         try:
-            Sandbox.connect(info.id).kill()
+            Sandbox.connect(info.id, resume=False).kill()
         except Exception as exc:  # report, keep cleaning
             print(f"cleanup of {info.id} failed: {exc}")
     discard_spare()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,13 +21,33 @@ from rich.table import Table
 from cryobox import config
 from cryobox.arguments import key_values
 from cryobox.client import Sandbox
-from cryobox.errors import InvalidArgument
+from cryobox.errors import CommandNotFound, InvalidArgument
 
 from .output import console, errors_reported, out, print_rows
 from .server_commands import server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
 
 app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        print(f"cryobox {version('cryobox')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Real VM sandboxes for AI agents."""
+
+
 image_app = typer.Typer(no_args_is_help=True, help="The guest image built from Debian packages.")
 app.add_typer(image_app, name="image")
 template_app = typer.Typer(no_args_is_help=True, help="Templates: saved machines to start from.")
@@ -133,20 +155,33 @@ def run_in(
     cwd: str | None,
     user: str | None,
     timeout: float | None,
+    interactive: bool = False,
 ) -> int:
-    """Run a command with its output streamed to ours; its exit code."""
+    """Run a command with its output streamed to ours, and with ``interactive`` our
+    stdin streamed to its stdin; its exit code (127 when the program does not exist)."""
     if shell is None and not command:
         raise InvalidArgument("give a command after --, or --shell 'CMD'")
     variables = key_values("--env", env or [])
-    result = sbx.commands.run(
-        shell if shell is not None else command,
-        env=variables,
-        cwd=cwd,
-        user=user,
-        timeout=timeout,
-        on_stdout=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
-        on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
-    )
+    try:
+        handle = sbx.commands.run(
+            shell if shell is not None else command,
+            background=True,
+            stdin=interactive,
+            env=variables,
+            cwd=cwd,
+            user=user,
+            timeout=timeout,
+            on_stdout=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+            on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
+        )
+    except CommandNotFound as exc:  # as a shell says it: exit code 127
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 127
+    if interactive:
+        for chunk in iter(lambda: os.read(sys.stdin.fileno(), 65536), b""):
+            handle.send_stdin(chunk)
+        handle.send_stdin(b"", eof=True)
+    result = handle.wait()
     if result.timed_out:
         console.print(f"[yellow]command timed out after {timeout} s[/yellow]")
     return result.exit_code
@@ -164,6 +199,9 @@ CommandTimeout = Annotated[
 CommandArgs = Annotated[
     list[str] | None, typer.Argument(help="The command and its arguments, after --.")
 ]
+InteractiveOption = Annotated[
+    bool, typer.Option("--interactive", "-i", help="Pass this terminal's stdin to the command.")
+]
 
 
 @app.command("exec")
@@ -175,11 +213,12 @@ def exec_(
     cwd: CwdOption = None,
     user: UserOption = None,
     command_timeout: CommandTimeout = None,
+    interactive: InteractiveOption = False,
 ) -> None:
     """Run a command in a sandbox; exits with the command's exit code."""
     with errors_reported():
         sbx = Sandbox.connect(sandbox_id)
-        code = run_in(sbx, command or [], shell, env, cwd, user, command_timeout)
+        code = run_in(sbx, command or [], shell, env, cwd, user, command_timeout, interactive)
         sbx.close()
     raise typer.Exit(code)
 
@@ -243,14 +282,18 @@ StateOption = Annotated[
     str | None,
     typer.Option("--state", help="Only sandboxes in this state (running, paused, killed...)."),
 ]
-JsonOption = Annotated[bool, typer.Option("--json", help="One JSON array, whole records.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="JSON, whole records.")]
+LabelFilter = Annotated[
+    list[str] | None,
+    typer.Option("--label", "-l", help="Only sandboxes with this KEY=VALUE (repeatable)."),
+]
 
 
 @app.command("ls")
 def list_(
     all: Annotated[bool, typer.Option("--all", "-a", help="Include killed and dead ones.")] = False,
     state: StateOption = None,
-    label: LabelOption = None,
+    label: LabelFilter = None,
     as_json: JsonOption = False,
 ) -> None:
     """List sandboxes on this host (tab-separated when piped)."""
@@ -293,10 +336,30 @@ def list_(
 
 
 @app.command()
+def info(sandbox_id: str, as_json: JsonOption = False) -> None:
+    """Show one sandbox (it stays as it is: a paused one is not resumed)."""
+    with errors_reported():
+        found = Sandbox.connect(sandbox_id, resume=False).info()
+        record = dataclasses.asdict(found)
+        if as_json:
+            print(json.dumps(record, indent=2))
+            return
+        print_rows(("FIELD", "VALUE"), [(k, _shown(v)) for k, v in record.items()])
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items()) or "-"
+    return "-" if value is None else str(value)
+
+
+@app.command()
 def logs(sandbox_id: str) -> None:
     """Print a sandbox's serial console."""
     with errors_reported():
-        out.print(Sandbox.connect(sandbox_id).logs(), end="", markup=False, highlight=False)
+        out.print(
+            Sandbox.connect(sandbox_id, resume=False).logs(), end="", markup=False, highlight=False
+        )
 
 
 @app.command()
@@ -305,7 +368,7 @@ def kill(
     all: Annotated[
         bool, typer.Option("--all", help="Every running or paused sandbox (with --label: those).")
     ] = False,
-    label: LabelOption = None,
+    label: LabelFilter = None,
 ) -> None:
     """Kill sandboxes (or remove what is left of dead ones)."""
     with errors_reported():
@@ -318,7 +381,7 @@ def kill(
             wanted = key_values("--label", label or [])
             targets = [info.id for info in Sandbox.list(metadata=wanted)]
         for sandbox_id in targets:
-            Sandbox.connect(sandbox_id).kill()
+            Sandbox.connect(sandbox_id, resume=False).kill()
             out.print(f"killed {sandbox_id}")
         if all and not targets:
             console.print("no sandbox to kill")
@@ -375,7 +438,7 @@ def image_info() -> None:
 def pause(sandbox_id: str) -> None:
     """Save a sandbox's whole machine and stop it (no CPU, no RAM); resume continues it."""
     with errors_reported():
-        Sandbox.connect(sandbox_id).pause()
+        Sandbox.connect(sandbox_id, resume=False).pause()
         out.print(f"paused {sandbox_id}")
 
 
@@ -411,10 +474,14 @@ def snapshot(
     disk_only: Annotated[
         bool, typer.Option("--disk-only", help="Files only: sandboxes started from it boot.")
     ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace the snapshot of that name.")
+    ] = False,
 ) -> None:
     """Save a sandbox beyond its life; `cryobox create --from-snapshot NAME` starts from it."""
     with errors_reported():
-        out.print(Sandbox.connect(sandbox_id).snapshot(name, memory=not disk_only).id)
+        sbx = Sandbox.connect(sandbox_id)
+        out.print(sbx.snapshot(name, memory=not disk_only, overwrite=overwrite).id)
 
 
 @app.command()
@@ -423,12 +490,16 @@ def snapshots(
     cascade: Annotated[
         bool, typer.Option("--cascade", help="With --delete: the snapshots built on it too.")
     ] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """List saved snapshots, checkpoints and template snapshots (or delete one)."""
     with errors_reported():
         if delete:
             for snapshot_id in Sandbox.delete_snapshot(delete, cascade=cascade):
                 out.print(f"deleted {snapshot_id}")
+            return
+        if as_json:
+            print(json.dumps([dataclasses.asdict(s) for s in Sandbox.snapshots()], indent=2))
             return
         now = time.time()
         rows = [
@@ -461,12 +532,15 @@ def fork(
 
 
 @app.command()
-def tree() -> None:
+def tree(as_json: JsonOption = False) -> None:
     """Print the lineage of sandboxes and snapshots: which came from which."""
     from rich.tree import Tree
 
     with errors_reported():
         nodes = Sandbox.lineage()
+        if as_json:
+            print(json.dumps(nodes, indent=2))
+            return
         ids = {node["id"] for node in nodes}
         children: dict[str | None, list[dict[str, Any]]] = {}
         for node in nodes:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import typer
+import typer.core as _typer_core
 from rich.console import Console
 from rich.table import Table
 
@@ -40,3 +42,25 @@ def errors_reported() -> Iterator[None]:
         yield
     except CryoboxError as exc:
         fail(exc)
+
+
+#: Typer's own words for a value's type are Python's (``<int>``, ``<list[str]>``); the
+#: help shows the shell's instead, as click always did.
+_TYPE_WORDS = {"int": "INTEGER", "str": "TEXT", "float": "FLOAT", "Path": "PATH"}
+
+
+def _type_in_words(param: Any, ctx: Any) -> str | None:
+    """``INTEGER``, ``TEXT``, ``PATH``...; nothing for a flag (``--all``)."""
+    if getattr(param, "is_flag", False):
+        return None
+    if param.metavar is not None:
+        return str(param.metavar)
+    bare = _typer_core._TyperParameter.display_type(param, ctx).strip("<>")
+    if bare.startswith("list[") and bare.endswith("]"):
+        bare = bare[5:-1]
+    words = "|".join(_TYPE_WORDS.get(part, part.upper()) for part in bare.split("|"))
+    return words + ("..." if param.nargs != 1 else "")
+
+
+_typer_core.TyperOption.display_type_rich = _type_in_words  # type: ignore[method-assign,assignment]
+_typer_core.TyperArgument.display_type_rich = _type_in_words  # type: ignore[method-assign,assignment]

@@ -7,11 +7,14 @@ goes through a :class:`~cryobox.client.transport.Transport` to the service.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import codecs
+import contextlib
+import inspect
 import os
 import signal as signals
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict, Unpack, overload
@@ -45,7 +48,9 @@ class RunOptions(TypedDict, total=False):
     ``env``: variables on top of the guest's login-like base; ``cwd``, ``user``: where
     and as whom; ``timeout``: seconds before the command is killed (``timed_out`` is
     then set); ``stdin``: data to feed and close, or True to feed it later through the
-    handle; ``on_stdout``/``on_stderr``: called with text as it comes.
+    handle; ``on_stdout``/``on_stderr``: called with text as it comes (a coroutine
+    function is awaited, each call after the one before; ``wait`` returns after the last,
+    and raises what one of them raised).
     """
 
     env: dict[str, str] | None
@@ -67,6 +72,7 @@ class AsyncCommandHandle:
         }
         self._output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self._session: StartedCommand | None = None
+        self._callbacks: asyncio.Future[None] | None = None
 
     @property
     def pid(self) -> int:
@@ -76,8 +82,11 @@ class AsyncCommandHandle:
     def _on_output(self, stream: str, data: bytes) -> None:
         self._output[stream] += data
         handler = self._handlers[stream]
-        if handler is not None:
-            handler(self._decoders[stream].decode(data))
+        if handler is None:
+            return
+        result = handler(self._decoders[stream].decode(data))
+        if inspect.isawaitable(result):  # an async handler: awaited in order
+            self._callbacks = asyncio.ensure_future(_after(self._callbacks, result))
 
     async def wait(self) -> CommandResult:
         """Wait for the command to end and return how it ended.
@@ -86,6 +95,8 @@ class AsyncCommandHandle:
         """
         assert self._session is not None
         result = await self._session.wait()
+        if self._callbacks is not None:
+            await self._callbacks
         out, err = bytes(self._output["stdout"]), bytes(self._output["stderr"])
         return CommandResult(
             exit_code=result["exit_code"],
@@ -107,6 +118,14 @@ class AsyncCommandHandle:
         """Send ``signal`` to the command's process group."""
         assert self._session is not None
         await self._session.kill(signal)
+
+
+async def _after(previous: asyncio.Future[None] | None, call: Awaitable[Any]) -> None:
+    """Await ``call`` once ``previous`` is done (a failure of it is raised by ``wait``)."""
+    if previous is not None:
+        with contextlib.suppress(Exception):
+            await previous
+    await call
 
 
 def _command(cmd: str | Sequence[str], options: RunOptions) -> CommandRequest:
@@ -346,17 +365,29 @@ class AsyncSandbox:
 
     @classmethod
     async def connect(
-        cls, sandbox_id: str, *, api_url: str | None = None, api_key: str | None = None
+        cls,
+        sandbox_id: str,
+        *,
+        resume: bool = True,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> AsyncSandbox:
-        """Attach to a sandbox by id, from any process.
+        """Attach to a sandbox by id, from any process; a paused one is resumed first
+        (every process where it was), as E2B's ``connect`` does, unless ``resume=False``
+        (to look at it, or kill it, as it is).
 
-        A sandbox that is not running can still be inspected (``info``, ``logs``) and
-        killed; running commands in it raises :class:`SandboxDead` or :class:`StateError`.
+        A sandbox that has ended can still be inspected (``info``, ``logs``) and killed;
+        running commands in it raises :class:`SandboxDead` or :class:`StateError`.
 
         :raises SandboxNotFound: when there is no such sandbox.
+        :raises SnapshotError: when a paused one's saved state is refused (it stays
+            paused).
         """
         transport = transport_for(api_url, api_key)
-        return cls(await transport.get(sandbox_id), transport)
+        info = await transport.get(sandbox_id)
+        if resume and info.state == "paused":
+            info = await transport.resume(sandbox_id)
+        return cls(info, transport)
 
     @staticmethod
     async def build_template(
@@ -472,10 +503,20 @@ class AsyncSandbox:
         """Save the running machine so that :meth:`rollback` can return to this instant."""
         return await self._transport.capture(self.id, SnapshotPurpose.CHECKPOINT, name)
 
-    async def snapshot(self, name: str, memory: bool = True) -> SnapshotInfo:
+    async def snapshot(
+        self, name: str, memory: bool = True, overwrite: bool = False
+    ) -> SnapshotInfo:
         """Save the machine beyond this sandbox's life; ``create(from_snapshot=name)`` starts
-        new sandboxes from it. ``memory=False`` saves the files only: those sandboxes boot."""
-        return await self._transport.capture(self.id, SnapshotPurpose.SNAPSHOT, name, memory)
+        new sandboxes from it. ``memory=False`` saves the files only: those sandboxes boot.
+
+        Names are unique: a name already taken is refused, unless ``overwrite=True``
+        (the older snapshot is then deleted, or kept by id while something uses it).
+
+        :raises InvalidArgument: when the name is taken (and no ``overwrite``).
+        """
+        return await self._transport.capture(
+            self.id, SnapshotPurpose.SNAPSHOT, name, memory, overwrite
+        )
 
     async def checkpoints(self) -> builtins.list[SnapshotInfo]:
         """This sandbox's checkpoints, oldest first."""

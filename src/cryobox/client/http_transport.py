@@ -248,13 +248,18 @@ class HttpTransport:
         return sandbox_info(response.json())
 
     async def capture(
-        self, sandbox_id: str, purpose: SnapshotPurpose, name: str | None, memory: bool = True
+        self,
+        sandbox_id: str,
+        purpose: SnapshotPurpose,
+        name: str | None,
+        memory: bool = True,
+        overwrite: bool = False,
     ) -> SnapshotInfo:
         body: dict[str, Any] = {"name": name}
         if purpose is SnapshotPurpose.CHECKPOINT:
             path = "/checkpoints"
         elif purpose is SnapshotPurpose.SNAPSHOT:
-            path, body["memory"] = "/snapshots", memory
+            path, body["memory"], body["overwrite"] = "/snapshots", memory, overwrite
         else:
             raise InvalidArgument(f"a {purpose.value} snapshot is not taken over HTTP")
         response = await self._call("POST", self._sbx(sandbox_id, path), json=body, timeout=LONG)

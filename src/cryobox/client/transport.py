@@ -43,7 +43,12 @@ class Transport(Protocol):
     async def pause(self, sandbox_id: str) -> None: ...
     async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo: ...
     async def capture(
-        self, sandbox_id: str, purpose: SnapshotPurpose, name: str | None, memory: bool = True
+        self,
+        sandbox_id: str,
+        purpose: SnapshotPurpose,
+        name: str | None,
+        memory: bool = True,
+        overwrite: bool = False,
     ) -> SnapshotInfo: ...
     async def rollback(self, sandbox_id: str, ref: str) -> None: ...
     async def fork(

@@ -292,8 +292,13 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
     async def snapshot(sandbox_id: str, body: NewSnapshot, me: Me) -> dict[str, Any]:
         record(me, sandbox_id)
         name = body.name or f"snapshot-of-{sandbox_id}-{int(time.time())}"
-        info = await hub.capture(
-            me, sandbox_id, SnapshotPurpose.SNAPSHOT, name, memory=body.memory is not False
+        info = await hub.capture(  # E2B's names are tags: the newest snapshot has it
+            me,
+            sandbox_id,
+            SnapshotPurpose.SNAPSHOT,
+            name,
+            memory=body.memory is not False,
+            overwrite=True,
         )
         return {"snapshotID": info.id, "names": [name]}
 

@@ -281,7 +281,12 @@ def create_app(
         if not body.name:
             raise e.InvalidArgument("name: a snapshot needs a name")
         return await hub.capture(
-            me, sandbox_id, SnapshotPurpose.SNAPSHOT, body.name, memory=body.memory
+            me,
+            sandbox_id,
+            SnapshotPurpose.SNAPSHOT,
+            body.name,
+            memory=body.memory,
+            overwrite=body.overwrite,
         )
 
     @app.post("/sandboxes/{sandbox_id}/forks", status_code=201, tags=["sandboxes"])

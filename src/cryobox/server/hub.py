@@ -512,13 +512,29 @@ class Hub:
         purpose: SnapshotPurpose,
         name: str | None,
         memory: bool = True,
+        overwrite: bool = False,
     ) -> SnapshotInfo:
+        """A checkpoint or snapshot; a snapshot's name is unique among the tenant's own
+        (taken again only with ``overwrite``, which deletes the older one when unused)."""
         await self.use(tenant, sandbox_id)
         self._check_storage(tenant)
+        older: builtins.list[str] = []
+        if purpose is SnapshotPurpose.SNAPSHOT and name:
+            mine = set(self.tenants.owned(tenant.id, "snapshot"))
+            older = [i for i in self.service.named_snapshots(name) if i in mine]
+            if older and not overwrite:
+                raise InvalidArgument(
+                    f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
+                    "or overwrite it"
+                )
         async with self._locks[sandbox_id]:
             with acting_for(tenant.id):
-                info = await self.service.capture(sandbox_id, purpose, name, memory)
+                info = await self.service.capture(sandbox_id, purpose, name, memory, unique=False)
             self.tenants.own(tenant.id, "snapshot", info.id)
+            for snapshot_id in older:
+                with contextlib.suppress(CryoboxError), acting_for(tenant.id):
+                    for gone in await self.service.delete_snapshot(snapshot_id):
+                        self.tenants.disown("snapshot", gone)
         self.events.publish(
             tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
         )

@@ -44,6 +44,9 @@ class SetTimeout(Body):
 class Capture(Body):
     name: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     memory: bool = True
+    #: A snapshot's name is the tenant's one snapshot of that name: taken again only
+    #: with ``overwrite`` (the older one is then deleted, unless something uses it).
+    overwrite: bool = False
 
 
 class Rollback(Body):

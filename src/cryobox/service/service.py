@@ -284,25 +284,55 @@ class SandboxService:
         return sandbox_info(folder.spec(), record, folder)
 
     async def capture(
-        self, sandbox_id: str, purpose: SnapshotPurpose, name: str | None, memory: bool = True
+        self,
+        sandbox_id: str,
+        purpose: SnapshotPurpose,
+        name: str | None,
+        memory: bool = True,
+        overwrite: bool = False,
+        *,
+        unique: bool = True,
     ) -> SnapshotInfo:
         """A checkpoint, snapshot, template or fork snapshot of a running sandbox.
 
+        A snapshot's name is unique on the host: taken again only with ``overwrite``,
+        after which the older snapshots of that name are deleted (those something still
+        uses stay, reachable by id; the name finds the newest). ``unique=False`` leaves
+        names to the caller (the server keeps them unique per tenant).
+
         :raises StateError: when it is not running.
-        :raises InvalidArgument: for a snapshot without a name.
+        :raises InvalidArgument: for a snapshot without a name, or one already taken.
         :raises StorageError: when the host cannot hold it (the sandbox keeps running).
         """
         if purpose is SnapshotPurpose.SNAPSHOT and not name:
             raise InvalidArgument("a snapshot needs a name")
         if name and looks_like_id(name):
             raise InvalidArgument(f"snapshot name {name!r} has the shape of an id; choose another")
+        snapshot = purpose is SnapshotPurpose.SNAPSHOT and unique
+        older = self.named_snapshots(name) if snapshot else []
+        if older and not overwrite:
+            raise InvalidArgument(
+                f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
+                "or overwrite it"
+            )
         self._require_running(sandbox_id, purpose.value)
         result = await self._control(
             sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
         )
         manifest = Manifest.from_json(result)
         self.persist.after_capture(manifest)
+        for snapshot_id in older:
+            with contextlib.suppress(CryoboxError):  # still used: kept, by id only
+                await self.delete_snapshot(snapshot_id)
         return self._snapshot_info(manifest)
+
+    def named_snapshots(self, name: str | None) -> builtins.list[str]:
+        """The ids of the snapshots (not checkpoints) called ``name`` here, oldest first."""
+        return [
+            m.id
+            for m in self.store.all()
+            if name and m.name == name and m.purpose == SnapshotPurpose.SNAPSHOT.value
+        ]
 
     async def rollback(self, sandbox_id: str, ref: str) -> None:
         """Return a running sandbox to one of its checkpoints (id or name).
