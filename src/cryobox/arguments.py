@@ -4,6 +4,7 @@ argument."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -43,14 +44,15 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,62}")
 #: Bounds of what a sandbox carries from its create (kept in its spec, sent with every
 #: command for ``envs``).
-MAX_ENVS_BYTES = 64 * 1024
+#: Half of a protocol header (64 KiB): the rest is for the command and its own variables.
+MAX_ENVS_BYTES = 32 * 1024
 MAX_LABELS = 64
 MAX_LABEL_VALUE = 256
 
 
 def env_vars(name: str, value: Any) -> dict[str, str]:
     """``value`` as environment variables: names a shell accepts, string values without
-    NUL bytes, 64 KiB in all.
+    NUL bytes, 32 KiB in all as they are sent (JSON) with every command.
 
     :raises InvalidArgument: naming ``name`` and the offending variable.
     """
@@ -62,7 +64,7 @@ def env_vars(name: str, value: Any) -> dict[str, str]:
             )
         if "\0" in text:
             raise InvalidArgument(f"{name}: the value of {key} holds a NUL byte")
-    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in found.items())
+    size = len(json.dumps(found).encode())
     if size > MAX_ENVS_BYTES:
         raise InvalidArgument(f"{name}: {size} bytes in all, more than {MAX_ENVS_BYTES}")
     return found

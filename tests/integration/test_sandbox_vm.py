@@ -326,13 +326,20 @@ def test_envs_reach_every_command_and_metadata_labels_the_sandbox(
     assert background.exit_code == 0 and sbx.files.read_text("/tmp/bg-env") == "cryobox\n"
     info = sbx.info()
     assert info.metadata == {**LABELS, "transport": transport}
-    assert "s3cr3t" not in repr(info)  # variables are never shown back
+    env = cli_env(sbx, request)
+    for shown in (
+        cli("info", sbx.id, "--json", env=env).stdout,
+        cli("ls", "--json", env=env).stdout,
+        cli("tree", "--json", env=env).stdout,
+    ):
+        assert sbx.id in shown and "s3cr3t" not in shown  # variables are never shown back
+    if transport == "embedded":  # kept on the host readable by root only
+        assert registry.find(sbx.id).spec_file.stat().st_mode & 0o077 == 0
     remote = remote_of(sbx, request)
     assert sbx.id in [i.id for i in Sandbox.list(metadata={"team": "agents"}, **remote)]
     assert sbx.id in [i.id for i in Sandbox.list(state="running", metadata=LABELS, **remote)]
     assert sbx.id not in [i.id for i in Sandbox.list(metadata={"team": "other"}, **remote)]
     assert sbx.id not in [i.id for i in Sandbox.list(state="paused", **remote)]
-    env = cli_env(sbx, request)
     listed = cli(
         "ls", "--label", "team=agents", "--label", f"transport={transport}", "--json", env=env
     )
@@ -345,6 +352,8 @@ def test_envs_reach_every_command_and_metadata_labels_the_sandbox(
         Sandbox.create(envs={"1BAD": "x"}, **remote)
     with pytest.raises(InvalidArgument, match="metadata"):
         Sandbox.create(metadata={"k": "v" * 300}, **remote)
+    with pytest.raises(InvalidArgument, match=r"envs: .* bytes in all"):
+        Sandbox.create(envs={"BIG": "\x01" * 8000}, **remote)  # 48 KB once JSON-escaped
     bad = cli("ls", "--label", "novalue", env=env)
     assert bad.returncode == 1 and "--label 'novalue': write KEY=VALUE" in bad.stderr
 
@@ -387,6 +396,15 @@ def test_cli_pipes_stdin_prints_json_and_says_127_for_a_missing_program(
         env=env,
     )
     assert piped.returncode == 0 and piped.stdout == "hi\nthere\n", piped.stderr
+    endless = subprocess.run(  # the command ends long before its input does
+        f"yes | {' '.join(CLI)} exec -i {shared_sandbox.id} -- head -n 2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert endless.returncode == 0 and endless.stdout == "y\ny\n", endless.stderr
     for given in (["--", "no-such-program", "x"], ["--shell", "no-such-program x"]):
         missing = cli("exec", shared_sandbox.id, *given, env=env)
         assert missing.returncode == 127, (given, missing.stderr)
@@ -414,16 +432,27 @@ def test_async_output_handlers_are_awaited_in_order(
         seen: list[str] = []
 
         async def slow(text: str) -> None:
-            await asyncio.sleep(0.05)  # a handler that yields: later output must wait
+            # The first call sleeps longest: unchained, later output would overtake it.
+            await asyncio.sleep(0.6 if not seen else 0)
             seen.append(text)
 
         result = await sbx.commands.run(
             "for i in 1 2 3 4 5; do echo $i; sleep 0.1; done", on_stdout=slow
         )
+
+        async def failing(text: str) -> None:
+            if "2" in text:
+                raise RuntimeError(f"handler refused {text!r}")
+
+        with pytest.raises(RuntimeError, match="handler refused"):
+            await sbx.commands.run(
+                "echo 1; sleep 0.2; echo 2; sleep 0.2; echo 3", on_stdout=failing
+            )
         return seen, result.stdout
 
     seen, stdout = asyncio.run(scenario())
     assert "".join(seen) == stdout == "1\n2\n3\n4\n5\n"
+    assert seen[0] == "1\n"
 
 
 def test_connect_resumes_a_paused_sandbox(sandbox_factory: Any) -> None:

@@ -219,7 +219,14 @@ def test_two_hosts_on_one_postgresql_serve_each_others_sandboxes(
     sbx = Sandbox.create(api_url=a.url, api_key=a.key)
     try:
         via_b = Sandbox.connect(sbx.id, api_url=b.url, api_key=b.key)
-        via_b.commands.run(COUNTER, background=True)
+        via_b.commands.run(COUNTER)  # detached: it outlives this call's stream
+        # Under TCG the loop's first write can take a while: wait for it before pausing.
+        assert (
+            via_b.commands.run(
+                "for i in $(seq 100); do [ -f /root/count ] && exit; sleep 0.1; done; exit 1"
+            ).exit_code
+            == 0
+        )
         via_b.files.write("/root/from-b.txt", "through b")
         assert sbx.files.read("/root/from-b.txt") == b"through b"
         assert not (b_state / "sandboxes" / sbx.id).exists()  # the VM is a's
@@ -241,6 +248,6 @@ def test_two_hosts_on_one_postgresql_serve_each_others_sandboxes(
 
 
 COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /root/count.new; "
-    "mv /root/count.new /root/count; sleep 0.2; done"
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/count.new; "
+    "mv /root/count.new /root/count; sleep 0.2; done' >/dev/null 2>&1 &"
 )

@@ -99,6 +99,9 @@ def test_bad_input_is_a_422_naming_the_field(server: ApiServer) -> None:
         sdk(server, cpus=0)
     missing = http.post("/sandboxes", json={"template": "nope"})
     assert missing.status_code == 404 and "template 'nope' does not exist" in missing.text
+    for path in ("/sandboxes/a%00b", "/sandboxes/a%00b/logs", "/snapshots/x%00y"):
+        nul = http.get(path)  # PostgreSQL cannot even compare a NUL byte: never a 500
+        assert nul.status_code in (400, 404), (path, nul.status_code, nul.text)
 
 
 def test_quotas_are_answered_429_naming_the_limit(server: ApiServer) -> None:

@@ -6,10 +6,12 @@ went wrong, with exit code 1 (a command run in a sandbox passes its own exit cod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -21,9 +23,9 @@ from rich.table import Table
 from cryobox import config
 from cryobox.arguments import key_values
 from cryobox.client import Sandbox
-from cryobox.errors import CommandNotFound, InvalidArgument
+from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument
 
-from .output import console, errors_reported, out, print_rows
+from .output import console, errors_reported, out, print_rows, say_error
 from .server_commands import server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
 
@@ -175,16 +177,37 @@ def run_in(
             on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
         )
     except CommandNotFound as exc:  # as a shell says it: exit code 127
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        say_error(exc)
         return 127
     if interactive:
-        for chunk in iter(lambda: os.read(sys.stdin.fileno(), 65536), b""):
-            handle.send_stdin(chunk)
-        handle.send_stdin(b"", eof=True)
-    result = handle.wait()
+        # Fed from a thread: the command may end before our stdin does (`yes | head -1`),
+        # and its exit code is what we wait for, not the end of our input.
+        threading.Thread(target=_feed, args=(handle,), daemon=True).start()
+    try:
+        result = handle.wait()
+    except KeyboardInterrupt:  # Ctrl-C here stops the command there
+        with contextlib.suppress(CryoboxError):
+            handle.kill()
+        raise typer.Exit(130) from None
     if result.timed_out:
         console.print(f"[yellow]command timed out after {timeout} s[/yellow]")
     return result.exit_code
+
+
+def _feed(handle: Any) -> None:
+    """Our stdin to the command's, then its end; stops quietly when the command has
+    stopped reading (it ended, or closed its stdin)."""
+    try:
+        fd = sys.stdin.fileno() if sys.stdin is not None else -1
+    except (OSError, ValueError):
+        fd = -1
+    try:
+        if fd >= 0:
+            for chunk in iter(lambda: os.read(fd, 65536), b""):
+                handle.send_stdin(chunk)
+        handle.send_stdin(b"", eof=True)
+    except (CryoboxError, OSError):
+        pass  # the command no longer takes input: its exit code still counts
 
 
 ShellOption = Annotated[str | None, typer.Option("--shell", "-c", help="Run CMD with /bin/sh -c.")]
@@ -380,25 +403,33 @@ def kill(
         if all:
             wanted = key_values("--label", label or [])
             targets = [info.id for info in Sandbox.list(metadata=wanted)]
+        failed = 0
         for sandbox_id in targets:
-            Sandbox.connect(sandbox_id, resume=False).kill()
+            try:
+                Sandbox.connect(sandbox_id, resume=False).kill()
+            except CryoboxError as exc:  # one that went meanwhile must not stop the rest
+                say_error(exc)
+                failed += 1
+                continue
             out.print(f"killed {sandbox_id}")
         if all and not targets:
             console.print("no sandbox to kill")
+        if failed:
+            raise typer.Exit(1)
 
 
 @app.command("set-timeout")
 def set_timeout(sandbox_id: str, seconds: float) -> None:
     """Kill the sandbox SECONDS from now unless extended again."""
     with errors_reported():
-        Sandbox.connect(sandbox_id).set_timeout(seconds)
+        Sandbox.connect(sandbox_id, resume=False).set_timeout(seconds)
 
 
 @app.command()
 def port(sandbox_id: str, guest_port: int) -> None:
     """Forward a guest TCP port to 127.0.0.1 and print the host port."""
     with errors_reported():
-        out.print(Sandbox.connect(sandbox_id).expose_port(guest_port))
+        out.print(Sandbox.connect(sandbox_id, resume=False).expose_port(guest_port))
 
 
 @image_app.command("build")

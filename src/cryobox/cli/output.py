@@ -10,6 +10,7 @@ from typing import Any
 import typer
 import typer.core as _typer_core
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cryobox.errors import CryoboxError
@@ -18,20 +19,27 @@ console = Console(stderr=True)
 out = Console()
 
 
+def say_error(error: object) -> None:
+    """One red ``error:`` line; the message itself is printed as it is (brackets in a
+    path or a label are text, never markup)."""
+    console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+
+
 def fail(error: Exception) -> None:
-    console.print(f"[red]error:[/red] {error}", highlight=False, markup=True)
+    say_error(error)
     raise typer.Exit(1)
 
 
 def print_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A table on a terminal; tab-separated lines, whole values, when piped."""
+    """A table on a terminal; tab-separated lines, whole values, when piped (a tab or a
+    line break inside a value becomes a space, so a row stays one line)."""
     if not out.is_terminal:
         for row in (header, *rows):
-            print("\t".join(row))
+            print("\t".join(" ".join(cell.split("\t")).replace("\n", " ") for cell in row))
         return
-    table = Table(*header)
+    table = Table(*(escape(h) for h in header))
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(escape(cell) for cell in row))
     out.print(table)
 
 
@@ -45,22 +53,28 @@ def errors_reported() -> Iterator[None]:
 
 
 #: Typer's own words for a value's type are Python's (``<int>``, ``<list[str]>``); the
-#: help shows the shell's instead, as click always did.
+#: help shows the shell's instead, as click always did. Only plain types are renamed:
+#: anything else (choices, ranges, paths, a metavar of its own) keeps typer's text.
 _TYPE_WORDS = {"int": "INTEGER", "str": "TEXT", "float": "FLOAT", "Path": "PATH"}
+_ORIGINAL = {
+    cls: cls.display_type_rich for cls in (_typer_core.TyperOption, _typer_core.TyperArgument)
+}
 
 
 def _type_in_words(param: Any, ctx: Any) -> str | None:
-    """``INTEGER``, ``TEXT``, ``PATH``...; nothing for a flag (``--all``)."""
+    """``INTEGER``, ``TEXT``, ``FLOAT`` (``...`` when repeatable); nothing for a flag."""
     if getattr(param, "is_flag", False):
         return None
-    if param.metavar is not None:
-        return str(param.metavar)
-    bare = _typer_core._TyperParameter.display_type(param, ctx).strip("<>")
+    original = _ORIGINAL.get(type(param))
+    desc = param.type_descriptor
+    plain = not (desc.is_choice or desc.is_ranged or desc.is_tuple or desc.is_datetime)
+    bare = param.bare_type()
     if bare.startswith("list[") and bare.endswith("]"):
         bare = bare[5:-1]
-    words = "|".join(_TYPE_WORDS.get(part, part.upper()) for part in bare.split("|"))
-    return words + ("..." if param.nargs != 1 else "")
+    if param.metavar is not None or not plain or bare not in _TYPE_WORDS:
+        return original(param, ctx) if original is not None else None
+    return _TYPE_WORDS[bare] + ("..." if param.nargs != 1 else "")
 
 
-_typer_core.TyperOption.display_type_rich = _type_in_words  # type: ignore[method-assign,assignment]
-_typer_core.TyperArgument.display_type_rich = _type_in_words  # type: ignore[method-assign,assignment]
+for _cls in _ORIGINAL:
+    _cls.display_type_rich = _type_in_words  # type: ignore[method-assign,assignment]

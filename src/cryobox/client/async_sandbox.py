@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import codecs
-import contextlib
 import inspect
 import os
 import signal as signals
@@ -20,8 +19,8 @@ from types import TracebackType
 from typing import Any, Literal, TypedDict, Unpack, overload
 
 from cryobox import config
-from cryobox.arguments import labels
-from cryobox.errors import GuestFileNotFound, InvalidArgument
+from cryobox.arguments import env_vars, labels
+from cryobox.errors import CryoboxError, GuestFileNotFound, InvalidArgument
 from cryobox.guest import protocol as p
 from cryobox.image.build import Progress
 from cryobox.models import (
@@ -40,6 +39,8 @@ from cryobox.snapshot.manifest import SnapshotPurpose
 from .transport import Transport, transport_for
 
 OutputHandler = Callable[[str], Any]
+#: The states a sandbox is listed in.
+STATES = ("creating", "running", "paused", "resuming", "killed", "dead")
 
 
 class RunOptions(TypedDict, total=False):
@@ -73,6 +74,7 @@ class AsyncCommandHandle:
         self._output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self._session: StartedCommand | None = None
         self._callbacks: asyncio.Future[None] | None = None
+        self._handler_error: BaseException | None = None
 
     @property
     def pid(self) -> int:
@@ -86,7 +88,18 @@ class AsyncCommandHandle:
             return
         result = handler(self._decoders[stream].decode(data))
         if inspect.isawaitable(result):  # an async handler: awaited in order
-            self._callbacks = asyncio.ensure_future(_after(self._callbacks, result))
+            self._callbacks = asyncio.ensure_future(self._after(self._callbacks, result))
+
+    async def _after(self, previous: asyncio.Future[None] | None, call: Awaitable[Any]) -> None:
+        """Await ``call`` once ``previous`` is done; its failure is kept for ``wait`` (the
+        first one), never left unretrieved."""
+        if previous is not None:
+            await previous  # never raises: failures are kept, not raised
+        try:
+            await call
+        except Exception as exc:
+            if self._handler_error is None:
+                self._handler_error = exc
 
     async def wait(self) -> CommandResult:
         """Wait for the command to end and return how it ended.
@@ -97,6 +110,8 @@ class AsyncCommandHandle:
         result = await self._session.wait()
         if self._callbacks is not None:
             await self._callbacks
+        if self._handler_error is not None:
+            raise self._handler_error
         out, err = bytes(self._output["stdout"]), bytes(self._output["stderr"])
         return CommandResult(
             exit_code=result["exit_code"],
@@ -118,14 +133,6 @@ class AsyncCommandHandle:
         """Send ``signal`` to the command's process group."""
         assert self._session is not None
         await self._session.kill(signal)
-
-
-async def _after(previous: asyncio.Future[None] | None, call: Awaitable[Any]) -> None:
-    """Await ``call`` once ``previous`` is done (a failure of it is raised by ``wait``)."""
-    if previous is not None:
-        with contextlib.suppress(Exception):
-            await previous
-    await call
 
 
 def _command(cmd: str | Sequence[str], options: RunOptions) -> CommandRequest:
@@ -346,8 +353,8 @@ class AsyncSandbox:
             ports=tuple(ports),
             network=network if isinstance(network, str) else tuple(network),
             idle_timeout=idle_timeout,
-            envs=dict(envs or {}),
-            metadata=dict(metadata or {}),
+            envs=env_vars("envs", envs),
+            metadata=labels("metadata", metadata),
         )
         return cls(await transport.create(request, progress), transport)
 
@@ -386,7 +393,12 @@ class AsyncSandbox:
         transport = transport_for(api_url, api_key)
         info = await transport.get(sandbox_id)
         if resume and info.state == "paused":
-            info = await transport.resume(sandbox_id)
+            try:
+                info = await transport.resume(sandbox_id)
+            except CryoboxError:  # another process may have resumed it at the same time
+                info = await transport.get(sandbox_id)
+                if info.state != "running":
+                    raise
         return cls(info, transport)
 
     @staticmethod
@@ -461,6 +473,8 @@ class AsyncSandbox:
         """Sandboxes on this host (or the server's); finished ones too with ``all=True``;
         only those in ``state`` and carrying every label of ``metadata`` when given."""
         wanted = labels("metadata", metadata)
+        if state is not None and state not in STATES:
+            raise InvalidArgument(f"state={state!r}: one of {', '.join(STATES)}")
         found = await transport_for(api_url, api_key).list(all=all or state in ("killed", "dead"))
         return [info for info in found if matches(info, state, wanted)]
 

@@ -298,7 +298,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             SnapshotPurpose.SNAPSHOT,
             name,
             memory=body.memory is not False,
-            overwrite=True,
+            unique=False,
         )
         return {"snapshotID": info.id, "names": [name]}
 

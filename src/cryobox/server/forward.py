@@ -100,7 +100,10 @@ class Forward:
         sandbox_id = target(scope["path"], headers)
         url = None
         if sandbox_id is not None and not self._from_a_host(headers):
-            url = await asyncio.to_thread(self.hub.locate, sandbox_id)
+            try:
+                url = await asyncio.to_thread(self.hub.locate, sandbox_id)
+            except Exception as exc:  # a bad id, the database: the routes answer those
+                log.debug("no host for %r: %r", sandbox_id, exc)
         if url is None or sandbox_id is None:
             await self.app(scope, receive, send)
             return

@@ -513,13 +513,32 @@ class Hub:
         name: str | None,
         memory: bool = True,
         overwrite: bool = False,
+        *,
+        unique: bool = True,
     ) -> SnapshotInfo:
         """A checkpoint or snapshot; a snapshot's name is unique among the tenant's own
-        (taken again only with ``overwrite``, which deletes the older one when unused)."""
+        (taken again only with ``overwrite``, which deletes the older one when unused).
+        ``unique=False``: names are tags, the newest snapshot of a name is found by it
+        (E2B's habit)."""
         await self.use(tenant, sandbox_id)
         self._check_storage(tenant)
+        named = purpose is SnapshotPurpose.SNAPSHOT and bool(name) and unique
+        key = f"name:{tenant.id}:{name}"
+        async with self._locks[key] if named else contextlib.nullcontext():
+            return await self._capture(tenant, sandbox_id, purpose, name, memory, overwrite, named)
+
+    async def _capture(
+        self,
+        tenant: Tenant,
+        sandbox_id: str,
+        purpose: SnapshotPurpose,
+        name: str | None,
+        memory: bool,
+        overwrite: bool,
+        named: bool,
+    ) -> SnapshotInfo:
         older: builtins.list[str] = []
-        if purpose is SnapshotPurpose.SNAPSHOT and name:
+        if named:
             mine = set(self.tenants.owned(tenant.id, "snapshot"))
             older = [i for i in self.service.named_snapshots(name) if i in mine]
             if older and not overwrite:

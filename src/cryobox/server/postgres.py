@@ -96,15 +96,15 @@ class PostgresDatabase(Database):
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """One statement, committed on its own (one round trip: autocommit)."""
         with self._pool.connection() as conn:
-            return int(conn.execute(_placeholders(sql), tuple(params)).rowcount)
+            return int(conn.execute(_placeholders(sql), _values(params)).rowcount)
 
     def rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         with self._pool.connection() as conn:
-            return conn.execute(_placeholders(sql), tuple(params)).fetchall()
+            return conn.execute(_placeholders(sql), _values(params)).fetchall()
 
     def row(self, sql: str, params: Sequence[Any] = ()) -> Any | None:
         with self._pool.connection() as conn:
-            return conn.execute(_placeholders(sql), tuple(params)).fetchone()
+            return conn.execute(_placeholders(sql), _values(params)).fetchone()
 
     def close(self) -> None:
         self._pool.close()
@@ -117,12 +117,24 @@ class _Statements:
         self._conn = conn
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
-        return self._conn.execute(_placeholders(sql), tuple(params))
+        return self._conn.execute(_placeholders(sql), _values(params))
 
 
 def _version(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute("SELECT version FROM cryobox_schema").fetchone()
     return int(row["version"]) if row else 0
+
+
+def _values(params: Sequence[Any]) -> tuple[Any, ...]:
+    """The parameters, refused with a clear error when a text holds a NUL byte (which
+    PostgreSQL can neither store nor compare; SQLite would simply find no match).
+
+    :raises InvalidArgument:
+    """
+    for value in params:
+        if isinstance(value, str) and "\x00" in value:
+            raise InvalidArgument(f"{value[:80]!r}: a NUL byte is not allowed here")
+    return tuple(params)
 
 
 def _placeholders(sql: str) -> str:

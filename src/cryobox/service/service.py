@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections
 import contextlib
 import dataclasses
 import json
@@ -152,6 +153,10 @@ class SandboxService:
         self.launcher = launcher or _LAUNCHER
         self.persist = Persistence(self.store)
         self._channels: dict[str, AgentClient] = {}
+        #: One capture of a given snapshot name at a time (names are unique).
+        self._name_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
+            asyncio.Lock
+        )
 
     # ------------------------------------------------------------------ sandboxes
 
@@ -308,22 +313,23 @@ class SandboxService:
             raise InvalidArgument("a snapshot needs a name")
         if name and looks_like_id(name):
             raise InvalidArgument(f"snapshot name {name!r} has the shape of an id; choose another")
-        snapshot = purpose is SnapshotPurpose.SNAPSHOT and unique
-        older = self.named_snapshots(name) if snapshot else []
-        if older and not overwrite:
-            raise InvalidArgument(
-                f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
-                "or overwrite it"
+        named = purpose is SnapshotPurpose.SNAPSHOT and unique and bool(name)
+        async with self._name_locks[name or ""] if named else contextlib.nullcontext():
+            older = self.named_snapshots(name) if named else []
+            if older and not overwrite:
+                raise InvalidArgument(
+                    f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
+                    "or overwrite it"
+                )
+            self._require_running(sandbox_id, purpose.value)
+            result = await self._control(
+                sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
             )
-        self._require_running(sandbox_id, purpose.value)
-        result = await self._control(
-            sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
-        )
-        manifest = Manifest.from_json(result)
-        self.persist.after_capture(manifest)
-        for snapshot_id in older:
-            with contextlib.suppress(CryoboxError):  # still used: kept, by id only
-                await self.delete_snapshot(snapshot_id)
+            manifest = Manifest.from_json(result)
+            self.persist.after_capture(manifest)
+            for snapshot_id in older:
+                with contextlib.suppress(CryoboxError):  # still used: kept, by id only
+                    await self.delete_snapshot(snapshot_id)
         return self._snapshot_info(manifest)
 
     def named_snapshots(self, name: str | None) -> builtins.list[str]:
