@@ -239,7 +239,7 @@ def test_timeout_kills_unless_extended(sandbox_factory: Any) -> None:
     qemu_pid = registry.find(sbx.id).record().qemu_pid
     time.sleep(6)
     info = sbx.info()
-    assert info.state == "killed" and "timed out" in (info.error or "")
+    assert info.state == "killed" and "timed out after 3 s" in (info.error or "")
     assert not registry.process_alive(qemu_pid, sbx.id)
     with pytest.raises(SandboxDead):
         sbx.commands.run("true")
@@ -492,3 +492,12 @@ def test_snapshot_names_are_unique_unless_overwritten(
         for snap in Sandbox.snapshots(**remote):
             if snap.name == name:
                 Sandbox.delete_snapshot(snap.id, **remote)
+
+
+def test_an_extended_timeout_survives_pause_and_resume(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory(timeout=60)
+    sbx.set_timeout(900)
+    sbx.pause()
+    again = Sandbox.resume(sbx.id)  # each start gets the last set_timeout's life
+    deadline = again.info().deadline
+    assert deadline is not None and 800 < deadline - time.time() <= 900
