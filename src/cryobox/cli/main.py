@@ -210,7 +210,9 @@ def _feed(handle: Any) -> None:
         pass  # the command no longer takes input: its exit code still counts
 
 
-ShellOption = Annotated[str | None, typer.Option("--shell", "-c", help="Run CMD with /bin/sh -c.")]
+ShellOption = Annotated[
+    str | None, typer.Option("--shell", "-c", help="A command line, run with /bin/sh -c.")
+]
 EnvOption = Annotated[
     list[str] | None, typer.Option("--env", "-e", help="NAME=VALUE (repeatable).")
 ]
@@ -305,7 +307,7 @@ StateOption = Annotated[
     str | None,
     typer.Option("--state", help="Only sandboxes in this state (running, paused, killed...)."),
 ]
-JsonOption = Annotated[bool, typer.Option("--json", help="JSON, whole records.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON, whole records.")]
 LabelFilter = Annotated[
     list[str] | None,
     typer.Option("--label", "-l", help="Only sandboxes with this KEY=VALUE (repeatable)."),
@@ -391,7 +393,10 @@ def kill(
     all: Annotated[
         bool, typer.Option("--all", help="Every running or paused sandbox (with --label: those).")
     ] = False,
-    label: LabelFilter = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option("--label", "-l", help="With --all: only those with this KEY=VALUE."),
+    ] = None,
 ) -> None:
     """Kill sandboxes (or remove what is left of dead ones)."""
     with errors_reported():
@@ -483,7 +488,10 @@ def resume(sandbox_id: str) -> None:
 
 @app.command()
 def checkpoint(
-    sandbox_id: str, name: Annotated[str | None, typer.Option("--name", help="A label.")] = None
+    sandbox_id: str,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Its name (rollback takes it, or the id).")
+    ] = None,
 ) -> None:
     """Save the running machine; `cryobox rollback` returns to it. Prints the checkpoint id."""
     with errors_reported():

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from cryobox.errors import AuthenticationError
+from cryobox.errors import AuthenticationError, InvalidArgument
 
 from .output import errors_reported, out, print_rows
 
@@ -31,8 +31,8 @@ DatabaseUrlOption = Annotated[
     typer.Option(
         "--database-url",
         envvar="CRYOBOX_DATABASE_URL",
-        help="PostgreSQL shared by several hosts (postgresql://USER@HOST:PORT/NAME); "
-        "instead of the SQLite file.",
+        help="PostgreSQL shared by several hosts (postgresql://USER@HOST:PORT/NAME), "
+        "instead of --database.",
     ),
 ]
 
@@ -86,6 +86,8 @@ def _tenants(database: str | None, url: str | None):  # type: ignore[no-untyped-
     from cryobox.server.tenants import Tenants
 
     os.umask(0o077)  # the database's journal files are as private as the database
+    if database and (url or os.environ.get("CRYOBOX_DATABASE_URL")):
+        raise InvalidArgument("give --database (SQLite) or --database-url, not both")
     return Tenants(connect(database, url))
 
 
@@ -126,7 +128,10 @@ def tenant_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption =
             )
             for t in tenants.all()
         ]
-        print_rows(("ID", "NAME", "SANDBOXES", "VCPUS", "MEMORY", "STORED", "KEYS"), rows)
+        print_rows(
+            ("ID", "NAME", "MAX SANDBOXES", "MAX VCPUS", "MAX MEMORY", "MAX STORED", "KEYS"),
+            rows,
+        )
 
 
 @tenant_app.command("key-rotate")

@@ -544,7 +544,7 @@ class Hub:
             if older and not overwrite:
                 raise InvalidArgument(
                     f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
-                    "or overwrite it"
+                    "or overwrite it (overwrite=True; cryobox snapshot --overwrite)"
                 )
         async with self._locks[sandbox_id]:
             with acting_for(tenant.id):

@@ -9,6 +9,7 @@ microsecond).
 
 from __future__ import annotations
 
+import logging
 import re
 import zlib
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,9 @@ class PostgresDatabase(Database):
             open=False,
             name="cryobox",
         )
+        quiet = logging.getLogger("psycopg.pool")  # its retries: one clear error instead
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
         try:
             self._pool.open(wait=True, timeout=CONNECT_TIMEOUT)
         except PoolTimeout as exc:
@@ -51,6 +55,8 @@ class PostgresDatabase(Database):
                 f"cannot reach the database {self.where} within {CONNECT_TIMEOUT:.0f} s "
                 "(is PostgreSQL running there, and does the URL name its user and database?)"
             ) from exc
+        finally:
+            quiet.setLevel(level)
         self.migrate()
 
     def migrate(self) -> None:

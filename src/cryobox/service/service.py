@@ -319,7 +319,7 @@ class SandboxService:
             if older and not overwrite:
                 raise InvalidArgument(
                     f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
-                    "or overwrite it"
+                    "or overwrite it (overwrite=True; cryobox snapshot --overwrite)"
                 )
             self._require_running(sandbox_id, purpose.value)
             result = await self._control(
