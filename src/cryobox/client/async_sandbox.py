@@ -33,6 +33,7 @@ from cryobox.models import (
     TemplateInfo,
     matches,
 )
+from cryobox.sandbox.state import SandboxState
 from cryobox.service.commands import StartedCommand
 from cryobox.snapshot.manifest import SnapshotPurpose
 
@@ -40,7 +41,7 @@ from .transport import Transport, transport_for
 
 OutputHandler = Callable[[str], Any]
 #: The states a sandbox is listed in.
-STATES = ("creating", "running", "paused", "resuming", "killed", "dead")
+STATES = tuple(state.value for state in SandboxState)
 
 
 class RunOptions(TypedDict, total=False):

@@ -51,7 +51,7 @@ from . import schemas as s
 from .forward import Forward, credentials
 from .hub import Hub
 from .limits import BodyLimit
-from .tenants import Tenant
+from .tenants import Tenant, api_key
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,7 @@ def current_tenant(
     :raises AuthenticationError: when there is none or it is not valid.
     """
     hub: Hub = request.app.state.hub
-    key = x_api_key
-    if authorization is not None:
-        scheme, _, credentials = authorization.partition(" ")
-        if scheme.lower() == "bearer":
-            key = credentials.strip()
+    key = api_key(authorization, x_api_key)
     found = hub.tenants.authenticate(key) if key else None
     if found is None:
         raise e.AuthenticationError(

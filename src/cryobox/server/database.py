@@ -160,17 +160,14 @@ class Database:
         raise NotImplementedError
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run one statement; the number of rows it changed."""
-        with self.transaction() as conn:
-            return int(conn.execute(sql, params).rowcount)
+        """Run one statement on its own; the number of rows it changed."""
+        raise NotImplementedError
 
     def rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
-        with self.transaction() as conn:
-            return list(conn.execute(sql, params).fetchall())
+        raise NotImplementedError
 
     def row(self, sql: str, params: Sequence[Any] = ()) -> Any | None:
-        with self.transaction() as conn:
-            return conn.execute(sql, params).fetchone()
+        raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError

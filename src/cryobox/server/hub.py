@@ -19,7 +19,6 @@ import builtins
 import contextlib
 import dataclasses
 import functools
-import hmac
 import logging
 import secrets
 import time
@@ -59,7 +58,7 @@ from .forward import FORWARDED
 from .hosts import Hosts, host_id, store_identity
 from .meter import Meter, Prices, bytes_on_disk, usage_report
 from .ports import PortProxy
-from .tenants import Quota, Tenant, Tenants
+from .tenants import Quota, Tenant, Tenants, api_key
 
 log = logging.getLogger(__name__)
 
@@ -165,38 +164,33 @@ class Hub:
 
     # ------------------------------------------------------------------ hosts
 
+    def _host_of(self, sandbox_id: str) -> str | None:
+        """The id of the other host running ``sandbox_id``; None when it is this host's
+        (or unknown, or recorded before hosts were)."""
+        row = self.db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return None if row is None or row["host_id"] in ("", self.me) else str(row["host_id"])
+
+    def _here(self, sandbox_id: str) -> bool:
+        return self._host_of(sandbox_id) is None
+
     def locate(self, sandbox_id: str) -> str | None:
         """The URL of the host running ``sandbox_id`` when that is another host with a
         known address; None when this host should answer (its own, or unknown)."""
-        row = self.db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sandbox_id,))
-        if row is None or row["host_id"] in ("", self.me):
-            return None
-        host = self.hosts.get(row["host_id"])
+        other = self._host_of(sandbox_id)
+        host = self.hosts.get(other) if other is not None else None
         return host.url if host is not None and host.url else None
-
-    def _here(self, sandbox_id: str) -> bool:
-        row = self.db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sandbox_id,))
-        return row is None or row["host_id"] in ("", self.me)
 
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
         """Whether a request's credentials reach the sandbox: its tenant's API key (either
         header), or its E2B access token."""
-        key = headers.get("x-api-key")
-        scheme, _, credentials = headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer":
-            key = credentials.strip()
+        from cryobox.e2b.records import E2bRecords  # cryobox.e2b builds on this module
+
+        key = api_key(headers.get("authorization"), headers.get("x-api-key"))
         tenant = self.tenants.authenticate(key) if key else None
         if tenant is not None and self.tenants.owns(tenant.id, "sandbox", sandbox_id):
             return True
         token = headers.get("x-access-token")
-        if not token:
-            return False
-        row = self.db.row(
-            "SELECT access_token FROM e2b_sandboxes WHERE sandbox_id = ?", (sandbox_id,)
-        )
-        return row is not None and hmac.compare_digest(
-            str(row["access_token"]).encode(), token.encode()
-        )
+        return E2bRecords(self.db).by_token(sandbox_id, token) is not None
 
     async def _remote_info(
         self, sandbox_id: str, credentials: Mapping[str, str]
@@ -538,22 +532,16 @@ class Hub:
         named: bool,
     ) -> SnapshotInfo:
         older: builtins.list[str] = []
-        if named:
+        if named:  # among the tenant's own snapshots only
             mine = set(self.tenants.owned(tenant.id, "snapshot"))
-            older = [i for i in self.service.named_snapshots(name) if i in mine]
-            if older and not overwrite:
-                raise InvalidArgument(
-                    f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
-                    "or overwrite it (overwrite=True; cryobox snapshot --overwrite)"
-                )
+            older = self.service.replaced_by(name, overwrite=overwrite, among=mine)
         async with self._locks[sandbox_id]:
             with acting_for(tenant.id):
                 info = await self.service.capture(sandbox_id, purpose, name, memory, unique=False)
             self.tenants.own(tenant.id, "snapshot", info.id)
-            for snapshot_id in older:
-                with contextlib.suppress(CryoboxError), acting_for(tenant.id):
-                    for gone in await self.service.delete_snapshot(snapshot_id):
-                        self.tenants.disown("snapshot", gone)
+            with acting_for(tenant.id):
+                for gone in await self.service.delete_unused(older):
+                    self.tenants.disown("snapshot", gone)
         self.events.publish(
             tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
         )

@@ -189,5 +189,14 @@ class Tenants:
         self.db.execute("DELETE FROM owned WHERE kind = ? AND id = ?", (kind, resource_id))
 
 
+def api_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request carries: ``Authorization: Bearer KEY``, else ``X-API-Key``."""
+    if authorization is not None:
+        scheme, _, credentials = authorization.partition(" ")
+        if scheme.lower() == "bearer":
+            return credentials.strip()
+    return x_api_key
+
+
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)

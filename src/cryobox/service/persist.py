@@ -359,11 +359,11 @@ class Persistence:
                 continue
             self.local.delete(snapshot_id)
             report.expired.append(snapshot_id)
+        stored = store.all() if store_wide else []  # listed before the deletes below
+        for snapshot_id in report.expired:  # their stored copies go with them
+            store.delete(snapshot_id)
         if not store_wide:
-            for snapshot_id in report.expired:
-                store.delete(snapshot_id)
             return report
-        stored = store.all()
         local_ids = {m.id for m in self.local.all()}
         below = {
             layer
@@ -379,8 +379,6 @@ class Persistence:
                 # evicted and expired: the store's copy goes
                 store.delete(snapshot_id)
                 report.expired.append(snapshot_id)
-        for snapshot_id in report.expired:
-            store.delete(snapshot_id)
         states = {spec.id: record.state.value for spec, record in sandboxes}
         for sandbox_id, state_name in (elsewhere or {}).items():
             states.setdefault(sandbox_id, state_name)

@@ -153,6 +153,8 @@ class SandboxService:
         self.launcher = launcher or _LAUNCHER
         self.persist = Persistence(self.store)
         self._channels: dict[str, AgentClient] = {}
+        #: Each sandbox's own variables for its commands (from its spec, which never changes).
+        self._envs: dict[str, dict[str, str]] = {}
         #: One capture of a given snapshot name at a time (names are unique).
         self._name_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
@@ -315,30 +317,47 @@ class SandboxService:
             raise InvalidArgument(f"snapshot name {name!r} has the shape of an id; choose another")
         named = purpose is SnapshotPurpose.SNAPSHOT and unique and bool(name)
         async with self._name_locks[name or ""] if named else contextlib.nullcontext():
-            older = self.named_snapshots(name) if named else []
-            if older and not overwrite:
-                raise InvalidArgument(
-                    f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
-                    "or overwrite it (overwrite=True; cryobox snapshot --overwrite)"
-                )
+            older = self.replaced_by(name, overwrite=overwrite) if named else []
             self._require_running(sandbox_id, purpose.value)
             result = await self._control(
                 sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
             )
             manifest = Manifest.from_json(result)
             self.persist.after_capture(manifest)
-            for snapshot_id in older:
-                with contextlib.suppress(CryoboxError):  # still used: kept, by id only
-                    await self.delete_snapshot(snapshot_id)
+            await self.delete_unused(older)
         return self._snapshot_info(manifest)
 
-    def named_snapshots(self, name: str | None) -> builtins.list[str]:
-        """The ids of the snapshots (not checkpoints) called ``name`` here, oldest first."""
-        return [
+    def replaced_by(
+        self, name: str | None, *, overwrite: bool, among: set[str] | None = None
+    ) -> builtins.list[str]:
+        """The snapshots (not checkpoints) called ``name`` here, oldest first, and only
+        those of ``among`` when given (a tenant's): what a new one of that name replaces.
+
+        :raises InvalidArgument: when there are some and no ``overwrite``.
+        """
+        older = [
             m.id
             for m in self.store.all()
-            if name and m.name == name and m.purpose == SnapshotPurpose.SNAPSHOT.value
+            if name
+            and m.name == name
+            and m.purpose == SnapshotPurpose.SNAPSHOT.value
+            and (among is None or m.id in among)
         ]
+        if older and not overwrite:
+            raise InvalidArgument(
+                f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
+                "or overwrite it (overwrite=True; cryobox snapshot --overwrite)"
+            )
+        return older
+
+    async def delete_unused(self, snapshot_ids: Iterable[str]) -> builtins.list[str]:
+        """Delete each of these snapshots that nothing uses (the others stay, reachable
+        by id); the ids deleted."""
+        deleted: builtins.list[str] = []
+        for snapshot_id in snapshot_ids:
+            with contextlib.suppress(CryoboxError):  # still used: kept
+                deleted += await self.delete_snapshot(snapshot_id)
+        return deleted
 
     async def rollback(self, sandbox_id: str, ref: str) -> None:
         """Return a running sandbox to one of its checkpoints (id or name).
@@ -465,7 +484,7 @@ class SandboxService:
         if request.timeout is not None:
             positive_seconds("timeout", request.timeout)
         channel = await self._channel(sandbox_id)
-        envs = registry.find(sandbox_id).spec().envs
+        envs = self._envs.get(sandbox_id)
         if envs:  # the sandbox's variables, under the command's own
             request = dataclasses.replace(request, env={**envs, **request.env})
         session = CommandSession(channel, on_output)
@@ -760,6 +779,7 @@ class SandboxService:
             self._require_running(sandbox_id, "use")
             channel = await AgentClient.connect(folder.control_socket, trusted=True)
             self._channels[sandbox_id] = channel
+            self._envs[sandbox_id] = folder.spec().envs  # fixed at create: read once
         return channel
 
     async def _adopt(self, folder: SandboxDir) -> None:
@@ -801,6 +821,7 @@ class SandboxService:
     async def disconnect(self, sandbox_id: str) -> None:
         """Drop this process's connection to a sandbox; the sandbox keeps running."""
         channel = self._channels.pop(sandbox_id, None)
+        self._envs.pop(sandbox_id, None)
         if channel is not None:
             await channel.close()
 
