@@ -27,6 +27,9 @@ from api_server import ApiServer, make_server
 
 _STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
 os.environ["CRYOBOX_STATE_DIR"] = str(_STATE)
+# Warm pools off: a refill after every create would compete with each test for the two
+# cores. tests/integration/test_pool_vm.py turns them on for its own tests.
+os.environ["CRYOBOX_POOL_SIZE"] = "0"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -37,9 +40,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             pid = with_pids.get(key)
             if pid and record.parent.name.encode() in _cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
-    for proc in Path("/proc").glob("[0-9]*"):  # background uploaders of this session
+    for proc in Path("/proc").glob("[0-9]*"):  # background uploaders and refills
         with contextlib.suppress(OSError):
-            if b"cryobox.store.uploads" in (proc / "cmdline").read_bytes() and (
+            cmdline = (proc / "cmdline").read_bytes()
+            if (b"cryobox.store.uploads" in cmdline or b"cryobox.service.pool" in cmdline) and (
                 f"CRYOBOX_STATE_DIR={_STATE}".encode() in (proc / "environ").read_bytes()
             ):
                 os.kill(int(proc.name), signal.SIGKILL)

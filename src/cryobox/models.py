@@ -88,6 +88,10 @@ class SandboxInfo:
     log_bytes: int = 0
     #: The labels given at create (``metadata=``), copied to forks.
     metadata: dict[str, str] = field(default_factory=dict)
+    #: Whether create() claimed it from the template's warm pool (restored beforehand),
+    #: and the pool it still waits in (only for a member not yet claimed).
+    pooled: bool = False
+    pool: str = ""
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,10 @@ from cryobox import config
 from cryobox.arguments import key_values
 from cryobox.client import Sandbox
 from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument
+from cryobox.service.pool import host_memory_mib
 
 from .output import console, errors_reported, out, print_rows, say_error
+from .pool_commands import pool_app, print_members
 from .server_commands import server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
 
@@ -57,6 +59,7 @@ app.add_typer(template_app, name="template")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(store_app, name="store")
 app.add_typer(key_app, name="key")
+app.add_typer(pool_app, name="pool")
 
 CpusOption = Annotated[int, typer.Option("--cpus", help="vCPUs.")]
 MemoryOption = Annotated[int, typer.Option("--memory", help="RAM in MiB.")]
@@ -320,8 +323,16 @@ def list_(
     state: StateOption = None,
     label: LabelFilter = None,
     as_json: JsonOption = False,
+    pooled: Annotated[
+        bool,
+        typer.Option("--pool", help="List the warm pools' waiting sandboxes and their memory."),
+    ] = False,
 ) -> None:
     """List sandboxes on this host (tab-separated when piped)."""
+    if pooled:
+        with errors_reported():
+            print_members(as_json)
+        return
     with errors_reported():
         found = Sandbox.list(all=all, state=state, metadata=key_values("--label", label or []))
         if as_json:
@@ -366,6 +377,9 @@ def info(sandbox_id: str, as_json: JsonOption = False) -> None:
     with errors_reported():
         found = Sandbox.connect(sandbox_id, resume=False).info()
         record = dataclasses.asdict(found)
+        # What it holds on this host, when it runs here (PSS: shared pages split).
+        held = host_memory_mib((found.vmm_pid, found.supervisor_pid))
+        record["host_memory_mib"] = None if held is None else round(held, 1)
         if as_json:
             print(json.dumps(record, indent=2))
             return

@@ -34,6 +34,8 @@ class ControlOp(enum.StrEnum):
     PAUSE = "sandbox.pause"
     SNAPSHOT = "sandbox.snapshot"
     ROLLBACK = "sandbox.rollback"
+    #: A warm pool's member is handed out: it takes its spec as rewritten, a new identity.
+    CLAIM = "sandbox.claim"
     START = "supervisor.start"
 
 
@@ -50,6 +52,7 @@ TIMEOUTS: dict[ControlOp, float] = {
     ControlOp.PAUSE: 900.0,
     ControlOp.SNAPSHOT: 900.0,
     ControlOp.ROLLBACK: 600.0,
+    ControlOp.CLAIM: 30.0,
     ControlOp.START: 600.0,
 }
 

@@ -56,6 +56,7 @@ from cryobox.guest.protocol import GuestOp
 from cryobox.network.forward import PortForwarder
 from cryobox.network.namespace import isolation_enabled
 from cryobox.network.policy import NetworkPolicy
+from cryobox.sandbox import priority
 from cryobox.sandbox.registry import (
     SandboxDir,
     SandboxRecord,
@@ -798,6 +799,25 @@ class Machine:
         for path in old:
             if path.name not in current:
                 path.unlink(missing_ok=True)
+
+    async def claim(self) -> None:
+        """Become the sandbox a create() asked for (a warm pool's member is handed out).
+
+        The service rewrote the spec with the caller's settings: read it again, restore
+        normal priority (the refill started this VM niced), give the guest a new identity
+        (clock, entropy, hostname, machine-id, boot_id) and a fresh deadline, and forward
+        the ports asked for.
+        """
+        timer = StepTimer("claim")
+        self.spec = self.folder.spec()
+        assert self.vm is not None
+        priority.restore((os.getpid(), self.vm.pid))
+        await self._refresh_guest(new_identity=True)
+        timer("identity")
+        for port in self.spec.ports:
+            await self.expose_port(port)
+        self.update(timeout=None, deadline=time.time() + self.spec.timeout)
+        timer.log()
 
     async def expose_port(self, guest_port: int) -> int:
         if guest_port in self.record.ports:

@@ -25,7 +25,8 @@ from cryobox.util import write_json_atomic
 
 @dataclass(frozen=True)
 class SandboxSpec:
-    """What was asked for at creation; never changes afterwards."""
+    """What was asked for at creation; changes once at most, when a pooled sandbox is
+    claimed (see :mod:`cryobox.service.pool`): it then takes its caller's settings."""
 
     id: str
     image_id: str
@@ -48,6 +49,10 @@ class SandboxSpec:
     #: Variables every command gets, and free-form labels (see ``CreateRequest``).
     envs: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    #: The template whose warm pool this sandbox waits in (hidden from lists), or "".
+    pool: str = ""
+    #: Whether it was claimed from a warm pool (restored before it was asked for).
+    pooled: bool = False
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:

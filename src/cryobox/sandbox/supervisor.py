@@ -47,6 +47,7 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+from cryobox.sandbox import priority
 from cryobox.sandbox.control import (
     ControlOp,
     ExposePort,
@@ -220,6 +221,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop, SandboxState.KILLED, f"signal {sig.name}")
+        if self.machine.spec.pool:
+            priority.lower()  # restored when it is claimed
         try:
             if adopt:
                 await self.machine.adopt(os.getpid())
@@ -467,7 +470,11 @@ class Supervisor:
                 raise
 
     async def _lifecycle_op(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
-        """Pause, snapshot or rollback (the caller holds the lifecycle lock)."""
+        """Pause, snapshot, rollback or claim (the caller holds the lifecycle lock)."""
+        if op is ControlOp.CLAIM:
+            await self.machine.claim()
+            self._deadline_changed.set()
+            return self.record.to_json()
         if op is ControlOp.PAUSE:
             await self.machine.pause()
             self._exit_paused = True

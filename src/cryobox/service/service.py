@@ -19,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -59,7 +60,7 @@ from cryobox.sandbox.control import TIMEOUTS, ControlOp, TakeSnapshot
 from cryobox.sandbox.launcher import Launcher
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
-from cryobox.service import references
+from cryobox.service import pool, references
 from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.persist import Persistence, acting_for
 from cryobox.service.watches import FolderWatch, WatchSink
@@ -83,6 +84,7 @@ FORK_CONCURRENCY = 4
 GUEST_REQUEST_TIMEOUT = 120.0
 
 _LAUNCHER = Launcher()
+log = logging.getLogger("cryobox.service")
 
 
 def mem_available_mib() -> int:
@@ -136,6 +138,8 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         supervisor_pid=record.supervisor_pid if registry.supervisor_alive(record) else None,
         log_bytes=sum(path.stat().st_size for path in folder.path.glob("*.log*") if path.is_file()),
         metadata=dict(spec.metadata),
+        pooled=spec.pooled,
+        pool=spec.pool,
     )
 
 
@@ -169,8 +173,13 @@ class SandboxService:
         *,
         forked_from: str | None = None,
         fork_index: int = 0,
+        pool_member: bool = False,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers.
+
+        From a template with a warm pool (:mod:`.pool`), a waiting member is claimed
+        instead of restored when the request fits it (default shape and network), and a
+        refill is asked for. ``pool_member`` starts a member for the pool (the refill).
 
         :raises InvalidArgument: for a request that cannot work, naming the argument.
         :raises SnapshotError: when the template or snapshot is missing, incompatible or
@@ -199,6 +208,20 @@ class SandboxService:
                 if asked is not None and asked != getattr(source, name):
                     raise SnapshotIncompatible(source.id, name, getattr(source, name), asked)
                 shape[name] = getattr(source, name)
+        pooled_template = (
+            source is not None
+            and request.from_snapshot is None
+            and forked_from is None
+            and not pool_member
+            and request.template in pool.sizes()
+        )
+        if pooled_template and source is not None:
+            try:
+                claimed = await self._claim_pooled(request, source, policy.to_json())
+            finally:
+                pool.request_refill()
+            if claimed is not None:
+                return claimed
         accelerator = await asyncio.to_thread(self.vmm.accelerator, image)
         spec = SandboxSpec(
             id=new_id("sbx"),
@@ -207,7 +230,7 @@ class SandboxService:
             cpus=shape["cpus"] or config.DEFAULT_CPUS,
             memory_mib=shape["memory_mib"] or config.DEFAULT_MEMORY_MIB,
             disk_gib=shape["disk_gib"] or config.DEFAULT_DISK_GIB,
-            timeout=request.timeout,
+            timeout=pool.MEMBER_LIFETIME if pool_member else request.timeout,
             ports=tuple(request.ports),
             template=request.template if request.from_snapshot is None else "",
             restore_from=source.id if source else None,
@@ -216,6 +239,7 @@ class SandboxService:
             network=policy.to_json(),
             envs=dict(request.envs),
             metadata=dict(request.metadata),
+            pool=request.template if pool_member else "",
         )
         folder = SandboxDir.for_id(spec.id)
         folder.write_spec(spec)
@@ -227,6 +251,49 @@ class SandboxService:
             raise
         return sandbox_info(spec, record, folder)
 
+    async def _claim_pooled(
+        self, request: CreateRequest, source: Manifest, network: str | list[str]
+    ) -> SandboxInfo | None:
+        """A waiting member of the template's pool, given the request's settings and a
+        fresh identity; None when none is ready (or none that fits).
+
+        A member that cannot be claimed (it died while waiting) is ended and the next
+        one tried: the caller never sees it.
+        """
+        for sandbox_id in pool.claims(request.template, source.id, network):
+            folder = SandboxDir.for_id(sandbox_id)
+            try:
+                member = folder.spec()
+                spec = dataclasses.replace(
+                    member,
+                    timeout=request.timeout,
+                    ports=tuple(request.ports),
+                    envs=dict(request.envs),
+                    metadata=dict(request.metadata),
+                    created_at=time.time(),
+                    pool="",
+                    pooled=True,
+                )
+                folder.write_spec(spec)
+                result = await self._control(sandbox_id, ControlOp.CLAIM)
+            except (CryoboxError, OSError) as exc:
+                log.warning("pool member %s could not be claimed (%s): ended", sandbox_id, exc)
+                with contextlib.suppress(CryoboxError, OSError):
+                    await self.kill(sandbox_id)
+                continue
+            self._envs[sandbox_id] = spec.envs
+            return sandbox_info(spec, SandboxRecord.from_json(result), folder)
+        return None
+
+    async def warm_up(self, sandbox_id: str, runs: int = 2) -> None:
+        """Run ``true`` in the guest so the first command after a claim finds the code it
+        needs translated already (TCG translates each new process's code paths)."""
+        for _ in range(runs):
+            session = await self.start_command(
+                sandbox_id, CommandRequest(argv=("true",)), _collector(bytearray())
+            )
+            await session.wait()
+
     async def get(self, sandbox_id: str) -> SandboxInfo:
         """:raises SandboxNotFound:"""
         folder = registry.find(sandbox_id)
@@ -237,7 +304,7 @@ class SandboxService:
         return [
             sandbox_info(spec, record, SandboxDir.for_id(spec.id))
             for spec, record in registry.list_sandboxes()
-            if all or not record.state.finished
+            if (all or not record.state.finished) and not spec.pool
         ]
 
     async def kill(self, sandbox_id: str) -> None:
@@ -452,6 +519,8 @@ class SandboxService:
         """
         nodes: list[dict[str, Any]] = []
         for spec, record in registry.list_sandboxes():
+            if spec.pool:
+                continue  # a warm pool's member is nobody's sandbox yet
             nodes.append(
                 {
                     "id": spec.id,
@@ -672,6 +741,7 @@ class SandboxService:
         entry = self.store.template(name)
         if entry is None:
             raise TemplateNotFound(name)
+        await pool.drain(self, name)  # its waiting members would keep its snapshot
         self.store.delete_template(name)
         with contextlib.suppress(CryoboxError):
             await self.delete_snapshot(str(entry["snapshot"]))

@@ -1,0 +1,337 @@
+"""Warm pools: sandboxes restored from a template ahead of time, claimed by ``create()``.
+
+A restore costs about half a second here (QEMU's start, the device state, and the
+guest's first answer while TCG translates its code again); a pooled sandbox has paid
+all of it. ``create()`` from a pooled template claims a waiting member, gives it its
+caller's settings and a fresh identity, and answers.
+
+On disk (``STATE/pool/``):
+
+- ``sizes.json``: members wanted per template (``cryobox pool set``); the default
+  template wants one unless said otherwise; ``CRYOBOX_POOL_SIZE`` overrides the
+  default template's size, and ``0`` there turns every pool off.
+- ``TEMPLATE/SANDBOX_ID``: one file per member ready to be claimed, naming the
+  template snapshot it was restored from. Members are ordinary sandboxes (their
+  folders under ``sandboxes/``) that lists do not show (their spec's ``pool``).
+- ``refill.lock``: held by the one refill process at work; ``wanted`` changes on each
+  claim, so a refill about to exit sees a claim that came after its last look.
+
+A claim is the removal of a member's file: ``unlink`` succeeds for exactly one
+process, so a member is never handed out twice, across processes and hosts' threads.
+The refill is a separate process (``python -m cryobox.service.pool``), started after
+a claim and niced where its priority can be restored on claim, so it never holds up
+the caller and outlives a short script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cryobox import config
+from cryobox.arguments import whole_number
+from cryobox.errors import CryoboxError
+from cryobox.sandbox import priority
+from cryobox.util import write_atomic, write_json_atomic
+
+if TYPE_CHECKING:
+    from cryobox.service.service import SandboxService
+
+log = logging.getLogger("cryobox.pool")
+
+#: Members wanted when nothing was configured.
+DEFAULT_SIZES = {"default": 1}
+#: Most members one template may keep.
+MAX_SIZE = 16
+#: Seconds a member may wait unclaimed before it ends (a refill replaces it).
+MEMBER_LIFETIME = 24 * 3600.0
+#: Host memory (MiB) a refill leaves free beyond the member's RAM.
+MEMORY_MARGIN_MIB = 1024
+
+
+@dataclass(frozen=True)
+class Member:
+    """One waiting sandbox, as its pool file says."""
+
+    sandbox_id: str
+    template: str
+    snapshot_id: str
+    ready_at: float
+    #: Its network policy's JSON form: a claim asks for the same.
+    network: str | list[str] = "internet"
+
+
+def root() -> Path:
+    path = config.state_dir() / "pool"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def folder(template: str) -> Path:
+    path = root() / template
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def sizes() -> dict[str, int]:
+    """Members wanted per template."""
+    try:
+        configured = json.loads((root() / "sizes.json").read_text())
+    except (OSError, ValueError):
+        configured = {}
+    wanted = {**DEFAULT_SIZES, **{str(k): int(v) for k, v in configured.items()}}
+    override = os.environ.get("CRYOBOX_POOL_SIZE", "").strip()
+    if override:
+        size = whole_number("CRYOBOX_POOL_SIZE", _integer(override), 0, MAX_SIZE)
+        if size == 0:
+            return {}
+        wanted["default"] = size
+    return {name: size for name, size in wanted.items() if size > 0}
+
+
+def _integer(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def set_size(template: str, size: int) -> None:
+    """Keep ``size`` members of ``template`` waiting (0: none)."""
+    whole_number("size", size, 0, MAX_SIZE)
+    path = root() / "sizes.json"
+    try:
+        configured = json.loads(path.read_text())
+    except (OSError, ValueError):
+        configured = {}
+    configured[template] = size
+    write_json_atomic(path, configured)
+
+
+def members(template: str | None = None) -> list[Member]:
+    """Members ready to be claimed, oldest first."""
+    found = []
+    templates = [template] if template else [p.name for p in root().iterdir() if p.is_dir()]
+    for name in templates:
+        for path in folder(name).iterdir():
+            if path.name.startswith("."):
+                continue
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                found.append(Member(**json.loads(path.read_text())))
+    return sorted(found, key=lambda m: m.ready_at)
+
+
+def offer(member: Member) -> None:
+    """Make a member claimable."""
+    write_json_atomic(folder(member.template) / member.sandbox_id, asdict(member))
+
+
+def withdraw(member: Member) -> bool:
+    """Take a member out of the pool; True for the one process that did."""
+    try:
+        (folder(member.template) / member.sandbox_id).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def claims(template: str, snapshot_id: str, network: str | list[str]) -> Iterator[str]:
+    """Ids of members restored from ``snapshot_id`` with the ``network`` policy, each
+    withdrawn for the caller."""
+    for member in members(template):
+        if member.snapshot_id == snapshot_id and member.network == network and withdraw(member):
+            yield member.sandbox_id
+
+
+def host_memory_mib(pids: tuple[int | None, ...]) -> float | None:
+    """Host memory the processes hold (sum of their PSS: shared pages split among their
+    users), or None when none can be read (not on this host, ended, not ours)."""
+    total_kib, read = 0, False
+    for pid in pids:
+        if not pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                total_kib += sum(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+                read = True
+        except (OSError, ValueError):
+            continue
+    return total_kib / 1024 if read else None
+
+
+# ------------------------------------------------------------------ the refill process
+
+
+def _wanted_token() -> str:
+    with contextlib.suppress(OSError):
+        return (root() / "wanted").read_text()
+    return ""
+
+
+_started: list[subprocess.Popen[bytes]] = []
+
+
+def request_refill() -> None:
+    """Start a refill process unless one is at work (which then sees this request)."""
+    if not sizes():
+        return
+    write_atomic(root() / "wanted", secrets.token_hex(8).encode(), durable=False)
+    if _refill_running():
+        return
+    _started[:] = [p for p in _started if p.poll() is None]  # reap those that ended
+    log_file = os.open(root() / "refill.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        _started.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "cryobox.service.pool"],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,
+            )
+        )
+    finally:
+        os.close(log_file)
+
+
+def _refill_running() -> bool:
+    fd = os.open(root() / "refill.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def refill_pid() -> int | None:
+    """The pid of the refill process at work, if one is."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int((root() / "refill.pid").read_text())
+        if _refill_running():
+            return pid
+    return None
+
+
+def stop_refill() -> None:
+    """End a refill at work (the sandbox it was starting is collected by the next one)."""
+    pid = refill_pid()
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 15)
+        deadline = time.monotonic() + 30
+        while _refill_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+async def refill() -> None:
+    """Bring every pool to its size, until no claim came in meanwhile (one process at a
+    time: the caller holds ``refill.lock``)."""
+    from cryobox.service.service import SandboxService
+
+    service = SandboxService()
+    try:
+        while True:
+            seen = _wanted_token()
+            for template, size in sorted(sizes().items()):
+                await _refill_one(service, template, size)
+            await _drain_unwanted(service)
+            if _wanted_token() == seen:
+                return
+    finally:
+        await service.close()
+
+
+async def _refill_one(service: SandboxService, template: str, size: int) -> None:
+    from cryobox.models import CreateRequest
+    from cryobox.sandbox import registry
+    from cryobox.sandbox.state import SandboxState
+    from cryobox.service.service import mem_available_mib
+
+    image = await asyncio.to_thread(service.vmm.ensure_image, None)
+    try:
+        source = await service._template_snapshot(template, image.id, None)
+    except CryoboxError as exc:
+        log.warning("pool %s: no template to restore (%s): its members are ended", template, exc)
+        await _end(service, members(template))
+        return
+    stale = []
+    for member in members(template):
+        alive = False
+        with contextlib.suppress(CryoboxError, OSError):
+            record = registry.find(member.sandbox_id).record()
+            alive = record.state is SandboxState.RUNNING and registry.supervisor_alive(record)
+        if member.snapshot_id != source.id or not alive:
+            stale.append(member)
+    await _end(service, stale)
+    waiting = members(template)
+    await _end(service, waiting[size:])
+    for _ in range(size - len(waiting)):
+        if mem_available_mib() < source.memory_mib + MEMORY_MARGIN_MIB:
+            log.warning("pool %s: host memory is short; not refilled", template)
+            return
+        info = await service.create(CreateRequest(template=template), pool_member=True)
+        await service.warm_up(info.id)
+        offer(Member(info.id, template, source.id, time.time(), info.network))
+        log.info("pool %s: %s ready", template, info.id)
+
+
+async def _drain_unwanted(service: SandboxService) -> None:
+    wanted = sizes()
+    await _end(service, [m for m in members() if m.template not in wanted])
+
+
+async def _end(service: SandboxService, doomed: list[Member]) -> None:
+    for member in doomed:
+        if withdraw(member):
+            with contextlib.suppress(CryoboxError):
+                await service.kill(member.sandbox_id)
+
+
+async def drain(service: SandboxService, template: str | None = None) -> list[str]:
+    """End the waiting members (of ``template``, or all); their ids."""
+    doomed = members(template)
+    await _end(service, doomed)
+    return [m.sandbox_id for m in doomed]
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    priority.lower()  # its own work; each member's supervisor lowers its session too
+    os.umask(0o077)
+    fd = os.open(root() / "refill.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another refill is at work
+        write_atomic(root() / "refill.pid", str(os.getpid()).encode(), durable=False)
+        seen = _wanted_token()
+        try:
+            asyncio.run(refill())
+        except (CryoboxError, OSError) as exc:
+            log.error("refill failed: %s", exc)
+            return
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        # A claim between the refill's last look and the unlock started no refill (the
+        # lock was held): look once more now that it is free.
+        if _wanted_token() == seen:
+            return
+
+
+if __name__ == "__main__":
+    main()
