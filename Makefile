@@ -18,6 +18,10 @@ PIP_STAMP := $(VENV)/.pip-done
 .PHONY: setup image demo test lint unit bench clean
 
 setup: $(APT_STAMP) $(PIP_STAMP)
+	@# Bytecode for our own modules (an editable install has none, and a shell with
+	@# PYTHONDONTWRITEBYTECODE never writes it): each supervisor's start, one per sandbox,
+	@# would compile them again. Checked against the sources' times: never stale.
+	@$(PYTHON) -m compileall -q src/cryobox
 
 $(APT_STAMP): Makefile
 	@missing=""; for p in $(APT_PACKAGES) mmdebstrap; do \

@@ -10,6 +10,8 @@ with small counts (what CI runs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -17,18 +19,20 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryobox import bench_bounds, bench_http, bench_store, config
+from cryobox import bench_bounds, bench_diy, bench_http, bench_store, config
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
+from cryobox.service import pool
 
 SCENARIOS = (
     "cold-boot",
+    "diy",
     "exec",
     "ping",
     "guest-spawn",
@@ -67,6 +71,9 @@ class Figure:
     baseline: str = ""
     ratio: float | None = None
     note: str = ""
+    #: The same figure for plain QEMU driven by hand (:mod:`.bench_diy`), this run.
+    diy: float | None = None
+    diy_ratio: float | None = None
 
 
 @dataclass
@@ -75,6 +82,7 @@ class Context:
     cold_boot_s: float | None = None
     disk_mb_s: float | None = None
     made_templates: list[str] = field(default_factory=list)
+    diy: bench_diy.DiyFigures | None = None
 
 
 def summarize(
@@ -198,23 +206,65 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
 
 
 async def template_start(ctx: Context) -> list[Figure]:
+    """create() to first command: claimed from the warm pool, and restored (pool off)."""
     await (await AsyncSandbox.create()).kill()  # the default template exists, spare is warm
-    samples = []
-    for _ in range(2 if ctx.quick else 5):
+    runs = 2 if ctx.quick else 5
+    restored = []
+    for _ in range(runs):
         start = time.perf_counter()
         sbx = await _ready(await AsyncSandbox.create())
-        samples.append(time.perf_counter() - start)
+        restored.append(time.perf_counter() - start)
         await sbx.kill()
+    pooled = []
+    with warm_pool(1):
+        for _ in range(runs):
+            await asyncio.to_thread(_wait_pool_ready)
+            start = time.perf_counter()
+            sbx = await _ready(await AsyncSandbox.create())
+            pooled.append(time.perf_counter() - start)
+            assert (await sbx.info()).pooled, "the bench's create was not served by the pool"
+            await sbx.kill()
     return [
         summarize(
             "template-start",
-            samples,
+            pooled,
             "s",
             baseline="cold boot",
             base_value=ctx.cold_boot_s,
-            note="create() from the default template (a memory-snapshot restore) to first command",
-        )
+            note="create() from the default template to first command: claimed from its warm "
+            "pool (1 waiting, refilled between runs)",
+        ),
+        summarize(
+            "template-restore",
+            restored,
+            "s",
+            baseline="cold boot",
+            base_value=ctx.cold_boot_s,
+            note="the same with the pool off: a memory-snapshot restore",
+        ),
     ]
+
+
+@contextlib.contextmanager
+def warm_pool(size: int) -> Iterator[None]:
+    """The default template's pool at ``size`` for the block (off elsewhere in the bench:
+    a refill would compete with every other figure for the cores); ended after."""
+    os.environ["CRYOBOX_POOL_SIZE"] = str(size)
+    try:
+        yield
+    finally:
+        os.environ["CRYOBOX_POOL_SIZE"] = "0"
+        pool.end_members()
+
+
+def _wait_pool_ready(timeout: float = 120.0) -> None:
+    pool.request_refill()
+    deadline = time.monotonic() + timeout
+    while not pool.members("default"):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the warm pool was not refilled within 120 s")
+        time.sleep(0.05)
+    time.sleep(1.0)  # the refill process exits; its Python start no longer competes
 
 
 async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
@@ -452,8 +502,10 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     ctx = Context(quick=quick)
     # Background uploads would compete with every figure for the cores: the store
-    # scenario pushes in the foreground and times it.
+    # scenario pushes in the foreground and times it. So would pool refills: the pool is
+    # on only where template-start measures it.
     os.environ.setdefault("CRYOBOX_STORE_UPLOAD", "off")
+    os.environ["CRYOBOX_POOL_SIZE"] = "0"
     ctx.disk_mb_s = await asyncio.to_thread(disk_bandwidth_mb_s, 64 if quick else 256)
     figures = [
         Figure(
@@ -467,6 +519,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         )
     ]
     figures += await cold_boot(ctx)
+    if "diy" in names:
+        figures += await diy(ctx)
     if {"exec", "ping", "guest-spawn"} & set(names):
         figures += await exec_and_channel(ctx, names)
     if "template-start" in names:
@@ -489,7 +543,66 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await store(ctx)
     for template in ctx.made_templates:  # leave no benchmark templates behind
         await AsyncSandbox.delete_template(template)
-    return figures
+    return with_diy(figures, ctx.diy)
+
+
+async def diy(ctx: Context) -> list[Figure]:
+    """Plain QEMU by hand on the same image, in this run (:mod:`.bench_diy`)."""
+    runs = 1 if ctx.quick else 3
+    figures = ctx.diy = await bench_diy.measure(runs, 3 if ctx.quick else 10)
+    what = "plain QEMU by hand, same image and machine: "
+    return [
+        summarize("diy-cold-boot", figures.cold_boot, "s", note=what + "boot to first command"),
+        summarize(
+            "diy-loadvm-start",
+            figures.loadvm_start,
+            "s",
+            note=what + "a new QEMU with -loadvm (internal snapshot) to first command",
+        ),
+        summarize("diy-savevm", figures.savevm, "s", note=what + "savevm on the running VM"),
+        summarize(
+            "diy-rollback", figures.rollback, "s", note=what + "loadvm, to first command after"
+        ),
+        summarize(
+            f"diy-fork-{figures.fork_count}",
+            [figures.fork],
+            "s",
+            note=what + f"{figures.fork_count} copies of the saved overlay started with "
+            "-loadvm, all answering (copying included)",
+        ),
+        summarize(
+            f"diy-fork-{figures.fork_count}-pss",
+            [figures.fork_pss_mib],
+            "MiB",
+            note=what + f"sum of PSS of the {figures.fork_count} QEMUs",
+        ),
+    ]
+
+
+def with_diy(figures: list[Figure], measured: bench_diy.DiyFigures | None) -> list[Figure]:
+    """Each cryobox figure beside its plain-QEMU counterpart from the same run."""
+    if measured is None:
+        return figures
+    median = statistics.median
+    counterparts = {
+        "cold-boot": median(measured.cold_boot),
+        "template-start": median(measured.loadvm_start),
+        "template-restore": median(measured.loadvm_start),
+        "resume": median(measured.loadvm_start),
+        "checkpoint": median(measured.savevm),
+        "rollback": median(measured.rollback),
+        f"fork-{measured.fork_count}": measured.fork,
+        f"fork-{measured.fork_count}-pss": measured.fork_pss_mib,
+    }
+    out = []
+    for figure in figures:
+        base = counterparts.get(figure.scenario)
+        if base:
+            figure = dataclasses.replace(
+                figure, diy=round(base, 3), diy_ratio=round(figure.median / base, 3)
+            )
+        out.append(figure)
+    return out
 
 
 def machine(accelerator: str) -> dict[str, Any]:
@@ -527,14 +640,17 @@ def to_json(figures: list[Figure], host: dict[str, Any]) -> str:
 
 def to_markdown_table(figures: list[Figure]) -> str:
     lines = [
-        "| scenario | median | p90 | min | runs | ratio to baseline | what |",
-        "|---|---|---|---|---|---|---|",
+        "| scenario | median | p90 | min | runs | ratio to baseline "
+        "| plain QEMU by hand | ratio to it | what |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
         ratio = f"{f.ratio} x {f.baseline}" if f.ratio is not None else "-"
+        diy = f"{f.diy} {f.unit}" if f.diy is not None else "-"
+        diy_ratio = f"{f.diy_ratio} x" if f.diy_ratio is not None else "-"
         lines.append(
             f"| {f.scenario} | {f.median} {f.unit} | {f.p90} {f.unit} | {f.min} {f.unit} "
-            f"| {f.runs} | {ratio} | {f.note} |"
+            f"| {f.runs} | {ratio} | {diy} | {diy_ratio} | {f.note} |"
         )
     return "\n".join(lines)
 

@@ -3,7 +3,6 @@ caller's settings and an identity of its own, and is never handed out twice."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -22,7 +21,6 @@ from cryobox.cli.main import app
 from cryobox.errors import SandboxNotFound
 from cryobox.sandbox import registry
 from cryobox.service import pool
-from cryobox.service.service import SandboxService
 
 pytestmark = pytest.mark.vm
 
@@ -51,18 +49,6 @@ def wait_members(count: int, timeout: float = 120.0) -> list[pool.Member]:
     return found
 
 
-def end_all_members() -> None:
-    async def work() -> None:
-        service = SandboxService()
-        try:
-            await pool.drain(service)
-        finally:
-            await service.close()
-
-    pool.stop_refill()
-    asyncio.run(work())
-
-
 @pytest.fixture
 def pool_of(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """``pool_of(n)``: the default template keeps n members waiting; all ended after."""
@@ -74,7 +60,7 @@ def pool_of(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     yield size
     monkeypatch.setenv("CRYOBOX_POOL_SIZE", "0")
-    end_all_members()
+    pool.end_members()
     assert pool.members() == []
 
 

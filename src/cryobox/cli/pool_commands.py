@@ -7,7 +7,6 @@ host whose VMs it keeps warm.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Annotated
@@ -17,7 +16,6 @@ import typer
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import registry
 from cryobox.service import pool
-from cryobox.service.service import SandboxService
 
 from .output import errors_reported, out, print_rows
 
@@ -93,7 +91,8 @@ def set_size(
     with errors_reported():
         pool.set_size(template, size)
         if size == 0:
-            ended = _drain(template)
+            ended = pool.end_members(template)  # stops a refill at work: it would fill it
+            pool.request_refill()  # the other pools, if any
             out.print(f"pool {template} off; {len(ended)} ended")
         else:
             pool.request_refill()
@@ -106,20 +105,8 @@ def drain(
 ) -> None:
     """End the waiting members now (a later create() refills the pool)."""
     with errors_reported():
-        pool.stop_refill()
-        for sandbox_id in _drain(template):
+        for sandbox_id in pool.end_members(template):
             out.print(f"ended {sandbox_id}")
-
-
-def _drain(template: str | None) -> list[str]:
-    async def work() -> list[str]:
-        service = SandboxService()
-        try:
-            return await pool.drain(service, template)
-        finally:
-            await service.close()
-
-    return asyncio.run(work())
 
 
 __all__ = ["pool_app", "print_members"]

@@ -91,32 +91,44 @@ def kernel_params() -> dict[str, str]:
     return params
 
 
-def run_quiet(*argv: str) -> None:
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-
-
 def setup_system() -> None:
-    """Prepare the freshly booted guest once: what udev and systemd would do for us."""
+    """Prepare the freshly booted guest once: what udev and systemd would do for us.
+
+    Spawning a program costs 0.1-0.2 s here on a cold boot (emulated, nothing translated
+    yet): mounts go through libc, the network is one ``ip -batch``, and it runs beside
+    ``resize2fs`` instead of after it.
+    """
     if SETUP_MARKER.exists():
         return
     params = kernel_params()
+    # The per-sandbox disk may be larger than the image's filesystem: grow into it.
+    resize = subprocess.Popen(
+        ["resize2fs", "/dev/vda"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    network = subprocess.Popen(
+        ["ip", "-batch", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    network.communicate(
+        b"link set lo up\n"
+        b"link set eth0 up\n"
+        b"addr add 10.0.2.15/24 dev eth0\n"
+        b"route add default via 10.0.2.2\n"
+    )
     for target, fstype, options in (
         ("/dev/pts", "devpts", "gid=5,mode=620,ptmxmode=666"),
         ("/dev/shm", "tmpfs", "mode=1777"),
     ):
         os.makedirs(target, exist_ok=True)
-        run_quiet("mount", "-t", fstype, "-o", options, fstype, target)
+        libc().mount(fstype.encode(), target.encode(), fstype.encode(), 0, options.encode())
     if "time_ns" in params:
         set_clock(int(params["time_ns"]))
     link_virtio_ports()
     set_identity(params.get("hostname", "cryobox"), uuid.uuid4().hex)
     Path("/etc/resolv.conf").write_text("nameserver 10.0.2.3\n")
-    run_quiet("ip", "link", "set", "lo", "up")
-    run_quiet("ip", "link", "set", "eth0", "up")
-    run_quiet("ip", "addr", "add", "10.0.2.15/24", "dev", "eth0")
-    run_quiet("ip", "route", "add", "default", "via", "10.0.2.2")
-    # The per-sandbox disk may be larger than the image's filesystem: grow into it.
-    run_quiet("resize2fs", "/dev/vda")
+    resize.wait()
     SETUP_MARKER.write_text("ok\n")
 
 
@@ -140,8 +152,34 @@ def set_identity(hostname: str, machine_id: str) -> None:
     with contextlib.suppress(OSError):
         socket.sethostname(hostname)
     with contextlib.suppress(OSError):
-        Path("/etc/hostname").write_text(hostname + "\n")
-        Path("/etc/machine-id").write_text(machine_id + "\n")
+        rewrite("/etc/hostname", hostname + "\n")
+        rewrite("/etc/machine-id", machine_id + "\n")
+
+
+def rewrite(path: str, text: str) -> None:
+    """Replace a small file's text in place.
+
+    Not truncated to zero first: ext4 flushes a file truncated to zero when it is closed
+    (its guard for "truncate and rewrite"), about 10 ms per file under emulation, on the
+    path of every restore's first answer.
+    """
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def libc() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
 
 
 def set_boot_id(boot_id: str) -> None:
@@ -152,9 +190,8 @@ def set_boot_id(boot_id: str) -> None:
     source = RUN_DIR / "boot_id"
     source.write_text(boot_id + "\n")
     target = b"/proc/sys/kernel/random/boot_id"
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.umount2(target, MNT_DETACH)  # a previous restore's, if any; failing is fine
-    if libc.mount(str(source).encode(), target, None, MS_BIND, None) != 0:
+    libc().umount2(target, MNT_DETACH)  # a previous restore's, if any; failing is fine
+    if libc().mount(str(source).encode(), target, None, MS_BIND, None) != 0:
         print(
             f"cryobox-agent: cannot mount boot_id: errno {ctypes.get_errno()}",
             file=sys.stderr,
@@ -751,13 +788,20 @@ def kill_group(pid: int, sig: int) -> None:
 
 
 def main() -> None:
+    started = read_text("/proc/uptime").split(" ")[0]
     setup_system()
     path = find_port()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     agent = Agent()
     agent.channel = Channel(os.open(path, os.O_RDWR), loop, agent.on_frame)
-    print("cryobox-agent: ready", file=sys.stderr, flush=True)
+    # Where a cold boot's time goes: the kernel's own lines carry their uptime too.
+    up = read_text("/proc/uptime").split(" ")[0]
+    print(
+        f"cryobox-agent: ready (uptime {up} s; main() began at {started} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     loop.run_forever()
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from cryobox import config
 from cryobox.errors import CryoboxError, SandboxDead, error_from_detail
 from cryobox.guest import protocol as p
+from cryobox.sandbox import priority
 from cryobox.sandbox.control import TIMEOUTS, ControlEvent, ControlOp, StartRequest
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 
@@ -56,9 +57,12 @@ class Launcher:
         ours, theirs = socket.socketpair()
         path = config.state_dir() / "supervisor-spare.log"
         log = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        argv = [sys.executable, "-m", "cryobox.sandbox.supervisor", "--fd", str(theirs.fileno())]
+        if os.environ.get(priority.REFILL_ENV):  # a warm pool's member: nobody waits for it
+            argv = priority.lowered_argv(argv)
         with log, theirs:
             process = subprocess.Popen(
-                [sys.executable, "-m", "cryobox.sandbox.supervisor", "--fd", str(theirs.fileno())],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

@@ -38,6 +38,19 @@ def may_renice() -> bool:
     return os.geteuid() == 0
 
 
+#: Set in a refill process: the supervisors it starts begin at the lowest priority.
+REFILL_ENV = "CRYOBOX_POOL_REFILL"
+
+
+def lowered_argv(argv: list[str]) -> list[str]:
+    """``argv`` started at the lowest priority from its first instruction (its Python
+    start and imports included): a shell sets its session's group niceness, then
+    becomes the program (same process, same session)."""
+    if not autogroups():
+        return argv
+    return ["/bin/sh", "-c", f'echo {WAITING} > {AUTOGROUP} 2>/dev/null; exec "$@"', "sh", *argv]
+
+
 def lower() -> None:
     """Run this process, and what it starts from now on, at the lowest priority."""
     if autogroups():

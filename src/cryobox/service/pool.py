@@ -26,6 +26,7 @@ the caller and outlives a short script.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import fcntl
 import json
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from cryobox import config
 from cryobox.arguments import whole_number
+from cryobox.config import env_number
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import priority
 from cryobox.util import write_atomic, write_json_atomic
@@ -57,6 +59,9 @@ DEFAULT_SIZES = {"default": 1}
 MAX_SIZE = 16
 #: Seconds a member may wait unclaimed before it ends (a refill replaces it).
 MEMBER_LIFETIME = 24 * 3600.0
+#: Seconds a refill waits before it starts a VM: a claimed sandbox's first commands come
+#: right after its create() and would otherwise share the cores with a restore.
+REFILL_DELAY = 1.0
 #: Host memory (MiB) a refill leaves free beyond the member's RAM.
 MEMORY_MARGIN_MIB = 1024
 
@@ -180,6 +185,15 @@ def _wanted_token() -> str:
     return ""
 
 
+def _wanted_sizes() -> dict[str, int]:
+    """The sizes the latest request saw (its environment may differ from the refill's:
+    the refill serves the latest request), else this process's own."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        asked = json.loads(_wanted_token())["sizes"]
+        return {str(name): int(size) for name, size in asked.items()}
+    return sizes()
+
+
 _started: list[subprocess.Popen[bytes]] = []
 
 
@@ -187,7 +201,10 @@ def request_refill() -> None:
     """Start a refill process unless one is at work (which then sees this request)."""
     if not sizes():
         return
-    write_atomic(root() / "wanted", secrets.token_hex(8).encode(), durable=False)
+    # A refill at work sees it changed and looks again, with these sizes. Written in
+    # place (a rename costs ~10 ms here): a torn read only makes a refill look once more.
+    request = {"token": secrets.token_hex(8), "sizes": sizes()}
+    (root() / "wanted").write_text(json.dumps(request))
     if _refill_running():
         return
     _started[:] = [p for p in _started if p.poll() is None]  # reap those that ended
@@ -195,7 +212,8 @@ def request_refill() -> None:
     try:
         _started.append(
             subprocess.Popen(
-                [sys.executable, "-m", "cryobox.service.pool"],
+                priority.lowered_argv([sys.executable, "-m", "cryobox.service.pool"]),
+                env={**os.environ, priority.REFILL_ENV: "1"},
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
@@ -246,7 +264,7 @@ async def refill() -> None:
     try:
         while True:
             seen = _wanted_token()
-            for template, size in sorted(sizes().items()):
+            for template, size in sorted(_wanted_sizes().items()):
                 await _refill_one(service, template, size)
             await _drain_unwanted(service)
             if _wanted_token() == seen:
@@ -290,7 +308,7 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
 
 
 async def _drain_unwanted(service: SandboxService) -> None:
-    wanted = sizes()
+    wanted = _wanted_sizes()
     await _end(service, [m for m in members() if m.template not in wanted])
 
 
@@ -299,6 +317,23 @@ async def _end(service: SandboxService, doomed: list[Member]) -> None:
         if withdraw(member):
             with contextlib.suppress(CryoboxError):
                 await service.kill(member.sandbox_id)
+
+
+def end_members(template: str | None = None) -> list[str]:
+    """Stop the refill at work and end the waiting members (of ``template``, or all);
+    their ids. For synchronous callers: runs in an event loop of its own."""
+    from cryobox.service.service import SandboxService
+
+    async def work() -> list[str]:
+        service = SandboxService()
+        try:
+            return await drain(service, template)
+        finally:
+            await service.close()
+
+    stop_refill()
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:  # callable inside a loop
+        return executor.submit(asyncio.run, work()).result()
 
 
 async def drain(service: SandboxService, template: str | None = None) -> list[str]:
@@ -313,12 +348,15 @@ def main() -> None:
     priority.lower()  # its own work; each member's supervisor lowers its session too
     os.umask(0o077)
     fd = os.open(root() / "refill.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    delay = env_number("CRYOBOX_POOL_REFILL_DELAY", REFILL_DELAY)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # another refill is at work
         write_atomic(root() / "refill.pid", str(os.getpid()).encode(), durable=False)
+        time.sleep(delay)  # holding the lock: stop_refill() finds this process
+        delay = 0
         seen = _wanted_token()
         try:
             asyncio.run(refill())

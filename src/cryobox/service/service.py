@@ -159,6 +159,8 @@ class SandboxService:
         self._channels: dict[str, AgentClient] = {}
         #: Each sandbox's own variables for its commands (from its spec, which never changes).
         self._envs: dict[str, dict[str, str]] = {}
+        #: The last request for a warm pool refill (kept: a task nobody holds may vanish).
+        self._refill: asyncio.Future[None] | None = None
         #: One capture of a given snapshot name at a time (names are unique).
         self._name_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
@@ -219,7 +221,8 @@ class SandboxService:
             try:
                 claimed = await self._claim_pooled(request, source, policy.to_json())
             finally:
-                pool.request_refill()
+                # Off the caller's path: starting the refill process is a fork of this one.
+                self._refill = asyncio.get_running_loop().run_in_executor(None, pool.request_refill)
             if claimed is not None:
                 return claimed
         accelerator = await asyncio.to_thread(self.vmm.accelerator, image)
