@@ -155,3 +155,15 @@ def test_network_policy_parses_modes_rules_and_names(value: object, json: object
 def test_network_policy_refuses_bad_entries_naming_them(bad: object) -> None:
     with pytest.raises(InvalidArgument, match="network"):
         parse_policy(bad)
+
+
+def test_translation_buffer_size_is_set_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    accel = build_command("qemu", spec(accelerator="tcg"))
+    assert accel[accel.index("-accel") + 1] == "tcg,thread=multi"
+    monkeypatch.setenv("CRYOBOX_TCG_TB_MIB", "32")
+    accel = build_command("qemu", spec(accelerator="tcg"))
+    assert accel[accel.index("-accel") + 1] == "tcg,thread=multi,tb-size=32"
+    assert "tb-size" not in " ".join(build_command("qemu", spec(accelerator="kvm")))
+    monkeypatch.setenv("CRYOBOX_TCG_TB_MIB", "lots")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_TB_MIB"):
+        build_command("qemu", spec(accelerator="tcg"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cryobox.config import env_number
 from cryobox.network.policy import NONE
 from cryobox.vmm.base import MachineSpec, PortForward
 
@@ -93,6 +94,12 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
     """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
     once it is set up)."""
     accel = "kvm" if spec.accelerator == "kvm" else "tcg,thread=multi"
+    # TCG's translation buffer (QEMU's default: up to 1 GiB, touched as used). Smaller
+    # holds less memory per VM (a fork of a 256 MiB guest: 92 -> 73 MiB of PSS at 32),
+    # at the cost of translating again after it fills.
+    tb_mib = int(env_number("CRYOBOX_TCG_TB_MIB", 0))
+    if spec.accelerator != "kvm" and tb_mib:
+        accel += f",tb-size={tb_mib}"
     share = "on" if spec.memory_shared else "off"
     argv = [
         binary,
