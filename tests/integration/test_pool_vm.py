@@ -3,6 +3,7 @@ caller's settings and an identity of its own, and is never handed out twice."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 
 from cryobox import Sandbox, config
 from cryobox.cli.main import app
-from cryobox.errors import SandboxNotFound
+from cryobox.errors import CryoboxError, SandboxNotFound
 from cryobox.sandbox import registry
 from cryobox.service import pool
 
@@ -193,3 +194,60 @@ def test_cli_lists_the_pool_and_the_memory_it_holds(pool_of: Any, sandbox_factor
     assert pool.members() == []
     with pytest.raises(SandboxNotFound):
         Sandbox.connect(member.sandbox_id, resume=False).info()
+
+
+def in_flight(timeout: float = 60.0) -> str:
+    """The id of a member a refill is starting (its folder exists, no pool file yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        offered = {m.sandbox_id for m in pool.members()}
+        for spec, _record in registry.list_sandboxes():
+            if spec.pool and spec.id not in offered:
+                return spec.id
+        assert time.monotonic() < deadline, "no refill started a member"
+        time.sleep(0.02)
+
+
+def gone(sandbox_id: str, qemu_pid: int | None, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while (config.sandboxes_dir() / sandbox_id).exists() or registry.process_alive(
+        qemu_pid, f"cryobox-{sandbox_id}"
+    ):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_refill_cut_short_leaves_no_hidden_sandbox_running(
+    pool_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Sandbox.create().kill()
+    monkeypatch.setenv("CRYOBOX_POOL_REFILL_DELAY", "0")
+    monkeypatch.setenv("CRYOBOX_POOL_SIZE", "1")
+    # Killed with -9 while it starts a member: the next refill ends the orphan.
+    pool.request_refill()
+    orphan = in_flight()
+    pid = pool.refill_pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    qemu_pid = None
+    deadline = time.monotonic() + 60
+    while qemu_pid is None and time.monotonic() < deadline:  # its VM goes on starting
+        with contextlib.suppress(CryoboxError, OSError, ValueError):
+            qemu_pid = registry.find(orphan).record().qemu_pid
+        time.sleep(0.05)
+    time.sleep(2)  # its start completes with nobody to report to: it runs, hidden
+    assert registry.process_alive(qemu_pid, f"cryobox-{orphan}")
+    assert registry.find(orphan).spec().pool == "default" and orphan not in str(pool.members())
+    pool.request_refill()
+    assert gone(orphan, qemu_pid), "the orphaned member still runs"
+    (member,) = wait_members(1)
+    assert member.sandbox_id != orphan
+    # Stopped (SIGTERM, as `cryobox pool drain` does) while it starts a second member.
+    monkeypatch.setenv("CRYOBOX_POOL_SIZE", "2")
+    pool.request_refill()
+    second = in_flight()
+    pool.end_members()
+    assert not [spec.id for spec, _ in registry.list_sandboxes() if spec.pool]
+    assert not (config.sandboxes_dir() / second).exists()

@@ -44,18 +44,29 @@ def test_sizes_are_bounded() -> None:
         pool.set_size("default", -1)
 
 
-def test_claims_take_members_of_the_same_snapshot_and_network_oldest_first() -> None:
-    pool.offer(pool.Member("sbx-new", "default", "snap-a", 30.0))
-    pool.offer(pool.Member("sbx-old", "default", "snap-a", 10.0))
-    pool.offer(pool.Member("sbx-stale", "default", "snap-old", 5.0))
-    pool.offer(pool.Member("sbx-closed", "default", "snap-a", 1.0, "none"))
+def member(sandbox_id: str, snapshot: str, ready_at: float, **changes: str) -> pool.Member:
+    fields = {"network": "internet", "env": pool.env_digest(), **changes}
+    return pool.Member(sandbox_id, "default", snapshot, ready_at, **fields)
+
+
+def test_claims_take_members_of_the_same_snapshot_network_and_settings_oldest_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool.offer(member("sbx-new", "snap-a", 30.0))
+    pool.offer(member("sbx-old", "snap-a", 10.0))
+    pool.offer(member("sbx-stale", "snap-old", 5.0))
+    pool.offer(member("sbx-closed", "snap-a", 1.0, network="none"))
+    monkeypatch.setenv("CRYOBOX_NETWORK_ISOLATION", "off")
+    pool.offer(member("sbx-open", "snap-a", 2.0))  # made without network isolation
+    monkeypatch.delenv("CRYOBOX_NETWORK_ISOLATION")
+    monkeypatch.setenv("CRYOBOX_POOL_SIZE", "3")  # the pool's own settings do not count
     assert list(pool.claims("default", "snap-a", "internet")) == ["sbx-old", "sbx-new"]
-    assert [m.sandbox_id for m in pool.members()] == ["sbx-closed", "sbx-stale"]
+    assert [m.sandbox_id for m in pool.members()] == ["sbx-closed", "sbx-open", "sbx-stale"]
 
 
 def test_a_member_is_withdrawn_by_exactly_one_of_many_claimers() -> None:
     for index in range(20):
-        pool.offer(pool.Member(f"sbx-{index:02d}", "default", "snap-a", float(index)))
+        pool.offer(member(f"sbx-{index:02d}", "snap-a", float(index)))
     won: list[str] = []
     start = threading.Barrier(8)
 

@@ -106,7 +106,7 @@ def setup_system() -> None:
         ["resize2fs", "/dev/vda"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     network = subprocess.Popen(
-        ["ip", "-batch", "-"],
+        ["ip", "-force", "-batch", "-"],  # -force: a failed line does not stop the rest
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 
 log = logging.getLogger("cryobox.supervisor")
@@ -54,17 +55,15 @@ def lowered_argv(argv: list[str]) -> list[str]:
 def lower() -> None:
     """Run this process, and what it starts from now on, at the lowest priority."""
     if autogroups():
-        with contextlib.suppress(OSError):
-            AUTOGROUP.write_text(str(WAITING))
+        _set_group_niceness(WAITING)
     elif may_renice():
         os.nice(WAITING - os.nice(0))
 
 
 def restore(pids: tuple[int, ...]) -> None:
     """Normal priority again for this session, and every thread of ``pids``."""
-    if autogroups():
-        with contextlib.suppress(OSError):
-            AUTOGROUP.write_text("0")
+    if autogroups() and not _set_group_niceness(0):
+        log.warning("this sandbox's CPU priority is still low: %s", _group())
     if not may_renice():
         return
     for pid in pids:
@@ -76,3 +75,22 @@ def restore(pids: tuple[int, ...]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 if os.getpriority(os.PRIO_PROCESS, tid) != 0:
                     os.setpriority(os.PRIO_PROCESS, tid, 0)
+
+
+def _group() -> str:
+    with contextlib.suppress(OSError):
+        return AUTOGROUP.read_text().strip()
+    return ""
+
+
+def _set_group_niceness(niceness: int) -> bool:
+    """Set this session's group niceness; whether it took. The kernel takes one change
+    per 100 ms from an unprivileged process, host wide (EAGAIN otherwise): retried for a
+    second."""
+    for _ in range(20):
+        with contextlib.suppress(OSError):
+            AUTOGROUP.write_text(str(niceness))
+        if _group().endswith(f" nice {niceness}"):
+            return True
+        time.sleep(0.05)
+    return False

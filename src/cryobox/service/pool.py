@@ -29,10 +29,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -76,6 +78,24 @@ class Member:
     ready_at: float
     #: Its network policy's JSON form: a claim asks for the same.
     network: str | list[str] = "internet"
+    #: :func:`env_digest` of the refill that made it: a claim asks for the same.
+    env: str = ""
+
+
+#: Variables that size or drive pools: the same member serves callers that differ here.
+_POOL_VARIABLES = ("CRYOBOX_POOL_SIZE", "CRYOBOX_POOL_REFILL", "CRYOBOX_POOL_REFILL_DELAY")
+
+
+def env_digest() -> str:
+    """What of this process's environment a sandbox's start depends on (as the launcher's
+    spare supervisor checks): a member made under other settings (network isolation, the
+    accelerator, the store...) is not handed to this caller."""
+    relevant = sorted(
+        (k, v)
+        for k, v in os.environ.items()
+        if (k.startswith("CRYOBOX_") or k == "PATH") and k not in _POOL_VARIABLES
+    )
+    return hashlib.sha256(json.dumps(relevant).encode()).hexdigest()[:16]
 
 
 def root() -> Path:
@@ -153,10 +173,12 @@ def withdraw(member: Member) -> bool:
 
 
 def claims(template: str, snapshot_id: str, network: str | list[str]) -> Iterator[str]:
-    """Ids of members restored from ``snapshot_id`` with the ``network`` policy, each
-    withdrawn for the caller."""
+    """Ids of members restored from ``snapshot_id`` with the ``network`` policy under
+    this process's settings, each withdrawn for the caller."""
+    env = env_digest()
     for member in members(template):
-        if member.snapshot_id == snapshot_id and member.network == network and withdraw(member):
+        fits = member.snapshot_id == snapshot_id and member.network == network
+        if fits and member.env == env and withdraw(member):
             yield member.sandbox_id
 
 
@@ -235,6 +257,18 @@ def _refill_running() -> bool:
     return False
 
 
+def _lock_within(fd: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
 def refill_pid() -> int | None:
     """The pid of the refill process at work, if one is."""
     with contextlib.suppress(OSError, ValueError):
@@ -245,7 +279,7 @@ def refill_pid() -> int | None:
 
 
 def stop_refill() -> None:
-    """End a refill at work (the sandbox it was starting is collected by the next one)."""
+    """End a refill at work (it ends the member it was starting before it exits)."""
     pid = refill_pid()
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
@@ -264,6 +298,7 @@ async def refill() -> None:
     try:
         while True:
             seen = _wanted_token()
+            await _sweep_orphans(service)
             for template, size in sorted(_wanted_sizes().items()):
                 await _refill_one(service, template, size)
             await _drain_unwanted(service)
@@ -287,12 +322,13 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
         await _end(service, members(template))
         return
     stale = []
+    env = env_digest()
     for member in members(template):
         alive = False
         with contextlib.suppress(CryoboxError, OSError):
             record = registry.find(member.sandbox_id).record()
             alive = record.state is SandboxState.RUNNING and registry.supervisor_alive(record)
-        if member.snapshot_id != source.id or not alive:
+        if member.snapshot_id != source.id or member.env != env or not alive:
             stale.append(member)
     await _end(service, stale)
     waiting = members(template)
@@ -302,9 +338,29 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
             log.warning("pool %s: host memory is short; not refilled", template)
             return
         info = await service.create(CreateRequest(template=template), pool_member=True)
-        await service.warm_up(info.id)
-        offer(Member(info.id, template, source.id, time.time(), info.network))
+        try:
+            await service.warm_up(info.id)
+            origin = info.origin or source.id  # what it was restored from, as it says
+            offer(Member(info.id, template, origin, time.time(), info.network, env))
+        except BaseException:  # a failure, or the refill stopped: never leave it running
+            with contextlib.suppress(CryoboxError, OSError):
+                await asyncio.shield(service.kill(info.id))
+            raise
         log.info("pool %s: %s ready", template, info.id)
+
+
+async def _sweep_orphans(service: SandboxService) -> None:
+    """End members that have no pool file and were never claimed: a refill killed while
+    starting one, a claimer that died before taking it over. (A claim in progress that
+    loses its member to this falls back to a restore.)"""
+    from cryobox.sandbox import registry
+
+    for spec, _record in registry.list_sandboxes():
+        if spec.pool and not (folder(spec.pool) / spec.id).exists():
+            with contextlib.suppress(CryoboxError, OSError):
+                if registry.find(spec.id).spec().pool:  # not claimed meanwhile
+                    log.warning("pool %s: %s has no pool file: ended", spec.pool, spec.id)
+                    await service.kill(spec.id)
 
 
 async def _drain_unwanted(service: SandboxService) -> None:
@@ -347,12 +403,12 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     priority.lower()  # its own work; each member's supervisor lowers its session too
     os.umask(0o077)
+    # stop_refill()'s SIGTERM unwinds the refill (a member being started is ended).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     fd = os.open(root() / "refill.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     delay = env_number("CRYOBOX_POOL_REFILL_DELAY", REFILL_DELAY)
     while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_within(fd, 0.5):  # a probe holds it a moment; a refill, longer
             return  # another refill is at work
         write_atomic(root() / "refill.pid", str(os.getpid()).encode(), durable=False)
         time.sleep(delay)  # holding the lock: stop_refill() finds this process

@@ -279,11 +279,13 @@ class SandboxService:
                 )
                 folder.write_spec(spec)
                 result = await self._control(sandbox_id, ControlOp.CLAIM)
-            except (CryoboxError, OSError) as exc:
-                log.warning("pool member %s could not be claimed (%s): ended", sandbox_id, exc)
+            except BaseException as exc:  # withdrawn: ours to end (the caller never saw it)
+                log.warning("pool member %s could not be claimed (%r): ended", sandbox_id, exc)
                 with contextlib.suppress(CryoboxError, OSError):
-                    await self.kill(sandbox_id)
-                continue
+                    await asyncio.shield(self.kill(sandbox_id))
+                if isinstance(exc, (CryoboxError, OSError)):
+                    continue
+                raise
             self._envs[sandbox_id] = spec.envs
             return sandbox_info(spec, SandboxRecord.from_json(result), folder)
         return None
@@ -744,7 +746,9 @@ class SandboxService:
         entry = self.store.template(name)
         if entry is None:
             raise TemplateNotFound(name)
-        await pool.drain(self, name)  # its waiting members would keep its snapshot
+        # Its waiting members would keep its snapshot (and a refill at work would add one).
+        await asyncio.to_thread(pool.stop_refill)
+        await pool.drain(self, name)
         self.store.delete_template(name)
         with contextlib.suppress(CryoboxError):
             await self.delete_snapshot(str(entry["snapshot"]))
