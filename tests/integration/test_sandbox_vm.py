@@ -205,6 +205,26 @@ def test_other_processes_see_and_use_the_sandbox(
         == 0
     )
     assert (tmp_path / "out.txt").read_text() == "via cp"
+    # cp -r, both ways: nested folders, modes kept, a symlink named and skipped.
+    tree = tmp_path / "tree"
+    (tree / "sub" / "deeper").mkdir(parents=True)
+    (tree / "a.txt").write_text("a")
+    (tree / "sub" / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (tree / "sub" / "run.sh").chmod(0o755)
+    (tree / "sub" / "deeper" / "c.bin").write_bytes(bytes(range(256)) * 10)
+    (tree / "link").symlink_to("a.txt")
+    refused = cli("cp", str(tree), f"{shared_sandbox.id}:/root/", env=env)
+    assert refused.returncode == 1 and "-r" in refused.stderr + refused.stdout
+    up = cli("cp", "-r", str(tree), f"{shared_sandbox.id}:/root/", env=env)
+    assert up.returncode == 0 and "copied 3 files" in up.stdout and "symlink" in up.stderr
+    listed = shared_sandbox.commands.run("cd /root/tree && find . -type f | sort; sub/run.sh")
+    assert listed.stdout == "./a.txt\n./sub/deeper/c.bin\n./sub/run.sh\nran\n"
+    down = cli("cp", "-r", f"{shared_sandbox.id}:/root/tree", str(tmp_path / "back"), env=env)
+    assert down.returncode == 0 and "copied 3 files" in down.stdout
+    back = tmp_path / "back"
+    assert (back / "sub" / "deeper" / "c.bin").read_bytes() == bytes(range(256)) * 10
+    assert (back / "sub" / "run.sh").stat().st_mode & 0o777 == 0o755
+    assert sorted(p.name for p in back.rglob("*")) == ["a.txt", "c.bin", "deeper", "run.sh", "sub"]
     assert "cryobox-agent: ready" in cli("logs", shared_sandbox.id, env=env).stdout
     concurrent: list[Any] = []
     threads = [

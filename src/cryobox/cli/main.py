@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from importlib.metadata import version
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
 import typer
@@ -282,28 +282,86 @@ def split_remote(location: str) -> tuple[str | None, str]:
 
 
 @app.command()
-def cp(source: str, destination: str) -> None:
-    """Copy a file into or out of a sandbox: `cryobox cp ./a sbx-ID:/root/a` (or the reverse)."""
+def cp(
+    source: str,
+    destination: str,
+    recursive: Annotated[
+        bool, typer.Option("--recursive", "-r", help="Copy a folder and everything in it.")
+    ] = False,
+) -> None:
+    """Copy into or out of a sandbox: `cryobox cp ./a sbx-ID:/root/a` (or the reverse).
+
+    As cp does: into an existing folder, the copy is named after its source; a folder
+    needs -r. Symlinks are not copied (each is named). Files keep their mode.
+    """
     with errors_reported():
         (src_id, src_path), (dst_id, dst_path) = split_remote(source), split_remote(destination)
         if (src_id is None) == (dst_id is None):
             raise InvalidArgument("exactly one side must be SANDBOX_ID:/path")
         if src_id is not None:
             sbx = Sandbox.connect(src_id)
+            is_dir = sbx.files.stat(src_path).type == "dir"
+            if is_dir and not recursive:
+                raise InvalidArgument(f"{source} is a folder: copy it with -r")
             target = Path(dst_path)
             if target.is_dir():
-                target = target / Path(src_path).name
-            sbx.files.download(src_path, target)
+                target = target / PurePosixPath(src_path.rstrip("/")).name
+            if is_dir:
+                copied = _download_tree(sbx, src_path, target)
+                out.print(f"copied {copied} files")
+            else:
+                sbx.files.download(src_path, target)
         else:
             assert dst_id is not None
             sbx = Sandbox.connect(dst_id)
+            local = Path(src_path)
+            if local.is_dir() and not recursive:
+                raise InvalidArgument(f"{source} is a folder: copy it with -r")
             remote = dst_path
             if remote.endswith("/") or (
                 sbx.files.exists(remote) and sbx.files.stat(remote).type == "dir"
             ):
-                remote = remote.rstrip("/") + "/" + Path(src_path).name
-            sbx.files.upload(src_path, remote)
+                remote = remote.rstrip("/") + "/" + local.resolve().name
+            if local.is_dir():
+                copied = _upload_tree(sbx, local, remote)
+                out.print(f"copied {copied} files")
+            else:
+                sbx.files.upload(src_path, remote)
         sbx.close()
+
+
+def _upload_tree(sbx: Sandbox, local: Path, remote: str) -> int:
+    """Copy the folder ``local`` to the guest folder ``remote``; the number of files."""
+    copied = 0
+    for folder, folders, files in os.walk(local):
+        relative = Path(folder).relative_to(local)
+        into = remote if relative == Path(".") else f"{remote}/{relative.as_posix()}"
+        sbx.files.mkdir(into)
+        for name in sorted(files) + [d for d in folders if (Path(folder) / d).is_symlink()]:
+            path = Path(folder) / name
+            if path.is_symlink():
+                console.print(f"skipped symlink {path}", highlight=False)
+                continue
+            sbx.files.upload(path, f"{into}/{name}")
+            copied += 1
+        folders[:] = [d for d in folders if not (Path(folder) / d).is_symlink()]
+    return copied
+
+
+def _download_tree(sbx: Sandbox, remote: str, local: Path) -> int:
+    """Copy the guest folder ``remote`` to the host folder ``local``; the number of files."""
+    copied = 0
+    local.mkdir(parents=True, exist_ok=True)
+    for entry in sbx.files.list(remote):
+        if entry.type == "dir":
+            copied += _download_tree(sbx, entry.path, local / entry.name)
+        elif entry.type == "file":
+            sbx.files.download(entry.path, local / entry.name)
+            os.chmod(local / entry.name, entry.mode & 0o777)
+            copied += 1
+        else:
+            console.print(f"skipped {entry.type} {entry.path}", highlight=False)
+    return copied
 
 
 StateOption = Annotated[
