@@ -215,14 +215,32 @@ class ProtocolError(ChannelError):
     """The peer sent something that is not a cryobox frame."""
 
 
+#: What each guest operation is, in the words of an error message (its wire name is
+#: the protocol's, not the user's).
+_GUEST_ACTIONS = {
+    "exec": "running a command",
+    "file.read": "reading",
+    "file.write.begin": "writing",
+    "file.write.chunk": "writing",
+    "file.write.end": "writing",
+    "file.list": "listing",
+    "file.stat": "looking up",
+    "file.mkdir": "making a folder",
+    "file.remove": "removing",
+    "file.watch": "watching",
+}
+
+
 class GuestError(CryoboxError):
-    """The guest agent answered a request with an error."""
+    """The guest agent answered a request with an error (``kind`` says which, ``op`` the
+    operation); the message names the user's path and what was being done."""
 
     def __init__(self, op: str, kind: str, message: str) -> None:
         self.op = op
         self.kind = kind
         self.message = message
-        super().__init__(f"{op}: {message} [{kind}]")
+        action = _GUEST_ACTIONS.get(op, op)
+        super().__init__(f"{action}: {message}" if message else action)
 
 
 class GuestFileNotFound(GuestError, FileNotFoundError):

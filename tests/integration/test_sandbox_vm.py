@@ -27,6 +27,7 @@ from api_server import ApiServer
 from cryobox import AsyncSandbox, Sandbox
 from cryobox.errors import (
     CommandNotFound,
+    GuestError,
     GuestFileNotFound,
     InvalidArgument,
     QemuError,
@@ -126,6 +127,23 @@ def test_bad_commands_and_paths(shared_sandbox: Sandbox) -> None:
         shared_sandbox.files.read("/no/such/file")
     with pytest.raises(InvalidArgument):
         shared_sandbox.commands.run([])
+    # Errors speak of the user's path and what was done, never of the wire's operations.
+    with pytest.raises(GuestFileNotFound) as missing:
+        shared_sandbox.files.read("/no/such/file")
+    assert str(missing.value) == "reading: No such file or directory: /no/such/file"
+    with pytest.raises(GuestError) as refused:
+        shared_sandbox.files.write("/proc/new-file", "x")
+    assert str(refused.value).startswith("writing: ") and "/proc/new-file" in str(refused.value)
+    assert "cryobox-" not in str(refused.value) and "file.write" not in str(refused.value)
+    shared_sandbox.commands.run("mkdir -p /mnt/small && mount -t tmpfs -o size=1m tmpfs /mnt/small")
+    try:
+        with pytest.raises(GuestError) as full:
+            shared_sandbox.files.write("/mnt/small/big", b"x" * (3 << 20))
+        assert str(full.value) == "writing: No space left on device: /mnt/small/big"
+        assert full.value.kind == "no_space"
+        assert shared_sandbox.files.list("/mnt/small") == []  # no partial file left
+    finally:
+        shared_sandbox.commands.run("umount /mnt/small")
 
 
 def test_files_round_trip_and_are_seen_by_commands(shared_sandbox: Sandbox, tmp_path: Path) -> None:

@@ -60,6 +60,8 @@ ERRNO_KINDS = {
     errno.EISDIR: p.IS_DIRECTORY,
     errno.ENOTDIR: p.NOT_DIRECTORY,
     errno.ENOTEMPTY: p.NOT_EMPTY,
+    errno.ENOSPC: p.NO_SPACE,
+    errno.EDQUOT: p.NO_SPACE,
 }
 
 
@@ -71,10 +73,12 @@ class OpError(Exception):
         self.kind = kind
 
 
-def os_error(exc: OSError) -> OpError:
+def os_error(exc: OSError, path: str | None = None) -> OpError:
+    """The error as the host reports it, naming ``path`` (the user's) when given, else the
+    file the system call named. A full disk says so: "No space left on device"."""
     kind = ERRNO_KINDS.get(exc.errno or 0, p.INTERNAL)
-    where = f": {exc.filename}" if exc.filename else ""
-    return OpError(kind, f"{exc.strerror or exc}{where}")
+    where = path or exc.filename
+    return OpError(kind, f"{exc.strerror or exc}: {where}" if where else f"{exc.strerror or exc}")
 
 
 # --------------------------------------------------------------------------- system
@@ -584,8 +588,11 @@ class Agent:
                 raise OpError(p.NOT_FOUND, f"no such directory: {directory}")
             make_folders(directory, owner)
         temp = os.path.join(directory, f".{os.path.basename(path)}.cryobox-{rid}")
-        # A new file, never through a link planted under the temporary name.
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            # A new file, never through a link planted under the temporary name.
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:  # said of the user's path, not of our temporary name
+            raise os_error(exc, path) from exc
         handle = os.fdopen(fd, "wb")  # closed by file_write_end/abort
         os.chmod(temp, int(args.get("mode", 0o644)))
         if owner is not None:
@@ -594,8 +601,11 @@ class Agent:
         return {"handle": rid}
 
     async def file_write_chunk(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
-        handle, _, _ = self._upload(args)
-        handle.write(payload)
+        handle, _, path = self._upload(args)
+        try:
+            handle.write(payload)
+        except OSError as exc:  # a full disk, most likely: said of the user's path
+            raise os_error(exc, path) from exc
 
     async def file_write_end(
         self, rid: int, args: dict[str, Any], payload: bytes
@@ -609,10 +619,13 @@ class Agent:
             os.fsync(handle.fileno())
             handle.close()
             os.replace(temp, path)
-        except BaseException:
-            handle.close()
+        except BaseException as exc:
+            with contextlib.suppress(OSError):  # closing flushes: it may fail the same way
+                handle.close()
             with contextlib.suppress(OSError):
                 os.unlink(temp)
+            if isinstance(exc, OSError):
+                raise os_error(exc, path) from exc
             raise
         return {"size": os.path.getsize(path)}
 

@@ -71,6 +71,8 @@ PERMISSION = "permission"
 IS_DIRECTORY = "is_directory"
 NOT_DIRECTORY = "not_directory"
 NOT_EMPTY = "not_empty"
+#: The guest's disk (or the file system written to) is full.
+NO_SPACE = "no_space"
 INTERNAL = "internal"
 #: The supervisor lost its channel to the agent (said by the supervisor, never the agent).
 CHANNEL = "channel"
