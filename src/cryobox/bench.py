@@ -797,7 +797,10 @@ INTRO = (
     "Regenerate with `make bench` (`cryobox bench --markdown docs/BENCHMARKS.md`). "
     "Medians, p90 and minimum over repeated runs in one session, each beside its "
     "baseline measured in the same run. No test passes or fails on these: the "
-    "machines are shared and noisy."
+    'machines are shared and noisy. The columns "plain QEMU by hand" and "ratio to it" '
+    "hold what a user gets without cryobox, measured in the same run on the same image "
+    "(`cryobox.bench_diy`, the `diy-*` rows: QEMU started by hand, savevm/loadvm, forks as "
+    "copies of the saved disk)."
 )
 ANCHORS = """| system | figure | published |
 |---|---|---|
