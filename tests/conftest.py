@@ -43,7 +43,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for proc in Path("/proc").glob("[0-9]*"):  # background uploaders and refills
         with contextlib.suppress(OSError):
             cmdline = (proc / "cmdline").read_bytes()
-            if (b"cryobox.store.uploads" in cmdline or b"cryobox.service.pool" in cmdline) and (
+            if (b"cryobox.store.uploads" in cmdline or b"cryobox.service.refill" in cmdline) and (
                 f"CRYOBOX_STATE_DIR={_STATE}".encode() in (proc / "environ").read_bytes()
             ):
                 os.kill(int(proc.name), signal.SIGKILL)

@@ -18,7 +18,7 @@ On disk (``STATE/pool/``):
 
 A claim is the removal of a member's file: ``unlink`` succeeds for exactly one
 process, so a member is never handed out twice, across processes and hosts' threads.
-The refill is a separate process (``python -m cryobox.service.pool``), started after
+The refill is a separate process (``python -m cryobox.service.refill``), started after
 a claim and niced where its priority can be restored on claim, so it never holds up
 the caller and outlives a short script.
 """
@@ -219,22 +219,26 @@ def _wanted_sizes() -> dict[str, int]:
 _started: list[subprocess.Popen[bytes]] = []
 
 
-def request_refill() -> None:
-    """Start a refill process unless one is at work (which then sees this request)."""
-    if not sizes():
-        return
-    # A refill at work sees it changed and looks again, with these sizes. Written in
-    # place (a rename costs ~10 ms here): a torn read only makes a refill look once more.
+def _announce() -> None:
+    """Say the sizes this process wants: a refill at work sees the change and looks again
+    with them, and so does one still starting (it reads them once it holds the lock).
+    Written in place (a rename costs ~10 ms here): a torn read only makes a refill look
+    once more, with its own sizes."""
     request = {"token": secrets.token_hex(8), "sizes": sizes()}
     (root() / "wanted").write_text(json.dumps(request))
-    if _refill_running():
+
+
+def request_refill() -> None:
+    """Start a refill process unless one is at work (which then sees this request)."""
+    _announce()
+    if not sizes() or _refill_running():
         return
     _started[:] = [p for p in _started if p.poll() is None]  # reap those that ended
     log_file = os.open(root() / "refill.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         _started.append(
             subprocess.Popen(
-                priority.lowered_argv([sys.executable, "-m", "cryobox.service.pool"]),
+                priority.lowered_argv([sys.executable, "-m", "cryobox.service.refill"]),
                 env={**os.environ, priority.REFILL_ENV: "1"},
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
@@ -387,6 +391,7 @@ def end_members(template: str | None = None) -> list[str]:
         finally:
             await service.close()
 
+    _announce()  # a refill still starting (not holding its lock yet) reads these sizes
     stop_refill()
     with concurrent.futures.ThreadPoolExecutor(1) as executor:  # callable inside a loop
         return executor.submit(asyncio.run, work()).result()
@@ -425,7 +430,3 @@ def main() -> None:
         # lock was held): look once more now that it is free.
         if _wanted_token() == seen:
             return
-
-
-if __name__ == "__main__":
-    main()
