@@ -39,7 +39,7 @@ class _Spare:
     env: dict[str, str]
 
 
-def _relevant_env() -> dict[str, str]:
+def relevant_env() -> dict[str, str]:
     """The environment a supervisor's behaviour depends on."""
     return {k: v for k, v in os.environ.items() if k.startswith("CRYOBOX_") or k == "PATH"}
 
@@ -69,7 +69,7 @@ class Launcher:
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
             )
-        return _Spare(process, ours, _relevant_env())
+        return _Spare(process, ours, relevant_env())
 
     def _take(self) -> _Spare:
         """The warm spare if it is alive and was started with the environment as it is
@@ -78,7 +78,7 @@ class Launcher:
         with self._lock:
             spare, self._spare = self._spare, None
             if spare is not None and (
-                spare.process.poll() is not None or spare.env != _relevant_env()
+                spare.process.poll() is not None or spare.env != relevant_env()
             ):
                 stale, spare = spare, None
             if spare is None:

@@ -48,6 +48,7 @@ from cryobox.arguments import whole_number
 from cryobox.config import env_number
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import priority
+from cryobox.sandbox.launcher import relevant_env
 from cryobox.util import write_atomic, write_json_atomic
 
 if TYPE_CHECKING:
@@ -90,11 +91,7 @@ def env_digest() -> str:
     """What of this process's environment a sandbox's start depends on (as the launcher's
     spare supervisor checks): a member made under other settings (network isolation, the
     accelerator, the store...) is not handed to this caller."""
-    relevant = sorted(
-        (k, v)
-        for k, v in os.environ.items()
-        if (k.startswith("CRYOBOX_") or k == "PATH") and k not in _POOL_VARIABLES
-    )
+    relevant = sorted((k, v) for k, v in relevant_env().items() if k not in _POOL_VARIABLES)
     return hashlib.sha256(json.dumps(relevant).encode()).hexdigest()[:16]
 
 
