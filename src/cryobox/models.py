@@ -27,6 +27,19 @@ class CommandResult:
 
 
 @dataclass(frozen=True)
+class FileEvent:
+    """A change under a watched guest folder (``files.watch``)."""
+
+    #: ``create``, ``write``, ``remove``, ``rename`` (the old name; the new one is a
+    #: ``create``) or ``chmod``.
+    type: str
+    #: The name relative to the watched folder (``src/app.py`` in a recursive watch).
+    name: str
+    #: The whole guest path.
+    path: str
+
+
+@dataclass(frozen=True)
 class EntryInfo:
     """A file, folder or link in the guest."""
 
@@ -185,6 +198,9 @@ class CommandRequest:
     timeout: float | None = None
     #: Whether the caller will feed stdin (else the command's stdin is empty).
     stdin: bool = False
+    #: (columns, rows): run it on a pseudo-terminal of that size (its stdin, stdout and
+    #: stderr, all output on stdout), as an interactive shell expects.
+    pty: tuple[int, int] | None = None
 
     def to_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
@@ -194,6 +210,8 @@ class CommandRequest:
             "timeout": self.timeout,
             "stdin": self.stdin,
         }
+        if self.pty is not None:
+            args["pty"] = {"cols": self.pty[0], "rows": self.pty[1]}
         if self.shell is not None:
             args["shell"] = self.shell
         else:

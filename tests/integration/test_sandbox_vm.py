@@ -12,6 +12,8 @@ import contextlib
 import hashlib
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from api_server import ApiServer
 from cryobox import AsyncSandbox, Sandbox
 from cryobox.errors import (
     CommandNotFound,
+    CryoboxError,
     GuestError,
     GuestFileNotFound,
     InvalidArgument,
@@ -275,9 +278,12 @@ def test_timeout_kills_unless_extended(sandbox_factory: Any) -> None:
     sbx = sandbox_factory(timeout=600)
     sbx.set_timeout(3)
     qemu_pid = registry.find(sbx.id).record().qemu_pid
+    running = sbx.commands.run("sleep 60", background=True)
     time.sleep(6)
     info = sbx.info()
     assert info.state == "killed" and "timed out after 3 s" in (info.error or "")
+    with pytest.raises(CryoboxError, match="timed out after 3 s"):  # a command cut short
+        running.wait()
     assert not registry.process_alive(qemu_pid, sbx.id)
     with pytest.raises(SandboxDead):
         sbx.commands.run("true")
@@ -539,3 +545,119 @@ def test_an_extended_timeout_survives_pause_and_resume(sandbox_factory: Any) -> 
     again = Sandbox.resume(sbx.id)  # each start gets the last set_timeout's life
     deadline = again.info().deadline
     assert deadline is not None and 800 < deadline - time.time() <= 900
+
+
+def until(found: Any, what: str, timeout: float = 60) -> None:
+    """Wait for ``found()`` to be true (output arrives when the guest gets to it)."""
+    deadline = time.monotonic() + timeout
+    while not found():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        time.sleep(0.05)
+
+
+def test_pty_shell_has_a_size_resizes_takes_ctrl_c_and_exits_with_its_code(
+    shared_sandbox: Sandbox,
+) -> None:
+    chunks: list[bytes] = []
+
+    def shown() -> str:
+        return b"".join(chunks).decode(errors="replace")
+
+    shell = shared_sandbox.pty.create(cols=100, rows=30, on_data=chunks.append)
+    assert shell.pid > 0
+    shell.send_input("stty size; tty\n")
+    until(lambda: "30 100\r\n/dev/pts/" in shown(), "the terminal's size and name")
+    shell.resize(132, 43)
+    shell.send_input("stty size\n")
+    until(lambda: "43 132\r\n" in shown(), "the new size")
+    shell.send_input('sleep 300; echo wo""ke\n')
+    until(lambda: shown().count("sleep 300") >= 1, "the sleep to start")
+    time.sleep(1)
+    shell.send_input("\x03")  # Ctrl-C: the terminal interrupts the sleep, not the shell
+    shell.send_input("echo after-$((6*7))\n")
+    until(lambda: "after-42" in shown(), "the shell after Ctrl-C", timeout=30)
+    shell.send_input("exit 7\n")
+    result = shell.wait()
+    assert result.exit_code == 7 and "woke" not in result.stdout
+    assert "after-42" in result.stdout and result.stderr == ""
+    with pytest.raises(InvalidArgument, match="cols"):
+        shared_sandbox.pty.create(cols=0)
+    # A program run on a terminal knows it (isatty), a plain command does not.
+    on_terminal = shared_sandbox.pty.create(cmd="test -t 0 && test -t 1 && echo yes-tty")
+    assert "yes-tty" in on_terminal.wait().stdout
+    assert shared_sandbox.commands.run("test -t 1").exit_code == 1
+
+
+def test_cli_shell_and_exec_t_run_on_a_terminal(
+    shared_sandbox: Sandbox, request: pytest.FixtureRequest
+) -> None:
+    env = cli_env(shared_sandbox, request)
+    # An interactive shell driven through a real terminal on this side.
+    controller, terminal = pty.openpty()
+    shell = subprocess.Popen(
+        [*CLI, "shell", shared_sandbox.id],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(terminal)
+    seen = bytearray()
+
+    def read_until(marker: bytes, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while marker not in seen:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {marker!r} in {bytes(seen)!r}")
+            if select.select([controller], [], [], 0.5)[0]:
+                with contextlib.suppress(OSError):
+                    seen.extend(os.read(controller, 4096))
+
+    try:
+        os.write(controller, b"echo in-$((6*7)) $(tty)\n")
+        read_until(b"in-42 /dev/pts/")
+        os.write(controller, b"exit 3\n")
+        assert shell.wait(timeout=60) == 3
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+        os.close(controller)
+    # Piped into a shell: typed in as it comes, its end is the shell's end.
+    piped = subprocess.run(
+        [*CLI, "shell", shared_sandbox.id],
+        input="echo piped-$((6*7))\nexit 5\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert piped.returncode == 5 and "piped-42" in piped.stdout, piped.stderr
+    ran = cli("exec", "-t", shared_sandbox.id, "--", "sh", "-c", "tty; exit 4", env=env)
+    assert ran.returncode == 4 and "/dev/pts/" in ran.stdout, ran.stderr
+
+
+def test_files_watch_reports_changes_until_stopped(shared_sandbox: Sandbox) -> None:
+    shared_sandbox.files.mkdir("/root/watched/sub")
+    events: list[tuple[str, str]] = []
+    watch = shared_sandbox.files.watch(
+        "/root/watched", lambda event: events.append((event.type, event.path)), recursive=True
+    )
+    shared_sandbox.files.write("/root/watched/notes.txt", "one")
+    shared_sandbox.commands.run(
+        "echo two >> /root/watched/sub/deep.txt; rm /root/watched/notes.txt"
+    )
+    until(lambda: ("remove", "/root/watched/notes.txt") in events, "the removal")
+    watch.stop()
+    assert ("create", "/root/watched/notes.txt") in events
+    assert ("write", "/root/watched/notes.txt") in events
+    assert ("create", "/root/watched/sub/deep.txt") in events
+    assert not any(".cryobox" in path for _, path in events)  # upload temporaries hidden
+    seen = len(events)
+    shared_sandbox.files.write("/root/watched/later.txt", "after the stop")
+    time.sleep(1)
+    assert len(events) == seen  # nothing reported once stopped
+    with pytest.raises(GuestFileNotFound):
+        shared_sandbox.files.watch("/root/no-such-folder", print)
+    shared_sandbox.files.remove("/root/watched", recursive=True)

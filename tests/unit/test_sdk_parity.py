@@ -12,11 +12,17 @@ from cryobox.client import (
     AsyncCommandHandle,
     AsyncCommands,
     AsyncFiles,
+    AsyncPty,
+    AsyncPtyHandle,
     AsyncSandbox,
+    AsyncWatchHandle,
     CommandHandle,
     Commands,
     Files,
+    Pty,
+    PtyHandle,
     Sandbox,
+    WatchHandle,
 )
 from cryobox.client._blocking import sync_name
 
@@ -38,6 +44,9 @@ PAIRS = [
     (Commands, AsyncCommands),
     (Files, AsyncFiles),
     (CommandHandle, AsyncCommandHandle),
+    (Pty, AsyncPty),
+    (PtyHandle, AsyncPtyHandle),
+    (WatchHandle, AsyncWatchHandle),
 ]
 
 

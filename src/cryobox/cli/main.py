@@ -30,6 +30,7 @@ from .output import console, errors_reported, out, print_rows, say_error
 from .pool_commands import pool_app, print_members
 from .server_commands import server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
+from .terminal import run_on_terminal
 
 app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
 
@@ -230,6 +231,12 @@ CommandArgs = Annotated[
 InteractiveOption = Annotated[
     bool, typer.Option("--interactive", "-i", help="Pass this terminal's stdin to the command.")
 ]
+TtyOption = Annotated[
+    bool,
+    typer.Option(
+        "--tty", "-t", help="Run it on a terminal (a PTY): colours, prompts, Ctrl-C, resize."
+    ),
+]
 
 
 @app.command("exec")
@@ -242,11 +249,48 @@ def exec_(
     user: UserOption = None,
     command_timeout: CommandTimeout = None,
     interactive: InteractiveOption = False,
+    tty: TtyOption = False,
 ) -> None:
-    """Run a command in a sandbox; exits with the command's exit code."""
+    """Run a command in a sandbox; exits with the command's exit code (`exec -it ID --
+    python3` for an interactive program)."""
     with errors_reported():
         sbx = Sandbox.connect(sandbox_id)
-        code = run_in(sbx, command or [], shell, env, cwd, user, command_timeout, interactive)
+        if tty:
+            if shell is None and not command:
+                raise InvalidArgument("give a command after --, or --shell 'CMD'")
+            code = run_on_terminal(
+                sbx,
+                shell if shell is not None else command or [],
+                forward_input=interactive,
+                env=key_values("--env", env or []),
+                cwd=cwd,
+                user=user,
+                timeout=command_timeout,
+            )
+        else:
+            code = run_in(sbx, command or [], shell, env, cwd, user, command_timeout, interactive)
+        sbx.close()
+    raise typer.Exit(code)
+
+
+@app.command("shell")
+def shell_(
+    sandbox_id: str,
+    env: EnvOption = None,
+    cwd: CwdOption = None,
+    user: UserOption = None,
+) -> None:
+    """An interactive login shell in a sandbox (bash on a terminal); exits with its code."""
+    with errors_reported():
+        sbx = Sandbox.connect(sandbox_id)
+        code = run_on_terminal(
+            sbx,
+            ["/bin/bash", "-l"],
+            forward_input=True,
+            env=key_values("--env", env or []),
+            cwd=cwd,
+            user=user,
+        )
         sbx.close()
     raise typer.Exit(code)
 

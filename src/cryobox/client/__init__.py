@@ -1,29 +1,46 @@
 """The Python SDK: :class:`Sandbox` (blocking) and :class:`AsyncSandbox` (asyncio)."""
 
-from cryobox.models import CommandResult, EntryInfo, SandboxInfo, SnapshotInfo, TemplateInfo
+from cryobox.models import (
+    CommandResult,
+    EntryInfo,
+    FileEvent,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
 
 from .async_sandbox import (
     AsyncCommandHandle,
     AsyncCommands,
     AsyncFiles,
+    AsyncPty,
+    AsyncPtyHandle,
     AsyncSandbox,
+    AsyncWatchHandle,
     RunOptions,
 )
-from .sync_sandbox import CommandHandle, Commands, Files, Sandbox
+from .sync_sandbox import CommandHandle, Commands, Files, Pty, PtyHandle, Sandbox, WatchHandle
 
 __all__ = [
     "AsyncCommandHandle",
     "AsyncCommands",
     "AsyncFiles",
+    "AsyncPty",
+    "AsyncPtyHandle",
     "AsyncSandbox",
+    "AsyncWatchHandle",
     "CommandHandle",
     "CommandResult",
     "Commands",
     "EntryInfo",
+    "FileEvent",
     "Files",
+    "Pty",
+    "PtyHandle",
     "RunOptions",
     "Sandbox",
     "SandboxInfo",
     "SnapshotInfo",
     "TemplateInfo",
+    "WatchHandle",
 ]

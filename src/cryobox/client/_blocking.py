@@ -23,7 +23,15 @@ R = TypeVar("R")
 
 def sync_name(annotation: str) -> str:
     """``"AsyncSandbox"`` -> ``"Sandbox"``, in an annotation written as a string."""
-    for name in ("AsyncSandbox", "AsyncCommandHandle", "AsyncCommands", "AsyncFiles"):
+    for name in (
+        "AsyncSandbox",
+        "AsyncCommandHandle",
+        "AsyncCommands",
+        "AsyncFiles",
+        "AsyncPtyHandle",
+        "AsyncPty",
+        "AsyncWatchHandle",
+    ):
         annotation = annotation.replace(name, name.removeprefix("Async"))
     return annotation
 

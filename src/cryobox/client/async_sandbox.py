@@ -12,8 +12,10 @@ import builtins
 import codecs
 import inspect
 import os
+import posixpath
 import signal as signals
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict, Unpack, overload
@@ -28,6 +30,7 @@ from cryobox.models import (
     CommandResult,
     CreateRequest,
     EntryInfo,
+    FileEvent,
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
@@ -35,11 +38,54 @@ from cryobox.models import (
 )
 from cryobox.sandbox.state import SandboxState
 from cryobox.service.commands import StartedCommand
+from cryobox.service.watches import ActiveWatch
 from cryobox.snapshot.manifest import SnapshotPurpose
 
 from .transport import Transport, transport_for
 
 OutputHandler = Callable[[str], Any]
+#: Called with a PTY's raw output bytes (terminal escapes included).
+DataHandler = Callable[[bytes], Any]
+#: Called with each change under a watched folder.
+EventHandler = Callable[[FileEvent], Any]
+#: A shell's terminal size when none is given.
+DEFAULT_COLS, DEFAULT_ROWS = 80, 24
+
+
+class _Calls:
+    """Calls a user's callback with each value, in order: a plain function at once, a
+    coroutine function awaited after the call before it. The first failure is kept for
+    :meth:`settle` (never left unretrieved)."""
+
+    def __init__(self, handler: Callable[[Any], Any] | None) -> None:
+        self._handler = handler
+        self._chain: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+
+    def __call__(self, value: Any) -> None:
+        if self._handler is None:
+            return
+        result = self._handler(value)
+        if inspect.isawaitable(result):
+            self._chain = asyncio.ensure_future(self._after(self._chain, result))
+
+    async def _after(self, previous: asyncio.Future[None] | None, call: Awaitable[Any]) -> None:
+        if previous is not None:
+            await previous  # never raises: failures are kept, not raised
+        try:
+            await call
+        except Exception as exc:
+            if self.error is None:
+                self.error = exc
+
+    async def settle(self) -> None:
+        """Wait for the calls under way; raise the first failure of any."""
+        if self._chain is not None:
+            await self._chain
+        if self.error is not None:
+            raise self.error
+
+
 #: The states a sandbox is listed in.
 STATES = tuple(state.value for state in SandboxState)
 
@@ -68,14 +114,12 @@ class AsyncCommandHandle:
     """A command running in the sandbox: wait for it, feed its stdin, kill it."""
 
     def __init__(self, on_stdout: OutputHandler | None, on_stderr: OutputHandler | None) -> None:
-        self._handlers = {"stdout": on_stdout, "stderr": on_stderr}
+        self._calls = {"stdout": _Calls(on_stdout), "stderr": _Calls(on_stderr)}
         self._decoders = {
-            name: codecs.getincrementaldecoder("utf-8")("replace") for name in self._handlers
+            name: codecs.getincrementaldecoder("utf-8")("replace") for name in self._calls
         }
         self._output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self._session: StartedCommand | None = None
-        self._callbacks: asyncio.Future[None] | None = None
-        self._handler_error: BaseException | None = None
 
     @property
     def pid(self) -> int:
@@ -84,23 +128,7 @@ class AsyncCommandHandle:
 
     def _on_output(self, stream: str, data: bytes) -> None:
         self._output[stream] += data
-        handler = self._handlers[stream]
-        if handler is None:
-            return
-        result = handler(self._decoders[stream].decode(data))
-        if inspect.isawaitable(result):  # an async handler: awaited in order
-            self._callbacks = asyncio.ensure_future(self._after(self._callbacks, result))
-
-    async def _after(self, previous: asyncio.Future[None] | None, call: Awaitable[Any]) -> None:
-        """Await ``call`` once ``previous`` is done; its failure is kept for ``wait`` (the
-        first one), never left unretrieved."""
-        if previous is not None:
-            await previous  # never raises: failures are kept, not raised
-        try:
-            await call
-        except Exception as exc:
-            if self._handler_error is None:
-                self._handler_error = exc
+        self._calls[stream](self._decoders[stream].decode(data))
 
     async def wait(self) -> CommandResult:
         """Wait for the command to end and return how it ended.
@@ -109,10 +137,8 @@ class AsyncCommandHandle:
         """
         assert self._session is not None
         result = await self._session.wait()
-        if self._callbacks is not None:
-            await self._callbacks
-        if self._handler_error is not None:
-            raise self._handler_error
+        for calls in self._calls.values():
+            await calls.settle()
         out, err = bytes(self._output["stdout"]), bytes(self._output["stderr"])
         return CommandResult(
             exit_code=result["exit_code"],
@@ -134,6 +160,108 @@ class AsyncCommandHandle:
         """Send ``signal`` to the command's process group."""
         assert self._session is not None
         await self._session.kill(signal)
+
+
+class AsyncPtyHandle:
+    """A command on a pseudo-terminal (``sbx.pty.create``): type into it, resize it,
+    kill it, wait for it. Its output, terminal escapes included, goes to ``on_data``."""
+
+    def __init__(self, on_data: DataHandler | None) -> None:
+        self._calls = _Calls(on_data)
+        self._output = bytearray()
+        self._session: StartedCommand | None = None
+
+    @property
+    def pid(self) -> int:
+        """The command's process id in the guest (0 until it has started)."""
+        return self._session.pid if self._session is not None else 0
+
+    def _on_output(self, stream: str, data: bytes) -> None:
+        self._output += data
+        self._calls(data)
+
+    async def send_input(self, data: bytes | str) -> None:
+        """Type ``data`` at the terminal (``"\\x03"`` is Ctrl-C, ``"\\x04"`` Ctrl-D)."""
+        assert self._session is not None
+        await self._session.send_stdin(data.encode() if isinstance(data, str) else data)
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """Set the terminal's size; the programs on it are told (SIGWINCH)."""
+        assert self._session is not None
+        await self._session.resize(cols, rows)
+
+    async def kill(self, signal: int = signals.SIGKILL) -> None:
+        """Send ``signal`` to the command's process group."""
+        assert self._session is not None
+        await self._session.kill(signal)
+
+    async def wait(self) -> CommandResult:
+        """Wait for the command to end; its ``stdout`` is all the terminal showed."""
+        assert self._session is not None
+        result = await self._session.wait()
+        await self._calls.settle()
+        out = bytes(self._output)
+        return CommandResult(
+            exit_code=result["exit_code"],
+            stdout=out.decode(errors="replace"),
+            stderr="",
+            pid=result["pid"] or self.pid,
+            signal=result.get("signal"),
+            timed_out=result["timed_out"],
+            stdout_bytes=out,
+            stderr_bytes=b"",
+        )
+
+
+class AsyncPty:
+    """Interactive terminals in the sandbox: ``await sbx.pty.create(on_data=print)``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def create(
+        self,
+        cols: int = DEFAULT_COLS,
+        rows: int = DEFAULT_ROWS,
+        on_data: DataHandler | None = None,
+        cmd: str | Sequence[str] = ("/bin/bash", "-l"),
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncPtyHandle:
+        """Start ``cmd`` (a login shell by default) on a ``cols`` x ``rows`` terminal and
+        return once it runs. Ctrl-C typed with ``send_input`` interrupts what runs there.
+
+        :raises InvalidArgument: when the size is not 1..4096.
+        """
+        for name, value in (("cols", cols), ("rows", rows)):
+            if not (isinstance(value, int) and 0 < value <= 4096):
+                raise InvalidArgument(f"{name}={value!r}: a terminal size is 1..4096")
+        request = replace(
+            _command(cmd, {"env": env, "cwd": cwd, "user": user, "timeout": timeout}),
+            stdin=True,
+            pty=(cols, rows),
+        )
+        handle = AsyncPtyHandle(on_data)
+        transport, sandbox_id = self._sandbox._transport, self._sandbox.id
+        handle._session = await transport.start_command(sandbox_id, request, handle._on_output)
+        await handle._session.started()
+        return handle
+
+
+class AsyncWatchHandle:
+    """A folder watch (``files.watch``): events go to its ``on_event`` until :meth:`stop`."""
+
+    def __init__(self, on_event: EventHandler) -> None:
+        self._calls = _Calls(on_event)
+        self._watch: ActiveWatch | None = None
+
+    async def stop(self) -> None:
+        """End the watch; raises what ``on_event`` raised, if it did."""
+        if self._watch is not None:
+            await self._watch.stop()
+        await self._calls.settle()
 
 
 def _command(cmd: str | Sequence[str], options: RunOptions) -> CommandRequest:
@@ -275,6 +403,24 @@ class AsyncFiles:
         """Remove a file, or a folder (its contents too with ``recursive``)."""
         await self._sandbox._transport.remove(self._sandbox.id, path, recursive)
 
+    async def watch(
+        self, path: str, on_event: EventHandler, recursive: bool = False
+    ) -> AsyncWatchHandle:
+        """Call ``on_event`` with each change under the folder ``path`` (its subfolders
+        too with ``recursive``) until the handle's ``stop()``; returns once watching.
+        A coroutine function is awaited, each call after the one before.
+
+        :raises GuestFileNotFound: when there is no such folder.
+        """
+        handle = AsyncWatchHandle(on_event)
+
+        def sink(kind: str, name: str) -> None:
+            handle._calls(FileEvent(type=kind, name=name, path=posixpath.join(path, name)))
+
+        transport, sandbox_id = self._sandbox._transport, self._sandbox.id
+        handle._watch = await transport.watch(sandbox_id, path, recursive, sink)
+        return handle
+
 
 class AsyncSandbox:
     """A running VM sandbox. ``async with await AsyncSandbox.create() as sbx: ...``"""
@@ -284,6 +430,7 @@ class AsyncSandbox:
         self._transport = transport
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
+        self.pty = AsyncPty(self)
 
     @property
     def id(self) -> str:

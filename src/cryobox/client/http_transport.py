@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import dataclasses
 import json
 import signal as signals
@@ -38,6 +39,7 @@ from cryobox.models import (
     TemplateInfo,
 )
 from cryobox.service.commands import OutputSink
+from cryobox.service.watches import WatchSink
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import each_chunk
 
@@ -117,6 +119,49 @@ async def open_stream(
     return response
 
 
+class HttpWatch:
+    """A folder watch behind the server: its event stream is read as it comes; closing
+    the stream ends the watch in the guest."""
+
+    def __init__(self, client: httpx.AsyncClient, on_event: WatchSink) -> None:
+        self._client = client
+        self._on_event = on_event
+        self._reader: asyncio.Future[None] | None = None
+
+    async def start(self, url: str, params: dict[str, str]) -> None:
+        request = self._client.build_request("GET", url, params=params, timeout=STREAM)
+        response = await open_stream(self._client, request, "starting the watch")
+        try:
+            lines = response.aiter_lines()
+            first = json.loads(await anext(lines))
+            if first.get("type") != "watching":
+                raise ChannelError(f"the server answered a watch with {first!r}")
+        except BaseException:
+            await response.aclose()
+            raise
+        self._reader = asyncio.ensure_future(self._read(response, lines))
+        self._reader.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _read(self, response: httpx.Response, lines: AsyncIterator[str]) -> None:
+        try:
+            async for line in lines:
+                event = json.loads(line)
+                if event.get("type") == "event":
+                    self._on_event(str(event["event"]), str(event["name"]))
+                elif event.get("type") == "error":
+                    raise error_from_detail(event["error"]) or ChannelError(str(event["error"]))
+        except httpx.HTTPError as exc:
+            raise ChannelError(f"the watch's event stream broke: {exc}") from exc
+        finally:
+            await response.aclose()
+
+    async def stop(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+
 class HttpCommand:
     """A command running behind the server: its output stream is read as it comes."""
 
@@ -172,6 +217,12 @@ class HttpCommand:
             params={"eof": "true" if eof else "false"},
             content=data,
             timeout=QUICK,
+        )
+        raise_for(response)
+
+    async def resize(self, cols: int, rows: int) -> None:
+        response = await self._client.post(
+            f"{self._base}/{self._id}/resize", json={"cols": cols, "rows": rows}, timeout=QUICK
         )
         raise_for(response)
 
@@ -311,6 +362,9 @@ class HttpTransport:
             "user": request.user,
             "timeout": request.timeout,
             "stdin": request.stdin,
+            "pty": None
+            if request.pty is None
+            else {"cols": request.pty[0], "rows": request.pty[1]},
         }
         command = HttpCommand(self._client, self._sbx(sandbox_id, "/commands"), on_output)
         await command.start(body)
@@ -363,6 +417,14 @@ class HttpTransport:
             self._sbx(sandbox_id, "/files"),
             params={"path": path, "recursive": str(recursive).lower()},
         )
+
+    async def watch(
+        self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
+    ) -> HttpWatch:
+        watch = HttpWatch(self._client, on_event)
+        params = {"path": path, "recursive": str(recursive).lower()}
+        await watch.start(self._sbx(sandbox_id, "/files/watch"), params)
+        return watch
 
     async def snapshots(self) -> builtins.list[SnapshotInfo]:
         return [snapshot_info(item) for item in (await self._call("GET", "/snapshots")).json()]

@@ -19,7 +19,10 @@ from .async_sandbox import (
     AsyncCommandHandle,
     AsyncCommands,
     AsyncFiles,
+    AsyncPty,
+    AsyncPtyHandle,
     AsyncSandbox,
+    AsyncWatchHandle,
     RunOptions,
 )
 
@@ -38,6 +41,42 @@ class CommandHandle:
     wait = method(AsyncCommandHandle.wait)
     send_stdin = method(AsyncCommandHandle.send_stdin)
     kill = method(AsyncCommandHandle.kill)
+
+
+class PtyHandle:
+    """A command on a pseudo-terminal (``sbx.pty.create``): type into it, resize it,
+    kill it, wait for it. Its output, terminal escapes included, goes to ``on_data``."""
+
+    def __init__(self, handle: AsyncPtyHandle) -> None:
+        self._async = handle
+
+    @property
+    def pid(self) -> int:
+        """The command's process id in the guest (0 until it has started)."""
+        return self._async.pid
+
+    send_input = method(AsyncPtyHandle.send_input)
+    resize = method(AsyncPtyHandle.resize)
+    kill = method(AsyncPtyHandle.kill)
+    wait = method(AsyncPtyHandle.wait)
+
+
+class Pty:
+    """Interactive terminals in the sandbox: ``sbx.pty.create(on_data=print)``."""
+
+    def __init__(self, pty: AsyncPty) -> None:
+        self._async = pty
+
+    create = method(AsyncPty.create, PtyHandle)
+
+
+class WatchHandle:
+    """A folder watch (``files.watch``): events go to its ``on_event`` until :meth:`stop`."""
+
+    def __init__(self, handle: AsyncWatchHandle) -> None:
+        self._async = handle
+
+    stop = method(AsyncWatchHandle.stop)
 
 
 def _handle_or_result(value: CommandResult | AsyncCommandHandle) -> CommandResult | CommandHandle:
@@ -87,6 +126,7 @@ class Files:
     exists = method(AsyncFiles.exists)
     mkdir = method(AsyncFiles.mkdir)
     remove = method(AsyncFiles.remove)
+    watch = method(AsyncFiles.watch, WatchHandle)
 
 
 def _sandbox(value: AsyncSandbox) -> Sandbox:
@@ -104,6 +144,7 @@ class Sandbox:
         self._async = sandbox
         self.commands = Commands(sandbox.commands)
         self.files = Files(sandbox.files)
+        self.pty = Pty(sandbox.pty)
 
     @property
     def id(self) -> str:

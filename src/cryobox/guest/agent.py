@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import fcntl
 import grp
 import os
 import pwd
@@ -26,8 +27,10 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import uuid
@@ -45,6 +48,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Folder watches a guest serves at once (each holds an inotify descriptor).
 MAX_WATCHES = 256
 READ_SIZE = 64 * 1024
+#: util-linux's setsid, which gives a command its terminal as controlling terminal.
+SETSID = "/usr/bin/setsid"
 #: Variables every command gets on top of its own base (set after a fork).
 EXTRA_ENV: dict[str, str] = {}
 MS_BIND = 4096
@@ -299,26 +304,33 @@ class Channel:
 
 
 class RunningCommand:
-    """Streams a child's stdout and stderr as events and notices its exit, on the loop."""
+    """Streams a child's output as events and notices its exit, on the loop.
 
-    def __init__(self, rid: int, proc: subprocess.Popen[bytes], send: Callable[..., None]) -> None:
+    ``outputs`` maps each file descriptor the host reads to its stream name: the two
+    pipes of a plain command, or the master side of a command's PTY (``stdout``).
+    """
+
+    def __init__(
+        self,
+        rid: int,
+        proc: subprocess.Popen[bytes],
+        send: Callable[..., None],
+        outputs: dict[int, str],
+    ) -> None:
         self._rid = rid
         self._proc = proc
         self._send = send
         self._loop = asyncio.get_running_loop()
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._open: set[int] = set()
-        self._outputs: dict[int, str] = {}
+        self._outputs = outputs
         self._paused = False
 
     def watch(self) -> asyncio.Future[None]:
-        """A future that resolves once the child exited and both pipes reached end-of-file."""
-        assert self._proc.stdout is not None and self._proc.stderr is not None
-        for name, stream in (("stdout", self._proc.stdout), ("stderr", self._proc.stderr)):
-            fd = stream.fileno()
+        """A future that resolves once the child exited and its outputs reached their end."""
+        for fd, name in self._outputs.items():
             os.set_blocking(fd, False)
             self._open.add(fd)
-            self._outputs[fd] = name
             self._loop.add_reader(fd, self._on_output, fd, name)
         pidfd = os.pidfd_open(self._proc.pid)
         self._open.add(pidfd)
@@ -341,7 +353,8 @@ class RunningCommand:
                     self._loop.add_reader(fd, self._on_output, fd, name)
 
     def _on_output(self, fd: int, name: str) -> None:
-        """Forward what the pipe holds now; stop watching it at end-of-file."""
+        """Forward what the pipe holds now; stop watching it at end-of-file (a PTY's
+        master says EIO once no process holds its terminal open)."""
         try:
             chunk = os.read(fd, READ_SIZE)
         except BlockingIOError:
@@ -357,9 +370,7 @@ class RunningCommand:
         """The child exited: drain what it wrote and finish, even if a process it left
         in the background still holds the pipes (``server &`` must not hang the call)."""
         self._proc.wait()
-        assert self._proc.stdout is not None and self._proc.stderr is not None
-        for name, stream in (("stdout", self._proc.stdout), ("stderr", self._proc.stderr)):
-            fd = stream.fileno()
+        for fd, name in self._outputs.items():
             while fd in self._open:
                 try:
                     chunk = os.read(fd, READ_SIZE)
@@ -382,12 +393,48 @@ class RunningCommand:
             self._done.set_result(None)
 
 
+class Terminal:
+    """The master side of a command's pseudo-terminal: its output, its input, its size."""
+
+    def __init__(self, cols: int, rows: int) -> None:
+        self.master, self.slave = os.openpty()
+        self.resize(cols, rows)
+
+    def resize(self, cols: int, rows: int) -> None:
+        """Set the window size; the kernel tells the terminal's foreground programs."""
+        if not (0 < cols <= 4096 and 0 < rows <= 4096):
+            raise OpError(p.INVALID, f"a terminal size must be 1..4096, not {cols}x{rows}")
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    async def write(self, data: bytes) -> None:
+        """Type ``data`` (the master is non-blocking: a full input queue is waited out)."""
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.master, view) :]
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+            except OSError as exc:  # EIO: nobody holds the terminal any more
+                raise OpError(p.INVALID, "the command's terminal is closed") from exc
+
+    def close_slave(self) -> None:
+        if self.slave >= 0:
+            os.close(self.slave)
+            self.slave = -1
+
+    def close(self) -> None:
+        self.close_slave()
+        with contextlib.suppress(OSError):
+            os.close(self.master)
+
+
 class Agent:
     """Dispatches requests to handlers; one asyncio task per request."""
 
     def __init__(self) -> None:
         self.channel: Channel | None = None
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
+        self._terminals: dict[int, Terminal] = {}
         #: Output producers by request id, for flow control: commands and file reads.
         self._running: dict[int, RunningCommand] = {}
         self._flowing: dict[int, asyncio.Event] = {}
@@ -399,6 +446,7 @@ class Agent:
             p.GuestOp.EXEC: self.exec,
             p.GuestOp.EXEC_STDIN: self.exec_stdin,
             p.GuestOp.EXEC_KILL: self.exec_kill,
+            p.GuestOp.EXEC_RESIZE: self.exec_resize,
             p.GuestOp.FLOW: self.flow,
             p.GuestOp.FILE_READ: self.file_read,
             p.GuestOp.FILE_WRITE_BEGIN: self.file_write_begin,
@@ -478,30 +526,26 @@ class Agent:
         env, user = command_env(args.get("env") or {}, args.get("user"))
         cwd = args.get("cwd") or env["HOME"]
         timeout = args.get("timeout")
+        size = args.get("pty")
+        terminal = Terminal(int(size["cols"]), int(size["rows"])) if size else None
         try:
-            # Popen (vfork) watched through a pidfd and raw pipe readers: under TCG this
-            # is ~20 ms faster per command than asyncio's subprocess transports.
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE if args.get("stdin") else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-                **identity(user),
-            )
-        except FileNotFoundError as exc:
-            if exc.filename == cwd:
-                raise OpError(p.NOT_FOUND, f"no such working directory: {cwd}") from exc
-            raise OpError(p.COMMAND_NOT_FOUND, f"command not found: {argv[0]}") from exc
-        except PermissionError as exc:
-            raise OpError(p.PERMISSION, f"permission denied: {argv[0]}") from exc
+            proc = self._spawn(argv, env, cwd, user, terminal, bool(args.get("stdin")))
+        except BaseException:
+            if terminal is not None:
+                terminal.close()
+            raise
         self._processes[rid] = proc
+        if terminal is not None:
+            terminal.close_slave()  # the child holds it: EIO on the master once all did
+            self._terminals[rid] = terminal
+            outputs = {terminal.master: "stdout"}
+        else:
+            assert proc.stdout is not None and proc.stderr is not None
+            outputs = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
         self.send({"id": rid, "event": "started", "pid": proc.pid, "exec_id": rid})
         timed_out = False
         try:
-            running = self._running[rid] = RunningCommand(rid, proc, self.send)
+            running = self._running[rid] = RunningCommand(rid, proc, self.send, outputs)
             watch = running.watch()
             try:
                 await asyncio.wait_for(asyncio.shield(watch), timeout)
@@ -512,6 +556,9 @@ class Agent:
         finally:
             self._processes.pop(rid, None)
             self._running.pop(rid, None)
+            if terminal is not None:
+                self._terminals.pop(rid, None)
+                terminal.close()
         code = proc.returncode
         assert code is not None
         return {
@@ -521,8 +568,54 @@ class Agent:
             "pid": proc.pid,
         }
 
+    @staticmethod
+    def _spawn(
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        user: str | None,
+        terminal: Terminal | None,
+        stdin: bool,
+    ) -> subprocess.Popen[bytes]:
+        """Start the command in a session of its own. With a terminal, that terminal is
+        its stdin, stdout, stderr and controlling terminal (``setsid --ctty``: Popen's
+        preexec_fn is unsafe beside the agent's threads), so Ctrl-C typed there
+        interrupts it and a shell's job control works."""
+        streams: dict[str, Any]
+        if terminal is not None:
+            argv = [SETSID, "--ctty", *argv]
+            streams = {"stdin": terminal.slave, "stdout": terminal.slave, "stderr": terminal.slave}
+        else:
+            streams = {
+                "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
+                "stdout": subprocess.PIPE,
+                "stderr": subprocess.PIPE,
+            }
+        try:
+            # Popen (vfork) watched through a pidfd and raw pipe readers: under TCG this
+            # is ~20 ms faster per command than asyncio's subprocess transports.
+            return subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                # setsid makes the session itself (as its own process: pids stay the same)
+                start_new_session=terminal is None,
+                **streams,
+                **identity(user),
+            )
+        except FileNotFoundError as exc:
+            if exc.filename == cwd:
+                raise OpError(p.NOT_FOUND, f"no such working directory: {cwd}") from exc
+            raise OpError(p.COMMAND_NOT_FOUND, f"command not found: {argv[0]}") from exc
+        except PermissionError as exc:
+            raise OpError(p.PERMISSION, f"permission denied: {argv[0]}") from exc
+
     async def exec_stdin(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
         proc = self._process(args)
+        terminal = self._terminals.get(int(args["exec_id"]))
+        if terminal is not None:  # typed at the terminal; its end is Ctrl-D
+            await terminal.write(payload + (b"\x04" if args.get("eof") else b""))
+            return
         if proc.stdin is None:
             raise OpError(p.INVALID, "the command was started without stdin")
         stdin = proc.stdin
@@ -534,6 +627,13 @@ class Agent:
                 stdin.close()
         except (BrokenPipeError, ConnectionResetError, ValueError) as exc:
             raise OpError(p.INVALID, "the command closed its stdin") from exc
+
+    async def exec_resize(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
+        self._process(args)
+        terminal = self._terminals.get(int(args["exec_id"]))
+        if terminal is None:
+            raise OpError(p.INVALID, "the command was started without a terminal (pty)")
+        terminal.resize(int(args["cols"]), int(args["rows"]))
 
     async def flow(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
         """Pause or resume request ``target``'s output (a command's, a file read's)."""

@@ -44,6 +44,8 @@ class GuestOp(enum.StrEnum):
     EXEC = "exec"
     EXEC_STDIN = "exec.stdin"
     EXEC_KILL = "exec.kill"
+    #: Set the terminal size of a command started with a PTY (its programs get SIGWINCH).
+    EXEC_RESIZE = "exec.resize"
     #: Pause or resume the output of request ``target`` (the host's reader lags behind).
     FLOW = "flow"
     FILE_READ = "file.read"

@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 #: A command whose output waits unread past this many bytes is killed (a client that
 #: stopped reading must not hold the server's memory).
 STREAM_BACKLOG_LIMIT = 64 * 1024 * 1024
+#: A folder watch's events waiting unread, at most; then its stream ends with an error.
+WATCH_BACKLOG = 10_000
+#: Seconds of quiet after which a watch stream says it is still there.
+WATCH_KEEPALIVE = 15.0
 
 STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
     (e.AuthenticationError, 401),
@@ -359,6 +363,7 @@ def create_app(
             user=body.user,
             timeout=body.timeout,
             stdin=body.stdin,
+            pty=None if body.pty is None else (body.pty.cols, body.pty.rows),
         )
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         backlog = 0
@@ -443,6 +448,19 @@ def create_app(
         await hub.command(me, sandbox_id, command_id).kill(body.signal)
         return Response(status_code=204)
 
+    @app.post(
+        "/sandboxes/{sandbox_id}/commands/{command_id}/resize",
+        status_code=204,
+        tags=["commands"],
+    )
+    async def command_resize(
+        sandbox_id: str, command_id: str, body: s.TerminalSize, me: Me
+    ) -> Response:
+        """Set the terminal size of a command started with ``pty``."""
+        await hub.use(me, sandbox_id)
+        await hub.command(me, sandbox_id, command_id).resize(body.cols, body.rows)
+        return Response(status_code=204)
+
     # ------------------------------------------------------------------ files
 
     @app.get(
@@ -501,6 +519,53 @@ def create_app(
     async def stat(sandbox_id: str, path: PathQ, me: Me) -> EntryInfo:
         await hub.use(me, sandbox_id)
         return await hub.service.stat(sandbox_id, path)
+
+    @app.get(
+        "/sandboxes/{sandbox_id}/files/watch",
+        tags=["files"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}}},
+    )
+    async def watch(
+        sandbox_id: str, path: PathQ, me: Me, recursive: bool = False
+    ) -> StreamingResponse:
+        """Changes under the folder ``path`` as NDJSON: ``watching`` once the guest
+        watches, then ``{"type": "event", "event": KIND, "name": NAME}`` per change and a
+        ``keepalive`` every 15 s of quiet. It ends when the client leaves or the sandbox
+        stops; an unread backlog past WATCH_BACKLOG events ends it with an ``error``."""
+        await hub.use(me, sandbox_id)
+        queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+        overflowed = False
+
+        def on_event(kind: str, name: str) -> None:
+            nonlocal overflowed
+            if queue.qsize() >= WATCH_BACKLOG:
+                overflowed = True
+                queue.put_nowait(None)
+            elif not overflowed:
+                queue.put_nowait((kind, name))
+
+        folder = await hub.service.watch(sandbox_id, path, recursive, on_event)
+        folder.ended.add_done_callback(lambda _: queue.put_nowait(None))
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield _line({"type": "watching"})
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), WATCH_KEEPALIVE)
+                except TimeoutError:
+                    yield _line({"type": "keepalive"})
+                    continue
+                if item is None:
+                    break
+                yield _line({"type": "event", "event": item[0], "name": item[1]})
+            if overflowed:
+                error = e.ChannelError(f"more than {WATCH_BACKLOG} watch events went unread")
+                yield _line({"type": "error", "error": e.error_detail(error)})
+
+        return StreamingResponse(
+            lines(), media_type="application/x-ndjson", background=BackgroundTask(folder.stop)
+        )
 
     @app.post("/sandboxes/{sandbox_id}/files/mkdir", status_code=204, tags=["files"])
     async def mkdir(sandbox_id: str, body: s.MakeDir, me: Me) -> Response:

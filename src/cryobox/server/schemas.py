@@ -62,6 +62,11 @@ class ExposePort(Body):
     guest_port: Port
 
 
+class TerminalSize(Body):
+    cols: Annotated[int, Field(ge=1, le=4096)]
+    rows: Annotated[int, Field(ge=1, le=4096)]
+
+
 class RunCommand(Body):
     #: A string runs under ``/bin/sh -c``; a list is the argv itself.
     cmd: Text | Annotated[list[Text], Field(min_length=1, max_length=4096)]
@@ -71,6 +76,8 @@ class RunCommand(Body):
     timeout: Seconds | None = None
     #: Whether stdin will be fed through ``.../stdin`` (else the command's stdin is empty).
     stdin: bool = False
+    #: Run it on a pseudo-terminal of this size (all its output then comes as stdout).
+    pty: TerminalSize | None = None
 
 
 class Signal(Body):

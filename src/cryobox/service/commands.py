@@ -26,6 +26,7 @@ class StartedCommand(Protocol):
     async def wait(self) -> dict[str, Any]: ...
     async def send_stdin(self, data: bytes, eof: bool = False) -> None: ...
     async def kill(self, signal: int = signals.SIGKILL) -> None: ...
+    async def resize(self, cols: int, rows: int) -> None: ...
 
 
 class CommandSession:
@@ -91,4 +92,12 @@ class CommandSession:
     async def kill(self, signal: int = signals.SIGKILL) -> None:
         await self._channel.request(
             p.GuestOp.EXEC_KILL, {"exec_id": self._exec_id, "signal": int(signal)}, timeout=30
+        )
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """Set the size of the command's terminal (it was started with ``pty``)."""
+        await self._channel.request(
+            p.GuestOp.EXEC_RESIZE,
+            {"exec_id": self._exec_id, "cols": int(cols), "rows": int(rows)},
+            timeout=30,
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from cryobox.errors import CryoboxError
 from cryobox.guest import protocol as p
@@ -16,6 +16,12 @@ from cryobox.guest.client import AgentClient
 EVENT_TYPES = frozenset({"create", "write", "remove", "rename", "chmod"})
 #: Called with (event type, name relative to the watched folder).
 WatchSink = Callable[[str, str], None]
+
+
+class ActiveWatch(Protocol):
+    """A watch as any transport hands it to the SDK (in this process or over HTTP)."""
+
+    async def stop(self) -> None: ...
 
 
 class FolderWatch:
