@@ -89,6 +89,11 @@ def test_best_of_n_keeps_the_winner(sandbox_factory: Any) -> None:
             attempt.kill()
     try:
         assert winner.commands.run(["python3", "/root/task.py", "2"]).stdout == "4\n"
+        # A fork's log starts with its parent's console and says what it continues.
+        logs = winner.logs()
+        assert f"[cryobox] the console of {base.id}, which " in logs
+        assert f"[cryobox] {base.id} continues template snapshot " in logs
+        assert f"[cryobox] {winner.id} continues fork snapshot " in logs
         alive = [s.id for s in Sandbox.list()]
         assert winner.id in alive
         assert not {a.id for i, a in enumerate(attempts) if i != best} & set(alive)

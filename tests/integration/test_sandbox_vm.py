@@ -661,3 +661,44 @@ def test_files_watch_reports_changes_until_stopped(shared_sandbox: Sandbox) -> N
     with pytest.raises(GuestFileNotFound):
         shared_sandbox.files.watch("/root/no-such-folder", print)
     shared_sandbox.files.remove("/root/watched", recursive=True)
+
+
+def test_a_unique_id_prefix_stands_for_the_whole_id(
+    shared_sandbox: Sandbox, request: pytest.FixtureRequest
+) -> None:
+    env = cli_env(shared_sandbox, request)
+    short = shared_sandbox.id.removeprefix("sbx-")[:6]
+    for given in (short, f"sbx-{short}"):
+        ran = cli("exec", given, "--", "hostname", env=env)
+        assert ran.returncode == 0 and ran.stdout.strip() == shared_sandbox.id, ran.stderr
+    assert Sandbox.connect(short, **remote_of(shared_sandbox, request)).id == shared_sandbox.id
+    checkpoint = shared_sandbox.checkpoint()
+    rolled = cli("rollback", short, checkpoint.id[:11], env=env)  # snap- and 6 hex digits
+    assert rolled.returncode == 0, rolled.stderr
+    assert rolled.stdout.strip() == f"rolled {shared_sandbox.id} back to {checkpoint.id[:11]}"
+    unknown = cli("info", "sbx-0123", env=env)
+    if unknown.returncode == 1:  # (unless a sandbox's id happens to begin so)
+        assert "no sandbox with id 'sbx-0123'" in unknown.stderr
+
+
+def test_logs_follow_prints_what_comes_until_the_sandbox_ends(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory()
+    follower = subprocess.Popen(
+        [*CLI, "logs", "-f", sbx.id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(follower.stdout or []), daemon=True)
+    reader.start()
+    try:
+        time.sleep(2)  # the follower has printed what was there, and waits for more
+        sbx.commands.run("echo followed-$((6*7)) > /dev/console")
+        until(lambda: any("followed-42" in line for line in seen), "the new console line")
+        sbx.kill()
+        assert follower.wait(timeout=30) == 0
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    reader.join(timeout=10)
+    assert follower.stderr is not None and f"-- {sbx.id} is" in follower.stderr.read()
+    # A restored sandbox's log says what it continues (it was not a blank page).
+    assert f"[cryobox] {sbx.id} continues template snapshot " in "".join(seen)

@@ -75,3 +75,29 @@ def test_every_async_member_has_a_docstring() -> None:
     for _, async_ in PAIRS:
         for name, member in public(async_).items():
             assert inspect.getdoc(member), f"{async_.__name__}.{name} has no docstring"
+
+
+def test_an_id_prefix_names_one_sandbox_or_says_what_is_wrong() -> None:
+    import asyncio
+    from types import SimpleNamespace
+    from typing import Any
+
+    from cryobox.client.async_sandbox import whole_id
+    from cryobox.errors import InvalidArgument, SandboxNotFound
+
+    ids = ["sbx-4f2a00000001", "sbx-4f2a00000002", "sbx-9c0000000003"]
+
+    class Listing:
+        async def list(self, *, all: bool = False) -> list[Any]:
+            return [SimpleNamespace(id=i) for i in ids]
+
+    def resolve(given: str) -> str:
+        return asyncio.run(whole_id(Listing(), given))  # type: ignore[arg-type]
+
+    assert resolve("9c00") == resolve("sbx-9c00") == "sbx-9c0000000003"
+    assert resolve("sbx-4f2a00000002") == "sbx-4f2a00000002"  # whole: not looked up
+    assert resolve("my-name") == "my-name"  # not an id: the service says what it is
+    with pytest.raises(InvalidArgument, match="sbx-4f2a00000001, sbx-4f2a00000002"):
+        resolve("4f2a")
+    with pytest.raises(SandboxNotFound, match="'beef'"):
+        resolve("beef")

@@ -23,7 +23,7 @@ from rich.table import Table
 from cryobox import config
 from cryobox.arguments import key_values
 from cryobox.client import Sandbox
-from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument
+from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument, SandboxNotFound
 from cryobox.service.pool import host_memory_mib
 
 from .output import console, errors_reported, out, print_rows, say_error
@@ -494,13 +494,42 @@ def _shown(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+#: Seconds between two looks at a followed log; the states in which it can still grow.
+FOLLOW_INTERVAL = 0.5
+FOLLOWED_STATES = ("creating", "running", "resuming")
+
+
 @app.command()
-def logs(sandbox_id: str) -> None:
-    """Print a sandbox's serial console."""
+def logs(
+    sandbox_id: str,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Go on printing what comes, until it ends.")
+    ] = False,
+) -> None:
+    """Print a sandbox's serial console: the guest kernel's and agent's lines (a restored
+    or forked sandbox's starts with its source's, and says what it continues)."""
     with errors_reported():
-        out.print(
-            Sandbox.connect(sandbox_id, resume=False).logs(), end="", markup=False, highlight=False
-        )
+        sbx = Sandbox.connect(sandbox_id, resume=False)
+        shown = sbx.logs()
+        out.print(shown, end="", markup=False, highlight=False)
+        try:
+            while follow:
+                time.sleep(FOLLOW_INTERVAL)
+                try:
+                    now, state = sbx.logs(), sbx.info().state
+                except SandboxNotFound:
+                    console.print(f"[dim]-- {sbx.id} is gone[/dim]")
+                    break
+                # The log is only appended to, or rotated (then it starts again, shorter).
+                fresh = now[len(shown) :] if now.startswith(shown) else now
+                if fresh:
+                    out.print(fresh, end="", markup=False, highlight=False)
+                shown = now
+                if state not in FOLLOWED_STATES:
+                    console.print(f"[dim]-- {sbx.id} is {state}[/dim]")
+                    break
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
 
 
 @app.command()
@@ -527,12 +556,13 @@ def kill(
         failed = 0
         for sandbox_id in targets:
             try:
-                Sandbox.connect(sandbox_id, resume=False).kill()
+                doomed = Sandbox.connect(sandbox_id, resume=False)
+                doomed.kill()
             except CryoboxError as exc:  # one that went meanwhile must not stop the rest
                 say_error(exc)
                 failed += 1
                 continue
-            out.print(f"killed {sandbox_id}")
+            out.print(f"killed {doomed.id}")
         if all and not targets:
             console.print("no sandbox to kill")
         if failed:
@@ -590,16 +620,18 @@ def image_info() -> None:
 def pause(sandbox_id: str) -> None:
     """Save a sandbox's whole machine and stop it (no CPU, no RAM); resume continues it."""
     with errors_reported():
-        Sandbox.connect(sandbox_id, resume=False).pause()
-        out.print(f"paused {sandbox_id}")
+        sbx = Sandbox.connect(sandbox_id, resume=False)
+        sbx.pause()
+        out.print(f"paused {sbx.id}")
 
 
 @app.command()
 def resume(sandbox_id: str) -> None:
     """Continue a paused sandbox with every process where it was."""
     with errors_reported():
-        Sandbox.resume(sandbox_id).close()
-        out.print(f"resumed {sandbox_id}")
+        sbx = Sandbox.resume(sandbox_id)
+        sbx.close()
+        out.print(f"resumed {sbx.id}")
 
 
 @app.command()
@@ -618,8 +650,9 @@ def checkpoint(
 def rollback(sandbox_id: str, checkpoint_ref: str) -> None:
     """Return a running sandbox to a checkpoint (id or name)."""
     with errors_reported():
-        Sandbox.connect(sandbox_id).rollback(checkpoint_ref)
-        out.print(f"rolled {sandbox_id} back to {checkpoint_ref}")
+        sbx = Sandbox.connect(sandbox_id)
+        sbx.rollback(checkpoint_ref)
+        out.print(f"rolled {sbx.id} back to {checkpoint_ref}")
 
 
 @snapshot_app.command("take")

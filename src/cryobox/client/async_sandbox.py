@@ -13,6 +13,7 @@ import codecs
 import inspect
 import os
 import posixpath
+import re
 import signal as signals
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -22,7 +23,7 @@ from typing import Any, Literal, TypedDict, Unpack, overload
 
 from cryobox import config
 from cryobox.arguments import env_vars, labels
-from cryobox.errors import CryoboxError, GuestFileNotFound, InvalidArgument
+from cryobox.errors import CryoboxError, GuestFileNotFound, InvalidArgument, SandboxNotFound
 from cryobox.guest import protocol as p
 from cryobox.image.build import Progress
 from cryobox.models import (
@@ -422,6 +423,28 @@ class AsyncFiles:
         return handle
 
 
+WHOLE_ID = re.compile(r"sbx-[0-9a-f]{12}")
+PREFIX = re.compile(r"(sbx-)?[0-9a-f]{4,11}")
+
+
+async def whole_id(transport: Transport, given: str) -> str:
+    """The sandbox id ``given`` stands for: itself when whole, else the one id of the
+    caller's sandboxes that begins with it (4 hex digits at least; ``sbx-`` optional).
+
+    :raises SandboxNotFound: when no id begins with it.
+    :raises InvalidArgument: when several do.
+    """
+    if WHOLE_ID.fullmatch(given) or not PREFIX.fullmatch(given):
+        return given
+    wanted = given if given.startswith("sbx-") else f"sbx-{given}"
+    found = sorted(info.id for info in await transport.list(all=True) if info.id.startswith(wanted))
+    if len(found) > 1:
+        raise InvalidArgument(f"{given!r} begins several sandbox ids ({', '.join(found[:5])})")
+    if not found:
+        raise SandboxNotFound(given)
+    return found[0]
+
+
 class AsyncSandbox:
     """A running VM sandbox. ``async with await AsyncSandbox.create() as sbx: ...``"""
 
@@ -516,7 +539,7 @@ class AsyncSandbox:
         :raises SnapshotError: when its saved state is refused; it stays paused.
         """
         transport = transport_for(api_url, api_key)
-        return cls(await transport.resume(sandbox_id), transport)
+        return cls(await transport.resume(await whole_id(transport, sandbox_id)), transport)
 
     @classmethod
     async def connect(
@@ -527,7 +550,8 @@ class AsyncSandbox:
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncSandbox:
-        """Attach to a sandbox by id, from any process; a paused one is resumed first
+        """Attach to a sandbox by id (or a unique start of it: ``sbx-4f2a``, ``4f2a``),
+        from any process; a paused one is resumed first
         (every process where it was), as E2B's ``connect`` does, unless ``resume=False``
         (to look at it, or kill it, as it is).
 
@@ -539,6 +563,7 @@ class AsyncSandbox:
             paused).
         """
         transport = transport_for(api_url, api_key)
+        sandbox_id = await whole_id(transport, sandbox_id)
         info = await transport.get(sandbox_id)
         if resume and info.state == "paused":
             try:

@@ -118,6 +118,8 @@ def crash_point(step: str) -> None:
 #: Room kept for a device state beside the RAM and disk a snapshot copies (it is a few
 #: MB; RAM mapped privately travels inside it and is counted on its own).
 DEVICE_STATE_ROOM = 64 << 20
+#: Bytes of its source sandbox's console a restored sandbox's log starts with, at most.
+CONSOLE_HISTORY = 64 << 10
 
 
 def allocated(path: Path) -> int:
@@ -352,6 +354,7 @@ class Machine:
         """
         timer = StepTimer(f"restore of {manifest.id}")
         folder = self.store.folder(manifest.id)
+        self._console_history(manifest)
         disk = self._new_layer((manifest.id, *manifest.disk_chain))
         timer("disk layer")
         memory = self.folder.memory_file
@@ -391,6 +394,42 @@ class Machine:
                 timer("ram copy done")
         await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity, timer=timer)
         timer.log()
+
+    def _console_history(self, manifest: Manifest) -> None:
+        """Say on the console log where a restored machine comes from, so ``logs`` of a
+        restore, a fork or a rollback is not a blank page. A new sandbox first gets the
+        end of its source sandbox's console (the boot and the agent's lines), when that
+        sandbox is still on this host."""
+        path = self.folder.console_log
+        lines = b""
+        if not path.exists():
+            source = SandboxDir.for_id(manifest.source_sandbox).console_log
+            with contextlib.suppress(OSError, ValueError):
+                with open(source, "rb") as handle:
+                    size = handle.seek(0, os.SEEK_END)
+                    handle.seek(max(0, size - CONSOLE_HISTORY))
+                    lines = handle.read(CONSOLE_HISTORY)
+                if size > CONSOLE_HISTORY:  # from a whole line on
+                    lines = lines[lines.find(b"\n") + 1 :]
+                if lines:
+                    lines = (
+                        f"[cryobox] the console of {manifest.source_sandbox}, which "
+                        f"{manifest.id} was taken of:\n".encode()
+                        + lines
+                        + (b"" if lines.endswith(b"\n") else b"\n")
+                    )
+        taken = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(manifest.created_at))
+        what = f"{manifest.purpose.value} snapshot {manifest.id}"
+        if manifest.name and manifest.name != manifest.id:
+            what += f" ({manifest.name})"
+        note = f"[cryobox] {self.spec.id} continues {what} of {manifest.source_sandbox}, "
+        note += f"taken {taken}\n"
+        try:
+            with open(path, "ab") as handle:
+                handle.write(lines + note.encode())
+            os.chmod(path, 0o600)
+        except OSError as exc:  # a note only: the restore goes on
+            log.warning("could not write the console note: %s", exc)
 
     async def _continue(
         self, device_state: Path, *, new_identity: bool, timer: StepTimer | None = None

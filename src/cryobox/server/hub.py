@@ -50,6 +50,7 @@ from cryobox.service.commands import CommandSession
 from cryobox.service.persist import acting_for
 from cryobox.service.service import BASE_TEMPLATE, DEFAULT_TEMPLATE
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
 
 from .database import Connection, Database
@@ -233,8 +234,9 @@ class Hub:
         )
 
     def find_snapshot(self, tenant: Tenant, ref: str) -> Manifest:
-        """One of the tenant's snapshots by id or name (the newest of that name)."""
-        found: list[Manifest] = []
+        """One of the tenant's snapshots by id or name (the newest of that name), or by
+        a unique id prefix."""
+        mine: list[Manifest] = []
         for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
             try:
                 manifest = self.service.store.get(snapshot_id)
@@ -244,10 +246,13 @@ class Hub:
                 except (SnapshotError, StoreError):
                     continue
                 manifest = Manifest.from_json(stored.manifest)
-            if ref in (manifest.id, manifest.name):
-                found.append(manifest)
+            mine.append(manifest)
+        found = [m for m in mine if ref in (m.id, m.name)]
         if not found:
-            raise SnapshotNotFound(ref)
+            prefixed = one_by_id_prefix(ref, mine)
+            if prefixed is None:
+                raise SnapshotNotFound(ref)
+            found = [prefixed]
         return max(found, key=lambda m: m.created_at)
 
     def _template(self, tenant: Tenant, name: str) -> str:

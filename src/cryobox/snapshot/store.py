@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cryobox import config
-from cryobox.errors import SnapshotError, SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.errors import (
+    InvalidArgument,
+    SnapshotError,
+    SnapshotNotFound,
+    SnapshotVerificationFailed,
+)
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.util import write_json_atomic
@@ -40,6 +45,28 @@ def looks_like_id(ref: str) -> bool:
     """Whether ``ref`` has the shape of a snapshot id: then it is looked up as an id only
     (never as a name, which another tenant could have chosen)."""
     return bool(_ID.fullmatch(ref))
+
+
+def by_id_prefix(ref: str, manifests: list[Manifest]) -> list[Manifest]:
+    """The snapshots whose id begins with ``ref`` (``snap-`` may be left out), when
+    ``ref`` can be the start of an id: at least 4 of its hex digits."""
+    wanted = ref if ref.startswith(("snap-", "pause-")) else f"snap-{ref}"
+    digits = wanted.split("-", 1)[1]
+    if len(digits) < 4 or not _ID.fullmatch(wanted + "0" * (12 - len(digits))):
+        return []
+    return [m for m in manifests if m.id.startswith(wanted)]
+
+
+def one_by_id_prefix(ref: str, manifests: list[Manifest]) -> Manifest | None:
+    """The one snapshot whose id begins with ``ref``, None when none does.
+
+    :raises InvalidArgument: when several do.
+    """
+    found = by_id_prefix(ref, manifests)
+    if len(found) > 1:
+        names = ", ".join(m.id for m in found[:5])
+        raise InvalidArgument(f"{ref!r} begins several snapshot ids ({names}): give more of it")
+    return found[0] if found else None
 
 
 def valid_name(name: str) -> bool:
@@ -134,8 +161,12 @@ class LocalSnapshotStore:
                 return _load(folder)
         if looks_like_id(ref):
             raise SnapshotNotFound(ref)
-        named = [m for m in self.all() if m.name == ref]
+        manifests = self.all()
+        named = [m for m in manifests if m.name == ref]
         if not named:
+            prefixed = one_by_id_prefix(ref, manifests)
+            if prefixed is not None:
+                return prefixed
             self._refuse_unlisted(ref)
             raise SnapshotNotFound(ref)
         return named[-1]
