@@ -4,6 +4,7 @@
   the user's cache directory.
 - ``CRYOBOX_STATE_DIR``: running sandboxes (disks, memory files, sockets, logs),
   default the user's data directory.
+- ``CRYOBOX_FINISHED_KEEP``: seconds an ended sandbox stays listed (default an hour).
 """
 
 from __future__ import annotations
@@ -68,3 +69,13 @@ def env_number(name: str, default: float) -> float:
     if not value >= 0:
         raise InvalidArgument(f"{name}={raw!r} must be a number >= 0")
     return value
+
+
+#: Seconds a killed, timed-out or dead sandbox stays listed by ``ls --all`` (its record
+#: and logs only) before it is forgotten.
+FINISHED_KEEP = 3600.0
+
+
+def finished_keep() -> float:
+    """``CRYOBOX_FINISHED_KEEP`` seconds, else :data:`FINISHED_KEEP`."""
+    return env_number("CRYOBOX_FINISHED_KEEP", FINISHED_KEEP)

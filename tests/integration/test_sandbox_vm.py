@@ -37,6 +37,7 @@ from cryobox.errors import (
     SandboxDead,
 )
 from cryobox.sandbox import registry
+from cryobox.service import service
 
 from .guest_http import fetch_until_up
 
@@ -270,8 +271,13 @@ def test_kill_removes_the_vm_and_its_files(sandbox_factory: Any) -> None:
     assert qemu_pid and registry.process_alive(qemu_pid, sbx.id)
     sbx.kill()
     assert not registry.process_alive(qemu_pid, sbx.id)
-    assert not folder.path.exists()
-    assert sbx.id not in cli("ls", "--all").stdout
+    # Its record and logs stay a while, for `ls --all`; its disk and RAM are gone.
+    assert {path.name for path in folder.path.iterdir()} <= service.RECORD_FILES
+    assert f"{sbx.id}\tkilled" in cli("ls", "--all").stdout
+    assert sbx.id not in cli("ls").stdout
+    assert f"[cryobox] {sbx.id} continues template snapshot " in cli("logs", sbx.id).stdout
+    assert cli("kill", sbx.id).returncode == 0  # killing what has ended forgets it
+    assert not folder.path.exists() and sbx.id not in cli("ls", "--all").stdout
 
 
 def test_timeout_kills_unless_extended(sandbox_factory: Any) -> None:
@@ -583,6 +589,16 @@ def test_pty_shell_has_a_size_resizes_takes_ctrl_c_and_exits_with_its_code(
     assert "after-42" in result.stdout and result.stderr == ""
     with pytest.raises(InvalidArgument, match="cols"):
         shared_sandbox.pty.create(cols=0)
+    with pytest.raises(CommandNotFound, match="no-such-tool"):
+        shared_sandbox.pty.create(cmd=["no-such-tool"])
+    # A kill ends the terminal's whole session, jobs started with nohup included.
+    session = shared_sandbox.pty.create()
+    session.send_input("nohup sleep 777 >/dev/null 2>&1 &\n")
+    job = "pgrep -x sleep -a | grep -q 777"  # (pgrep -f would find this shell too)
+    until(lambda: shared_sandbox.commands.run(job).exit_code == 0, "the job")
+    session.kill()
+    assert session.wait().signal == signal.SIGKILL
+    assert shared_sandbox.commands.run(job).exit_code == 1
     # A program run on a terminal knows it (isatty), a plain command does not.
     on_terminal = shared_sandbox.pty.create(cmd="test -t 0 && test -t 1 && echo yes-tty")
     assert "yes-tty" in on_terminal.wait().stdout
@@ -636,6 +652,22 @@ def test_cli_shell_and_exec_t_run_on_a_terminal(
     assert piped.returncode == 5 and "piped-42" in piped.stdout, piped.stderr
     ran = cli("exec", "-t", shared_sandbox.id, "--", "sh", "-c", "tty; exit 4", env=env)
     assert ran.returncode == 4 and "/dev/pts/" in ran.stdout, ran.stderr
+    # Without -i our terminal stays as it is: Ctrl-C (SIGINT) here ends the command there.
+    sleeper = subprocess.Popen(
+        [*CLI, "exec", "-t", shared_sandbox.id, "--", "sleep", "606"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        running = "pgrep -x sleep -a | grep -q 606"
+        until(lambda: shared_sandbox.commands.run(running).exit_code == 0, "the sleep")
+        sleeper.send_signal(signal.SIGINT)
+        assert sleeper.wait(timeout=60) == 130
+        assert shared_sandbox.commands.run(running).exit_code == 1
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
 
 
 def test_files_watch_reports_changes_until_stopped(shared_sandbox: Sandbox) -> None:
@@ -660,6 +692,15 @@ def test_files_watch_reports_changes_until_stopped(shared_sandbox: Sandbox) -> N
     assert len(events) == seen  # nothing reported once stopped
     with pytest.raises(GuestFileNotFound):
         shared_sandbox.files.watch("/root/no-such-folder", print)
+
+    def fails(event: Any) -> None:
+        raise ValueError(f"handler failed on {event.name}")
+
+    failing = shared_sandbox.files.watch("/root/watched", fails)
+    shared_sandbox.files.write("/root/watched/boom.txt", "x")
+    time.sleep(1)
+    with pytest.raises(ValueError, match=r"handler failed on boom\.txt"):
+        failing.stop()  # what the handler raised, once the watch is ended
     shared_sandbox.files.remove("/root/watched", recursive=True)
 
 

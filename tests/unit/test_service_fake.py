@@ -79,7 +79,8 @@ def test_whole_lifecycle_over_the_fake() -> None:
     for fork in forks:
         fork.kill()
     sbx.kill()
-    assert not registry.SandboxDir.for_id(sbx.id).path.exists()
+    left = {p.name for p in registry.SandboxDir.for_id(sbx.id).path.iterdir()}
+    assert left <= service.RECORD_FILES  # its record and logs, for ls --all
     with pytest.raises(InvalidArgument, match="a snapshot needs a name"):
         copy.snapshot("")
 
@@ -236,3 +237,32 @@ def test_an_extended_timeout_survives_pause_and_resume_and_is_what_expiry_report
         time.sleep(0.2)
     info = resumed.info()
     assert info.state == "killed" and info.error == "timed out after 1 s"
+
+
+def test_a_killed_sandbox_is_listed_for_a_while_then_forgotten(
+    fake_vmm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sbx = Sandbox.create("base")
+    paused = Sandbox.create("base")
+    paused.pause()
+    folder = registry.find(sbx.id)
+    sbx.kill()
+    paused.kill()
+    # Listed alike with --all, as timed-out and dead ones are; not among the living.
+    ended = {i.id: i for i in Sandbox.list(all=True)}
+    assert ended[sbx.id].state == ended[paused.id].state == "killed"
+    assert {sbx.id, paused.id}.isdisjoint(i.id for i in Sandbox.list())
+    # What stays is its record and logs: no disk, no RAM, no pause, no process.
+    assert {p.name for p in folder.path.iterdir()} <= service.RECORD_FILES
+    assert not (registry.find(paused.id).path / "paused").exists()
+    assert Sandbox.connect(sbx.id, resume=False).info().state == "killed"
+    with pytest.raises(SandboxDead):
+        sbx.commands.run("true")
+    with pytest.raises(StateError):
+        Sandbox.resume(paused.id)
+    sbx.kill()  # killing what has ended forgets it
+    assert sbx.id not in {i.id for i in Sandbox.list(all=True)} and not folder.path.exists()
+    monkeypatch.setenv("CRYOBOX_FINISHED_KEEP", "0")  # the while has passed
+    time.sleep(0.05)
+    assert Sandbox.list(all=True) == []
+    assert not [p for p in (fake_vmm / "sandboxes").iterdir() if not p.name.startswith(".")]

@@ -494,6 +494,19 @@ def _shown(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _print_new(shown: str, now: str, *, whole_lines: bool) -> str:
+    """Print what ``now`` has past ``shown`` (all of it when the log was rotated, and then
+    starts again); with ``whole_lines``, only up to its last newline (the rest may be a
+    line, or a character, still being written). What has been shown now."""
+    start = len(shown) if now.startswith(shown) else 0
+    end = now.rfind("\n") + 1 if whole_lines else len(now)
+    if end > start:
+        sys.stdout.write(now[start:end])  # as the guest wrote it: never re-wrapped
+        sys.stdout.flush()
+        return now[:end]
+    return shown if start else ""
+
+
 #: Seconds between two looks at a followed log; the states in which it can still grow.
 FOLLOW_INTERVAL = 0.5
 FOLLOWED_STATES = ("creating", "running", "resuming")
@@ -510,22 +523,19 @@ def logs(
     or forked sandbox's starts with its source's, and says what it continues)."""
     with errors_reported():
         sbx = Sandbox.connect(sandbox_id, resume=False)
-        shown = sbx.logs()
-        out.print(shown, end="", markup=False, highlight=False)
+        shown = _print_new("", sbx.logs(), whole_lines=follow)
         try:
             while follow:
                 time.sleep(FOLLOW_INTERVAL)
                 try:
-                    now, state = sbx.logs(), sbx.info().state
+                    state = sbx.info().state
+                    now = sbx.logs()  # after the state: a final state's last lines are in
                 except SandboxNotFound:
                     console.print(f"[dim]-- {sbx.id} is gone[/dim]")
                     break
-                # The log is only appended to, or rotated (then it starts again, shorter).
-                fresh = now[len(shown) :] if now.startswith(shown) else now
-                if fresh:
-                    out.print(fresh, end="", markup=False, highlight=False)
-                shown = now
-                if state not in FOLLOWED_STATES:
+                final = state not in FOLLOWED_STATES
+                shown = _print_new(shown, now, whole_lines=not final)
+                if final:
                     console.print(f"[dim]-- {sbx.id} is {state}[/dim]")
                     break
         except KeyboardInterrupt:

@@ -1,10 +1,12 @@
 """``cryobox shell`` and ``exec -t``: a command on a pseudo-terminal in the guest, driven
 from this terminal.
 
-This terminal is put in raw mode for the session, so every key (Ctrl-C, Ctrl-D, arrows)
-goes to the guest's terminal as typed, where its line discipline turns Ctrl-C into
-SIGINT for what runs there. A resize of this window is passed on (SIGWINCH). When our
-stdin is not a terminal (piped), it is typed in as it comes and its end is a Ctrl-D.
+When input is passed on (``shell``, ``exec -it``), this terminal is put in raw mode for
+the session, so every key (Ctrl-C, Ctrl-D, arrows) goes to the guest's terminal as
+typed, where its line discipline turns Ctrl-C into SIGINT for what runs there. Without
+it (``exec -t``), Ctrl-C here kills the command there. A resize of this window is passed
+on (SIGWINCH). When our stdin is not a terminal (piped), it is typed in as it comes and
+its end is a Ctrl-D.
 """
 
 from __future__ import annotations
@@ -79,10 +81,14 @@ def run_on_terminal(
     fd = stdin_fd()
     previous = signal.signal(signal.SIGWINCH, lambda *_: _resize_soon(handle))
     try:
-        with raw_mode(fd):
+        with raw_mode(fd if forward_input else -1):
             if forward_input:
                 threading.Thread(target=_type_in, args=(handle, fd), daemon=True).start()
             result = handle.wait()
+    except KeyboardInterrupt:  # only without raw mode: Ctrl-C here stops the command there
+        with contextlib.suppress(CryoboxError):
+            handle.kill()
+        return 130
     finally:
         signal.signal(signal.SIGWINCH, previous)
     return result.exit_code
@@ -102,9 +108,13 @@ def _type_in(handle: PtyHandle, fd: int) -> None:
     """Our stdin typed at the guest's terminal, then Ctrl-D at its end; stops quietly once
     the command no longer takes input."""
     read: Any = (lambda: os.read(fd, 4096)) if fd >= 0 else (lambda: b"")
+    last = b"\n"
     try:
         for chunk in iter(read, b""):
             handle.send_input(chunk)
-        handle.send_input(CTRL_D)
+            last = chunk
+        # A Ctrl-D ends the input at the start of a line; after a partial line the first
+        # only hands that line over.
+        handle.send_input(CTRL_D if last.endswith((b"\n", CTRL_D)) else CTRL_D * 2)
     except (CryoboxError, OSError):
         pass

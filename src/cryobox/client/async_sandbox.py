@@ -66,7 +66,12 @@ class _Calls:
     def __call__(self, value: Any) -> None:
         if self._handler is None:
             return
-        result = self._handler(value)
+        try:
+            result = self._handler(value)
+        except Exception as exc:  # kept for settle(): the stream it came from goes on
+            if self.error is None:
+                self.error = exc
+            return
         if inspect.isawaitable(result):
             self._chain = asyncio.ensure_future(self._after(self._chain, result))
 

@@ -156,10 +156,16 @@ class HttpWatch:
             await response.aclose()
 
     async def stop(self) -> None:
-        if self._reader is not None and not self._reader.done():
+        """End the watch; raises what ended it before, if something did (an overflow,
+        a broken stream). A watch whose sandbox stopped just ends."""
+        if self._reader is None:
+            return
+        if not self._reader.done():
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+        elif not self._reader.cancelled() and self._reader.exception() is not None:
+            raise self._reader.exception()  # type: ignore[misc]
 
 
 class HttpCommand:
@@ -355,17 +361,16 @@ class HttpTransport:
     async def start_command(
         self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
     ) -> HttpCommand:
-        body = {
+        body: dict[str, Any] = {
             "cmd": request.shell if request.shell is not None else list(request.argv or ()),
             "env": request.env,
             "cwd": request.cwd,
             "user": request.user,
             "timeout": request.timeout,
             "stdin": request.stdin,
-            "pty": None
-            if request.pty is None
-            else {"cols": request.pty[0], "rows": request.pty[1]},
         }
+        if request.pty is not None:  # only when asked: a server without PTYs runs the rest
+            body["pty"] = {"cols": request.pty[0], "rows": request.pty[1]}
         command = HttpCommand(self._client, self._sbx(sandbox_id, "/commands"), on_output)
         await command.start(body)
         return command

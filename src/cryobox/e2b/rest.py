@@ -157,7 +157,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         request = CreateRequest(template="default", timeout=timeout, network=network)
         if template != "base":
             try:
-                snapshot = hub.find_snapshot(me, template)
+                snapshot = hub.find_snapshot(me, template, prefix=False)
                 request = CreateRequest(from_snapshot=snapshot.id, timeout=timeout, network=network)
             except SnapshotNotFound:
                 request = CreateRequest(template=template, timeout=timeout, network=network)

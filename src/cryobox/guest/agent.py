@@ -396,9 +396,16 @@ class RunningCommand:
 class Terminal:
     """The master side of a command's pseudo-terminal: its output, its input, its size."""
 
-    def __init__(self, cols: int, rows: int) -> None:
+    def __init__(self, cols: int, rows: int, user: str | None) -> None:
         self.master, self.slave = os.openpty()
-        self.resize(cols, rows)
+        try:
+            self.resize(cols, rows)
+            if user is not None:  # its programs may reopen it by name (ttyname)
+                entry = pwd.getpwnam(user)
+                os.fchown(self.slave, entry.pw_uid, entry.pw_gid)
+        except BaseException:
+            self.close()
+            raise
 
     def resize(self, cols: int, rows: int) -> None:
         """Set the window size; the kernel tells the terminal's foreground programs."""
@@ -410,12 +417,21 @@ class Terminal:
         """Type ``data`` (the master is non-blocking: a full input queue is waited out)."""
         view = memoryview(data)
         while view:
+            if self.master < 0:  # the command ended while we waited
+                raise OpError(p.INVALID, "the command's terminal is closed")
             try:
                 view = view[os.write(self.master, view) :]
             except BlockingIOError:
                 await asyncio.sleep(0.01)
             except OSError as exc:  # EIO: nobody holds the terminal any more
                 raise OpError(p.INVALID, "the command's terminal is closed") from exc
+
+    def signal(self, sig: int) -> None:
+        """Signal the terminal's session: its leader's group and the foreground job's
+        (an interactive shell ignores SIGTERM and SIGINT; its jobs have groups of their
+        own)."""
+        with contextlib.suppress(OSError):
+            kill_group(os.tcgetpgrp(self.master), sig)
 
     def close_slave(self) -> None:
         if self.slave >= 0:
@@ -424,8 +440,10 @@ class Terminal:
 
     def close(self) -> None:
         self.close_slave()
-        with contextlib.suppress(OSError):
-            os.close(self.master)
+        if self.master >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.master)
+            self.master = -1  # never a number reused by another file
 
 
 class Agent:
@@ -527,7 +545,7 @@ class Agent:
         cwd = args.get("cwd") or env["HOME"]
         timeout = args.get("timeout")
         size = args.get("pty")
-        terminal = Terminal(int(size["cols"]), int(size["rows"])) if size else None
+        terminal = Terminal(int(size["cols"]), int(size["rows"]), user) if size else None
         try:
             proc = self._spawn(argv, env, cwd, user, terminal, bool(args.get("stdin")))
         except BaseException:
@@ -551,6 +569,8 @@ class Agent:
                 await asyncio.wait_for(asyncio.shield(watch), timeout)
             except TimeoutError:
                 timed_out = True
+                if terminal is not None:
+                    kill_session(proc.pid)
                 kill_group(proc.pid, signal.SIGKILL)
                 await watch
         finally:
@@ -583,6 +603,9 @@ class Agent:
         interrupts it and a shell's job control works."""
         streams: dict[str, Any]
         if terminal is not None:
+            if not os.path.isdir(cwd):
+                raise OpError(p.NOT_FOUND, f"no such working directory: {cwd}")
+            resolve_program(argv[0], env.get("PATH", DEFAULT_PATH), cwd)
             argv = [SETSID, "--ctty", *argv]
             streams = {"stdin": terminal.slave, "stdout": terminal.slave, "stderr": terminal.slave}
         else:
@@ -649,7 +672,13 @@ class Agent:
 
     async def exec_kill(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
         proc = self._process(args)
-        kill_group(proc.pid, int(args.get("signal", signal.SIGKILL)))
+        sig = int(args.get("signal", signal.SIGKILL))
+        terminal = self._terminals.get(int(args["exec_id"]))
+        if terminal is not None:
+            terminal.signal(sig)
+            if sig == signal.SIGKILL:
+                kill_session(proc.pid)
+        kill_group(proc.pid, sig)
 
     def _process(self, args: dict[str, Any]) -> subprocess.Popen[bytes]:
         proc = self._processes.get(int(args["exec_id"]))
@@ -898,6 +927,30 @@ def identity(user: str | None) -> dict[str, Any]:
 def kill_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (a terminal's jobs, ``nohup`` ones too)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+            if int(fields[3]) == sid:  # after "pid (comm)": state ppid pgrp session
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
+def resolve_program(argv0: str, path: str, cwd: str) -> None:
+    """Raise COMMAND_NOT_FOUND unless ``argv0`` names a program that can run (checked
+    beforehand where the spawn would not tell: a terminal's ``setsid`` always exists)."""
+    found = os.path.join(cwd, argv0) if "/" in argv0 else shutil.which(argv0, path=path)
+    if found is None or not os.path.isfile(found):
+        raise OpError(p.COMMAND_NOT_FOUND, f"command not found: {argv0}")
+    if not os.access(found, os.X_OK):
+        raise OpError(p.PERMISSION, f"permission denied: {argv0}")
 
 
 def main() -> None:

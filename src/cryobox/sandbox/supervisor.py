@@ -369,8 +369,7 @@ class Supervisor:
         self, state: SandboxState, reason: str | None, failure: dict[str, Any] | None = None
     ) -> None:
         if self.machine.agent is not None:  # a command cut short says why
-            ended = f"{state.value}: {reason}" if reason else state.value
-            self.machine.agent.fail_pending(f"the sandbox ended ({ended})")
+            self.machine.agent.fail_pending(f"the sandbox ended: {reason or state.value}")
             await asyncio.sleep(0)  # their error replies are on their way to the clients
         await self.machine.stop_vm()
         self.machine.remove_runtime_files()

@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 #: A command whose output waits unread past this many bytes is killed (a client that
 #: stopped reading must not hold the server's memory).
 STREAM_BACKLOG_LIMIT = 64 * 1024 * 1024
-#: A folder watch's events waiting unread, at most; then its stream ends with an error.
-WATCH_BACKLOG = 10_000
+#: Bytes of a folder watch's events waiting unread, at most; then its stream ends with
+#: an error and the guest stops watching.
+WATCH_BACKLOG = 4 * 1024 * 1024
 #: Seconds of quiet after which a watch stream says it is still there.
 WATCH_KEEPALIVE = 15.0
 
@@ -532,36 +533,48 @@ def create_app(
         """Changes under the folder ``path`` as NDJSON: ``watching`` once the guest
         watches, then ``{"type": "event", "event": KIND, "name": NAME}`` per change and a
         ``keepalive`` every 15 s of quiet. It ends when the client leaves or the sandbox
-        stops; an unread backlog past WATCH_BACKLOG events ends it with an ``error``."""
+        stops; more than WATCH_BACKLOG bytes of events unread end it with an ``error``.
+        An open watch keeps the sandbox from being idle-paused, as a command stream does.
+        """
         await hub.use(me, sandbox_id)
         queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+        backlog = 0
         overflowed = False
 
         def on_event(kind: str, name: str) -> None:
-            nonlocal overflowed
-            if queue.qsize() >= WATCH_BACKLOG:
+            nonlocal backlog, overflowed
+            if overflowed:
+                return
+            backlog += len(name) + 64
+            if backlog > WATCH_BACKLOG:  # bounded where it is queued; the guest stops too
                 overflowed = True
                 queue.put_nowait(None)
-            elif not overflowed:
-                queue.put_nowait((kind, name))
+                ending = asyncio.ensure_future(folder.stop())
+                ending.add_done_callback(lambda t: t.cancelled() or t.exception())
+                return
+            queue.put_nowait((kind, name))
 
         folder = await hub.service.watch(sandbox_id, path, recursive, on_event)
         folder.ended.add_done_callback(lambda _: queue.put_nowait(None))
 
         async def lines() -> AsyncIterator[bytes]:
-            yield _line({"type": "watching"})
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), WATCH_KEEPALIVE)
-                except TimeoutError:
-                    yield _line({"type": "keepalive"})
-                    continue
-                if item is None:
-                    break
-                yield _line({"type": "event", "event": item[0], "name": item[1]})
-            if overflowed:
-                error = e.ChannelError(f"more than {WATCH_BACKLOG} watch events went unread")
-                yield _line({"type": "error", "error": e.error_detail(error)})
+            nonlocal backlog
+            async with hub.busy(sandbox_id):
+                yield _line({"type": "watching"})
+                while True:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), WATCH_KEEPALIVE)
+                    except TimeoutError:
+                        yield _line({"type": "keepalive"})
+                        continue
+                    if item is None:
+                        break
+                    backlog -= len(item[1]) + 64
+                    yield _line({"type": "event", "event": item[0], "name": item[1]})
+                if overflowed:
+                    limit = WATCH_BACKLOG >> 20
+                    error = e.ChannelError(f"more than {limit} MiB of watch events went unread")
+                    yield _line({"type": "error", "error": e.error_detail(error)})
 
         return StreamingResponse(
             lines(), media_type="application/x-ndjson", background=BackgroundTask(folder.stop)

@@ -233,9 +233,9 @@ class Hub:
             info, ports=self.ports.published(info.id), vmm_pid=None, supervisor_pid=None
         )
 
-    def find_snapshot(self, tenant: Tenant, ref: str) -> Manifest:
+    def find_snapshot(self, tenant: Tenant, ref: str, *, prefix: bool = True) -> Manifest:
         """One of the tenant's snapshots by id or name (the newest of that name), or by
-        a unique id prefix."""
+        a unique id prefix (unless ``prefix`` is False: E2B's template names)."""
         mine: list[Manifest] = []
         for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
             try:
@@ -249,7 +249,7 @@ class Hub:
             mine.append(manifest)
         found = [m for m in mine if ref in (m.id, m.name)]
         if not found:
-            prefixed = one_by_id_prefix(ref, mine)
+            prefixed = one_by_id_prefix(ref, mine) if prefix else None
             if prefixed is None:
                 raise SnapshotNotFound(ref)
             found = [prefixed]
@@ -432,7 +432,7 @@ class Hub:
         self._sandbox(tenant, sandbox_id)
         async with self._locks[sandbox_id]:
             with contextlib.suppress(SandboxNotFound):
-                await self.service.kill(sandbox_id)
+                await self.service.kill(sandbox_id, keep_record=False)  # disowned below
             await self._forget(tenant.id, sandbox_id, "killed")
 
     async def _forget(self, tenant_id: str, sandbox_id: str, event: str, **data: Any) -> None:

@@ -345,7 +345,7 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
             offer(Member(info.id, template, origin, time.time(), info.network, env))
         except BaseException:  # a failure, or the refill stopped: never leave it running
             with contextlib.suppress(CryoboxError, OSError):
-                await asyncio.shield(service.kill(info.id))
+                await asyncio.shield(service.kill(info.id, keep_record=False))
             raise
         log.info("pool %s: %s ready", template, info.id)
 
@@ -361,7 +361,7 @@ async def _sweep_orphans(service: SandboxService) -> None:
             with contextlib.suppress(CryoboxError, OSError):
                 if registry.find(spec.id).spec().pool:  # not claimed meanwhile
                     log.warning("pool %s: %s has no pool file: ended", spec.pool, spec.id)
-                    await service.kill(spec.id)
+                    await service.kill(spec.id, keep_record=False)
 
 
 async def _drain_unwanted(service: SandboxService) -> None:
@@ -373,7 +373,7 @@ async def _end(service: SandboxService, doomed: list[Member]) -> None:
     for member in doomed:
         if withdraw(member):
             with contextlib.suppress(CryoboxError):
-                await service.kill(member.sandbox_id)
+                await service.kill(member.sandbox_id, keep_record=False)
 
 
 def end_members(template: str | None = None) -> list[str]:

@@ -282,7 +282,7 @@ class SandboxService:
             except BaseException as exc:  # withdrawn: ours to end (the caller never saw it)
                 log.warning("pool member %s could not be claimed (%r): ended", sandbox_id, exc)
                 with contextlib.suppress(CryoboxError, OSError):
-                    await asyncio.shield(self.kill(sandbox_id))
+                    await asyncio.shield(self.kill(sandbox_id, keep_record=False))
                 if isinstance(exc, (CryoboxError, OSError)):
                     continue
                 raise
@@ -305,18 +305,29 @@ class SandboxService:
         return sandbox_info(folder.spec(), folder.record(), folder)
 
     async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]:
-        """Sandboxes on this host, oldest first; finished ones too with ``all``."""
+        """Sandboxes on this host, oldest first; finished ones too with ``all`` (those
+        that ended more than ``config.finished_keep()`` seconds ago are forgotten)."""
+        await asyncio.to_thread(forget_finished, config.finished_keep())
         return [
             sandbox_info(spec, record, SandboxDir.for_id(spec.id))
             for spec, record in registry.list_sandboxes()
             if (all or not record.state.finished) and not spec.pool
         ]
 
-    async def kill(self, sandbox_id: str) -> None:
-        """Stop the VM and remove the sandbox (disk, memory, folder) and the checkpoints
-        nothing else builds on; returns once it is gone."""
+    async def kill(self, sandbox_id: str, *, keep_record: bool = True) -> None:
+        """Stop the VM and remove the sandbox's disk, memory and the checkpoints nothing
+        else builds on; returns once they are gone.
+
+        Its record and logs stay, listed as killed by ``list(all=True)`` for
+        ``config.finished_keep()`` seconds, as timed-out and dead sandboxes are (then
+        forgotten); ``keep_record=False`` forgets it at once (a sandbox the caller never
+        saw, a pool member). Killing a sandbox that has already ended forgets it.
+        """
         folder = registry.find(sandbox_id)
-        if folder.record().state is SandboxState.RUNNING:
+        spec, was = folder.spec(), folder.record()
+        if was.state.finished or spec.pool:
+            keep_record = False
+        if was.state is SandboxState.RUNNING:
             with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
                 await self._control(sandbox_id, ControlOp.KILL)
             await _wait_finished(folder)
@@ -328,7 +339,10 @@ class SandboxService:
         if record.qemu_pid and registry.process_alive(record.qemu_pid, folder.id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.qemu_pid, signal.SIGKILL)
-        _remove(folder)
+        if keep_record:
+            _bury(folder)
+        else:
+            _remove(folder)
         await self.collect_garbage()
 
     async def pause(self, sandbox_id: str) -> None:
@@ -511,7 +525,7 @@ class SandboxService:
         if failed:
             for fork in started:  # no fork is left behind unreturned
                 with contextlib.suppress(CryoboxError):
-                    await self.kill(fork.id)
+                    await self.kill(fork.id, keep_record=False)
             await self.collect_garbage()
             raise failed[0]
         return started
@@ -828,7 +842,7 @@ class SandboxService:
             )
         finally:
             with contextlib.suppress(CryoboxError):
-                await self.kill(sandbox.id)
+                await self.kill(sandbox.id, keep_record=False)
         if previous and previous.get("snapshot") != saved.id:
             with contextlib.suppress(CryoboxError):  # kept while something builds on it
                 await self.delete_snapshot(str(previous["snapshot"]))
@@ -919,6 +933,55 @@ def _collector(into: bytearray) -> OutputSink:
         into.extend(data)
 
     return collect
+
+
+#: What a killed sandbox keeps for ``list(all=True)``, ``info`` and ``logs``: no disk,
+#: no RAM, no pause.
+RECORD_FILES = frozenset(
+    {"spec.json", "state.json", "console.log", "console.log.1", "supervisor.log", "qemu.stderr"}
+)
+
+
+def _bury(folder: SandboxDir) -> None:
+    """Reduce a killed sandbox's folder to its record and logs, marked killed."""
+    with contextlib.suppress(OSError, ValueError):
+        registry.kill_vm(
+            SandboxRecord.from_json(json.loads(folder.state_file.read_text())), folder.id
+        )
+    record = folder.record()
+    for path in list(folder.path.iterdir()):
+        if path.name in RECORD_FILES:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    ended = dataclasses.replace(
+        record,
+        state=SandboxState.KILLED if not record.state.finished else record.state,
+        supervisor_pid=None,
+        qemu_pid=None,
+        disk=None,
+        memory_file=None,
+        memory_from=None,
+        pause_id=None,
+        ports={},
+    )
+    try:
+        folder.write_record(ended, check=False)
+    except OSError:  # a record that cannot be written is a sandbox forgotten
+        _remove(folder)
+
+
+def forget_finished(keep: float) -> list[str]:
+    """Remove what is left of sandboxes that ended more than ``keep`` seconds ago."""
+    gone = []
+    now = time.time()
+    for spec, record in registry.list_sandboxes():
+        if record.state.finished and now - record.updated_at > keep:
+            _remove(SandboxDir.for_id(spec.id))
+            gone.append(spec.id)
+    return gone
 
 
 def _remove(folder: SandboxDir) -> None:

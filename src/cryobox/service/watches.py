@@ -75,8 +75,9 @@ class FolderWatch:
                 self._on_event(str(kind), name)
 
     async def stop(self) -> None:
-        """End the watch (a watch already ended, or a sandbox gone, is fine)."""
-        if self._request is None or self._request.done():
+        """End the watch (a watch already ended, or a sandbox gone, is fine). The guest is
+        told even when the request ended on this side (a failing event handler)."""
+        if self._request is None or (self._request.done() and not self._watch_id):
             return
         with contextlib.suppress(CryoboxError):
             await self._channel.request(
