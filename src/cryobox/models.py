@@ -184,6 +184,12 @@ class CreateRequest:
     #: Free-form string labels kept with the sandbox, shown by ``info`` and ``list``,
     #: filtered on by ``list(metadata=...)``, copied to its forks.
     metadata: Mapping[str, str] = field(default_factory=dict)
+    #: The proxy its commands use (``HTTP(S)_PROXY``), the hosts they reach directly
+    #: (``NO_PROXY``), and PEM certificates its guest trusts on top of its own; see
+    #: :mod:`cryobox.service.egress`. None: the host's; ``""``: none.
+    proxy: str | None = None
+    no_proxy: str | None = None
+    ca_bundle: str | None = None
 
 
 @dataclass(frozen=True)

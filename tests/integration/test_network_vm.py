@@ -14,10 +14,12 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import tls_ca
 from cryobox import Sandbox
 
 from .guest_http import fetch_until_up
@@ -143,3 +145,88 @@ def test_bad_network_argument_is_refused_naming_it() -> None:
     for bad in ("everything", ["10.0.0.0/8:99999"], [""], ["::1"], [42]):
         with pytest.raises(InvalidArgument, match="network"):
             Sandbox.create(network=bad)  # type: ignore[arg-type]
+
+
+HTTPS_SERVER = """
+import http.server, ssl, sys
+server = http.server.HTTPServer((sys.argv[1], 8443), http.server.SimpleHTTPRequestHandler)
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain(sys.argv[2], sys.argv[3])
+server.socket = context.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
+"""
+
+FETCH = """
+import sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=20) as response:
+        print("ok", response.status)
+except urllib.error.HTTPError as exc:  # an answer: from whom
+    print("answered", exc.code, exc.headers.get("Server", ""))
+except OSError as exc:
+    print("failed", exc)
+"""
+
+
+def fetch_in(sbx: Sandbox, url: str) -> str:
+    return sbx.commands.run(["python3", "-c", FETCH, url], timeout=60).stdout.strip()
+
+
+def test_proxy_and_ca_bundle_let_the_guest_out_as_the_host_goes(
+    sandbox_factory: Callable[..., Any],
+    outside: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cryobox.errors import InvalidArgument
+
+    ca, cert, key = tls_ca.make(tmp_path, OUTSIDE)
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", TEST_NS, sys.executable, "-c", HTTPS_SERVER, OUTSIDE, cert, key],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # The outside's plain web server stands for a proxy: a request for a name that
+        # resolves nowhere is answered by it only if the guest went through it.
+        sbx = sandbox_factory(proxy=f"http://{OUTSIDE}:8080", ca_bundle=str(ca))
+        assert "answered 404 SimpleHTTP" in fetch_in(sbx, "http://example.invalid/")
+        said = sbx.commands.run("echo $HTTPS_PROXY $NO_PROXY").stdout
+        assert said.startswith(f"http://{OUTSIDE}:8080 localhost,127.0.0.1")
+        # The extra CA is trusted on top of the system's (the outside is in NO_PROXY
+        # for this fetch: it goes straight to the TLS server).
+        direct = {"NO_PROXY": OUTSIDE, "no_proxy": OUTSIDE}
+        ok = sbx.commands.run(["python3", "-c", FETCH, f"https://{OUTSIDE}:8443/"], env=direct)
+        assert ok.stdout.startswith("ok 200"), ok
+        bundle = sbx.commands.run('grep -c "BEGIN CERT" "$SSL_CERT_FILE" "$PIP_CERT"').stdout
+        system = sbx.commands.run("grep -c 'BEGIN CERT' /etc/ssl/certs/ca-certificates.crt")
+        counts = {int(line.rsplit(":", 1)[1]) for line in bundle.split()}
+        assert counts == {int(system.stdout) + 1}
+        curl = sbx.commands.run(
+            f"curl -sS -o /dev/null -w '%{{http_code}}' https://{OUTSIDE}:8443/", env=direct
+        )
+        assert curl.stdout == "200", curl  # curl (and git) read the same bundle
+
+        plain = sandbox_factory(proxy="", ca_bundle="")  # both turned off
+        assert "CERTIFICATE_VERIFY_FAILED" in fetch_in(plain, f"https://{OUTSIDE}:8443/")
+        assert plain.commands.run("echo ${HTTPS_PROXY:-none}").stdout == "none\n"
+
+        # The host's own settings are the default (this process is the host here).
+        monkeypatch.setenv("HTTPS_PROXY", f"http://{OUTSIDE}:8080")
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        default = sandbox_factory()
+        assert "answered 404 SimpleHTTP" in fetch_in(default, "http://example.invalid/")
+        ok = default.commands.run(["python3", "-c", FETCH, f"https://{OUTSIDE}:8443/"], env=direct)
+        assert ok.stdout.startswith("ok 200"), ok
+    finally:
+        server.kill()
+        server.wait()
+    for bad, why in (
+        ("http://127.0.0.1:3128", "loopback"),
+        ("ftp://proxy:21", "scheme"),
+        ("proxy.example:3128", "scheme"),
+    ):
+        with pytest.raises(InvalidArgument, match=why):
+            Sandbox.create(proxy=bad)
+    with pytest.raises(InvalidArgument, match="ca_bundle"):
+        Sandbox.create(ca_bundle="-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----")

@@ -111,6 +111,8 @@ def create_sandbox(
     network: str = "internet",
     env: list[str] | None = None,
     label: list[str] | None = None,
+    proxy: str | None = None,
+    ca_bundle: str | None = None,
 ) -> Sandbox:
     envs, metadata = key_values("--env", env or []), key_values("--label", label or [])
     with console.status("starting sandbox (building the guest image first if needed)") as status:
@@ -125,6 +127,8 @@ def create_sandbox(
             timeout=timeout,
             ports=ports or [],
             network=network if network in ("internet", "none") else network.split(","),
+            proxy=proxy,
+            ca_bundle=ca_bundle,
             progress=lambda step: status.update(step),
         )
 
@@ -141,11 +145,32 @@ def create(
     network: NetworkOption = "internet",
     env: SandboxEnvOption = None,
     label: LabelOption = None,
+    proxy: Annotated[
+        str | None,
+        typer.Option(help="The guest's HTTP(S) proxy URL ('' for none; default: the host's)."),
+    ] = None,
+    ca_bundle: Annotated[
+        str | None,
+        typer.Option(
+            help="A PEM file of CAs the guest trusts too ('' for none; default: the host's own)."
+        ),
+    ] = None,
 ) -> None:
     """Start a sandbox and print its id."""
     with errors_reported():
         sbx = create_sandbox(
-            cpus, memory, disk, timeout, port, template, from_snapshot, network, env, label
+            cpus,
+            memory,
+            disk,
+            timeout,
+            port,
+            template,
+            from_snapshot,
+            network,
+            env,
+            label,
+            proxy,
+            ca_bundle,
         )
         for guest, host in sbx.ports.items():
             console.print(f"port {guest} -> 127.0.0.1:{host}")

@@ -38,6 +38,7 @@ from cryobox.models import (
     matches,
 )
 from cryobox.sandbox.state import SandboxState
+from cryobox.service import egress
 from cryobox.service.commands import StartedCommand
 from cryobox.service.watches import ActiveWatch
 from cryobox.snapshot.manifest import SnapshotPurpose
@@ -428,6 +429,17 @@ class AsyncFiles:
         return handle
 
 
+def _egress(proxy: str | None, ca_bundle: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """``create``'s proxy and CA arguments as the service takes them: None for the
+    defaults of the host the sandbox runs on, ``""`` for none, a bundle file read here."""
+    if proxy:
+        egress.check_proxy(proxy)
+    pem = ca_bundle if ca_bundle in (None, "") else egress.read_bundle(ca_bundle)
+    if pem:
+        egress.check_bundle(pem)
+    return {"proxy": proxy, "ca_bundle": pem}
+
+
 WHOLE_ID = re.compile(r"sbx-[0-9a-f]{12}")
 PREFIX = re.compile(r"(sbx-)?[0-9a-f]{4,11}")
 
@@ -485,6 +497,8 @@ class AsyncSandbox:
         idle_timeout: float | None = None,
         envs: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        proxy: str | None = None,
+        ca_bundle: str | os.PathLike[str] | None = None,
         progress: Progress | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
@@ -506,6 +520,13 @@ class AsyncSandbox:
         win), kept with the sandbox and its forks but never shown by :meth:`info`.
         ``metadata`` are free-form string labels, shown by :meth:`info`, filtered on by
         :meth:`list`, copied to forks.
+
+        ``proxy`` (a URL) becomes ``HTTP(S)_PROXY`` for every command, with ``NO_PROXY``;
+        ``ca_bundle`` (a PEM file or text) adds certificates to what the guest trusts
+        (pip, git, curl, Python, Node.js). By default both are those of the host the
+        sandbox runs on: its proxy variables, and the certificates its bundle holds
+        beyond the standard ones (a TLS inspecting proxy's CA); ``""`` turns either off.
+        See :mod:`cryobox.service.egress`.
 
         ``api_url`` and ``api_key`` (or ``CRYOBOX_API_URL`` and ``CRYOBOX_API_KEY``) run it
         on a ``cryobox server`` instead of this host; there ``idle_timeout`` seconds
@@ -531,6 +552,7 @@ class AsyncSandbox:
             idle_timeout=idle_timeout,
             envs=env_vars("envs", envs),
             metadata=labels("metadata", metadata),
+            **_egress(proxy, ca_bundle),
         )
         return cls(await transport.create(request, progress), transport)
 

@@ -282,6 +282,13 @@ class HttpTransport:
             "envs": dict(request.envs),
             "metadata": dict(request.metadata),
         }
+        # Only when given: a server that predates them still takes the rest.
+        extra = {
+            "proxy": request.proxy,
+            "no_proxy": request.no_proxy,
+            "ca_bundle": request.ca_bundle,
+        }
+        body.update({key: value for key, value in extra.items() if value is not None})
         if progress:
             progress(f"starting a sandbox on {self.api_url}")
         response = await self._call("POST", "/sandboxes", json=body, timeout=LONG)

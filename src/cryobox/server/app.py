@@ -217,6 +217,9 @@ def create_app(
             network=network,
             envs=body.envs,
             metadata=body.metadata,
+            proxy=body.proxy,
+            no_proxy=body.no_proxy,
+            ca_bundle=body.ca_bundle,
         )
         return await hub.create(me, request, body.idle_timeout)
 

@@ -35,6 +35,10 @@ class CreateSandbox(Body):
     #: Variables every command gets (never shown back), and free-form labels.
     envs: Annotated[dict[str, Annotated[str, Field(max_length=65536)]], Field(max_length=1024)] = {}
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=256)]], Field(max_length=64)] = {}
+    #: The guest's proxy (a URL), the hosts it reaches directly, extra CAs it trusts (PEM).
+    proxy: Annotated[str, Field(max_length=2048)] | None = None
+    no_proxy: Annotated[str, Field(max_length=4096)] | None = None
+    ca_bundle: Annotated[str, Field(max_length=1 << 20)] | None = None
 
 
 class SetTimeout(Body):

@@ -34,6 +34,7 @@ from cryobox.errors import (
     CapacityError,
     ChannelError,
     CryoboxError,
+    GuestError,
     InvalidArgument,
     SandboxDead,
     SnapshotIncompatible,
@@ -60,7 +61,7 @@ from cryobox.sandbox.control import TIMEOUTS, ControlOp, TakeSnapshot
 from cryobox.sandbox.launcher import Launcher
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
-from cryobox.service import pool, references
+from cryobox.service import egress, pool, references
 from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.persist import Persistence, acting_for
 from cryobox.service.watches import FolderWatch, WatchSink
@@ -108,6 +109,10 @@ def validate(request: CreateRequest) -> None:
     positive_seconds("timeout", request.timeout)
     env_vars("envs", request.envs)
     labels("metadata", request.metadata)
+    if request.proxy:
+        egress.check_proxy(request.proxy)
+    if request.ca_bundle:
+        egress.check_bundle(request.ca_bundle)
     for port in request.ports:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
@@ -169,6 +174,67 @@ class SandboxService:
     # ------------------------------------------------------------------ sandboxes
 
     async def create(
+        self,
+        request: CreateRequest,
+        progress: Progress | None = None,
+        *,
+        forked_from: str | None = None,
+        fork_index: int = 0,
+        pool_member: bool = False,
+    ) -> SandboxInfo:
+        """Start a sandbox and return it once its guest agent answers (with its proxy
+        and extra CAs in place, see :mod:`.egress`).
+
+        :raises InvalidArgument: for a request that cannot work, naming the argument.
+        :raises SnapshotError: when the template or snapshot is missing, incompatible or
+            fails verification (never cold-booted instead).
+        :raises QemuError: when the VMM is missing, fails to start or the guest never answers.
+        """
+        validate(request)
+        pem = None
+        if forked_from is None:  # a fork has its parent's (in its envs and on its disk)
+            proxy, no_proxy = egress.host_proxy(os.environ)
+            if request.proxy is not None:
+                proxy = request.proxy or None
+            if request.no_proxy is not None:
+                no_proxy = request.no_proxy
+            pem = request.ca_bundle
+            if pem is None:
+                pem = await asyncio.to_thread(egress.host_bundle, os.environ)
+            extra = egress.variables(proxy, no_proxy, pem)
+            request = dataclasses.replace(request, envs={**extra, **request.envs})
+        info = await self._start(
+            request,
+            progress,
+            forked_from=forked_from,
+            fork_index=fork_index,
+            pool_member=pool_member,
+        )
+        # A pool member got the host's when it was made.
+        if pem and not (info.pooled and request.ca_bundle is None):
+            try:
+                await self._trust(info.id, pem)
+            except BaseException:
+                with contextlib.suppress(CryoboxError):
+                    await asyncio.shield(self.kill(info.id, keep_record=False))
+                raise
+        return info
+
+    async def _trust(self, sandbox_id: str, pem: str) -> None:
+        """Add ``pem``'s certificates to what the guest trusts (its bundle of its own)."""
+        errors = bytearray()
+        session = await self.start_command(
+            sandbox_id, CommandRequest(shell=egress.INSTALL_BUNDLE, stdin=True), _collector(errors)
+        )
+        await session.started()
+        await session.send_stdin(pem.encode(), eof=True)
+        result = await session.wait()
+        if result["exit_code"] != 0:
+            code = result["exit_code"]
+            said = errors.decode(errors="replace").strip()[-300:]
+            raise GuestError("exec", p.INTERNAL, f"installing the ca_bundle: exit {code}: {said}")
+
+    async def _start(
         self,
         request: CreateRequest,
         progress: Progress | None = None,
