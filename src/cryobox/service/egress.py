@@ -40,14 +40,8 @@ _PEM = re.compile(r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+?-----END CERTIF
 SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 GUEST_EXTRA = "/usr/local/share/ca-certificates/cryobox-extra.crt"
 GUEST_BUNDLE = "/etc/cryobox/ca-bundle.pem"
-#: Run with the extra CAs on stdin: they are kept, then the system bundle and they are
-#: written as one file (each renamed into place).
-INSTALL_BUNDLE = (
-    f"set -e; mkdir -p /etc/cryobox {os.path.dirname(GUEST_EXTRA)}"
-    f"; cat > {GUEST_EXTRA}.tmp; mv {GUEST_EXTRA}.tmp {GUEST_EXTRA}"
-    f"; cat {SYSTEM_BUNDLE} {GUEST_EXTRA} > {GUEST_BUNDLE}.tmp"
-    f"; mv {GUEST_BUNDLE}.tmp {GUEST_BUNDLE}"
-)
+#: The SHA-256 of the extra CAs :data:`GUEST_BUNDLE` was made with.
+GUEST_MARKER = "/etc/cryobox/ca-extra.sha256"
 #: The certificates every Debian system trusts (the guest's too): a host bundle's are
 #: not sent again.
 STANDARD_CERTIFICATES = Path("/usr/share/ca-certificates/mozilla")
