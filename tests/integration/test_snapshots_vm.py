@@ -270,14 +270,27 @@ def test_kill_9_during_pause_leaves_the_sandbox_running_with_no_pause(
 
 
 def test_template_build_runs_setup_and_starts_from_it(sandbox_factory: Any) -> None:
-    Sandbox.build_template(
-        "with-tools", ["mkdir -p /opt/app", "echo ready > /opt/app/setup.txt"], memory_mib=512
+    setup = ["--setup", "mkdir -p /opt/app", "--setup", "echo ready > /opt/app/setup.txt"]
+    built = subprocess.run(  # piped: no progress shown, one line of result
+        [sys.executable, "-m", "cryobox.cli.main", "template", "build", "with-tools", *setup],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
+    assert built.returncode == 0 and built.stderr == "", built.stderr
+    assert built.stdout.startswith("template with-tools: snapshot snap-")
+    assert len(built.stdout.splitlines()) == 1
     sbx = sandbox_factory(template="with-tools")
     assert sbx.files.read_text("/opt/app/setup.txt") == "ready\n"
-    assert sbx.info().memory_mib == 512 and sbx.info().template == "with-tools"
+    assert sbx.info().template == "with-tools"
+    steps: list[str] = []
     with pytest.raises(InvalidArgument, match="exited with 3"):
-        Sandbox.build_template("broken", ["echo about to fail; exit 3"])
+        Sandbox.build_template(
+            "broken", ["echo about to fail; sleep 1; exit 3"], memory_mib=512, progress=steps.append
+        )
+    assert steps[0] == "booting the image"
+    assert "setup 1/1: echo about to fail; sleep 1; exit 3: about to fail" in steps
 
 
 def test_cli_pause_resume_checkpoint() -> None:

@@ -19,7 +19,7 @@ def test_the_hosts_proxy_is_passed_on_unless_the_guest_cannot_reach_it() -> None
         assert egress.host_proxy({"HTTPS_PROXY": unreachable})[0] is None  # left out
         with pytest.raises(InvalidArgument, match="loopback"):
             egress.check_proxy(unreachable)  # asked for: refused
-    with pytest.raises(InvalidArgument, match="(?i)port out of range"):
+    with pytest.raises(InvalidArgument, match=r"(?i)port out of range"):
         egress.check_proxy("http://proxy:99999")
     assert egress.variables("http://p:1", ".corp", None) == {
         "HTTP_PROXY": "http://p:1",

@@ -793,9 +793,14 @@ def template_build(
     disk: DiskOption = config.DEFAULT_DISK_GIB,
 ) -> None:
     """Boot the image, run the setup commands, save the machine as template NAME."""
-    with errors_reported(), console.status(f"building template {name}"):
+    with errors_reported(), console.status(f"building template {name}") as status:
         snap = Sandbox.build_template(
-            name, setup or [], cpus=cpus, memory_mib=memory, disk_gib=disk
+            name,
+            setup or [],
+            cpus=cpus,
+            memory_mib=memory,
+            disk_gib=disk,
+            progress=lambda step: status.update(f"building template {name}: {step}"),
         )
     out.print(f"template {name}: snapshot {snap.id}")
 

@@ -65,8 +65,12 @@ def _run(tenant: str, work: Callable[[SandboxService], Awaitable[T]]) -> T:
 @snapshot_app.command("push")
 def push(ref: str, tenant: TenantOption = LOCAL_TENANT) -> None:
     """Store a snapshot in the chunk store now (resumes an upload cut short)."""
-    with errors_reported(), console.status(f"storing {ref}"):
-        state = _run(tenant, lambda s: s.persist.push(ref))
+    with errors_reported(), console.status(f"storing {ref}") as status:
+
+        def shown(done: int, total: int) -> None:
+            status.update(f"storing {ref}: {done / max(total, 1):.0%} of {total / 1e6:.0f} MB")
+
+        state = _run(tenant, lambda s: s.persist.push(ref, progress=shown))
     out.print(f"stored {ref} ({state.get('stored_bytes', 0) / 1e6:.1f} MB in the store)")
 
 

@@ -609,15 +609,17 @@ class AsyncSandbox:
         cpus: int = config.DEFAULT_CPUS,
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
+        progress: Progress | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> SnapshotInfo:
         """Boot the image, run ``setup`` shell commands, save the machine as template ``name``.
+        ``progress`` is told each step (and, embedded, a setup command's latest line).
 
         :raises InvalidArgument: for a bad name or a setup command that fails (with its output).
         """
         return await transport_for(api_url, api_key).build_template(
-            name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
+            name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib, progress=progress
         )
 
     @staticmethod

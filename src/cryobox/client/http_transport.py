@@ -457,7 +457,10 @@ class HttpTransport:
         cpus: int = config.DEFAULT_CPUS,
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
+        progress: Progress | None = None,
     ) -> SnapshotInfo:
+        if progress:
+            progress(f"building template {name} on {self.api_url}")
         body = {
             "name": name,
             "setup": list(setup),

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -98,12 +98,15 @@ class Persistence:
     def upload_state(self, snapshot_id: str) -> dict[str, Any]:
         return uploads.state(self.local.folder(snapshot_id))
 
-    async def push(self, ref: str) -> dict[str, Any]:
-        """Store a local snapshot now (resuming an upload cut short); its upload state."""
+    async def push(
+        self, ref: str, progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """Store a local snapshot now (resuming an upload cut short); its upload state.
+        ``progress(done, total)`` is told the bytes read so far (from a worker thread)."""
         manifest = self.local.get(ref)
         folder = self.local.folder(manifest.id)
         uploads.mark(folder, current_tenant())
-        if not await asyncio.to_thread(uploads.upload, folder):
+        if not await asyncio.to_thread(uploads.upload, folder, progress):
             raise StoreError(
                 str(self.chunks().objects.url),
                 f"storing {manifest.id}",

@@ -25,7 +25,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -866,7 +866,7 @@ class SandboxService:
         if progress:
             progress("building the default template (one cold boot, then every create restores)")
         with acting_for(LOCAL_TENANT):  # the host's, whoever asked first
-            info = await self.build_template(DEFAULT_TEMPLATE, [])
+            info = await self.build_template(DEFAULT_TEMPLATE, [], progress=progress)
         return self.store.get(info.id)
 
     async def build_template(
@@ -877,13 +877,17 @@ class SandboxService:
         cpus: int = config.DEFAULT_CPUS,
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
+        progress: Progress | None = None,
     ) -> SnapshotInfo:
         """Boot the image, run ``setup`` commands, save the machine as template ``name``.
+        ``progress`` is told each step, and a setup command's latest output line.
 
         :raises InvalidArgument: for a bad name, or a setup command that fails (its output).
         """
         if not valid_name(name) or name == BASE_TEMPLATE:
             raise InvalidArgument(f"template name {name!r} is not allowed")
+        say = progress or (lambda _: None)
+        say("booting the image")
         sandbox = await self.create(
             CreateRequest(
                 template=BASE_TEMPLATE,
@@ -891,13 +895,20 @@ class SandboxService:
                 memory_mib=memory_mib,
                 disk_gib=disk_gib,
                 timeout=3600,
-            )
+            ),
+            progress,
         )
         try:
-            for command in setup:
+            for number, command in enumerate(setup, 1):
+                step = f"setup {number}/{len(setup)}: {command[:60]}"
+                say(step)
                 output = bytearray()
+
+                def latest(line: str, step: str = step) -> None:
+                    say(f"{step}: {line}")
+
                 session = await self.start_command(
-                    sandbox.id, CommandRequest(shell=command), _collector(output)
+                    sandbox.id, CommandRequest(shell=command), _shown_lines(output, latest)
                 )
                 result = await session.wait()
                 if result["exit_code"] != 0:
@@ -906,6 +917,7 @@ class SandboxService:
                         f"template {name}: setup command {command!r} exited with "
                         f"{result['exit_code']}:\n{text}"
                     )
+            say("saving the machine")
             saved = await self.capture(sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}")
             # Named before the build sandbox is killed: its kill collects unnamed templates.
             previous = self.store.template(name)
@@ -1000,6 +1012,19 @@ async def _wait_finished(folder: SandboxDir, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not folder.record().state.finished and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
+
+
+def _shown_lines(into: bytearray, show: Callable[[str], None]) -> OutputSink:
+    """Collect output into ``into`` and show its latest complete line (at most 80
+    characters), as a long setup command runs."""
+
+    def sink(_stream: str, data: bytes) -> None:
+        into.extend(data)
+        lines = [line for line in bytes(into[-4096:]).split(b"\n")[:-1] if line.strip()]
+        if b"\n" in data and lines:
+            show(lines[-1].decode(errors="replace").strip()[:80])
+
+    return sink
 
 
 def _collector(into: bytearray) -> OutputSink:

@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,9 @@ def _candidates() -> list[Path]:
     return [p.parent for p in found if not p.parent.name.startswith(".")]
 
 
-def upload(folder: Path) -> bool:
-    """Upload one marked folder now; True when it is stored."""
+def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> bool:
+    """Upload one marked folder now; True when it is stored. ``shown(done, total)`` is
+    told the bytes read so far."""
     current = state(folder)
     if not (folder / mf.MANIFEST).exists():
         return True  # deleted, or resumed meanwhile: nothing left to store
@@ -117,6 +119,8 @@ def upload(folder: Path) -> bool:
 
     def progress(done: int, total: int) -> None:
         nonlocal last
+        if shown is not None:
+            shown(done, total)
         if time.monotonic() - last > 0.5 or done >= total:
             last = time.monotonic()
             set_state(folder, state="uploading", done=done, total=total)
