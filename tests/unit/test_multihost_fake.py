@@ -111,6 +111,12 @@ def test_a_sandbox_is_reached_through_any_host(hosts: tuple[ApiServer, ApiServer
         assert http(b).get(f"/sandboxes/{sbx.id}").json()["id"] == sbx.id
     finally:
         Sandbox.connect(sbx.id, api_url=b.url, api_key=b.key).kill()  # killed through b
+    # Listed as killed a while, through either host; killed again, it is forgotten.
+    ended = Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key, resume=False)
+    assert ended.info().state == "killed"
+    assert sbx.id in [i.id for i in Sandbox.list(all=True, api_url=b.url, api_key=b.key)]
+    assert sbx.id not in [i.id for i in Sandbox.list(api_url=b.url, api_key=b.key)]
+    ended.kill()
     with pytest.raises(SandboxNotFound):
         Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key)
 

@@ -410,3 +410,28 @@ def test_e2b_file_uploads_refuse_bad_gzip_and_name_the_problem(server: ApiServer
         assert http.get("/e2b/health", headers=envd).status_code == 204
     finally:
         assert http.delete(f"/e2b/sandboxes/{sandbox['sandboxID']}").status_code == 204
+
+
+def test_a_killed_sandbox_is_listed_a_while_through_the_server_then_forgotten() -> None:
+    state = Path(tempfile.mkdtemp(prefix="cbx-srv-"))
+    env = {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), "CRYOBOX_FINISHED_KEEP": "3"}
+    made = make_server(state / "server", env)
+    made.key = made.tenant("keeper")
+    made.start()
+    try:
+        sbx = sdk(made)
+        sbx.kill()
+        remote: dict[str, Any] = {"api_url": made.url, "api_key": made.key}
+        listed = {i.id: i.state for i in Sandbox.list(all=True, **remote)}
+        assert listed == {sbx.id: "killed"} and Sandbox.list(**remote) == []
+        assert Sandbox.connect(sbx.id, resume=False, **remote).info().state == "killed"
+        deadline = time.monotonic() + 30
+        while Sandbox.list(all=True, **remote) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert Sandbox.list(all=True, **remote) == []  # forgotten once the while passed
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(sbx.id, resume=False, **remote)
+        assert not (state / "sandboxes" / sbx.id).exists()
+    finally:
+        made.stop()
+        subprocess.run(["rm", "-rf", str(state)], check=False)

@@ -48,7 +48,7 @@ from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import SandboxService
 from cryobox.service.commands import CommandSession
 from cryobox.service.persist import acting_for
-from cryobox.service.service import BASE_TEMPLATE, DEFAULT_TEMPLATE
+from cryobox.service.service import BASE_TEMPLATE, DEFAULT_TEMPLATE, forget_finished
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
@@ -68,6 +68,8 @@ ACTIVE = ("creating", "running", "resuming")
 #: States a sandbox only passes through (no event is sent for them).
 TRANSIENT = ("creating", "resuming")
 DEFAULT_IDLE_TIMEOUT = 600.0
+#: Seconds between two sweeps of the sandboxes that ended long enough ago to be forgotten.
+FINISHED_SWEEP = 60.0
 #: A reservation older than this was left by a host that stopped mid-create.
 RESERVATION_STALE = 900.0
 
@@ -116,6 +118,7 @@ class Hub:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._quota_lock = asyncio.Lock()
         self._busy: Counter[str] = Counter()
+        self._swept = 0.0
         self._stored: dict[str, int] = {}
         self._peers: httpx.AsyncClient | None = None
         self.forward_secret = ""
@@ -421,7 +424,7 @@ class Hub:
                 return await self._remote_info(sandbox_id, credentials or {})
             try:
                 return self._present(await self.service.get(sandbox_id))
-            except SandboxNotFound:
+            except SandboxNotFound:  # forgotten here meanwhile
                 return None
 
         owned = self.tenants.owned(tenant.id, "sandbox")
@@ -429,13 +432,29 @@ class Hub:
         return [i for i in found if i is not None and (all or i.state not in ("killed", "dead"))]
 
     async def kill(self, tenant: Tenant, sandbox_id: str) -> None:
+        """Kill it. Its record stays listed (``all``) as killed for
+        ``config.finished_keep()`` seconds, as a timed-out or dead one's does, then is
+        forgotten (the monitor's sweep); killing one that has ended forgets it now."""
         self._sandbox(tenant, sandbox_id)
         async with self._locks[sandbox_id]:
+            try:
+                ended = (await self.service.get(sandbox_id)).state in ("killed", "dead")
+            except SandboxNotFound:
+                ended = True
             with contextlib.suppress(SandboxNotFound):
-                await self.service.kill(sandbox_id, keep_record=False)  # disowned below
-            await self._forget(tenant.id, sandbox_id, "killed")
+                await self.service.kill(sandbox_id)
+            if ended:
+                await self._forget(tenant.id, sandbox_id, "killed")
+                return
+            await self.ports.unpublish(sandbox_id)
+            self.db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
+            self.meter.observe(sandbox_id, "killed")  # no compute from now; no event twice
+            self.events.publish(tenant.id, sandbox_id, "killed")
 
-    async def _forget(self, tenant_id: str, sandbox_id: str, event: str, **data: Any) -> None:
+    async def _forget(
+        self, tenant_id: str, sandbox_id: str, event: str | None, **data: Any
+    ) -> None:
+        """Drop every trace of a sandbox that is gone; ``event`` tells subscribers."""
         await self.ports.unpublish(sandbox_id)
         self.db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
         self.meter.forget(sandbox_id)
@@ -443,7 +462,8 @@ class Hub:
         lock = self._locks.get(sandbox_id)
         if lock is not None and not lock.locked():
             self._locks.pop(sandbox_id, None)
-        self.events.publish(tenant_id, sandbox_id, event, **data)
+        if event is not None:
+            self.events.publish(tenant_id, sandbox_id, event, **data)
 
     async def pause(self, tenant: Tenant, sandbox_id: str, *, idle: bool = False) -> bool:
         """Pause the sandbox; for an idle pause, only if it is still idle once its lock is
@@ -699,13 +719,21 @@ class Hub:
         meter compute, pause the idle ones."""
         now = time.time()
         self.hosts.heartbeat()
+        keep = config.finished_keep()
+        if now - self._swept > min(FINISHED_SWEEP, keep):  # ended ones kept long enough go
+            self._swept = now
+            await asyncio.to_thread(forget_finished, keep)
         for tracked in self.meter.tracked(host_id=self.me):
             if self._locks[tracked.id].locked():
                 continue  # a lifecycle call is under way; it records what it did
             try:
                 info = await self.service.get(tracked.id)
             except SandboxNotFound:
-                await self._forget(tracked.tenant_id, tracked.id, "killed", reason="gone")
+                # One that had ended was only forgotten; others vanished unasked.
+                ended = tracked.last_state in ("killed", "dead")
+                await self._forget(
+                    tracked.tenant_id, tracked.id, None if ended else "killed", reason="gone"
+                )
                 continue
             previous = self.meter.observe(tracked.id, info.state, now)
             if previous is not None and info.state not in TRANSIENT:

@@ -140,12 +140,21 @@ class Tenants:
         :raises InvalidArgument: while it still owns sandboxes.
         """
         tenant = self.get(name_or_id)
+        ended = {  # killed, timed out or dead: listed a while, nothing to kill
+            str(row["id"])
+            for row in self.db.rows(
+                "SELECT id FROM sandboxes WHERE tenant_id = ? AND last_state IN ('killed', 'dead')",
+                (tenant.id,),
+            )
+        }
         for kind, how in (("sandbox", "kill"), ("snapshot", "delete"), ("template", "delete")):
-            left = self.owned(tenant.id, kind)  # type: ignore[arg-type]
+            left = [i for i in self.owned(tenant.id, kind) if i not in ended]  # type: ignore[arg-type]
             if left:
                 raise InvalidArgument(
                     f"tenant {tenant.name} still owns {kind}s {', '.join(left)}: {how} them first"
                 )
+        for sandbox_id in ended:
+            self.disown("sandbox", sandbox_id)
         self.db.execute("DELETE FROM tenants WHERE id = ?", (tenant.id,))
         return tenant
 
