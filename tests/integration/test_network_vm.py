@@ -9,6 +9,7 @@ aims at any address outside this machine.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -187,6 +188,15 @@ def test_proxy_and_ca_bundle_let_the_guest_out_as_the_host_goes(
         stderr=subprocess.DEVNULL,
     )
     try:
+        deadline = time.monotonic() + 60  # the TLS server is up (the host reaches it)
+        while True:
+            try:
+                socket.create_connection((OUTSIDE, 8443), 2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         # The outside's plain web server stands for a proxy: a request for a name that
         # resolves nowhere is answered by it only if the guest went through it.
         sbx = sandbox_factory(proxy=f"http://{OUTSIDE}:8080", ca_bundle=str(ca))

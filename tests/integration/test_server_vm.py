@@ -38,6 +38,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("post", "/sandboxes/{sandbox_id}/ports"): {"guest_port": 9999},
     ("post", "/sandboxes/{sandbox_id}/commands"): {"cmd": "touch /root/intruder"},
     ("post", "/sandboxes/{sandbox_id}/commands/{command_id}/kill"): {"signal": 9},
+    ("post", "/sandboxes/{sandbox_id}/commands/{command_id}/resize"): {"cols": 80, "rows": 24},
     ("post", "/sandboxes/{sandbox_id}/files/mkdir"): {"path": "/root/intruder"},
 }
 

@@ -118,8 +118,11 @@ def crash_point(step: str) -> None:
 #: Room kept for a device state beside the RAM and disk a snapshot copies (it is a few
 #: MB; RAM mapped privately travels inside it and is counted on its own).
 DEVICE_STATE_ROOM = 64 << 20
-#: Bytes of its source sandbox's console a restored sandbox's log starts with, at most.
+#: Bytes of its source sandbox's console a restored sandbox's log starts with, at most;
+#: a snapshot keeps that much of it, beside its files (on this host only: not stored,
+#: not verified, as its ``.verified.json`` stamp).
 CONSOLE_HISTORY = 64 << 10
+CONSOLE_COPY = ".console.log"
 
 
 def allocated(path: Path) -> int:
@@ -398,12 +401,14 @@ class Machine:
     def _console_history(self, manifest: Manifest) -> None:
         """Say on the console log where a restored machine comes from, so ``logs`` of a
         restore, a fork or a rollback is not a blank page. A new sandbox first gets the
-        end of its source sandbox's console (the boot and the agent's lines), when that
-        sandbox is still on this host."""
+        end of its source sandbox's console as the snapshot kept it (the boot and the
+        agent's lines)."""
         path = self.folder.console_log
         lines = b""
         if not path.exists():
-            source = SandboxDir.for_id(manifest.source_sandbox).console_log
+            source = self.store.folder(manifest.id) / CONSOLE_COPY
+            if not source.exists():  # a snapshot taken before snapshots kept it
+                source = SandboxDir.for_id(manifest.source_sandbox).console_log
             with contextlib.suppress(OSError, ValueError):
                 with open(source, "rb") as handle:
                     size = handle.seek(0, os.SEEK_END)
@@ -628,6 +633,7 @@ class Machine:
             manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
             described = await asyncio.to_thread(mf.describe_files, temp, files)
             manifest = replace(manifest, files=described)
+            _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
             crash_point("hashed")
             self.store.commit(temp, manifest)
         except OSError as exc:
@@ -894,6 +900,23 @@ def _describe(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
         name: {mf.DIGEST: mf.file_digest(path), "size": path.stat().st_size}
         for name, path in files.items()
     }
+
+
+def _keep_console(console: Path, copy: Path) -> None:
+    """The end of ``console`` (at most CONSOLE_HISTORY bytes) into ``copy``; a console
+    that cannot be read is no reason to fail a snapshot."""
+    try:
+        with open(console, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - CONSOLE_HISTORY))
+            data = handle.read(CONSOLE_HISTORY)
+        if size > CONSOLE_HISTORY:  # from a whole line on
+            data = data[data.find(b"\n") + 1 :]
+        fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+    except OSError as exc:
+        log.warning("the console was not kept with the snapshot: %s", exc)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
