@@ -409,13 +409,8 @@ class Machine:
             source = self.store.folder(manifest.id) / CONSOLE_COPY
             if not source.exists():  # a snapshot taken before snapshots kept it
                 source = SandboxDir.for_id(manifest.source_sandbox).console_log
-            with contextlib.suppress(OSError, ValueError):
-                with open(source, "rb") as handle:
-                    size = handle.seek(0, os.SEEK_END)
-                    handle.seek(max(0, size - CONSOLE_HISTORY))
-                    lines = handle.read(CONSOLE_HISTORY)
-                if size > CONSOLE_HISTORY:  # from a whole line on
-                    lines = lines[lines.find(b"\n") + 1 :]
+            with contextlib.suppress(OSError):
+                lines = _console_tail(source)
                 if lines:
                     lines = (
                         f"[cryobox] the console of {manifest.source_sandbox}, which "
@@ -902,16 +897,20 @@ def _describe(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _console_tail(path: Path) -> bytes:
+    """The last CONSOLE_HISTORY bytes of a console log, from a whole line on."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, size - CONSOLE_HISTORY))
+        data = handle.read(CONSOLE_HISTORY)
+    return data[data.find(b"\n") + 1 :] if size > CONSOLE_HISTORY else data
+
+
 def _keep_console(console: Path, copy: Path) -> None:
     """The end of ``console`` (at most CONSOLE_HISTORY bytes) into ``copy``; a console
     that cannot be read is no reason to fail a snapshot."""
     try:
-        with open(console, "rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, size - CONSOLE_HISTORY))
-            data = handle.read(CONSOLE_HISTORY)
-        if size > CONSOLE_HISTORY:  # from a whole line on
-            data = data[data.find(b"\n") + 1 :]
+        data = _console_tail(console)
         fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as out:
             out.write(data)
