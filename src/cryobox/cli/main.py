@@ -30,7 +30,7 @@ from .output import console, errors_reported, out, print_rows, say_error
 from .pool_commands import pool_app, print_members
 from .server_commands import server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
-from .terminal import run_on_terminal
+from .terminal import run_on_terminal, stdin_fd
 
 app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
 
@@ -226,10 +226,7 @@ def run_in(
 def _feed(handle: Any) -> None:
     """Our stdin to the command's, then its end; stops quietly when the command has
     stopped reading (it ended, or closed its stdin)."""
-    try:
-        fd = sys.stdin.fileno() if sys.stdin is not None else -1
-    except (OSError, ValueError):
-        fd = -1
+    fd = stdin_fd()
     try:
         if fd >= 0:
             for chunk in iter(lambda: os.read(fd, 65536), b""):

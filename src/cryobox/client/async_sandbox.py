@@ -430,13 +430,10 @@ class AsyncFiles:
 
 
 def _egress(proxy: str | None, ca_bundle: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """``create``'s proxy and CA arguments as the service takes them: None for the
-    defaults of the host the sandbox runs on, ``""`` for none, a bundle file read here."""
-    if proxy:
-        egress.check_proxy(proxy)
+    """``create``'s proxy and CA arguments as the service takes them (and checks): None
+    for the defaults of the host the sandbox runs on, ``""`` for none, a bundle file read
+    here, where it is."""
     pem = ca_bundle if ca_bundle in (None, "") else egress.read_bundle(ca_bundle)
-    if pem:
-        egress.check_bundle(pem)
     return {"proxy": proxy, "ca_bundle": pem}
 
 

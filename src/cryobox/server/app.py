@@ -48,6 +48,7 @@ from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
 
 from . import schemas as s
+from .backlog import Backlog
 from .forward import Forward, credentials
 from .hub import Hub
 from .limits import BodyLimit
@@ -369,45 +370,33 @@ def create_app(
             stdin=body.stdin,
             pty=None if body.pty is None else (body.pty.cols, body.pty.rows),
         )
-        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
-        backlog = 0
-        overflowed = False
 
-        def on_output(stream: str, data: bytes) -> None:
-            # Bounded where it is queued: a client that stops reading costs the server
-            # at most STREAM_BACKLOG_LIMIT, then its command is killed.
-            nonlocal backlog, overflowed
-            if overflowed:
-                return
-            backlog += len(data)
-            if backlog > STREAM_BACKLOG_LIMIT:
-                overflowed = True
-                kill = asyncio.ensure_future(session.kill())
-                kill.add_done_callback(lambda t: t.cancelled() or t.exception())
-                return
-            queue.put_nowait((stream, data))
+        def kill() -> None:  # its output went unread: the command ends, its stream says so
+            killing = asyncio.ensure_future(session.kill())
+            killing.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-        session = await hub.service.start_command(sandbox_id, request, on_output)
+        backlog: Backlog[tuple[str, bytes]] = Backlog(STREAM_BACKLOG_LIMIT, kill)
+        session = await hub.service.start_command(
+            sandbox_id, request, lambda stream, data: backlog.put((stream, data), len(data))
+        )
         await session.started()  # a missing program or cwd is answered with its status
         command_id = hub.register_command(me, sandbox_id, session)
         ended = asyncio.ensure_future(session.wait())
-        ended.add_done_callback(lambda _: queue.put_nowait(None))
+        ended.add_done_callback(lambda _: backlog.end())
 
         async def lines() -> AsyncIterator[bytes]:
-            nonlocal backlog
             async with hub.busy(sandbox_id):
                 started = {"type": "started", "pid": session.pid, "command_id": command_id}
                 yield _line(started)
-                while (item := await queue.get()) is not None:
+                while (item := await backlog.get()) is not None:
                     stream, data = item
-                    backlog -= len(data)
                     yield _line({"type": stream, "data": base64.b64encode(data).decode()})
                 try:
                     result = await ended
                 except e.CryoboxError as exc:
                     yield _line({"type": "error", "error": e.error_detail(exc)})
                     return
-                if overflowed:
+                if backlog.overflowed:
                     limit = STREAM_BACKLOG_LIMIT >> 20
                     error = e.ChannelError(f"more than {limit} MiB of output went unread")
                     yield _line({"type": "error", "error": e.error_detail(error)})
@@ -540,41 +529,34 @@ def create_app(
         An open watch keeps the sandbox from being idle-paused, as a command stream does.
         """
         await hub.use(me, sandbox_id)
-        queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
-        backlog = 0
-        overflowed = False
 
-        def on_event(kind: str, name: str) -> None:
-            nonlocal backlog, overflowed
-            if overflowed:
-                return
-            backlog += len(name) + 64
-            if backlog > WATCH_BACKLOG:  # bounded where it is queued; the guest stops too
-                overflowed = True
-                queue.put_nowait(None)
-                ending = asyncio.ensure_future(folder.stop())
-                ending.add_done_callback(lambda t: t.cancelled() or t.exception())
-                return
-            queue.put_nowait((kind, name))
+        def stop() -> None:  # its events went unread: the stream ends, the guest stops too
+            backlog.end()
+            ending = asyncio.ensure_future(folder.stop())
+            ending.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-        folder = await hub.service.watch(sandbox_id, path, recursive, on_event)
-        folder.ended.add_done_callback(lambda _: queue.put_nowait(None))
+        backlog: Backlog[tuple[str, str]] = Backlog(WATCH_BACKLOG, stop)
+        folder = await hub.service.watch(
+            sandbox_id,
+            path,
+            recursive,
+            lambda kind, name: backlog.put((kind, name), len(name) + 64),
+        )
+        folder.ended.add_done_callback(lambda _: backlog.end())
 
         async def lines() -> AsyncIterator[bytes]:
-            nonlocal backlog
             async with hub.busy(sandbox_id):
                 yield _line({"type": "watching"})
                 while True:
                     try:
-                        item = await asyncio.wait_for(queue.get(), WATCH_KEEPALIVE)
+                        item = await asyncio.wait_for(backlog.get(), WATCH_KEEPALIVE)
                     except TimeoutError:
                         yield _line({"type": "keepalive"})
                         continue
                     if item is None:
                         break
-                    backlog -= len(item[1]) + 64
                     yield _line({"type": "event", "event": item[0], "name": item[1]})
-                if overflowed:
+                if backlog.overflowed:
                     limit = WATCH_BACKLOG >> 20
                     error = e.ChannelError(f"more than {limit} MiB of watch events went unread")
                     yield _line({"type": "error", "error": e.error_detail(error)})

@@ -262,8 +262,8 @@ class SandboxService:
             fails verification (never cold-booted instead).
         :raises QemuError: when the VMM is missing, fails to start or the guest never answers.
         """
-        validate(request)
-        # Host names in rules are resolved once, here (the guest's DNS may differ later).
+        # ``request`` was validated by create. Host names in rules are resolved once,
+        # here (the guest's DNS may differ later).
         policy = await asyncio.to_thread(parse_policy, request.network or INTERNET)
         self.vmm.check_installed()  # fail early and clearly
         if self.vmm.isolates_network:
@@ -381,11 +381,12 @@ class SandboxService:
     async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]:
         """Sandboxes on this host, oldest first; finished ones too with ``all`` (those
         that ended more than ``config.finished_keep()`` seconds ago are forgotten)."""
-        await asyncio.to_thread(forget_finished, config.finished_keep())
+        sandboxes = registry.list_sandboxes()
+        gone = await asyncio.to_thread(forget_finished, config.finished_keep(), sandboxes)
         return [
             sandbox_info(spec, record, SandboxDir.for_id(spec.id))
-            for spec, record in registry.list_sandboxes()
-            if (all or not record.state.finished) and not spec.pool
+            for spec, record in sandboxes
+            if (all or not record.state.finished) and not spec.pool and spec.id not in gone
         ]
 
     async def kill(self, sandbox_id: str, *, keep_record: bool = True) -> None:
@@ -1072,11 +1073,14 @@ def _bury(folder: SandboxDir) -> None:
         _remove(folder)
 
 
-def forget_finished(keep: float) -> list[str]:
-    """Remove what is left of sandboxes that ended more than ``keep`` seconds ago."""
+def forget_finished(
+    keep: float, sandboxes: list[tuple[SandboxSpec, SandboxRecord]] | None = None
+) -> list[str]:
+    """Remove what is left of sandboxes that ended more than ``keep`` seconds ago (among
+    ``sandboxes`` when the caller has listed them already); their ids."""
     gone = []
     now = time.time()
-    for spec, record in registry.list_sandboxes():
+    for spec, record in registry.list_sandboxes() if sandboxes is None else sandboxes:
         if record.state.finished and now - record.updated_at > keep:
             _remove(SandboxDir.for_id(spec.id))
             gone.append(spec.id)
