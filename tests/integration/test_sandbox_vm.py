@@ -652,6 +652,8 @@ def test_cli_shell_and_exec_t_run_on_a_terminal(
     assert piped.returncode == 5 and "piped-42" in piped.stdout, piped.stderr
     ran = cli("exec", "-t", shared_sandbox.id, "--", "sh", "-c", "tty; exit 4", env=env)
     assert ran.returncode == 4 and "/dev/pts/" in ran.stdout, ran.stderr
+    missing = cli("exec", "-t", shared_sandbox.id, "--", "no-such-program", env=env)
+    assert missing.returncode == 127 and "no-such-program" in missing.stderr
     # Without -i our terminal stays as it is: Ctrl-C (SIGINT) here ends the command there.
     sleeper = subprocess.Popen(
         [*CLI, "exec", "-t", shared_sandbox.id, "--", "sleep", "606"],

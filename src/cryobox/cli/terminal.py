@@ -23,7 +23,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cryobox.client import PtyHandle, Sandbox
-from cryobox.errors import CryoboxError
+from cryobox.errors import CommandNotFound, CryoboxError
+
+from .output import say_error
 
 #: The end of typed input, as a terminal says it.
 CTRL_D = b"\x04"
@@ -75,9 +77,13 @@ def run_on_terminal(
         output.flush()
 
     cols, rows = terminal_size()
-    handle = sbx.pty.create(
-        cols, rows, on_data=show, cmd=cmd, env=env, cwd=cwd, user=user, timeout=timeout
-    )
+    try:
+        handle = sbx.pty.create(
+            cols, rows, on_data=show, cmd=cmd, env=env, cwd=cwd, user=user, timeout=timeout
+        )
+    except CommandNotFound as exc:  # as a shell says it, and as `exec` without -t does
+        say_error(exc)
+        return 127
     fd = stdin_fd()
     previous = signal.signal(signal.SIGWINCH, lambda *_: _resize_soon(handle))
     try:
