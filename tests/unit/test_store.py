@@ -205,7 +205,7 @@ class Counting:
         self.url = inner.url
         self.gets: list[str] = []
 
-    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+    def put(self, key: str, data: bytes | memoryview, *, durable: bool = True) -> None:
         self.inner.put(key, data, durable=durable)
 
     def flush(self, also: Iterable[str] = ()) -> None:
@@ -223,6 +223,9 @@ class Counting:
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
+
+    def sweep(self) -> None:
+        self.inner.sweep()
 
 
 def test_an_altered_chunk_is_refused_by_name_and_nothing_is_left(

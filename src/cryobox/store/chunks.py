@@ -8,10 +8,18 @@ tenant whatever number of snapshots, forks or sandboxes hold them; the name is b
 to the ciphertext as GCM's associated data, so a chunk cannot be swapped for another.
 Opening checks the tag, then the hash of what came out: a changed byte anywhere is
 refused.
+
+Saving works without a copy of any window: the file is mapped (:class:`Mapped`), named
+from the mapping, and sealed by a streaming GCM encryptor into a buffer the worker
+thread keeps (:func:`seal_into`). A fresh 1 MiB object per step costs a page fault per
+4 KiB, and reading by ``pread`` copies once more: with both, the store saved at 0.36x
+the disk's write rate on this project's 2-core machines.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -19,6 +27,7 @@ from collections.abc import Iterator
 import zstandard
 from blake3 import blake3
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cryobox.store.keys import DataKey
@@ -30,7 +39,13 @@ RAW, ZSTD = b"\x00", b"\x01"
 #: Bytes compressed first to see whether a chunk compresses at all.
 SAMPLE = 64 << 10
 _ZERO = bytes(CHUNK)
+_NONCE = 12
+_HEADER = len(MAGIC) + _NONCE
+_TAG = 16
+#: The stored form's largest size, and the slack a streaming encryptor's output needs.
+_SEALED_MAX = _HEADER + 1 + CHUNK + _TAG
 _local = threading.local()
+_zero_names: dict[tuple[bytes, int], str] = {}
 
 
 class ChunkRefused(ValueError):
@@ -51,23 +66,51 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return decompressor
 
 
-def name_of(key: DataKey, data: bytes) -> str:
+def name_of(key: DataKey, data: bytes | memoryview) -> str:
     return blake3(data, key=key.name, max_threads=1).hexdigest()
 
 
-def _pack(data: bytes) -> bytes:
-    """A mode byte and the body: zstd, or the bytes as they are when a sample of them
-    does not compress (random or already compressed data: zstd would only cost time)."""
-    sample = data[:SAMPLE]
-    if len(_compressor().compress(sample)) > 0.97 * len(sample):
-        return RAW + data
-    return ZSTD + _compressor().compress(data)
+def is_zero(key: DataKey, chunk_id: str, size: int) -> bool:
+    """Whether ``chunk_id`` names ``size`` zero bytes (found from the name alone, so a
+    window is read once to name it and to know it is empty)."""
+    zero = _zero_names.get((key.name, size))
+    if zero is None:
+        zero = _zero_names[(key.name, size)] = name_of(key, _ZERO[:size])
+    return chunk_id == zero
 
 
 def seal(key: DataKey, chunk_id: str, data: bytes) -> bytes:
-    """The stored form of a chunk: magic, nonce, AES-GCM(mode + body) bound to its name."""
-    nonce = os.urandom(12)
-    return MAGIC + nonce + AESGCM(key.seal).encrypt(nonce, _pack(data), chunk_id.encode())
+    """The stored form of a chunk: magic, nonce, AES-GCM(mode + body) bound to its name.
+
+    The mode byte says whether the body is zstd or the bytes as they are: they stay as
+    they are when a 64 KiB sample does not compress (random or already compressed
+    data: zstd would only cost time)."""
+    return bytes(seal_into(key, chunk_id, memoryview(data)))
+
+
+def seal_into(key: DataKey, chunk_id: str, data: memoryview) -> memoryview:
+    """What :func:`seal` gives, written into this thread's buffer without copying
+    ``data``: valid until the thread's next call."""
+    if not hasattr(_local, "sealed"):
+        _local.sealed = bytearray(_SEALED_MAX + 16)
+    out = memoryview(_local.sealed)
+    sample = data[:SAMPLE]
+    mode, body = RAW, data
+    if len(_compressor().compress(sample)) <= 0.97 * len(sample):
+        mode, body = ZSTD, memoryview(_compressor().compress(data))
+    nonce = os.urandom(_NONCE)
+    out[: len(MAGIC)] = MAGIC
+    out[len(MAGIC) : _HEADER] = nonce
+    encryptor = Cipher(algorithms.AES(key.seal), modes.GCM(nonce)).encryptor()
+    encryptor.authenticate_additional_data(chunk_id.encode())
+    # update_into wants room for a block's slack beyond what it writes (GCM writes
+    # exactly as many bytes as it is given).
+    encryptor.update_into(mode, out[_HEADER : _HEADER + 16])
+    end = _HEADER + 1 + len(body)
+    encryptor.update_into(body, out[_HEADER + 1 : end + 15])
+    encryptor.finalize()
+    out[end : end + _TAG] = encryptor.tag
+    return out[: end + _TAG]
 
 
 def open_chunk(key: DataKey, chunk_id: str, blob: bytes) -> bytes:
@@ -107,7 +150,30 @@ def windows(fd: int, size: int) -> Iterator[int]:
             window += CHUNK
 
 
-def read_window(fd: int, offset: int, size: int) -> bytes | None:
-    """The window's bytes, or None when they are all zero (not stored)."""
-    data = os.pread(fd, min(CHUNK, size - offset), offset)
-    return None if data == _ZERO[: len(data)] else data
+class Mapped:
+    """A file mapped read-only, read window by window without copying.
+
+    Snapshot files are never truncated while they exist (a truncation under a mapping
+    would be a SIGBUS); a file replaced or deleted meanwhile stays mapped as it was.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, self.size, prot=mmap.PROT_READ) if self.size else None
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_SEQUENTIAL)
+
+    def window(self, offset: int) -> memoryview:
+        if self._map is None:
+            return memoryview(b"")
+        return memoryview(self._map)[offset : offset + CHUNK]
+
+    def windows(self) -> Iterator[int]:
+        return windows(self.fd, self.size)
+
+    def close(self) -> None:
+        if self._map is not None:
+            # A view still held (by a traceback) keeps it mapped until it is collected.
+            with contextlib.suppress(BufferError):
+                self._map.close()

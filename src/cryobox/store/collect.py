@@ -52,6 +52,7 @@ def sweep(store: ChunkStore, grace: float = GRACE) -> SweepResult:
                 store.objects.delete(info.key)
                 result.deleted += 1
                 result.freed_bytes += info.size
+        store.objects.sweep()  # dead space in packs, what killed writers left
     locks.remove_stale(store.objects, store.tenant)
     return result
 

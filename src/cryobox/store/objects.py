@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -22,9 +23,12 @@ from typing import Any, Protocol
 
 from cryobox import config
 from cryobox.errors import StoreError
+from cryobox.store.packs import Packs
 from cryobox.util import fsync_dir
 
 _TEMP = ".tmp-"
+#: Keys kept in pack files in a local store (:mod:`.packs`); others are files.
+PACKED = "chunks/"
 #: A temporary file older than this was left by a writer that died.
 ABANDONED_AFTER = 3600.0
 
@@ -45,8 +49,11 @@ class ObjectStore(Protocol):
 
     url: str
 
-    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
-        """Store ``data`` under ``key``; ``durable=False`` leaves it to :meth:`flush`."""
+    def put(self, key: str, data: bytes | memoryview, *, durable: bool = True) -> None:
+        """Store ``data`` under ``key``; ``durable=False`` leaves it to :meth:`flush`
+        (and, for chunks in a local store, its visibility to other processes).
+
+        ``data`` is read during the call only (the caller may reuse its buffer)."""
         ...
 
     def flush(self, also: Iterable[str] = ()) -> None:
@@ -57,6 +64,10 @@ class ObjectStore(Protocol):
 
     def get(self, key: str) -> bytes:
         """:raises ObjectMissing:"""
+        ...
+
+    def sweep(self) -> None:
+        """Remove what writers that died left behind, and reclaim dead space."""
         ...
 
     def exists(self, key: str) -> bool: ...
@@ -78,19 +89,30 @@ def _check_key(key: str) -> str:
 
 
 class LocalObjects:
-    """Objects as files under a folder (0600 files, 0700 folders)."""
+    """Objects under a folder (0600 files, 0700 folders): chunks in pack files with an
+    index (:mod:`.packs`), everything else (and chunks stored before packs) as a file
+    per object."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = str(root)
+        self.packs = Packs(root)
         self._unsynced: set[Path] = set()
         self._lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
 
-    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+    def put(self, key: str, data: bytes | memoryview, *, durable: bool = True) -> None:
         path = self._path(key)
+        if key.startswith(PACKED):
+            try:
+                self.packs.append(key, data)
+                if durable:
+                    self.packs.flush()
+            except (OSError, sqlite3.Error) as exc:
+                raise StoreError(self.url, f"writing {key}", str(exc)) from exc
+            return
         self._folder(path.parent)
         temp = path.with_name(f"{_TEMP}{path.name}.{os.getpid()}.{threading.get_ident()}")
         try:
@@ -115,9 +137,14 @@ class LocalObjects:
     def flush(self, also: Iterable[str] = ()) -> None:
         """fsync what was put with ``durable=False`` and the objects ``also`` names
         (cheap when already on disk), before a manifest names them."""
+        try:
+            self.packs.flush()
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(self.url, "making chunks durable", str(exc)) from exc
         with self._lock:
             paths, self._unsynced = self._unsynced, set()
-        paths |= {self._path(key) for key in also}
+        # A chunk in a pack is durable once other writers can see it.
+        paths |= {p for p in map(self._path, also) if p.is_file()}
 
         def sync(path: Path) -> None:
             with open(path, "rb") as handle:
@@ -132,6 +159,13 @@ class LocalObjects:
             raise StoreError(self.url, "making chunks durable", str(exc)) from exc
 
     def get(self, key: str) -> bytes:
+        if key.startswith(PACKED):
+            try:
+                packed = self.packs.read(_check_key(key))
+            except (OSError, sqlite3.Error) as exc:
+                raise StoreError(self.url, f"reading {key}", str(exc)) from exc
+            if packed is not None:
+                return packed
         try:  # never through a link planted in the folder
             fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
             with os.fdopen(fd, "rb") as handle:
@@ -142,6 +176,8 @@ class LocalObjects:
             raise StoreError(self.url, f"reading {key}", str(exc)) from exc
 
     def exists(self, key: str) -> bool:
+        if key.startswith(PACKED) and self.packs.place(_check_key(key)) is not None:
+            return True
         return self._path(key).is_file()
 
     def _folder(self, folder: Path) -> None:
@@ -153,6 +189,9 @@ class LocalObjects:
         folder.mkdir(mode=0o700, exist_ok=True)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        if prefix.startswith(PACKED) or PACKED.startswith(prefix):
+            for key, place in self.packs.list(prefix):
+                yield ObjectInfo(key, place.length, place.modified)
         # The prefix's folder part is walked; its last part filters names.
         base, _, _start = prefix.rpartition("/")
         folder = self.root / base if base else self.root
@@ -170,12 +209,22 @@ class LocalObjects:
                     yield ObjectInfo(key, st.st_size, st.st_mtime)
 
     def delete(self, key: str) -> None:
+        if key.startswith(PACKED):
+            try:
+                self.packs.delete(_check_key(key))
+            except (OSError, sqlite3.Error) as exc:
+                raise StoreError(self.url, f"deleting {key}", str(exc)) from exc
         self._path(key).unlink(missing_ok=True)
 
     def sweep(self) -> None:
-        """Remove temporary files that writers which died left behind."""
+        """Remove temporary files and packs that writers which died left behind, and
+        rewrite mostly dead packs (:meth:`.Packs.compact`)."""
         if not self.root.is_dir():
             return
+        try:
+            self.packs.compact(ABANDONED_AFTER)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(self.url, "compacting packs", str(exc)) from exc
         for path in self.root.rglob(f"{_TEMP}*"):
             with contextlib.suppress(OSError):
                 if time.time() - path.stat().st_mtime > ABANDONED_AFTER:
@@ -216,8 +265,9 @@ class S3Objects:
         except BotoCoreError as exc:
             raise StoreError(self.url, doing, str(exc)) from exc
 
-    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
-        self._call(f"writing {key}", "put_object", Key=self.prefix + _check_key(key), Body=data)
+    def put(self, key: str, data: bytes | memoryview, *, durable: bool = True) -> None:
+        body = bytes(data) if isinstance(data, memoryview) else data
+        self._call(f"writing {key}", "put_object", Key=self.prefix + _check_key(key), Body=body)
 
     def flush(self, also: Iterable[str] = ()) -> None:
         """Nothing to do: a PUT is durable when it answers."""

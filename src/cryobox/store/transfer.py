@@ -43,17 +43,18 @@ def _push_file(
 ) -> dict[str, object]:
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
+        source = chunks.Mapped(fd)
+        size = source.size
 
         def one(offset: int) -> list[object] | None:
-            data = chunks.read_window(fd, offset, size)
-            if data is None:
-                tick(min(chunks.CHUNK, size - offset))
-                return None
+            data = source.window(offset)
             name = chunks.name_of(key, data)
+            if chunks.is_zero(key, name, len(data)):
+                tick(len(data))
+                return None
             stored = known.get(name)
             if stored is None:
-                blob = chunks.seal(key, name, data)
+                blob = chunks.seal_into(key, name, data)
                 objects.put(catalog.chunk_key(key.tenant, name), blob, durable=False)
                 stored = known[name] = len(blob)
             else:  # written by another push, maybe not durable yet (killed before its flush)
@@ -61,7 +62,10 @@ def _push_file(
             tick(len(data))
             return [offset, name, stored]
 
-        found = [c for c in pool.map(one, list(chunks.windows(fd, size))) if c is not None]
+        try:
+            found = [c for c in pool.map(one, list(source.windows())) if c is not None]
+        finally:
+            source.close()
     finally:
         os.close(fd)
     return {"size": size, "chunks": found}

@@ -84,7 +84,10 @@ def schedule(folder: Path, tenant: str) -> None:
 
 def start_uploader() -> None:
     logfile = config.state_dir() / "uploader.log"
-    with open(logfile, "ab") as out:
+    # Private whatever this process's umask (it names snapshots and tenants).
+    fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "ab") as out:
         subprocess.Popen(
             [sys.executable, "-m", "cryobox.store.uploads"],
             stdin=subprocess.DEVNULL,
