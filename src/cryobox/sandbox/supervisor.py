@@ -12,10 +12,10 @@ It is the only writer of the sandbox's state record. The VM outlives it: a super
 killed with SIGKILL leaves its VM running, and the next use of the sandbox starts a new
 supervisor that adopts it (``Machine.adopt``), as containers outlive containerd.
 
-Started as ``python -m cryobox.sandbox.supervisor --fd N``: it imports everything,
-then waits on the socket ``N`` for a :class:`~.control.StartRequest` (a spare kept
-warm by the service, so a restore does not wait for Python), reports progress and
-readiness or failure on it, then closes it.
+Forked from the service's zygote (:mod:`.zygote`, which imported everything once, so
+a restore does not wait for Python), or started as ``python -m
+cryobox.sandbox.supervisor --fd N``: it reads a :class:`~.control.StartRequest` on
+its socket, reports progress and readiness or failure on it, then closes it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""The supervisor zygote: one process, started and imported once, that forks a
+supervisor for each sandbox.
+
+Starting a supervisor as a new Python costs about 0.25 s of CPU (the interpreter and
+the imports) and 15 MiB of memory of its own; a fork of a process that has done both
+costs a few milliseconds, and its pages stay shared until written. Each supervisor is
+still a process of its own, in a session of its own, so one that crashes takes only
+its sandbox with it (crash isolation as before).
+
+The service talks to the zygote on a socket pair: a request is one byte (``L`` for a
+warm pool's member, started at the lowest priority; ``N`` otherwise) carrying the
+supervisor's end of a new socket pair (SCM_RIGHTS); the answer is the new
+supervisor's pid, one line. A zygote whose service exits sees its socket close and
+exits too; the supervisors it forked live on. The zygote ignores SIGCHLD so the
+kernel reaps them when they exit; each supervisor sets it back before it runs.
+
+Started as ``python -m cryobox.sandbox.zygote --fd N``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+LOWERED, NORMAL = b"L", b"N"
+
+
+def _become_supervisor(control: socket.socket, fd: int, lowered: bool) -> None:
+    """In the forked child: a supervisor in a session of its own, serving ``fd``."""
+    import asyncio
+
+    from cryobox.sandbox import priority, supervisor
+
+    code = 1
+    try:
+        control.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()  # its own session (and scheduling group), as a spawned one had
+        if lowered:
+            priority.lower()
+        code = asyncio.run(supervisor._serve(socket.socket(fileno=fd)))
+    except BaseException:  # a supervisor never returns into the zygote's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(control: socket.socket) -> None:
+    """Fork a supervisor for each request until the service closes the socket."""
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 1, 1)
+        except InterruptedError:
+            continue
+        if not message or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return
+        if threading.active_count() != 1:  # a fork beside threads may inherit a held lock
+            print("cryobox zygote: threads are running; refusing to fork", file=sys.stderr)
+            os.close(fds[0])
+            return
+        pid = os.fork()
+        if pid == 0:
+            _become_supervisor(control, fds[0], message == LOWERED)
+        os.close(fds[0])
+        try:
+            control.sendall(f"{pid}\n".encode())
+        except OSError:  # the service is gone: the supervisor serves its request anyway
+            return
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if len(args) != 2 or args[0] != "--fd":
+        sys.exit("usage: python -m cryobox.sandbox.zygote --fd N (started by the service)")
+    from cryobox.errors import CryoboxError
+    from cryobox.sandbox import supervisor  # everything a supervisor needs, imported once
+    from cryobox.vmm import backend
+
+    # The VMM's version is cached before the forks, as a spare supervisor did.
+    with contextlib.suppress(CryoboxError):
+        backend().check_installed()
+    os.umask(0o077)  # every file a supervisor or its VM writes: 0600, folders 0700
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    del supervisor
+    gc.collect()
+    gc.freeze()  # what is imported stays shared with every fork (no collector writes)
+    serve(socket.socket(fileno=int(args[1])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Supervisors forked from one zygote, on real VMs: each is a process and a session of
+its own (one killed takes only its sandbox), the zygote's own death costs nothing
+running, and the next start forks from a new one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cryobox.sandbox import registry
+from cryobox.service import service
+
+pytestmark = pytest.mark.vm
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _zygote_pid() -> int:
+    zygote = service._LAUNCHER._zygote
+    assert zygote is not None
+    return zygote.process.pid
+
+
+def test_supervisors_are_forked_apart_and_outlive_their_zygote(sandbox_factory: Any) -> None:
+    first = sandbox_factory()
+    second = sandbox_factory()
+    zygote = _zygote_pid()
+    pids = [sbx.info().supervisor_pid for sbx in (first, second)]
+    assert pids[0] != pids[1]
+    for pid in pids:
+        ppid, session = int(_stat(pid)[1]), int(_stat(pid)[3])
+        assert ppid == zygote  # forked, not a new Python
+        assert session == pid  # a session (and scheduling group) of its own
+        assert b"cryobox.sandbox.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+    # One supervisor killed: its sandbox's VM runs on and is adopted by a new
+    # supervisor at its next use; the other sandbox never noticed.
+    os.kill(pids[0], signal.SIGKILL)
+    assert second.commands.run("echo still").stdout == "still\n"
+    assert first.commands.run("echo adopted").stdout == "adopted\n"
+    adopted = registry.find(first.id).record().supervisor_pid
+    assert adopted not in (None, pids[0])
+
+    # The zygote killed: nothing running is touched, and the next start forks from a
+    # new zygote.
+    os.kill(zygote, signal.SIGKILL)
+    time.sleep(0.2)
+    assert second.commands.run("echo alive").stdout == "alive\n"
+    third = sandbox_factory()
+    assert third.commands.run("echo new").stdout == "new\n"
+    assert _zygote_pid() != zygote
+    assert int(_stat(third.info().supervisor_pid)[1]) == _zygote_pid()
