@@ -549,16 +549,20 @@ async def _serve(sock: socket.socket) -> int:
     return code
 
 
-def main() -> None:
+def prepare(program: str) -> socket.socket:
+    """What a supervisor process (or the zygote that forks them) does before it serves:
+    the socket ``--fd N`` names, the VMM's version cached, a private umask."""
     args = sys.argv[1:]
     if len(args) != 2 or args[0] != "--fd":
-        sys.exit("usage: python -m cryobox.sandbox.supervisor --fd N (started by the service)")
-    # Imported and ready before a sandbox is handed over: the VMM's version is cached.
+        sys.exit(f"usage: python -m cryobox.sandbox.{program} --fd N (started by the service)")
     with contextlib.suppress(CryoboxError):
         backend().check_installed()
     os.umask(0o077)  # every file this process or its VM writes: 0600, folders 0700
-    sock = socket.socket(fileno=int(args[1]))
-    sys.exit(asyncio.run(_serve(sock)))
+    return socket.socket(fileno=int(args[1]))
+
+
+def main() -> None:
+    sys.exit(asyncio.run(_serve(prepare("supervisor"))))
 
 
 if __name__ == "__main__":

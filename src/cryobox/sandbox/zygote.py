@@ -83,22 +83,14 @@ def serve(control: socket.socket) -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if len(args) != 2 or args[0] != "--fd":
-        sys.exit("usage: python -m cryobox.sandbox.zygote --fd N (started by the service)")
-    from cryobox.errors import CryoboxError
     from cryobox.sandbox import supervisor  # everything a supervisor needs, imported once
-    from cryobox.vmm import backend
 
-    # The VMM's version is cached before the forks, as a spare supervisor did.
-    with contextlib.suppress(CryoboxError):
-        backend().check_installed()
-    os.umask(0o077)  # every file a supervisor or its VM writes: 0600, folders 0700
+    control = supervisor.prepare("zygote")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
     del supervisor
     gc.collect()
     gc.freeze()  # what is imported stays shared with every fork (no collector writes)
-    serve(socket.socket(fileno=int(args[1])))
+    serve(control)
 
 
 if __name__ == "__main__":
