@@ -188,7 +188,14 @@ class Launcher:
         :raises CryoboxError: the error that stopped the start (rebuilt as its own type).
         """
         request = StartRequest(str(folder.path), resume, adopt)
-        spare = self._take(p.encode({"id": 0, "op": ControlOp.START, "args": request.to_args()}))
+        encoded = p.encode({"id": 0, "op": ControlOp.START, "args": request.to_args()})
+        # In a thread: a zygote that is still importing must not hold up the event loop.
+        taking = asyncio.ensure_future(asyncio.to_thread(self._take, encoded))
+        try:
+            spare = await asyncio.shield(taking)
+        except asyncio.CancelledError:  # the supervisor forked meanwhile is stopped
+            taking.add_done_callback(_abandon)
+            raise
         try:
             outcome = await asyncio.wait_for(
                 self._converse(spare, request, progress),
@@ -238,6 +245,15 @@ class Launcher:
         writer.close()
         name = request.folder.rsplit("/", 1)[-1]
         return SandboxDead(name, "its supervisor exited while starting (see supervisor.log)")
+
+
+def _abandon(taking: asyncio.Future[_Spare]) -> None:
+    """Stop a supervisor whose start was cancelled while it was being forked."""
+    if taking.cancelled() or taking.exception() is not None:
+        return
+    spare = taking.result()
+    spare.sock.close()
+    threading.Thread(target=_terminate, args=(spare.process,), daemon=True).start()
 
 
 def _release_zygote(zygote: _Zygote | None) -> None:
