@@ -394,6 +394,10 @@ class Supervisor:
                     task.add_done_callback(self._tasks.discard)
         except (ConnectionError, OSError):
             pass
+        except asyncio.CancelledError:
+            # The supervisor is ending. Returning (not raising) keeps Python 3.11's
+            # start_server callback from logging the cancellation as an error.
+            pass
         finally:
             writer.close()
 
