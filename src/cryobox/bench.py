@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryobox import bench_bounds, bench_diy, bench_http, bench_store, config
+from cryobox import bench_bounds, bench_diy, bench_http, bench_steps, bench_store, config
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
@@ -83,6 +83,9 @@ class Context:
     disk_mb_s: float | None = None
     made_templates: list[str] = field(default_factory=list)
     diy: bench_diy.DiyFigures | None = None
+    #: A warm pool member's identity refresh at claim (ms): its QEMU translated the
+    #: guest's code already (template-start measures it).
+    warm_refresh_ms: float | None = None
 
 
 def summarize(
@@ -217,7 +220,8 @@ async def template_start(ctx: Context) -> list[Figure]:
         sbx = await _ready(await AsyncSandbox.create())
         restored.append(time.perf_counter() - start)
         await sbx.kill()
-    pooled = []
+    pooled: list[float] = []
+    warm: list[float] = []
     with warm_pool(1):
         for _ in range(runs):
             await asyncio.to_thread(_wait_pool_ready)
@@ -225,7 +229,12 @@ async def template_start(ctx: Context) -> list[Figure]:
             sbx = await _ready(await AsyncSandbox.create())
             pooled.append(time.perf_counter() - start)
             assert (await sbx.info()).pooled, "the bench's create was not served by the pool"
+            claim = bench_steps.step_timings(sbx.id, "claim")
+            if claim and "identity" in claim:
+                warm.append(claim["identity"])
             await sbx.kill()
+    if warm:
+        ctx.warm_refresh_ms = statistics.median(warm)
     return [
         summarize(
             "template-start",
@@ -250,7 +259,9 @@ async def template_start(ctx: Context) -> list[Figure]:
 @contextlib.contextmanager
 def warm_pool(size: int) -> Iterator[None]:
     """The default template's pool at ``size`` for the block (off elsewhere in the bench:
-    a refill would compete with every other figure for the cores); ended after."""
+    a refill would compete with every other figure for the cores); ended after, and
+    before: a member left from another session (another environment) is not claimed."""
+    pool.end_members()
     os.environ["CRYOBOX_POOL_SIZE"] = str(size)
     try:
         yield
@@ -274,6 +285,9 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
     dirty_mb = 32 if ctx.quick else 256
     changed_mb = 16 if ctx.quick else 100
     pauses, resumes, expected, after_change = [], [], [], []
+    first_exec: list[float] = []
+    second_exec: list[float] = []
+    steps: list[dict[str, float]] = []
     sbx = await _ready(await AsyncSandbox.create())
     try:
         # RAM the guest really uses: a process that keeps dirty_mb of data in memory.
@@ -295,8 +309,15 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                 after_change.append(pauses[-1])
             expected.append(used_mb / (ctx.disk_mb_s or 400))
             start = time.perf_counter()
-            sbx = await _ready(await AsyncSandbox.resume(sbx.id))
+            sbx = await AsyncSandbox.resume(sbx.id)
+            returned = time.perf_counter()
+            await sbx.commands.run(["true"])
             resumes.append(time.perf_counter() - start)
+            first_exec.append(time.perf_counter() - returned)
+            start = time.perf_counter()
+            await sbx.commands.run(["true"])
+            second_exec.append(time.perf_counter() - start)
+            steps.append(bench_steps.step_timings(sbx.id, "resume") or {})
     finally:
         await sbx.kill()
     figures = []
@@ -333,6 +354,25 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                 baseline="cold boot",
                 base_value=ctx.cold_boot_s,
                 note="resume() to first command",
+            )
+        )
+
+        def step(name: str) -> float:
+            return statistics.median([s.get(name, 0.0) for s in steps]) if steps else 0.0
+
+        warm = f"{ctx.warm_refresh_ms:.0f} ms" if ctx.warm_refresh_ms else "not measured"
+        figures.append(
+            summarize(
+                "resume-steps",
+                [s.get("total", 0.0) / 1000 for s in steps],
+                "s",
+                note=f"the supervisor's resume (median ms): QEMU started {step('vm start'):.0f}, "
+                f"device state {step('device state'):.0f}, guest's first answer (clock, "
+                f"entropy, identity) {step('agent refreshed'):.0f}; the same refresh by a warm "
+                f"pool member's QEMU: {warm}. Then the first command "
+                f"{1000 * statistics.median(first_exec):.0f} ms, the second "
+                f"{1000 * statistics.median(second_exec):.0f} ms: a new QEMU translates "
+                "(TCG) every guest instruction it runs for the first time",
             )
         )
     return figures
@@ -395,6 +435,9 @@ async def fork(ctx: Context) -> list[Figure]:
         forks = await parent.fork(count)
         await asyncio.gather(*(f.commands.run(["true"]) for f in forks))
         elapsed = time.perf_counter() - start
+        infos = [await f.info() for f in forks]  # new processes: their CPU is the fork's
+        qemu_cpu = sum(bench_steps.cpu_seconds(i.vmm_pid) for i in infos)
+        supervisor_cpu = sum(bench_steps.cpu_seconds(i.supervisor_pid) for i in infos)
         pss = await qemu_pss_mib(forks)
         supervisors = await supervisors_pss_mib(forks)
         for sbx in forks:
@@ -409,6 +452,20 @@ async def fork(ctx: Context) -> list[Figure]:
                 baseline="cold boot",
                 base_value=ctx.cold_boot_s,
                 note=f"all {count} exec-ready; {elapsed / count:.2f} s per fork",
+            )
+        )
+        cores = os.cpu_count() or 1
+        figures.append(
+            summarize(
+                f"fork-{label}-cpu",
+                [qemu_cpu + supervisor_cpu],
+                "s",
+                baseline=f"wall time x {cores} cores",
+                base_value=elapsed * cores,
+                note=f"CPU the {count} forks' processes used until all answered: QEMU "
+                f"{qemu_cpu / count:.2f} s and supervisor {supervisor_cpu / count:.3f} s per "
+                f"fork. Spread over {cores} cores it alone takes "
+                f"{(qemu_cpu + supervisor_cpu) / cores:.1f} s",
             )
         )
         figures.append(
