@@ -51,13 +51,16 @@ def state(folder: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"state": "local"}
 
 
-def set_state(folder: Path, **fields: Any) -> None:
+def set_state(folder: Path, *, durable: bool = True, **fields: Any) -> None:
     """Update the sidecar of a snapshot folder; one deleted or resumed meanwhile (its
-    manifest gone) is left alone."""
+    manifest gone) is left alone. ``durable=False`` for progress: a crash only loses
+    a percentage, and each fsync during an upload waited for the chunks being written
+    (0.4 s of a 1 s push on this project's machines)."""
     if not (folder / mf.MANIFEST).exists():
         return
+    value = {**state(folder), **fields, "at": time.time()}
     with contextlib.suppress(OSError):
-        write_json_atomic(folder / SIDECAR, {**state(folder), **fields, "at": time.time()})
+        write_json_atomic(folder / SIDECAR, value, durable=durable)
 
 
 def mark(folder: Path, tenant: str) -> None:
@@ -126,7 +129,7 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
             shown(done, total)
         if time.monotonic() - last > 0.5 or done >= total:
             last = time.monotonic()
-            set_state(folder, state="uploading", done=done, total=total)
+            set_state(folder, state="uploading", done=done, total=total, durable=False)
 
     set_state(folder, state="uploading", attempts=int(current.get("attempts") or 0) + 1)
     try:
