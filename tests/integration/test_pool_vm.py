@@ -225,9 +225,14 @@ def test_a_refill_cut_short_leaves_no_hidden_sandbox_running(
     Sandbox.create().kill()
     monkeypatch.setenv("CRYOBOX_POOL_REFILL_DELAY", "0")
     monkeypatch.setenv("CRYOBOX_POOL_SIZE", "1")
-    # Killed with -9 while it starts a member: the next refill ends the orphan.
+    # Killed with -9 while it starts a member (its supervisor has the request): the
+    # next refill ends the orphan.
     pool.request_refill()
     orphan = in_flight()
+    supervised = config.sandboxes_dir() / orphan / "supervisor.log"
+    deadline = time.monotonic() + 60
+    while not supervised.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     pid = pool.refill_pid()
     assert pid is not None
     os.kill(pid, signal.SIGKILL)

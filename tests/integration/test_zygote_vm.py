@@ -43,6 +43,10 @@ def test_supervisors_are_forked_apart_and_outlive_their_zygote(sandbox_factory: 
     # One supervisor killed: its sandbox's VM runs on and is adopted by a new
     # supervisor at its next use; the other sandbox never noticed.
     os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pids[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pids[0]}").exists(), "the zygote left it a zombie"
     assert second.commands.run("echo still").stdout == "still\n"
     assert first.commands.run("echo adopted").stdout == "adopted\n"
     adopted = registry.find(first.id).record().supervisor_pid

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cryobox.errors import StoreError
 from cryobox.store import packs
 from cryobox.store.objects import LocalObjects
 
@@ -217,3 +218,61 @@ def test_a_writer_killed_mid_append_leaves_committed_chunks_and_reclaimable_spac
     objects.sweep()
     assert len(_pack_files(tmp_path)) == len(committed) // 50
     assert len(list(objects.list("chunks/t/"))) == len(committed)
+
+
+def test_a_failed_sync_behind_the_writer_fails_the_flush_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packs, "SYNC_STEP", 64 << 10)
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    objects = LocalObjects(tmp_path)
+    monkeypatch.setattr(os, "fdatasync", failing)
+    for index in range(8):
+        objects.put(_key(index), _blob(index), durable=False)
+    monkeypatch.undo()
+    # Linux reports a writeback error once: the flush's own fsync would pass, so the
+    # error the sync behind the writer saw fails the flush.
+    with pytest.raises(StoreError, match="Input/output error"):
+        objects.flush()
+    reader = LocalObjects(tmp_path)
+    assert list(reader.list("chunks/t/")) == []
+    objects.flush()  # nothing is retried on that file
+    assert list(reader.list("chunks/t/")) == []
+    objects.put(_key(9), _blob(9))  # the next put goes to a new pack
+    assert reader.get(_key(9)) == _blob(9)
+
+
+def test_a_pack_a_writer_holds_is_not_removed_however_old(tmp_path: Path) -> None:
+    writer = LocalObjects(tmp_path)
+    writer.put(_key(1), _blob(1), durable=False)
+    (pack,) = _pack_files(tmp_path)
+    os.utime(pack, (0, 0))  # a push that has run for longer than the abandon time
+    LocalObjects(tmp_path).sweep()  # another process's collection
+    assert pack.exists()
+    writer.flush()
+    assert LocalObjects(tmp_path).get(_key(1)) == _blob(1)
+
+
+def test_a_pack_removed_while_it_is_written_is_never_committed(tmp_path: Path) -> None:
+    writer = LocalObjects(tmp_path)
+    writer.put(_key(1), _blob(1), durable=False)
+    (pack,) = _pack_files(tmp_path)
+    pack.unlink()
+    with pytest.raises(StoreError, match="removed while it was written"):
+        writer.flush()
+    assert not LocalObjects(tmp_path).exists(_key(1))
+
+
+def test_a_push_given_up_leaves_nothing_visible_and_frees_its_pack(tmp_path: Path) -> None:
+    objects = LocalObjects(tmp_path)
+    objects.put(_key(1), _blob(1), durable=False)
+    objects.discard()
+    objects.flush()
+    assert not LocalObjects(tmp_path).exists(_key(1))
+    (pack,) = _pack_files(tmp_path)
+    os.utime(pack, (0, 0))
+    objects.sweep()  # no writer holds it any more
+    assert _pack_files(tmp_path) == []

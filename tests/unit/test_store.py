@@ -133,6 +133,18 @@ def test_a_chunk_opens_only_unaltered_and_with_its_key(store: ChunkStore) -> Non
     assert chunks.name_of(other.key, data) != name
 
 
+@pytest.mark.parametrize("zeros", [0, 1990, 2048, 4096, 60_000])
+def test_a_window_zstd_would_grow_is_stored_as_it_is(zeros: int) -> None:
+    """A few KiB of zeros then random bytes: the sample compresses, the whole does not
+    (zstd's output would be larger than the window)."""
+    key = keys.DataKey("k", "t", os.urandom(32), os.urandom(32), os.urandom(32))
+    data = bytes(zeros) + os.urandom(MIB - zeros)
+    name = chunks.name_of(key, data)
+    blob = chunks.seal(key, name, data)
+    assert len(blob) <= MIB + 64
+    assert chunks.open_chunk(key, name, blob) == data
+
+
 # ---------------------------------------------------------------------- push, pull
 
 
@@ -226,6 +238,9 @@ class Counting:
 
     def sweep(self) -> None:
         self.inner.sweep()
+
+    def discard(self) -> None:
+        self.inner.discard()
 
 
 def test_an_altered_chunk_is_refused_by_name_and_nothing_is_left(

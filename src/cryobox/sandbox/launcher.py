@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,16 +40,18 @@ from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 FORK_TIMEOUT = 30.0
 
 
+class _NotSent(OSError):
+    """The zygote was gone before it got a request."""
+
+
 class _Forked:
     """A supervisor forked by the zygote: not this process's child, so it is watched
-    through a pidfd (no pid reuse can confuse it) and reaped by the kernel."""
+    through the pidfd the zygote opened before it could reap it (no reuse of its pid
+    can confuse it)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, pidfd: int) -> None:
         self.pid = pid
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._pidfd = None  # gone already
+        self._pidfd: int | None = pidfd
 
     def poll(self) -> int | None:
         """None while it runs (its exit status is its parent's, not ours: 0 once gone)."""
@@ -58,8 +61,7 @@ class _Forked:
         if self._pidfd is None:
             return True
         if select.select([self._pidfd], [], [], timeout)[0]:
-            os.close(self._pidfd)
-            self._pidfd = None
+            self.close()
             return True
         return False
 
@@ -76,6 +78,12 @@ class _Forked:
         with contextlib.suppress(ProcessLookupError):
             self.send_signal(signal.SIGKILL)
 
+    def close(self) -> None:
+        """Stop watching it (it runs on, on its own)."""
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
 
 @dataclass
 class _Spare:
@@ -88,11 +96,25 @@ class _Zygote:
     process: subprocess.Popen[bytes]
     sock: socket.socket
     env: dict[str, str]
+    qemu: tuple[int, int] | None
 
 
 def relevant_env() -> dict[str, str]:
     """The environment a supervisor's behaviour depends on."""
     return {k: v for k, v in os.environ.items() if k.startswith("CRYOBOX_") or k == "PATH"}
+
+
+def _qemu_stamp() -> tuple[int, int] | None:
+    """Which QEMU binary is installed (a zygote caches its version: an upgrade needs a
+    new one)."""
+    from cryobox.qemu.process import BINARY
+
+    path = os.environ.get("CRYOBOX_QEMU") or shutil.which(BINARY)
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns) if st else None
 
 
 class Launcher:
@@ -118,14 +140,16 @@ class Launcher:
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
             )
-        return _Zygote(process, ours, relevant_env())
+        return _Zygote(process, ours, relevant_env(), _qemu_stamp())
 
     def _fork(self, zygote: _Zygote, request: bytes) -> _Spare:
         """A new supervisor from ``zygote``, its start ``request`` already waiting on its
         socket: so a service killed while the zygote forks still has the sandbox start
         (and a later look finds it running), as a spare's start did.
 
-        :raises OSError: when the zygote is gone or does not answer.
+        :raises _NotSent: when the zygote is gone before it got the request (asking a
+            new zygote is safe). :raises OSError: when it does not answer after it (it
+            may have forked: asking again could start the sandbox twice).
         """
         ours, theirs = socket.socketpair()
         ours.sendall(request)
@@ -133,40 +157,54 @@ class Launcher:
             lowered = os.environ.get(priority.REFILL_ENV)
             kind = zygote_protocol.LOWERED if lowered else zygote_protocol.NORMAL
             zygote.sock.settimeout(FORK_TIMEOUT)
-            socket.send_fds(zygote.sock, [kind], [theirs.fileno()])
-        answer = b""
-        while not answer.endswith(b"\n"):
-            data = zygote.sock.recv(32)
-            if not data:
+            try:
+                socket.send_fds(zygote.sock, [kind], [theirs.fileno()])
+            except OSError as exc:
                 ours.close()
-                raise ConnectionError("the supervisor zygote exited")
-            answer += data
-        return _Spare(_Forked(int(answer)), ours)
+                raise _NotSent(str(exc)) from exc
+        try:
+            answer, fds, _, _ = socket.recv_fds(zygote.sock, 32, 1)
+        except BaseException:
+            ours.close()
+            raise
+        if not answer.endswith(b"\n") or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            ours.close()
+            raise ConnectionError("the supervisor zygote exited while it forked")
+        return _Spare(_Forked(int(answer), fds[0]), ours)
 
     def _take(self, request: bytes) -> _Spare:
         """A new supervisor with ``request`` on its socket, forked from the zygote if it
-        is alive and was started with the environment as it is now (it read CRYOBOX_* at
-        start), else from a new one."""
-        stale = None
-        with self._lock:
-            zygote = self._zygote
-            if zygote is not None and (
-                zygote.process.poll() is not None or zygote.env != relevant_env()
-            ):
-                stale, zygote = zygote, None
-            for attempt in range(2):
+        is alive and was started with the environment and QEMU as they are now (it read
+        CRYOBOX_* and QEMU's version at start), else from a new one."""
+        gone: list[_Zygote] = []  # let go of outside the lock
+        try:
+            with self._lock:
+                zygote, self._zygote = self._zygote, None
+                if zygote is not None and (
+                    zygote.process.poll() is not None
+                    or zygote.env != relevant_env()
+                    or zygote.qemu != _qemu_stamp()
+                ):
+                    gone.append(zygote)
+                    zygote = None
                 if zygote is None:
                     zygote = self._spawn_zygote()
                 try:
-                    spare = self._fork(zygote, request)
-                    break
-                except (OSError, ValueError):
-                    if attempt:
-                        _release_zygote(zygote)
-                        raise
-                    stale, zygote = zygote, None
-            self._zygote = zygote
-        _release_zygote(stale)
+                    try:
+                        spare = self._fork(zygote, request)
+                    except _NotSent:  # it died before it got the request: ask a new one
+                        gone.append(zygote)
+                        zygote = self._spawn_zygote()
+                        spare = self._fork(zygote, request)
+                except BaseException:
+                    gone.append(zygote)  # it may have forked: never asked again
+                    raise
+                self._zygote = zygote
+        finally:
+            for each in gone:
+                _release_zygote(each)
         return spare
 
     def discard_spare(self) -> None:
@@ -212,8 +250,9 @@ class Launcher:
         finally:
             spare.sock.close()
         if isinstance(outcome, CryoboxError):
-            _terminate(spare.process)  # it is exiting already: reap it
+            _terminate(spare.process)  # it is exiting already: wait for it
             raise outcome
+        spare.process.close()  # it runs the sandbox on its own from here
         return SandboxRecord.from_json(outcome)
 
     async def _converse(
@@ -268,12 +307,15 @@ def _release_zygote(zygote: _Zygote | None) -> None:
 
 def _terminate(process: _Forked) -> None:
     """Stop a supervisor (and with it its VM): politely, then by force."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
     try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        if process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    finally:
+        process.close()

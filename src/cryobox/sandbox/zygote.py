@@ -10,9 +10,10 @@ its sandbox with it (crash isolation as before).
 The service talks to the zygote on a socket pair: a request is one byte (``L`` for a
 warm pool's member, started at the lowest priority; ``N`` otherwise) carrying the
 supervisor's end of a new socket pair (SCM_RIGHTS); the answer is the new
-supervisor's pid, one line. A zygote whose service exits sees its socket close and
-exits too; the supervisors it forked live on. The zygote ignores SIGCHLD so the
-kernel reaps them when they exit; each supervisor sets it back before it runs.
+supervisor's pid, one line, carrying a pidfd for it, opened before the zygote can
+reap it (so no reuse of its pid can make the service signal another process). The
+zygote reaps supervisors that exit (SIGCHLD). A zygote whose service exits sees its
+socket close and exits too; the supervisors it forked live on.
 
 Started as ``python -m cryobox.sandbox.zygote --fd N``.
 """
@@ -41,6 +42,7 @@ def _become_supervisor(control: socket.socket, fd: int, lowered: bool) -> None:
     try:
         control.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         os.setsid()  # its own session (and scheduling group), as a spawned one had
         if lowered:
             priority.lower()
@@ -72,13 +74,33 @@ def serve(control: socket.socket) -> None:
             print("cryobox zygote: threads are running; refusing to fork", file=sys.stderr)
             os.close(fds[0])
             return
-        pid = os.fork()
-        if pid == 0:
-            _become_supervisor(control, fds[0], message == LOWERED)
-        os.close(fds[0])
+        # SIGCHLD held until the pidfd is open: a child that exits at once is not
+        # reaped (and its pid freed) before then.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
-            control.sendall(f"{pid}\n".encode())
+            pid = os.fork()
+            if pid == 0:
+                _become_supervisor(control, fds[0], message == LOWERED)
+            os.close(fds[0])
+            pidfd = os.pidfd_open(pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        try:
+            socket.send_fds(control, [f"{pid}\n".encode()], [pidfd])
         except OSError:  # the service is gone: the supervisor serves its request anyway
+            return
+        finally:
+            os.close(pidfd)
+
+
+def _reap(signum: int, frame: object) -> None:
+    """Collect the exit of every supervisor that ended (they are this process's)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
             return
 
 
@@ -86,7 +108,7 @@ def main() -> None:
     from cryobox.sandbox import supervisor  # everything a supervisor needs, imported once
 
     control = supervisor.prepare("zygote")
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    signal.signal(signal.SIGCHLD, _reap)
     del supervisor
     gc.collect()
     gc.freeze()  # what is imported stays shared with every fork (no collector writes)

@@ -9,17 +9,16 @@ to the ciphertext as GCM's associated data, so a chunk cannot be swapped for ano
 Opening checks the tag, then the hash of what came out: a changed byte anywhere is
 refused.
 
-Saving works without a copy of any window: the file is mapped (:class:`Mapped`), named
-from the mapping, and sealed by a streaming GCM encryptor into a buffer the worker
-thread keeps (:func:`seal_into`). A fresh 1 MiB object per step costs a page fault per
-4 KiB, and reading by ``pread`` copies once more: with both, the store saved at 0.36x
-the disk's write rate on this project's 2-core machines.
+Saving reads each window once, into a buffer its worker thread keeps, and names and
+seals that one copy (:func:`read_window`, :func:`seal_read`): what is named is what is
+sealed even if the file changes meanwhile (a paused sandbox resumed while its state
+uploads), and a read error is an error, not a SIGBUS as through a mapping. Buffers are
+kept because a fresh 1 MiB object per step costs a page fault per 4 KiB: without them,
+the store saved at 0.36x the disk's write rate on this project's 2-core machines.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -27,7 +26,6 @@ from collections.abc import Iterator
 import zstandard
 from blake3 import blake3
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cryobox.store.keys import DataKey
@@ -42,7 +40,7 @@ _ZERO = bytes(CHUNK)
 _NONCE = 12
 _HEADER = len(MAGIC) + _NONCE
 _TAG = 16
-#: The stored form's largest size, and the slack a streaming encryptor's output needs.
+#: The stored form's largest size (a body is never larger than the bytes as they are).
 _SEALED_MAX = _HEADER + 1 + CHUNK + _TAG
 _local = threading.local()
 _zero_names: dict[tuple[bytes, int], str] = {}
@@ -84,33 +82,64 @@ def seal(key: DataKey, chunk_id: str, data: bytes) -> bytes:
 
     The mode byte says whether the body is zstd or the bytes as they are: they stay as
     they are when a 64 KiB sample does not compress (random or already compressed
-    data: zstd would only cost time)."""
-    return bytes(seal_into(key, chunk_id, memoryview(data)))
+    data: zstd would only cost time), or when zstd would not make them smaller."""
+    plain = bytearray(1 + len(data))
+    plain[1:] = data
+    return bytes(_seal(key, chunk_id, memoryview(plain)))
 
 
-def seal_into(key: DataKey, chunk_id: str, data: memoryview) -> memoryview:
-    """What :func:`seal` gives, written into this thread's buffer without copying
-    ``data``: valid until the thread's next call."""
-    if not hasattr(_local, "sealed"):
-        _local.sealed = bytearray(_SEALED_MAX + 16)
-    out = memoryview(_local.sealed)
+class _Buffers(threading.local):
+    """A worker thread's buffers: the mode byte and a window's bytes; their sealed form."""
+
+    def __init__(self) -> None:
+        self.plain = bytearray(1 + CHUNK)
+        self.sealed = bytearray(_SEALED_MAX)
+        self.size = 0
+
+
+_buffers = _Buffers()
+
+
+def read_window(fd: int, offset: int, size: int) -> memoryview:
+    """The window at ``offset`` of a file of ``size`` bytes, read into this thread's
+    buffer: valid until its next call.
+
+    :raises OSError: when the file ends early (changed meanwhile) or cannot be read.
+    """
+    want = min(CHUNK, size - offset)
+    view = memoryview(_buffers.plain)
+    got = os.preadv(fd, [view[1 : 1 + want]], offset)
+    if got != want:
+        raise OSError(f"the file ended at {offset + got} while it was read (changed?)")
+    _buffers.size = want
+    return view[1 : 1 + want]
+
+
+def seal_read(key: DataKey, chunk_id: str) -> memoryview:
+    """What :func:`seal` gives for the window this thread last read: valid until the
+    thread's next call."""
+    return _seal(key, chunk_id, memoryview(_buffers.plain)[: 1 + _buffers.size])
+
+
+def _seal(key: DataKey, chunk_id: str, plain: memoryview) -> memoryview:
+    """Seal ``plain`` (a free mode byte, then the chunk's bytes) into this thread's
+    buffer."""
+    data = plain[1:]
+    payload = plain
     sample = data[:SAMPLE]
-    mode, body = RAW, data
     if len(_compressor().compress(sample)) <= 0.97 * len(sample):
-        mode, body = ZSTD, memoryview(_compressor().compress(data))
+        packed = _compressor().compress(data)
+        if len(packed) < len(data):  # never larger than the bytes as they are
+            payload = memoryview(ZSTD + packed)
+    if payload is plain:
+        plain[0] = RAW[0]
     nonce = os.urandom(_NONCE)
+    out = memoryview(_buffers.sealed)
     out[: len(MAGIC)] = MAGIC
     out[len(MAGIC) : _HEADER] = nonce
-    encryptor = Cipher(algorithms.AES(key.seal), modes.GCM(nonce)).encryptor()
-    encryptor.authenticate_additional_data(chunk_id.encode())
-    # update_into wants room for a block's slack beyond what it writes (GCM writes
-    # exactly as many bytes as it is given).
-    encryptor.update_into(mode, out[_HEADER : _HEADER + 16])
-    end = _HEADER + 1 + len(body)
-    encryptor.update_into(body, out[_HEADER + 1 : end + 15])
-    encryptor.finalize()
-    out[end : end + _TAG] = encryptor.tag
-    return out[: end + _TAG]
+    end = _HEADER + len(payload) + _TAG
+    AESGCM(key.seal).encrypt_into(nonce, payload, chunk_id.encode(), out[_HEADER:end])
+    return out[:end]
 
 
 def open_chunk(key: DataKey, chunk_id: str, blob: bytes) -> bytes:
@@ -148,32 +177,3 @@ def windows(fd: int, size: int) -> Iterator[int]:
         while window < min(end, size):
             yield window
             window += CHUNK
-
-
-class Mapped:
-    """A file mapped read-only, read window by window without copying.
-
-    Snapshot files are never truncated while they exist (a truncation under a mapping
-    would be a SIGBUS); a file replaced or deleted meanwhile stays mapped as it was.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.size = os.fstat(fd).st_size
-        self._map = mmap.mmap(fd, self.size, prot=mmap.PROT_READ) if self.size else None
-        if self._map is not None:
-            self._map.madvise(mmap.MADV_SEQUENTIAL)
-
-    def window(self, offset: int) -> memoryview:
-        if self._map is None:
-            return memoryview(b"")
-        return memoryview(self._map)[offset : offset + CHUNK]
-
-    def windows(self) -> Iterator[int]:
-        return windows(self.fd, self.size)
-
-    def close(self) -> None:
-        if self._map is not None:
-            # A view still held (by a traceback) keeps it mapped until it is collected.
-            with contextlib.suppress(BufferError):
-                self._map.close()

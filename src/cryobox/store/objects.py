@@ -70,6 +70,11 @@ class ObjectStore(Protocol):
         """Remove what writers that died left behind, and reclaim dead space."""
         ...
 
+    def discard(self) -> None:
+        """Give up what was put with ``durable=False`` since the last flush (a push that
+        failed): never made durable nor, where that waits for a flush, visible."""
+        ...
+
     def exists(self, key: str) -> bool: ...
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -176,9 +181,16 @@ class LocalObjects:
             raise StoreError(self.url, f"reading {key}", str(exc)) from exc
 
     def exists(self, key: str) -> bool:
-        if key.startswith(PACKED) and self.packs.place(_check_key(key)) is not None:
-            return True
+        if key.startswith(PACKED):
+            try:
+                if self.packs.place(_check_key(key)) is not None:
+                    return True
+            except (OSError, sqlite3.Error) as exc:
+                raise StoreError(self.url, f"looking up {key}", str(exc)) from exc
         return self._path(key).is_file()
+
+    def discard(self) -> None:
+        self.packs.discard()
 
     def _folder(self, folder: Path) -> None:
         """Make ``folder`` and the ones above it up to the root, each 0700."""
@@ -190,7 +202,11 @@ class LocalObjects:
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         if prefix.startswith(PACKED) or PACKED.startswith(prefix):
-            for key, place in self.packs.list(prefix):
+            try:
+                packed = list(self.packs.list(prefix))
+            except (OSError, sqlite3.Error) as exc:
+                raise StoreError(self.url, f"listing {prefix}", str(exc)) from exc
+            for key, place in packed:
                 yield ObjectInfo(key, place.length, place.modified)
         # The prefix's folder part is walked; its last part filters names.
         base, _, _start = prefix.rpartition("/")
@@ -306,6 +322,10 @@ class S3Objects:
 
     def sweep(self) -> None:
         """Nothing to do: an S3 PUT is never left half-written."""
+
+    def discard(self) -> None:
+        """Nothing to do: each PUT is durable and visible when it answers; a chunk
+        without a record naming it is collected."""
 
 
 def store_url() -> str:

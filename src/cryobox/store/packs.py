@@ -10,11 +10,15 @@ transaction (``.index.db``, WAL, synchronous commits). Until that commit no read
 sees the chunks; after it, they are durable. So a writer killed at any point leaves
 at most bytes in a pack that no row names: dead space, reclaimed by :meth:`compact`.
 
-A pack is written by one writer only and never appended to after its flush. A key
-stored again points at its new copy (as an object store's put replaces); the old
-copy is dead space. Deleting a chunk deletes its row; a pack left with no rows is
-removed, and :meth:`compact` rewrites the live chunks of packs that are mostly dead.
-A reader that finds a pack gone (compacted meanwhile) looks the chunk up again.
+A pack is written by one writer only, which holds an exclusive ``flock`` on it until
+its rows are committed (or it gives up), and never appended to after its flush: so
+a pack without rows is removed only when nobody holds it. A key stored again points
+at its new copy (as an object store's put replaces); the old copy is dead space.
+Deleting a chunk deletes its row; a pack left with no rows is removed, and
+:meth:`compact` rewrites the live chunks of packs that are mostly dead. A reader
+that finds a pack gone (compacted meanwhile) looks the chunk up again. A sync that
+fails fails the flush, and the rows of that pack are dropped, never retried on the
+same file (Linux reports a writeback error once: a second fsync would pass).
 
 While a writer appends, a thread syncs the pack behind it every 32 MiB: on a virtual
 disk a sync writes out the host's cache, and one sync of everything at the flush
@@ -24,11 +28,12 @@ took as long as sealing the chunks had (0.45 s of 1.15 s for 330 MB).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,15 +66,22 @@ class Place:
 
 
 class _Pack:
-    """A pack being written: its file and the next free offset."""
+    """A pack being written: its file (locked), the next free offset, its syncs."""
 
     def __init__(self, path: Path) -> None:
         self.name = path.name
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)  # ours until committed: compact leaves it
         self.end = 0
         self.synced = 0  # bytes synced behind the writer
         self.syncing = False
         self.busy = 0  # appends between their reservation and their record, syncs
+        self.error: OSError | None = None  # a sync behind the writer failed
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # and with it the lock
+            self.fd = -1
 
 
 class Packs:
@@ -77,21 +89,24 @@ class Packs:
     processes may share the folder)."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.folder = root / ".packs"
         self.db_path = root / ".index.db"
         self._lock = threading.Lock()
         self._written_all = threading.Condition(self._lock)
+        self._flushing = threading.Lock()  # one flush at a time: each returns committed
         self._local = threading.local()
         self._writing: _Pack | None = None
         self._written: list[_Pack] = []  # since the last flush, the one writing included
         self._pending: dict[str, Place] = {}
+        self._committing: dict[str, Place] = {}  # a flush's, until its commit
 
     # -- the index -------------------------------------------------------------
 
     def _db(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._make_folder()
             # Made 0600 before SQLite opens it: its -wal and -shm files copy the mode.
             os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
             db = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
@@ -101,20 +116,27 @@ class Packs:
             self._local.db = db
         return db
 
+    def _make_folder(self) -> None:
+        if not self.folder.is_dir():
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fsync_dir(self.root)
+
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         db = self._db()
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # a failed COMMIT may leave it open, holding the lock
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
 
     def place(self, key: str) -> Place | None:
         with self._lock:
-            pending = self._pending.get(key)
+            pending = self._pending.get(key) or self._committing.get(key)
         if pending is not None:
             return pending
         row = (
@@ -143,7 +165,7 @@ class Packs:
         with self._lock:
             pack = self._writing
             if pack is None or pack.end + length > PACK_MAX:
-                self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._make_folder()
                 pack = self._writing = _Pack(self.folder / f"pack-{os.urandom(12).hex()}")
                 self._written.append(pack)
             offset = pack.end
@@ -155,18 +177,7 @@ class Packs:
             written = os.pwrite(pack.fd, data, offset)
             if written != length:
                 raise OSError(f"short write to {pack.name}: {written} of {length} bytes")
-            # Every 32 MiB a thread syncs what is written so far, while the next chunks
-            # are sealed: a virtual disk's cache is written out at each sync, and all
-            # of it at the flush took as long as the chunks took to seal.
-            with self._lock:
-                behind = not pack.syncing and offset + length - pack.synced >= SYNC_STEP
-                if behind:
-                    pack.syncing = True
-                    pack.busy += 1
-            if behind:
-                threading.Thread(
-                    target=self._sync_behind, args=(pack, offset + length), daemon=True
-                ).start()
+            self._maybe_sync_behind(pack, offset + length)
             done = True
         finally:
             with self._lock:  # the pack's flush waits for this
@@ -175,42 +186,99 @@ class Packs:
                 pack.busy -= 1
                 self._written_all.notify_all()
 
+    def _maybe_sync_behind(self, pack: _Pack, upto: int) -> None:
+        """Every 32 MiB a thread syncs what is written so far, while the next chunks
+        are sealed: a virtual disk's cache is written out at each sync, and all of it
+        at the flush took as long as the chunks took to seal."""
+        with self._lock:
+            if pack.syncing or upto - pack.synced < SYNC_STEP:
+                return
+            pack.syncing = True
+            pack.busy += 1
+        try:
+            threading.Thread(target=self._sync_behind, args=(pack, upto), daemon=True).start()
+        except BaseException:
+            self._synced(pack, pack.synced, None)
+            raise
+
     def _sync_behind(self, pack: _Pack, upto: int) -> None:
         try:
-            os.fdatasync(pack.fd)  # a failure is the flush's to report: it syncs again
-        except OSError:
-            upto = pack.synced
+            os.fdatasync(pack.fd)
+        except OSError as exc:  # the flush fails with it (a second fsync would pass)
+            self._synced(pack, pack.synced, exc)
+        else:
+            self._synced(pack, upto, None)
+
+    def _synced(self, pack: _Pack, upto: int, error: OSError | None) -> None:
         with self._lock:
             pack.synced, pack.syncing = upto, False
+            pack.error = pack.error or error
             pack.busy -= 1
             self._written_all.notify_all()
 
     def flush(self) -> None:
-        """Make every appended chunk durable, then visible to every process."""
-        with self._lock:
-            packs, self._written, self._writing = self._written, [], None
-            # An append under way to one of them is waited for (its bytes and its row).
-            self._written_all.wait_for(lambda: not any(p.busy for p in packs))
-            pending, self._pending = self._pending, {}
+        """Make every chunk appended before this call durable, then visible to every
+        process.
+
+        :raises OSError: when a pack could not be made durable: its chunks are dropped
+            (dead space), never committed; they must be put again.
+        :raises sqlite3.Error: when the index could not be written (tried again by the
+            next flush).
+        """
+        with self._flushing:
+            with self._lock:
+                packs, self._written, self._writing = self._written, [], None
+                # An append or a sync under way in one of them is waited for.
+                self._written_all.wait_for(lambda: not any(p.busy for p in packs))
+                pending, self._pending = self._pending, {}
+                self._committing.update(pending)
+            try:
+                self._commit(packs, pending)
+            except sqlite3.Error:
+                with self._lock:  # the packs are durable: tried again by the next flush
+                    self._written = packs + self._written
+                    self._pending = pending | self._pending
+                raise
+            finally:
+                with self._lock:
+                    for key in pending:
+                        self._committing.pop(key, None)
+
+    def _commit(self, packs: Sequence[_Pack], pending: dict[str, Place]) -> None:
         try:
             for pack in packs:
+                if pack.fd < 0:
+                    continue  # made durable by a flush whose commit failed
+                if pack.error is not None:
+                    raise pack.error
                 os.fsync(pack.fd)
+                if os.fstat(pack.fd).st_nlink == 0:
+                    raise OSError(f"{pack.name} was removed while it was written")
             if packs:
                 fsync_dir(self.folder)
-            if pending:
-                now = time.time()
-                with self._transaction() as db:
-                    db.executemany(
-                        "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
-                        [(k, p.pack, p.offset, p.length, now) for k, p in pending.items()],
-                    )
-        except BaseException:
-            with self._lock:  # tried again by the next flush
-                self._written = packs + self._written
-                self._pending = pending | self._pending
+        except OSError:
+            for pack in packs:  # never synced again: their rows are dropped
+                pack.close()
             raise
+        if pending:
+            now = time.time()
+            with self._transaction() as db:
+                db.executemany(
+                    "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
+                    [(k, p.pack, p.offset, p.length, now) for k, p in pending.items()],
+                )
         for pack in packs:
-            os.close(pack.fd)
+            pack.close()
+
+    def discard(self) -> None:
+        """Give up what was appended since the last flush (dead space, reclaimed by
+        :meth:`compact`): a push that failed."""
+        with self._lock:
+            packs, self._written, self._writing = self._written, [], None
+            self._written_all.wait_for(lambda: not any(p.busy for p in packs))
+            self._pending = {}
+        for pack in packs:
+            pack.close()
 
     # -- reading -----------------------------------------------------------------
 
@@ -246,55 +314,74 @@ class Packs:
             emptied = not db.execute(
                 "SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (row[0],)
             ).fetchone()
-        if emptied:
+        if emptied:  # committed, so its writer is done with it: nothing adds rows later
             (self.folder / row[0]).unlink(missing_ok=True)
         return True
 
     def compact(self, abandoned_after: float) -> int:
         """Rewrite the live chunks of mostly dead packs into a new one and remove packs
-        that no row names and no writer touched for ``abandoned_after`` seconds (left
-        by a writer killed before its flush). Bytes freed."""
+        that no row names, that no writer holds, and that nobody touched for
+        ``abandoned_after`` seconds (left by a writer killed before its flush). Bytes
+        freed."""
         if not self.folder.is_dir():
             return 0
         live = dict(
             self._db().execute("SELECT pack, SUM(length) FROM chunks GROUP BY pack").fetchall()
         )
-        with self._lock:
-            mine = {p.name for p in self._written}
         freed = 0
         now = time.time()
         for path in self.folder.iterdir():
-            if not path.name.startswith("pack-") or path.name in mine:
+            if not path.name.startswith("pack-"):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 st = path.stat()
                 if path.name not in live:
-                    if now - st.st_mtime >= abandoned_after:
-                        path.unlink()
+                    if now - st.st_mtime >= abandoned_after and self._remove_unnamed(path):
                         freed += st.st_size
                 elif live[path.name] < LIVE_MIN * st.st_size:
                     freed += self._rewrite(path.name, st.st_size)
         return freed
 
+    def _remove_unnamed(self, path: Path) -> bool:
+        """Remove a pack no row names, unless a writer holds it (its rows are coming)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            with self._transaction() as db:  # rows committed since the listing?
+                named = db.execute(
+                    "SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (path.name,)
+                ).fetchone()
+                if not named:
+                    path.unlink()
+            return not named
+        finally:
+            os.close(fd)
+
     def _rewrite(self, pack: str, size: int) -> int:
-        """Move the pack's chunks into a new pack and remove it. Bytes freed."""
+        """Move the pack's chunks into a new pack, one at a time, and remove it. Bytes
+        freed."""
         rows = (
             self._db()
             .execute("SELECT key, offset, length FROM chunks WHERE pack = ?", (pack,))
             .fetchall()
         )
-        fd = os.open(self.folder / pack, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            moved = [(key, os.pread(fd, length, offset), offset) for key, offset, length in rows]
-        finally:
-            os.close(fd)
+        self._make_folder()
         target = _Pack(self.folder / f"pack-{os.urandom(12).hex()}")
         try:
+            source = os.open(self.folder / pack, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             places = []
-            for key, data, old_offset in moved:
-                os.pwrite(target.fd, data, target.end)
-                places.append((target.name, target.end, key, pack, old_offset))
-                target.end += len(data)
+            try:
+                for key, offset, length in rows:
+                    data = os.pread(source, length, offset)
+                    if len(data) != length or os.pwrite(target.fd, data, target.end) != length:
+                        raise OSError(f"moving {key} out of {pack}: a short read or write")
+                    places.append((target.name, target.end, key, pack, offset))
+                    target.end += length
+            finally:
+                os.close(source)
             os.fsync(target.fd)
             fsync_dir(self.folder)
             with self._transaction() as db:
@@ -307,7 +394,7 @@ class Packs:
                 left = db.execute("SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (pack,))
                 emptied = not left.fetchone()
         finally:
-            os.close(target.fd)
+            target.close()
         if not emptied:  # a row was added meanwhile: never, packs are written once
             return 0
         (self.folder / pack).unlink(missing_ok=True)

@@ -43,18 +43,17 @@ def _push_file(
 ) -> dict[str, object]:
     fd = os.open(path, os.O_RDONLY)
     try:
-        source = chunks.Mapped(fd)
-        size = source.size
+        size = os.fstat(fd).st_size
 
         def one(offset: int) -> list[object] | None:
-            data = source.window(offset)
+            data = chunks.read_window(fd, offset, size)
             name = chunks.name_of(key, data)
             if chunks.is_zero(key, name, len(data)):
                 tick(len(data))
                 return None
             stored = known.get(name)
             if stored is None:
-                blob = chunks.seal_into(key, name, data)
+                blob = chunks.seal_read(key, name)
                 objects.put(catalog.chunk_key(key.tenant, name), blob, durable=False)
                 stored = known[name] = len(blob)
             else:  # written by another push, maybe not durable yet (killed before its flush)
@@ -62,10 +61,7 @@ def _push_file(
             tick(len(data))
             return [offset, name, stored]
 
-        try:
-            found = [c for c in pool.map(one, list(source.windows())) if c is not None]
-        finally:
-            source.close()
+        found = [c for c in pool.map(one, list(chunks.windows(fd, size))) if c is not None]
     finally:
         os.close(fd)
     return {"size": size, "chunks": found}
@@ -101,10 +97,14 @@ def push(
     with locks.uploading(objects, key.tenant), ThreadPoolExecutor(WORKERS) as pool:
         known = catalog.chunk_sizes(objects, key.tenant)
         reused: set[str] = set()
-        files = {
-            name: _push_file(objects, key, folder / name, known, pool, tick, reused)
-            for name in sorted(manifest.files)
-        }
+        try:
+            files = {
+                name: _push_file(objects, key, folder / name, known, pool, tick, reused)
+                for name in sorted(manifest.files)
+            }
+        except BaseException:
+            objects.discard()  # what it wrote is dead space, reclaimed by collection
+            raise
         objects.flush(reused)  # every chunk durable before the manifest names it
         if before_commit is not None:
             before_commit()
