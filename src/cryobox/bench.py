@@ -128,18 +128,6 @@ async def _ready(sbx: AsyncSandbox) -> AsyncSandbox:
     return sbx
 
 
-async def qemu_pss_mib(sandboxes: list[AsyncSandbox]) -> float:
-    """Sum of the QEMU processes' proportional set sizes: shared pages counted once."""
-    infos = [await sbx.info() for sbx in sandboxes]
-    return sum(pool.host_memory_mib((info.vmm_pid,)) or 0.0 for info in infos)
-
-
-async def supervisors_pss_mib(sandboxes: list[AsyncSandbox]) -> float:
-    """The same for their supervisors (one Python process per sandbox)."""
-    infos = [await sbx.info() for sbx in sandboxes]
-    return sum(pool.host_memory_mib((info.supervisor_pid,)) or 0.0 for info in infos)
-
-
 # --------------------------------------------------------------------------- scenarios
 
 
@@ -423,10 +411,13 @@ async def fork(ctx: Context) -> list[Figure]:
         await asyncio.gather(*(f.commands.run(["true"]) for f in forks))
         elapsed = time.perf_counter() - start
         infos = [await f.info() for f in forks]  # new processes: their CPU is the fork's
-        qemu_cpu = sum(bench_steps.cpu_seconds(i.vmm_pid) for i in infos)
-        supervisor_cpu = sum(bench_steps.cpu_seconds(i.supervisor_pid) for i in infos)
-        pss = await qemu_pss_mib(forks)
-        supervisors = await supervisors_pss_mib(forks)
+        qemus = [i.vmm_pid for i in infos]
+        supervisor_pids = [i.supervisor_pid for i in infos]
+        qemu_cpu = sum(map(bench_steps.cpu_seconds, qemus))
+        supervisor_cpu = sum(map(bench_steps.cpu_seconds, supervisor_pids))
+        # Proportional set sizes: pages the processes share are counted once.
+        pss = pool.host_memory_mib(tuple(qemus)) or 0.0
+        supervisors = pool.host_memory_mib(tuple(supervisor_pids)) or 0.0
         for sbx in forks:
             await sbx.kill()
         await parent.kill()

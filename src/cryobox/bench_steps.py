@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 from cryobox import config
+from cryobox.sandbox import registry
 
 _STEPS = re.compile(r"INFO (?P<kind>[a-z ]+?) (?P<total>\d+) ms: (?P<steps>.*)$")
 _STEP = re.compile(r"(?P<name>[a-z ]+) (?P<ms>\d+)$")
@@ -43,10 +43,7 @@ def step_timings(sandbox_id: str, kind: str) -> dict[str, float] | None:
 
 def cpu_seconds(pid: int | None) -> float:
     """User and system CPU time the process has used so far (0 when it is gone)."""
-    if not pid:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+    fields = registry.process_stat(pid) if pid else None
+    if not fields:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -45,6 +45,15 @@ def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
         fsync_dir(path.parent)
 
 
+def open_log(path: Path) -> int:
+    """A log file opened for appending (a descriptor), private (0600) whatever this
+    process's umask and however it was created before: logs name snapshots, sandboxes
+    and tenants."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def write_json_atomic(path: Path, value: Any, *, durable: bool = True) -> None:
     write_atomic(
         path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode(), durable=durable

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ from cryobox.sandbox import priority
 from cryobox.sandbox import zygote as zygote_protocol
 from cryobox.sandbox.control import TIMEOUTS, ControlEvent, ControlOp, StartRequest
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
+from cryobox.util import open_log
 
 #: Seconds the zygote may take to answer a fork.
 FORK_TIMEOUT = 30.0
@@ -107,14 +107,13 @@ def relevant_env() -> dict[str, str]:
 def _qemu_stamp() -> tuple[int, int] | None:
     """Which QEMU binary is installed (a zygote caches its version: an upgrade needs a
     new one)."""
-    from cryobox.qemu.process import BINARY
+    from cryobox.qemu.process import qemu_binary
 
-    path = os.environ.get("CRYOBOX_QEMU") or shutil.which(BINARY)
     try:
-        st = os.stat(path) if path else None
-    except OSError:
+        st = os.stat(qemu_binary())
+    except (CryoboxError, OSError):  # not installed: the supervisor will say so
         return None
-    return (st.st_ino, st.st_mtime_ns) if st else None
+    return st.st_ino, st.st_mtime_ns
 
 
 class Launcher:
@@ -127,7 +126,7 @@ class Launcher:
     def _spawn_zygote(self) -> _Zygote:
         ours, theirs = socket.socketpair()
         path = config.state_dir() / "supervisor-spare.log"
-        log = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        log = os.fdopen(open_log(path), "ab")
         argv = [sys.executable, "-m", "cryobox.sandbox.zygote", "--fd", str(theirs.fileno())]
         if os.environ.get(priority.REFILL_ENV):  # a warm pool's refill: nobody waits for it
             argv = priority.lowered_argv(argv)

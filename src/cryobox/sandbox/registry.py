@@ -239,13 +239,19 @@ class SandboxDir:
         )
 
 
-def process_start(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks after boot), or None if it is gone or a zombie."""
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), or None
+    if the process is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return None if fields[0] == "Z" else int(fields[19])
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), or None if it is gone or a zombie."""
+    fields = process_stat(pid)
+    return None if not fields or fields[0] == "Z" else int(fields[19])
 
 
 #: States whose VM a new supervisor takes over when its own died.
@@ -275,9 +281,8 @@ def process_alive(pid: int | None, marker: str) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-            return False
+    if (process_stat(pid) or ["Z"])[0] == "Z":  # a zombie, or gone since
+        return False
     return marker.encode() in cmdline
 
 

@@ -49,7 +49,7 @@ from cryobox.config import env_number
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import priority
 from cryobox.sandbox.launcher import relevant_env
-from cryobox.util import write_atomic, write_json_atomic
+from cryobox.util import open_log, write_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from cryobox.service.service import SandboxService
@@ -231,7 +231,7 @@ def request_refill() -> None:
     if not sizes() or _refill_running():
         return
     _started[:] = [p for p in _started if p.poll() is None]  # reap those that ended
-    log_file = os.open(root() / "refill.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log_file = open_log(root() / "refill.log")
     try:
         _started.append(
             subprocess.Popen(

@@ -108,15 +108,21 @@ class LocalObjects:
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
 
+    @contextlib.contextmanager
+    def _packs_doing(self, doing: str) -> Iterator[None]:
+        """The packs' failures (their files, their SQLite index) as this store's."""
+        try:
+            yield
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(self.url, doing, str(exc)) from exc
+
     def put(self, key: str, data: bytes | memoryview, *, durable: bool = True) -> None:
         path = self._path(key)
         if key.startswith(PACKED):
-            try:
+            with self._packs_doing(f"writing {key}"):
                 self.packs.append(key, data)
                 if durable:
                     self.packs.flush()
-            except (OSError, sqlite3.Error) as exc:
-                raise StoreError(self.url, f"writing {key}", str(exc)) from exc
             return
         self._folder(path.parent)
         temp = path.with_name(f"{_TEMP}{path.name}.{os.getpid()}.{threading.get_ident()}")
@@ -142,10 +148,8 @@ class LocalObjects:
     def flush(self, also: Iterable[str] = ()) -> None:
         """fsync what was put with ``durable=False`` and the objects ``also`` names
         (cheap when already on disk), before a manifest names them."""
-        try:
+        with self._packs_doing("making chunks durable"):
             self.packs.flush()
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(self.url, "making chunks durable", str(exc)) from exc
         with self._lock:
             paths, self._unsynced = self._unsynced, set()
         # A chunk in a pack is durable once other writers can see it.
@@ -165,10 +169,8 @@ class LocalObjects:
 
     def get(self, key: str) -> bytes:
         if key.startswith(PACKED):
-            try:
+            with self._packs_doing(f"reading {key}"):
                 packed = self.packs.read(_check_key(key))
-            except (OSError, sqlite3.Error) as exc:
-                raise StoreError(self.url, f"reading {key}", str(exc)) from exc
             if packed is not None:
                 return packed
         try:  # never through a link planted in the folder
@@ -182,11 +184,9 @@ class LocalObjects:
 
     def exists(self, key: str) -> bool:
         if key.startswith(PACKED):
-            try:
+            with self._packs_doing(f"looking up {key}"):
                 if self.packs.place(_check_key(key)) is not None:
                     return True
-            except (OSError, sqlite3.Error) as exc:
-                raise StoreError(self.url, f"looking up {key}", str(exc)) from exc
         return self._path(key).is_file()
 
     def discard(self) -> None:
@@ -202,10 +202,8 @@ class LocalObjects:
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         if prefix.startswith(PACKED) or PACKED.startswith(prefix):
-            try:
+            with self._packs_doing(f"listing {prefix}"):
                 packed = list(self.packs.list(prefix))
-            except (OSError, sqlite3.Error) as exc:
-                raise StoreError(self.url, f"listing {prefix}", str(exc)) from exc
             for key, place in packed:
                 yield ObjectInfo(key, place.length, place.modified)
         # The prefix's folder part is walked; its last part filters names.
@@ -226,10 +224,8 @@ class LocalObjects:
 
     def delete(self, key: str) -> None:
         if key.startswith(PACKED):
-            try:
+            with self._packs_doing(f"deleting {key}"):
                 self.packs.delete(_check_key(key))
-            except (OSError, sqlite3.Error) as exc:
-                raise StoreError(self.url, f"deleting {key}", str(exc)) from exc
         self._path(key).unlink(missing_ok=True)
 
     def sweep(self) -> None:
@@ -237,10 +233,8 @@ class LocalObjects:
         rewrite mostly dead packs (:meth:`.Packs.compact`)."""
         if not self.root.is_dir():
             return
-        try:
+        with self._packs_doing("compacting packs"):
             self.packs.compact(ABANDONED_AFTER)
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(self.url, "compacting packs", str(exc)) from exc
         for path in self.root.rglob(f"{_TEMP}*"):
             with contextlib.suppress(OSError):
                 if time.time() - path.stat().st_mtime > ABANDONED_AFTER:

@@ -84,6 +84,11 @@ class _Pack:
             self.fd = -1
 
 
+def _named(db: sqlite3.Connection, pack: str) -> bool:
+    """Whether a row names ``pack``."""
+    return db.execute("SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (pack,)).fetchone() is not None
+
+
 class Packs:
     """The packed objects of one local store folder (thread-safe; any number of
     processes may share the folder)."""
@@ -115,6 +120,10 @@ class Packs:
             db.executescript(_SCHEMA)
             self._local.db = db
         return db
+
+    def _new_pack(self) -> _Pack:
+        self._make_folder()
+        return _Pack(self.folder / f"pack-{os.urandom(12).hex()}")
 
     def _make_folder(self) -> None:
         if not self.folder.is_dir():
@@ -165,8 +174,7 @@ class Packs:
         with self._lock:
             pack = self._writing
             if pack is None or pack.end + length > PACK_MAX:
-                self._make_folder()
-                pack = self._writing = _Pack(self.folder / f"pack-{os.urandom(12).hex()}")
+                pack = self._writing = self._new_pack()
                 self._written.append(pack)
             offset = pack.end
             pack.end += length
@@ -311,9 +319,7 @@ class Packs:
             if row is None:
                 return False
             db.execute("DELETE FROM chunks WHERE key = ?", (key,))
-            emptied = not db.execute(
-                "SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (row[0],)
-            ).fetchone()
+            emptied = not _named(db, row[0])
         if emptied:  # committed, so its writer is done with it: nothing adds rows later
             (self.folder / row[0]).unlink(missing_ok=True)
         return True
@@ -351,9 +357,7 @@ class Packs:
             except BlockingIOError:
                 return False
             with self._transaction() as db:  # rows committed since the listing?
-                named = db.execute(
-                    "SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (path.name,)
-                ).fetchone()
+                named = _named(db, path.name)
                 if not named:
                     path.unlink()
             return not named
@@ -368,8 +372,7 @@ class Packs:
             .execute("SELECT key, offset, length FROM chunks WHERE pack = ?", (pack,))
             .fetchall()
         )
-        self._make_folder()
-        target = _Pack(self.folder / f"pack-{os.urandom(12).hex()}")
+        target = self._new_pack()
         try:
             source = os.open(self.folder / pack, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             places = []
@@ -391,8 +394,7 @@ class Packs:
                     "WHERE key = ? AND pack = ? AND offset = ?",
                     places,
                 )
-                left = db.execute("SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (pack,))
-                emptied = not left.fetchone()
+                emptied = not _named(db, pack)
         finally:
             target.close()
         if not emptied:  # a row was added meanwhile: never, packs are written once

@@ -31,7 +31,7 @@ from cryobox.errors import CryoboxError, StoreError
 from cryobox.snapshot import manifest as mf
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects, store_url
-from cryobox.util import write_json_atomic
+from cryobox.util import open_log, write_json_atomic
 
 SIDECAR = "upload.json"
 MAX_ATTEMPTS = 5
@@ -87,10 +87,7 @@ def schedule(folder: Path, tenant: str) -> None:
 
 def start_uploader() -> None:
     logfile = config.state_dir() / "uploader.log"
-    # Private whatever this process's umask (it names snapshots and tenants).
-    fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "ab") as out:
+    with os.fdopen(open_log(logfile), "ab") as out:
         subprocess.Popen(
             [sys.executable, "-m", "cryobox.store.uploads"],
             stdin=subprocess.DEVNULL,
