@@ -222,7 +222,10 @@ def _announce() -> None:
     Written in place (a rename costs ~10 ms here): a torn read only makes a refill look
     once more, with its own sizes."""
     request = {"token": secrets.token_hex(8), "sizes": sizes()}
-    (root() / "wanted").write_text(json.dumps(request))
+    fd = os.open(root() / "wanted", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # whatever the caller's umask, or an older file's mode
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(request))
 
 
 def request_refill() -> None:
