@@ -8,7 +8,6 @@ the user's (building it takes a minute; its content key keeps it honest).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -23,7 +22,7 @@ from typing import Any
 import hypothesis  # noqa: F401
 import pytest
 
-from api_server import ApiServer, make_server
+from api_server import ApiServer, kill_vms, make_server
 
 _STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
 os.environ["CRYOBOX_STATE_DIR"] = str(_STATE)
@@ -34,12 +33,7 @@ os.environ["CRYOBOX_POOL_SIZE"] = "0"
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill anything a test left behind, then remove the state folder."""
-    for record in _STATE.glob("**/sandboxes/*/state.json"):  # other hosts' folders too
-        with_pids = json.loads(record.read_text())
-        for key in ("supervisor_pid", "qemu_pid"):
-            pid = with_pids.get(key)
-            if pid and record.parent.name.encode() in _cmdline(pid):
-                os.kill(pid, signal.SIGKILL)
+    kill_vms(_STATE)  # other hosts' folders too; their supervisors then end
     for proc in Path("/proc").glob("[0-9]*"):  # background uploaders and refills
         with contextlib.suppress(OSError):
             cmdline = (proc / "cmdline").read_bytes()
@@ -48,13 +42,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             ):
                 os.kill(int(proc.name), signal.SIGKILL)
     shutil.rmtree(_STATE, ignore_errors=True)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -27,7 +27,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from api_server import CLI, ApiServer, make_server
+from api_server import CLI, ApiServer, kill_vms, make_server
 from cryobox import Sandbox
 from cryobox.errors import (
     AuthenticationError,
@@ -57,6 +57,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[ApiServer]:
     for info in client.get("/sandboxes", params={"all": "true"}).json():
         client.delete(f"/sandboxes/{info['id']}")
     made.stop()
+    kill_vms(state)  # sandboxes other tenants or a race left: they outlive the server
     subprocess.run(["rm", "-rf", str(state)], check=False)
 
 
@@ -434,4 +435,5 @@ def test_a_killed_sandbox_is_listed_a_while_through_the_server_then_forgotten() 
         assert not (state / "sandboxes" / sbx.id).exists()
     finally:
         made.stop()
+        kill_vms(state)
         subprocess.run(["rm", "-rf", str(state)], check=False)
