@@ -47,3 +47,43 @@ def cpu_seconds(pid: int | None) -> float:
     if not fields:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+#: What a QEMU's memory holds, by the kind of mapping it is in (see ``memory_parts``).
+TRANSLATED_CODE = "translated code"
+GUEST_RAM = "guest RAM"
+PROGRAM = "QEMU's program and libraries"
+OTHER = "QEMU's own heap and buffers"
+
+
+def _part(header: str) -> str:
+    fields = header.split()
+    path = fields[5] if len(fields) > 5 else ""
+    if os.path.basename(path).startswith("memory"):  # a sandbox's or a snapshot's RAM file
+        return GUEST_RAM
+    if path.startswith("/"):
+        return PROGRAM
+    if not path and "x" in fields[1]:  # TCG's translation buffer: anonymous, executable
+        return TRANSLATED_CODE
+    return OTHER
+
+
+def memory_parts(pids: list[int]) -> dict[str, float]:
+    """Sum of the processes' PSS in MiB by part: the code TCG translated (one copy per
+    process, never shared), guest RAM (the pages a guest changed are the process's own,
+    the rest is the page cache of the snapshot's RAM file, split among its users), the
+    program's files, and the rest (heap, stacks, device buffers). Processes that ended
+    are left out."""
+    parts = dict.fromkeys((TRANSLATED_CODE, GUEST_RAM, PROGRAM, OTHER), 0.0)
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps") as smaps:
+                part = OTHER
+                for line in smaps:
+                    if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                        part = _part(line)
+                    elif line.startswith("Pss:"):
+                        parts[part] += int(line.split()[1]) / 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return parts

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from cryobox.errors import CommandNotFound, GuestError, GuestFileNotFound, ProtocolError
+from cryobox.guest import agent as guest_agent
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 
@@ -171,3 +174,23 @@ async def test_client_fails_pending_calls_on_garbage_instead_of_hanging() -> Non
     finally:
         server.close()
         path.unlink(missing_ok=True)
+
+
+async def test_channel_neither_spins_nor_drops_answers_while_the_host_is_away() -> None:
+    """With nobody at the other end the agent tries its writes every 50 ms (a port whose
+    host left reports POLLHUP, which would wake a registered writer again and again)."""
+    ours, theirs = socket.socketpair()
+    agent = guest_agent.Agent()
+    channel = guest_agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
+    )
+    theirs.close()
+    ours.close()
+    for n in range(3):
+        channel.send({"id": n, "ok": True, "result": {}})
+    cpu = time.process_time()
+    await asyncio.sleep(1.0)
+    assert time.process_time() - cpu < 0.3  # a busy loop would use about 1 s
+    assert len(channel._outbox) == 4  # the hello and three answers, kept for a host
+    channel.send({"id": 9, "event": "stdout"}, b"x" * 64, droppable=True)
+    assert len(channel._outbox) == 5

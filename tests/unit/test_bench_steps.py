@@ -48,3 +48,27 @@ def test_cpu_seconds_count_this_process_and_nothing_for_a_gone_one() -> None:
     assert bench_steps.cpu_seconds(os.getpid()) >= before + 0.1
     assert bench_steps.cpu_seconds(None) == 0.0
     assert bench_steps.cpu_seconds(2**22 + 1) == 0.0
+
+
+def test_memory_parts_of_a_process() -> None:
+    """This test process's own memory, split: its program and libraries are files, its
+    heap is the rest; it has no guest RAM or translated code."""
+    parts = bench_steps.memory_parts([os.getpid()])
+    assert parts[bench_steps.PROGRAM] > 1
+    assert parts[bench_steps.OTHER] > 1
+    assert parts[bench_steps.GUEST_RAM] == 0
+    assert bench_steps.memory_parts([2**22 + 7]) == dict.fromkeys(parts, 0.0)  # no such pid
+
+
+def test_mappings_are_told_apart() -> None:
+    part = bench_steps._part
+    assert part("7f53-7f54 rw-p 00000000 00:00 0   /srv/snapshots/snap-1/memory") == (
+        bench_steps.GUEST_RAM
+    )
+    assert part("7f53-7f54 rw-p 00000000 00:00 0   /srv/sbx-1/memory-3f2a") == bench_steps.GUEST_RAM
+    assert part("7f53-7f54 rwxp 00000000 00:00 0 ") == bench_steps.TRANSLATED_CODE
+    assert part("7f53-7f54 rw-p 00000000 00:00 0 ") == bench_steps.OTHER
+    assert part("7f53-7f54 rw-p 00000000 00:00 0   [heap]") == bench_steps.OTHER
+    assert part("5583-5584 r-xp 00000000 08:01 12  /usr/bin/qemu-system-x86_64") == (
+        bench_steps.PROGRAM
+    )

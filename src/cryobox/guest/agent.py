@@ -5,16 +5,17 @@ this package's ``protocol`` module). It prepares the system once per boot (mount
 hostname, network, identity), then serves requests: exec with streamed output,
 file transfer, system refresh after a restore.
 
-Threads: one reads the port, one writes it; everything else runs on an asyncio
-loop. Writes block while no host is connected (the virtio console driver holds
-them), which is exactly what we want across a snapshot and restore: queued frames
-go out as soon as a host connects again, and the reader waits for that moment
-instead of spinning on the end-of-file the port reports while disconnected.
+Everything runs on one asyncio loop, the port too (see :class:`Channel`). Writes wait
+while no host is connected (the virtio console driver holds them), which is exactly
+what we want across a snapshot and restore: queued frames go out as soon as a host
+connects again, and reading waits for that moment instead of spinning on the
+end-of-file the port reports while disconnected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import errno
@@ -22,7 +23,7 @@ import fcntl
 import grp
 import os
 import pwd
-import queue
+import select
 import shutil
 import signal
 import socket
@@ -31,7 +32,6 @@ import struct
 import subprocess
 import sys
 import termios
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -228,7 +228,20 @@ def find_port() -> str:
 
 
 class Channel:
-    """The virtio-serial port, framed: a reader thread, a writer thread."""
+    """The virtio-serial port, framed, served on the event loop (no threads).
+
+    The port is non-blocking. While no host is connected the virtio console driver
+    reports end-of-file to reads and holds writes back (EAGAIN with POLLHUP): the
+    channel then stops reading, queues a hello and tries it again every 50 ms. The
+    first write that goes through means a host is there, and reading starts again.
+    Frames queued across a snapshot and restore go out as soon as a host connects.
+    Under TCG every thread switch in the guest is emulated: one loop instead of a
+    reader and a writer thread took the channel's round trip (the agent's no-op) from
+    8.6 to 7.3 ms, and the QEMU CPU it costs from 9.7 to 7.9 ms (2026-11-30).
+    """
+
+    #: Seconds between tries to write while no host is connected.
+    RETRY = 0.05
 
     def __init__(
         self, fd: int, loop: asyncio.AbstractEventLoop, on_frame: Callable[[p.Frame], None]
@@ -236,12 +249,15 @@ class Channel:
         self._fd = fd
         self._loop = loop
         self._on_frame = on_frame
-        self._outbox: queue.Queue[tuple[bytes, bool]] = queue.Queue()
+        self._decoder = p.Decoder()
+        #: Frames not yet written: what is left of each, whether droppable, its size.
+        self._outbox: collections.deque[tuple[memoryview, bool, int]] = collections.deque()
         self._queued_output = 0
-        self._lock = threading.Lock()
-        self._connected = threading.Event()
-        threading.Thread(target=self._read_loop, name="port-reader", daemon=True).start()
-        threading.Thread(target=self._write_loop, name="port-writer", daemon=True).start()
+        self._reading = False
+        self._writer = False  # add_writer is registered
+        self._retry: asyncio.TimerHandle | None = None
+        os.set_blocking(fd, False)
+        self._start_reading()
         # Said at every start: a host that is connected learns that the agent restarted
         # (and that its requests in flight are lost) by the new pid.
         self.send({"id": None, "event": "hello", "pid": os.getpid()})
@@ -249,55 +265,99 @@ class Channel:
     def send(
         self, header: dict[str, Any], payload: bytes = b"", *, droppable: bool = False
     ) -> None:
-        """Queue a frame; ``droppable`` output is dropped past a bound while the host is away."""
+        """Queue a frame and write what the port takes now; ``droppable`` output is
+        dropped past a bound while the host is away."""
         data = p.encode(header, payload)
-        with self._lock:
-            if droppable and self._queued_output + len(data) > MAX_QUEUED_OUTPUT:
+        if droppable:
+            if self._queued_output + len(data) > MAX_QUEUED_OUTPUT:
                 return
-            if droppable:
-                self._queued_output += len(data)
-        self._outbox.put((data, droppable))
+            self._queued_output += len(data)
+        self._outbox.append((memoryview(data), droppable, len(data)))
+        if not self._writer and self._retry is None:
+            self._flush()
 
-    def _write_loop(self) -> None:
-        while True:
-            data, droppable = self._outbox.get()
-            view = memoryview(data)
-            while view:
-                try:
-                    view = view[os.write(self._fd, view) :]
-                except InterruptedError:
-                    continue
-                except OSError:
-                    time.sleep(0.05)
-                    continue
-                self._connected.set()
-            if droppable:
-                with self._lock:
-                    self._queued_output -= len(data)
+    # -- writing
 
-    def _read_loop(self) -> None:
-        decoder = p.Decoder()
-        while True:
+    def _flush(self) -> None:
+        self._retry = None
+        while self._outbox:
+            view, droppable, size = self._outbox[0]
             try:
-                data = os.read(self._fd, READ_SIZE)
+                written = os.write(self._fd, view)
             except InterruptedError:
                 continue
+            except BlockingIOError:
+                if self._host_away():
+                    self._try_later()
+                else:  # the host is slow to read: wait for room
+                    self._wait_writable()
+                return
             except OSError:
-                time.sleep(0.05)
+                self._try_later()
+                return
+            if not self._reading:  # a write went through: a host is connected
+                self._start_reading()
+            if written < len(view):
+                self._outbox[0] = (view[written:], droppable, size)
                 continue
-            if not data:
-                # The host is not connected: read reports end-of-file at once. Wait
-                # until a write goes through, which happens when a host connects.
-                decoder.reset()
-                self._connected.clear()
-                self.send({"id": None, "event": "hello", "pid": os.getpid()})
-                self._connected.wait()
-                continue
-            for item in decoder.feed(data):
-                if isinstance(item, p.FrameError):
-                    self.send(p.error_header(None, p.BAD_FRAME, str(item)))
-                else:
-                    self._loop.call_soon_threadsafe(self._on_frame, item)
+            self._outbox.popleft()
+            if droppable:
+                self._queued_output -= size
+        self._stop_writer()
+
+    def _host_away(self) -> bool:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLOUT)
+        return any(events & select.POLLHUP for _, events in poller.poll(0))
+
+    def _wait_writable(self) -> None:
+        if not self._writer:
+            self._loop.add_writer(self._fd, self._flush)
+            self._writer = True
+
+    def _try_later(self) -> None:
+        self._stop_writer()  # POLLHUP would wake a writer at once, again and again
+        if self._retry is None:
+            self._retry = self._loop.call_later(self.RETRY, self._flush)
+
+    def _stop_writer(self) -> None:
+        if self._writer:
+            self._loop.remove_writer(self._fd)
+            self._writer = False
+
+    # -- reading
+
+    def _start_reading(self) -> None:
+        if not self._reading:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self._fd, READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._stop_reading()
+            self._loop.call_later(self.RETRY, self._start_reading)
+            return
+        if not data:
+            # No host is connected: reads report end-of-file at once. Read again once
+            # a write goes through, which happens when a host connects.
+            self._decoder.reset()
+            self._stop_reading()
+            self.send({"id": None, "event": "hello", "pid": os.getpid()})
+            return
+        for item in self._decoder.feed(data):
+            if isinstance(item, p.FrameError):
+                self.send(p.error_header(None, p.BAD_FRAME, str(item)))
+            else:
+                self._on_frame(item)
 
 
 # --------------------------------------------------------------------------- requests

@@ -60,6 +60,7 @@ from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.util import without_huge_pages
 from cryobox.vmm import Vmm, backend
 
 log = logging.getLogger("cryobox.supervisor")
@@ -555,13 +556,15 @@ async def _serve(sock: socket.socket) -> int:
 
 def prepare(program: str) -> socket.socket:
     """What a supervisor process (or the zygote that forks them) does before it serves:
-    the socket ``--fd N`` names, the VMM's version cached, a private umask."""
+    the socket ``--fd N`` names, the VMM's version cached, a private umask, no huge
+    pages for the VMs."""
     args = sys.argv[1:]
     if len(args) != 2 or args[0] != "--fd":
         sys.exit(f"usage: python -m cryobox.sandbox.{program} --fd N (started by the service)")
     with contextlib.suppress(CryoboxError):
         backend().check_installed()
     os.umask(0o077)  # every file this process or its VM writes: 0600, folders 0700
+    without_huge_pages()
     return socket.socket(fileno=int(args[1]))
 
 
