@@ -68,6 +68,46 @@ print(" ".join(f"{{s:.6f}}" for s in captured))
 """
 
 
+#: The guest's own agent code served over a socket pair inside the guest, with no host,
+#: QEMU or virtio on the way: what the agent's Python alone costs a request under TCG.
+#: One line of ping times, one of exec (``true``) times.
+AGENT_IN_GUEST = """
+import asyncio, os, socket, sys, time
+sys.path.insert(0, "/run/cryobox/lib")
+from cryobox.guest import agent, protocol
+
+async def main():
+    ours, theirs = socket.socketpair()
+    served = agent.Agent()
+    served.channel = agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), served.on_frame
+    )
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    decoder, ids = protocol.Decoder(), iter(range(1, 10**6))
+
+    async def call(op, args):
+        rid = next(ids)
+        writer.write(protocol.encode({{"id": rid, "op": op, "args": args}}))
+        while True:
+            for item in decoder.feed(await reader.read(65536)):
+                header = getattr(item, "header", {{}})
+                if item.id == rid and ("ok" in header or "error" in header):
+                    return
+
+    await call("ping", {{}})
+    for op, args in (("ping", {{}}), ("exec", {{"argv": ["true"]}})):
+        samples = []
+        for _ in range({n}):
+            start = time.perf_counter()
+            await call(op, args)
+            samples.append(time.perf_counter() - start)
+        print(" ".join(f"{{s:.6f}}" for s in samples))
+
+asyncio.run(main())
+"""
+
+
 @dataclass(frozen=True)
 class Figure:
     scenario: str
@@ -161,6 +201,8 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
     pings: list[float] = []
     plain: list[float] = []
     captured: list[float] = []
+    local_pings: list[float] = []
+    local_execs: list[float] = []
     ping_cpu = {"this process": 0.0, "supervisor": 0.0, "QEMU": 0.0}
     transport = default_transport()
     sbx = await _ready(await AsyncSandbox.create())
@@ -177,10 +219,16 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
             lines = (await sbx.commands.run(["python3", "-c", program])).stdout.splitlines()
             plain += [float(word) for word in lines[0].split()]
             captured += [float(word) for word in lines[1].split()]
+            program = AGENT_IN_GUEST.format(n=per_round // 2)
+            lines = (await sbx.commands.run(["python3", "-c", program])).stdout.splitlines()
+            local_pings += [float(word) for word in lines[0].split()]
+            local_execs += [float(word) for word in lines[1].split()]
     finally:
         await sbx.kill()
     exec_ms, ping_ms = statistics.median(execs) * 1000, statistics.median(pings) * 1000
     plain_ms, captured_ms = statistics.median(plain) * 1000, statistics.median(captured) * 1000
+    local_ping_ms = statistics.median(local_pings) * 1000
+    local_exec_ms = statistics.median(local_execs) * 1000
     per_ping = ", ".join(f"{name} {cpu / len(pings) * 1000:.1f}" for name, cpu in ping_cpu.items())
     figures = [
         summarize("exec", execs, "ms", scale=1000, note="`true` via SDK, supervisor, agent"),
@@ -209,6 +257,27 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
             "stdout and stderr through pipes read to their end",
         ),
         summarize(
+            "agent-in-guest-ping",
+            local_pings,
+            "ms",
+            scale=1000,
+            baseline="ping",
+            base_value=ping_ms,
+            note="the agent's no-op served inside the guest over a socket pair, asked by a "
+            "client in the guest: no host, QEMU or virtio on the way",
+        ),
+        summarize(
+            "agent-in-guest-exec",
+            local_execs,
+            "ms",
+            scale=1000,
+            baseline="exec",
+            base_value=exec_ms,
+            note=f"`true` the same way: {local_exec_ms - plain_ms:.1f} ms over guest-spawn, "
+            f"of which the in-guest client's side of a round trip is at most "
+            f"{local_ping_ms:.1f} (agent-in-guest-ping)",
+        ),
+        summarize(
             "exec-overhead",
             [exec_ms - plain_ms],
             "ms",
@@ -221,7 +290,8 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
     ]
     wanted = set(names)
     if "guest-spawn" in wanted:
-        wanted |= {"guest-spawn-captured", "exec-overhead"}
+        wanted |= {"guest-spawn-captured", "agent-in-guest-ping", "agent-in-guest-exec"}
+        wanted |= {"exec-overhead"}
     return [figure for figure in figures if figure.scenario in wanted]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -194,3 +195,23 @@ async def test_channel_neither_spins_nor_drops_answers_while_the_host_is_away() 
     assert len(channel._outbox) == 4  # the hello and three answers, kept for a host
     channel.send({"id": 9, "event": "stdout"}, b"x" * 64, droppable=True)
     assert len(channel._outbox) == 5
+
+
+def test_user_lookups_are_remembered_until_the_users_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0::/root:/bin/sh\n")
+    monkeypatch.setattr(guest_agent, "PASSWD", str(passwd))
+    monkeypatch.setattr(guest_agent, "_users_file", None)
+    looked_up: list[str] = []
+    real = pwd.getpwnam
+    monkeypatch.setattr(pwd, "getpwnam", lambda name: looked_up.append(name) or real(name))
+    assert guest_agent.user_entry("root") == real("root")
+    assert guest_agent.user_entry("root").pw_uid == 0
+    assert looked_up == ["root"]  # the second came from memory
+    passwd.write_text("root:x:0:0::/root:/bin/sh\nagent:x:1000:1000::/home/agent:/bin/sh\n")
+    guest_agent.user_entry("root")
+    assert looked_up == ["root", "root"]  # the file changed: asked again
+    with pytest.raises(KeyError):
+        guest_agent.user_entry("no-such-user-here")
