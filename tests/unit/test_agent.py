@@ -215,3 +215,71 @@ def test_user_lookups_are_remembered_until_the_users_file_changes(
     assert looked_up == ["root", "root"]  # the file changed: asked again
     with pytest.raises(KeyError):
         guest_agent.user_entry("no-such-user-here")
+
+
+async def _agent_over_socketpair() -> tuple[
+    guest_agent.Channel, asyncio.StreamReader, asyncio.StreamWriter
+]:
+    ours, theirs = socket.socketpair()
+    agent = guest_agent.Agent()
+    channel = agent.channel = guest_agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
+    )
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours, limit=4 << 20)
+    return channel, reader, writer
+
+
+async def _slowly_collect(
+    reader: asyncio.StreamReader, rid: int, channel: guest_agent.Channel
+) -> tuple[dict[str, int], dict[str, object], int]:
+    """Bytes per event kind of request ``rid`` until its answer, read at a trickle; and
+    the most the agent held queued meanwhile."""
+    decoder, got, most = p.Decoder(), dict[str, int](), 0
+    while True:
+        await asyncio.sleep(0.002)
+        most = max(most, channel._queued)
+        for item in decoder.feed(await reader.read(256 << 10)):
+            assert isinstance(item, p.Frame)
+            if item.id != rid:
+                continue
+            if "event" in item.header:
+                kind = str(item.header["event"])
+                got[kind] = got.get(kind, 0) + len(item.payload)
+            else:
+                return got, item.header, most
+
+
+async def test_output_waits_for_a_slow_host_instead_of_being_dropped() -> None:
+    channel, reader, writer = await _agent_over_socketpair()
+    writer.write(
+        p.encode({"id": 1, "op": p.GuestOp.EXEC, "args": {"shell": "head -c 24M /dev/zero"}})
+    )
+    got, answer, most = await asyncio.wait_for(_slowly_collect(reader, 1, channel), 120)
+    assert answer["ok"] is True and answer["result"]["exit_code"] == 0
+    assert got["stdout"] == 24 << 20  # all of it: beyond 16 MiB queued it used to be dropped
+    assert most <= channel.HIGH + (1 << 20)  # the command waited while the host was slow
+    writer.close()
+
+
+async def test_a_file_read_goes_no_faster_than_the_host(tmp_path: Path) -> None:
+    channel, reader, writer = await _agent_over_socketpair()
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(12 << 20))
+    writer.write(p.encode({"id": 1, "op": p.GuestOp.FILE_READ, "args": {"path": str(big)}}))
+    got, answer, most = await asyncio.wait_for(_slowly_collect(reader, 1, channel), 120)
+    assert answer.get("ok") is True, answer
+    assert got["chunk"] == 12 << 20
+    assert most <= channel.LOW + 2 * p.CHUNK + (1 << 20)  # not the whole file in memory
+    writer.close()
+
+
+async def test_a_frame_that_fails_does_not_lose_the_next_one() -> None:
+    _, reader, writer = await _agent_over_socketpair()
+    writer.write(p.encode({"id": 1, "op": "\\\\" * 15000}) + p.encode({"id": 2, "op": "ping"}))
+    decoder, answered = p.Decoder(), set[int]()
+    while answered != {1, 2}:
+        for item in decoder.feed(await asyncio.wait_for(reader.read(65536), 10)):
+            if isinstance(item, p.Frame) and item.id in (1, 2):
+                answered.add(int(item.id))
+    writer.close()

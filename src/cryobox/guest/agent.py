@@ -238,10 +238,20 @@ class Channel:
     Under TCG every thread switch in the guest is emulated: one loop instead of a
     reader and a writer thread took the channel's round trip (the agent's no-op) from
     8.6 to 7.3 ms, and the QEMU CPU it costs from 9.7 to 7.9 ms (2026-11-30).
+
+    Producers go no faster than the host reads: a command's output stops being read
+    while more than ``HIGH`` bytes wait for a connected host (its pipe fills, the
+    command waits), a file read waits for ``room``. While the host is away, output past
+    ``MAX_QUEUED_OUTPUT`` is dropped instead (a command must not stall for lack of a
+    reader); answers and file chunks never are.
     """
 
     #: Seconds between tries to write while no host is connected.
     RETRY = 0.05
+    #: Bytes queued for a connected host above which output waits, and below which it
+    #: goes on (``room``).
+    HIGH = 4 << 20
+    LOW = 1 << 20
 
     def __init__(
         self, fd: int, loop: asyncio.AbstractEventLoop, on_frame: Callable[[p.Frame], None]
@@ -252,10 +262,13 @@ class Channel:
         self._decoder = p.Decoder()
         #: Frames not yet written: what is left of each, whether droppable, its size.
         self._outbox: collections.deque[tuple[memoryview, bool, int]] = collections.deque()
-        self._queued_output = 0
+        self._queued = 0  # bytes in the outbox
+        self._queued_output = 0  # of which droppable
+        self._away = False  # the last write was refused: no host is connected
         self._reading = False
         self._writer = False  # add_writer is registered
         self._retry: asyncio.TimerHandle | None = None
+        self._room: asyncio.Future[None] | None = None
         os.set_blocking(fd, False)
         self._start_reading()
         # Said at every start: a host that is connected learns that the agent restarted
@@ -273,8 +286,20 @@ class Channel:
                 return
             self._queued_output += len(data)
         self._outbox.append((memoryview(data), droppable, len(data)))
+        self._queued += len(data)
         if not self._writer and self._retry is None:
             self._flush()
+
+    def crowded(self) -> bool:
+        """Whether output should wait: more than HIGH bytes queued for a connected host."""
+        return self._queued > self.HIGH and not self._away
+
+    async def room(self) -> None:
+        """Return once at most LOW bytes are queued (at once if so)."""
+        while self._queued > self.LOW:
+            if self._room is None:
+                self._room = self._loop.create_future()
+            await asyncio.shield(self._room)  # one waiter cancelled leaves the others
 
     # -- writing
 
@@ -295,8 +320,10 @@ class Channel:
             except OSError:
                 self._try_later()
                 return
-            if not self._reading:  # a write went through: a host is connected
-                self._start_reading()
+            if written == 0:  # the driver could not queue it (no memory): not a loop
+                self._try_later()
+                return
+            self._wrote(written)
             if written < len(view):
                 self._outbox[0] = (view[written:], droppable, size)
                 continue
@@ -304,6 +331,21 @@ class Channel:
             if droppable:
                 self._queued_output -= size
         self._stop_writer()
+
+    def _wrote(self, written: int) -> None:
+        """A write went through: a host is connected (read again: at once if writes
+        were refused, else after RETRY, so that a peer which only half closed a socket
+        pair is not answered with hellos as fast as the loop turns)."""
+        self._queued -= written
+        if not self._reading:
+            if self._away:
+                self._start_reading()
+            else:
+                self._loop.call_later(self.RETRY, self._start_reading)
+        self._away = False
+        if self._room is not None and self._queued <= self.LOW:
+            self._room.set_result(None)
+            self._room = None
 
     def _host_away(self) -> bool:
         poller = select.poll()
@@ -316,6 +358,7 @@ class Channel:
             self._writer = True
 
     def _try_later(self) -> None:
+        self._away = True
         self._stop_writer()  # POLLHUP would wake a writer at once, again and again
         if self._retry is None:
             self._retry = self._loop.call_later(self.RETRY, self._flush)
@@ -347,17 +390,31 @@ class Channel:
             self._loop.call_later(self.RETRY, self._start_reading)
             return
         if not data:
-            # No host is connected: reads report end-of-file at once. Read again once
-            # a write goes through, which happens when a host connects.
-            self._decoder.reset()
-            self._stop_reading()
-            self.send({"id": None, "event": "hello", "pid": os.getpid()})
+            self._host_left()
             return
         for item in self._decoder.feed(data):
-            if isinstance(item, p.FrameError):
-                self.send(p.error_header(None, p.BAD_FRAME, str(item)))
-            else:
-                self._on_frame(item)
+            try:
+                if isinstance(item, p.FrameError):
+                    self.send(p.error_header(None, p.BAD_FRAME, str(item)[:200]))
+                else:
+                    self._on_frame(item)
+            except Exception as exc:  # one bad frame must not lose those after it
+                print(f"cryobox-agent: a frame failed: {exc!r}"[:500], file=sys.stderr)
+
+    def _host_left(self) -> None:
+        """No host is connected: reads report end-of-file at once. Read again once a
+        write goes through, which happens when a host connects; the rest of a frame
+        cut off mid-write would be garbage to it, so it is dropped."""
+        self._decoder.reset()
+        self._stop_reading()
+        if self._outbox:
+            view, droppable, size = self._outbox[0]
+            if len(view) < size:
+                self._outbox.popleft()
+                self._queued -= len(view)
+                if droppable:
+                    self._queued_output -= size
+        self.send({"id": None, "event": "hello", "pid": os.getpid()})
 
 
 # --------------------------------------------------------------------------- requests
@@ -374,24 +431,26 @@ class RunningCommand:
         self,
         rid: int,
         proc: subprocess.Popen[bytes],
-        send: Callable[..., None],
+        port: Channel,
         outputs: dict[int, str],
     ) -> None:
         self._rid = rid
         self._proc = proc
-        self._send = send
+        self._port = port
         self._loop = asyncio.get_running_loop()
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._open: set[int] = set()
         self._outputs = outputs
-        self._paused = False
+        self._paused = False  # by the host (FLOW)
+        self._held: asyncio.Task[None] | None = None  # by a crowded port, until room
+        self._following = False
 
     def watch(self) -> asyncio.Future[None]:
         """A future that resolves once the child exited and its outputs reached their end."""
-        for fd, name in self._outputs.items():
+        for fd in self._outputs:
             os.set_blocking(fd, False)
             self._open.add(fd)
-            self._loop.add_reader(fd, self._on_output, fd, name)
+        self._follow()
         pidfd = os.pidfd_open(self._proc.pid)
         self._open.add(pidfd)
         self._loop.add_reader(pidfd, self._on_exit, pidfd)
@@ -399,18 +458,34 @@ class RunningCommand:
 
     def pause(self) -> None:
         """Stop reading the child's output: once its pipe is full, the child waits."""
-        if not self._paused:
-            self._paused = True
-            for fd in self._outputs:
-                if fd in self._open:
-                    self._loop.remove_reader(fd)
+        self._paused = True
+        self._follow()
 
     def resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            for fd, name in self._outputs.items():
-                if fd in self._open:
+        self._paused = False
+        self._follow()
+
+    def _follow(self) -> None:
+        """Read the outputs exactly while neither the host nor a crowded port holds them."""
+        follow = not self._paused and self._held is None
+        if follow == self._following:
+            return
+        self._following = follow
+        for fd, name in self._outputs.items():
+            if fd in self._open:
+                if follow:
                     self._loop.add_reader(fd, self._on_output, fd, name)
+                else:
+                    self._loop.remove_reader(fd)
+
+    def _hold(self) -> None:
+        self._held = asyncio.ensure_future(self._port.room())
+        self._held.add_done_callback(self._unhold)
+        self._follow()
+
+    def _unhold(self, _: asyncio.Task[None]) -> None:
+        self._held = None
+        self._follow()
 
     def _on_output(self, fd: int, name: str) -> None:
         """Forward what the pipe holds now; stop watching it at end-of-file (a PTY's
@@ -422,7 +497,9 @@ class RunningCommand:
         except OSError:
             chunk = b""
         if chunk:
-            self._send({"id": self._rid, "event": name}, chunk, droppable=True)
+            self._port.send({"id": self._rid, "event": name}, chunk, droppable=True)
+            if self._held is None and self._port.crowded():
+                self._hold()
         else:
             self._close(fd)
 
@@ -439,7 +516,7 @@ class RunningCommand:
                 if not chunk:
                     self._close(fd)
                 else:
-                    self._send({"id": self._rid, "event": name}, chunk, droppable=True)
+                    self._port.send({"id": self._rid, "event": name}, chunk, droppable=True)
         self._close(pidfd)
         os.close(pidfd)
 
@@ -557,7 +634,7 @@ class Agent:
             return
         handler = self._handlers.get(op)
         if handler is None:
-            self.send(p.error_header(request_id, p.UNKNOWN_OP, f"unknown op {op!r}"))
+            self.send(p.error_header(request_id, p.UNKNOWN_OP, f"unknown op {op[:64]!r}"))
             return
         args = frame.header.get("args") or {}
         if not isinstance(args, dict):
@@ -623,7 +700,8 @@ class Agent:
         self.send({"id": rid, "event": "started", "pid": proc.pid, "exec_id": rid})
         timed_out = False
         try:
-            running = self._running[rid] = RunningCommand(rid, proc, self.send, outputs)
+            assert self.channel is not None
+            running = self._running[rid] = RunningCommand(rid, proc, self.channel, outputs)
             watch = running.watch()
             try:
                 await asyncio.wait_for(asyncio.shield(watch), timeout)
@@ -751,6 +829,8 @@ class Agent:
         mode = os.stat(path).st_mode
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a device or FIFO never ends
             raise OpError(p.INVALID, f"not a regular file: {path}")
+        port = self.channel
+        assert port is not None
         size = 0
         gate = self._flowing[rid] = asyncio.Event()
         gate.set()
@@ -759,7 +839,9 @@ class Agent:
                 while chunk := handle.read(p.CHUNK):
                     size += len(chunk)
                     self.send({"id": rid, "event": "chunk"}, chunk)
-                    await gate.wait()  # also lets other requests run between chunks
+                    await asyncio.sleep(0)  # a FLOW pause sent meanwhile is read
+                    await port.room()  # no faster than the host reads
+                    await gate.wait()
         finally:
             self._flowing.pop(rid, None)
         return {"size": size}
