@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -206,7 +207,12 @@ def test_user_lookups_are_remembered_until_the_users_file_changes(
     monkeypatch.setattr(guest_agent, "_users_file", None)
     looked_up: list[str] = []
     real = pwd.getpwnam
-    monkeypatch.setattr(pwd, "getpwnam", lambda name: looked_up.append(name) or real(name))
+
+    def counted(name: str) -> pwd.struct_passwd:
+        looked_up.append(name)
+        return real(name)
+
+    monkeypatch.setattr(pwd, "getpwnam", counted)
     assert guest_agent.user_entry("root") == real("root")
     assert guest_agent.user_entry("root").pw_uid == 0
     assert looked_up == ["root"]  # the second came from memory
@@ -232,7 +238,7 @@ async def _agent_over_socketpair() -> tuple[
 
 async def _slowly_collect(
     reader: asyncio.StreamReader, rid: int, channel: guest_agent.Channel
-) -> tuple[dict[str, int], dict[str, object], int]:
+) -> tuple[dict[str, int], dict[str, Any], int]:
     """Bytes per event kind of request ``rid`` until its answer, read at a trickle; and
     the most the agent held queued meanwhile."""
     decoder, got, most = p.Decoder(), dict[str, int](), 0
