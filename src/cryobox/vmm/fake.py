@@ -52,6 +52,15 @@ class _SocketChannel:
         if not self._writer.is_closing():
             self._writer.write(p.encode(header, payload))
 
+    def crowded(self) -> bool:
+        """Never: the stream buffers what it is given, and ``room`` waits for it."""
+        return False
+
+    async def room(self) -> None:
+        if not self._writer.is_closing():
+            with contextlib.suppress(ConnectionError):
+                await self._writer.drain()
+
 
 class FakeAgent(guest_agent.Agent):
     """The real agent's handlers, except that a refresh is recorded, not applied to the
