@@ -530,10 +530,9 @@ async def fork(ctx: Context) -> list[Figure]:
         supervisor_pids = [i.supervisor_pid for i in infos]
         qemu_cpu = sum(map(bench_steps.cpu_seconds, qemus))
         supervisor_cpu = sum(map(bench_steps.cpu_seconds, supervisor_pids))
-        # Proportional set sizes: pages the processes share are counted once.
-        pss = pool.host_memory_mib(tuple(qemus)) or 0.0
-        supervisors = pool.host_memory_mib(tuple(supervisor_pids)) or 0.0
         parts = bench_steps.memory_parts([pid for pid in qemus if pid])
+        pss = sum(parts.values())  # proportional set sizes: shared pages counted once
+        supervisors = pool.host_memory_mib(tuple(supervisor_pids)) or 0.0
         for sbx in forks:
             await sbx.kill()
         await parent.kill()
