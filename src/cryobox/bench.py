@@ -458,7 +458,9 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                 "s",
                 note=f"the supervisor's resume (median ms): QEMU started {step('vm start'):.0f}, "
                 f"device state {step('device state'):.0f}, guest's first answer (clock, "
-                f"entropy, identity) {step('agent refreshed'):.0f}; the same refresh by a warm "
+                f"entropy, identity) {step('agent refreshed'):.0f}, of which the agent's own "
+                f"part (request read to answer) {step('of which in the agent'):.0f}; the "
+                "same refresh by a warm "
                 f"pool member's QEMU: {warm}. Then the first command "
                 f"{1000 * statistics.median(first_exec):.0f} ms, the second "
                 f"{1000 * statistics.median(second_exec):.0f} ms: a new QEMU translates "

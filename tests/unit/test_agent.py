@@ -141,6 +141,21 @@ async def test_unknown_op_and_bad_arguments(client: AgentClient) -> None:
     with pytest.raises(GuestError) as info:
         await client.request("exec", {"argv": [1, 2]})
     assert info.value.kind == p.INVALID
+    # Answered inside the read that brought it (no task): its errors are named the same.
+    with pytest.raises(GuestError) as info:
+        await client.request("sys.refresh", {"time_ns": "noon"})
+    assert info.value.kind == p.INVALID and "noon" in info.value.message
+    with pytest.raises(GuestError) as info:
+        await client.request("ping", [1])  # type: ignore[arg-type]
+    assert info.value.kind == p.INVALID
+
+
+async def test_ping_is_answered_while_a_command_runs(client: AgentClient) -> None:
+    command = asyncio.ensure_future(client.request("exec", {"shell": "sleep 2"}))
+    start = time.monotonic()
+    answer = await asyncio.wait_for(client.request("ping"), 5)
+    assert answer["pid"] == os.getpid() and time.monotonic() - start < 1.5
+    assert (await command)["exit_code"] == 0
 
 
 async def test_agent_answers_garbage_with_an_error_and_keeps_serving() -> None:

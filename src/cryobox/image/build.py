@@ -48,6 +48,8 @@ SUITE = "bookworm"
 KERNEL_METAPACKAGE = "linux-image-amd64"
 ROOTFS_PACKAGES = (
     "python3",
+    # The guest agent's event loop (compiled: see cryobox.guest.agent.new_loop).
+    "python3-uvloop",
     "coreutils",
     "procps",
     "iproute2",

@@ -115,6 +115,8 @@ class QemuProcess:
         self._process: asyncio.subprocess.Process | _Adopted | None = None
         self._qmp: QMPClient | None = None
         self.link: Link | None = None
+        #: The namespace's way out being made (see start).
+        self._attaching: asyncio.Future[Link | None] | None = None
 
     @property
     def pid(self) -> int:
@@ -159,20 +161,37 @@ class QemuProcess:
             if on_spawn is not None:
                 on_spawn(self._process.pid)
             if self.spec.isolated:
-                try:
-                    self.link = await attach(self._process.pid, self.spec.network)
-                except NetworkError:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._process.wait(), 0.5)
-                    if self._process.returncode is not None:  # the real cause: QEMU ended
-                        raise self.error("QEMU exited while starting") from None
-                    raise
+                # Made while QEMU starts, and (for a restore) while its state loads: only
+                # the guest needs it, and a restored guest runs once continue_cpus says so.
+                # Until the route, its last step, nothing in the namespace gets out.
+                self._attaching = asyncio.ensure_future(
+                    attach(self._process.pid, self.spec.network)
+                )
             await asyncio.wait_for(self._connect_qmp(), timeout)
+            if not self.spec.incoming:  # a cold boot's guest is running already
+                await self.network_ready()
         except TimeoutError:
             await self.kill()
             raise self.error(f"QEMU's monitor did not come up within {timeout:.0f} s") from None
         except BaseException:
             await self.kill()
+            raise
+
+    async def network_ready(self) -> None:
+        """Wait until the guest's way out (its namespace's link and filters) is made.
+
+        :raises NetworkError: when it cannot be (or QemuError: QEMU ended meanwhile).
+        """
+        if self._attaching is None:
+            return
+        try:
+            self.link = await asyncio.shield(self._attaching)
+        except NetworkError:
+            assert self._process is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._process.wait(), 0.5)
+            if self._process.returncode is not None:  # the real cause: QEMU ended
+                raise self.error("QEMU exited while starting") from None
             raise
 
     async def adopt(self, pid: int, timeout: float = 30.0) -> None:
@@ -237,6 +256,7 @@ class QemuProcess:
         await self.execute("stop")
 
     async def continue_cpus(self) -> None:
+        await self.network_ready()  # the guest runs only once its network is as it must be
         await self.execute("cont")
 
     async def add_port_forward(self, forward: PortForward) -> None:
@@ -310,6 +330,7 @@ class QemuProcess:
     async def quit(self, timeout: float = 5.0) -> None:
         """Ask QEMU to quit; kill it if it does not within ``timeout``."""
         if self._process is None or self._process.returncode is not None:
+            await self._stop_attaching()
             await self._close_qmp()
             return
         with contextlib.suppress(QemuError):
@@ -318,6 +339,7 @@ class QemuProcess:
             await asyncio.wait_for(self._process.wait(), timeout)
         except TimeoutError:
             await self.kill()
+        await self._stop_attaching()
         await self._close_qmp()
 
     async def kill(self) -> None:
@@ -326,7 +348,15 @@ class QemuProcess:
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
             await self._process.wait()
+        await self._stop_attaching()
         await self._close_qmp()
+
+    async def _stop_attaching(self) -> None:
+        """Let an unfinished or failed attach end (its link goes with the namespace)."""
+        if self._attaching is not None:
+            attaching, self._attaching = self._attaching, None
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await attaching
 
     async def _close_qmp(self) -> None:
         if self._qmp is not None:

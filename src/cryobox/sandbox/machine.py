@@ -104,6 +104,10 @@ class StepTimer:
         self.steps.append(f"{step} {1000 * (now - self.last):.0f}")
         self.last = now
 
+    def note(self, part: str, ms: float) -> None:
+        """Log a part of the last step (not a step: the total is the steps' sum)."""
+        self.steps.append(f"{part} {ms:.0f}")
+
     def log(self) -> None:
         total = 1000 * (time.perf_counter() - self.started)
         log.info("%s %.0f ms: %s", self.what, total, ", ".join(self.steps))
@@ -444,10 +448,16 @@ class Machine:
         await self.vm.continue_cpus()
         # The refresh is the first request: the agent was running when saved, so its answer
         # is the readiness signal (one round trip instead of a ping and then the refresh).
+        answers: list[dict[str, Any]] = []
         self.agent = await self._connect_agent(
-            RESTORE_TIMEOUT, agent, probe=self._refresh_args(new_identity)
+            RESTORE_TIMEOUT, agent, probe=self._refresh_args(new_identity), answers=answers
         )
         step("agent refreshed")
+        # Where the first answer's time went: the agent's own part (from reading the
+        # request to answering it), the rest being the guest's kernel, virtio and QEMU.
+        spent = answers[-1].get("spent_ms") if answers else None
+        if isinstance(spent, int | float):
+            step.note("of which in the agent", float(spent))
 
     async def _refresh_guest(self, *, new_identity: bool) -> None:
         """Step the clock and add entropy; a new sandbox also gets its own identity."""
@@ -537,10 +547,15 @@ class Machine:
             raise NetworkError(f"cannot listen on a forwarded host port: {exc}") from exc
 
     async def _connect_agent(
-        self, timeout: float, agent: AgentClient | None = None, probe: Probe | None = None
+        self,
+        timeout: float,
+        agent: AgentClient | None = None,
+        probe: Probe | None = None,
+        answers: list[dict[str, Any]] | None = None,
     ) -> AgentClient:
         """Connect to the guest agent (unless given a connection) and wait until it answers
-        ``probe``'s request (a ping by default), resent until the deadline."""
+        ``probe``'s request (a ping by default), resent until the deadline; the answer
+        goes to ``answers`` if given."""
         assert self.vm is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -554,7 +569,9 @@ class Machine:
                 )
             try:
                 op, args, payload = probe() if probe else (GuestOp.PING, {}, b"")
-                await agent.request(op, args, payload, timeout=0.5 if probe else 0.25)
+                answer = await agent.request(op, args, payload, timeout=0.5 if probe else 0.25)
+                if answers is not None:
+                    answers.append(answer)
                 return agent
             except ChannelError:
                 if loop.time() > deadline:

@@ -70,7 +70,7 @@ class FakeAgent(guest_agent.Agent):
         super().__init__()
         self.vm = vm
 
-    async def sys_refresh(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def sys_refresh(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         self.vm.guest.setdefault("refreshes", []).append({**args, "entropy": len(payload)})
         if "hostname" in args:
             self.vm.guest["hostname"] = args["hostname"]
