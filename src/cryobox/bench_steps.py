@@ -16,7 +16,7 @@ from cryobox import config
 from cryobox.sandbox import registry
 
 _STEPS = re.compile(r"INFO (?P<kind>[a-z ]+?) (?P<total>\d+) ms: (?P<steps>.*)$")
-_STEP = re.compile(r"(?P<name>[a-z ]+) (?P<ms>\d+)$")
+_STEP = re.compile(r"(?P<name>[a-z ]+) (?P<ms>\d+(?:\.\d+)?)$")
 
 
 def step_timings(sandbox_id: str, kind: str) -> dict[str, float] | None:

@@ -141,7 +141,9 @@ def test_supervisor_killed_while_running_is_replaced_and_the_guest_goes_on(
     )
 
 
-@pytest.mark.parametrize("step", ["resume-moved", "resume-started", "resume-continued"])
+@pytest.mark.parametrize(
+    "step", ["resume-moved", "resume-started", "resume-loaded", "resume-continued"]
+)
 def test_supervisor_killed_during_a_resume_loses_nothing(step: str, default_template: None) -> None:
     from cryobox import Sandbox
     from cryobox.service import discard_spare
@@ -168,3 +170,38 @@ def test_supervisor_killed_during_a_resume_loses_nothing(step: str, default_temp
     finally:
         with contextlib.suppress(CryoboxError):
             Sandbox.connect(sbx.id).kill()
+
+
+def _sandbox_qemus() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if argv[0].endswith(b"qemu-system-x86_64") and b"-name" in argv:
+                    found.add(int(entry.name))
+    return found
+
+
+def test_a_network_that_cannot_be_made_fails_the_start_and_leaves_no_vm(
+    default_template: None,
+) -> None:
+    """A restore's network is made while its state loads (only its cont waits for it):
+    failing, it must still end the start with the cause named and no QEMU left."""
+    from cryobox import Sandbox
+    from cryobox.service import discard_spare
+
+    # A /30 leaves one link name, cbx0; the host has taken it.
+    subprocess.run(["ip", "link", "add", "cbx0", "type", "bridge"], check=True)
+    os.environ["CRYOBOX_SANDBOX_SUBNET"] = "10.213.255.252/30"
+    discard_spare()
+    try:
+        before = _sandbox_qemus()
+        with pytest.raises(CryoboxError, match="no free sandbox link"):
+            Sandbox.create(timeout=60)  # from the default template: a restore
+        assert _sandbox_qemus() <= before
+    finally:
+        del os.environ["CRYOBOX_SANDBOX_SUBNET"]
+        discard_spare()
+        subprocess.run(["ip", "link", "del", "cbx0"], check=False)
+    Sandbox.create(timeout=60).kill()  # and the next start, with links free, works

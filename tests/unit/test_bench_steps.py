@@ -22,7 +22,7 @@ def test_the_latest_line_of_a_kind_is_read_step_by_step(
         "2026-11-30 15:48:19,812 cryobox.supervisor INFO resume 372 ms: vm start 107, "
         "device state 34, agent refreshed 232\n"
         "2026-11-30 15:48:20,904 cryobox.supervisor INFO resume 443 ms: vm start 151, "
-        "device state 28, agent refreshed 263\n"
+        "device state 28, agent refreshed 263, of which in the agent 80.4\n"
         "2026-11-30 15:48:21,000 cryobox.supervisor INFO running\n"
     )
     assert bench_steps.step_timings("sbx-0123456789ab", "resume") == {
@@ -30,6 +30,7 @@ def test_the_latest_line_of_a_kind_is_read_step_by_step(
         "vm start": 151.0,
         "device state": 28.0,
         "agent refreshed": 263.0,
+        "of which in the agent": 80.4,
     }
     assert bench_steps.step_timings("sbx-0123456789ab", "pause") == {
         "total": 308.0,

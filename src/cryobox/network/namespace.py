@@ -243,10 +243,16 @@ async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
     if policy.mode == NONE:
         return None
     # The steps that need nothing of each other at once: each starts a program (about
-    # 10 ms here), and this is on the way of every start and restore.
-    _, link, host_addresses = await asyncio.gather(
-        ensure_host_rules(), _new_link(pid), _host_addresses()
+    # 10 ms here), and this is on the way of every start and restore. All end before
+    # this returns or raises: none goes on after its caller stopped caring.
+    done = await asyncio.gather(
+        ensure_host_rules(), _new_link(pid), _host_addresses(), return_exceptions=True
     )
+    for outcome in done:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    _, link, host_addresses = done
+    assert isinstance(link, Link) and isinstance(host_addresses, list)
     enter = ["nsenter", f"--net={namespace_path(pid)}", "--"]
     # The filters first, the route last: nothing leaves before the rules are in place.
     await _run([*enter, "nft", "-f", "-"], _sandbox_rules(policy, link, host_addresses))
@@ -272,7 +278,8 @@ async def _new_link(pid: int) -> Link:
     """A veth pair whose host end ``cbxN`` is free; N picks the sandbox's /30."""
     slots = SUBNET.num_addresses // 4
     first = random.randrange(slots)
-    for attempt in range(min(slots, 64)):
+    tries = min(slots, 64)
+    for attempt in range(tries):
         slot = (first + attempt) % slots
         name = f"{LINK_PREFIX}{slot}"
         base = SUBNET.network_address + 4 * slot
@@ -288,7 +295,7 @@ async def _new_link(pid: int) -> Link:
                 continue
             raise
         return link
-    raise NetworkError(f"no free sandbox link in {SUBNET} after 64 tries")
+    raise NetworkError(f"no free sandbox link in {SUBNET} after {tries} tries")
 
 
 def open_namespace(pid: int) -> int:

@@ -22,6 +22,9 @@ from cryobox.qemu.command import build_command, hostfwd
 from cryobox.vmm.base import MachineSpec, PortForward
 
 BINARY = "qemu-system-x86_64"
+#: Seconds a VM being killed waits for its network's setup to end (each step is a
+#: program that takes milliseconds).
+ATTACH_TIMEOUT = 10.0
 
 
 def qemu_binary() -> str:
@@ -161,9 +164,10 @@ class QemuProcess:
             if on_spawn is not None:
                 on_spawn(self._process.pid)
             if self.spec.isolated:
-                # Made while QEMU starts, and (for a restore) while its state loads: only
-                # the guest needs it, and a restored guest runs once continue_cpus says so.
-                # Until the route, its last step, nothing in the namespace gets out.
+                # Made while QEMU starts and its monitor connects (each takes tens of ms
+                # here): a restore's state loads, and a guest runs, only once it is made
+                # (load_state, continue_cpus). Until the route, its last step, nothing in
+                # the namespace gets out.
                 self._attaching = asyncio.ensure_future(
                     attach(self._process.pid, self.spec.network)
                 )
@@ -287,6 +291,10 @@ class QemuProcess:
 
     async def load_state(self, path: Path, timeout: float = 600.0) -> None:
         """Feed a saved device state to a QEMU started with ``incoming``; it stays stopped."""
+        # Its network first: once the state is in (which writes guest RAM: the RAM file
+        # is no longer the pause's), a supervisor that dies leaves a VM its successor
+        # continues, and that VM must have its way out, and its filters, already.
+        await self.network_ready()
         await self._migrate_through(path, os.O_RDONLY, "migrate-incoming", timeout)
 
     async def _migrate_through(self, path: Path, flags: int, command: str, timeout: float) -> None:
@@ -333,30 +341,34 @@ class QemuProcess:
             await self._stop_attaching()
             await self._close_qmp()
             return
+        await self._stop_attaching()
         with contextlib.suppress(QemuError):
             await asyncio.wait_for(self.execute("quit"), timeout)
         try:
             await asyncio.wait_for(self._process.wait(), timeout)
         except TimeoutError:
             await self.kill()
-        await self._stop_attaching()
         await self._close_qmp()
 
     async def kill(self) -> None:
         """SIGKILL QEMU and reap it."""
+        # An attach still under way ends first: its steps name the namespace by QEMU's
+        # pid, which must not be free for another process to take while they run.
+        await self._stop_attaching()
         if self._process is not None and self._process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
             await self._process.wait()
-        await self._stop_attaching()
         await self._close_qmp()
 
     async def _stop_attaching(self) -> None:
-        """Let an unfinished or failed attach end (its link goes with the namespace)."""
+        """Wait for an unfinished attach to end, not cancelled (a cancelled step would
+        leave its program running); what it made goes with the namespace."""
         if self._attaching is not None:
             attaching, self._attaching = self._attaching, None
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await attaching
+            await asyncio.wait([attaching], timeout=ATTACH_TIMEOUT)
+            if attaching.done() and not attaching.cancelled():
+                attaching.exception()  # retrieved: a failure was reported where it mattered
 
     async def _close_qmp(self) -> None:
         if self._qmp is not None:

@@ -105,8 +105,9 @@ class StepTimer:
         self.last = now
 
     def note(self, part: str, ms: float) -> None:
-        """Log a part of the last step (not a step: the total is the steps' sum)."""
-        self.steps.append(f"{part} {ms:.0f}")
+        """Log a part of the last step (not a step: the total is the steps' sum), to a
+        tenth of a millisecond (a part under KVM can take less than one)."""
+        self.steps.append(f"{part} {ms:.1f}")
 
     def log(self) -> None:
         total = 1000 * (time.perf_counter() - self.started)
@@ -445,6 +446,7 @@ class Machine:
         agent = await AgentClient.connect(self.folder.agent_socket)
         await self.vm.load_state(device_state)
         step("device state")
+        crash_point(f"{step.what}-loaded")  # loaded, not continued: the guest has not run
         await self.vm.continue_cpus()
         # The refresh is the first request: the agent was running when saved, so its answer
         # is the readiness signal (one round trip instead of a ping and then the refresh).
