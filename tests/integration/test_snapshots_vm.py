@@ -114,7 +114,7 @@ def test_pause_and_resume_three_times_keeps_processes_and_files(sandbox_factory:
         assert still_counting(sbx)
         steps = bench_steps.step_timings(sbx.id, "resume")  # what the bench splits it into
         assert steps is not None
-        assert 0 < steps["of which in the agent"] <= steps["agent refreshed"]
+        assert 0 <= steps["of which in the agent"] <= steps["agent refreshed"]
         for earlier in range(cycle + 1):
             text = sbx.files.read_text(f"/root/cycle-{earlier}.txt")
             assert text == f"written before pause {earlier}"

@@ -354,21 +354,24 @@ class QemuProcess:
         """SIGKILL QEMU and reap it."""
         # An attach still under way ends first: its steps name the namespace by QEMU's
         # pid, which must not be free for another process to take while they run.
-        await self._stop_attaching()
-        if self._process is not None and self._process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
-            await self._process.wait()
-        await self._close_qmp()
+        try:
+            await self._stop_attaching()
+        finally:  # cancelled meanwhile, QEMU is still killed
+            if self._process is not None and self._process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._process.kill()
+                await self._process.wait()
+            await self._close_qmp()
 
     async def _stop_attaching(self) -> None:
         """Wait for an unfinished attach to end, not cancelled (a cancelled step would
         leave its program running); what it made goes with the namespace."""
         if self._attaching is not None:
             attaching, self._attaching = self._attaching, None
+            # A failure was reported where it mattered: reading it here (or when a slow
+            # one ends) keeps asyncio from logging it as never retrieved.
+            attaching.add_done_callback(lambda done: done.cancelled() or done.exception())
             await asyncio.wait([attaching], timeout=ATTACH_TIMEOUT)
-            if attaching.done() and not attaching.cancelled():
-                attaching.exception()  # retrieved: a failure was reported where it mattered
 
     async def _close_qmp(self) -> None:
         if self._qmp is not None:

@@ -1,0 +1,83 @@
+"""The network setup a VM's start runs beside QEMU: its steps all end before it answers,
+and a VM is killed only once it ended (no VM: a waiting program stands in for QEMU and
+the setup's programs are replaced by coroutines that record)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import NetworkError, QemuError
+from cryobox.network import namespace
+from cryobox.network.namespace import Link
+from cryobox.network.policy import NetworkPolicy
+from cryobox.qemu import process
+from cryobox.vmm.base import MachineSpec
+
+
+async def test_attach_answers_only_once_every_step_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    ended: list[str] = []
+
+    async def host_rules_fail() -> None:
+        raise NetworkError("nft -f - failed: no table")
+
+    async def slow_link(pid: int) -> Link:
+        await asyncio.sleep(0.2)
+        ended.append("link")
+        return Link("cbx9", "10.213.0.37", "10.213.0.38")
+
+    async def no_addresses() -> list[str]:
+        return []
+
+    monkeypatch.setattr(namespace, "ensure_host_rules", host_rules_fail)
+    monkeypatch.setattr(namespace, "_new_link", slow_link)
+    monkeypatch.setattr(namespace, "_host_addresses", no_addresses)
+    with pytest.raises(NetworkError, match="no table"):
+        await namespace.attach(os.getpid(), NetworkPolicy())
+    assert ended == ["link"]  # the link step was not left running
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a VM's namespace of its own needs root")
+async def test_a_vm_is_killed_only_after_its_network_setup_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in = tmp_path / "qemu"
+    stand_in.write_text("#!/bin/sh\nexec sleep 60\n")
+    stand_in.chmod(0o755)
+    seen: list[bool] = []
+
+    async def slow_attach(pid: int, policy: NetworkPolicy) -> Link:
+        await asyncio.sleep(0.3)
+        seen.append(_running(pid))  # its pid is still the VM's: not free for another
+        raise NetworkError("no free sandbox link")
+
+    monkeypatch.setattr(process, "attach", slow_attach)
+    spec = MachineSpec(
+        name="cryobox-sbx-000000000000",
+        cpus=1,
+        memory_mib=64,
+        accelerator="tcg",
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        disk_chain=(tmp_path / "d.qcow2",),
+        memory_file=tmp_path / "mem",
+        monitor_socket=tmp_path / "q.sock",  # never made: the start times out
+        agent_socket=tmp_path / "a.sock",
+        console_log=tmp_path / "c.log",
+        isolated=True,
+    )
+    vm = process.QemuProcess(spec, tmp_path / "stderr", binary=str(stand_in))
+    with pytest.raises(QemuError, match="monitor did not come up"):
+        await vm.start(timeout=0.1)
+    assert seen == [True]
+    assert vm.returncode is not None and not _running(vm.pid)  # killed after, and reaped
