@@ -165,9 +165,9 @@ class QemuProcess:
                 on_spawn(self._process.pid)
             if self.spec.isolated:
                 # Made while QEMU starts and its monitor connects (each takes tens of ms
-                # here): a restore's state loads, and a guest runs, only once it is made
-                # (load_state, continue_cpus). Until the route, its last step, nothing in
-                # the namespace gets out.
+                # here). A cold boot waits for it below; a restore's state loads only once
+                # it is made (load_state), and its guest runs only after that. Until the
+                # route, its last step, nothing in the namespace gets out.
                 self._attaching = asyncio.ensure_future(
                     attach(self._process.pid, self.spec.network)
                 )
@@ -260,7 +260,6 @@ class QemuProcess:
         await self.execute("stop")
 
     async def continue_cpus(self) -> None:
-        await self.network_ready()  # the guest runs only once its network is as it must be
         await self.execute("cont")
 
     async def add_port_forward(self, forward: PortForward) -> None:
@@ -337,11 +336,10 @@ class QemuProcess:
 
     async def quit(self, timeout: float = 5.0) -> None:
         """Ask QEMU to quit; kill it if it does not within ``timeout``."""
+        await self._stop_attaching()
         if self._process is None or self._process.returncode is not None:
-            await self._stop_attaching()
             await self._close_qmp()
             return
-        await self._stop_attaching()
         with contextlib.suppress(QemuError):
             await asyncio.wait_for(self.execute("quit"), timeout)
         try:

@@ -326,7 +326,7 @@ class Machine:
             await self.vm.continue_cpus()  # a save was cut short with the guest frozen
             shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
             await self._listen(forwards)
-            self.agent = await self._connect_agent(RESTORE_TIMEOUT)
+            self.agent, _ = await self._connect_agent(RESTORE_TIMEOUT)
         except BaseException:
             if self.vm is not None:
                 await self.stop_vm()
@@ -351,7 +351,7 @@ class Machine:
             incoming=False,
             kernel_args=(f"cryobox.time_ns={time.time_ns()}", f"cryobox.hostname={self.spec.id}"),
         )
-        self.agent = await self._connect_agent(BOOT_TIMEOUT)
+        self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
 
     async def _restore(self, manifest: Manifest, *, new_identity: bool) -> None:
         """Continue a memory snapshot in this sandbox, on a new disk overlay.
@@ -450,14 +450,13 @@ class Machine:
         await self.vm.continue_cpus()
         # The refresh is the first request: the agent was running when saved, so its answer
         # is the readiness signal (one round trip instead of a ping and then the refresh).
-        answers: list[dict[str, Any]] = []
-        self.agent = await self._connect_agent(
-            RESTORE_TIMEOUT, agent, probe=self._refresh_args(new_identity), answers=answers
+        self.agent, answer = await self._connect_agent(
+            RESTORE_TIMEOUT, agent, probe=self._refresh_args(new_identity)
         )
         step("agent refreshed")
         # Where the first answer's time went: the agent's own part (from reading the
         # request to answering it), the rest being the guest's kernel, virtio and QEMU.
-        spent = answers[-1].get("spent_ms") if answers else None
+        spent = answer.get("spent_ms")
         if isinstance(spent, int | float):
             step.note("of which in the agent", float(spent))
 
@@ -549,15 +548,11 @@ class Machine:
             raise NetworkError(f"cannot listen on a forwarded host port: {exc}") from exc
 
     async def _connect_agent(
-        self,
-        timeout: float,
-        agent: AgentClient | None = None,
-        probe: Probe | None = None,
-        answers: list[dict[str, Any]] | None = None,
-    ) -> AgentClient:
+        self, timeout: float, agent: AgentClient | None = None, probe: Probe | None = None
+    ) -> tuple[AgentClient, dict[str, Any]]:
         """Connect to the guest agent (unless given a connection) and wait until it answers
-        ``probe``'s request (a ping by default), resent until the deadline; the answer
-        goes to ``answers`` if given."""
+        ``probe``'s request (a ping by default), resent until the deadline: the connection
+        and that answer."""
         assert self.vm is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -572,9 +567,7 @@ class Machine:
             try:
                 op, args, payload = probe() if probe else (GuestOp.PING, {}, b"")
                 answer = await agent.request(op, args, payload, timeout=0.5 if probe else 0.25)
-                if answers is not None:
-                    answers.append(answer)
-                return agent
+                return agent, answer
             except ChannelError:
                 if loop.time() > deadline:
                     await agent.close()
