@@ -15,14 +15,24 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryobox import bench_bounds, bench_diy, bench_http, bench_steps, bench_store, config
+from cryobox import (
+    bench_bounds,
+    bench_diy,
+    bench_http,
+    bench_steps,
+    bench_store,
+    bench_translation,
+    config,
+)
 from cryobox.bench_store import disk_bandwidth_mb_s
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
@@ -41,6 +51,7 @@ SCENARIOS = (
     "checkpoint",
     "rollback",
     "fork",
+    "translation",
     "restore-vs-ram",
     "snapshot-bytes",
     "guest-flood",
@@ -65,6 +76,19 @@ for _ in range({n}):
     captured.append(time.perf_counter() - start)
 print(" ".join(f"{{s:.6f}}" for s in plain))
 print(" ".join(f"{{s:.6f}}" for s in captured))
+"""
+
+
+#: The Python program given as ``$1`` run with the guest's address randomization on,
+#: then the setting put back as it was (a process's layout is chosen when it starts).
+RANDOMIZED = """
+setting=/proc/sys/kernel/randomize_va_space
+was=$(cat $setting)
+echo 2 > $setting
+python3 -c "$1"
+status=$?
+echo $was > $setting
+exit $status
 """
 
 
@@ -201,6 +225,7 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
     pings: list[float] = []
     plain: list[float] = []
     captured: list[float] = []
+    randomized: list[float] = []
     local_pings: list[float] = []
     local_execs: list[float] = []
     ping_cpu = {"this process": 0.0, "supervisor": 0.0, "QEMU": 0.0}
@@ -219,6 +244,11 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
             lines = (await sbx.commands.run(["python3", "-c", program])).stdout.splitlines()
             plain += [float(word) for word in lines[0].split()]
             captured += [float(word) for word in lines[1].split()]
+            # The same with the guest's address randomization on (config.guest_aslr).
+            ran = await sbx.commands.run(["sh", "-c", RANDOMIZED, "sh", program])
+            if ran.exit_code != 0:
+                raise RuntimeError(f"the randomized guest spawn failed: {ran.stderr[-500:]}")
+            randomized += [float(word) for word in ran.stdout.splitlines()[0].split()]
             program = AGENT_IN_GUEST.format(n=per_round // 2)
             lines = (await sbx.commands.run(["python3", "-c", program])).stdout.splitlines()
             local_pings += [float(word) for word in lines[0].split()]
@@ -257,6 +287,17 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
             "stdout and stderr through pipes read to their end",
         ),
         summarize(
+            "guest-spawn-aslr",
+            randomized,
+            "ms",
+            scale=1000,
+            baseline="guest-spawn",
+            base_value=plain_ms,
+            note="the same with the guest's address randomization on (CRYOBOX_GUEST_ASLR=on; "
+            "off by default under TCG): each process's libraries at new addresses, "
+            "translated again",
+        ),
+        summarize(
             "agent-in-guest-ping",
             local_pings,
             "ms",
@@ -290,7 +331,8 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
     ]
     wanted = set(names)
     if "guest-spawn" in wanted:
-        wanted |= {"guest-spawn-captured", "agent-in-guest-ping", "agent-in-guest-exec"}
+        wanted |= {"guest-spawn-captured", "guest-spawn-aslr"}
+        wanted |= {"agent-in-guest-ping", "agent-in-guest-exec"}
         wanted |= {"exec-overhead"}
     return [figure for figure in figures if figure.scenario in wanted]
 
@@ -506,6 +548,68 @@ async def checkpoint_rollback(ctx: Context) -> list[Figure]:
     ]
 
 
+async def translation(ctx: Context) -> list[Figure]:
+    """Which guest code a fork's new QEMU translates (:mod:`.bench_translation`): on the
+    way to its first answer (restore and identity refresh), for its first ``true``, for
+    its second; and, in a second fork that logs nothing, the CPU its QEMU spends on each.
+    """
+    parent = await _ready(await AsyncSandbox.create())
+    folder = Path(tempfile.mkdtemp(prefix="cbx-tcg-"))
+    log = folder / "in_asm.log"
+    steps = (None, ["true"], ["true"])
+    marks, cpu = [], []
+    try:
+        os.environ["CRYOBOX_TCG_LOG"] = str(log)
+        try:
+            (logged,) = await parent.fork(1)
+        finally:
+            os.environ.pop("CRYOBOX_TCG_LOG", None)
+        for command in steps:
+            if command:
+                await logged.commands.run(command)
+            await asyncio.sleep(0.3)  # what the guest does right after its answer
+            marks.append(log.stat().st_size)
+        shown = await logged.commands.run(["sh", "-c", "cat /proc/$PPID/maps"])  # the agent's
+        host_code = bench_steps.memory_parts([(await logged.info()).vmm_pid or 0])
+        await logged.kill()
+        (timed,) = await parent.fork(1)
+        qemu = (await timed.info()).vmm_pid
+        for command in steps:
+            if command:
+                await timed.commands.run(command)
+            cpu.append(bench_steps.cpu_seconds(qemu) * 1000)
+        await timed.kill()
+    finally:
+        await parent.kill()
+    with log.open("rb") as lines:
+        phases = bench_translation.attribute(lines, marks, shown.stdout)
+    shutil.rmtree(folder, ignore_errors=True)
+    spent = [cpu[0], cpu[1] - cpu[0], cpu[2] - cpu[1]]
+    names = ("fork-translated", "fork-translated-first-true", "fork-translated-second-true")
+    whats = (
+        "guest code a fork's new QEMU translated (TCG) until its first answer (restore, "
+        "identity refresh)",
+        "then for its first `true`",
+        "then for its second",
+    )
+    ends = (
+        f" (its start included). Host code TCG made for all three and one more command: "
+        f"{host_code[bench_steps.TRANSLATED_CODE]:.1f} MiB",
+        "",
+        "",
+    )
+    return [
+        summarize(
+            name,
+            [phase.total_kib()],
+            "KiB",
+            note=f"{what}: {phase.describe()}; QEMU CPU of a fork logging nothing: "
+            f"{ms:.0f} ms{end}",
+        )
+        for name, what, phase, ms, end in zip(names, whats, phases, spent, ends, strict=False)
+    ]
+
+
 async def fork(ctx: Context) -> list[Figure]:
     figures = []
     counts: tuple[int | str, ...] = (1, 3) if ctx.quick else (1, 10, 100, "100-tb32")
@@ -705,6 +809,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await checkpoint_rollback(ctx)
     if "fork" in names:
         figures += await fork(ctx)
+    if "translation" in names:
+        figures += await translation(ctx)
     if "restore-vs-ram" in names:
         figures += await restore_vs_ram(ctx)
     if "snapshot-bytes" in names:

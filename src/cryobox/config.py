@@ -5,6 +5,8 @@
 - ``CRYOBOX_STATE_DIR``: running sandboxes (disks, memory files, sockets, logs),
   default the user's data directory.
 - ``CRYOBOX_FINISHED_KEEP``: seconds an ended sandbox stays listed (default an hour).
+- ``CRYOBOX_GUEST_ASLR``: ``auto`` (default), ``on`` or ``off``: whether a cold-booted
+  guest randomizes its processes' address spaces (see :func:`guest_aslr`).
 """
 
 from __future__ import annotations
@@ -79,3 +81,41 @@ FINISHED_KEEP = 3600.0
 def finished_keep() -> float:
     """``CRYOBOX_FINISHED_KEEP`` seconds, else :data:`FINISHED_KEEP`."""
     return env_number("CRYOBOX_FINISHED_KEEP", FINISHED_KEEP)
+
+
+#: What ``CRYOBOX_GUEST_ASLR`` may say.
+GUEST_ASLR_MODES = ("auto", "on", "off")
+
+
+def guest_aslr_mode() -> str:
+    """``CRYOBOX_GUEST_ASLR``, lower-cased: ``auto`` when unset or empty.
+
+    :raises InvalidArgument: naming the variable and what it may say, for anything else.
+    """
+    from cryobox.errors import InvalidArgument
+
+    raw = os.environ.get("CRYOBOX_GUEST_ASLR")
+    mode = (raw or "auto").strip().lower()
+    if mode not in GUEST_ASLR_MODES:
+        raise InvalidArgument(
+            f"CRYOBOX_GUEST_ASLR={raw!r}: must be one of {', '.join(GUEST_ASLR_MODES)}"
+        )
+    return mode
+
+
+def guest_aslr(accelerator: str) -> bool:
+    """Whether a guest cold-booted under ``accelerator`` randomizes where its processes'
+    programs and libraries are mapped (``kernel.randomize_va_space``).
+
+    ``auto`` turns it off under TCG only. TCG keeps the code it translated by guest
+    address: with randomized mappings every new process runs its libraries at new
+    addresses and has them translated again, so under TCG a ``true`` takes 3x as long
+    (docs/BENCHMARKS.md, ``guest-spawn-aslr``). KVM runs guest code natively and gains
+    nothing, so it keeps the guest's default. The VM, not the guest's layout, is the
+    boundary a sandbox relies on (docs/SECURITY.md); root in the guest can turn it back
+    on (``sysctl kernel.randomize_va_space=2``). It is decided at each cold boot; what
+    starts from a memory snapshot (template, fork, restore, resume) keeps the setting of
+    the machine it was saved from.
+    """
+    mode = guest_aslr_mode()
+    return mode == "on" or (mode == "auto" and accelerator != "tcg")

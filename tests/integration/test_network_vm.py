@@ -9,6 +9,7 @@ aims at any address outside this machine.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -53,8 +54,15 @@ def _server(port: int, bind: str, netns: str | None = None) -> subprocess.Popen[
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return server
+    # It listens only once its reverse lookup of ``bind`` gave up: the test host's DNS
+    # queries are dropped by the host (which forwards nothing but sandbox traffic).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((bind, port), 1):
+            return server
+        time.sleep(0.2)
+    server.kill()
+    raise AssertionError(f"the test's server on {bind}:{port} never listened")
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,57 @@ def test_runs_python_in_the_guest_kernel(shared_sandbox: Sandbox) -> None:
     assert lines[2] == shared_sandbox.id
 
 
+#: The guest's setting, then where libc lies in two processes started one after the other.
+ASLR_PROBE = (
+    "cat /proc/sys/kernel/randomize_va_space; grep -m1 libc /proc/self/maps; "
+    "grep -m1 libc /proc/self/maps"
+)
+
+
+def address_layout(sbx: Sandbox) -> tuple[str, set[str]]:
+    """``kernel.randomize_va_space`` in ``sbx``, and the distinct libc addresses seen."""
+    lines = sbx.commands.run(ASLR_PROBE).stdout.splitlines()
+    assert len(lines) == 3, lines
+    return lines[0], {line.split("-")[0] for line in lines[1:]}
+
+
+def test_guest_address_randomization_is_off_under_tcg(
+    shared_sandbox: Sandbox, sandbox_factory: Any, request: pytest.FixtureRequest
+) -> None:
+    """TCG translates code by guest address: fixed layouts let processes share it."""
+    if shared_sandbox.info().accelerator == "kvm":
+        pytest.skip("under KVM the guest keeps its default")
+    if os.environ.get("CRYOBOX_GUEST_ASLR", "auto") != "auto":
+        pytest.skip("CRYOBOX_GUEST_ASLR is set for this run")
+    setting, libc_at = address_layout(shared_sandbox)  # a cold boot
+    assert setting == "0" and len(libc_at) == 1
+    restored = sandbox_factory(**remote_of(shared_sandbox, request))  # the default template
+    setting, libc_at = address_layout(restored)
+    assert setting == "0" and len(libc_at) == 1
+
+
+def test_guest_address_randomization_on_when_asked_follows_each_cold_boot(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", "on")
+    booted = sandbox_factory(template="base")
+    setting, libc_at = address_layout(booted)
+    assert setting == "2" and len(libc_at) == 2
+    files_only = booted.snapshot("aslr-files", memory=False, overwrite=True)
+    booted.pause()
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", "off")
+    resumed = Sandbox.resume(booted.id)
+    assert address_layout(resumed)[0] == "2"  # a memory snapshot keeps the machine's own
+    rebooted = sandbox_factory(from_snapshot=files_only)  # a disk snapshot boots: the host's
+    setting, libc_at = address_layout(rebooted)
+    assert setting == "0" and len(libc_at) == 1
+    rebooted.kill()
+    Sandbox.delete_snapshot(files_only.id)
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", "bogus")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_GUEST_ASLR='bogus': must be one of"):
+        sandbox_factory(template="base")
+
+
 def test_output_streams_to_callbacks_as_it_comes(shared_sandbox: Sandbox) -> None:
     seen: list[tuple[float, str]] = []
     result = shared_sandbox.commands.run(

@@ -167,3 +167,14 @@ def test_translation_buffer_size_is_set_only_when_asked(monkeypatch: pytest.Monk
     monkeypatch.setenv("CRYOBOX_TCG_TB_MIB", "lots")
     with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_TB_MIB"):
         build_command("qemu", spec(accelerator="tcg"))
+
+
+def test_translation_log_is_written_only_when_asked_and_only_under_tcg(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CRYOBOX_TCG_LOG", raising=False)
+    assert "-d" not in build_command("qemu", spec(accelerator="tcg"))
+    monkeypatch.setenv("CRYOBOX_TCG_LOG", "/tmp/tcg-%d.log")
+    argv = build_command("qemu", spec(accelerator="tcg"))
+    assert option(argv, "-d") == ["in_asm"] and option(argv, "-D") == ["/tmp/tcg-%d.log"]
+    assert "-d" not in build_command("qemu", spec(accelerator="kvm"))

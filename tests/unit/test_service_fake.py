@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cryobox import Sandbox
+from cryobox import Sandbox, config
 from cryobox.errors import (
     CapacityError,
     InvalidArgument,
@@ -28,7 +28,7 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
-from cryobox.service import discard_spare, service
+from cryobox.service import discard_spare, pool, service
 
 
 @pytest.fixture(autouse=True)
@@ -266,3 +266,50 @@ def test_a_killed_sandbox_is_listed_for_a_while_then_forgotten(
     time.sleep(0.05)
     assert Sandbox.list(all=True) == []
     assert not [p for p in (fake_vmm / "sandboxes").iterdir() if not p.name.startswith(".")]
+
+
+def test_the_default_template_is_built_again_under_another_guest_aslr_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRYOBOX_POOL_SIZE", "0")
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", "on")
+    discard_spare()
+    first = Sandbox.create().info().origin
+    assert Sandbox.create().info().origin == first  # the same cache
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", "off")
+    discard_spare()
+    rebuilt = Sandbox.create().info().origin
+    assert rebuilt != first
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", " OFF ")  # the same setting, spelled otherwise
+    discard_spare()
+    assert Sandbox.create().info().origin == rebuilt
+    mine = Sandbox.build_template("mine", ["true"]).id
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", "ON")
+    discard_spare()
+    assert Sandbox.create("mine").info().origin == mine  # the user's is kept as it is
+    assert Sandbox.create().info().origin not in {first, rebuilt}
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", "sometimes")
+    before = len(Sandbox.list())
+    with pytest.raises(InvalidArgument, match="CRYOBOX_GUEST_ASLR='sometimes': must be one of"):
+        Sandbox.create("base")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_GUEST_ASLR"):
+        pool.set_size("default", 1)
+    assert len(Sandbox.list()) == before
+
+
+@pytest.mark.parametrize(
+    ("mode", "accelerator", "randomized"),
+    [
+        ("", "tcg", False),
+        ("auto", "tcg", False),
+        ("auto", "kvm", True),
+        (" Off ", "kvm", False),
+        ("on", "tcg", True),
+        ("ON", "kvm", True),
+    ],
+)
+def test_guest_aslr_follows_the_setting_and_the_accelerator(
+    monkeypatch: pytest.MonkeyPatch, mode: str, accelerator: str, randomized: bool
+) -> None:
+    monkeypatch.setenv("CRYOBOX_GUEST_ASLR", mode)
+    assert config.guest_aslr(accelerator) is randomized

@@ -41,6 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cryobox import config
 from cryobox.errors import (
     ChannelError,
     CryoboxError,
@@ -347,10 +348,13 @@ class Machine:
             memory_from=None,
             memory_shared=True,
         )
-        await self._start_vm(
-            incoming=False,
-            kernel_args=(f"cryobox.time_ns={time.time_ns()}", f"cryobox.hostname={self.spec.id}"),
+        kernel_args: tuple[str, ...] = (
+            f"cryobox.time_ns={time.time_ns()}",
+            f"cryobox.hostname={self.spec.id}",
         )
+        if not config.guest_aslr(self.spec.accelerator):
+            kernel_args += ("norandmaps",)  # kernel.randomize_va_space=0 from the start
+        await self._start_vm(incoming=False, kernel_args=kernel_args)
         self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
 
     async def _restore(self, manifest: Manifest, *, new_identity: bool) -> None:

@@ -133,6 +133,7 @@ def _integer(text: str) -> int | str:
 def set_size(template: str, size: int) -> None:
     """Keep ``size`` members of ``template`` waiting (0: none)."""
     whole_number("size", size, 0, MAX_SIZE)
+    config.guest_aslr_mode()  # a refill would fail on a bad setting, with nobody told
     path = root() / "sizes.json"
     try:
         configured = json.loads(path.read_text())
@@ -320,7 +321,7 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
 
     image = await asyncio.to_thread(service.vmm.ensure_image, None)
     try:
-        source = await service._template_snapshot(template, image.id, None)
+        source = await service._template_snapshot(template, image, None)
     except CryoboxError as exc:
         log.warning("pool %s: no template to restore (%s): its members are ended", template, exc)
         await _end(service, members(template))

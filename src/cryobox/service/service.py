@@ -46,7 +46,7 @@ from cryobox.errors import (
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient, EventHandler
-from cryobox.image.build import Progress
+from cryobox.image.build import Image, Progress
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
@@ -265,6 +265,7 @@ class SandboxService:
         # ``request`` was validated by create. Host names in rules are resolved once,
         # here (the guest's DNS may differ later).
         policy = await asyncio.to_thread(parse_policy, request.network or INTERNET)
+        config.guest_aslr_mode()  # a bad setting is named here, not by the supervisor
         self.vmm.check_installed()  # fail early and clearly
         if self.vmm.isolates_network:
             check_can_isolate()
@@ -273,7 +274,7 @@ class SandboxService:
         if request.from_snapshot is not None:
             source = await self.persist.local_or_pulled(request.from_snapshot)
         elif request.template != BASE_TEMPLATE:
-            source = await self._template_snapshot(request.template, image.id, progress)
+            source = await self._template_snapshot(request.template, image, progress)
         shape = {
             "cpus": request.cpus,
             "memory_mib": request.memory_mib,
@@ -843,11 +844,18 @@ class SandboxService:
             await self.delete_snapshot(str(entry["snapshot"]))
 
     async def _template_snapshot(
-        self, name: str, image_id: str, progress: Progress | None
+        self, name: str, image: Image, progress: Progress | None
     ) -> Manifest:
         """The snapshot a template starts from; builds ``default`` when missing or stale."""
+        image_id = image.id
         entry = self.store.template(name)
-        if entry is not None and entry.get("image_id") == image_id:
+        usable = entry is not None and entry.get("image_id") == image_id
+        if entry is not None and usable and name == DEFAULT_TEMPLATE:
+            # The default template is a cache of one cold boot: one booted with the other
+            # address randomization is built again (a template of the user's keeps its own).
+            accelerator = await asyncio.to_thread(self.vmm.accelerator, image)
+            usable = entry.get("guest_aslr") == config.guest_aslr(accelerator)
+        if entry is not None and usable:
             try:
                 return await self.persist.local_or_pulled(str(entry["snapshot"]))
             except SnapshotNotFound:
@@ -899,6 +907,7 @@ class SandboxService:
             ),
             progress,
         )
+        randomized = config.guest_aslr(sandbox.accelerator)  # as it was booted
         try:
             for number, command in enumerate(setup, 1):
                 step = f"setup {number}/{len(setup)}: {command[:60]}"
@@ -925,7 +934,12 @@ class SandboxService:
             self.store.set_template(
                 name,
                 saved.id,
-                {"image_id": sandbox.image_id, "setup": list(setup), "created_at": time.time()},
+                {
+                    "image_id": sandbox.image_id,
+                    "guest_aslr": randomized,
+                    "setup": list(setup),
+                    "created_at": time.time(),
+                },
             )
         finally:
             with contextlib.suppress(CryoboxError):
