@@ -7,6 +7,7 @@
 - ``CRYOBOX_FINISHED_KEEP``: seconds an ended sandbox stays listed (default an hour).
 - ``CRYOBOX_GUEST_ASLR``: ``auto`` (default), ``on`` or ``off``: whether a cold-booted
   guest randomizes its processes' address spaces (see :func:`guest_aslr`).
+- ``CRYOBOX_TCG_THREADS``: ``multi`` (default) or ``single`` (see :func:`tcg_threads`).
 """
 
 from __future__ import annotations
@@ -119,3 +120,28 @@ def guest_aslr(accelerator: str) -> bool:
     """
     mode = guest_aslr_mode()
     return mode == "on" or (mode == "auto" and accelerator != "tcg")
+
+
+#: What ``CRYOBOX_TCG_THREADS`` may say: a host thread per vCPU (QEMU's MTTCG), or all
+#: of a VM's vCPUs taking turns on one.
+TCG_THREADS = ("multi", "single")
+
+
+def tcg_threads() -> str:
+    """``CRYOBOX_TCG_THREADS`` (default ``multi``).
+
+    ``multi`` lets one sandbox use as many host cores as it has vCPUs (two CPU-bound
+    processes in a 2-vCPU guest: 0.9-1.6 s against 2.4 s with ``single``, on 2 cores).
+    ``single`` spends less CPU per VM where VMs outnumber cores: 10 forks of a 2-vCPU
+    guest took 2.4-2.8 s against 2.8-3.2 s (QEMU CPU 0.29 against 0.34-0.36 s per fork in
+    its vCPU threads), as no second vCPU thread translates and waits on its own
+    (docs/BENCHMARKS.md, ``fork-10-single``). It applies to VMs started after it is set.
+
+    :raises InvalidArgument: naming the variable, for another value.
+    """
+    from cryobox.errors import InvalidArgument
+
+    raw = os.environ.get("CRYOBOX_TCG_THREADS") or "multi"
+    if raw not in TCG_THREADS:
+        raise InvalidArgument(f"CRYOBOX_TCG_THREADS={raw!r}: must be one of multi, single")
+    return raw

@@ -148,6 +148,25 @@ def test_guest_address_randomization_on_when_asked_follows_each_cold_boot(
         sandbox_factory(template="base")
 
 
+def test_vcpus_take_turns_on_one_host_thread_when_asked(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRYOBOX_TCG_THREADS", "single")
+    sbx = sandbox_factory()
+    info = sbx.info()
+    if info.accelerator == "kvm":
+        pytest.skip("TCG only")
+    argv = Path(f"/proc/{info.vmm_pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"-accel") + 1] == b"tcg,thread=single"
+    assert sbx.commands.run("nproc").stdout.strip() == "2"  # the guest still has its two
+    (copy,) = sbx.fork(1)
+    assert copy.commands.run("nproc").stdout.strip() == "2"
+    copy.kill()
+    monkeypatch.setenv("CRYOBOX_TCG_THREADS", "many")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_THREADS='many': must be one of"):
+        sandbox_factory()
+
+
 def test_output_streams_to_callbacks_as_it_comes(shared_sandbox: Sandbox) -> None:
     seen: list[tuple[float, str]] = []
     result = shared_sandbox.commands.run(

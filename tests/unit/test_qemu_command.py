@@ -178,3 +178,13 @@ def test_translation_log_is_written_only_when_asked_and_only_under_tcg(
     argv = build_command("qemu", spec(accelerator="tcg"))
     assert option(argv, "-d") == ["in_asm"] and option(argv, "-D") == ["/tmp/tcg-%d.log"]
     assert "-d" not in build_command("qemu", spec(accelerator="kvm"))
+
+
+def test_vcpus_share_one_host_thread_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRYOBOX_TCG_THREADS", "single")
+    argv = build_command("qemu", spec(accelerator="tcg"))
+    assert option(argv, "-accel") == ["tcg,thread=single"]
+    assert option(build_command("qemu", spec(accelerator="kvm")), "-accel") == ["kvm"]
+    monkeypatch.setenv("CRYOBOX_TCG_THREADS", "2")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_THREADS='2': must be one of"):
+        build_command("qemu", spec(accelerator="tcg"))

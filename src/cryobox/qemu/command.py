@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cryobox.config import env_number
+from cryobox.config import env_number, tcg_threads
 from cryobox.network.policy import NONE
 from cryobox.vmm.base import MachineSpec, PortForward
 
@@ -93,7 +93,7 @@ def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
     """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
     once it is set up)."""
-    accel = "kvm" if spec.accelerator == "kvm" else "tcg,thread=multi"
+    accel = "kvm" if spec.accelerator == "kvm" else f"tcg,thread={tcg_threads()}"
     # TCG's translation buffer (QEMU's default: up to 1 GiB, touched as used). Smaller
     # holds less memory per VM (a fork of a 256 MiB guest: 92 -> 73 MiB of PSS at 32),
     # at the cost of translating again after it fills.

@@ -265,7 +265,8 @@ class SandboxService:
         # ``request`` was validated by create. Host names in rules are resolved once,
         # here (the guest's DNS may differ later).
         policy = await asyncio.to_thread(parse_policy, request.network or INTERNET)
-        config.guest_aslr_mode()  # a bad setting is named here, not by the supervisor
+        config.guest_aslr_mode()  # bad settings are named here, not by the supervisor
+        config.tcg_threads()
         self.vmm.check_installed()  # fail early and clearly
         if self.vmm.isolates_network:
             check_can_isolate()
