@@ -548,42 +548,29 @@ async def checkpoint_rollback(ctx: Context) -> list[Figure]:
     ]
 
 
+#: The steps of a fork the translation scenario follows: its first answer, then two `true`.
+_STEPS: tuple[list[str] | None, ...] = (None, ["true"], ["true"])
+
+
 async def translation(ctx: Context) -> list[Figure]:
     """Which guest code a fork's new QEMU translates (:mod:`.bench_translation`): on the
     way to its first answer (restore and identity refresh), for its first ``true``, for
     its second; and, in a second fork that logs nothing, the CPU its QEMU spends on each.
-    """
+    Only where this process starts the VMs, under TCG."""
+    if getattr(default_transport(), "api_url", None):
+        return []  # a server's VMs: their QEMU log would be on its host
     parent = await _ready(await AsyncSandbox.create())
     folder = Path(tempfile.mkdtemp(prefix="cbx-tcg-"))
-    log = folder / "in_asm.log"
-    steps = (None, ["true"], ["true"])
-    marks, cpu = [], []
     try:
-        os.environ["CRYOBOX_TCG_LOG"] = str(log)
-        try:
-            (logged,) = await parent.fork(1)
-        finally:
-            os.environ.pop("CRYOBOX_TCG_LOG", None)
-        for command in steps:
-            if command:
-                await logged.commands.run(command)
-            await asyncio.sleep(0.3)  # what the guest does right after its answer
-            marks.append(log.stat().st_size)
-        shown = await logged.commands.run(["sh", "-c", "cat /proc/$PPID/maps"])  # the agent's
-        host_code = bench_steps.memory_parts([(await logged.info()).vmm_pid or 0])
-        await logged.kill()
-        (timed,) = await parent.fork(1)
-        qemu = (await timed.info()).vmm_pid
-        for command in steps:
-            if command:
-                await timed.commands.run(command)
-            cpu.append(bench_steps.cpu_seconds(qemu) * 1000)
-        await timed.kill()
+        if (await parent.info()).accelerator == "kvm":
+            return []
+        logged = await _translating_fork(parent, folder / "in_asm.log")
+        cpu = await _fork_cpu(parent)
+        with (folder / "in_asm.log").open("rb") as log:
+            phases = bench_translation.attribute(log, *logged.marks_and_maps())
     finally:
         await parent.kill()
-    with log.open("rb") as lines:
-        phases = bench_translation.attribute(lines, marks, shown.stdout)
-    shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
     spent = [cpu[0], cpu[1] - cpu[0], cpu[2] - cpu[1]]
     names = ("fork-translated", "fork-translated-first-true", "fork-translated-second-true")
     whats = (
@@ -592,9 +579,17 @@ async def translation(ctx: Context) -> list[Figure]:
         "then for its first `true`",
         "then for its second",
     )
+    randomized = (
+        ""
+        if logged.randomization == "0"
+        else (
+            f" (the guest randomizes address spaces ({logged.randomization}): a command's "
+            "libraries count as its own code)"
+        )
+    )
     ends = (
-        f" (its start included). Host code TCG made for all three and one more command: "
-        f"{host_code[bench_steps.TRANSLATED_CODE]:.1f} MiB",
+        f". Host code TCG made for all three and two more commands: {logged.host_mib:.1f} "
+        f"MiB{randomized}",
         "",
         "",
     )
@@ -606,8 +601,60 @@ async def translation(ctx: Context) -> list[Figure]:
             note=f"{what}: {phase.describe()}; QEMU CPU of a fork logging nothing: "
             f"{ms:.0f} ms{end}",
         )
-        for name, what, phase, ms, end in zip(names, whats, phases, spent, ends, strict=False)
+        for name, what, phase, ms, end in zip(names, whats, phases[:3], spent, ends, strict=True)
     ]
+
+
+@dataclass
+class _LoggedFork:
+    marks: list[int]  # the log's size after each of _STEPS
+    agent_maps: str
+    command_maps: str
+    randomization: str  # the guest's kernel.randomize_va_space
+    host_mib: float  # TCG's translated code in the QEMU at the end
+
+    def marks_and_maps(self) -> tuple[list[int], str, str]:
+        return self.marks, self.agent_maps, self.command_maps
+
+
+async def _translating_fork(parent: AsyncSandbox, log: Path) -> _LoggedFork:
+    """Fork ``parent`` once with QEMU logging each block it translates into ``log``."""
+    os.environ["CRYOBOX_TCG_LOG"] = str(log)
+    try:
+        (copy,) = await parent.fork(1)
+    finally:
+        os.environ.pop("CRYOBOX_TCG_LOG", None)
+    try:
+        marks = []
+        for step in _STEPS:
+            if step:
+                await copy.commands.run(step)
+            await asyncio.sleep(0.3)  # what the guest does right after its answer
+            marks.append(log.stat().st_size)
+        agent = await copy.commands.run(["sh", "-c", "cat /proc/$PPID/maps"])
+        command = await copy.commands.run(["cat", "/proc/self/maps"])
+        setting = await copy.commands.run(["cat", "/proc/sys/kernel/randomize_va_space"])
+        qemu = (await copy.info()).vmm_pid or 0
+        host_mib = bench_steps.memory_parts([qemu])[bench_steps.TRANSLATED_CODE]
+    finally:
+        await copy.kill()
+    return _LoggedFork(marks, agent.stdout, command.stdout, setting.stdout.strip(), host_mib)
+
+
+async def _fork_cpu(parent: AsyncSandbox) -> list[float]:
+    """QEMU's CPU (ms) in a fork of ``parent`` after each of _STEPS."""
+    (copy,) = await parent.fork(1)
+    try:
+        qemu = (await copy.info()).vmm_pid
+        spent = []
+        for step in _STEPS:
+            if step:
+                await copy.commands.run(step)
+            await asyncio.sleep(0.3)  # as the logged fork's steps
+            spent.append(bench_steps.cpu_seconds(qemu) * 1000)
+    finally:
+        await copy.kill()
+    return spent
 
 
 async def fork(ctx: Context) -> list[Figure]:
@@ -616,16 +663,40 @@ async def fork(ctx: Context) -> list[Figure]:
     for label in counts:
         count = int(str(label).split("-")[0])
         # Fork 10 again with each VM's vCPUs taking turns on one host thread.
-        if str(label).endswith("single"):
-            os.environ["CRYOBOX_TCG_THREADS"] = "single"
-        memory = 256 if count == 100 else config.DEFAULT_MEMORY_MIB
-        template = "default"
-        if memory != config.DEFAULT_MEMORY_MIB:
-            template = "bench-256"
-            if template not in ctx.made_templates:
-                await AsyncSandbox.build_template(template, memory_mib=memory)
-                ctx.made_templates.append(template)
-        parent = await _ready(await AsyncSandbox.create(template))
+        threads = "single" if str(label).endswith("single") else None
+        with _env("CRYOBOX_TCG_THREADS", threads):
+            figures += await _fork(ctx, label, count)
+    return figures
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """``name`` set to ``value`` (left as it is for None) until the block ends."""
+    was = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = was
+
+
+async def _fork(ctx: Context, label: int | str, count: int) -> list[Figure]:
+    """Fork ``count`` copies at once; time, CPU and memory, named ``fork-{label}``."""
+    figures = []
+    memory = 256 if count == 100 else config.DEFAULT_MEMORY_MIB
+    template = "default"
+    if memory != config.DEFAULT_MEMORY_MIB:
+        template = "bench-256"
+        if template not in ctx.made_templates:
+            await AsyncSandbox.build_template(template, memory_mib=memory)
+            ctx.made_templates.append(template)
+    parent = await _ready(await AsyncSandbox.create(template))
+    forks: list[AsyncSandbox] = []
+    try:
         start = time.perf_counter()
         forks = await parent.fork(count)
         await asyncio.gather(*(f.commands.run(["true"]) for f in forks))
@@ -638,57 +709,57 @@ async def fork(ctx: Context) -> list[Figure]:
         parts = bench_steps.memory_parts([pid for pid in qemus if pid])
         pss = sum(parts.values())  # proportional set sizes: shared pages counted once
         supervisors = pool.host_memory_mib(tuple(supervisor_pids)) or 0.0
+    finally:
         for sbx in forks:
             await sbx.kill()
         await parent.kill()
-        os.environ.pop("CRYOBOX_TCG_THREADS", None)
-        figures.append(
-            summarize(
-                f"fork-{label}",
-                [elapsed],
-                "s",
-                baseline="cold boot",
-                base_value=ctx.cold_boot_s,
-                note=f"all {count} exec-ready; {elapsed / count:.2f} s per fork",
-            )
+    figures.append(
+        summarize(
+            f"fork-{label}",
+            [elapsed],
+            "s",
+            baseline="cold boot",
+            base_value=ctx.cold_boot_s,
+            note=f"all {count} exec-ready; {elapsed / count:.2f} s per fork",
         )
-        cores = os.cpu_count() or 1
-        figures.append(
-            summarize(
-                f"fork-{label}-cpu",
-                [qemu_cpu + supervisor_cpu],
-                "s",
-                baseline=f"wall time x {cores} cores",
-                base_value=elapsed * cores,
-                note=f"CPU the {count} forks' processes used until all answered: QEMU "
-                f"{qemu_cpu / count:.2f} s and supervisor {supervisor_cpu / count:.3f} s per "
-                f"fork. Spread over {cores} cores it alone takes "
-                f"{(qemu_cpu + supervisor_cpu) / cores:.1f} s",
-            )
+    )
+    cores = os.cpu_count() or 1
+    figures.append(
+        summarize(
+            f"fork-{label}-cpu",
+            [qemu_cpu + supervisor_cpu],
+            "s",
+            baseline=f"wall time x {cores} cores",
+            base_value=elapsed * cores,
+            note=f"CPU the {count} forks' processes used until all answered: QEMU "
+            f"{qemu_cpu / count:.2f} s and supervisor {supervisor_cpu / count:.3f} s per "
+            f"fork. Spread over {cores} cores it alone takes "
+            f"{(qemu_cpu + supervisor_cpu) / cores:.1f} s",
         )
-        figures.append(
-            summarize(
-                f"fork-{label}-pss",
-                [pss],
-                "MiB",
-                baseline=f"{count} x guest RAM",
-                base_value=count * memory,
-                note=f"sum of PSS of {count} QEMUs, {memory} MiB guests; per fork: "
-                + ", ".join(f"{name} {mib / count:.1f}" for name, mib in parts.items())
-                + " MiB",
-            )
+    )
+    figures.append(
+        summarize(
+            f"fork-{label}-pss",
+            [pss],
+            "MiB",
+            baseline=f"{count} x guest RAM",
+            base_value=count * memory,
+            note=f"sum of PSS of {count} QEMUs, {memory} MiB guests; per fork: "
+            + ", ".join(f"{name} {mib / count:.1f}" for name, mib in parts.items())
+            + " MiB",
         )
-        figures.append(
-            summarize(
-                f"fork-{label}-all-pss",
-                [pss + supervisors],
-                "MiB",
-                baseline=f"{count} x guest RAM",
-                base_value=count * memory,
-                note=f"the same with their {count} supervisors ({supervisors / count:.1f} MiB "
-                "each): every host process a fork needs",
-            )
+    )
+    figures.append(
+        summarize(
+            f"fork-{label}-all-pss",
+            [pss + supervisors],
+            "MiB",
+            baseline=f"{count} x guest RAM",
+            base_value=count * memory,
+            note=f"the same with their {count} supervisors ({supervisors / count:.1f} MiB "
+            "each): every host process a fork needs",
         )
+    )
     return figures
 
 
@@ -1063,7 +1134,8 @@ INTRO = (
     'machines are shared and noisy. The columns "plain QEMU by hand" and "ratio to it" '
     "hold what a user gets without cryobox, measured in the same run on the same image "
     "(`cryobox.bench_diy`, the `diy-*` rows: QEMU started by hand, savevm/loadvm, forks as "
-    "copies of the saved disk)."
+    "copies of the saved disk; its guest keeps the kernel's default address randomization, "
+    "as a user's would)."
 )
 ANCHORS = """| system | figure | published |
 |---|---|---|

@@ -22,11 +22,13 @@ KERNEL = "kernel"
 PYTHON = "the agent's Python (interpreter and modules)"
 LIBC = "C library and loader"
 OTHERS = "commands' own code"
-#: Shared objects every program uses: the agent's copies lie where a command's do too
-#: when the guest maps without randomization, so their code is nobody's in particular.
+BOTH = "the agent's or a command's (one address, other files)"
+#: Shared objects every program uses.
 _COMMON = ("libc.so", "ld-linux")
 
-_INSTRUCTION = re.compile(r"0x([0-9a-f]+):\s+((?:[0-9a-f]{2} )+)")
+# Capstone's lines: the address, its bytes ("48 89 e5"), the instruction's text; one of
+# more than 8 bytes goes on in a line of its own with the rest ("0x...:  ff 7f").
+_INSTRUCTION = re.compile(r"0x([0-9a-f]+):\s+((?:[0-9a-f]{2}(?: |$))+)")
 _MAPPING = re.compile(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)")
 
 
@@ -54,41 +56,55 @@ class Translated:
 
 
 @dataclass
-class AgentMaps:
-    """The agent process's mappings (``/proc/PID/maps``), sorted, each with its part."""
+class ProcessMaps:
+    """One guest process's mappings (``/proc/PID/maps``), sorted, each with its part."""
 
     starts: list[int]
     ranges: list[tuple[int, int, str]]
 
     @classmethod
-    def parse(cls, maps_text: str) -> AgentMaps:
+    def parse(cls, maps_text: str, own: str) -> ProcessMaps:
+        """Mappings of the C library and loader are :data:`LIBC`, the others ``own``."""
         ranges = []
         for line in maps_text.splitlines():
             found = _MAPPING.match(line)
             if found is None:
                 continue
             name = found[3].rsplit("/", 1)[-1]
-            part = LIBC if name.startswith(_COMMON) else PYTHON
+            part = LIBC if name.startswith(_COMMON) else own
             ranges.append((int(found[1], 16), int(found[2], 16), part))
         ranges.sort()
         return cls([start for start, _, _ in ranges], ranges)
 
-    def part_of(self, address: int) -> str:
-        """Whose code ``address`` is."""
-        if address >= KERNEL_START:
-            return KERNEL
+    def part_of(self, address: int) -> str | None:
+        """The part of the mapping ``address`` is in, None when in none."""
         index = bisect.bisect_right(self.starts, address) - 1
         if index >= 0 and address < self.ranges[index][1]:
             return self.ranges[index][2]
-        return OTHERS
+        return None
 
 
-def attribute(log: Iterable[bytes], marks: list[int], agent_maps: str) -> list[Translated]:
+def whose(address: int, agent: ProcessMaps, command: ProcessMaps) -> str:
+    """Whose code ``address`` is: the kernel's, the agent's, a command's, or either's
+    when the agent and a command have different files at that address."""
+    if address >= KERNEL_START:
+        return KERNEL
+    in_agent, in_command = agent.part_of(address), command.part_of(address)
+    if in_agent and in_command and in_agent != in_command:
+        return BOTH
+    return in_agent or in_command or OTHERS
+
+
+def attribute(
+    log: Iterable[bytes], marks: list[int], agent_maps: str, command_maps: str
+) -> list[Translated]:
     """Split an ``in_asm`` log into phases at the byte offsets ``marks`` (the log's size
-    at each step's end), and each phase's code by part: the kernel's, the agent's
-    Python, the C library and loader (at the same addresses in the agent and, without
-    address randomization, in a command), and the rest (a command's own program)."""
-    agent = AgentMaps.parse(agent_maps)
+    at each step's end), and each phase's code by whose it is, from the mappings of the
+    agent process and of a command (a program that needs only the C library, as ``true``
+    does: commands like it have theirs at the same addresses when the guest maps
+    without randomization)."""
+    agent = ProcessMaps.parse(agent_maps, PYTHON)
+    command = ProcessMaps.parse(command_maps, OTHERS)
     phases = [Translated() for _ in range(len(marks) + 1)]
     offset, block_start = 0, False
     for raw in log:
@@ -100,7 +116,7 @@ def attribute(log: Iterable[bytes], marks: list[int], agent_maps: str) -> list[T
         found = _INSTRUCTION.match(raw.decode("ascii", "replace"))
         if found is None:
             continue
-        part = agent.part_of(int(found[1], 16))
+        part = whose(int(found[1], 16), agent, command)
         phase.code[part] += len(found[2].split())
         if block_start:
             phase.blocks[part] += 1

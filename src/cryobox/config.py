@@ -130,12 +130,14 @@ TCG_THREADS = ("multi", "single")
 def tcg_threads() -> str:
     """``CRYOBOX_TCG_THREADS`` (default ``multi``).
 
-    ``multi`` lets one sandbox use as many host cores as it has vCPUs (two CPU-bound
-    processes in a 2-vCPU guest: 0.9-1.6 s against 2.4 s with ``single``, on 2 cores).
-    ``single`` spends less CPU per VM where VMs outnumber cores: 10 forks of a 2-vCPU
-    guest took 2.4-2.8 s against 2.8-3.2 s (QEMU CPU 0.29 against 0.34-0.36 s per fork in
-    its vCPU threads), as no second vCPU thread translates and waits on its own
-    (docs/BENCHMARKS.md, ``fork-10-single``). It applies to VMs started after it is set.
+    ``multi`` lets one sandbox use as many host cores as it has vCPUs: two CPU-bound
+    processes in a 2-vCPU guest on 2 cores took 0.9-1.6 s, against 2.4 s with
+    ``single`` (measured by hand, 2026-12-01). ``single`` spends less CPU per VM where
+    VMs outnumber cores, as no second vCPU thread translates and waits on its own: in
+    four runs of 10 forks of a 2-vCPU guest the same day, 2.4-2.8 s against 2.8-3.2 s,
+    its vCPU threads' CPU 0.29 against 0.34-0.36 s per fork (``fork-10-single`` in
+    docs/BENCHMARKS.md compares them in every bench run). It applies to VMs started
+    after it is set.
 
     :raises InvalidArgument: naming the variable, for another value.
     """
@@ -145,3 +147,12 @@ def tcg_threads() -> str:
     if raw not in TCG_THREADS:
         raise InvalidArgument(f"CRYOBOX_TCG_THREADS={raw!r}: must be one of multi, single")
     return raw
+
+
+def check_settings() -> None:
+    """Raise on a bad setting a VM's start depends on, before anything is started.
+
+    :raises InvalidArgument: naming the variable and what it may say.
+    """
+    guest_aslr_mode()
+    tcg_threads()

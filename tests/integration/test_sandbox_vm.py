@@ -148,6 +148,12 @@ def test_guest_address_randomization_on_when_asked_follows_each_cold_boot(
         sandbox_factory(template="base")
 
 
+def accel_of(qemu_pid: int | None) -> str:
+    """The ``-accel`` a running QEMU was started with."""
+    argv = Path(f"/proc/{qemu_pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("-accel") + 1]
+
+
 def test_vcpus_take_turns_on_one_host_thread_when_asked(
     sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,12 +162,14 @@ def test_vcpus_take_turns_on_one_host_thread_when_asked(
     info = sbx.info()
     if info.accelerator == "kvm":
         pytest.skip("TCG only")
-    argv = Path(f"/proc/{info.vmm_pid}/cmdline").read_bytes().split(b"\0")
-    assert argv[argv.index(b"-accel") + 1] == b"tcg,thread=single"
+    assert accel_of(info.vmm_pid) == "tcg,thread=single"
     assert sbx.commands.run("nproc").stdout.strip() == "2"  # the guest still has its two
     (copy,) = sbx.fork(1)
-    assert copy.commands.run("nproc").stdout.strip() == "2"
-    copy.kill()
+    try:
+        assert accel_of(copy.info().vmm_pid) == "tcg,thread=single"
+        assert copy.commands.run("nproc").stdout.strip() == "2"
+    finally:
+        copy.kill()
     monkeypatch.setenv("CRYOBOX_TCG_THREADS", "many")
     with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_THREADS='many': must be one of"):
         sandbox_factory()

@@ -14,6 +14,13 @@ from cryobox.qemu.process import qemu_binary
 from cryobox.vmm import MachineSpec, PortForward
 
 
+@pytest.fixture(autouse=True)
+def no_tcg_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command lines as built with none of the TCG settings a developer may have set."""
+    for name in ("CRYOBOX_TCG_THREADS", "CRYOBOX_TCG_TB_MIB", "CRYOBOX_TCG_LOG"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def spec(**changes: object) -> MachineSpec:
     base = dict(
         name="t",
@@ -172,7 +179,6 @@ def test_translation_buffer_size_is_set_only_when_asked(monkeypatch: pytest.Monk
 def test_translation_log_is_written_only_when_asked_and_only_under_tcg(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("CRYOBOX_TCG_LOG", raising=False)
     assert "-d" not in build_command("qemu", spec(accelerator="tcg"))
     monkeypatch.setenv("CRYOBOX_TCG_LOG", "/tmp/tcg-%d.log")
     argv = build_command("qemu", spec(accelerator="tcg"))

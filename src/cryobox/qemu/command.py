@@ -95,8 +95,9 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
     once it is set up)."""
     accel = "kvm" if spec.accelerator == "kvm" else f"tcg,thread={tcg_threads()}"
     # TCG's translation buffer (QEMU's default: up to 1 GiB, touched as used). Smaller
-    # holds less memory per VM (a fork of a 256 MiB guest: 92 -> 73 MiB of PSS at 32),
-    # at the cost of translating again after it fills.
+    # holds less memory per VM but translates again once full: 10 forks of a 256 MiB
+    # guest at 16 MiB held 15.5 MiB of code each against 21.7, and their second command
+    # cost 4x the CPU (2026-12-01).
     tb_mib = int(env_number("CRYOBOX_TCG_TB_MIB", 0))
     if spec.accelerator != "kvm" and tb_mib:
         accel += f",tb-size={tb_mib}"

@@ -57,7 +57,7 @@ def serve(
     other hosts reach this one (default ``http://HOST:PORT``; give it when listening on
     all addresses or behind NAT)."""
     os.umask(0o077)  # its database and everything it writes hold tenants' secrets
-    config.guest_aslr_mode()  # a bad host setting stops the server here, not each create
+    config.check_settings()  # a bad host setting stops the server here, not each create
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -133,7 +133,7 @@ def _integer(text: str) -> int | str:
 def set_size(template: str, size: int) -> None:
     """Keep ``size`` members of ``template`` waiting (0: none)."""
     whole_number("size", size, 0, MAX_SIZE)
-    config.guest_aslr_mode()  # a refill would fail on a bad setting, with nobody told
+    config.check_settings()  # a refill would fail on a bad setting, with nobody told
     path = root() / "sizes.json"
     try:
         configured = json.loads(path.read_text())

@@ -265,8 +265,7 @@ class SandboxService:
         # ``request`` was validated by create. Host names in rules are resolved once,
         # here (the guest's DNS may differ later).
         policy = await asyncio.to_thread(parse_policy, request.network or INTERNET)
-        config.guest_aslr_mode()  # bad settings are named here, not by the supervisor
-        config.tcg_threads()
+        config.check_settings()  # named here, not by the supervisor
         self.vmm.check_installed()  # fail early and clearly
         if self.vmm.isolates_network:
             check_can_isolate()
@@ -448,6 +447,7 @@ class SandboxService:
             if record.state is SandboxState.RUNNING:
                 return sandbox_info(folder.spec(), record, folder)
         require(sandbox_id, folder.record().state, (SandboxState.PAUSED,), "resume")
+        config.check_settings()  # a bad one is named before the paused files are touched
         await self.persist.paused_here(folder)  # its files deleted here: from the store
         record = await self.launcher.start(folder, resume=True, progress=progress)
         self.persist.after_resume(folder)
