@@ -165,6 +165,16 @@ def set_identity(hostname: str, machine_id: str) -> None:
         rewrite("/etc/machine-id", machine_id + "\n")
 
 
+def add_entropy(data: bytes) -> None:
+    """Mix ``data`` into the guest's random pool (os calls: a restore's first answer
+    runs every Python path it takes for the first time in its QEMU)."""
+    fd = os.open("/dev/urandom", os.O_WRONLY)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def rewrite(path: str, text: str) -> None:
     """Replace a small file's text in place.
 
@@ -197,7 +207,7 @@ def set_boot_id(boot_id: str) -> None:
     Through libc rather than mount(8): spawning a process costs ~50 ms under emulation.
     """
     source = RUN_DIR / "boot_id"
-    source.write_text(boot_id + "\n")
+    rewrite(str(source), boot_id + "\n")
     target = b"/proc/sys/kernel/random/boot_id"
     libc().umount2(target, MNT_DETACH)  # a previous restore's, if any; failing is fine
     if libc().mount(str(source).encode(), target, None, MS_BIND, None) != 0:
@@ -210,7 +220,7 @@ def set_boot_id(boot_id: str) -> None:
 
 def set_fork_identity(fork_id: int, forked_from: str) -> None:
     """Let programs tell they were forked: a file, and a variable for every later command."""
-    (RUN_DIR / "fork").write_text(f"fork_id={fork_id}\nforked_from={forked_from}\n")
+    rewrite(str(RUN_DIR / "fork"), f"fork_id={fork_id}\nforked_from={forked_from}\n")
     EXTRA_ENV.update(CRYOBOX_FORK_ID=str(fork_id), CRYOBOX_FORKED_FROM=forked_from)
 
 
@@ -995,8 +1005,7 @@ class Agent:
         if "time_ns" in args:
             set_clock(int(args["time_ns"]))
         if payload:
-            with open("/dev/urandom", "wb") as pool:
-                pool.write(payload)
+            add_entropy(payload)
         if "hostname" in args:
             set_identity(str(args["hostname"]), str(args.get("machine_id") or uuid.uuid4().hex))
         if "boot_id" in args:
