@@ -33,7 +33,7 @@ from cryobox import (
     bench_translation,
     config,
 )
-from cryobox.bench_store import disk_bandwidth_mb_s
+from cryobox.bench_store import disk_bandwidth_mb_s, environment
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
@@ -619,11 +619,8 @@ class _LoggedFork:
 
 async def _translating_fork(parent: AsyncSandbox, log: Path) -> _LoggedFork:
     """Fork ``parent`` once with QEMU logging each block it translates into ``log``."""
-    os.environ["CRYOBOX_TCG_LOG"] = str(log)
-    try:
+    with environment({"CRYOBOX_TCG_LOG": str(log)}):
         (copy,) = await parent.fork(1)
-    finally:
-        os.environ.pop("CRYOBOX_TCG_LOG", None)
     try:
         marks = []
         for step in _STEPS:
@@ -663,25 +660,10 @@ async def fork(ctx: Context) -> list[Figure]:
     for label in counts:
         count = int(str(label).split("-")[0])
         # Fork 10 again with each VM's vCPUs taking turns on one host thread.
-        threads = "single" if str(label).endswith("single") else None
-        with _env("CRYOBOX_TCG_THREADS", threads):
+        single = str(label).endswith("single")
+        with environment({"CRYOBOX_TCG_THREADS": "single"} if single else {}):
             figures += await _fork(ctx, label, count)
     return figures
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    """``name`` set to ``value`` (left as it is for None) until the block ends."""
-    was = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if was is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = was
 
 
 async def _fork(ctx: Context, label: int | str, count: int) -> list[Figure]:

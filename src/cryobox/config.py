@@ -88,20 +88,29 @@ def finished_keep() -> float:
 GUEST_ASLR_MODES = ("auto", "on", "off")
 
 
-def guest_aslr_mode() -> str:
-    """``CRYOBOX_GUEST_ASLR``, lower-cased: ``auto`` when unset or empty.
+def env_choice(name: str, choices: tuple[str, ...], default: str, *, fold: bool = False) -> str:
+    """The environment variable ``name``, one of ``choices`` (``default`` when unset or
+    empty); ``fold`` ignores case and surrounding spaces.
 
     :raises InvalidArgument: naming the variable and what it may say, for anything else.
     """
     from cryobox.errors import InvalidArgument
 
-    raw = os.environ.get("CRYOBOX_GUEST_ASLR")
-    mode = (raw or "auto").strip().lower()
-    if mode not in GUEST_ASLR_MODES:
-        raise InvalidArgument(
-            f"CRYOBOX_GUEST_ASLR={raw!r}: must be one of {', '.join(GUEST_ASLR_MODES)}"
-        )
-    return mode
+    raw = os.environ.get(name)
+    value = raw or default
+    if fold:
+        value = value.strip().lower()
+    if value not in choices:
+        raise InvalidArgument(f"{name}={raw!r}: must be one of {', '.join(choices)}")
+    return value
+
+
+def guest_aslr_mode() -> str:
+    """``CRYOBOX_GUEST_ASLR``, lower-cased: ``auto`` when unset or empty.
+
+    :raises InvalidArgument: naming the variable and what it may say, for anything else.
+    """
+    return env_choice("CRYOBOX_GUEST_ASLR", GUEST_ASLR_MODES, "auto", fold=True)
 
 
 def guest_aslr(accelerator: str) -> bool:
@@ -141,12 +150,7 @@ def tcg_threads() -> str:
 
     :raises InvalidArgument: naming the variable, for another value.
     """
-    from cryobox.errors import InvalidArgument
-
-    raw = os.environ.get("CRYOBOX_TCG_THREADS") or "multi"
-    if raw not in TCG_THREADS:
-        raise InvalidArgument(f"CRYOBOX_TCG_THREADS={raw!r}: must be one of multi, single")
-    return raw
+    return env_choice("CRYOBOX_TCG_THREADS", TCG_THREADS, "multi")
 
 
 def check_settings() -> None:
