@@ -610,11 +610,12 @@ class _LoggedFork:
     marks: list[int]  # the log's size after each of _STEPS
     agent_maps: str
     command_maps: str
+    kallsyms: str  # the guest kernel's symbols, to name the functions it translated
     randomization: str  # the guest's kernel.randomize_va_space
     host_mib: float  # TCG's translated code in the QEMU at the end
 
-    def marks_and_maps(self) -> tuple[list[int], str, str]:
-        return self.marks, self.agent_maps, self.command_maps
+    def marks_and_maps(self) -> tuple[list[int], str, str, str]:
+        return self.marks, self.agent_maps, self.command_maps, self.kallsyms
 
 
 async def _translating_fork(parent: AsyncSandbox, log: Path) -> _LoggedFork:
@@ -631,11 +632,14 @@ async def _translating_fork(parent: AsyncSandbox, log: Path) -> _LoggedFork:
         agent = await copy.commands.run(["sh", "-c", "cat /proc/$PPID/maps"])
         command = await copy.commands.run(["cat", "/proc/self/maps"])
         setting = await copy.commands.run(["cat", "/proc/sys/kernel/randomize_va_space"])
+        kallsyms = await copy.commands.run(["cat", "/proc/kallsyms"], user="root")
         qemu = (await copy.info()).vmm_pid or 0
         host_mib = bench_steps.memory_parts([qemu])[bench_steps.TRANSLATED_CODE]
     finally:
         await copy.kill()
-    return _LoggedFork(marks, agent.stdout, command.stdout, setting.stdout.strip(), host_mib)
+    return _LoggedFork(
+        marks, agent.stdout, command.stdout, kallsyms.stdout, setting.stdout.strip(), host_mib
+    )
 
 
 async def _fork_cpu(parent: AsyncSandbox) -> list[float]:

@@ -34,10 +34,12 @@ _MAPPING = re.compile(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)")
 
 @dataclass
 class Translated:
-    """Guest code translated in one phase: bytes of instructions and blocks, by part."""
+    """Guest code translated in one phase: bytes of instructions and blocks, by part, and
+    the kernel's bytes by function (when its symbols were given)."""
 
     code: Counter[str] = field(default_factory=Counter)
     blocks: Counter[str] = field(default_factory=Counter)
+    kernel_functions: Counter[str] = field(default_factory=Counter)
 
     def total_kib(self) -> float:
         return sum(self.code.values()) / 1024
@@ -52,7 +54,45 @@ class Translated:
             f"{part} {size / 1024:.0f} KiB ({100 * self.share(part):.0f}%)"
             for part, size in self.code.most_common()
         )
-        return f"{self.total_kib():.0f} KiB in {sum(self.blocks.values())} blocks: {parts}"
+        text = f"{self.total_kib():.0f} KiB in {sum(self.blocks.values())} blocks: {parts}"
+        if self.kernel_functions:
+            largest = ", ".join(
+                f"{name} {size / 1024:.1f}"
+                for name, size in self.kernel_functions.most_common(LARGEST)
+            )
+            text += (
+                f"; the kernel's in {len(self.kernel_functions)} functions, the largest "
+                f"(KiB): {largest}"
+            )
+        return text
+
+
+#: How many of the kernel's functions a phase's description names.
+LARGEST = 8
+
+
+@dataclass
+class KernelSymbols:
+    """The guest kernel's functions by start address (``/proc/kallsyms``, read as root)."""
+
+    starts: list[int]
+    names: list[str]
+
+    @classmethod
+    def parse(cls, kallsyms: str) -> KernelSymbols:
+        """Text symbols (``t``/``T``) only; addresses all zero (read without privilege)
+        give an empty table."""
+        table = []
+        for line in kallsyms.splitlines():
+            fields = line.split()
+            if len(fields) >= 3 and fields[1] in ("t", "T") and int(fields[0], 16):
+                table.append((int(fields[0], 16), fields[2]))
+        table.sort()
+        return cls([start for start, _ in table], [name for _, name in table])
+
+    def name_of(self, address: int) -> str | None:
+        index = bisect.bisect_right(self.starts, address) - 1
+        return self.names[index] if index >= 0 else None
 
 
 @dataclass
@@ -96,15 +136,20 @@ def whose(address: int, agent: ProcessMaps, command: ProcessMaps) -> str:
 
 
 def attribute(
-    log: Iterable[bytes], marks: list[int], agent_maps: str, command_maps: str
+    log: Iterable[bytes],
+    marks: list[int],
+    agent_maps: str,
+    command_maps: str,
+    kallsyms: str = "",
 ) -> list[Translated]:
     """Split an ``in_asm`` log into phases at the byte offsets ``marks`` (the log's size
     at each step's end), and each phase's code by whose it is, from the mappings of the
     agent process and of a command (a program that needs only the C library, as ``true``
     does: commands like it have theirs at the same addresses when the guest maps
-    without randomization)."""
+    without randomization); the kernel's by function too, given its ``kallsyms``."""
     agent = ProcessMaps.parse(agent_maps, PYTHON)
     command = ProcessMaps.parse(command_maps, OTHERS)
+    symbols = KernelSymbols.parse(kallsyms)
     phases = [Translated() for _ in range(len(marks) + 1)]
     offset, block_start = 0, False
     for raw in log:
@@ -116,8 +161,11 @@ def attribute(
         found = _INSTRUCTION.match(raw.decode("ascii", "replace"))
         if found is None:
             continue
-        part = whose(int(found[1], 16), agent, command)
-        phase.code[part] += len(found[2].split())
+        address, size = int(found[1], 16), len(found[2].split())
+        part = whose(address, agent, command)
+        phase.code[part] += size
+        if part == KERNEL and symbols.starts:
+            phase.kernel_functions[symbols.name_of(address) or "?"] += size
         if block_start:
             phase.blocks[part] += 1
             block_start = False

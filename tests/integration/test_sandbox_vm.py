@@ -15,6 +15,7 @@ import os
 import pty
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -268,11 +269,43 @@ def test_port_forward_reaches_a_guest_server(shared_sandbox: Sandbox) -> None:
     url = f"http://127.0.0.1:{shared_sandbox.ports[8000]}/index.html"
     body = fetch_until_up(url)[1]
     assert body == b"served from the guest"
+    # eth0 has no IPv6 (no network of cryobox carries it: see the agent's setup), yet a
+    # server listening on IPv6's any-address, as many do, serves IPv4 through the port.
+    addresses = shared_sandbox.commands.run("ip -6 -o addr show").stdout
+    assert " lo " in addresses and "::1/128" in addresses, addresses
+    assert " eth0 " not in addresses, addresses
     late = shared_sandbox.expose_port(9000)
     shared_sandbox.commands.run(
-        "cd /root && python3 -m http.server 9000 >/dev/null 2>&1", background=True
+        "cd /root && python3 -m http.server 9000 --bind :: >/dev/null 2>&1", background=True
     )
     assert fetch_until_up(f"http://127.0.0.1:{late}/index.html")[1] == b"served from the guest"
+    inside = shared_sandbox.commands.run(
+        [
+            "python3",
+            "-c",
+            "import urllib.request as u; "
+            "print(u.urlopen('http://[::1]:9000/index.html').read().decode(), end='')",
+        ]
+    )
+    assert inside.stdout == "served from the guest", inside
+
+
+def test_a_forwarded_port_taken_while_paused_is_replaced_at_resume(sandbox_factory: Any) -> None:
+    sbx = sandbox_factory(ports=[8000])
+    sbx.files.write("/root/index.html", "still served")
+    sbx.commands.run("cd /root && python3 -m http.server 8000 >/dev/null 2>&1", background=True)
+    before = sbx.ports[8000]
+    fetch_until_up(f"http://127.0.0.1:{before}/index.html")
+    sbx.pause()
+    with socket.socket() as squatter:  # another program took the port meanwhile
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+        squatter.bind(("127.0.0.1", before))
+        squatter.listen()
+        resumed = Sandbox.resume(sbx.id)
+        after = resumed.ports[8000]
+        assert after not in (before, 0)
+        assert resumed.info().ports == {8000: after}
+        assert fetch_until_up(f"http://127.0.0.1:{after}/index.html")[1] == b"still served"
 
 
 def test_other_processes_see_and_use_the_sandbox(

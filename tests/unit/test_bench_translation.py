@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from cryobox.bench_translation import BOTH, KERNEL, LIBC, OTHERS, PYTHON, attribute
 
 #: Debian 12's python3.11 is not position-independent; its libraries come before libc.
@@ -69,3 +71,34 @@ def test_lines_that_are_not_code_are_skipped() -> None:
     log = [b"garbage\n", b"IN: \n", b"0xzz: 90 nop\n", *block((0x430000, 4))]
     (phase,) = attribute(iter(log), [], AGENT_MAPS, COMMAND_MAPS)
     assert phase.code == {PYTHON: 4} and phase.blocks == {PYTHON: 1}
+
+
+#: A few lines of a guest's /proc/kallsyms: text symbols, data, a module's.
+KALLSYMS = """\
+ffffffff81000000 T _stext
+ffffffff81001000 t load_balance
+ffffffff81002000 T select_task_rq_fair
+ffffffff81003000 D some_data
+ffffffff81004000 t rtnl_fill_ifinfo\t[some_module]
+"""
+
+
+def test_the_kernels_code_is_named_by_function_given_its_symbols() -> None:
+    log = [
+        *block((0xFFFFFFFF81001010, 7), (0xFFFFFFFF81001017, 3)),  # load_balance
+        *block((0xFFFFFFFF81002000, 4)),  # select_task_rq_fair
+        *block((0xFFFFFFFF81004100, 2)),  # the module's (past the data symbol)
+        *block((0x430000, 4)),  # the interpreter: no kernel function
+    ]
+    (phase,) = attribute(iter(log), [], AGENT_MAPS, COMMAND_MAPS, KALLSYMS)
+    assert phase.kernel_functions == {
+        "load_balance": 10,
+        "select_task_rq_fair": 4,
+        "rtnl_fill_ifinfo": 2,
+    }
+    assert "the kernel's in 3 functions, the largest (KiB): load_balance 0.0" in (phase.describe())
+    # Read without privilege, kallsyms gives zero addresses: no names, the split stays.
+    hidden = re.sub("^[0-9a-f]+", "0" * 16, KALLSYMS, flags=re.MULTILINE)
+    (plain,) = attribute(iter(log), [], AGENT_MAPS, COMMAND_MAPS, hidden)
+    assert not plain.kernel_functions and plain.code[KERNEL] == 16
+    assert "functions" not in plain.describe()

@@ -31,13 +31,16 @@ class PortForwarder:
         self._servers: dict[int, asyncio.Server] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def forward(self, host_port: int, inner_port: int) -> None:
-        """Serve ``127.0.0.1:host_port`` on the host, joined to ``inner_port`` inside.
+    async def forward(self, host_port: int, inner_port: int) -> int:
+        """Serve ``127.0.0.1:host_port`` on the host, joined to ``inner_port`` inside;
+        the port served. ``host_port`` 0 takes one the kernel finds free as it binds: no
+        other process (ten forks starting at once, say) can take it between a choice and
+        the bind.
 
         :raises OSError: when the host port cannot be bound.
         """
         if host_port in self._servers:
-            return
+            return host_port
 
         async def joined(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
@@ -49,7 +52,9 @@ class PortForwarder:
                 self._tasks.discard(task)
 
         server = await asyncio.start_server(joined, "127.0.0.1", host_port, reuse_address=True)
-        self._servers[host_port] = server
+        port = int(server.sockets[0].getsockname()[1])
+        self._servers[port] = server
+        return port
 
     async def _join(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inner_port: int

@@ -528,28 +528,49 @@ class Machine:
         guest_ports: tuple[int, ...] = (),
     ) -> None:
         wanted = dict.fromkeys((*self.spec.ports, *guest_ports, *self.record.ports))
-        forwards = tuple(PortForward(g, self.record.ports.get(g) or free_port()) for g in wanted)
+        kept = self.record.ports
+        forwards = tuple(PortForward(g, kept.get(g) or self._new_port()) for g in wanted)
         self.vm = await self.vmm.start(
             self._machine_spec(incoming, forwards, kernel_args),
             self.folder.qemu_stderr,
             # Recorded at once: a supervisor dying while the VM starts leaves it findable.
             on_spawn=lambda pid: self.update(qemu_pid=pid),
         )
-        await self._listen(forwards)
+        forwards = await self._listen(forwards)
         self.update(qemu_pid=self.vm.pid, ports={f.guest_port: f.host_port for f in forwards})
 
-    async def _listen(self, forwards: tuple[PortForward, ...]) -> None:
-        """Join the host ports to the VM's namespace (when it has one of its own)."""
+    def _new_port(self) -> int:
+        """A host port for a new forward: 0 (chosen as it is bound, see :meth:`_listen`)
+        where the supervisor listens; else one free now, for QEMU to bind."""
+        return 0 if self.isolated else free_port()
+
+    async def _listen(self, forwards: tuple[PortForward, ...]) -> tuple[PortForward, ...]:
+        """Join the host ports to the VM's namespace (when it has one of its own); the
+        forwards with the ports bound. A port kept from before a pause that something
+        else took meanwhile is replaced by a free one (``info().ports`` says which)."""
         assert self.vm is not None
         if not self.isolated:
-            return
+            return forwards
         self.forwarder = PortForwarder(self.vm.pid)
+        bound = []
         try:
             for forward in forwards:
-                await self.forwarder.forward(forward.host_port, forward.guest_port)
+                try:
+                    port = await self.forwarder.forward(forward.host_port, forward.guest_port)
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE or not forward.host_port:
+                        raise
+                    log.warning(
+                        "host port %d of guest port %d is taken: forwarding a new one",
+                        forward.host_port,
+                        forward.guest_port,
+                    )
+                    port = await self.forwarder.forward(0, forward.guest_port)
+                bound.append(PortForward(forward.guest_port, port))
         except OSError as exc:
             await self.stop_vm()
             raise NetworkError(f"cannot listen on a forwarded host port: {exc}") from exc
+        return tuple(bound)
 
     async def _connect_agent(
         self, timeout: float, agent: AgentClient | None = None, probe: Probe | None = None
@@ -879,10 +900,11 @@ class Machine:
         if guest_port in self.record.ports:
             return self.record.ports[guest_port]
         assert self.vm is not None
-        forward = PortForward(guest_port, free_port())
+        forward = PortForward(guest_port, self._new_port())
         await self.vm.add_port_forward(forward)
         if self.forwarder is not None:
-            await self.forwarder.forward(forward.host_port, forward.guest_port)
+            port = await self.forwarder.forward(forward.host_port, forward.guest_port)
+            forward = PortForward(guest_port, port)
         self.update(ports={**self.record.ports, guest_port: forward.host_port})
         return forward.host_port
 
