@@ -632,11 +632,13 @@ async def _translating_fork(parent: AsyncSandbox, log: Path) -> _LoggedFork:
         agent = await copy.commands.run(["sh", "-c", "cat /proc/$PPID/maps"])
         command = await copy.commands.run(["cat", "/proc/self/maps"])
         setting = await copy.commands.run(["cat", "/proc/sys/kernel/randomize_va_space"])
-        kallsyms = await copy.commands.run(["cat", "/proc/kallsyms"], user="root")
         qemu = (await copy.info()).vmm_pid or 0
         host_mib = bench_steps.memory_parts([qemu])[bench_steps.TRANSLATED_CODE]
     finally:
         await copy.kill()
+    # The parent's symbols: the fork's kernel is the same memory, and reading them there
+    # would add to what this QEMU translates.
+    kallsyms = await parent.commands.run(["cat", "/proc/kallsyms"], user="root")
     return _LoggedFork(
         marks, agent.stdout, command.stdout, kallsyms.stdout, setting.stdout.strip(), host_mib
     )

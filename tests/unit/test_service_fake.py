@@ -22,6 +22,7 @@ from cryobox.errors import (
     CapacityError,
     InvalidArgument,
     SandboxDead,
+    SnapshotIncompatible,
     SnapshotNotFound,
     StateError,
     StorageError,
@@ -295,6 +296,22 @@ def test_the_default_template_is_built_again_under_another_guest_aslr_setting(
     with pytest.raises(InvalidArgument, match="CRYOBOX_GUEST_ASLR"):
         pool.set_size("default", 1)
     assert len(Sandbox.list()) == before
+
+
+def test_the_default_template_is_built_again_for_another_vmm_and_yours_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRYOBOX_POOL_SIZE", "0")
+    discard_spare()
+    first = Sandbox.create().info().origin
+    mine = Sandbox.build_template("mine-vmm", ["true"]).id
+    monkeypatch.setenv("CRYOBOX_FAKE_VERSION", "2")  # the VMM upgraded since
+    discard_spare()
+    rebuilt = Sandbox.create().info().origin
+    assert rebuilt != first  # a cache, built again: never refused
+    assert Sandbox.create().info().origin == rebuilt
+    with pytest.raises(SnapshotIncompatible, match=f"{mine}.*backend.version"):
+        Sandbox.create("mine-vmm")  # a template of yours is refused, naming the field
 
 
 @pytest.mark.parametrize(

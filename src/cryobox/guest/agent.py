@@ -143,7 +143,9 @@ def setup_system() -> None:
         set_clock(int(params["time_ns"]))
     link_virtio_ports()
     set_identity(params.get("hostname", "cryobox"), uuid.uuid4().hex)
-    set_boot_id(read_text("/proc/sys/kernel/random/boot_id").strip())
+    booted_as = read_text("/proc/sys/kernel/random/boot_id").strip()
+    if booted_as:  # else the first refresh mounts it
+        set_boot_id(booted_as)
     Path("/etc/resolv.conf").write_text("nameserver 10.0.2.3\n")
     resize.wait()
     SETUP_MARKER.write_text("ok\n")

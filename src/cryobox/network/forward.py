@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -29,6 +30,7 @@ class PortForwarder:
     def __init__(self, pid: int) -> None:
         self.namespace = open_namespace(pid)
         self._servers: dict[int, asyncio.Server] = {}
+        self._inner: dict[int, int] = {}  # host port -> the guest port it reaches
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def forward(self, host_port: int, inner_port: int) -> int:
@@ -40,6 +42,11 @@ class PortForwarder:
         :raises OSError: when the host port cannot be bound.
         """
         if host_port in self._servers:
+            if self._inner[host_port] != inner_port:
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"host port {host_port} already forwards guest port {self._inner[host_port]}",
+                )
             return host_port
 
         async def joined(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -54,6 +61,7 @@ class PortForwarder:
         server = await asyncio.start_server(joined, "127.0.0.1", host_port, reuse_address=True)
         port = int(server.sockets[0].getsockname()[1])
         self._servers[port] = server
+        self._inner[port] = inner_port
         return port
 
     async def _join(

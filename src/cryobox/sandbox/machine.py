@@ -326,7 +326,8 @@ class Machine:
                 shutil.rmtree(self.folder.paused, ignore_errors=True)  # the guest ran on
             await self.vm.continue_cpus()  # a save was cut short with the guest frozen
             shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
-            await self._listen(forwards)
+            forwards = await self._listen(forwards)
+            self.update(ports={f.guest_port: f.host_port for f in forwards})
             self.agent, _ = await self._connect_agent(RESTORE_TIMEOUT)
         except BaseException:
             if self.vm is not None:
@@ -546,8 +547,9 @@ class Machine:
 
     async def _listen(self, forwards: tuple[PortForward, ...]) -> tuple[PortForward, ...]:
         """Join the host ports to the VM's namespace (when it has one of its own); the
-        forwards with the ports bound. A port kept from before a pause that something
-        else took meanwhile is replaced by a free one (``info().ports`` says which)."""
+        forwards with the ports bound. A port kept from before (a pause, a supervisor's
+        end) that something else took meanwhile is replaced by a free one (``info().ports``
+        says which). Without a namespace QEMU binds them itself, as given."""
         assert self.vm is not None
         if not self.isolated:
             return forwards

@@ -66,7 +66,7 @@ from cryobox.service import egress, pool, references
 from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.persist import Persistence, acting_for
 from cryobox.service.watches import FolderWatch, WatchSink
-from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id, valid_name
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, each_chunk, new_id
@@ -858,14 +858,18 @@ class SandboxService:
             usable = entry.get("guest_aslr") == config.guest_aslr(accelerator)
         if entry is not None and usable:
             try:
-                return await self.persist.local_or_pulled(str(entry["snapshot"]))
+                manifest = await self.persist.local_or_pulled(str(entry["snapshot"]))
+                if name == DEFAULT_TEMPLATE:
+                    await asyncio.to_thread(self._continuable, manifest, image)
+                return manifest
             except SnapshotNotFound:
                 pass
             except SnapshotIncompatible:
                 if name != DEFAULT_TEMPLATE:
                     raise
                 # The default template is a cache: one saved by an older cryobox (another
-                # snapshot format) is built again, never refused.
+                # snapshot format) or for another VMM (QEMU upgraded, another CPU model) is
+                # built again, never refused.
         if name != DEFAULT_TEMPLATE:
             if entry is None:
                 known = [t["name"] for t in self.store.templates()]
@@ -878,6 +882,15 @@ class SandboxService:
         with acting_for(LOCAL_TENANT):  # the host's, whoever asked first
             info = await self.build_template(DEFAULT_TEMPLATE, [], progress=progress)
         return self.store.get(info.id)
+
+    def _continuable(self, manifest: Manifest, image: Image) -> None:
+        """Refuse a memory snapshot this host's VMM cannot continue, as a restore would.
+
+        :raises SnapshotIncompatible: naming the field that differs.
+        """
+        accelerator = self.vmm.accelerator(image)
+        facts = self.vmm.facts(manifest.cpus, manifest.memory_mib, accelerator, image)
+        check_compatible(manifest, facts, {})
 
     async def build_template(
         self,

@@ -187,7 +187,9 @@ class FakeVmm:
         return "fake"
 
     def facts(self, cpus: int, memory_mib: int, accelerator: str, image: Image) -> dict[str, Any]:
-        return {"name": self.name, "version": "1", "accelerator": accelerator}
+        # CRYOBOX_FAKE_VERSION: another VMM version, as after an upgrade of QEMU.
+        version = os.environ.get("CRYOBOX_FAKE_VERSION", "1")
+        return {"name": self.name, "version": version, "accelerator": accelerator}
 
     def create_layer(self, path: Path, backing: Path, size_gib: int) -> None:
         if failing("create_layer"):
