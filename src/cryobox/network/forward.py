@@ -103,12 +103,17 @@ async def _in_own_thread(
     done: asyncio.Future[socket.socket] = loop.create_future()
 
     def run() -> None:
+        result: socket.socket | None = None
+        error: BaseException | None = None
         try:
             result = fn(namespace, port)
         except BaseException as exc:
-            loop.call_soon_threadsafe(_settle, done, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, done, result, None)
+            error = exc
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, error)
+        except RuntimeError:  # the loop ended meanwhile (the supervisor stopping)
+            if result is not None:
+                result.close()
 
     threading.Thread(target=run, name="netns-connect", daemon=True).start()
     return await done
