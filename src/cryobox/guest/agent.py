@@ -117,7 +117,7 @@ def setup_system() -> None:
     # eth0 gets no IPv6 from any network cryobox gives it (user-mode networking runs
     # with ipv6=off, the isolated one rejects it): without its link-local address and
     # duplicate address detection, a restore's first answer runs none of IPv6's
-    # neighbour discovery, 25 KiB less guest kernel code for a new QEMU to translate.
+    # neighbour discovery: about 9 KiB less guest kernel code for a new QEMU to translate.
     # Loopback keeps ::1, so programs that listen on [::] work as before.
     with contextlib.suppress(OSError):
         rewrite("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "1\n")

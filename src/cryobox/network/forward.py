@@ -29,8 +29,8 @@ class PortForwarder:
 
     def __init__(self, pid: int) -> None:
         self.namespace = open_namespace(pid)
-        self._servers: dict[int, asyncio.Server] = {}
-        self._inner: dict[int, int] = {}  # host port -> the guest port it reaches
+        # host port -> its server, and the port inside it reaches
+        self._servers: dict[int, tuple[asyncio.Server, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def forward(self, host_port: int, inner_port: int) -> int:
@@ -42,10 +42,10 @@ class PortForwarder:
         :raises OSError: when the host port cannot be bound.
         """
         if host_port in self._servers:
-            if self._inner[host_port] != inner_port:
+            reached = self._servers[host_port][1]
+            if reached != inner_port:
                 raise OSError(
-                    errno.EADDRINUSE,
-                    f"host port {host_port} already forwards guest port {self._inner[host_port]}",
+                    errno.EADDRINUSE, f"host port {host_port} already forwards guest port {reached}"
                 )
             return host_port
 
@@ -60,8 +60,7 @@ class PortForwarder:
 
         server = await asyncio.start_server(joined, "127.0.0.1", host_port, reuse_address=True)
         port = int(server.sockets[0].getsockname()[1])
-        self._servers[port] = server
-        self._inner[port] = inner_port
+        self._servers[port] = (server, inner_port)
         return port
 
     async def _join(
@@ -84,7 +83,7 @@ class PortForwarder:
         if self.namespace >= 0:
             os.close(self.namespace)
             self.namespace = -1
-        for server in self._servers.values():
+        for server, _ in self._servers.values():
             server.close()
         self._servers.clear()
         for task in list(self._tasks):

@@ -851,7 +851,9 @@ class SandboxService:
         image_id = image.id
         entry = self.store.template(name)
         usable = entry is not None and entry.get("image_id") == image_id
-        if entry is not None and usable and name == DEFAULT_TEMPLATE:
+        cache = name == DEFAULT_TEMPLATE
+        accelerator = ""  # asked once, for the default template's checks only
+        if entry is not None and usable and cache:
             # The default template is a cache of one cold boot: one booted with the other
             # address randomization is built again (a template of the user's keeps its own).
             accelerator = await asyncio.to_thread(self.vmm.accelerator, image)
@@ -859,18 +861,18 @@ class SandboxService:
         if entry is not None and usable:
             try:
                 manifest = await self.persist.local_or_pulled(str(entry["snapshot"]))
-                if name == DEFAULT_TEMPLATE:
-                    await asyncio.to_thread(self._continuable, manifest, image)
+                if cache:
+                    await asyncio.to_thread(self._continuable, manifest, image, accelerator)
                 return manifest
             except SnapshotNotFound:
                 pass
             except SnapshotIncompatible:
-                if name != DEFAULT_TEMPLATE:
+                if not cache:
                     raise
                 # The default template is a cache: one saved by an older cryobox (another
                 # snapshot format) or for another VMM (QEMU upgraded, another CPU model) is
                 # built again, never refused.
-        if name != DEFAULT_TEMPLATE:
+        if not cache:
             if entry is None:
                 known = [t["name"] for t in self.store.templates()]
                 raise TemplateNotFound(name, [BASE_TEMPLATE, DEFAULT_TEMPLATE, *known])
@@ -883,12 +885,11 @@ class SandboxService:
             info = await self.build_template(DEFAULT_TEMPLATE, [], progress=progress)
         return self.store.get(info.id)
 
-    def _continuable(self, manifest: Manifest, image: Image) -> None:
+    def _continuable(self, manifest: Manifest, image: Image, accelerator: str) -> None:
         """Refuse a memory snapshot this host's VMM cannot continue, as a restore would.
 
         :raises SnapshotIncompatible: naming the field that differs.
         """
-        accelerator = self.vmm.accelerator(image)
         facts = self.vmm.facts(manifest.cpus, manifest.memory_mib, accelerator, image)
         check_compatible(manifest, facts, {})
 
