@@ -658,18 +658,22 @@ class Machine:
             # the pages the guest wrote (its RAM file's blocks are all reserved)
             needed += data_bytes(self._memory_path()) if self.record.memory_shared else ram
         snapshot_id = new_id("snap")
+        timer = StepTimer(f"capture of {snapshot_id} ({purpose})")
         temp = self.store.begin(snapshot_id)
         try:
             check_space(needed, f"saving a {purpose}", temp)
             if not memory:
                 await self.agent.request(GuestOp.EXEC, {"argv": ["sync"]}, timeout=60)
-            files = await self._save_files(temp, memory)
+                timer("guest sync")
+            files = await self._save_files(temp, memory, timer)
             manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
             described = await asyncio.to_thread(mf.describe_files, temp, files)
             manifest = replace(manifest, files=described)
             _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
+            timer("hashed")
             crash_point("hashed")
             self.store.commit(temp, manifest)
+            timer("committed")
         except OSError as exc:
             self.store.abandon(temp)
             raise storage_error(exc, f"saving {purpose} {snapshot_id}", temp.parent) from exc
@@ -681,13 +685,16 @@ class Machine:
                 await self._refresh_guest(new_identity=False)
             except CryoboxError as exc:  # the snapshot is committed and sound
                 log.warning("clock refresh after %s failed: %s", snapshot_id, exc)
+            timer("guest clock refreshed")
+        timer.log()
         return manifest
 
-    async def _save_files(self, temp: Path, memory: bool) -> list[str]:
+    async def _save_files(self, temp: Path, memory: bool, timer: StepTimer) -> list[str]:
         """Copy the stopped machine's disk layer, RAM and device state into ``temp``;
         the machine continues whatever happens."""
         assert self.vm is not None and self.record.disk
         await self.vm.stop_cpus()
+        timer("stopped")
         try:
             crash_point("stopped")
             # Stopping drained and flushed the disk: its active layer is consistent on disk
@@ -695,15 +702,18 @@ class Machine:
             await asyncio.to_thread(
                 copy_sparse, self.folder.path / self.record.disk, temp / mf.DISK
             )
+            timer("disk copied")
             crash_point("disk-copied")
             files = [mf.DISK]
             if memory and self.record.memory_shared:
                 await asyncio.to_thread(
                     copy_sparse, self._memory_path(), temp / mf.MEMORY, skip_zero_pages=True
                 )
+                timer("ram copied")
                 files.append(mf.MEMORY)
             if memory:
                 await self.vm.save_state(temp / mf.DEVICE_STATE)
+                timer("device state")
                 files.append(mf.DEVICE_STATE)
             crash_point("state-saved")
             return files
@@ -765,7 +775,7 @@ class Machine:
             files = {mf.DEVICE_STATE: temp / mf.DEVICE_STATE, mf.DISK: disk}
             if self.record.memory_shared:
                 files[mf.MEMORY] = memory
-            described = await asyncio.to_thread(_describe, files)
+            described = await asyncio.to_thread(mf.describe, files)
             manifest = replace(
                 self._manifest(
                     new_id("pause"), SnapshotPurpose.PAUSE, None, True, self.record.disk_chain
@@ -927,14 +937,6 @@ class Machine:
         for path in self.folder.path.iterdir():
             if path.name.startswith(("disk", "memory")) or path.suffix == ".sock":
                 path.unlink(missing_ok=True)
-
-
-def _describe(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
-    """Digest and size of files that are about to be moved into a snapshot folder."""
-    return {
-        name: {mf.DIGEST: mf.file_digest(path), "size": path.stat().st_size}
-        for name, path in files.items()
-    }
 
 
 def _console_tail(path: Path) -> bytes:

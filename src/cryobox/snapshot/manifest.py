@@ -27,6 +27,7 @@ import contextlib
 import enum
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,11 +136,27 @@ def file_digest(path: Path) -> str:
 
 
 def describe_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Digest and size of each named file, for the manifest."""
-    return {
-        name: {DIGEST: file_digest(folder / name), "size": (folder / name).stat().st_size}
-        for name in names
-    }
+    """Digest and size of each named file, for the manifest (see :func:`describe`)."""
+    return describe({name: folder / name for name in names})
+
+
+def describe(paths: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """Digest and size of each file, by its name in the snapshot; the files are flushed
+    to disk meanwhile.
+
+    The flush runs beside the hashing, one waiting on the disk while the other uses the
+    CPU, so the commit's own fsync finds nothing left to write. A fork's capture used to
+    hash for 61 ms and then spend 60 ms in the commit, most of it that fsync
+    (2026-12-01).
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="flush") as flusher:
+        flushed = flusher.submit(_flush, list(paths.values()))
+        described = {
+            name: {DIGEST: file_digest(path), "size": path.stat().st_size}
+            for name, path in paths.items()
+        }
+        flushed.result()
+    return described
 
 
 def _signed_stamp(snapshot_id: str, keys_by_file: dict[str, Any]) -> dict[str, Any]:
@@ -244,6 +261,11 @@ def check_compatible(manifest: Manifest, backend: dict[str, Any], shape: dict[st
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
+
+
+def _flush(paths: list[Path]) -> None:
+    for path in paths:
+        fsync_file(path)
 
 
 def finish(temp: Path, final: Path, manifest: Manifest) -> None:
