@@ -41,10 +41,21 @@ def qemu_binary() -> str:
     return path
 
 
-@functools.cache
 def qemu_version(binary: str | None = None) -> str:
-    """QEMU's version string, such as ``7.2.19``."""
+    """QEMU's version string, such as ``7.2.19``.
+
+    Asked of the binary once per version of its file (path, inode, size, mtime): a
+    supervisor checks it before every restore and resume, and starting QEMU only to
+    print it cost 16-20 ms there. The zygote asks before it forks, so its supervisors
+    find it known; an upgraded QEMU is a new file, asked again.
+    """
     binary = binary or qemu_binary()
+    st = os.stat(binary)
+    return _version_of(binary, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _version_of(binary: str, inode: int, size: int, mtime_ns: int) -> str:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout
     words = out.split()
     return (

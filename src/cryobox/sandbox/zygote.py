@@ -105,10 +105,13 @@ def _reap(signum: int, frame: object) -> None:
 
 
 def main() -> None:
+    from cryobox.qemu.process import qemu_version
     from cryobox.sandbox import supervisor  # everything a supervisor needs, imported once
 
     control = supervisor.prepare("zygote")
-    signal.signal(signal.SIGCHLD, _reap)
+    with contextlib.suppress(Exception):  # a supervisor asks again, and says what failed
+        qemu_version()  # known to every supervisor forked from here (no QEMU start each)
+    signal.signal(signal.SIGCHLD, _reap)  # after: it would reap that child
     del supervisor
     gc.collect()
     gc.freeze()  # what is imported stays shared with every fork (no collector writes)
