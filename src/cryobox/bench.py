@@ -419,6 +419,7 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
     pauses, resumes, expected, after_change = [], [], [], []
     first_exec: list[float] = []
     second_exec: list[float] = []
+    calls: list[float] = []  # resume() itself
     steps: list[dict[str, float]] = []
     sbx = await _ready(await AsyncSandbox.create())
     try:
@@ -443,6 +444,7 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
             start = time.perf_counter()
             sbx = await AsyncSandbox.resume(sbx.id)
             returned = time.perf_counter()
+            calls.append(returned - start)
             await sbx.commands.run(["true"])
             resumes.append(time.perf_counter() - start)
             first_exec.append(time.perf_counter() - returned)
@@ -498,12 +500,16 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                 "resume-steps",
                 [s.get("total", 0.0) / 1000 for s in steps],
                 "s",
-                note=f"the supervisor's resume (median ms): QEMU started {step('vm start'):.0f}, "
+                note=f"the supervisor's resume (median ms): the pause checked "
+                f"{step('checked'):.0f} and its files put back {step('files back'):.0f}, "
+                f"QEMU started {step('vm start'):.0f}, "
                 f"device state {step('device state'):.0f}, guest's first answer (clock, "
                 f"entropy, identity) {step('agent refreshed'):.0f}, of which the agent's own "
                 f"part (request read to answer) {step('of which in the agent'):.0f}; the "
                 "same refresh by a warm "
-                f"pool member's QEMU: {warm}. Then the first command "
+                f"pool member's QEMU: {warm}. Around it, in resume() "
+                f"{1000 * statistics.median(calls) - step('total'):.0f} ms (the service, "
+                "a supervisor forked, its reply). Then the first command "
                 f"{1000 * statistics.median(first_exec):.0f} ms, the second "
                 f"{1000 * statistics.median(second_exec):.0f} ms: a new QEMU translates "
                 "(TCG) every guest instruction it runs for the first time",

@@ -816,9 +816,11 @@ class Machine:
         """Continue the paused machine with every process where it was."""
         # Re-read under the supervisor lock: two resumes of one sandbox, one goes ahead.
         require(self.spec.id, self.record.state, (SandboxState.PAUSED,), "resume")
+        timer = StepTimer("resume")
         self._claim(SandboxState.RESUMING, supervisor_pid)
         paused = self.folder.paused
         manifest = self._trusted_pause(paused)
+        timer("checked")
         self._layers += 1
         disk = f"disk-{self._layers}.qcow2"
         moved = [(paused / mf.DISK, self.folder.path / disk)]
@@ -848,7 +850,7 @@ class Machine:
                 for source, target in moved:
                     os.rename(target, source)
                 raise
-        timer = StepTimer("resume")
+        timer("files back")
         try:
             await self._start_vm(incoming=True)
             crash_point("resume-started")  # QEMU waits for its state: the guest has not run
