@@ -495,6 +495,7 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
             return statistics.median([s.get(name, 0.0) for s in steps]) if steps else 0.0
 
         warm = f"{ctx.warm_refresh_ms:.0f} ms" if ctx.warm_refresh_ms else "not measured"
+        around = [1000 * c - s.get("total", 0.0) for c, s in zip(calls, steps, strict=True)]
         figures.append(
             summarize(
                 "resume-steps",
@@ -507,9 +508,10 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                 f"entropy, identity) {step('agent refreshed'):.0f}, of which the agent's own "
                 f"part (request read to answer) {step('of which in the agent'):.0f}; the "
                 "same refresh by a warm "
-                f"pool member's QEMU: {warm}. Around it, in resume() "
-                f"{1000 * statistics.median(calls) - step('total'):.0f} ms (the service, "
-                "a supervisor forked, its reply). Then the first command "
+                f"pool member's QEMU: {warm}. Outside these steps, in resume() "
+                f"{statistics.median(around):.0f} ms (the service; a supervisor forked, "
+                "waiting for the one that paused to exit, set up; the pause folder removed; "
+                "the reply). Then the first command "
                 f"{1000 * statistics.median(first_exec):.0f} ms, the second "
                 f"{1000 * statistics.median(second_exec):.0f} ms: a new QEMU translates "
                 "(TCG) every guest instruction it runs for the first time",

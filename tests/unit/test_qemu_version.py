@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
+from cryobox.errors import QemuError
+from cryobox.qemu import process
 from cryobox.qemu.process import qemu_version
 
 
@@ -27,3 +31,15 @@ def test_the_version_is_asked_once_and_again_after_an_upgrade(tmp_path: Path) ->
     os.replace(upgraded, binary)
     assert qemu_version(str(binary)) == "8.0.0"
     assert calls.read_text().count("run") == 2
+
+
+def test_a_binary_that_does_not_answer_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    binary = tmp_path / "qemu-system-x86_64"
+    binary.write_text("#!/bin/sh\nsleep 5\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(process, "VERSION_TIMEOUT", 0.3)
+
+    with pytest.raises(QemuError, match="--version did not answer"):
+        qemu_version(str(binary))

@@ -25,6 +25,8 @@ BINARY = "qemu-system-x86_64"
 #: Seconds a VM being killed waits for its network's setup to end (each step is a
 #: program that takes milliseconds).
 ATTACH_TIMEOUT = 10.0
+#: Seconds ``qemu-system-x86_64 --version`` may take (it answers in milliseconds).
+VERSION_TIMEOUT = 10.0
 
 
 def qemu_binary() -> str:
@@ -56,7 +58,16 @@ def qemu_version(binary: str | None = None) -> str:
 
 @functools.cache
 def _version_of(binary: str, inode: int, size: int, mtime_ns: int) -> str:
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout
+    try:
+        out = subprocess.run(
+            [binary, "--version"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=VERSION_TIMEOUT,
+        ).stdout
+    except subprocess.TimeoutExpired as exc:
+        raise QemuError(f"{binary} --version did not answer within {VERSION_TIMEOUT} s") from exc
     words = out.split()
     return (
         words[3] if len(words) > 3 and words[:3] == ["QEMU", "emulator", "version"] else out.strip()

@@ -11,7 +11,7 @@ from cryobox.errors import ImageError, QemuError
 from cryobox.image.build import Image, ensure_image, find_image
 from cryobox.qemu.accel import detect_accelerator
 from cryobox.qemu.command import MACHINE_TYPE, build_command, cpu_model, device_drivers
-from cryobox.qemu.process import QemuProcess, qemu_binary, qemu_version
+from cryobox.qemu.process import QemuProcess, qemu_version
 from cryobox.vmm.base import MachineSpec, Progress
 
 
@@ -22,7 +22,7 @@ class QemuVmm:
     isolates_network = True
 
     def check_installed(self) -> None:
-        qemu_binary()
+        qemu_version()  # finds the binary, and its version is known from then on
 
     def ensure_image(self, progress: Progress | None = None) -> Image:
         return ensure_image(progress)

@@ -670,7 +670,7 @@ class Machine:
             described = await asyncio.to_thread(mf.describe_files, temp, files)
             manifest = replace(manifest, files=described)
             _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
-            timer("hashed")
+            timer("hashed and flushed")
             crash_point("hashed")
             self.store.commit(temp, manifest)
             timer("committed")
@@ -790,7 +790,7 @@ class Machine:
                 raise storage_error(exc, "pausing", self.folder.path) from exc
             raise
         crash_point("hashed")
-        timer("hash")
+        timer("hashed and flushed")
         await self.stop_vm()
         timer("vm end")
         # The disk layer moves last: once it is out of the sandbox folder, everything is

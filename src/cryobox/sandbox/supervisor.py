@@ -82,6 +82,9 @@ OUTPUT_LIMIT = 64 << 20
 AGENT_CHECK_SECONDS = 5.0
 #: How long a start waits for the previous supervisor of its sandbox to be gone.
 LOCK_WAIT_SECONDS = 15.0
+#: How often it tries the lock meanwhile: a resume right after a pause waits for the
+#: pausing supervisor's exit (tens of ms), and each try is one flock call.
+LOCK_POLL_SECONDS = 0.005
 AGENT_DEADLINE = 30.0
 
 
@@ -531,7 +534,7 @@ async def _serve(sock: socket.socket) -> int:
                 ClientConnection(writer).send(error_reply(0, busy, "start"))
                 await writer.drain()
                 return 1
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(LOCK_POLL_SECONDS)
     handler = logging.handlers.RotatingFileHandler(
         folder.supervisor_log, maxBytes=LOG_MAX_BYTES, backupCount=1
     )

@@ -105,13 +105,12 @@ def _reap(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    from cryobox.qemu.process import qemu_version
     from cryobox.sandbox import supervisor  # everything a supervisor needs, imported once
 
+    # Before the reaper: preparing asks QEMU its version (a child of ours), and every
+    # supervisor forked from here then knows it.
     control = supervisor.prepare("zygote")
-    with contextlib.suppress(Exception):  # a supervisor asks again, and says what failed
-        qemu_version()  # known to every supervisor forked from here (no QEMU start each)
-    signal.signal(signal.SIGCHLD, _reap)  # after: it would reap that child
+    signal.signal(signal.SIGCHLD, _reap)
     del supervisor
     gc.collect()
     gc.freeze()  # what is imported stays shared with every fork (no collector writes)
