@@ -201,6 +201,16 @@ async def _ready(sbx: AsyncSandbox) -> AsyncSandbox:
     return sbx
 
 
+async def _settled(timeout: float = 60.0) -> None:
+    """Wait for the warm pool's refill that a create started to end: figures of steady
+    work (an exec's round trip, a fork) are measured apart from that background restore,
+    one source of noise fewer. (Two runs of each way on 2026-12-01 gave exec overheads of
+    4.7-5.0 ms settled and 2.8-3.8 not: the machine's own noise is larger than its effect.)"""
+    deadline = time.monotonic() + timeout
+    while pool.refilling() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+
+
 # --------------------------------------------------------------------------- scenarios
 
 
@@ -231,6 +241,7 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
     ping_cpu = {"this process": 0.0, "supervisor": 0.0, "QEMU": 0.0}
     transport = default_transport()
     sbx = await _ready(await AsyncSandbox.create())
+    await _settled()
     try:
         info = await sbx.info()
         for _ in range(rounds):
@@ -668,22 +679,45 @@ async def _fork_cpu(parent: AsyncSandbox) -> list[float]:
     return spent
 
 
+#: Runs of each of fork-10 and fork-10-single, interleaved (the goal's figure: one run
+#: alone moved by 0.3 s between two bench runs of one morning).
+FORK_10_RUNS = 3
+
+
+@dataclass
+class _ForkRun:
+    """One fork of ``count`` copies, measured until each copy answered a command."""
+
+    elapsed: float
+    qemu_cpu: float  # summed over the copies
+    supervisor_cpu: float
+    parts: dict[str, float]  # PSS of the copies' QEMUs by part (bench_steps.memory_parts)
+    supervisors_mib: float
+
+
 async def fork(ctx: Context) -> list[Figure]:
-    figures = []
-    counts: tuple[int | str, ...] = (1, 3) if ctx.quick else (1, 10, "10-single", 100)
-    for label in counts:
+    """Forks of 1, 10 (multi- and single-threaded TCG, interleaved) and 100 copies."""
+    plan: list[int | str] = [1, 3] if ctx.quick else [1, *["10", "10-single"] * FORK_10_RUNS, 100]
+    runs: dict[str, list[_ForkRun]] = {}
+    for label in plan:
         count = int(str(label).split("-")[0])
         # Fork 10 again with each VM's vCPUs taking turns on one host thread.
         single = str(label).endswith("single")
         with environment({"CRYOBOX_TCG_THREADS": "single"} if single else {}):
-            figures += await _fork(ctx, label, count)
+            runs.setdefault(str(label), []).append(await _fork_once(ctx, count))
+    figures = []
+    for label, measured in runs.items():
+        figures += _fork_figures(ctx, label, int(label.split("-")[0]), measured)
     return figures
 
 
-async def _fork(ctx: Context, label: int | str, count: int) -> list[Figure]:
-    """Fork ``count`` copies at once; time, CPU and memory, named ``fork-{label}``."""
-    figures = []
-    memory = 256 if count == 100 else config.DEFAULT_MEMORY_MIB
+def _fork_memory(count: int) -> int:
+    return 256 if count == 100 else config.DEFAULT_MEMORY_MIB
+
+
+async def _fork_once(ctx: Context, count: int) -> _ForkRun:
+    """Fork ``count`` copies at once of a fresh parent; time, CPU and memory."""
+    memory = _fork_memory(count)
     template = "default"
     if memory != config.DEFAULT_MEMORY_MIB:
         template = "bench-256"
@@ -691,6 +725,7 @@ async def _fork(ctx: Context, label: int | str, count: int) -> list[Figure]:
             await AsyncSandbox.build_template(template, memory_mib=memory)
             ctx.made_templates.append(template)
     parent = await _ready(await AsyncSandbox.create(template))
+    await _settled()
     forks: list[AsyncSandbox] = []
     try:
         start = time.perf_counter()
@@ -700,63 +735,72 @@ async def _fork(ctx: Context, label: int | str, count: int) -> list[Figure]:
         infos = [await f.info() for f in forks]  # new processes: their CPU is the fork's
         qemus = [i.vmm_pid for i in infos]
         supervisor_pids = [i.supervisor_pid for i in infos]
-        qemu_cpu = sum(map(bench_steps.cpu_seconds, qemus))
-        supervisor_cpu = sum(map(bench_steps.cpu_seconds, supervisor_pids))
-        parts = bench_steps.memory_parts([pid for pid in qemus if pid])
-        pss = sum(parts.values())  # proportional set sizes: shared pages counted once
-        supervisors = pool.host_memory_mib(tuple(supervisor_pids)) or 0.0
+        return _ForkRun(
+            elapsed,
+            sum(map(bench_steps.cpu_seconds, qemus)),
+            sum(map(bench_steps.cpu_seconds, supervisor_pids)),
+            bench_steps.memory_parts([pid for pid in qemus if pid]),
+            pool.host_memory_mib(tuple(supervisor_pids)) or 0.0,
+        )
     finally:
         for sbx in forks:
             await sbx.kill()
         await parent.kill()
-    figures.append(
+
+
+def _fork_figures(ctx: Context, label: str, count: int, runs: list[_ForkRun]) -> list[Figure]:
+    """``fork-{label}``: time, CPU and memory over ``runs``; notes give their medians."""
+    memory = _fork_memory(count)
+    cores = os.cpu_count() or 1
+    elapsed = [r.elapsed for r in runs]
+    cpu = [r.qemu_cpu + r.supervisor_cpu for r in runs]
+    pss = [sum(r.parts.values()) for r in runs]  # proportional: shared pages counted once
+    supervisors = statistics.median(r.supervisors_mib for r in runs)
+    qemu_cpu = statistics.median(r.qemu_cpu for r in runs)
+    supervisor_cpu = statistics.median(r.supervisor_cpu for r in runs)
+    parts = {name: statistics.median(r.parts[name] for r in runs) for name in runs[0].parts}
+    runs_said = f" (median of {len(runs)} runs)" if len(runs) > 1 else ""
+    return [
         summarize(
             f"fork-{label}",
-            [elapsed],
+            elapsed,
             "s",
             baseline="cold boot",
             base_value=ctx.cold_boot_s,
-            note=f"all {count} exec-ready; {elapsed / count:.2f} s per fork",
-        )
-    )
-    cores = os.cpu_count() or 1
-    figures.append(
+            note=f"all {count} exec-ready; {statistics.median(elapsed) / count:.2f} s per fork"
+            + ("; its runs interleaved with the other TCG threading's" if len(runs) > 1 else ""),
+        ),
         summarize(
             f"fork-{label}-cpu",
-            [qemu_cpu + supervisor_cpu],
+            cpu,
             "s",
             baseline=f"wall time x {cores} cores",
-            base_value=elapsed * cores,
-            note=f"CPU the {count} forks' processes used until all answered: QEMU "
+            base_value=statistics.median(elapsed) * cores,
+            note=f"CPU the {count} forks' processes used until all answered{runs_said}: QEMU "
             f"{qemu_cpu / count:.2f} s and supervisor {supervisor_cpu / count:.3f} s per "
             f"fork. Spread over {cores} cores it alone takes "
-            f"{(qemu_cpu + supervisor_cpu) / cores:.1f} s",
-        )
-    )
-    figures.append(
+            f"{statistics.median(cpu) / cores:.1f} s",
+        ),
         summarize(
             f"fork-{label}-pss",
-            [pss],
+            pss,
             "MiB",
             baseline=f"{count} x guest RAM",
             base_value=count * memory,
-            note=f"sum of PSS of {count} QEMUs, {memory} MiB guests; per fork: "
+            note=f"sum of PSS of {count} QEMUs, {memory} MiB guests; per fork{runs_said}: "
             + ", ".join(f"{name} {mib / count:.1f}" for name, mib in parts.items())
             + " MiB",
-        )
-    )
-    figures.append(
+        ),
         summarize(
             f"fork-{label}-all-pss",
-            [pss + supervisors],
+            [p + r.supervisors_mib for p, r in zip(pss, runs, strict=True)],
             "MiB",
             baseline=f"{count} x guest RAM",
             base_value=count * memory,
             note=f"the same with their {count} supervisors ({supervisors / count:.1f} MiB "
             "each): every host process a fork needs",
-        )
-    )
-    return figures
+        ),
+    ]
 
 
 async def restore_vs_ram(ctx: Context) -> list[Figure]:
