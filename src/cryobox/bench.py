@@ -201,16 +201,6 @@ async def _ready(sbx: AsyncSandbox) -> AsyncSandbox:
     return sbx
 
 
-async def _settled(timeout: float = 60.0) -> None:
-    """Wait for the warm pool's refill that a create started to end: figures of steady
-    work (an exec's round trip, a fork) are measured apart from that background restore,
-    one source of noise fewer. (Two runs of each way on 2026-12-01 gave exec overheads of
-    4.7-5.0 ms settled and 2.8-3.8 not: the machine's own noise is larger than its effect.)"""
-    deadline = time.monotonic() + timeout
-    while pool.refilling() and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-
-
 # --------------------------------------------------------------------------- scenarios
 
 
@@ -241,7 +231,6 @@ async def exec_and_channel(ctx: Context, names: tuple[str, ...]) -> list[Figure]
     ping_cpu = {"this process": 0.0, "supervisor": 0.0, "QEMU": 0.0}
     transport = default_transport()
     sbx = await _ready(await AsyncSandbox.create())
-    await _settled()
     try:
         info = await sbx.info()
         for _ in range(rounds):
@@ -725,7 +714,6 @@ async def _fork_once(ctx: Context, count: int) -> _ForkRun:
             await AsyncSandbox.build_template(template, memory_mib=memory)
             ctx.made_templates.append(template)
     parent = await _ready(await AsyncSandbox.create(template))
-    await _settled()
     forks: list[AsyncSandbox] = []
     try:
         start = time.perf_counter()

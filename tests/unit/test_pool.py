@@ -82,33 +82,3 @@ def test_a_member_is_withdrawn_by_exactly_one_of_many_claimers() -> None:
         thread.join()
     assert sorted(won) == [f"sbx-{index:02d}" for index in range(20)]
     assert pool.members() == []
-
-
-def test_a_refill_counts_from_its_start_to_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    import subprocess
-    import sys
-
-    assert not pool.refilling()
-    # Started, not yet holding its lock (its Python still importing): already at work.
-    starting = subprocess.Popen(["sleep", "30"])
-    monkeypatch.setattr(pool, "_started", [starting])
-    try:
-        assert pool.refilling()
-    finally:
-        starting.kill()
-        starting.wait()
-    assert not pool.refilling()
-    # A refill another process started, holding the lock.
-    hold = (
-        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(30)"
-    )
-    lock = str(pool.root() / "refill.lock")
-    holder = subprocess.Popen([sys.executable, "-c", hold, lock], stdout=subprocess.PIPE)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
-        assert pool.refilling()
-    finally:
-        holder.kill()
-        holder.wait()
-    assert not pool.refilling()

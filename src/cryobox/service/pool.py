@@ -274,12 +274,6 @@ def _lock_within(fd: int, seconds: float) -> bool:
             time.sleep(0.02)
 
 
-def refilling() -> bool:
-    """Whether a refill is at work, or one this process started has yet to end (before
-    it holds its lock, a new refill is only a process starting)."""
-    return any(p.poll() is None for p in _started) or _refill_running()
-
-
 def refill_pid() -> int | None:
     """The pid of the refill process at work, if one is."""
     with contextlib.suppress(OSError, ValueError):
