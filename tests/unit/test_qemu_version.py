@@ -37,7 +37,7 @@ def test_a_binary_that_does_not_answer_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     binary = tmp_path / "qemu-system-x86_64"
-    binary.write_text("#!/bin/sh\nsleep 5\n")
+    binary.write_text("#!/bin/sh\nexec sleep 5\n")  # killed on timeout, nothing left
     binary.chmod(0o755)
     monkeypatch.setattr(process, "VERSION_TIMEOUT", 0.3)
 
