@@ -29,6 +29,10 @@ os.environ["CRYOBOX_STATE_DIR"] = str(_STATE)
 # Warm pools off: a refill after every create would compete with each test for the two
 # cores. tests/integration/test_pool_vm.py turns them on for its own tests.
 os.environ["CRYOBOX_POOL_SIZE"] = "0"
+# Pauses end their VM at once: the tests of pause and resume are about the saved machine
+# (what a resume reads, refuses, pulls from a store, finishes after a crash).
+# tests/integration/test_pause_hold_vm.py tests the hold the product has by default.
+os.environ["CRYOBOX_PAUSE_HOLD"] = "0"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -412,15 +412,62 @@ def _wait_pool_ready(timeout: float = 120.0) -> None:
     time.sleep(1.0)  # the refill process exits; its Python start no longer competes
 
 
+@contextlib.contextmanager
+def _pause_hold(seconds: float) -> Iterator[None]:
+    """Pauses taken meanwhile keep their VM ``seconds`` (``CRYOBOX_PAUSE_HOLD``)."""
+    before = os.environ.get("CRYOBOX_PAUSE_HOLD")
+    os.environ["CRYOBOX_PAUSE_HOLD"] = str(seconds)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CRYOBOX_PAUSE_HOLD"]
+        else:
+            os.environ["CRYOBOX_PAUSE_HOLD"] = before
+
+
+@dataclass
+class _Resumes:
+    """One kind of resume's timings, a list entry per run."""
+
+    total: list[float] = field(default_factory=list)  # resume() to first command
+    calls: list[float] = field(default_factory=list)  # resume() itself
+    first_exec: list[float] = field(default_factory=list)
+    second_exec: list[float] = field(default_factory=list)
+    steps: list[dict[str, float]] = field(default_factory=list)
+
+    def step(self, name: str) -> float:
+        """The supervisor step's median, ms."""
+        return statistics.median([s.get(name, 0.0) for s in self.steps]) if self.steps else 0.0
+
+    def outside(self) -> float:
+        """Median ms of resume() outside the supervisor's steps."""
+        pairs = zip(self.calls, self.steps, strict=True)
+        around = [1000 * call - steps.get("total", 0.0) for call, steps in pairs]
+        return statistics.median(around) if around else 0.0
+
+
+async def _resume_timed(sandbox_id: str, into: _Resumes, steps: str) -> AsyncSandbox:
+    start = time.perf_counter()
+    sbx = await AsyncSandbox.resume(sandbox_id)
+    returned = time.perf_counter()
+    into.calls.append(returned - start)
+    await sbx.commands.run(["true"])
+    into.total.append(time.perf_counter() - start)
+    into.first_exec.append(time.perf_counter() - returned)
+    start = time.perf_counter()
+    await sbx.commands.run(["true"])
+    into.second_exec.append(time.perf_counter() - start)
+    into.steps.append(bench_steps.step_timings(sandbox_id, steps) or {})
+    return sbx
+
+
 async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
     runs = 2 if ctx.quick else 4
     dirty_mb = 32 if ctx.quick else 256
     changed_mb = 16 if ctx.quick else 100
-    pauses, resumes, expected, after_change = [], [], [], []
-    first_exec: list[float] = []
-    second_exec: list[float] = []
-    calls: list[float] = []  # resume() itself
-    steps: list[dict[str, float]] = []
+    pauses, expected, after_change = [], [], []
+    held, released = _Resumes(), _Resumes()
     sbx = await _ready(await AsyncSandbox.create())
     try:
         # RAM the guest really uses: a process that keeps dirty_mb of data in memory.
@@ -435,23 +482,19 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                     f"head -c {changed_mb}M /dev/urandom > /dev/shm/changed-{run}"
                 )
             used_mb = (await sbx.info()).ram_file_bytes / 1e6
-            start = time.perf_counter()
-            await sbx.pause()
-            pauses.append(time.perf_counter() - start)
+            # A pause whose VM ends at once, and a resume that starts a new QEMU...
+            with _pause_hold(0):
+                start = time.perf_counter()
+                await sbx.pause()
+                pauses.append(time.perf_counter() - start)
             if run:
                 after_change.append(pauses[-1])
             expected.append(used_mb / (ctx.disk_mb_s or 400))
-            start = time.perf_counter()
-            sbx = await AsyncSandbox.resume(sbx.id)
-            returned = time.perf_counter()
-            calls.append(returned - start)
-            await sbx.commands.run(["true"])
-            resumes.append(time.perf_counter() - start)
-            first_exec.append(time.perf_counter() - returned)
-            start = time.perf_counter()
-            await sbx.commands.run(["true"])
-            second_exec.append(time.perf_counter() - start)
-            steps.append(bench_steps.step_timings(sbx.id, "resume") or {})
+            sbx = await _resume_timed(sbx.id, released, "resume")
+            # ...then one that keeps it for the default hold, woken within it.
+            with _pause_hold(config.PAUSE_HOLD):
+                await sbx.pause()
+            sbx = await _resume_timed(sbx.id, held, "wake")
     finally:
         await sbx.kill()
     figures = []
@@ -483,37 +526,50 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
         figures.append(
             summarize(
                 "resume",
-                resumes,
+                held.total,
                 "s",
                 baseline="cold boot",
                 base_value=ctx.cold_boot_s,
-                note="resume() to first command",
+                note=f"resume() to first command, within the pause's hold (CRYOBOX_PAUSE_HOLD, "
+                f"default {config.PAUSE_HOLD:g} s: its QEMU kept, stopped). Median ms: the "
+                f"wake in the supervisor {held.step('total'):.0f} (files back "
+                f"{held.step('files back'):.0f}, guest's first answer (clock, entropy) "
+                f"{held.step('agent refreshed'):.0f}), around it in resume() "
+                f"{held.outside():.0f}; then the first command "
+                f"{1000 * statistics.median(held.first_exec):.0f}, the second "
+                f"{1000 * statistics.median(held.second_exec):.0f}",
             )
         )
-
-        def step(name: str) -> float:
-            return statistics.median([s.get(name, 0.0) for s in steps]) if steps else 0.0
-
+        figures.append(
+            summarize(
+                "resume-released",
+                released.total,
+                "s",
+                baseline="cold boot",
+                base_value=ctx.cold_boot_s,
+                note="resume() to first command, once the hold is over (CRYOBOX_PAUSE_HOLD=0 "
+                "for these pauses): a new QEMU loads the saved pause",
+            )
+        )
         warm = f"{ctx.warm_refresh_ms:.0f} ms" if ctx.warm_refresh_ms else "not measured"
-        around = [1000 * c - s.get("total", 0.0) for c, s in zip(calls, steps, strict=True)]
         figures.append(
             summarize(
                 "resume-steps",
-                [s.get("total", 0.0) / 1000 for s in steps],
+                [s.get("total", 0.0) / 1000 for s in released.steps],
                 "s",
-                note=f"the supervisor's resume (median ms): the pause checked "
-                f"{step('checked'):.0f} and its files put back {step('files back'):.0f}, "
-                f"QEMU started {step('vm start'):.0f}, "
-                f"device state {step('device state'):.0f}, guest's first answer (clock, "
-                f"entropy, identity) {step('agent refreshed'):.0f}, of which the agent's own "
-                f"part (request read to answer) {step('of which in the agent'):.0f}; the "
-                "same refresh by a warm "
+                note=f"resume-released in the supervisor (median ms): the pause checked "
+                f"{released.step('checked'):.0f} and its files put back "
+                f"{released.step('files back'):.0f}, QEMU started {released.step('vm start'):.0f}, "
+                f"device state {released.step('device state'):.0f}, guest's first answer (clock, "
+                f"entropy, identity) {released.step('agent refreshed'):.0f}, of which the "
+                f"agent's own part (request read to answer) "
+                f"{released.step('of which in the agent'):.0f}; the same refresh by a warm "
                 f"pool member's QEMU: {warm}. Outside these steps, in resume() "
-                f"{statistics.median(around):.0f} ms (the service; a supervisor forked, "
-                "waiting for the one that paused to exit, set up; the pause folder removed; "
-                "the reply). Then the first command "
-                f"{1000 * statistics.median(first_exec):.0f} ms, the second "
-                f"{1000 * statistics.median(second_exec):.0f} ms: a new QEMU translates "
+                f"{released.outside():.0f} ms (the service; a supervisor forked, waiting for "
+                "the one that paused to exit, set up; the pause folder removed; the reply). "
+                "Then the first command "
+                f"{1000 * statistics.median(released.first_exec):.0f} ms, the second "
+                f"{1000 * statistics.median(released.second_exec):.0f} ms: a new QEMU translates "
                 "(TCG) every guest instruction it runs for the first time",
             )
         )
@@ -939,6 +995,9 @@ async def diy(ctx: Context) -> list[Figure]:
         ),
         summarize("diy-savevm", figures.savevm, "s", note=what + "savevm on the running VM"),
         summarize(
+            "diy-cont", figures.cont, "s", note=what + "stop, then cont: cont to first command"
+        ),
+        summarize(
             "diy-rollback", figures.rollback, "s", note=what + "loadvm, to first command after"
         ),
         summarize(
@@ -966,7 +1025,8 @@ def with_diy(figures: list[Figure], measured: bench_diy.DiyFigures | None) -> li
         "cold-boot": median(measured.cold_boot),
         "template-start": median(measured.loadvm_start),
         "template-restore": median(measured.loadvm_start),
-        "resume": median(measured.loadvm_start),
+        "resume": median(measured.cont),
+        "resume-released": median(measured.loadvm_start),
         "checkpoint": median(measured.savevm),
         "rollback": median(measured.rollback),
         f"fork-{measured.fork_count}": measured.fork,

@@ -189,6 +189,7 @@ class DiyFigures:
     savevm: list[float] = field(default_factory=list)
     loadvm_start: list[float] = field(default_factory=list)
     rollback: list[float] = field(default_factory=list)
+    cont: list[float] = field(default_factory=list)
     fork: float = 0.0
     fork_count: int = 0
     fork_pss_mib: float = 0.0
@@ -218,6 +219,12 @@ async def measure(runs: int, fork_count: int) -> DiyFigures:
             await vm.hmp(f"loadvm {SNAPSHOT}")
             await vm.first_result()
             figures.rollback.append(time.perf_counter() - start)
+            # A pause that keeps the VM: stop, then cont, to its first command.
+            await vm.hmp("stop")
+            start = time.perf_counter()
+            await vm.hmp("cont")
+            await vm.agent.request(p.GuestOp.EXEC, {"argv": ["true"]}, timeout=30)  # type: ignore[union-attr]
+            figures.cont.append(time.perf_counter() - start)
         await vm.stop()
         for _ in range(runs):
             # The template start: a new QEMU with -loadvm, to its first command.

@@ -89,8 +89,8 @@ class SandboxInfo:
     origin: str | None = None
     #: For a fork: the sandbox it was forked from.
     forked_from: str | None = None
-    #: The VM's host process while it runs (for measuring it), and the bytes of guest RAM
-    #: written to its RAM file (whose blocks are all reserved on the host).
+    #: The VM's host process while it runs or is held (for measuring it), and the bytes
+    #: of guest RAM written to its RAM file (whose blocks are all reserved on the host).
     vmm_pid: int | None = None
     ram_file_bytes: int = 0
     #: The network policy's JSON form: "internet", "none" or the allowed rules.
@@ -105,6 +105,9 @@ class SandboxInfo:
     #: and the pool it still waits in (only for a member not yet claimed).
     pooled: bool = False
     pool: str = ""
+    #: While paused: until when its stopped VM is kept for a quick resume (the memory it
+    #: holds meanwhile is ``vmm_pid``'s); None when the pause holds no VM.
+    held_until: float | None = None
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,14 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 
 
+def mem_available_mib() -> int:
+    """The host's available memory (MemAvailable), in MiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
 def release_unwritten(path: Path) -> None:
     """Give back the blocks reserved for ``path`` and never written (its holes as
     SEEK_DATA sees them), keeping its content: a paused RAM file then holds only the

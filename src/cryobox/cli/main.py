@@ -489,7 +489,11 @@ def list_(
                     f"{info.deadline - now:.0f}s" if info.deadline and running else "-",
                     ",".join(f"{g}->{h}" for g, h in info.ports.items()) or "-",
                     ",".join(f"{k}={v}" for k, v in info.metadata.items()) or "-",
-                    (info.error or "").splitlines()[0][:80] if info.error else "",
+                    (info.error or "").splitlines()[0][:80]
+                    if info.error
+                    else f"VM held {info.held_until - now:.0f}s more"
+                    if info.held_until
+                    else "",
                 )
             )
         print_rows(header, rows)

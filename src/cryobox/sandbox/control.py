@@ -32,6 +32,8 @@ class ControlOp(enum.StrEnum):
     KILL = "sandbox.kill"
     EXPOSE_PORT = "sandbox.expose_port"
     PAUSE = "sandbox.pause"
+    #: Continue a pause whose VM the supervisor still holds (see :class:`Pause`).
+    WAKE = "sandbox.wake"
     SNAPSHOT = "sandbox.snapshot"
     ROLLBACK = "sandbox.rollback"
     #: A warm pool's member is handed out: it takes its spec as rewritten, a new identity.
@@ -50,6 +52,7 @@ TIMEOUTS: dict[ControlOp, float] = {
     ControlOp.KILL: 30.0,
     ControlOp.EXPOSE_PORT: 30.0,
     ControlOp.PAUSE: 900.0,
+    ControlOp.WAKE: 120.0,
     ControlOp.SNAPSHOT: 900.0,
     ControlOp.ROLLBACK: 600.0,
     ControlOp.CLAIM: 30.0,
@@ -73,6 +76,24 @@ class ExposePort:
     @classmethod
     def parse(cls, args: dict[str, Any]) -> ExposePort:
         return cls(whole_number("guest_port", args.get("guest_port"), 1, 65535))
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Save the whole machine; keep its stopped VM ``hold`` seconds for a quick wake (0:
+    end it at once)."""
+
+    hold: float = 0.0
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Pause:
+        hold = args.get("hold", 0.0)
+        if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 <= hold < 1e9:
+            raise InvalidArgument(f"{ControlOp.PAUSE}: hold={hold!r} must be seconds >= 0")
+        return cls(float(hold))
+
+    def to_args(self) -> dict[str, Any]:
+        return {"hold": self.hold}
 
 
 @dataclass(frozen=True)

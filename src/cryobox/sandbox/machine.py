@@ -45,6 +45,7 @@ from cryobox import config
 from cryobox.errors import (
     ChannelError,
     CryoboxError,
+    GuestError,
     InvalidArgument,
     NetworkError,
     SandboxDead,
@@ -314,16 +315,21 @@ class Machine:
             self.vm = await self.vmm.adopt(
                 self._machine_spec(False, forwards), pid, self.folder.qemu_stderr
             )
-            if self.record.state is SandboxState.RESUMING:
-                if await self.vm.run_state() in ("inmigrate", "prelaunch"):
-                    # Cut short before the guest ran: the pause is still whole.
-                    await self.stop_vm()
-                    self.folder.give_back_pause(self.record)
-                    self.update(state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None)
-                    raise StateError(
-                        self.spec.id, "paused", ["running"], "adopt (its resume was cut short)"
-                    )
-                shutil.rmtree(self.folder.paused, ignore_errors=True)  # the guest ran on
+            if self.record.state is SandboxState.RESUMING and await self.vm.run_state() in (
+                "inmigrate",
+                "prelaunch",
+            ):
+                # Cut short before the guest ran: the pause is still whole.
+                await self.stop_vm()
+                self.folder.give_back_pause(self.record)
+                self.update(state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None)
+                raise StateError(
+                    self.spec.id, "paused", ["running"], "adopt (its resume was cut short)"
+                )
+            # A pause that kept its VM, or a wake, cut short after its files moved: the VM
+            # runs on them, under their names again.
+            self.folder.take_back_pause(self.record)
+            shutil.rmtree(self.folder.paused, ignore_errors=True)  # the guest runs on
             await self.vm.continue_cpus()  # a save was cut short with the guest frozen
             shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
             forwards = await self._listen(forwards)
@@ -746,11 +752,16 @@ class Machine:
             backend=self.backend_facts(),
         )
 
-    async def pause(self) -> None:
+    async def pause(self, *, hold: float = 0.0) -> None:
         """Save the whole machine into ``paused/`` and end the VM: no CPU, no RAM in use.
 
         Everything is written, hashed and described while the VM is only frozen; a
         failure up to there lets it continue. Only renames follow the end of the VM.
+
+        With ``hold`` (seconds), the VM is not ended: it stays stopped, its guest agent
+        connected, for :meth:`wake` to continue; the pause is saved and committed all the
+        same (the files move while QEMU keeps them open), so :meth:`release` only has to
+        end the VM for the sandbox to be paused as without a hold.
 
         :raises StorageError: when the host cannot write the device state.
         """
@@ -791,12 +802,36 @@ class Machine:
             raise
         crash_point("hashed")
         timer("hashed and flushed")
-        await self.stop_vm()
-        timer("vm end")
-        # The disk layer moves last: once it is out of the sandbox folder, everything is
-        # in the pause folder and a new supervisor can finish the pause (registry).
+        if hold:
+            await self._hold_vm()
+        else:
+            await self.stop_vm()
+        timer("vm held" if hold else "vm end")
+        try:
+            self._commit_pause(temp, disk, memory, timer)
+        except BaseException:
+            if hold:  # as without a hold: the VM ends, the pause is finished later (registry)
+                await self.stop_vm()
+            raise
+        timer.log()
+        if hold:
+            self.update(
+                state=SandboxState.PAUSED, pause_id=manifest.id, held_until=time.time() + hold
+            )
+        else:
+            self.update(
+                state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None, pause_id=manifest.id
+            )
+
+    def _commit_pause(self, temp: Path, disk: Path, memory: Path, timer: StepTimer) -> None:
+        """The renames that end a pause: its files into ``temp``, ``temp`` to ``paused/``.
+
+        The disk layer moves last: once it is out of the sandbox folder, everything is in
+        the pause folder and a new supervisor can finish the pause (registry)."""
         if self.record.memory_shared:
             # Paused, the RAM file needs no reserve: only the pages the guest wrote stay.
+            # (Content-preserving with a held VM too: the holes punched are blocks never
+            # written, read as zeros either way, and its CPUs are stopped.)
             with contextlib.suppress(OSError):
                 release_unwritten(memory)
             os.rename(memory, temp / mf.MEMORY)
@@ -806,11 +841,84 @@ class Machine:
         if self.folder.paused.exists() and not (self.folder.paused / mf.MANIFEST).exists():
             shutil.rmtree(self.folder.paused)  # what an upload left after the last resume
         mf.commit_pending(temp, self.folder.paused)
+        crash_point("committed")
         timer("commit")
+
+    async def _hold_vm(self) -> None:
+        """What a held VM lets go of: its requests in flight fail as if it had ended (a
+        pause ends them), and its forwarded host ports close (refused while paused, as
+        without a hold; QEMU's own, without a namespace, stay bound)."""
+        if self.agent is not None:
+            self.agent.fail_pending("the sandbox was paused")
+        if self.forwarder is not None:
+            await self.forwarder.close()
+            self.forwarder = None
+
+    async def release(self) -> None:
+        """End a held VM: the sandbox stays paused, as a pause without a hold leaves it."""
+        await self.stop_vm()
+        self.update(supervisor_pid=None, qemu_pid=None, held_until=None)
+        log.info("the held VM is released")
+
+    async def wake(self, supervisor_pid: int) -> None:
+        """Continue a pause whose VM is held: its files move back, its CPUs go on.
+
+        Nothing is loaded, so nothing is read from the saved files: the VM never left
+        this host's memory. Until the CPUs continue, a failure gives the pause back as it
+        was (a resume from the files can follow); after, the guest has run and the pause
+        no longer matches it (the caller ends the sandbox).
+
+        :raises StateError: when no VM is held, or the pause is not the one it saved.
+        """
+        require(self.spec.id, self.record.state, (SandboxState.PAUSED,), "wake")
+        if self.vm is None or self.vm.returncode is not None or self.agent is None:
+            raise StateError(self.spec.id, "paused", ["paused with its VM held"], "wake")
+        timer = StepTimer("wake")
+        paused = self.folder.paused
+        try:
+            saved = mf.load(paused)
+        except CryoboxError as exc:
+            raise StateError(
+                self.spec.id, "paused", ["paused with its pause here"], f"wake ({exc})"
+            ) from exc
+        assert self.record.disk
+        memory = self.folder.path / (self.record.memory_file or "memory")
+        moved = [(paused / mf.DISK, self.folder.path / self.record.disk)]
+        if self.record.memory_shared and not self.record.memory_from:
+            moved.append((paused / mf.MEMORY, memory))
+        if saved.id != self.record.pause_id or not all(s.exists() for s, _ in moved):
+            raise StateError(self.spec.id, "paused", ["paused with its own pause here"], "wake")
+        # Recorded before the files move: a supervisor dying from here on is adopted, and
+        # adoption puts them back under these names (SandboxDir.take_back_pause).
+        self._claim(SandboxState.RESUMING, supervisor_pid)
+        self.update(held_until=None)
+        for source, target in moved:
+            os.rename(source, target)
+        try:
+            crash_point("wake-moved")
+            if len(moved) > 1:
+                self._maybe_reserve(memory, self.spec.memory_mib << 20)
+            forwards = tuple(PortForward(g, h) for g, h in self.record.ports.items())
+            self.update(ports={f.guest_port: f.host_port for f in await self._listen(forwards)})
+        except BaseException:
+            for source, target in moved:
+                os.rename(target, source)
+            self.update(state=SandboxState.PAUSED)
+            raise
+        timer("files back")
+        await self.vm.continue_cpus()
+        crash_point("wake-continued")
+        try:
+            await self.agent.request(*self._refresh_args(False)(), timeout=RESTORE_TIMEOUT)
+        except GuestError as exc:  # it answered: the guest runs, only its clock may lag
+            log.warning("the woken guest refused its clock and entropy refresh: %s", exc)
+        timer("agent refreshed")
+        # Renamed first: an upload of the pause still running cannot write into it then.
+        done = self.folder.path / f"paused.done-{time.monotonic_ns()}"
+        os.rename(paused, done)
+        shutil.rmtree(done, ignore_errors=True)
+        self.update(pause_id=None)
         timer.log()
-        self.update(
-            state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None, pause_id=manifest.id
-        )
 
     async def resume(self, supervisor_pid: int) -> None:
         """Continue the paused machine with every process where it was."""

@@ -92,6 +92,9 @@ class SandboxRecord:
     origin: str | None = None
     #: The id of the pause that holds its machine while paused (what a pull must match).
     pause_id: str | None = None
+    #: While paused: until when its supervisor holds the stopped VM for a quick wake
+    #: (``config.pause_hold``); None once the VM is gone.
+    held_until: float | None = None
     updated_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -151,7 +154,9 @@ class SandboxDir:
             record = SandboxRecord.from_json(json.loads(self.state_file.read_text()))
         except FileNotFoundError:
             record = SandboxRecord(id=self.id, state=SandboxState.CREATING)
-        if record.state is SandboxState.PAUSED or record.state.finished:
+        if record.state is SandboxState.PAUSED:
+            return self._let_go_of_orphan(record)
+        if record.state.finished:
             return record
         # A creator writes "creating" before its supervisor has a pid: allow it a moment.
         orphaned = record.supervisor_pid is not None or time.time() - record.updated_at > 30
@@ -187,6 +192,17 @@ class SandboxDir:
             )
         return record
 
+    def _let_go_of_orphan(self, record: SandboxRecord) -> SandboxRecord:
+        """A paused record whose VM was held by a supervisor that died (killed with -9):
+        the VM goes (everything is in ``paused/``), the record says so."""
+        if not record.qemu_pid or supervisor_alive(record):
+            return record
+        kill_vm(record, self.id)  # (a wake records "resuming" before it moves any file)
+        released = replace(record, supervisor_pid=None, qemu_pid=None, held_until=None)
+        with contextlib.suppress(OSError, CryoboxError):
+            self.write_record(released)
+        return released
+
     def needs_adoption(self, record: SandboxRecord) -> bool:
         """Whether the sandbox's VM runs (or was being resumed) but its supervisor is gone."""
         return record.state in ADOPTABLE and not supervisor_alive(record)
@@ -203,6 +219,19 @@ class SandboxDir:
             if name and (self.path / name).exists() and not (self.paused / saved).exists():
                 with contextlib.suppress(OSError):
                     os.rename(self.path / name, self.paused / saved)
+
+    def take_back_pause(self, record: SandboxRecord) -> None:
+        """Put the disk layer and RAM file of a pause that a live VM still runs on back
+        under the names the record gives them: a pause that kept its VM and was cut short
+        (its files moved or committed, its state not yet recorded), or a wake cut short.
+        The VM is the truth then; adoption continues it and drops the pause."""
+        from cryobox.snapshot import manifest as mf
+
+        memory = record.memory_file if record.memory_shared and not record.memory_from else None
+        for source in (self.path / "paused.tmp", self.paused):
+            for name, saved in ((record.disk, mf.DISK), (memory, mf.MEMORY)):
+                if name and (source / saved).exists() and not (self.path / name).exists():
+                    os.rename(source / saved, self.path / name)
 
     def _complete_pause(self, record: SandboxRecord) -> None:
         """Finish the pause of a supervisor that died after writing and hashing all of it

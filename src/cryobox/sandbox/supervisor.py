@@ -51,6 +51,7 @@ from cryobox.sandbox import priority
 from cryobox.sandbox.control import (
     ControlOp,
     ExposePort,
+    Pause,
     Rollback,
     SetTimeout,
     StartRequest,
@@ -60,7 +61,7 @@ from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.util import without_huge_pages
+from cryobox.util import mem_available_mib, without_huge_pages
 from cryobox.vmm import Vmm, backend
 
 log = logging.getLogger("cryobox.supervisor")
@@ -86,6 +87,10 @@ LOCK_WAIT_SECONDS = 15.0
 #: pausing supervisor's exit (tens of ms), and each try is one flock call.
 LOCK_POLL_SECONDS = 0.005
 AGENT_DEADLINE = 30.0
+#: While a paused VM is held: how often the hold checks its end and the host's memory,
+#: and the free memory (MiB) below which it lets the VM go early.
+HOLD_CHECK_SECONDS = 1.0
+HOLD_MEMORY_MARGIN_MIB = 1024
 
 
 def error_reply(rid: int | None, exc: BaseException, op: str) -> dict[str, Any]:
@@ -205,6 +210,9 @@ class Supervisor:
         #: Lifecycle operations (pause, checkpoint, rollback...) run one at a time.
         self._lifecycle = asyncio.Lock()
         self._exit_paused = False
+        #: Paused with its VM kept (stopped) for a quick wake; the task that ends the hold.
+        self._holding = False
+        self._hold_task: asyncio.Task[None] | None = None
 
     @property
     def record(self) -> SandboxRecord:
@@ -261,7 +269,13 @@ class Supervisor:
             watcher.cancel()
         server.close()
         self.folder.control_socket.unlink(missing_ok=True)
-        if not self._exit_paused:
+        if self._holding:
+            async with self._lifecycle:  # a wake under way finishes first
+                pass
+        if self._holding:  # still paused: the VM goes, the saved pause stays
+            self._holding = False
+            await self.machine.release()
+        elif not self._exit_paused:
             state, reason = self._stop_reason
             await self._shutdown(state, reason)
         return 0
@@ -315,6 +329,10 @@ class Supervisor:
 
     async def _watch_deadline(self) -> None:
         while True:
+            if self._holding:  # paused: its time does not run (a wake sets a new deadline)
+                self._deadline_changed.clear()
+                await self._deadline_changed.wait()
+                continue
             assert self.record.deadline is not None
             remaining = self.record.deadline - time.time()
             if remaining <= 0:
@@ -329,7 +347,7 @@ class Supervisor:
         while True:
             await asyncio.sleep(AGENT_CHECK_SECONDS)
             agent = self.machine.agent
-            if agent is None or agent.in_flight == 0 or self._lifecycle.locked():
+            if agent is None or agent.in_flight == 0 or self._lifecycle.locked() or self._holding:
                 continue
             known = agent.peer_pid
             try:
@@ -351,7 +369,7 @@ class Supervisor:
         """Reserve the RAM file's blocks as soon as the free space runs short."""
         while True:
             await asyncio.sleep(SPACE_CHECK_SECONDS)
-            if self._lifecycle.locked():
+            if self._lifecycle.locked() or self._holding:
                 continue
             try:
                 await self.machine.keep_ram_safe()
@@ -432,6 +450,8 @@ class Supervisor:
         # Wait out a lifecycle operation: the agent is being replaced or is frozen.
         async with self._lifecycle:
             agent = self.machine.agent
+        if self._holding:  # the service then finds it paused, and says so
+            raise ChannelError("the sandbox is paused")
         if agent is None:
             raise ChannelError("the guest agent is not connected")
 
@@ -466,6 +486,9 @@ class Supervisor:
             return {}
         if op is ControlOp.EXPOSE_PORT:
             return {"host_port": await self.machine.expose_port(ExposePort.parse(args).guest_port)}
+        if op is ControlOp.WAKE:
+            async with self._lifecycle:
+                return await self._wake()
         async with self._lifecycle:
             require(self.record.id, self.record.state, (SandboxState.RUNNING,), op.split(".")[1])
             try:
@@ -487,9 +510,14 @@ class Supervisor:
             self._deadline_changed.set()
             return self.record.to_json()
         if op is ControlOp.PAUSE:
-            await self.machine.pause()
-            self._exit_paused = True
-            self.stop(SandboxState.PAUSED, None)
+            hold = Pause.parse(args).hold
+            await self.machine.pause(hold=hold)
+            if hold:
+                self._holding = True
+                self._hold_task = asyncio.ensure_future(self._hold(time.time() + hold))
+            else:
+                self._exit_paused = True
+                self.stop(SandboxState.PAUSED, None)
             return {}
         if op is ControlOp.SNAPSHOT:
             request = TakeSnapshot.parse(args)
@@ -501,6 +529,46 @@ class Supervisor:
             await self.machine.rollback(Rollback.parse(args).snapshot_id)
             return {}
         raise InvalidArgument(f"{op} is not a request a running supervisor takes")
+
+    # -- a paused VM held
+
+    async def _hold(self, until: float) -> None:
+        """Let the held VM go at ``until``, or sooner if the host runs short of memory."""
+        while time.time() < until:
+            if mem_available_mib() < HOLD_MEMORY_MARGIN_MIB:
+                log.warning("host memory is short: the held VM goes early")
+                break
+            await asyncio.sleep(min(HOLD_CHECK_SECONDS, until - time.time()))
+        async with self._lifecycle:
+            if self._holding:
+                self.stop(SandboxState.PAUSED, None)
+
+    async def _wake(self) -> dict[str, Any]:
+        """Continue the held VM (the caller holds the lifecycle lock); its state record.
+
+        A failure before its CPUs went on leaves it paused and lets the VM go (a resume
+        from the saved pause follows); one after ends the sandbox, whose guest ran on
+        past its pause."""
+        if not self._holding or self._stop.is_set():
+            raise StateError(
+                self.record.id, self.record.state.value, ["paused with its VM held"], "wake"
+            )
+        if self._hold_task is not None:
+            self._hold_task.cancel()
+        self._holding = False
+        try:
+            await self.machine.wake(os.getpid())
+        except BaseException as exc:
+            if self.record.state is SandboxState.PAUSED:
+                self._holding = True
+                self.stop(SandboxState.PAUSED, None)
+            else:
+                self.stop(SandboxState.DEAD, f"its wake failed after the guest ran on: {exc}")
+            raise
+        self.machine.update(state=SandboxState.RUNNING, error=None, failure=None)
+        self._deadline_changed.set()
+        log.info("woken")
+        return self.record.to_json()
 
 
 async def _serve(sock: socket.socket) -> int:

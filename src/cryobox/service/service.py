@@ -26,7 +26,6 @@ import shutil
 import signal
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from cryobox import config
@@ -58,7 +57,7 @@ from cryobox.models import (
 from cryobox.network.namespace import check_can_isolate
 from cryobox.network.policy import INTERNET, parse_policy
 from cryobox.sandbox import registry
-from cryobox.sandbox.control import TIMEOUTS, ControlOp, TakeSnapshot
+from cryobox.sandbox.control import TIMEOUTS, ControlOp, Pause, TakeSnapshot
 from cryobox.sandbox.launcher import Launcher
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
@@ -70,6 +69,7 @@ from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatibl
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id, valid_name
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, each_chunk, new_id
+from cryobox.util import mem_available_mib as mem_available_mib  # the pool reads it here
 from cryobox.vmm import Vmm, backend
 
 BASE_TEMPLATE = "base"
@@ -87,13 +87,6 @@ GUEST_REQUEST_TIMEOUT = 120.0
 
 _LAUNCHER = Launcher()
 log = logging.getLogger("cryobox.service")
-
-
-def mem_available_mib() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) // 1024
-    return 0
 
 
 def validate(request: CreateRequest) -> None:
@@ -120,6 +113,7 @@ def validate(request: CreateRequest) -> None:
 
 
 def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -> SandboxInfo:
+    held = record.state is SandboxState.PAUSED and record.held_until is not None
     ram = 0
     if record.memory_file and not record.state.finished:
         ram = data_bytes(folder.path / record.memory_file)  # pages written, not reserved
@@ -138,7 +132,7 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         error=record.error,
         origin=record.origin,
         forked_from=spec.forked_from,
-        vmm_pid=record.qemu_pid if record.state is SandboxState.RUNNING else None,
+        vmm_pid=record.qemu_pid if record.state is SandboxState.RUNNING or held else None,
         ram_file_bytes=ram,
         network=spec.network,
         supervisor_pid=record.supervisor_pid if registry.supervisor_alive(record) else None,
@@ -146,6 +140,7 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         metadata=dict(spec.metadata),
         pooled=spec.pooled,
         pool=spec.pool,
+        held_until=record.held_until if held else None,
     )
 
 
@@ -424,11 +419,15 @@ class SandboxService:
     async def pause(self, sandbox_id: str) -> None:
         """Save the whole machine and end its VM; :meth:`resume` continues it.
 
+        The VM is kept, stopped, for ``config.pause_hold()`` seconds: a resume within
+        them continues it at once. The pause is saved either way.
+
         :raises StateError: when it is not running.
         :raises StorageError: when the host cannot hold the pause (it keeps running).
         """
         self._require_running(sandbox_id, "pause")
-        await self._control(sandbox_id, ControlOp.PAUSE)
+        hold = config.pause_hold()
+        await self._control(sandbox_id, ControlOp.PAUSE, Pause(hold).to_args())
         await self.disconnect(sandbox_id)
         self.persist.after_pause(registry.find(sandbox_id))
 
@@ -448,10 +447,40 @@ class SandboxService:
                 return sandbox_info(folder.spec(), record, folder)
         require(sandbox_id, folder.record().state, (SandboxState.PAUSED,), "resume")
         config.check_settings()  # a bad one is named before the paused files are touched
+        woken = await self._wake(folder)
+        if woken is not None:
+            self.persist.after_resume(folder)
+            return sandbox_info(folder.spec(), woken, folder)
         await self.persist.paused_here(folder)  # its files deleted here: from the store
         record = await self.launcher.start(folder, resume=True, progress=progress)
         self.persist.after_resume(folder)
         return sandbox_info(folder.spec(), record, folder)
+
+    async def _wake(self, folder: SandboxDir) -> SandboxRecord | None:
+        """Continue a paused sandbox whose supervisor still holds its VM; its record, or
+        None when no VM is held (any more): a resume from the saved pause follows then
+        (after the supervisor that let the VM go has ended: see the supervisor's lock).
+
+        :raises CryoboxError: when the wake failed after the guest ran on (the sandbox
+            ended; the pause no longer matches it).
+        """
+        record = folder.record()
+        if record.held_until is None or not registry.supervisor_alive(record):
+            return None
+        try:
+            channel = await AgentClient.connect(folder.control_socket, 1.0, trusted=True)
+        except ChannelError:
+            return None  # it is letting the VM go
+        try:
+            result = await channel.request(ControlOp.WAKE, {}, timeout=TIMEOUTS[ControlOp.WAKE])
+        except CryoboxError as exc:
+            if folder.record().state is SandboxState.PAUSED:
+                log.info("%s: no held VM to wake (%s): resuming from its pause", folder.id, exc)
+                return None
+            raise
+        finally:
+            await channel.close()
+        return SandboxRecord.from_json(result)
 
     async def capture(
         self,

@@ -1,0 +1,231 @@
+"""A paused sandbox's VM held for a quick wake (``CRYOBOX_PAUSE_HOLD``), on real VMs.
+
+The pause is saved whole either way; what the hold adds is a stopped QEMU that a
+resume continues. These tests check what a user would: the same processes and files
+after the wake, the clock stepped, no CPU spent while paused, the VM let go when the
+hold ends, on SIGTERM, on kill, and when its supervisor is killed with -9, and nothing
+lost when a supervisor dies at any step of a held pause or a wake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cryobox import Sandbox
+from cryobox.bench_steps import cpu_seconds
+from cryobox.errors import CryoboxError, StateError
+from cryobox.network.namespace import isolation_enabled
+from cryobox.sandbox import registry
+from cryobox.service import discard_spare
+from cryobox.snapshot import manifest as mf
+
+from .guest_http import fetch_until_up
+
+pytestmark = pytest.mark.vm
+
+START_WORK = "echo before > /root/mark && nohup sleep 4242 >/dev/null 2>&1 &"
+
+
+@pytest.fixture
+def hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pauses keep their VM 60 s (the product's default; conftest turns it off)."""
+    monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "60")
+    yield
+
+
+def _sleep_pid(sbx: Any) -> str:
+    return str(sbx.commands.run("pgrep -x sleep").stdout.strip())
+
+
+def _gone(pid: int | None, sandbox_id: str) -> bool:
+    return not registry.process_alive(pid, f"cryobox-{sandbox_id}")
+
+
+def _wait_released(sandbox_id: str, qemu_pid: int | None, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        record = registry.find(sandbox_id).record()
+        if record.qemu_pid is None and _gone(qemu_pid, sandbox_id):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the held VM {qemu_pid} was not let go within {within} s")
+
+
+def _refused(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return False
+    except OSError:
+        return True
+
+
+def test_a_resume_within_the_hold_continues_the_same_vm(sandbox_factory: Any, hold: None) -> None:
+    sbx = sandbox_factory(timeout=600, ports=[8000])
+    sbx.commands.run(START_WORK)
+    sbx.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    url = f"http://127.0.0.1:{sbx.info().ports[8000]}/"
+    assert fetch_until_up(url, within=30)[0] == 200
+    sleeping = _sleep_pid(sbx)
+    before = registry.find(sbx.id).record()
+    assert before.qemu_pid and before.supervisor_pid
+
+    sbx.pause()
+    folder = registry.find(sbx.id)
+    record = folder.record()
+    shown = sbx.info()
+    assert record.state.value == "paused" and shown.state == "paused"
+    assert shown.held_until == record.held_until and shown.vmm_pid == before.qemu_pid
+    assert record.qemu_pid == before.qemu_pid and not _gone(record.qemu_pid, sbx.id)
+    assert record.held_until is not None and record.held_until > time.time() + 50
+    # The pause is saved whole all the same: committed, and its files check out.
+    saved = mf.load(folder.paused)
+    assert saved.id == record.pause_id
+    mf.verify(folder.paused, saved)
+    with pytest.raises(StateError, match="paused"):
+        sbx.commands.run("true")
+    if isolation_enabled():  # the supervisor's forwarded port closes, as without a hold
+        assert _refused(sbx.info().ports[8000])
+    spent = cpu_seconds(record.qemu_pid)
+    time.sleep(3)
+    assert cpu_seconds(record.qemu_pid) - spent < 0.3  # stopped: no compute while paused
+
+    sbx = Sandbox.resume(sbx.id)
+    after = registry.find(sbx.id).record()
+    assert after.state.value == "running"
+    assert after.qemu_pid == before.qemu_pid  # the same VM: woken, not restored
+    assert after.supervisor_pid == before.supervisor_pid
+    assert after.held_until is None and after.pause_id is None
+    assert not folder.paused.exists()
+    assert _sleep_pid(sbx) == sleeping
+    assert sbx.commands.run("cat /root/mark").stdout == "before\n"
+    guest_time = float(sbx.commands.run("date +%s.%N").stdout)
+    assert abs(guest_time - time.time()) < 2  # stepped: its clock stood still while held
+    assert fetch_until_up(f"http://127.0.0.1:{sbx.info().ports[8000]}/", within=30)[0] == 200
+    assert after.deadline is not None and after.deadline > time.time() + 590  # a fresh one
+
+
+def test_the_hold_ends_by_its_time_and_on_sigterm_and_the_pause_resumes(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sbx = sandbox_factory(timeout=600)
+    sbx.commands.run(START_WORK)
+    sleeping = _sleep_pid(sbx)
+
+    monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "2")
+    qemu = registry.find(sbx.id).record().qemu_pid
+    sbx.pause()
+    assert not _gone(qemu, sbx.id)
+    _wait_released(sbx.id, qemu)
+    record = registry.find(sbx.id).record()
+    assert record.state.value == "paused" and record.supervisor_pid is None
+    assert record.held_until is None
+    sbx = Sandbox.resume(sbx.id)  # from the saved files: a new QEMU
+    assert registry.find(sbx.id).record().qemu_pid not in (None, qemu)
+    assert _sleep_pid(sbx) == sleeping
+
+    monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "60")
+    record = registry.find(sbx.id).record()
+    sbx.pause()
+    assert record.supervisor_pid is not None
+    os.kill(record.supervisor_pid, signal.SIGTERM)  # a host shutting down, say
+    _wait_released(sbx.id, record.qemu_pid)
+    assert registry.find(sbx.id).record().state.value == "paused"  # not killed
+    sbx = Sandbox.resume(sbx.id)
+    assert _sleep_pid(sbx) == sleeping
+    assert sbx.commands.run("cat /root/mark").stdout == "before\n"
+
+
+def test_a_held_vm_goes_with_a_supervisor_killed_with_9_and_with_kill(
+    sandbox_factory: Any, hold: None
+) -> None:
+    sbx = sandbox_factory(timeout=600)
+    sbx.commands.run(START_WORK)
+    sleeping = _sleep_pid(sbx)
+    record = registry.find(sbx.id).record()
+    sbx.pause()
+    assert record.supervisor_pid is not None
+    os.kill(record.supervisor_pid, signal.SIGKILL)
+    time.sleep(0.5)
+    # The next look at it lets the orphaned VM go: the pause on disk is the sandbox.
+    assert sbx.info().state == "paused"
+    assert _gone(record.qemu_pid, sbx.id)
+    assert registry.find(sbx.id).record().qemu_pid is None
+    sbx = Sandbox.resume(sbx.id)
+    assert _sleep_pid(sbx) == sleeping
+
+    record = registry.find(sbx.id).record()
+    sbx.pause()
+    sbx.kill()
+    assert _gone(record.qemu_pid, sbx.id)
+    assert record.supervisor_pid is not None
+    assert not registry.process_alive(record.supervisor_pid, "cryobox")
+    assert registry.find(sbx.id).record().state.value == "killed"
+
+
+@pytest.mark.parametrize("step", ["moved", "committed", "wake-moved", "wake-continued"])
+def test_supervisor_killed_during_a_held_pause_or_its_wake_loses_nothing(
+    step: str, hold: None
+) -> None:
+    """A held pause cut short after its files moved (its VM still runs on them) is
+    adopted running; a wake cut short is adopted running too. The guest goes on."""
+    os.environ["CRYOBOX_TEST_CRASH_AT"] = step
+    discard_spare()  # the next supervisor reads the variable
+    sandbox_id = ""
+    try:
+        sbx = Sandbox.create(timeout=600)
+        sandbox_id = sbx.id
+        sbx.commands.run(START_WORK)
+        sleeping = _sleep_pid(sbx)
+        if step.startswith("wake"):
+            sbx.pause()
+            with pytest.raises(CryoboxError):
+                Sandbox.resume(sandbox_id)
+        else:
+            with pytest.raises(CryoboxError):
+                sbx.pause()
+        del os.environ["CRYOBOX_TEST_CRASH_AT"]
+        discard_spare()
+        # A wake cut short is adopted by the next resume; a pause, by the next use.
+        woken = step.startswith("wake")
+        again = Sandbox.resume(sandbox_id) if woken else Sandbox.connect(sandbox_id)
+        assert again.info().state == "running"
+        assert again.commands.run("cat /root/mark").stdout == "before\n"
+        assert _sleep_pid(again) == sleeping
+        folder = registry.find(sandbox_id)
+        assert not folder.paused.exists() and not (folder.path / "paused.tmp").exists()
+        again.pause()  # and it goes on working: a held pause and its wake
+        again = Sandbox.resume(sandbox_id)
+        assert _sleep_pid(again) == sleeping
+    finally:
+        os.environ.pop("CRYOBOX_TEST_CRASH_AT", None)
+        discard_spare()
+        if sandbox_id:
+            with contextlib.suppress(CryoboxError):
+                Sandbox.connect(sandbox_id, resume=False).kill()
+
+
+def test_a_fork_is_held_and_woken_too(sandbox_factory: Any, hold: None) -> None:
+    """A fork's RAM is private (no RAM file of its own): only its disk layer moves."""
+    parent = sandbox_factory(timeout=600)
+    parent.commands.run(START_WORK)
+    (fork,) = parent.fork(1)
+    try:
+        sleeping = _sleep_pid(fork)
+        qemu = registry.find(fork.id).record().qemu_pid
+        fork.pause()
+        assert registry.find(fork.id).record().qemu_pid == qemu
+        fork = Sandbox.resume(fork.id)
+        assert registry.find(fork.id).record().qemu_pid == qemu
+        assert _sleep_pid(fork) == sleeping
+        fork.files.write("/root/after-wake", "written")
+        assert fork.commands.run("cat /root/after-wake /root/mark").stdout == "writtenbefore\n"
+    finally:
+        fork.kill()
