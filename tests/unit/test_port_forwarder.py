@@ -37,3 +37,44 @@ def test_ports_are_chosen_as_bound_and_a_taken_one_is_refused() -> None:
             await forwarder.close()
 
     asyncio.run(scenario())
+
+
+def test_a_connection_in_flight_keeps_its_namespace_when_the_forwarder_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """close() (a pause, say) while a connection is being made inside: the connecting
+    thread still holds a namespace fd of its own, and gives it back when done."""
+    import threading
+
+    from cryobox.network import forward
+
+    entered, go = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def slow_connect(namespace: int, port: int) -> socket.socket:
+        entered.set()
+        go.wait(10)
+        seen.append(os.readlink(f"/proc/self/fd/{namespace}"))  # raises if it was closed
+        left, right = socket.socketpair()
+        right.close()
+        return left
+
+    monkeypatch.setattr(forward, "connect_inside", slow_connect)
+
+    async def scenario() -> None:
+        forwarder = PortForwarder(os.getpid())
+        port = await forwarder.forward(0, 8000)
+        fds = len(os.listdir("/proc/self/fd"))
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        await asyncio.to_thread(entered.wait, 10)
+        await forwarder.close()
+        go.set()
+        for _ in range(100):  # the thread ends on its own, its fd closed
+            if not any(t.name == "netns-connect" for t in threading.enumerate()):
+                break
+            await asyncio.sleep(0.02)
+        client.close()
+        assert seen and seen[0].startswith("net:[")
+        assert len(os.listdir("/proc/self/fd")) <= fds
+
+    asyncio.run(scenario())

@@ -67,7 +67,9 @@ class PortForwarder:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inner_port: int
     ) -> None:
         try:
-            sock = await _in_own_thread(connect_inside, self.namespace, inner_port)
+            # The thread gets a copy of the namespace's fd, which it closes: close() may
+            # close the forwarder's own (a pause, say) while the thread still connects.
+            sock = await _in_own_thread(connect_inside, os.dup(self.namespace), inner_port)
             inner_reader, inner_writer = await asyncio.open_connection(sock=sock)
         except OSError as exc:
             log.info("forward to port %d refused: %s", inner_port, exc)
@@ -97,7 +99,8 @@ async def _in_own_thread(
     fn: Callable[[int, int], socket.socket], namespace: int, port: int
 ) -> socket.socket:
     """Run ``fn`` in a thread of its own that ends with it: a thread that entered another
-    namespace must never serve anything else (were the switch back ever to fail)."""
+    namespace must never serve anything else (were the switch back ever to fail). The
+    thread owns ``namespace`` (an fd): it closes it once ``fn`` returns."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[socket.socket] = loop.create_future()
 
@@ -108,13 +111,19 @@ async def _in_own_thread(
             result = fn(namespace, port)
         except BaseException as exc:
             error = exc
+        finally:
+            os.close(namespace)
         try:
             loop.call_soon_threadsafe(_settle, done, result, error)
         except RuntimeError:  # the loop ended meanwhile (the supervisor stopping)
             if result is not None:
                 result.close()
 
-    threading.Thread(target=run, name="netns-connect", daemon=True).start()
+    try:
+        threading.Thread(target=run, name="netns-connect", daemon=True).start()
+    except BaseException:
+        os.close(namespace)
+        raise
     return await done
 
 
