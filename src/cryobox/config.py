@@ -156,6 +156,8 @@ def tcg_threads() -> str:
 #: Seconds a paused sandbox's VM is kept, stopped, after its pause was saved: a resume
 #: within them continues it where it stands (no new QEMU, no state to load).
 PAUSE_HOLD = 60.0
+#: The longest hold accepted (a day).
+MAX_PAUSE_HOLD = 86400.0
 
 
 def pause_hold() -> float:
@@ -169,9 +171,17 @@ def pause_hold() -> float:
     0.03 s against 0.28 s for one that starts a new QEMU (docs/BENCHMARKS.md,
     ``resume`` and ``resume-released``). Read by the service at each pause.
 
-    :raises InvalidArgument: naming the variable, when it is not a number >= 0.
+    :raises InvalidArgument: naming the variable, when it is not a number of seconds
+        from 0 to :data:`MAX_PAUSE_HOLD`.
     """
-    return env_number("CRYOBOX_PAUSE_HOLD", PAUSE_HOLD)
+    from cryobox.errors import InvalidArgument
+
+    seconds = env_number("CRYOBOX_PAUSE_HOLD", PAUSE_HOLD)
+    if seconds > MAX_PAUSE_HOLD:
+        raise InvalidArgument(
+            f"CRYOBOX_PAUSE_HOLD={seconds:g} is longer than a day ({MAX_PAUSE_HOLD:g} s)"
+        )
+    return seconds
 
 
 def check_settings() -> None:

@@ -10,9 +10,11 @@ lost when a supervisor dies at any step of a held pause or a wake.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,11 +51,20 @@ def _gone(pid: int | None, sandbox_id: str) -> bool:
     return not registry.process_alive(pid, f"cryobox-{sandbox_id}")
 
 
+def _raw_record(sandbox_id: str) -> registry.SandboxRecord:
+    """The record as its supervisor wrote it (``record()`` would let an orphan go)."""
+    folder = registry.find(sandbox_id)
+    return registry.SandboxRecord.from_json(json.loads(folder.state_file.read_text()))
+
+
 def _wait_released(sandbox_id: str, qemu_pid: int | None, within: float = 20.0) -> None:
+    """Until the supervisor itself has let the held VM go, and said so."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        record = registry.find(sandbox_id).record()
+        record = _raw_record(sandbox_id)
         if record.qemu_pid is None and _gone(qemu_pid, sandbox_id):
+            log = registry.find(sandbox_id).supervisor_log.read_text()
+            assert log.rstrip().endswith("the held VM is released"), log[-500:]
             return
         time.sleep(0.1)
     raise AssertionError(f"the held VM {qemu_pid} was not let go within {within} s")
@@ -132,9 +143,9 @@ def test_the_hold_ends_by_its_time_and_on_sigterm_and_the_pause_resumes(
     assert _sleep_pid(sbx) == sleeping
 
     monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "60")
-    record = registry.find(sbx.id).record()
     sbx.pause()
-    assert record.supervisor_pid is not None
+    record = _raw_record(sbx.id)
+    assert record.held_until and record.supervisor_pid and not _gone(record.qemu_pid, sbx.id)
     os.kill(record.supervisor_pid, signal.SIGTERM)  # a host shutting down, say
     _wait_released(sbx.id, record.qemu_pid)
     assert registry.find(sbx.id).record().state.value == "paused"  # not killed
@@ -161,11 +172,11 @@ def test_a_held_vm_goes_with_a_supervisor_killed_with_9_and_with_kill(
     sbx = Sandbox.resume(sbx.id)
     assert _sleep_pid(sbx) == sleeping
 
-    record = registry.find(sbx.id).record()
     sbx.pause()
+    record = _raw_record(sbx.id)
+    assert record.held_until and record.supervisor_pid and not _gone(record.qemu_pid, sbx.id)
     sbx.kill()
     assert _gone(record.qemu_pid, sbx.id)
-    assert record.supervisor_pid is not None
     assert not registry.process_alive(record.supervisor_pid, "cryobox")
     assert registry.find(sbx.id).record().state.value == "killed"
 
@@ -229,3 +240,35 @@ def test_a_fork_is_held_and_woken_too(sandbox_factory: Any, hold: None) -> None:
         assert fork.commands.run("cat /root/after-wake /root/mark").stdout == "writtenbefore\n"
     finally:
         fork.kill()
+
+
+def test_two_resumes_at_once_wake_it_once_and_the_other_is_told(
+    sandbox_factory: Any, hold: None
+) -> None:
+    """Never a resume from the files beside a wake: one wakes the held VM, the other
+    gets a StateError naming the state."""
+    sbx = sandbox_factory(timeout=600)
+    sbx.commands.run(START_WORK)
+    sleeping = _sleep_pid(sbx)
+    qemu = registry.find(sbx.id).record().qemu_pid
+    sbx.pause()
+    outcomes: list[Any] = []
+
+    def resume() -> None:
+        try:
+            outcomes.append(Sandbox.resume(sbx.id))
+        except StateError as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=resume) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    woken = [o for o in outcomes if isinstance(o, Sandbox)]
+    refused = [o for o in outcomes if isinstance(o, StateError)]
+    assert len(woken) == 1 and len(refused) == 1, outcomes
+    assert "paused" in str(refused[0]) or "running" in str(refused[0])
+    assert registry.find(sbx.id).record().qemu_pid == qemu  # woken, never restored
+    assert _sleep_pid(woken[0]) == sleeping
+    assert not registry.find(sbx.id).paused.exists()

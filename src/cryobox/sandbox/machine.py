@@ -45,7 +45,6 @@ from cryobox import config
 from cryobox.errors import (
     ChannelError,
     CryoboxError,
-    GuestError,
     InvalidArgument,
     NetworkError,
     SandboxDead,
@@ -333,8 +332,11 @@ class Machine:
             await self.vm.continue_cpus()  # a save was cut short with the guest frozen
             shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
             forwards = await self._listen(forwards)
-            self.update(ports={f.guest_port: f.host_port for f in forwards})
+            self.update(ports={f.guest_port: f.host_port for f in forwards}, pause_id=None)
             self.agent, _ = await self._connect_agent(RESTORE_TIMEOUT)
+            if self.record.state is SandboxState.RESUMING:  # its clock stood still meanwhile
+                with contextlib.suppress(CryoboxError):
+                    await self._refresh_guest(new_identity=False)
         except BaseException:
             if self.vm is not None:
                 await self.stop_vm()
@@ -809,16 +811,16 @@ class Machine:
         timer("vm held" if hold else "vm end")
         try:
             self._commit_pause(temp, disk, memory, timer)
+            if hold:
+                self.update(
+                    state=SandboxState.PAUSED, pause_id=manifest.id, held_until=time.time() + hold
+                )
         except BaseException:
             if hold:  # as without a hold: the VM ends, the pause is finished later (registry)
                 await self.stop_vm()
             raise
         timer.log()
-        if hold:
-            self.update(
-                state=SandboxState.PAUSED, pause_id=manifest.id, held_until=time.time() + hold
-            )
-        else:
+        if not hold:
             self.update(
                 state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None, pause_id=manifest.id
             )
@@ -838,8 +840,9 @@ class Machine:
         os.rename(disk, temp / mf.DISK)
         crash_point("moved")
         timer("move")
-        if self.folder.paused.exists() and not (self.folder.paused / mf.MANIFEST).exists():
-            shutil.rmtree(self.folder.paused)  # what an upload left after the last resume
+        # A running sandbox's pause folder is stale: what an upload left after the last
+        # resume, or a pause a wake could not remove.
+        _remove_pause(self.folder.paused)
         mf.commit_pending(temp, self.folder.paused)
         crash_point("committed")
         timer("commit")
@@ -865,8 +868,9 @@ class Machine:
 
         Nothing is loaded, so nothing is read from the saved files: the VM never left
         this host's memory. Until the CPUs continue, a failure gives the pause back as it
-        was (a resume from the files can follow); after, the guest has run and the pause
-        no longer matches it (the caller ends the sandbox).
+        was and raises (a resume from the files can follow). Once they have, the guest
+        runs on whatever follows: a guest agent that does not answer its clock refresh,
+        or a pause folder that cannot be removed, is logged, not raised.
 
         :raises StateError: when no VM is held, or the pause is not the one it saved.
         """
@@ -891,33 +895,33 @@ class Machine:
         # Recorded before the files move: a supervisor dying from here on is adopted, and
         # adoption puts them back under these names (SandboxDir.take_back_pause).
         self._claim(SandboxState.RESUMING, supervisor_pid)
-        self.update(held_until=None)
-        for source, target in moved:
-            os.rename(source, target)
+        back: list[tuple[Path, Path]] = []
         try:
+            self.update(held_until=None)
+            for source, target in moved:
+                os.rename(source, target)
+                back.append((source, target))
             crash_point("wake-moved")
             if len(moved) > 1:
                 self._maybe_reserve(memory, self.spec.memory_mib << 20)
             forwards = tuple(PortForward(g, h) for g, h in self.record.ports.items())
             self.update(ports={f.guest_port: f.host_port for f in await self._listen(forwards)})
+            timer("files back")
+            await self.vm.continue_cpus()
         except BaseException:
-            for source, target in moved:
+            for source, target in back:
                 os.rename(target, source)
             self.update(state=SandboxState.PAUSED)
             raise
-        timer("files back")
-        await self.vm.continue_cpus()
         crash_point("wake-continued")
         try:
             await self.agent.request(*self._refresh_args(False)(), timeout=RESTORE_TIMEOUT)
-        except GuestError as exc:  # it answered: the guest runs, only its clock may lag
-            log.warning("the woken guest refused its clock and entropy refresh: %s", exc)
+        except CryoboxError as exc:  # the guest runs on; its clock may lag (_watch_agent)
+            log.error("the woken guest did not take its clock and entropy refresh: %s", exc)
         timer("agent refreshed")
-        # Renamed first: an upload of the pause still running cannot write into it then.
-        done = self.folder.path / f"paused.done-{time.monotonic_ns()}"
-        os.rename(paused, done)
-        shutil.rmtree(done, ignore_errors=True)
         self.update(pause_id=None)
+        with contextlib.suppress(OSError):  # a pause left here is removed by the next one
+            _remove_pause(self.folder.paused)
         timer.log()
 
     async def resume(self, supervisor_pid: int) -> None:
@@ -971,10 +975,7 @@ class Machine:
             for source, target in moved:  # give the pause back intact
                 os.rename(target, source)
             raise
-        # Renamed first: an upload of the pause still running cannot write into it then.
-        done = self.folder.path / f"paused.done-{time.monotonic_ns()}"
-        os.rename(paused, done)
-        shutil.rmtree(done, ignore_errors=True)
+        _remove_pause(paused)
         self.update(pause_id=None)
 
     async def rollback(self, ref: str) -> None:
@@ -1047,6 +1048,15 @@ class Machine:
         for path in self.folder.path.iterdir():
             if path.name.startswith(("disk", "memory")) or path.suffix == ".sock":
                 path.unlink(missing_ok=True)
+
+
+def _remove_pause(paused: Path) -> None:
+    """Remove a pause folder that is history. Renamed first: an upload of it still
+    running cannot write into it then."""
+    if paused.exists():
+        done = paused.with_name(f"paused.done-{time.monotonic_ns()}")
+        os.rename(paused, done)
+        shutil.rmtree(done, ignore_errors=True)
 
 
 def _console_tail(path: Path) -> bytes:

@@ -210,9 +210,11 @@ class Supervisor:
         #: Lifecycle operations (pause, checkpoint, rollback...) run one at a time.
         self._lifecycle = asyncio.Lock()
         self._exit_paused = False
-        #: Paused with its VM kept (stopped) for a quick wake; the task that ends the hold.
+        #: Paused with its VM kept (stopped) for a quick wake, until a wake has succeeded;
+        #: the task that ends the hold; whether a KILL request (not a signal) ends it.
         self._holding = False
         self._hold_task: asyncio.Task[None] | None = None
+        self._kill_asked = False
 
     @property
     def record(self) -> SandboxRecord:
@@ -272,7 +274,7 @@ class Supervisor:
         if self._holding:
             async with self._lifecycle:  # a wake under way finishes first
                 pass
-        if self._holding:  # still paused: the VM goes, the saved pause stays
+        if self._holding and not self._kill_asked:  # still paused: the VM goes, the pause stays
             self._holding = False
             await self.machine.release()
         elif not self._exit_paused:
@@ -476,19 +478,22 @@ class Supervisor:
     async def _control(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
         if op is ControlOp.STATUS:
             return self.record.to_json()
+        if op is ControlOp.KILL:
+            self._kill_asked = True
+            self.stop(SandboxState.KILLED, "killed by request")
+            return {}
+        if op is ControlOp.WAKE:
+            async with self._lifecycle:
+                return await self._wake()
+        if self._holding:  # what follows needs it running
+            require(self.record.id, SandboxState.PAUSED, (SandboxState.RUNNING,), op.split(".")[1])
         if op is ControlOp.SET_TIMEOUT:
             seconds = SetTimeout.parse(args).seconds
             self.machine.update(deadline=time.time() + seconds, timeout=seconds)
             self._deadline_changed.set()
             return {"deadline": self.record.deadline}
-        if op is ControlOp.KILL:
-            self.stop(SandboxState.KILLED, "killed by request")
-            return {}
         if op is ControlOp.EXPOSE_PORT:
             return {"host_port": await self.machine.expose_port(ExposePort.parse(args).guest_port)}
-        if op is ControlOp.WAKE:
-            async with self._lifecycle:
-                return await self._wake()
         async with self._lifecycle:
             require(self.record.id, self.record.state, (SandboxState.RUNNING,), op.split(".")[1])
             try:
@@ -514,7 +519,7 @@ class Supervisor:
             await self.machine.pause(hold=hold)
             if hold:
                 self._holding = True
-                self._hold_task = asyncio.ensure_future(self._hold(time.time() + hold))
+                self._hold_task = asyncio.ensure_future(self._hold(hold))
             else:
                 self._exit_paused = True
                 self.stop(SandboxState.PAUSED, None)
@@ -532,13 +537,18 @@ class Supervisor:
 
     # -- a paused VM held
 
-    async def _hold(self, until: float) -> None:
-        """Let the held VM go at ``until``, or sooner if the host runs short of memory."""
-        while time.time() < until:
-            if mem_available_mib() < HOLD_MEMORY_MARGIN_MIB:
-                log.warning("host memory is short: the held VM goes early")
-                break
-            await asyncio.sleep(min(HOLD_CHECK_SECONDS, until - time.time()))
+    async def _hold(self, seconds: float) -> None:
+        """Let the held VM go after ``seconds``, or sooner if the host runs short of
+        memory (or this check fails: a VM is never held for want of a check)."""
+        until = time.monotonic() + seconds
+        try:
+            while time.monotonic() < until:
+                if mem_available_mib() < HOLD_MEMORY_MARGIN_MIB:
+                    log.warning("host memory is short: the held VM goes early")
+                    break
+                await asyncio.sleep(min(HOLD_CHECK_SECONDS, until - time.monotonic()))
+        except Exception:
+            log.exception("the hold's check failed: the held VM goes")
         async with self._lifecycle:
             if self._holding:
                 self.stop(SandboxState.PAUSED, None)
@@ -547,24 +557,20 @@ class Supervisor:
         """Continue the held VM (the caller holds the lifecycle lock); its state record.
 
         A failure before its CPUs went on leaves it paused and lets the VM go (a resume
-        from the saved pause follows); one after ends the sandbox, whose guest ran on
-        past its pause."""
+        from the saved pause follows). ``_holding`` stays set until the wake succeeds, so
+        a signal meanwhile waits for it (run)."""
         if not self._holding or self._stop.is_set():
             raise StateError(
                 self.record.id, self.record.state.value, ["paused with its VM held"], "wake"
             )
         if self._hold_task is not None:
             self._hold_task.cancel()
-        self._holding = False
         try:
             await self.machine.wake(os.getpid())
-        except BaseException as exc:
-            if self.record.state is SandboxState.PAUSED:
-                self._holding = True
-                self.stop(SandboxState.PAUSED, None)
-            else:
-                self.stop(SandboxState.DEAD, f"its wake failed after the guest ran on: {exc}")
+        except BaseException:
+            self.stop(SandboxState.PAUSED, None)  # paused again (Machine.wake): let it go
             raise
+        self._holding = False
         self.machine.update(state=SandboxState.RUNNING, error=None, failure=None)
         self._deadline_changed.set()
         log.info("woken")

@@ -465,6 +465,7 @@ class SandboxService:
             ended; the pause no longer matches it).
         """
         record = folder.record()
+        require(folder.id, record.state, (SandboxState.PAUSED,), "resume")  # not being woken
         if record.held_until is None or not registry.supervisor_alive(record):
             return None
         try:
@@ -474,10 +475,10 @@ class SandboxService:
         try:
             result = await channel.request(ControlOp.WAKE, {}, timeout=TIMEOUTS[ControlOp.WAKE])
         except CryoboxError as exc:
-            if folder.record().state is SandboxState.PAUSED:
+            if folder.record().state is SandboxState.PAUSED:  # its holder lets it go
                 log.info("%s: no held VM to wake (%s): resuming from its pause", folder.id, exc)
                 return None
-            raise
+            raise  # woken by another caller meanwhile (a StateError), or gone
         finally:
             await channel.close()
         return SandboxRecord.from_json(result)
