@@ -168,7 +168,7 @@ def pause_hold() -> float:
     the VM goes and the sandbox is paused as it would be without one. What it holds
     meanwhile is memory, not CPU: QEMU's own (its translated code and heap, tens of
     MiB) and the guest RAM's pages it keeps mapped. A resume within the hold took
-    0.03 s against 0.28 s for one that starts a new QEMU (docs/BENCHMARKS.md,
+    0.04 s against 0.28 s for one that starts a new QEMU (docs/BENCHMARKS.md,
     ``resume`` and ``resume-released``). Read by the service at each pause.
 
     :raises InvalidArgument: naming the variable, when it is not a number of seconds
