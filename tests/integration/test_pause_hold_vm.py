@@ -9,6 +9,7 @@ lost when a supervisor dies at any step of a held pause or a wake.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -23,9 +24,12 @@ import pytest
 
 from cryobox import Sandbox
 from cryobox.bench_steps import cpu_seconds
-from cryobox.errors import CryoboxError, StateError
+from cryobox.errors import ChannelError, CryoboxError, StateError
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient
 from cryobox.network.namespace import isolation_enabled
 from cryobox.sandbox import registry
+from cryobox.sandbox.control import ControlOp
 from cryobox.service import discard_spare
 from cryobox.snapshot import manifest as mf
 
@@ -179,6 +183,37 @@ def test_a_held_vm_goes_with_a_supervisor_killed_with_9_and_with_kill(
     assert _gone(record.qemu_pid, sbx.id)
     assert not registry.process_alive(record.supervisor_pid, "cryobox")
     assert registry.find(sbx.id).record().state.value == "killed"
+
+
+def test_a_kill_request_to_a_held_supervisor_kills_and_other_requests_are_refused(
+    sandbox_factory: Any, hold: None
+) -> None:
+    """What another client of the control socket may still send while the VM is held."""
+    sbx = sandbox_factory(timeout=600)
+    sbx.pause()
+    folder = registry.find(sbx.id)
+    record = _raw_record(sbx.id)
+    assert record.held_until and not _gone(record.qemu_pid, sbx.id)
+
+    async def ask(op: str, args: dict[str, Any]) -> dict[str, Any]:
+        channel = await AgentClient.connect(folder.control_socket, trusted=True)
+        try:
+            return await channel.request(op, args, timeout=30)
+        finally:
+            await channel.close()
+
+    refused = ((ControlOp.SET_TIMEOUT, {"seconds": 5}), (ControlOp.EXPOSE_PORT, {"guest_port": 80}))
+    for op, args in refused:
+        with pytest.raises(StateError, match="paused"):
+            asyncio.run(ask(op, args))
+    with pytest.raises(ChannelError, match="paused"):  # a guest request
+        asyncio.run(ask(p.GuestOp.PING, {}))
+    asyncio.run(ask(ControlOp.KILL, {}))
+    deadline = time.monotonic() + 20
+    while _raw_record(sbx.id).state.value != "killed" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _raw_record(sbx.id).state.value == "killed"  # killed, not merely let go
+    assert _gone(record.qemu_pid, sbx.id)
 
 
 @pytest.mark.parametrize("step", ["moved", "committed", "wake-moved", "wake-continued"])

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 
 from cryobox import config
 from cryobox.errors import InvalidArgument
 from cryobox.sandbox.control import ControlOp, Pause
+from cryobox.sandbox.registry import SandboxDir, SandboxRecord
+from cryobox.sandbox.state import SandboxState
 
 
 def test_the_hold_comes_from_the_environment_and_bad_values_name_the_variable(
@@ -31,6 +36,39 @@ def test_the_hold_comes_from_the_environment_and_bad_values_name_the_variable(
 def test_a_pause_request_carries_its_hold_and_refuses_anything_else() -> None:
     assert Pause.parse({}).hold == 0.0
     assert Pause.parse(Pause(30).to_args()).hold == 30.0
-    for bad in (-1, True, "60", math.nan, math.inf, None):
+    assert Pause.parse({"hold": config.MAX_PAUSE_HOLD}).hold == config.MAX_PAUSE_HOLD
+    for bad in (-1, True, "60", math.nan, math.inf, None, config.MAX_PAUSE_HOLD + 1):
         with pytest.raises(InvalidArgument, match=ControlOp.PAUSE.value):
             Pause.parse({"hold": bad})
+
+
+def test_a_stale_pause_folder_never_stands_for_a_sandbox_whose_files_are_not_in_it(
+    tmp_path: Path,
+) -> None:
+    """A running sandbox whose supervisor and VM are gone is paused only if its disk
+    layer went into ``paused/``: a pause folder left from before (a pull, a wake that
+    could not remove it) would be an older machine."""
+    folder = SandboxDir(tmp_path / "sbx-1")
+    folder.path.mkdir()
+    (folder.paused).mkdir()
+    (folder.paused / "manifest.json").write_text(json.dumps({"id": "pause-old"}))
+    long_ago = time.time() - 3600
+    running = SandboxRecord(id="sbx-1", state=SandboxState.RUNNING, disk="disk-1.qcow2")
+
+    folder.write_record(running, check=False)
+    _age(folder, long_ago)
+    (folder.path / "disk-1.qcow2").write_bytes(b"the live disk")
+    assert folder.record().state is SandboxState.DEAD  # its disk never moved: not paused
+
+    (folder.path / "disk-1.qcow2").rename(folder.paused / "disk.qcow2")
+    folder.write_record(running, check=False)
+    _age(folder, long_ago)
+    found = folder.record()
+    assert found.state is SandboxState.PAUSED and found.pause_id == "pause-old"
+
+
+def _age(folder: SandboxDir, when: float) -> None:
+    """Make the record look written at ``when`` (a supervisor that died long ago)."""
+    raw = json.loads(folder.state_file.read_text())
+    raw["updated_at"] = when
+    folder.state_file.write_text(json.dumps(raw))

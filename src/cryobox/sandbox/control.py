@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryobox.arguments import positive_seconds, whole_number
+from cryobox.config import MAX_PAUSE_HOLD
 from cryobox.errors import InvalidArgument
 from cryobox.snapshot.manifest import SnapshotPurpose
 
@@ -88,8 +89,14 @@ class Pause:
     @classmethod
     def parse(cls, args: dict[str, Any]) -> Pause:
         hold = args.get("hold", 0.0)
-        if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 <= hold < 1e9:
-            raise InvalidArgument(f"{ControlOp.PAUSE}: hold={hold!r} must be seconds >= 0")
+        if (
+            isinstance(hold, bool)
+            or not isinstance(hold, int | float)
+            or not 0 <= hold <= MAX_PAUSE_HOLD
+        ):
+            raise InvalidArgument(
+                f"{ControlOp.PAUSE}: hold={hold!r} must be seconds from 0 to {MAX_PAUSE_HOLD:g}"
+            )
         return cls(float(hold))
 
     def to_args(self) -> dict[str, Any]:

@@ -329,12 +329,14 @@ class Machine:
             # runs on them, under their names again.
             self.folder.take_back_pause(self.record)
             shutil.rmtree(self.folder.paused, ignore_errors=True)  # the guest runs on
+            # Stopped for a while (a save, a held pause or a wake cut short): its clock too.
+            stood_still = await self.vm.run_state() == "paused"
             await self.vm.continue_cpus()  # a save was cut short with the guest frozen
             shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
             forwards = await self._listen(forwards)
             self.update(ports={f.guest_port: f.host_port for f in forwards}, pause_id=None)
             self.agent, _ = await self._connect_agent(RESTORE_TIMEOUT)
-            if self.record.state is SandboxState.RESUMING:  # its clock stood still meanwhile
+            if stood_still or self.record.state is SandboxState.RESUMING:
                 with contextlib.suppress(CryoboxError):
                     await self._refresh_guest(new_identity=False)
         except BaseException:
@@ -909,20 +911,31 @@ class Machine:
             timer("files back")
             await self.vm.continue_cpus()
         except BaseException:
-            for source, target in back:
-                os.rename(target, source)
-            self.update(state=SandboxState.PAUSED)
+            # A cont whose answer was lost may have let the guest run on the files: they
+            # go back only when the VM is known to be stopped (else the caller ends it).
+            if await self._known_stopped():
+                for source, target in back:
+                    os.rename(target, source)
+                self.update(state=SandboxState.PAUSED)
             raise
         crash_point("wake-continued")
-        try:
+        try:  # the guest runs: from here on nothing is raised
             await self.agent.request(*self._refresh_args(False)(), timeout=RESTORE_TIMEOUT)
-        except CryoboxError as exc:  # the guest runs on; its clock may lag (_watch_agent)
-            log.error("the woken guest did not take its clock and entropy refresh: %s", exc)
-        timer("agent refreshed")
-        self.update(pause_id=None)
-        with contextlib.suppress(OSError):  # a pause left here is removed by the next one
-            _remove_pause(self.folder.paused)
+            timer("agent refreshed")
+            self.update(pause_id=None)
+            _remove_pause(self.folder.paused)  # else removed by the next pause
+        except Exception as exc:  # its clock may lag; an unanswered agent: _watch_agent
+            log.error("after the wake (the guest runs on): %s", exc)
         timer.log()
+
+    async def _known_stopped(self) -> bool:
+        """Whether the VM answers that its CPUs are stopped."""
+        if self.vm is None or self.vm.returncode is not None:
+            return True  # ended: it runs nothing
+        try:
+            return await asyncio.wait_for(self.vm.run_state(), 10) == "paused"
+        except Exception:
+            return False
 
     async def resume(self, supervisor_pid: int) -> None:
         """Continue the paused machine with every process where it was."""
@@ -975,7 +988,10 @@ class Machine:
             for source, target in moved:  # give the pause back intact
                 os.rename(target, source)
             raise
-        _remove_pause(paused)
+        try:  # the guest runs on: a pause folder left here is removed by the next pause
+            _remove_pause(paused)
+        except OSError as exc:
+            log.error("the resumed pause could not be removed: %s", exc)
         self.update(pause_id=None)
 
     async def rollback(self, ref: str) -> None:

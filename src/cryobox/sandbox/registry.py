@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -169,7 +170,8 @@ class SandboxDir:
             if record.state is SandboxState.RESUMING:
                 self.give_back_pause(record)
             self._complete_pause(record)
-            if (self.paused / "manifest.json").exists():
+            moved = not (record.disk and (self.path / record.disk).exists())
+            if moved and (self.paused / "manifest.json").exists():
                 # The supervisor died after committing a pause: the pause stands (recorded
                 # here, so that a resume finds the state it needs).
                 pause_id = None
@@ -253,6 +255,10 @@ class SandboxDir:
         with contextlib.suppress(OSError, ValueError, CryoboxError):
             for source, target in moves:
                 os.rename(source, target)
+            if self.paused.exists():  # a pause was under way: one found here is stale
+                stale = self.path / f"paused.done-{time.monotonic_ns()}"
+                os.rename(self.paused, stale)
+                shutil.rmtree(stale, ignore_errors=True)
             mf.commit_pending(temp, self.paused)
 
     def write_record(self, record: SandboxRecord, *, check: bool = True) -> None:

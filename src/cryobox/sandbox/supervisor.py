@@ -91,6 +91,8 @@ AGENT_DEADLINE = 30.0
 #: and the free memory (MiB) below which it lets the VM go early.
 HOLD_CHECK_SECONDS = 1.0
 HOLD_MEMORY_MARGIN_MIB = 1024
+#: How long an ending supervisor waits for a wake under way (its agent's answer has 60).
+WAKE_WAIT_SECONDS = 90.0
 
 
 def error_reply(rid: int | None, exc: BaseException, op: str) -> dict[str, Any]:
@@ -271,9 +273,10 @@ class Supervisor:
             watcher.cancel()
         server.close()
         self.folder.control_socket.unlink(missing_ok=True)
-        if self._holding:
-            async with self._lifecycle:  # a wake under way finishes first
-                pass
+        if self._holding:  # a wake under way finishes first (its steps are time-bounded)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lifecycle.acquire(), WAKE_WAIT_SECONDS)
+                self._lifecycle.release()
         if self._holding and not self._kill_asked:  # still paused: the VM goes, the pause stays
             self._holding = False
             await self.machine.release()
@@ -478,9 +481,10 @@ class Supervisor:
     async def _control(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
         if op is ControlOp.STATUS:
             return self.record.to_json()
-        if op is ControlOp.KILL:
+        if op is ControlOp.KILL:  # whatever stop was asked before (a hold's end, say)
             self._kill_asked = True
-            self.stop(SandboxState.KILLED, "killed by request")
+            self._stop_reason = (SandboxState.KILLED, "killed by request")
+            self._stop.set()
             return {}
         if op is ControlOp.WAKE:
             async with self._lifecycle:
@@ -567,8 +571,12 @@ class Supervisor:
             self._hold_task.cancel()
         try:
             await self.machine.wake(os.getpid())
-        except BaseException:
-            self.stop(SandboxState.PAUSED, None)  # paused again (Machine.wake): let it go
+        except BaseException as exc:
+            if self.record.state is SandboxState.PAUSED:  # given back: the VM goes
+                self.stop(SandboxState.PAUSED, None)
+            else:  # its CPUs may have run on the files: nothing left to trust
+                self._holding = False
+                self.stop(SandboxState.DEAD, f"its wake failed as its CPUs went on: {exc}")
             raise
         self._holding = False
         self.machine.update(state=SandboxState.RUNNING, error=None, failure=None)
