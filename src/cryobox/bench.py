@@ -412,20 +412,6 @@ def _wait_pool_ready(timeout: float = 120.0) -> None:
     time.sleep(1.0)  # the refill process exits; its Python start no longer competes
 
 
-@contextlib.contextmanager
-def _pause_hold(seconds: float) -> Iterator[None]:
-    """Pauses taken meanwhile keep their VM ``seconds`` (``CRYOBOX_PAUSE_HOLD``)."""
-    before = os.environ.get("CRYOBOX_PAUSE_HOLD")
-    os.environ["CRYOBOX_PAUSE_HOLD"] = str(seconds)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["CRYOBOX_PAUSE_HOLD"]
-        else:
-            os.environ["CRYOBOX_PAUSE_HOLD"] = before
-
-
 @dataclass
 class _Resumes:
     """One kind of resume's timings, a list entry per run."""
@@ -483,7 +469,7 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
                 )
             used_mb = (await sbx.info()).ram_file_bytes / 1e6
             # A pause whose VM ends at once, and a resume that starts a new QEMU...
-            with _pause_hold(0):
+            with environment({"CRYOBOX_PAUSE_HOLD": "0"}):
                 start = time.perf_counter()
                 await sbx.pause()
                 pauses.append(time.perf_counter() - start)
@@ -492,7 +478,7 @@ async def pause_resume(ctx: Context, names: tuple[str, ...]) -> list[Figure]:
             expected.append(used_mb / (ctx.disk_mb_s or 400))
             sbx = await _resume_timed(sbx.id, released, "resume")
             # ...then one that keeps it for the default hold, woken within it.
-            with _pause_hold(config.PAUSE_HOLD):
+            with environment({"CRYOBOX_PAUSE_HOLD": str(config.PAUSE_HOLD)}):
                 await sbx.pause()
             sbx = await _resume_timed(sbx.id, held, "wake")
     finally:

@@ -63,6 +63,7 @@ from cryobox.sandbox.registry import (
     SandboxRecord,
     SandboxSpec,
     kill_vm,
+    pause_files,
     process_alive,
     process_start,
 )
@@ -844,7 +845,7 @@ class Machine:
         timer("move")
         # A running sandbox's pause folder is stale: what an upload left after the last
         # resume, or a pause a wake could not remove.
-        _remove_pause(self.folder.paused)
+        self.folder.remove_pause()
         mf.commit_pending(temp, self.folder.paused)
         crash_point("committed")
         timer("commit")
@@ -887,11 +888,8 @@ class Machine:
             raise StateError(
                 self.spec.id, "paused", ["paused with its pause here"], f"wake ({exc})"
             ) from exc
-        assert self.record.disk
-        memory = self.folder.path / (self.record.memory_file or "memory")
-        moved = [(paused / mf.DISK, self.folder.path / self.record.disk)]
-        if self.record.memory_shared and not self.record.memory_from:
-            moved.append((paused / mf.MEMORY, memory))
+        here = self.folder.path
+        moved = [(paused / kept, here / name) for name, kept in pause_files(self.record)]
         if saved.id != self.record.pause_id or not all(s.exists() for s, _ in moved):
             raise StateError(self.spec.id, "paused", ["paused with its own pause here"], "wake")
         # Recorded before the files move: a supervisor dying from here on is adopted, and
@@ -904,8 +902,8 @@ class Machine:
                 os.rename(source, target)
                 back.append((source, target))
             crash_point("wake-moved")
-            if len(moved) > 1:
-                self._maybe_reserve(memory, self.spec.memory_mib << 20)
+            if self.record.memory_shared:
+                self._maybe_reserve(self._memory_path(), self.spec.memory_mib << 20)
             forwards = tuple(PortForward(g, h) for g, h in self.record.ports.items())
             self.update(ports={f.guest_port: f.host_port for f in await self._listen(forwards)})
             timer("files back")
@@ -923,7 +921,7 @@ class Machine:
             await self.agent.request(*self._refresh_args(False)(), timeout=RESTORE_TIMEOUT)
             timer("agent refreshed")
             self.update(pause_id=None)
-            _remove_pause(self.folder.paused)  # else removed by the next pause
+            self.folder.remove_pause()  # else removed by the next pause
         except Exception as exc:  # its clock may lag; an unanswered agent: _watch_agent
             log.error("after the wake (the guest runs on): %s", exc)
         timer.log()
@@ -989,7 +987,7 @@ class Machine:
                 os.rename(target, source)
             raise
         try:  # the guest runs on: a pause folder left here is removed by the next pause
-            _remove_pause(paused)
+            self.folder.remove_pause()
         except OSError as exc:
             log.error("the resumed pause could not be removed: %s", exc)
         self.update(pause_id=None)
@@ -1064,15 +1062,6 @@ class Machine:
         for path in self.folder.path.iterdir():
             if path.name.startswith(("disk", "memory")) or path.suffix == ".sock":
                 path.unlink(missing_ok=True)
-
-
-def _remove_pause(paused: Path) -> None:
-    """Remove a pause folder that is history. Renamed first: an upload of it still
-    running cannot write into it then."""
-    if paused.exists():
-        done = paused.with_name(f"paused.done-{time.monotonic_ns()}")
-        os.rename(paused, done)
-        shutil.rmtree(done, ignore_errors=True)
 
 
 def _console_tail(path: Path) -> bytes:

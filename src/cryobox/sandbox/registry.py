@@ -216,9 +216,8 @@ class SandboxDir:
 
         if not (self.paused / mf.MANIFEST).exists():
             return
-        memory = record.memory_file if record.memory_shared else None  # else: RAM in stream
-        for name, saved in ((record.disk, mf.DISK), (memory, mf.MEMORY)):
-            if name and (self.path / name).exists() and not (self.paused / saved).exists():
+        for name, saved in pause_files(record):
+            if (self.path / name).exists() and not (self.paused / saved).exists():
                 with contextlib.suppress(OSError):
                     os.rename(self.path / name, self.paused / saved)
 
@@ -227,13 +226,18 @@ class SandboxDir:
         under the names the record gives them: a pause that kept its VM and was cut short
         (its files moved or committed, its state not yet recorded), or a wake cut short.
         The VM is the truth then; adoption continues it and drops the pause."""
-        from cryobox.snapshot import manifest as mf
-
-        memory = record.memory_file if record.memory_shared and not record.memory_from else None
         for source in (self.path / "paused.tmp", self.paused):
-            for name, saved in ((record.disk, mf.DISK), (memory, mf.MEMORY)):
-                if name and (source / saved).exists() and not (self.path / name).exists():
+            for name, saved in pause_files(record):
+                if (source / saved).exists() and not (self.path / name).exists():
                     os.rename(source / saved, self.path / name)
+
+    def remove_pause(self) -> None:
+        """Remove ``paused/``, a pause that is history (resumed, woken, or stale beside a
+        newer one). Renamed first: an upload of it still running cannot write into it."""
+        if self.paused.exists():
+            done = self.path / f"paused.done-{time.monotonic_ns()}"
+            os.rename(self.paused, done)
+            shutil.rmtree(done, ignore_errors=True)
 
     def _complete_pause(self, record: SandboxRecord) -> None:
         """Finish the pause of a supervisor that died after writing and hashing all of it
@@ -255,10 +259,7 @@ class SandboxDir:
         with contextlib.suppress(OSError, ValueError, CryoboxError):
             for source, target in moves:
                 os.rename(source, target)
-            if self.paused.exists():  # a pause was under way: one found here is stale
-                stale = self.path / f"paused.done-{time.monotonic_ns()}"
-                os.rename(self.paused, stale)
-                shutil.rmtree(stale, ignore_errors=True)
+            self.remove_pause()  # a pause was under way: one found here is stale
             mf.commit_pending(temp, self.paused)
 
     def write_record(self, record: SandboxRecord, *, check: bool = True) -> None:
@@ -272,6 +273,15 @@ class SandboxDir:
         write_json_atomic(
             self.state_file, replace(record, updated_at=time.time()).to_json(), durable=durable
         )
+
+
+def pause_files(record: SandboxRecord) -> list[tuple[str, str]]:
+    """The sandbox's own files a pause holds: (name in the sandbox folder, name in the
+    pause), the disk layer, and the RAM file where RAM is not in the device state."""
+    from cryobox.snapshot import manifest as mf
+
+    memory = record.memory_file if record.memory_shared else None
+    return [(n, saved) for n, saved in ((record.disk, mf.DISK), (memory, mf.MEMORY)) if n]
 
 
 def process_stat(pid: int) -> list[str] | None:
