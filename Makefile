@@ -7,10 +7,12 @@ VENV      ?= .venv
 PYTHON    := $(VENV)/bin/python
 CRYOBOX   := $(VENV)/bin/cryobox
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Host tools: QEMU (without its GUI), the image build chain.
+# Host tools: QEMU (without its GUI), the image build chain (gcc and jansson compile the
+# guest agent's front, src/cryobox/guest/front.c).
 # The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
 # PostgreSQL: the tests of the multi-host server start one in a temporary folder.
 APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates \
+                gcc libc6-dev libjansson-dev clang-format \
                 iproute2 util-linux nftables postgresql
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done
@@ -50,6 +52,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
 	$(VENV)/bin/mypy
+	clang-format --dry-run --Werror src/cryobox/guest/front.c
 
 unit: setup
 	$(VENV)/bin/pytest -q tests/unit

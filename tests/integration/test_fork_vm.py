@@ -51,6 +51,9 @@ def test_fork_ten_copies_each_its_own_machine(sandbox_factory: Any) -> None:
                 "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"
             ).stdout.split("\n")
             assert out[0] == str(index) and out[1] == fork.id
+            if index == 1:  # a terminal's command is the Python part's: told the same
+                shown = fork.pty.create(cmd="echo fork-$CRYOBOX_FORK_ID").wait().stdout
+                assert f"fork-{index}" in shown, shown
             assert fork.files.read_text("/run/cryobox/fork").startswith(f"fork_id={index}\n")
             seen.append((out[2], out[3]))
             fork.files.write("/root/who", f"fork {index}")  # its own disk

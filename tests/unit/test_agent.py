@@ -1,7 +1,10 @@
 """The guest agent's request handling, run on the host over a socketpair.
 
 The same code runs inside the VM over virtio-serial; here a socket stands in for the
-port so each operation and every malformed input can be checked quickly.
+port so each operation and every malformed input can be checked quickly. Every test of
+a request runs twice: on the Python agent alone, and on the compiled front that owns the
+port in the guest (``cryobox-agent``, with the Python agent behind it for what it does
+not serve itself), so that the two answer alike.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import pwd
 import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +26,34 @@ from cryobox.guest import agent as guest_agent
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 
-from .agent_pair import serve_agent
+from .agent_pair import serve_agent, served_front
+
+AGENTS = ("python", "front")
+
+
+@dataclass
+class Served:
+    """An agent under test: the host's end of its channel, and the pid it reports."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    pid: int
+
+
+@pytest.fixture(params=AGENTS)
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+    if request.param == "python":
+        reader, writer = await serve_agent()
+        yield Served(reader, writer, os.getpid())
+        writer.close()
+    else:
+        async with served_front() as (front, reader, writer):
+            yield Served(reader, writer, front.process.pid)
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[AgentClient]:
-    reader, writer = await serve_agent()
-    channel = AgentClient(reader, writer)
+async def client(served: Served) -> AsyncIterator[AgentClient]:
+    channel = AgentClient(served.reader, served.writer)
     yield channel
     await channel.close()
 
@@ -150,27 +175,26 @@ async def test_unknown_op_and_bad_arguments(client: AgentClient) -> None:
     assert info.value.kind == p.INVALID
 
 
-async def test_ping_is_answered_while_a_command_runs(client: AgentClient) -> None:
+async def test_ping_is_answered_while_a_command_runs(client: AgentClient, served: Served) -> None:
     command = asyncio.ensure_future(client.request("exec", {"shell": "sleep 2"}))
     start = time.monotonic()
     answer = await asyncio.wait_for(client.request("ping"), 5)
-    assert answer["pid"] == os.getpid() and time.monotonic() - start < 1.5
+    assert answer["pid"] == served.pid and time.monotonic() - start < 1.5
     assert (await command)["exit_code"] == 0
 
 
-async def test_agent_answers_garbage_with_an_error_and_keeps_serving() -> None:
-    reader, writer = await serve_agent()
+async def test_agent_answers_garbage_with_an_error_and_keeps_serving(served: Served) -> None:
+    reader, writer = served.reader, served.writer
     writer.write(b"\x00\x01this is not a frame" + p.encode({"id": 1, "op": "ping"}))
     decoder = p.Decoder()
     got: list[p.Frame | p.FrameError] = []
     while not any(isinstance(f, p.Frame) and f.id == 1 for f in got):
         got += decoder.feed(await asyncio.wait_for(reader.read(65536), 5))
     frames = [f for f in got if isinstance(f, p.Frame)]
-    assert frames[0].header == {"id": None, "event": "hello", "pid": os.getpid()}  # at start
+    assert frames[0].header == {"id": None, "event": "hello", "pid": served.pid}  # at start
     answers = frames[1:]
     assert answers[0].header["error"]["kind"] == p.BAD_FRAME
     assert answers[-1].header["ok"] is True
-    writer.close()
 
 
 async def test_client_fails_pending_calls_on_garbage_instead_of_hanging() -> None:
@@ -295,12 +319,11 @@ async def test_a_file_read_goes_no_faster_than_the_host(tmp_path: Path) -> None:
     writer.close()
 
 
-async def test_a_frame_that_fails_does_not_lose_the_next_one() -> None:
-    _, reader, writer = await _agent_over_socketpair()
+async def test_a_frame_that_fails_does_not_lose_the_next_one(served: Served) -> None:
+    reader, writer = served.reader, served.writer
     writer.write(p.encode({"id": 1, "op": "\\\\" * 15000}) + p.encode({"id": 2, "op": "ping"}))
     decoder, answered = p.Decoder(), set[int]()
     while answered != {1, 2}:
         for item in decoder.feed(await asyncio.wait_for(reader.read(65536), 10)):
             if isinstance(item, p.Frame) and item.id in (1, 2):
                 answered.add(int(item.id))
-    writer.close()

@@ -50,8 +50,9 @@ MAX_WATCHES = 256
 READ_SIZE = 64 * 1024
 #: util-linux's setsid, which gives a command its terminal as controlling terminal.
 SETSID = "/usr/bin/setsid"
-#: Variables every command gets on top of its own base (set after a fork).
-EXTRA_ENV: dict[str, str] = {}
+#: What a fork is told of its origin (written by whichever part of the agent served the
+#: refresh: this one, or the compiled front, cryobox/guest/front.c).
+FORK_FILE = RUN_DIR / "fork"
 MS_BIND = 4096
 MNT_DETACH = 2
 #: Stream output queued beyond this while the host is away is dropped, responses never.
@@ -241,8 +242,23 @@ _boot_id_mounted = False
 
 def set_fork_identity(fork_id: int, forked_from: str) -> None:
     """Let programs tell they were forked: a file, and a variable for every later command."""
-    rewrite(str(RUN_DIR / "fork"), f"fork_id={fork_id}\nforked_from={forked_from}\n")
-    EXTRA_ENV.update(CRYOBOX_FORK_ID=str(fork_id), CRYOBOX_FORKED_FROM=forked_from)
+    rewrite(str(FORK_FILE), f"fork_id={fork_id}\nforked_from={forked_from}\n")
+
+
+def fork_env() -> dict[str, str]:
+    """The variables every command of a fork gets (none before a fork): read from the
+    fork file at each command, since the front may have written it."""
+    try:
+        text = FORK_FILE.read_text()
+    except OSError:
+        return {}
+    fields = dict(line.partition("=")[::2] for line in text.splitlines())
+    if "fork_id" not in fields:
+        return {}
+    return {
+        "CRYOBOX_FORK_ID": fields["fork_id"],
+        "CRYOBOX_FORKED_FROM": fields.get("forked_from", ""),
+    }
 
 
 def find_port() -> str:
@@ -1131,7 +1147,7 @@ def command_env(extra: dict[str, Any], user: Any) -> tuple[dict[str, str], str |
         "LANG": "C.UTF-8",
         "TERM": "xterm-256color",
     }
-    env.update(EXTRA_ENV)
+    env.update(fork_env())
     env.update({str(k): str(v) for k, v in extra.items()})
     return env, (name if user else None)
 
@@ -1194,23 +1210,31 @@ def new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def main() -> None:
-    started = read_text("/proc/uptime").split(" ")[0]
-    setup_system()
-    path = find_port()
+def serve(fd: int) -> None:
+    """Serve the host on ``fd`` (the port, or the front's socket) until killed."""
     loop = new_loop()
     asyncio.set_event_loop(loop)
     agent = Agent()
-    agent.channel = Channel(os.open(path, os.O_RDWR), loop, agent.on_frame)
-    # Where a cold boot's time goes: the kernel's own lines carry their uptime too.
-    up = read_text("/proc/uptime").split(" ")[0]
-    print(
-        f"cryobox-agent: ready (uptime {up} s; main() began at {started} s)",
-        file=sys.stderr,
-        flush=True,
-    )
+    agent.channel = Channel(fd, loop, agent.on_frame)
     loop.run_forever()
 
 
+def main(argv: list[str]) -> None:
+    """Set the system up, then serve the port, or with ``--fd N`` the compiled front's
+    socket (it owns the port and hands this agent what it does not serve itself)."""
+    started = read_text("/proc/uptime").split(" ")[0]
+    setup_system()
+    fd = int(argv[argv.index("--fd") + 1]) if "--fd" in argv else os.open(find_port(), os.O_RDWR)
+    # Where a cold boot's time goes: the kernel's own lines carry their uptime too.
+    up = read_text("/proc/uptime").split(" ")[0]
+    print(
+        f"cryobox-agent: {'Python part ' if '--fd' in argv else ''}ready "
+        f"(uptime {up} s; main() began at {started} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(fd)
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

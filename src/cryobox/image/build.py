@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -87,9 +88,18 @@ HOST_TOOLS = (
     "qemu-img",
     "busybox",
     "cpio",
+    "gcc",
+    "dpkg-query",
 )
 #: Files of this package that go into the initramfs (their bytes are part of the key).
 GUEST_FILES = ("guest/__init__.py", "guest/protocol.py", "guest/agent.py", "guest/watch.py")
+#: The agent's compiled front (it owns the port; see its header), built on this host with
+#: Debian's gcc for the guest's glibc (both Debian 12), jansson linked in statically.
+FRONT_SOURCE = "guest/front.c"
+FRONT_FLAGS = ("-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror")
+FRONT_LIBS = ("-Wl,-Bstatic", "-ljansson", "-Wl,-Bdynamic")
+#: Debian packages the front's build uses: their versions are part of the key.
+FRONT_BUILD_PACKAGES = ("gcc", "libc6-dev", "libjansson-dev")
 IMAGE_FILES = ("initramfs-init.sh", "stage2.sh")
 
 Progress = Callable[[str], None]
@@ -239,7 +249,7 @@ def image_key() -> dict[str, Any]:
     }
     sources = {
         name: hashlib.sha256(_source_bytes(name)).hexdigest()
-        for name in (*GUEST_FILES, *IMAGE_FILES)
+        for name in (*GUEST_FILES, FRONT_SOURCE, *IMAGE_FILES)
     }
     key: dict[str, Any] = {
         "rootfs": rootfs_inputs,
@@ -251,9 +261,66 @@ def image_key() -> dict[str, Any]:
         # How the kernel is booted and the agent loaded (see Image.kernel, _initramfs).
         "boot": "pvh-vmlinux",
         "agent_bytecode": "unchecked-hash",
+        "front_build": {"flags": [*FRONT_FLAGS, *FRONT_LIBS], **front_build_versions()},
     }
     key["id"] = _digest(key)
     return key
+
+
+#: dpkg's database: any package installed or removed changes it.
+DPKG_STATUS = Path("/var/lib/dpkg/status")
+#: What dpkg-query says of each package: "gcc 4:12.2.0-3 ii" when installed.
+DPKG_FORMAT = "${Package} ${Version} ${db:Status-Abbrev}\n"
+
+
+def front_build_versions() -> dict[str, str]:
+    """The installed versions of what compiles the front (a new gcc: a new image), asked
+    of dpkg once per state of its database (every create computes the image key).
+
+    :raises ImageError: when one of them is not installed.
+    """
+    try:
+        st = DPKG_STATUS.stat()
+    except OSError:
+        return _front_build_versions(0, 0, 0)
+    return _front_build_versions(st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _front_build_versions(inode: int, size: int, mtime_ns: int) -> dict[str, str]:
+    try:
+        out = subprocess.run(
+            ["dpkg-query", "-W", "-f", DPKG_FORMAT, *FRONT_BUILD_PACKAGES],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    except FileNotFoundError:
+        out = ""
+    versions = {
+        words[0]: words[1]
+        for words in (line.split() for line in out.splitlines())
+        if len(words) >= 3 and words[2].startswith("ii")
+    }
+    missing = [name for name in FRONT_BUILD_PACKAGES if name not in versions]
+    if missing:
+        raise ImageError(
+            "missing Debian packages to build the guest agent: "
+            + ", ".join(missing)
+            + " (run `make setup`, which installs them with apt-get)"
+        )
+    return versions
+
+
+def compile_front(output: Path) -> None:
+    """Compile the agent's front (``cryobox-agent``) to ``output``.
+
+    :raises ImageError: with the compiler's output when it fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="cryobox-front-") as temp:
+        source = Path(temp) / "front.c"
+        source.write_bytes(_source_bytes(FRONT_SOURCE))
+        run(["gcc", *FRONT_FLAGS, "-o", str(output), str(source), *FRONT_LIBS])
 
 
 def _digest(value: Any) -> str:
@@ -472,6 +539,7 @@ def _initramfs(kernel_dir: Path, output: Path, work: Path) -> None:
     init.write_bytes(_source_bytes("initramfs-init.sh"))
     init.chmod(0o755)
     (work / "cryobox/stage2.sh").write_bytes(_source_bytes("stage2.sh"))
+    compile_front(work / "cryobox/cryobox-agent")
     lib = work / "cryobox/lib/cryobox"
     (lib / "__init__.py").write_text('"""cryobox guest side: only the agent and its protocol."""\n')
     for name in GUEST_FILES:

@@ -300,7 +300,13 @@ class QemuProcess:
             "migrate-set-capabilities",
             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]},
         )
-        await self.execute("migrate-set-parameters", {"max-bandwidth": 32 << 30})
+        # No announce after a restore: QEMU would have the guest send gratuitous ARPs and
+        # a link notification (virtio-net's guest announce), for a switch user-mode
+        # networking does not have: about 15 KiB of guest kernel code for each fork's
+        # new QEMU to translate on the way to its first answer.
+        await self.execute(
+            "migrate-set-parameters", {"max-bandwidth": 32 << 30, "announce-rounds": 0}
+        )
 
     async def save_state(self, path: Path, timeout: float = 600.0) -> None:
         """Write the stopped machine's device state (and any private RAM) to ``path``.
