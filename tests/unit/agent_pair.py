@@ -65,13 +65,13 @@ class Front:
         self.sock.close()
 
 
-def start_front() -> Front:
+def start_front(helper: tuple[str, ...] = HELPER) -> Front:
     """Start the front with a socket pair as its port; it opens it once the Python agent
-    behind it said hello."""
+    behind it (``helper``) said hello."""
     ours, theirs = socket.socketpair()
     src = str(Path(guest_agent.__file__).parents[2])
     env = {**os.environ, "CRYOBOX_AGENT_PORT_FD": str(theirs.fileno()), "PYTHONPATH": src}
-    process = subprocess.Popen([str(front_binary()), *HELPER], env=env, pass_fds=[theirs.fileno()])
+    process = subprocess.Popen([str(front_binary()), *helper], env=env, pass_fds=[theirs.fileno()])
     theirs.close()
     return Front(process, ours)
 

@@ -156,6 +156,22 @@ def test_its_python_part_dying_fails_only_its_requests_and_comes_back(peer: Peer
     assert answer["result"]["type"] == "dir"
 
 
+def test_without_its_python_part_it_still_answers_after_three_tries() -> None:
+    """A Python agent that cannot start (a broken image) leaves an agent that runs
+    commands and says why the rest fails, not one that never answers."""
+    front = start_front(helper=("/bin/false",))
+    try:
+        peer = Peer(front)
+        started = time.monotonic()
+        assert peer.request(1, "ping")["ok"]
+        assert 1.5 < time.monotonic() - started < 15  # after its third try, a second apart
+        assert peer.request(2, "exec", {"argv": ["true"]})["result"]["exit_code"] == 0
+        failed = peer.request(3, "file.stat", {"path": "/tmp"})
+        assert failed["ok"] is False and "restarted" in failed["error"]["message"]
+    finally:
+        front.stop()
+
+
 def _read(peer: Peer) -> list[p.Frame]:
     frames = []
     for item in peer.decoder.feed(peer.sock.recv(1 << 20)):

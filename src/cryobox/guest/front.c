@@ -63,6 +63,9 @@
 #define LOW (1u << 20)
 #define MAX_QUEUED_OUTPUT (16u << 20)
 #define HELPER_RESTART_MS 1000
+/* Starts of the Python agent that may end before its hello before the port opens anyway
+ * (commands and pings served, its requests failed): never an agent that does not answer. */
+#define HELPER_TRIES_BEFORE_PORT 3
 
 /* Error kinds: protocol.py's vocabulary. */
 #define BAD_FRAME "bad_frame"
@@ -443,6 +446,7 @@ static pid_t helper_pid;
 static struct queue to_helper;
 static struct decoder helper_in;
 static bool helper_ready;       /* it said hello: the system is set up */
+static int helper_failures;     /* exits before its first hello */
 static int64_t helper_start_at; /* when to start it again (0: running or not needed) */
 static int64_t helper_started;
 /* Requests the helper has not answered yet (failed if it dies). */
@@ -596,6 +600,11 @@ static void on_helper_exit(void) {
         json_decref(id);
     }
     n_pending = 0;
+    if (!helper_ready && ++helper_failures == HELPER_TRIES_BEFORE_PORT) {
+        fprintf(stderr, "cryobox-agent: the Python agent never started: serving without it\n");
+        helper_ready = true;
+        open_port();
+    }
     int64_t soonest = helper_started + HELPER_RESTART_MS;
     helper_start_at = soonest > now_ms() ? soonest : now_ms();
 }
@@ -856,7 +865,7 @@ struct command {
     int64_t rid;
     pid_t pid;
     struct source out, err, in, exited;
-    bool paused, held, following;
+    bool paused, held;
     bool had_stdin, stdin_closed;
     struct stdin_write *writes, *last_write;
     int64_t deadline; /* CLOCK_MONOTONIC ms; 0: none */
@@ -877,7 +886,6 @@ static struct command *find_command(json_t *id) {
 /* Read the outputs exactly while neither the host nor a crowded port holds them. */
 static void follow(struct command *c) {
     bool on = !c->paused && !c->held;
-    c->following = on;
     watch_events(&c->out, on ? EPOLLIN : 0);
     watch_events(&c->err, on ? EPOLLIN : 0);
 }
