@@ -249,3 +249,47 @@ def test_stdin_kill_and_flow_of_its_own_commands(peer: Peer) -> None:
     assert peer.answer(9)["result"]["signal"] == 15
     no_stdin = peer.request(12, "exec", {"argv": ["true"]})
     assert no_stdin["ok"]
+
+
+def test_an_error_cut_inside_a_character_is_still_answered(peer: Peer) -> None:
+    """A message bounded mid-way through a UTF-8 character was refused by jansson, and its
+    request never answered (found by review)."""
+    name = "/x/" + "/".join(["é" * 100] * 3)
+    missing = peer.request(1, "exec", {"argv": [name]})
+    assert missing["error"]["kind"] == p.COMMAND_NOT_FOUND
+    bad = peer.request(2, "sys.refresh", {"time_ns": "é" * 200})
+    assert bad["error"]["kind"] == p.INVALID
+
+
+def test_strings_with_a_nul_are_refused_not_cut(peer: Peer) -> None:
+    for args in (
+        {"shell": "echo safe\u0000; echo INJECTED"},
+        {"argv": ["echo", "a\u0000b"]},
+        {"argv": ["true"], "env": {"A=B": "x"}},
+    ):
+        answer = peer.request(next(_ids), "exec", args)
+        assert answer["error"]["kind"] == p.INVALID, (args, answer)
+    assert not any(b"INJECTED" in f.payload for f in peer.frames)
+
+
+def test_a_kill_with_no_signal_number_is_refused(peer: Peer) -> None:
+    peer.send({"id": 1, "op": "exec", "args": {"argv": ["sleep", "60"]}})
+    refused = peer.request(2, "exec.kill", {"exec_id": 1, "signal": "TERM"})
+    assert refused["error"]["kind"] == p.INVALID
+    assert peer.request(3, "exec.kill", {"exec_id": 1, "signal": 15.0})["ok"]
+    assert peer.answer(1)["result"]["signal"] == 15  # and not killed by the refused one
+
+
+def test_a_file_read_while_the_host_is_away_is_not_held_whole(peer: Peer, tmp_path: Path) -> None:
+    """While the host is away the front stops reading its Python part past 4 MiB of
+    answers queued, so a file read waits there as it does on the port (found by review:
+    a 300 MB read grew the front by 100 MB)."""
+    big = tmp_path / "big"
+    with big.open("wb") as out:
+        out.truncate(64 << 20)
+    peer.send({"id": 1, "op": "file.read", "args": {"path": str(big)}})
+    while not any(f.id == 1 for f in peer.frames):
+        peer.frames.extend(_read(peer))
+    peer.sock.shutdown(socket.SHUT_RDWR)  # the host left mid-read
+    time.sleep(3)
+    assert rss_kib(peer.front.process.pid) < 16 << 10

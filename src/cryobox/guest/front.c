@@ -75,6 +75,30 @@
 #define PERMISSION "permission"
 #define INTERNAL "internal"
 
+/* The error kind of a failed system call, as agent.py's ERRNO_KINDS names it. */
+static const char *errno_kind(int err) {
+    switch (err) {
+    case ENOENT:
+        return NOT_FOUND;
+    case EEXIST:
+        return "exists";
+    case EACCES:
+    case EPERM:
+        return PERMISSION;
+    case EISDIR:
+        return "is_directory";
+    case ENOTDIR:
+        return "not_directory";
+    case ENOTEMPTY:
+        return "not_empty";
+    case ENOSPC:
+    case EDQUOT:
+        return "no_space";
+    default:
+        return INTERNAL;
+    }
+}
+
 static void die(const char *what) {
     fprintf(stderr, "cryobox-agent: %s: %s\n", what, strerror(errno));
     exit(1);
@@ -212,10 +236,12 @@ static char *encode(json_t *header, const char *payload, size_t payload_len, siz
     return data;
 }
 
-/* The incremental decoder of protocol.Decoder: garbage is skipped to the next magic. */
+/* The incremental decoder of protocol.Decoder: garbage is skipped to the next magic.
+ * Bytes not yet decoded are buf[start, end): a frame taken only moves ``start`` (many
+ * small frames in one read cost no copy each), and a feed compacts. */
 struct decoder {
     unsigned char *buf;
-    size_t len, cap;
+    size_t start, end, cap;
 };
 
 struct frame_in {
@@ -228,89 +254,91 @@ struct frame_in {
     size_t payload_len;
 };
 
+static void decoder_reset(struct decoder *d) {
+    d->start = d->end = 0;
+}
+
 static void decoder_feed(struct decoder *d, const char *data, size_t len) {
-    if (d->len + len > d->cap) {
-        d->cap = (d->len + len) * 2;
+    size_t kept = d->end - d->start;
+    if (d->start) {
+        memmove(d->buf, d->buf + d->start, kept);
+        d->start = 0;
+        d->end = kept;
+    }
+    if (kept + len > d->cap) {
+        d->cap = (kept + len) * 2;
         d->buf = realloc(d->buf, d->cap);
         if (!d->buf)
             die("realloc");
     }
-    memcpy(d->buf + d->len, data, len);
-    d->len += len;
+    memcpy(d->buf + d->end, data, len);
+    d->end += len;
 }
 
 static void decoder_drop(struct decoder *d, size_t n) {
-    memmove(d->buf, d->buf + n, d->len - n);
-    d->len -= n;
+    d->start += n;
+    if (d->start == d->end)
+        decoder_reset(d);
 }
 
-static size_t find_magic(const struct decoder *d, size_t from) {
-    for (size_t i = from; i + 4 <= d->len; i++)
-        if (memcmp(d->buf + i, MAGIC, 4) == 0)
+/* Where the next possible frame starts in ``b`` (``len`` bytes), from ``from`` on. */
+static size_t find_magic(const unsigned char *b, size_t len, size_t from) {
+    for (size_t i = from; i + 4 <= len; i++)
+        if (memcmp(b + i, MAGIC, 4) == 0)
             return i;
     /* keep a tail that could begin a magic split across reads */
     for (size_t keep = 3; keep > 0; keep--)
-        if (d->len >= keep && d->len - keep >= from &&
-            memcmp(d->buf + d->len - keep, MAGIC, keep) == 0)
-            return d->len - keep;
-    return d->len;
-}
-
-/* Whether the buffer starts with bytes that may begin a frame. */
-static bool starts_well(const struct decoder *d) {
-    size_t n = d->len < 4 ? d->len : 4;
-    return memcmp(d->buf, MAGIC, n) == 0;
+        if (len >= keep && len - keep >= from && memcmp(b + len - keep, MAGIC, keep) == 0)
+            return len - keep;
+    return len;
 }
 
 /* The next frame or error in ``out`` (consumed bytes: *used); false when more is needed. */
 static bool decoder_next(struct decoder *d, struct frame_in *out, size_t *used) {
+    const unsigned char *b = d->buf + d->start;
+    size_t len = d->end - d->start;
     *out = (struct frame_in){0};
     *used = 0;
-    if (!d->len)
+    if (!len)
         return false;
-    const char *reason = NULL;
+    bool bad_magic = memcmp(b, MAGIC, len < 4 ? len : 4) != 0;
     uint32_t header_len = 0, payload_len = 0;
-    if (!starts_well(d)) {
-        reason = "bad magic";
-    } else {
-        if (d->len < PREFIX_SIZE)
+    if (!bad_magic) {
+        if (len < PREFIX_SIZE)
             return false;
-        header_len = get_u32(d->buf + 4);
-        payload_len = get_u32(d->buf + 8);
-        if (header_len > MAX_HEADER || payload_len > MAX_PAYLOAD)
-            reason = "frame lengths";
+        header_len = get_u32(b + 4);
+        payload_len = get_u32(b + 8);
     }
-    if (reason) {
-        size_t start = find_magic(d, 1);
-        if (header_len || payload_len)
+    if (bad_magic || header_len > MAX_HEADER || payload_len > MAX_PAYLOAD) {
+        size_t skip = find_magic(b, len, 1);
+        if (bad_magic)
+            snprintf(out->error, sizeof out->error, "bad magic: skipped %zu bytes", skip);
+        else
             snprintf(out->error, sizeof out->error,
                      "frame lengths %u/%u exceed %d/%d: skipped %zu bytes", header_len, payload_len,
-                     MAX_HEADER, MAX_PAYLOAD, start);
-        else
-            snprintf(out->error, sizeof out->error, "%s: skipped %zu bytes", reason, start);
-        *used = start;
+                     MAX_HEADER, MAX_PAYLOAD, skip);
+        *used = skip;
         out->garbage = true;
         return true;
     }
-    size_t end = PREFIX_SIZE + (size_t)header_len + payload_len;
-    if (d->len < end)
+    size_t frame_len = PREFIX_SIZE + (size_t)header_len + payload_len;
+    if (len < frame_len)
         return false;
     /* A header jansson refuses (not JSON, or JSON beyond RFC 8259 that Python's json
      * reads: NaN, lone surrogates, huge integers) is left for the Python agent, whose
      * answer, or error, is the protocol's. */
     json_error_t err;
-    json_t *header =
-        json_loadb((const char *)d->buf + PREFIX_SIZE, header_len, JSON_ALLOW_NUL, &err);
+    json_t *header = json_loadb((const char *)b + PREFIX_SIZE, header_len, JSON_ALLOW_NUL, &err);
     if (header && !json_is_object(header)) {
         json_decref(header);
         header = NULL;
     }
     out->header = header;
-    out->raw = (const char *)d->buf;
-    out->raw_len = end;
-    out->payload = (const char *)d->buf + PREFIX_SIZE + header_len;
+    out->raw = (const char *)b;
+    out->raw_len = frame_len;
+    out->payload = (const char *)b + PREFIX_SIZE + header_len;
     out->payload_len = payload_len;
-    *used = end;
+    *used = frame_len;
     return true;
 }
 
@@ -351,9 +379,29 @@ static void send_hello(void) {
               false);
 }
 
+/* Cut ``text`` before a UTF-8 sequence that a bounded snprintf left incomplete: jansson
+ * refuses invalid UTF-8, and a refused answer would leave its request unanswered. */
+static void trim_utf8(char *text) {
+    size_t len = strlen(text), lead = len;
+    while (lead > 0 && len - lead < 4 && ((unsigned char)text[lead - 1] & 0xC0) == 0x80)
+        lead--;
+    if (lead == 0)
+        return;
+    unsigned char first = (unsigned char)text[lead - 1];
+    size_t need = first >= 0xF0 ? 4 : first >= 0xE0 ? 3 : first >= 0xC0 ? 2 : 1;
+    if (len - (lead - 1) < need)
+        text[lead - 1] = 0;
+}
+
 static void send_error(json_t *id, const char *kind, const char *message) {
+    char text[1024];
+    snprintf(text, sizeof text, "%s", message);
+    trim_utf8(text);
     json_t *header = json_pack("{s:O,s:b,s:{s:s,s:s}}", "id", id ? id : json_null(), "ok", 0,
-                               "error", "kind", kind, "message", message);
+                               "error", "kind", kind, "message", text);
+    if (!header) /* never no answer */
+        header = json_pack("{s:O,s:b,s:{s:s,s:s}}", "id", id ? id : json_null(), "ok", 0, "error",
+                           "kind", INTERNAL, "message", "an error it could not say");
     send_json(header, NULL, 0, false);
 }
 
@@ -429,7 +477,7 @@ static bool crowded(void) {
 }
 
 static void host_left(void) {
-    port_in.len = 0;
+    decoder_reset(&port_in);
     reading = false;
     port_events();
     if (outbox.head && outbox.head->off > 0)
@@ -473,18 +521,37 @@ static bool pending_remove(int64_t id) {
     return false;
 }
 
+/* Read the Python part's frames while the port has room: while the host is away too, for
+ * what is not droppable (a file read would otherwise pile up here whole; behind its
+ * socket it waits, as it does on the port). */
 static void helper_events(void) {
-    bool read_more = !crowded();
+    bool read_more = !crowded() && outbox.queued - outbox.queued_output <= HIGH;
     watch_events(&helper, (read_more ? EPOLLIN : 0) | (to_helper.head ? EPOLLOUT : 0));
 }
 
+/* Start the Python part; when the guest cannot (no descriptors or processes left), try
+ * again a second later: the front goes on serving meanwhile. */
 static void start_helper(void) {
-    int pair[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, pair) != 0)
-        die("socketpair");
-    pid_t pid = fork();
-    if (pid < 0)
-        die("fork");
+    int pair[2] = {-1, -1};
+    pid_t pid = -1;
+    int exited = -1;
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, pair) == 0)
+        pid = fork();
+    if (pid > 0)
+        exited = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (pid < 0 || (pid > 0 && exited < 0)) {
+        fprintf(stderr, "cryobox-agent: cannot start the Python agent: %s\n", strerror(errno));
+        if (pid > 0) {
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+        }
+        if (pair[0] >= 0) {
+            close(pair[0]);
+            close(pair[1]);
+        }
+        helper_start_at = now_ms() + HELPER_RESTART_MS;
+        return;
+    }
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() == 1)
@@ -502,10 +569,8 @@ static void start_helper(void) {
     helper_pid = pid;
     helper.fd = pair[0];
     helper.events = 0;
-    helper_exit.fd = (int)syscall(SYS_pidfd_open, pid, 0);
+    helper_exit.fd = exited;
     helper_exit.events = 0;
-    if (helper_exit.fd < 0)
-        die("pidfd_open");
     watch_events(&helper_exit, EPOLLIN);
     helper_started = now_ms();
     helper_start_at = 0;
@@ -518,8 +583,12 @@ static void flush_helper(void) {
         ssize_t n = write(helper.fd, f->data + f->off, f->len - f->off);
         if (n < 0 && errno == EINTR)
             continue;
+        if (n < 0 && errno != EAGAIN) { /* it is gone: its exit says the rest */
+            watch_events(&helper, 0);
+            return;
+        }
         if (n < 0)
-            break; /* EAGAIN: waits for EPOLLOUT; an error: its exit follows */
+            break; /* waits for EPOLLOUT */
         f->off += (size_t)n;
         to_helper.queued -= (size_t)n;
         if (f->off == f->len)
@@ -564,6 +633,17 @@ static void from_helper_frame(const struct frame_in *frame) {
     send_frame(copy, frame->raw_len, droppable);
 }
 
+static void relay_from_helper(const char *data, size_t len) {
+    decoder_feed(&helper_in, data, len);
+    struct frame_in frame;
+    size_t used;
+    while (decoder_next(&helper_in, &frame, &used)) {
+        from_helper_frame(&frame);
+        json_decref(frame.header);
+        decoder_drop(&helper_in, used);
+    }
+}
+
 static void on_helper_readable(void) {
     char buf[READ_SIZE];
     ssize_t n = read(helper.fd, buf, sizeof buf);
@@ -573,26 +653,24 @@ static void on_helper_readable(void) {
         watch_events(&helper, 0);
         return;
     }
-    decoder_feed(&helper_in, buf, (size_t)n);
-    struct frame_in frame;
-    size_t used;
-    while (decoder_next(&helper_in, &frame, &used)) {
-        from_helper_frame(&frame);
-        json_decref(frame.header);
-        decoder_drop(&helper_in, used);
-    }
+    relay_from_helper(buf, (size_t)n);
     helper_events();
 }
 
 static void on_helper_exit(void) {
     int status = 0;
     waitpid(helper_pid, &status, 0);
+    /* what it answered before it died is answered, not failed */
+    char buf[READ_SIZE];
+    ssize_t n;
+    while (helper.fd >= 0 && (n = read(helper.fd, buf, sizeof buf)) > 0)
+        relay_from_helper(buf, (size_t)n);
     fprintf(stderr, "cryobox-agent: the Python agent exited (status %d), starting it again\n",
             status);
     close_source(&helper_exit);
     close_source(&helper);
     queue_clear(&to_helper);
-    helper_in.len = 0;
+    decoder_reset(&helper_in);
     for (size_t i = 0; i < n_pending; i++) {
         json_t *id = json_integer(pending[i]);
         send_error(id, INTERNAL,
@@ -657,6 +735,7 @@ static char fork_id[32], forked_from[256];
 
 static void read_fork_identity(void) {
     char text[512];
+    fork_id[0] = forked_from[0] = 0;
     read_stripped(RUN_DIR "/fork", text, sizeof text);
     char *line = strtok(text, "\n");
     for (; line; line = strtok(NULL, "\n")) {
@@ -713,6 +792,11 @@ static json_t *ping(void) {
     gethostname(host, sizeof host - 1);
     return json_pack("{s:I,s:s,s:s,s:i}", "time_ns", (json_int_t)now_ns(CLOCK_REALTIME), "boot_id",
                      boot_id, "hostname", host, "pid", (int)getpid());
+}
+
+/* Whether a JSON string holds a NUL (C would cut it there; Python refuses it). */
+static bool has_nul(json_t *text) {
+    return json_is_string(text) && strlen(json_string_value(text)) != json_string_length(text);
 }
 
 /* ``str(value)`` as Python says it, for environment values that are not strings. */
@@ -799,6 +883,7 @@ static json_t *refresh(json_t *args, const char *payload, size_t payload_len, co
     if (payload_len) {
         int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, payload, payload_len) < 0) {
+            *kind = errno_kind(errno);
             snprintf(failed, size, "%s: /dev/urandom", strerror(errno));
             if (fd >= 0)
                 close(fd);
@@ -828,6 +913,7 @@ static json_t *refresh(json_t *args, const char *payload, size_t payload_len, co
         int rc = set_boot_id(boot_id);
         free(boot_id);
         if (rc != 0) {
+            *kind = errno_kind(errno);
             snprintf(failed, size, "%s: %s/boot_id", strerror(errno), RUN_DIR);
             return NULL;
         }
@@ -841,6 +927,7 @@ static json_t *refresh(json_t *args, const char *payload, size_t payload_len, co
         free(from);
         snprintf(text, sizeof text, "fork_id=%s\nforked_from=%s\n", fork_id, forked_from);
         if (rewrite(RUN_DIR "/fork", text) != 0) {
+            *kind = errno_kind(errno);
             snprintf(failed, size, "%s: %s/fork", strerror(errno), RUN_DIR);
             return NULL;
         }
@@ -1218,6 +1305,14 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
     int fds[7] = {-1, -1, -1, -1, -1, -1, -1}; /* stdin r/w, out r/w, err r/w, devnull */
     int report[2] = {-1, -1};
     *kind = INVALID;
+    bool nul = has_nul(shell) || has_nul(json_object_get(args, "cwd")) ||
+               has_nul(json_object_get(args, "user"));
+    for (size_t i = 0; json_is_array(argv_json) && i < json_array_size(argv_json); i++)
+        nul = nul || has_nul(json_array_get(argv_json, i));
+    if (nul) {
+        snprintf(message, size, "bad arguments: embedded null byte");
+        return NULL;
+    }
     if (shell && !json_is_null(shell)) {
         if (!json_is_string(shell)) {
             snprintf(message, size, "exec needs argv (a list of strings) or shell (a string)");
@@ -1266,6 +1361,7 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
     env_set(&env, "SHELL", entry->shell);
     env_set(&env, "LANG", "C.UTF-8");
     env_set(&env, "TERM", "xterm-256color");
+    read_fork_identity(); /* the Python part may have served the refresh */
     if (fork_id[0]) {
         env_set(&env, "CRYOBOX_FORK_ID", fork_id);
         env_set(&env, "CRYOBOX_FORKED_FROM", forked_from);
@@ -1276,8 +1372,13 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
         goto fail;
     }
     const char *key;
+    size_t key_len;
     json_t *value;
-    json_object_foreach(extra, key, value) {
+    json_object_keylen_foreach(extra, key, key_len, value) {
+        if (strlen(key) != key_len || !*key || strchr(key, '=') || has_nul(value)) {
+            snprintf(message, size, "bad arguments: illegal environment variable name or value");
+            goto fail;
+        }
         char *text = python_str(value);
         env_set(&env, key, text ? text : "");
         free(text);
@@ -1330,7 +1431,7 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
             *kind = PERMISSION;
             snprintf(message, size, "permission denied: %s", what);
         } else {
-            *kind = failure.err == ENOTDIR ? "not_directory" : INTERNAL;
+            *kind = errno_kind(failure.err);
             snprintf(message, size, "%s: %s", strerror(failure.err),
                      failure.stage == 1 ? cwd : what);
         }
@@ -1344,8 +1445,19 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
     c->exited =
         (struct source){.kind = CMD_EXIT, .fd = (int)syscall(SYS_pidfd_open, pid, 0), .cmd = c};
     fds[1] = fds[2] = fds[4] = -1;
-    if (c->exited.fd < 0)
-        die("pidfd_open");
+    if (c->exited.fd < 0) { /* out of descriptors: this command fails, not the agent */
+        int saved = errno;
+        kill(-pid, SIGKILL);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        close(c->out.fd);
+        close(c->err.fd);
+        if (c->in.fd >= 0)
+            close(c->in.fd);
+        free(c);
+        errno = saved;
+        goto os_fail;
+    }
     fcntl(c->out.fd, F_SETFL, O_NONBLOCK);
     fcntl(c->err.fd, F_SETFL, O_NONBLOCK);
     if (c->in.fd >= 0)
@@ -1441,8 +1553,10 @@ static void on_request(const struct frame_in *frame) {
                 is_op(op, "flow"))) {
         if (is_op(op, "exec.kill")) {
             json_t *sig = json_object_get(args, "signal");
-            int number = json_is_integer(sig) ? (int)json_integer_value(sig) : SIGKILL;
-            if (kill(-c->pid, number) != 0 && errno != ESRCH && errno != EPERM)
+            int64_t number = SIGKILL;
+            if (sig && (!python_int(sig, &number) || number < 0 || number > 64))
+                send_error(id, INVALID, "bad arguments: signal must be a signal number");
+            else if (kill(-c->pid, (int)number) != 0 && errno != ESRCH && errno != EPERM)
                 send_error(id, INTERNAL, strerror(errno));
             else
                 answer(id, NULL);
@@ -1459,6 +1573,8 @@ static void on_request(const struct frame_in *frame) {
             }
         } else if (!c->had_stdin) {
             send_error(id, INVALID, "the command was started without stdin");
+        } else if (c->stdin_closed && !frame->payload_len) {
+            answer(id, NULL); /* nothing to write: Python's closed stdin says nothing either */
         } else if (c->stdin_closed) {
             send_error(id, INVALID, "the command closed its stdin");
         } else {
@@ -1548,11 +1664,9 @@ static void open_port(void) {
     if (given) {
         port.fd = atoi(given);
         fcntl(port.fd, F_SETFL, O_NONBLOCK);
-        fcntl(port.fd, F_SETFD, FD_CLOEXEC);
     } else {
         port.fd = find_port();
     }
-    read_fork_identity();
     boot_id_is_ours = boot_id_mounted();
     start_reading();
     /* said at every start: a connected host learns by the new pid that the agent restarted */
@@ -1630,6 +1744,13 @@ int main(int argc, char **argv) {
         return 2;
     }
     helper_argv = argv + 1;
+    /* 0, 1 and 2 taken, so that no pipe of a command gets one of their numbers */
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) != fd)
+            die("/dev/null");
+    const char *given = getenv("CRYOBOX_AGENT_PORT_FD");
+    if (given) /* before the Python part is started: it must not hold the host's socket */
+        fcntl(atoi(given), F_SETFD, FD_CLOEXEC);
     signal(SIGPIPE, SIG_IGN);
     signal(SIGCHLD, SIG_DFL);
     ep = epoll_create1(EPOLL_CLOEXEC);
