@@ -18,7 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cryobox.errors import ImageError
 from cryobox.guest import protocol as p
+from cryobox.image import build
 
 from .agent_pair import Front, start_front
 
@@ -293,3 +295,19 @@ def test_a_file_read_while_the_host_is_away_is_not_held_whole(peer: Peer, tmp_pa
     peer.sock.shutdown(socket.SHUT_RDWR)  # the host left mid-read
     time.sleep(3)
     assert rss_kib(peer.front.process.pid) < 16 << 10
+
+
+def test_its_build_names_a_missing_package_and_the_key_its_versions(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    versions = build.front_build_versions()
+    assert versions["gcc"] != build.NOT_INSTALLED  # make setup installed them
+    assert build.image_key()["front_build"]["libjansson-dev"] == versions["libjansson-dev"]
+    monkeypatch.setattr(build, "FRONT_BUILD_PACKAGES", ("gcc", "no-such-package-cryobox"))
+    build._front_build_versions.cache_clear()
+    try:
+        with pytest.raises(ImageError, match="no-such-package-cryobox"):
+            build.compile_front(tmp_path / "cryobox-agent")
+    finally:
+        build._front_build_versions.cache_clear()
+    assert not (tmp_path / "cryobox-agent").exists()

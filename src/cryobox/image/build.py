@@ -273,12 +273,14 @@ DPKG_STATUS = Path("/var/lib/dpkg/status")
 DPKG_FORMAT = "${Package} ${Version} ${db:Status-Abbrev}\n"
 
 
+#: The version the key records for a build package that is not installed.
+NOT_INSTALLED = "not installed"
+
+
 def front_build_versions() -> dict[str, str]:
     """The installed versions of what compiles the front (a new gcc: a new image), asked
-    of dpkg once per state of its database (every create computes the image key).
-
-    :raises ImageError: when one of them is not installed.
-    """
+    of dpkg once per state of its database (every create computes the image key); a
+    package that is missing is said so (the build then refuses, naming it)."""
     try:
         st = DPKG_STATUS.stat()
     except OSError:
@@ -297,26 +299,27 @@ def _front_build_versions(inode: int, size: int, mtime_ns: int) -> dict[str, str
         ).stdout
     except FileNotFoundError:
         out = ""
-    versions = {
+    installed = {
         words[0]: words[1]
         for words in (line.split() for line in out.splitlines())
         if len(words) >= 3 and words[2].startswith("ii")
     }
-    missing = [name for name in FRONT_BUILD_PACKAGES if name not in versions]
+    return {name: installed.get(name, NOT_INSTALLED) for name in FRONT_BUILD_PACKAGES}
+
+
+def compile_front(output: Path) -> None:
+    """Compile the agent's front (``cryobox-agent``) to ``output``.
+
+    :raises ImageError: naming the Debian packages missing for it, or with the
+        compiler's output when it fails.
+    """
+    missing = [name for name, v in front_build_versions().items() if v == NOT_INSTALLED]
     if missing:
         raise ImageError(
             "missing Debian packages to build the guest agent: "
             + ", ".join(missing)
             + " (run `make setup`, which installs them with apt-get)"
         )
-    return versions
-
-
-def compile_front(output: Path) -> None:
-    """Compile the agent's front (``cryobox-agent``) to ``output``.
-
-    :raises ImageError: with the compiler's output when it fails.
-    """
     with tempfile.TemporaryDirectory(prefix="cryobox-front-") as temp:
         source = Path(temp) / "front.c"
         source.write_bytes(_source_bytes(FRONT_SOURCE))
