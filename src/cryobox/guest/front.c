@@ -597,11 +597,16 @@ static void flush_helper(void) {
     helper_events();
 }
 
-/* Hand a request to the Python agent; ``id`` (when known) is failed if it dies first. */
-static void to_helper_frame(const struct frame_in *frame, json_t *id) {
+/* A frame as received, to queue (the decoder's buffer is reused). */
+static char *copy_raw(const struct frame_in *frame) {
     char *copy = xmalloc(frame->raw_len);
     memcpy(copy, frame->raw, frame->raw_len);
-    queue_push(&to_helper, copy, frame->raw_len, false);
+    return copy;
+}
+
+/* Hand a request to the Python agent; ``id`` (when known) is failed if it dies first. */
+static void to_helper_frame(const struct frame_in *frame, json_t *id) {
+    queue_push(&to_helper, copy_raw(frame), frame->raw_len, false);
     if (json_is_integer(id))
         pending_add(json_integer_value(id));
     if (helper.fd >= 0)
@@ -628,9 +633,7 @@ static void from_helper_frame(const struct frame_in *frame) {
     if (json_is_integer(id) && json_object_get(frame->header, "ok"))
         pending_remove(json_integer_value(id));
     bool droppable = event && (!strcmp(event, "stdout") || !strcmp(event, "stderr"));
-    char *copy = xmalloc(frame->raw_len);
-    memcpy(copy, frame->raw, frame->raw_len);
-    send_frame(copy, frame->raw_len, droppable);
+    send_frame(copy_raw(frame), frame->raw_len, droppable);
 }
 
 static void relay_from_helper(const char *data, size_t len) {
@@ -985,36 +988,37 @@ static void command_room(void) {
         }
 }
 
-static void send_output(struct command *c, const char *stream, const char *data, size_t len) {
+/* An output event of ``src`` (droppable: see send_frame). */
+static void send_output(struct command *c, const struct source *src, const char *data, size_t len) {
+    const char *stream = src == &c->out ? "stdout" : "stderr";
     send_json(json_pack("{s:I,s:s}", "id", (json_int_t)c->rid, "event", stream), data, len, true);
+}
+
+/* Forward what a pipe holds now; close it at its end. A crowded port holds the command. */
+static void read_output(struct command *c, struct source *src) {
+    char buf[READ_SIZE];
+    ssize_t n = read(src->fd, buf, sizeof buf);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (n <= 0) {
+        close_source(src);
+        return;
+    }
+    send_output(c, src, buf, (size_t)n);
     if (!c->held && crowded()) {
         c->held = true;
         follow(c);
     }
 }
 
-/* Forward what a pipe holds now; false at its end. */
-static bool read_output(struct command *c, struct source *src) {
-    char buf[READ_SIZE];
-    ssize_t n = read(src->fd, buf, sizeof buf);
-    if (n < 0 && errno == EAGAIN)
-        return true;
-    if (n < 0 && errno == EINTR)
-        return true;
-    if (n <= 0) {
-        close_source(src);
-        return false;
-    }
-    send_output(c, src == &c->out ? "stdout" : "stderr", buf, (size_t)n);
-    return true;
-}
+static void answer(json_t *id, json_t *result);
 
 static void answer_stdin(struct stdin_write *w, const char *error) {
     json_t *id = json_integer(w->request);
     if (error)
         send_error(id, INVALID, error);
     else
-        send_json(json_pack("{s:O,s:b,s:{}}", "id", id, "ok", 1, "result"), NULL, 0, false);
+        answer(id, NULL);
     json_decref(id);
 }
 
@@ -1078,9 +1082,7 @@ static void drain(struct command *c, struct source *src) {
             close_source(src);
             return;
         }
-        send_json(json_pack("{s:I,s:s}", "id", (json_int_t)c->rid, "event",
-                            src == &c->out ? "stdout" : "stderr"),
-                  buf, (size_t)n, true);
+        send_output(c, src, buf, (size_t)n);
     }
 }
 
@@ -1318,7 +1320,6 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
             snprintf(message, size, "exec needs argv (a list of strings) or shell (a string)");
             return NULL;
         }
-        argc = 3;
         argv = xmalloc(4 * sizeof *argv);
         argv[0] = strdup("/bin/sh");
         argv[1] = strdup("-c");
@@ -1487,7 +1488,6 @@ done:
     free_strings(argv);
     free_strings(paths);
     env_free(&env);
-    (void)argc;
     return c;
 }
 
