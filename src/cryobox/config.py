@@ -7,7 +7,9 @@
 - ``CRYOBOX_FINISHED_KEEP``: seconds an ended sandbox stays listed (default an hour).
 - ``CRYOBOX_GUEST_ASLR``: ``auto`` (default), ``on`` or ``off``: whether a cold-booted
   guest randomizes its processes' address spaces (see :func:`guest_aslr`).
-- ``CRYOBOX_TCG_THREADS``: ``multi`` (default) or ``single`` (see :func:`tcg_threads`).
+- ``CRYOBOX_TCG_THREADS``: ``multi`` (default) or ``single`` (see :func:`tcg_threads`);
+  unset, a fork of at least as many copies as the host has cores starts them
+  ``single`` (see :func:`fork_tcg_threads`).
 """
 
 from __future__ import annotations
@@ -144,13 +146,33 @@ def tcg_threads() -> str:
     ``single`` (measured by hand, 2026-12-01). ``single`` spends less CPU per VM where
     VMs outnumber cores, as no second vCPU thread translates and waits on its own: in
     four runs of 10 forks of a 2-vCPU guest the same day, 2.4-2.8 s against 2.8-3.2 s,
-    its vCPU threads' CPU 0.29 against 0.34-0.36 s per fork (``fork-10-single`` in
+    its vCPU threads' CPU 0.29 against 0.34-0.36 s per fork (``fork-10-multi`` in
     docs/BENCHMARKS.md compares them in every bench run). It applies to VMs started
     after it is set.
 
     :raises InvalidArgument: naming the variable, for another value.
     """
     return env_choice("CRYOBOX_TCG_THREADS", TCG_THREADS, "multi")
+
+
+def fork_tcg_threads(count: int) -> str:
+    """How the VMs of a fork of ``count`` copies start: ``single`` when they are at least
+    as many as the host's cores and ``CRYOBOX_TCG_THREADS`` is unset; else "" (the
+    host's setting, :func:`tcg_threads`).
+
+    Copies that outnumber the cores cannot run their vCPUs side by side anyway, and a
+    second vCPU thread per VM costs CPU (a translator and a waiter of its own): 10
+    forks on this 2-core host answered in 2.0 s single against 2.4-3.0 s multi, QEMU
+    CPU 0.27 against 0.35-0.43 s per fork (2026-12-01). It holds for each copy's first
+    VM only: one that is later resumed from its files or rolled back starts a new VM
+    with the host's setting. Under KVM there are no TCG threads: nothing changes.
+
+    :raises InvalidArgument: naming ``CRYOBOX_TCG_THREADS``, for a value it cannot take.
+    """
+    tcg_threads()  # a bad setting is named here, not by the forks' supervisors
+    if os.environ.get("CRYOBOX_TCG_THREADS", "").strip():
+        return ""
+    return "single" if count >= (os.cpu_count() or 1) else ""
 
 
 #: Seconds a paused sandbox's VM is kept, stopped, after its pause was saved: a resume

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,3 +147,38 @@ def test_a_fork_that_fails_halfway_leaves_nothing_behind(
     for spec, record in registry.list_sandboxes():
         assert spec.forked_from != parent.id or record.state.finished
     assert set(snapshots_dir.glob(".tmp-*")) == partial
+
+
+def qemu_threads(sbx: Sandbox) -> str:
+    """The TCG threading its QEMU was started with, read from the process itself."""
+    argv = Path(f"/proc/{sbx.info().vmm_pid}/cmdline").read_text().split("\0")
+    accel = argv[argv.index("-accel") + 1]
+    return dict(part.partition("=")[::2] for part in accel.split(",")[1:])["thread"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a host of 2 cores or more")
+def test_forks_outnumbering_the_cores_start_single_threaded(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CRYOBOX_TCG_THREADS", raising=False)
+    parent = sandbox_factory()
+    assert qemu_threads(parent) == "multi"
+    (alone,) = parent.fork(1)  # fewer copies than cores: the host's setting
+    try:
+        assert qemu_threads(alone) == "multi"
+    finally:
+        alone.kill()
+    forks = parent.fork(os.cpu_count() or 2)
+    try:
+        assert [qemu_threads(f) for f in forks] == ["single"] * len(forks)
+        first = forks[0]
+        first.files.write("/root/mark", "before")
+        undo = first.checkpoint("mark")
+        first.files.write("/root/mark", "after")
+        first.rollback(undo)  # a new VM: the host's setting again
+        assert first.files.read_text("/root/mark") == "before"
+        assert qemu_threads(first) == "multi"
+        assert [qemu_threads(f) for f in forks[1:]] == ["single"] * (len(forks) - 1)
+    finally:
+        for fork in forks:
+            fork.kill()

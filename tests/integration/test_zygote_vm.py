@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cryobox.sandbox import registry
+from cryobox.sandbox import registry, supervisor
 from cryobox.service import service
 
 pytestmark = pytest.mark.vm
@@ -61,3 +61,47 @@ def test_supervisors_are_forked_apart_and_outlive_their_zygote(sandbox_factory: 
     assert third.commands.run("echo new").stdout == "new\n"
     assert _zygote_pid() != zygote
     assert int(_stat(third.info().supervisor_pid)[1]) == _zygote_pid()
+
+
+def _gone(pid: int, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_a_forks_copies_share_supervisor_processes_each_its_own_sandbox(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervisor, "GROUP_MAX", 2)  # 3 copies: two processes
+    parent = sandbox_factory()
+    forks = parent.fork(3)
+    try:
+        pids = [f.info().supervisor_pid for f in forks]
+        assert pids[0] == pids[1] != pids[2] and parent.info().supervisor_pid not in pids
+        assert all(registry.find(f.id).record().supervisor_shared for f in forks)
+        assert not registry.find(parent.id).record().supervisor_shared
+        for fork in forks:  # each copy's log has its own start, not its sibling's
+            lines = registry.find(fork.id).supervisor_log.read_text().splitlines()
+            assert sum(line.endswith("INFO running") for line in lines) == 1, lines
+
+        # One copy killed: its sibling in the same process runs on, served.
+        forks[0].kill()
+        assert Path(f"/proc/{pids[0]}").exists()
+        assert forks[1].commands.run("echo served").stdout == "served\n"
+
+        # The shared process killed with -9: the copy it served is adopted alone.
+        os.kill(pids[1], signal.SIGKILL)
+        assert _gone(pids[1])
+        assert forks[1].commands.run("echo adopted").stdout == "adopted\n"
+        adopted = registry.find(forks[1].id).record()
+        assert adopted.supervisor_pid not in (None, *pids) and not adopted.supervisor_shared
+
+        # SIGTERM to a group's process (a host shutting down) ends what it serves, and it.
+        os.kill(pids[2], signal.SIGTERM)
+        assert _gone(pids[2])
+        ended = registry.find(forks[2].id).record()
+        assert ended.state.value == "killed" and "SIGTERM" in (ended.error or "")
+    finally:
+        for fork in forks:
+            fork.kill()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from cryobox import config
 from cryobox.errors import InvalidArgument, QemuNotInstalled
 from cryobox.network.policy import NetworkPolicy, parse_policy
 from cryobox.qemu import build_command
@@ -194,3 +195,44 @@ def test_vcpus_share_one_host_thread_only_when_asked(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("CRYOBOX_TCG_THREADS", "2")
     with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_THREADS='2': must be one of"):
         build_command("qemu", spec(accelerator="tcg"))
+
+
+def test_a_machine_of_its_own_threading_overrides_the_hosts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert option(build_command("qemu", spec(tcg_threads="single")), "-accel") == [
+        "tcg,thread=single"
+    ]
+    monkeypatch.setenv("CRYOBOX_TCG_THREADS", "single")
+    assert option(build_command("qemu", spec(tcg_threads="multi")), "-accel") == [
+        "tcg,thread=multi"
+    ]
+    assert option(
+        build_command("qemu", spec(accelerator="kvm", tcg_threads="single")), "-accel"
+    ) == ["kvm"]
+
+
+@pytest.mark.parametrize(
+    ("cores", "count", "setting", "expected"),
+    [
+        (2, 1, None, ""),  # fewer copies than cores: the host's setting
+        (2, 2, None, "single"),
+        (2, 10, None, "single"),
+        (8, 7, None, ""),
+        (2, 10, "multi", ""),  # a setting of the host's own wins
+        (2, 10, "single", ""),
+    ],
+)
+def test_forks_outnumbering_the_cores_start_single_threaded(
+    monkeypatch: pytest.MonkeyPatch, cores: int, count: int, setting: str | None, expected: str
+) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    if setting:
+        monkeypatch.setenv("CRYOBOX_TCG_THREADS", setting)
+    assert config.fork_tcg_threads(count) == expected
+
+
+def test_a_bad_threading_setting_is_named_by_the_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRYOBOX_TCG_THREADS", "many")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_THREADS"):
+        config.fork_tcg_threads(10)

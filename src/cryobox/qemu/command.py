@@ -93,7 +93,8 @@ def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
     """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
     once it is set up)."""
-    accel = "kvm" if spec.accelerator == "kvm" else f"tcg,thread={tcg_threads()}"
+    threads = spec.tcg_threads or tcg_threads()
+    accel = "kvm" if spec.accelerator == "kvm" else f"tcg,thread={threads}"
     # TCG's translation buffer (QEMU's default: up to 1 GiB, touched as used). Smaller
     # holds less memory per VM but translates again once full: 10 forks of a 256 MiB
     # guest at 16 MiB held 15.5 MiB of code each against 21.7, and their second command

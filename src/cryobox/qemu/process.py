@@ -29,6 +29,18 @@ ATTACH_TIMEOUT = 10.0
 VERSION_TIMEOUT = 10.0
 
 
+
+#: glibc's malloc settings for QEMU: one arena for all its threads, and blocks of 128 KiB
+#: and more always mapped apart and given back when freed. By default glibc raises both
+#: thresholds each time a mapped block is freed, so the TLB tables TCG resizes stay in the
+#: heap once freed. Measured on 10 forks of a 1 GiB guest: QEMU's heap and buffers 12.6
+#: MiB per VM against 13.1 (2026-12-01, one run each).
+MALLOC_SETTINGS = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_TRIM_THRESHOLD_": "131072",
+}
+
 def qemu_binary() -> str:
     """The QEMU system emulator's path.
 
@@ -181,6 +193,7 @@ class QemuProcess:
                 # No parent-death signal: a supervisor killed with -9 leaves its VM
                 # running for a new supervisor to adopt (see adopt()).
                 preexec_fn=_isolated_child if self.spec.isolated else None,
+                env={**os.environ, **MALLOC_SETTINGS},
             )
         try:
             if on_spawn is not None:

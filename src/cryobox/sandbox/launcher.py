@@ -92,6 +92,35 @@ class _Spare:
 
 
 @dataclass
+class _GroupProcess:
+    """A supervisor process serving some of a fork's copies: their sockets go to it on
+    ``sock``."""
+
+    process: _Forked
+    sock: socket.socket
+    members: int = 0
+
+
+class SupervisorGroup:
+    """The supervisor processes that the copies of one fork share, each serving up to
+    ``supervisor.GROUP_MAX`` of them (see :func:`cryobox.sandbox.supervisor.serve_group`).
+    Closed once the fork's copies have all started (or failed): each process then ends
+    with the last sandbox it serves."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: _GroupProcess | None = None
+        self._all: list[_GroupProcess] = []
+
+    def close(self) -> None:
+        with self._lock:
+            for each in self._all:
+                each.sock.close()
+                each.process.close()
+            self._all, self._current = [], None
+
+
+@dataclass
 class _Zygote:
     process: subprocess.Popen[bytes]
     sock: socket.socket
@@ -141,42 +170,76 @@ class Launcher:
             )
         return _Zygote(process, ours, relevant_env(), _qemu_stamp())
 
-    def _fork(self, zygote: _Zygote, request: bytes) -> _Spare:
-        """A new supervisor from ``zygote``, its start ``request`` already waiting on its
-        socket: so a service killed while the zygote forks still has the sandbox start
-        (and a later look finds it running), as a spare's start did.
+    def _fork(self, zygote: _Zygote, kind: bytes, theirs: socket.socket) -> _Forked:
+        """A new supervisor from ``zygote`` serving ``theirs``, on which its start request
+        (or a group's first sandbox) is already waiting: so a service killed while the
+        zygote forks still has the sandbox start (and a later look finds it running), as
+        a spare's start did.
 
         :raises _NotSent: when the zygote is gone before it got the request (asking a
             new zygote is safe). :raises OSError: when it does not answer after it (it
             may have forked: asking again could start the sandbox twice).
         """
-        ours, theirs = socket.socketpair()
-        ours.sendall(request)
-        with theirs:
-            lowered = os.environ.get(priority.REFILL_ENV)
-            kind = zygote_protocol.LOWERED if lowered else zygote_protocol.NORMAL
-            zygote.sock.settimeout(FORK_TIMEOUT)
-            try:
-                socket.send_fds(zygote.sock, [kind], [theirs.fileno()])
-            except OSError as exc:
-                ours.close()
-                raise _NotSent(str(exc)) from exc
+        zygote.sock.settimeout(FORK_TIMEOUT)
         try:
-            answer, fds, _, _ = socket.recv_fds(zygote.sock, 32, 1)
-        except BaseException:
-            ours.close()
-            raise
+            socket.send_fds(zygote.sock, [kind], [theirs.fileno()])
+        except OSError as exc:
+            raise _NotSent(str(exc)) from exc
+        answer, fds, _, _ = socket.recv_fds(zygote.sock, 32, 1)
         if not answer.endswith(b"\n") or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            ours.close()
             raise ConnectionError("the supervisor zygote exited while it forked")
-        return _Spare(_Forked(int(answer), fds[0]), ours)
+        return _Forked(int(answer), fds[0])
 
-    def _take(self, request: bytes) -> _Spare:
-        """A new supervisor with ``request`` on its socket, forked from the zygote if it
-        is alive and was started with the environment and QEMU as they are now (it read
-        CRYOBOX_* and QEMU's version at start), else from a new one."""
+    def _take(self, request: bytes, group: SupervisorGroup | None = None) -> _Spare:
+        """A supervisor with ``request`` waiting on its socket: a new process, or for a
+        fork's copy the ``group``'s process while it serves fewer than GROUP_MAX."""
+        ours, theirs = socket.socketpair()
+        try:
+            ours.sendall(request)
+            with theirs:
+                if group is None:
+                    lowered = os.environ.get(priority.REFILL_ENV)
+                    kind = zygote_protocol.LOWERED if lowered else zygote_protocol.NORMAL
+                    return _Spare(self._forked(kind, theirs), ours)
+                return _Spare(self._joined(group, theirs), ours)
+        except BaseException:
+            ours.close()
+            raise
+
+    def _joined(self, group: SupervisorGroup, theirs: socket.socket) -> _Forked:
+        """The group process that serves ``theirs`` from now on (started for it when the
+        group has none with room); a handle of the caller's own on it."""
+        from cryobox.sandbox.supervisor import GROUP_MAX
+
+        with group._lock:
+            current = group._current
+            if current is not None and (
+                current.members >= GROUP_MAX or current.process.poll() is not None
+            ):
+                current = None
+            if current is None:
+                mine, its = socket.socketpair()
+                with its:
+                    socket.send_fds(mine, [b"S"], [theirs.fileno()])
+                    try:
+                        forked = self._forked(zygote_protocol.GROUP, its)
+                    except BaseException:
+                        mine.close()
+                        raise
+                current = group._current = _GroupProcess(forked, mine)
+                group._all.append(current)
+            else:
+                socket.send_fds(current.sock, [b"S"], [theirs.fileno()])
+            current.members += 1
+            assert current.process._pidfd is not None
+            return _Forked(current.process.pid, os.dup(current.process._pidfd))
+
+    def _forked(self, kind: bytes, theirs: socket.socket) -> _Forked:
+        """A new supervisor serving ``theirs``, forked from the zygote if it is alive and
+        was started with the environment and QEMU as they are now (it read CRYOBOX_* and
+        QEMU's version at start), else from a new one."""
         gone: list[_Zygote] = []  # let go of outside the lock
         try:
             with self._lock:
@@ -192,11 +255,11 @@ class Launcher:
                     zygote = self._spawn_zygote()
                 try:
                     try:
-                        spare = self._fork(zygote, request)
+                        forked = self._fork(zygote, kind, theirs)
                     except _NotSent:  # it died before it got the request: ask a new one
                         gone.append(zygote)
                         zygote = self._spawn_zygote()
-                        spare = self._fork(zygote, request)
+                        forked = self._fork(zygote, kind, theirs)
                 except BaseException:
                     gone.append(zygote)  # it may have forked: never asked again
                     raise
@@ -204,7 +267,7 @@ class Launcher:
         finally:
             for each in gone:
                 _release_zygote(each)
-        return spare
+        return forked
 
     def discard_spare(self) -> None:
         """Let the zygote go (it exits when its socket closes)."""
@@ -219,15 +282,19 @@ class Launcher:
         resume: bool,
         adopt: bool = False,
         progress: Callable[[str], None] | None = None,
+        group: SupervisorGroup | None = None,
     ) -> SandboxRecord:
-        """Hand ``folder`` to a supervisor; return its record once the sandbox runs.
+        """Hand ``folder`` to a supervisor (of ``group``'s when given, a fork's copies');
+        return its record once the sandbox runs. A start that fails or is cancelled
+        stops its supervisor: a group's, with every copy it serves (a fork is all or
+        nothing).
 
         :raises CryoboxError: the error that stopped the start (rebuilt as its own type).
         """
         request = StartRequest(str(folder.path), resume, adopt)
         encoded = p.encode({"id": 0, "op": ControlOp.START, "args": request.to_args()})
         # In a thread: a zygote that is still importing must not hold up the event loop.
-        taking = asyncio.ensure_future(asyncio.to_thread(self._take, encoded))
+        taking = asyncio.ensure_future(asyncio.to_thread(self._take, encoded, group))
         try:
             spare = await asyncio.shield(taking)
         except asyncio.CancelledError:  # the supervisor forked meanwhile is stopped

@@ -223,6 +223,11 @@ class Machine:
         #: Whether the RAM file's blocks are all allocated (see RESERVE_MARGIN).
         self.ram_reserved = False
         self._layers = len(list(folder.path.glob("disk*.qcow2")))
+        #: TCG's threading for the next VM started: the spec's for the first (a fork's),
+        #: the host's for any later one (a resume from the files, a rollback).
+        self._tcg_threads = ""
+        #: Whether its supervisor's process serves other sandboxes too (a fork's group).
+        self.shared_supervisor = False
 
     def _maybe_reserve(self, path: Path, size: int) -> None:
         """Reserve the RAM file's blocks now if the free space is already short."""
@@ -256,6 +261,7 @@ class Machine:
             state=state,
             supervisor_pid=supervisor_pid,
             supervisor_started=process_start(supervisor_pid),
+            supervisor_shared=self.shared_supervisor,
             deadline=time.time() + self.timeout,
         )
 
@@ -281,14 +287,18 @@ class Machine:
     async def start(self, supervisor_pid: int) -> None:
         """Boot cold, or restore the snapshot the spec names."""
         self._claim(SandboxState.CREATING, supervisor_pid)
-        if self.spec.restore_from is None:
-            await self._cold_boot(())
-            return
-        manifest = self._trusted(self.spec.restore_from)
-        if manifest.kind is SnapshotKind.DISK:
-            await self._cold_boot((manifest.id, *manifest.disk_chain))
-        else:
-            await self._restore(manifest, new_identity=True)
+        self._tcg_threads = self.spec.tcg_threads
+        try:
+            if self.spec.restore_from is None:
+                await self._cold_boot(())
+                return
+            manifest = self._trusted(self.spec.restore_from)
+            if manifest.kind is SnapshotKind.DISK:
+                await self._cold_boot((manifest.id, *manifest.disk_chain))
+            else:
+                await self._restore(manifest, new_identity=True)
+        finally:
+            self._tcg_threads = ""
         self.update(origin=manifest.id)
 
     async def adopt(self, supervisor_pid: int) -> None:
@@ -309,7 +319,11 @@ class Machine:
         pid = self.record.qemu_pid
         if not pid or not process_alive(pid, f"cryobox-{self.spec.id}"):
             raise SandboxDead(self.spec.id, "its supervisor and its VM are gone")
-        self.update(supervisor_pid=supervisor_pid, supervisor_started=process_start(supervisor_pid))
+        self.update(
+            supervisor_pid=supervisor_pid,
+            supervisor_started=process_start(supervisor_pid),
+            supervisor_shared=self.shared_supervisor,
+        )
         forwards = tuple(PortForward(g, h) for g, h in self.record.ports.items())
         try:
             self.vm = await self.vmm.adopt(
@@ -530,6 +544,7 @@ class Machine:
             incoming=incoming,
             network=self.network,
             isolated=self.isolated,
+            tcg_threads=self._tcg_threads,
         )
 
     async def _start_vm(

@@ -44,6 +44,8 @@ class SandboxSpec:
     #: (its RAM maps the fork snapshot's file privately, shared copy-on-write).
     forked_from: str | None = None
     fork_index: int = 0
+    #: TCG's threading for its first VM ("" the host's; see ``config.fork_tcg_threads``).
+    tcg_threads: str = ""
     created_at: float = field(default_factory=time.time)
     #: The network policy's JSON form (see :class:`cryobox.network.NetworkPolicy`).
     network: str | list[str] = "internet"
@@ -71,6 +73,9 @@ class SandboxRecord:
     supervisor_pid: int | None = None
     #: The supervisor's start time (clock ticks after boot): guards against pid reuse.
     supervisor_started: int | None = None
+    #: Whether that process serves other sandboxes too (the copies of one fork): it is
+    #: then never killed for this sandbox's sake once this one has ended.
+    supervisor_shared: bool = False
     qemu_pid: int | None = None
     ports: dict[int, int] = field(default_factory=dict)
     deadline: float | None = None

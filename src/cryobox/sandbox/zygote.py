@@ -8,8 +8,11 @@ still a process of its own, in a session of its own, so one that crashes takes o
 its sandbox with it (crash isolation as before).
 
 The service talks to the zygote on a socket pair: a request is one byte (``L`` for a
-warm pool's member, started at the lowest priority; ``N`` otherwise) carrying the
-supervisor's end of a new socket pair (SCM_RIGHTS); the answer is the new
+warm pool's member, started at the lowest priority; ``N`` otherwise; ``G`` for a
+supervisor that serves a group of sandboxes, the copies of one fork, see
+:func:`cryobox.sandbox.supervisor.serve_group`) carrying the supervisor's end of a new
+socket pair (SCM_RIGHTS; for ``G`` the group's socket, on which each sandbox's own
+socket arrives in turn); the answer is the new
 supervisor's pid, one line, carrying a pidfd for it, opened before the zygote can
 reap it (so no reuse of its pid can make the service signal another process). The
 zygote reaps supervisors that exit (SIGCHLD). A zygote whose service exits sees its
@@ -29,11 +32,12 @@ import socket
 import sys
 import threading
 
-LOWERED, NORMAL = b"L", b"N"
+LOWERED, NORMAL, GROUP = b"L", b"N", b"G"
 
 
-def _become_supervisor(control: socket.socket, fd: int, lowered: bool) -> None:
-    """In the forked child: a supervisor in a session of its own, serving ``fd``."""
+def _become_supervisor(control: socket.socket, fd: int, kind: bytes) -> None:
+    """In the forked child: a supervisor in a session of its own, serving ``fd`` (one
+    sandbox's socket, or a group's)."""
     import asyncio
 
     from cryobox.sandbox import priority, supervisor
@@ -44,9 +48,10 @@ def _become_supervisor(control: socket.socket, fd: int, lowered: bool) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         os.setsid()  # its own session (and scheduling group), as a spawned one had
-        if lowered:
+        if kind == LOWERED:
             priority.lower()
-        code = asyncio.run(supervisor._serve(socket.socket(fileno=fd)))
+        serve = supervisor.serve_group if kind == GROUP else supervisor._serve
+        code = asyncio.run(serve(socket.socket(fileno=fd)))
     except BaseException:  # a supervisor never returns into the zygote's loop
         import traceback
 
@@ -80,7 +85,7 @@ def serve(control: socket.socket) -> None:
         try:
             pid = os.fork()
             if pid == 0:
-                _become_supervisor(control, fds[0], message == LOWERED)
+                _become_supervisor(control, fds[0], message)
             os.close(fds[0])
             pidfd = os.pidfd_open(pid)
         finally:

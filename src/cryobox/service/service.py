@@ -58,7 +58,7 @@ from cryobox.network.namespace import check_can_isolate
 from cryobox.network.policy import INTERNET, parse_policy
 from cryobox.sandbox import registry
 from cryobox.sandbox.control import TIMEOUTS, ControlOp, Pause, TakeSnapshot
-from cryobox.sandbox.launcher import Launcher
+from cryobox.sandbox.launcher import Launcher, SupervisorGroup
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import egress, pool, references
@@ -176,6 +176,8 @@ class SandboxService:
         *,
         forked_from: str | None = None,
         fork_index: int = 0,
+        tcg_threads: str = "",
+        group: SupervisorGroup | None = None,
         pool_member: bool = False,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers (with its proxy
@@ -204,6 +206,8 @@ class SandboxService:
             progress,
             forked_from=forked_from,
             fork_index=fork_index,
+            tcg_threads=tcg_threads,
+            group=group,
             pool_member=pool_member,
         )
         # A pool member got the host's when it was made.
@@ -244,6 +248,8 @@ class SandboxService:
         *,
         forked_from: str | None = None,
         fork_index: int = 0,
+        tcg_threads: str = "",
+        group: SupervisorGroup | None = None,
         pool_member: bool = False,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers.
@@ -309,6 +315,7 @@ class SandboxService:
             restore_from=source.id if source else None,
             forked_from=forked_from,
             fork_index=fork_index,
+            tcg_threads=tcg_threads,
             network=policy.to_json(),
             envs=dict(request.envs),
             metadata=dict(request.metadata),
@@ -318,7 +325,7 @@ class SandboxService:
         folder.write_spec(spec)
         folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING), check=False)
         try:
-            record = await self.launcher.start(folder, resume=False, progress=progress)
+            record = await self.launcher.start(folder, resume=False, progress=progress, group=group)
         except BaseException:
             _remove(folder)  # a failed create leaves nothing behind
             raise
@@ -404,7 +411,10 @@ class SandboxService:
             await _wait_finished(folder)
         await self.disconnect(sandbox_id)
         record = folder.record()
-        if registry.supervisor_alive(record) and record.supervisor_pid:
+        # A fork group's process serves the other copies on: it is killed only when it
+        # did not end this one.
+        serves_others = record.supervisor_shared and record.state.finished
+        if registry.supervisor_alive(record) and record.supervisor_pid and not serves_others:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.supervisor_pid, signal.SIGKILL)
         if record.qemu_pid and registry.process_alive(record.qemu_pid, folder.id):
@@ -589,7 +599,9 @@ class SandboxService:
 
         The parent is saved once (it goes on running, on its own RAM file), then the
         forks restore that snapshot with its RAM mapped privately: shared pages stay
-        shared. All or nothing: a fork that fails kills the others.
+        shared. All or nothing: a fork that fails kills the others. Under TCG, copies at
+        least as many as the host's cores start with their vCPUs on one host thread each
+        (``config.fork_tcg_threads``).
 
         :raises InvalidArgument: when ``count`` is not within 1..100.
         :raises CapacityError: when the host cannot hold them; nothing is started.
@@ -607,8 +619,10 @@ class SandboxService:
                 needed_mib=needed,
                 available_mib=available,
             )
+        threads = config.fork_tcg_threads(count)
         saved = await self.capture(sandbox_id, SnapshotPurpose.FORK, f"fork-of-{sandbox_id}")
         gate = asyncio.Semaphore(FORK_CONCURRENCY)
+        group = SupervisorGroup()  # the copies share supervisor processes
 
         async def one(index: int) -> SandboxInfo:
             async with gate:
@@ -622,11 +636,16 @@ class SandboxService:
                     ),
                     forked_from=sandbox_id,
                     fork_index=index,
+                    tcg_threads=threads,
+                    group=group,
                 )
 
-        results = await asyncio.gather(
-            *(one(i) for i in range(1, count + 1)), return_exceptions=True
-        )
+        try:
+            results = await asyncio.gather(
+                *(one(i) for i in range(1, count + 1)), return_exceptions=True
+            )
+        finally:
+            group.close()
         started = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:

@@ -54,6 +54,9 @@ class MachineSpec:
     #: What the guest may reach; enforced when ``isolated`` (a namespace of its own).
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
     isolated: bool = False
+    #: TCG's threading for this VM ("single" or "multi"); "" for the host's setting
+    #: (``config.tcg_threads``).
+    tcg_threads: str = ""
 
 
 class Vm(Protocol):
