@@ -29,7 +29,6 @@ ATTACH_TIMEOUT = 10.0
 VERSION_TIMEOUT = 10.0
 
 
-
 #: glibc's malloc settings for QEMU: one arena for all its threads, and blocks of 128 KiB
 #: and more always mapped apart and given back when freed. By default glibc raises both
 #: thresholds each time a mapped block is freed, so the TLB tables TCG resizes stay in the
@@ -40,6 +39,7 @@ MALLOC_SETTINGS = {
     "MALLOC_MMAP_THRESHOLD_": "131072",
     "MALLOC_TRIM_THRESHOLD_": "131072",
 }
+
 
 def qemu_binary() -> str:
     """The QEMU system emulator's path.
