@@ -172,7 +172,12 @@ def fork_tcg_threads(count: int) -> str:
     tcg_threads()  # a bad setting is named here, not by the forks' supervisors
     if os.environ.get("CRYOBOX_TCG_THREADS", "").strip():
         return ""
-    return "single" if count >= (os.cpu_count() or 1) else ""
+    return "single" if count >= host_cores() else ""
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset, say)."""
+    return len(os.sched_getaffinity(0)) or 1
 
 
 #: Seconds a paused sandbox's VM is kept, stopped, after its pause was saved: a resume

@@ -70,37 +70,57 @@ def _gone(pid: int, seconds: float = 15.0) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
+def _served_by(sbx: Any) -> int | None:
+    """The supervisor process serving it, after a command (so one that died has been
+    replaced by an adopting one)."""
+    assert sbx.commands.run("echo served").stdout == "served\n"
+    return registry.find(sbx.id).record().supervisor_pid
+
+
 def test_a_forks_copies_share_supervisor_processes_each_its_own_sandbox(
     sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(supervisor, "GROUP_MAX", 2)  # 3 copies: two processes
+    monkeypatch.setattr(supervisor, "GROUP_MAX", 3)  # 5 copies: processes of 3 and 2
     parent = sandbox_factory()
-    forks = parent.fork(3)
+    forks = parent.fork(5)
     try:
-        pids = [f.info().supervisor_pid for f in forks]
-        assert pids[0] == pids[1] != pids[2] and parent.info().supervisor_pid not in pids
+        by_pid: dict[int, list[Any]] = {}
+        for fork in forks:
+            by_pid.setdefault(fork.info().supervisor_pid, []).append(fork)
+        assert sorted(map(len, by_pid.values())) == [2, 3]
+        assert parent.info().supervisor_pid not in by_pid
         assert all(registry.find(f.id).record().supervisor_shared for f in forks)
         assert not registry.find(parent.id).record().supervisor_shared
-        for fork in forks:  # each copy's log has its own start, not its sibling's
+        for fork in forks:  # each copy's log has its own start, not a sibling's
             lines = registry.find(fork.id).supervisor_log.read_text().splitlines()
             assert sum(line.endswith("INFO running") for line in lines) == 1, lines
+        (trio_pid, trio), (pair_pid, pair) = sorted(by_pid.items(), key=lambda i: -len(i[1]))
 
-        # One copy killed: its sibling in the same process runs on, served.
-        forks[0].kill()
-        assert Path(f"/proc/{pids[0]}").exists()
-        assert forks[1].commands.run("echo served").stdout == "served\n"
+        # One copy killed: the others of its process are served on by it.
+        trio[0].kill()
+        assert [_served_by(f) for f in trio[1:]] == [trio_pid, trio_pid]
 
-        # The shared process killed with -9: the copy it served is adopted alone.
-        os.kill(pids[1], signal.SIGKILL)
-        assert _gone(pids[1])
-        assert forks[1].commands.run("echo adopted").stdout == "adopted\n"
-        adopted = registry.find(forks[1].id).record()
-        assert adopted.supervisor_pid not in (None, *pids) and not adopted.supervisor_shared
+        # A copy paused with its VM held, then killed: its siblings still are.
+        monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "60")
+        trio[1].pause()
+        held = registry.find(trio[1].id).record()
+        assert held.held_until and held.supervisor_pid == trio_pid
+        trio[1].kill()
+        assert registry.process_alive(trio_pid, "cryobox")
+        assert not registry.process_alive(held.qemu_pid or 0, trio[1].id)
+        assert _served_by(trio[2]) == trio_pid
 
-        # SIGTERM to a group's process (a host shutting down) ends what it serves, and it.
-        os.kill(pids[2], signal.SIGTERM)
-        assert _gone(pids[2])
-        ended = registry.find(forks[2].id).record()
+        # A shared process killed with -9: each copy it served is adopted alone.
+        os.kill(pair_pid, signal.SIGKILL)
+        assert _gone(pair_pid)
+        adopters = [_served_by(f) for f in pair]
+        assert len(set(adopters)) == 2 and pair_pid not in adopters
+        assert not any(registry.find(f.id).record().supervisor_shared for f in pair)
+
+        # SIGTERM to a shared process (a host shutting down) ends what it serves, and it.
+        os.kill(trio_pid, signal.SIGTERM)
+        assert _gone(trio_pid)
+        ended = registry.find(trio[2].id).record()
         assert ended.state.value == "killed" and "SIGTERM" in (ended.error or "")
     finally:
         for fork in forks:

@@ -226,7 +226,7 @@ def test_a_machine_of_its_own_threading_overrides_the_hosts(
 def test_forks_outnumbering_the_cores_start_single_threaded(
     monkeypatch: pytest.MonkeyPatch, cores: int, count: int, setting: str | None, expected: str
 ) -> None:
-    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setattr(config, "host_cores", lambda: cores)
     if setting:
         monkeypatch.setenv("CRYOBOX_TCG_THREADS", setting)
     assert config.fork_tcg_threads(count) == expected

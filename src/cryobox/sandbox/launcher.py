@@ -111,9 +111,13 @@ class SupervisorGroup:
         self._lock = threading.Lock()
         self._current: _GroupProcess | None = None
         self._all: list[_GroupProcess] = []
+        self.closed = False
 
     def close(self) -> None:
+        """No more copies: each process ends with the last sandbox it serves. Waits for
+        a copy being handed over (its lock is held across a zygote's fork)."""
         with self._lock:
+            self.closed = True
             for each in self._all:
                 each.sock.close()
                 each.process.close()
@@ -214,6 +218,8 @@ class Launcher:
         from cryobox.sandbox.supervisor import GROUP_MAX
 
         with group._lock:
+            if group.closed:  # the fork ended (failed, cancelled) while this one waited
+                raise ConnectionError("the fork this copy belongs to is over")
             current = group._current
             if current is not None and (
                 current.members >= GROUP_MAX or current.process.poll() is not None
@@ -221,13 +227,13 @@ class Launcher:
                 current = None
             if current is None:
                 mine, its = socket.socketpair()
-                with its:
-                    socket.send_fds(mine, [b"S"], [theirs.fileno()])
-                    try:
+                try:
+                    with its:
+                        socket.send_fds(mine, [b"S"], [theirs.fileno()])
                         forked = self._forked(zygote_protocol.GROUP, its)
-                    except BaseException:
-                        mine.close()
-                        raise
+                except BaseException:
+                    mine.close()
+                    raise
                 current = group._current = _GroupProcess(forked, mine)
                 group._all.append(current)
             else:
@@ -306,17 +312,17 @@ class Launcher:
                 TIMEOUTS[ControlOp.START],
             )
         except TimeoutError:
-            _terminate(spare.process)
+            _stop(spare.process, group)
             raise SandboxDead(
                 folder.id, f"not ready within {TIMEOUTS[ControlOp.START]:.0f} s"
             ) from None
         except BaseException:
-            _terminate(spare.process)
+            _stop(spare.process, group)
             raise
         finally:
             spare.sock.close()
         if isinstance(outcome, CryoboxError):
-            _terminate(spare.process)  # it is exiting already: wait for it
+            _stop(spare.process, group)  # it is exiting already: wait for it
             raise outcome
         spare.process.close()  # it runs the sandbox on its own from here
         return SandboxRecord.from_json(outcome)
@@ -369,6 +375,16 @@ def _release_zygote(zygote: _Zygote | None) -> None:
         if zygote.process.poll() is None:
             zygote.process.kill()
             zygote.process.wait()
+
+
+def _stop(process: _Forked, group: SupervisorGroup | None) -> None:
+    """Stop a supervisor whose start failed: waiting for it, or for a group's (which
+    stops every copy it serves: a fork is all or nothing) in a thread of its own, as its
+    other copies' starts still run on this event loop."""
+    if group is None:
+        _terminate(process)
+    else:
+        threading.Thread(target=_terminate, args=(process,), daemon=True).start()
 
 
 def _terminate(process: _Forked) -> None:

@@ -34,12 +34,14 @@ import fcntl
 import logging
 import logging.handlers
 import os
+import resource
 import shutil
 import signal
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,9 +146,23 @@ def _log_to(folder: SandboxDir, *, only: bool) -> logging.Handler:
     return handler
 
 
-def _stop_all(signum: signal.Signals) -> None:
+class _Process:
+    """What this process does on SIGTERM or SIGINT: every sandbox it serves stops (as
+    killed), starts that have not begun are refused, and a group takes no more."""
+
+    stopping = False
+    on_stop: list[Callable[[], None]] = []
+
+
+_PROCESS = _Process()
+
+
+def _on_signal(signum: signal.Signals) -> None:
+    _PROCESS.stopping = True
     for supervisor in list(_SERVING):
         supervisor.stop(SandboxState.KILLED, f"signal {signum.name}")
+    for callback in _PROCESS.on_stop:
+        callback()
 
 
 def error_reply(rid: int | None, exc: BaseException, op: str) -> dict[str, Any]:
@@ -292,7 +308,7 @@ class Supervisor:
         """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, _stop_all, sig)
+            loop.add_signal_handler(sig, _on_signal, sig)
         _SERVING.add(self)
         try:
             return await self._run(resume, report, adopt=adopt)
@@ -347,6 +363,20 @@ class Supervisor:
             state, reason = self._stop_reason
             await self._shutdown(state, reason)
         return 0
+
+    async def end_after_bug(self, exc: Exception) -> None:
+        """End this sandbox after an error nobody expected escaped it, in a process that
+        serves others on: its VM is killed and its record says so (a process of its own
+        would have ended instead, leaving its VM to be adopted)."""
+        log.error("ended by an internal error:\n%s", "".join(traceback.format_exception(exc)))
+        with contextlib.suppress(Exception):
+            await self.machine.stop_vm()
+        with contextlib.suppress(Exception):
+            self.machine.update(
+                state=SandboxState.DEAD,
+                error=f"internal error in its supervisor: {type(exc).__name__}: {exc}",
+                qemu_pid=None,
+            )
 
     def _leave_as_is(self, exc: Exception) -> bool:
         """Whether a failed adoption left the sandbox as it should stay: paused again (a
@@ -650,28 +680,55 @@ class Supervisor:
 
 async def serve_group(group: socket.socket) -> int:
     """Serve the sandboxes whose sockets arrive on ``group`` (one each, SCM_RIGHTS), each
-    as :func:`_serve` does, side by side; return once the service has closed ``group``
-    and every one of them has ended. 0, or 1 when a start failed."""
+    as :func:`_serve` does, side by side; return once no more can come (the service
+    closed ``group``, or SIGTERM/SIGINT ended them all) and every one has ended. 0, or 1
+    when one of them failed."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(ValueError, OSError):  # 25 sandboxes' sockets and files
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     serving: set[asyncio.Task[int]] = set()
     failed = False
+    done = asyncio.Event()
 
     def ended(task: asyncio.Task[int]) -> None:
         nonlocal failed
         serving.discard(task)
         failed = failed or task.cancelled() or task.exception() is not None or task.result() != 0
-        if not task.cancelled() and task.exception() is not None:
-            log.error("a sandbox of the group ended with %r", task.exception())
+        if not task.cancelled() and task.exception() is not None:  # its socket is closed
+            log.error("a start in this group failed: %r", task.exception())
 
-    with group:
-        while True:
-            # A thread waits for the next socket: the sandboxes already here go on.
-            _, fds, _, _ = await asyncio.to_thread(socket.recv_fds, group, 1, 1)
-            if not fds:
-                break  # the service closed it: no more sandboxes
-            for fd in fds:
-                task = asyncio.ensure_future(_serve(socket.socket(fileno=fd), shared=True))
-                serving.add(task)
-                task.add_done_callback(ended)
+    def stop_receiving() -> None:
+        if not done.is_set():
+            loop.remove_reader(group.fileno())
+            done.set()
+
+    def arrived() -> None:
+        try:
+            message, fds, _, _ = socket.recv_fds(group, 1, 4)
+        except BlockingIOError:
+            return
+        except OSError:
+            message, fds = b"", []
+        for fd in fds:
+            if _PROCESS.stopping:  # its start is answered with an error
+                os.close(fd)
+                continue
+            task = asyncio.ensure_future(_serve(socket.socket(fileno=fd), shared=True))
+            serving.add(task)
+            task.add_done_callback(ended)
+        if not message:
+            stop_receiving()  # the service closed it: no more sandboxes
+
+    group.setblocking(False)
+    _PROCESS.on_stop.append(stop_receiving)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig)
+    loop.add_reader(group.fileno(), arrived)
+    try:
+        await done.wait()
+    finally:
+        group.close()
     while serving:
         await asyncio.wait(set(serving))
     return 1 if failed else 0
@@ -679,8 +736,18 @@ async def serve_group(group: socket.socket) -> int:
 
 async def _serve(sock: socket.socket, *, shared: bool = False) -> int:
     """Read the start request from the service, then run the sandbox (``shared``: beside
-    others of this process's)."""
+    others of this process's). The socket is closed on every way out, so the service
+    never waits on a start nobody serves."""
     reader, writer = await asyncio.open_unix_connection(sock=sock)
+    try:
+        return await _start_and_run(reader, writer, shared)
+    finally:
+        writer.close()
+
+
+async def _start_and_run(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shared: bool
+) -> int:
     decoder = p.Decoder()
     request: StartRequest | None = None
     while request is None:
@@ -692,43 +759,53 @@ async def _serve(sock: socket.socket, *, shared: bool = False) -> int:
                 request = StartRequest.parse(item.header.get("args") or {})
                 break
     folder = SandboxDir(Path(request.folder))
+    report = ClientConnection(writer)
+    if _PROCESS.stopping:
+        report.send(error_reply(0, SandboxDead(folder.id, "its supervisor is stopping"), "start"))
+        await writer.drain()
+        return 1
     # Two processes may find the same orphaned VM at once: the first adopter holds this
     # lock for its life, a second one finds it taken and leaves.
     # One supervisor per sandbox: it holds this lock for its life. An adopter gives up at
     # once if another holds it (someone adopted first); a resume waits for the supervisor
     # that paused to be gone. Each re-reads the state once it holds the lock (Machine).
     lock = os.open(folder.path / "supervisor.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    deadline = time.monotonic() + (0 if request.adopt else LOCK_WAIT_SECONDS)
-    while True:
+    try:
+        deadline = time.monotonic() + (0 if request.adopt else LOCK_WAIT_SECONDS)
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    busy = SandboxDead(folder.id, "another supervisor serves it")
+                    report.send(error_reply(0, busy, "start"))
+                    await writer.drain()
+                    return 1
+                await asyncio.sleep(LOCK_POLL_SECONDS)
+        handler = _log_to(folder, only=not shared)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(lock)
-                busy = SandboxDead(folder.id, "another supervisor serves it")
-                ClientConnection(writer).send(error_reply(0, busy, "start"))
+            try:
+                supervisor = Supervisor(folder, shared=shared)
+            except Exception as exc:
+                if isinstance(exc, OSError):
+                    exc = StorageError("starting the supervisor", str(folder.path), str(exc))
+                report.send(error_reply(0, exc, "start"))
                 await writer.drain()
                 return 1
-            await asyncio.sleep(LOCK_POLL_SECONDS)
-    handler = _log_to(folder, only=not shared)
-    report = ClientConnection(writer)
-    try:
-        try:
-            supervisor = Supervisor(folder, shared=shared)
-        except (CryoboxError, OSError) as exc:
-            if isinstance(exc, OSError):
-                exc = StorageError("starting the supervisor", str(folder.path), str(exc))
-            report.send(error_reply(0, exc, "start"))
-            await writer.drain()
-            return 1
-        code = await supervisor.run(request.resume, report, adopt=request.adopt)
-        writer.close()
-        return code
+            try:
+                return await supervisor.run(request.resume, report, adopt=request.adopt)
+            except Exception as exc:
+                if not shared:
+                    raise  # the process ends: its sandbox is adopted or found dead
+                await supervisor.end_after_bug(exc)  # its siblings are served on
+                return 1
+        finally:
+            if shared:  # its log goes with it; the process serves others on
+                handler.close()
     finally:
-        if shared:  # its lock and log go with it; the process serves others on
+        if shared:
             os.close(lock)
-            handler.close()
 
 
 def prepare(program: str) -> socket.socket:

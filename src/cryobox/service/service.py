@@ -405,16 +405,28 @@ class SandboxService:
         spec, was = folder.spec(), folder.record()
         if was.state.finished or spec.pool:
             keep_record = False
+        # A fork's copy is asked whenever its supervisor lives (paused with its VM held,
+        # say): that process serves the other copies too, and is never killed for it.
+        shared = was.supervisor_shared and registry.supervisor_alive(was)
         if was.state is SandboxState.RUNNING:
             with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
                 await self._control(sandbox_id, ControlOp.KILL)
             await _wait_finished(folder)
+        elif shared:  # not running: asked on its control socket all the same
+            with contextlib.suppress(ChannelError, OSError):
+                channel = await AgentClient.connect(folder.control_socket, trusted=True)
+                try:
+                    await channel.request(ControlOp.KILL, {}, timeout=TIMEOUTS[ControlOp.KILL])
+                finally:
+                    await channel.close()
+            await _wait_finished(folder)
         await self.disconnect(sandbox_id)
         record = folder.record()
-        # A fork group's process serves the other copies on: it is killed only when it
-        # did not end this one.
-        serves_others = record.supervisor_shared and record.state.finished
-        if registry.supervisor_alive(record) and record.supervisor_pid and not serves_others:
+        if (
+            registry.supervisor_alive(record)
+            and record.supervisor_pid
+            and not record.supervisor_shared
+        ):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.supervisor_pid, signal.SIGKILL)
         if record.qemu_pid and registry.process_alive(record.qemu_pid, folder.id):
