@@ -775,6 +775,9 @@ def test_cli_shell_and_exec_t_run_on_a_terminal(
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         env=env,
+        # As a terminal's shell starts it: a test run started as a background job has
+        # SIGINT ignored, and its children would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         running = "pgrep -x sleep -a | grep -q 606"
