@@ -78,6 +78,11 @@ class _Forked:
         with contextlib.suppress(ProcessLookupError):
             self.send_signal(signal.SIGKILL)
 
+    def dup(self) -> _Forked:
+        """A handle of its own on the same process (closed apart from this one)."""
+        assert self._pidfd is not None
+        return _Forked(self.pid, os.dup(self._pidfd))
+
     def close(self) -> None:
         """Stop watching it (it runs on, on its own)."""
         if self._pidfd is not None:
@@ -109,7 +114,7 @@ class SupervisorGroup:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._current: _GroupProcess | None = None
+        #: Its processes, the one taking new copies last.
         self._all: list[_GroupProcess] = []
         self.closed = False
 
@@ -121,7 +126,7 @@ class SupervisorGroup:
             for each in self._all:
                 each.sock.close()
                 each.process.close()
-            self._all, self._current = [], None
+            self._all = []
 
 
 @dataclass
@@ -220,7 +225,7 @@ class Launcher:
         with group._lock:
             if group.closed:  # the fork ended (failed, cancelled) while this one waited
                 raise ConnectionError("the fork this copy belongs to is over")
-            current = group._current
+            current = group._all[-1] if group._all else None
             if current is not None and (
                 current.members >= GROUP_MAX or current.process.poll() is not None
             ):
@@ -234,13 +239,12 @@ class Launcher:
                 except BaseException:
                     mine.close()
                     raise
-                current = group._current = _GroupProcess(forked, mine)
+                current = _GroupProcess(forked, mine)
                 group._all.append(current)
             else:
                 socket.send_fds(current.sock, [b"S"], [theirs.fileno()])
             current.members += 1
-            assert current.process._pidfd is not None
-            return _Forked(current.process.pid, os.dup(current.process._pidfd))
+            return current.process.dup()
 
     def _forked(self, kind: bytes, theirs: socket.socket) -> _Forked:
         """A new supervisor serving ``theirs``, forked from the zygote if it is alive and

@@ -206,6 +206,8 @@ class Machine:
         save: Callable[[SandboxRecord], None],
         vmm: Vmm,
         store: SnapshotStore,
+        *,
+        shared_supervisor: bool = False,
     ) -> None:
         self.folder = folder
         self.spec: SandboxSpec = folder.spec()
@@ -227,7 +229,7 @@ class Machine:
         #: the host's for any later one (a resume from the files, a rollback).
         self._tcg_threads = ""
         #: Whether its supervisor's process serves other sandboxes too (a fork's group).
-        self.shared_supervisor = False
+        self.shared_supervisor = shared_supervisor
 
     def _maybe_reserve(self, path: Path, size: int) -> None:
         """Reserve the RAM file's blocks now if the free space is already short."""

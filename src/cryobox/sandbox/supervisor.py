@@ -42,6 +42,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -146,12 +147,13 @@ def _log_to(folder: SandboxDir, *, only: bool) -> logging.Handler:
     return handler
 
 
+@dataclass
 class _Process:
     """What this process does on SIGTERM or SIGINT: every sandbox it serves stops (as
     killed), starts that have not begun are refused, and a group takes no more."""
 
-    stopping = False
-    on_stop: list[Callable[[], None]] = []
+    stopping: bool = False
+    on_stop: list[Callable[[], None]] = field(default_factory=list)
 
 
 _PROCESS = _Process()
@@ -274,9 +276,10 @@ class OutputFlow:
 class Supervisor:
     def __init__(self, folder: SandboxDir, vmm: Vmm | None = None, *, shared: bool = False) -> None:
         self.folder = folder
-        self.machine = Machine(folder, self._save, vmm or backend(), LocalSnapshotStore())
-        #: Whether this process serves other sandboxes too (a fork's group).
-        self.machine.shared_supervisor = shared
+        # ``shared``: this process serves other sandboxes too (a fork's group).
+        self.machine = Machine(
+            folder, self._save, vmm or backend(), LocalSnapshotStore(), shared_supervisor=shared
+        )
         self._stop = asyncio.Event()
         self._stop_reason: tuple[SandboxState, str | None] = (SandboxState.KILLED, None)
         self._deadline_changed = asyncio.Event()
@@ -710,10 +713,7 @@ async def serve_group(group: socket.socket) -> int:
             return
         except OSError:
             message, fds = b"", []
-        for fd in fds:
-            if _PROCESS.stopping:  # its start is answered with an error
-                os.close(fd)
-                continue
+        for fd in fds:  # one arriving as the process stops is refused by _start_and_run
             task = asyncio.ensure_future(_serve(socket.socket(fileno=fd), shared=True))
             serving.add(task)
             task.add_done_callback(ended)
