@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -21,6 +22,30 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def create_private_file(path: Path) -> None:
+    """Make ``path`` an empty 0600 file unless it exists, without ever opening it.
+
+    SQLite copies the database's mode to its -wal and -shm files, so the file must be
+    0600 before the first connection. But opening and closing the database file itself
+    in a process that has a connection to it drops every POSIX lock the process holds
+    on it, SQLite's included (POSIX locks belong to the process and the file, not to a
+    descriptor): another process then believes it is the last user and deletes the WAL
+    under live connections, losing committed rows. So the empty file is made under a
+    name of its own, closed, then linked into place; a link never opens the file, and
+    fails if another thread or process linked first.
+    """
+    if path.exists():
+        return
+    temp = path.with_name(f"{path.name}.new-{os.urandom(6).hex()}")
+    os.close(os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.link(temp, path)
+            fsync_dir(path.parent)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:

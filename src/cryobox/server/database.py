@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cryobox.errors import InvalidArgument
+from cryobox.util import create_private_file
 
 MIGRATIONS: tuple[str, ...] = (
     # 1: tenants, keys, ownership, tracked sandboxes and their ports, usage.
@@ -216,7 +217,9 @@ class SqliteDatabase(Database):
         self.path = path
         self.where = str(path)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path.touch(mode=0o600)  # private from its first byte (keys' hashes, usage)
+        # Private from its first byte (keys' hashes, usage), and never opened outside
+        # SQLite: closing a descriptor of it would drop the process's SQLite locks.
+        create_private_file(path)
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()

@@ -67,6 +67,9 @@ class CheckResult:
 def check(store: ChunkStore, *, deep: bool = True) -> CheckResult:
     """Verify every stored snapshot of the tenant and every chunk it names."""
     result = CheckResult()
+    own_check = getattr(store.objects, "check", None)  # a local store's index and packs
+    if own_check is not None:
+        result.problems.extend(own_check())
     present = catalog.chunk_sizes(store.objects, store.tenant)
     for object_key in catalog.record_keys(store.objects, store.tenant):
         try:

@@ -10,6 +10,7 @@ on S3), so a reader never sees half an object.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import sqlite3
@@ -227,6 +228,11 @@ class LocalObjects:
             with self._packs_doing(f"deleting {key}"):
                 self.packs.delete(_check_key(key))
         self._path(key).unlink(missing_ok=True)
+
+    def check(self) -> builtins.list[str]:
+        """What is wrong with the packs and their index (:meth:`.Packs.check`)."""
+        with self._packs_doing("checking the pack index"):
+            return self.packs.check()
 
     def sweep(self) -> None:
         """Remove temporary files and packs that writers which died left behind, and

@@ -27,6 +27,7 @@ took as long as sealing the chunks had (0.45 s of 1.15 s for 330 MB).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import os
@@ -37,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryobox.util import fsync_dir
+from cryobox.util import create_private_file, fsync_dir
 
 #: A pack is closed and a new one begun past this size.
 PACK_MAX = 1 << 30
@@ -112,8 +113,7 @@ class Packs:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None:
             self._make_folder()
-            # Made 0600 before SQLite opens it: its -wal and -shm files copy the mode.
-            os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            create_private_file(self.db_path)
             db = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
@@ -308,6 +308,29 @@ class Packs:
                 raise OSError(f"{place.pack} ends inside the chunk {key}")
             return data
         return None
+
+    def check(self) -> builtins.list[str]:
+        """What is wrong with the index and the packs it names: SQLite's own integrity
+        check, and every row whose pack is gone or ends before the chunk does."""
+        if not self.db_path.exists():
+            return []
+        db = self._db()
+        problems = [
+            f"{self.db_path.name}: {line}"
+            for (line,) in db.execute("PRAGMA integrity_check").fetchall()
+            if line != "ok"
+        ]
+        ends = db.execute("SELECT pack, MAX(offset + length) FROM chunks GROUP BY pack")
+        for pack, end in ends.fetchall():
+            try:
+                size = (self.folder / pack).stat().st_size
+            except FileNotFoundError:
+                if _named(db, pack):  # not compacted away since the listing
+                    problems.append(f"{pack}: named by the index but missing")
+                continue
+            if size < end:
+                problems.append(f"{pack}: {size} bytes, but the index names bytes up to {end}")
+        return problems
 
     # -- deleting and compacting ---------------------------------------------------
 
