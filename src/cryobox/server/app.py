@@ -18,13 +18,14 @@ import base64
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Annotated, Any, cast
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
@@ -96,6 +97,17 @@ def status_of(exc: e.CryoboxError) -> int:
         if isinstance(exc, cls):
             return code
     return 500
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite number replaced by its text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def error_response(exc: e.CryoboxError) -> JSONResponse:
@@ -179,7 +191,9 @@ def create_app(
                 for item in exc.errors()
             )
             return JSONResponse({"code": 400, "message": fields}, status_code=400)
-        return await request_validation_exception_handler(request, exc)
+        # The answer echoes what was sent, which may hold NaN or Infinity (Python's JSON
+        # reader takes them; no JSON writer may): such numbers are answered as text.
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, 422)
 
     # E2B's control plane and in-sandbox API under /e2b (see cryobox.e2b).
     records = E2bRecords(hub.db)
