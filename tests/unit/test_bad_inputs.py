@@ -95,9 +95,8 @@ def test_every_route_answers_bad_input_with_a_4xx(server: ApiServer) -> None:
                     requests += 1
                     problem = _check(client, method.upper(), path, body)
                     if problem:
-                        failures.append(
-                            f"{method.upper()} {template} {ident[:12]!r} {str(body)[:30]!r}: {problem}"
-                        )
+                        case = f"{method.upper()} {template} {ident[:12]!r} {str(body)[:30]!r}"
+                        failures.append(f"{case}: {problem}")
         assert requests > 300, requests  # every route was walked
         assert failures == [], "\n".join(failures[:30])
         # A NaN is refused by name, not taken.

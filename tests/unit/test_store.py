@@ -610,3 +610,89 @@ def test_a_malformed_export_is_refused_naming_the_problem(
         tar.addfile(info, io.BytesIO(index))
     with pytest.raises(InvalidArgument, match=r"cryobox-export\.json|format"):
         archive.read(store, path)
+
+
+def _small_export(tmp_path: Path) -> tuple[ChunkStore, bytes]:
+    """A real export of a small snapshot, and a fresh store of the same tenant."""
+    local = LocalSnapshotStore(tmp_path / "local")
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    source = ChunkStore(tenant, LocalObjects(tmp_path / "source"))
+    snap = make_snapshot(local, {0: os.urandom(4096)}, "fuzz")
+    path = tmp_path / "fuzz.cbx"
+    archive.export(source, [source.push(local.folder(snap.id), snap)], path)
+    return ChunkStore(tenant, LocalObjects(tmp_path / "target")), path.read_bytes()
+
+
+def test_import_refuses_every_truncation_and_mutation_of_a_real_export(tmp_path: Path) -> None:
+    """hypothesis cuts a real export at any byte, changes bytes anywhere, or swaps its
+    index or a record for hostile JSON (deep nesting, wrong types, paths): each is
+    refused with a cryobox error naming the file, never a traceback, and the store gets
+    no snapshot record."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    target, raw = _small_export(tmp_path)
+    records = f"snapshots/{target.tenant}/"
+    hostile_json = st.sampled_from(
+        [
+            b"[" * 50_000 + b"]" * 50_000,
+            b'{"format": 1, "tenant": "%s", "snapshots": ["../../x"]}' % target.tenant.encode(),
+            b'{"format": 1, "tenant": "%s", "snapshots": [5]}' % target.tenant.encode(),
+            b'{"format": 1, "tenant": "%s", "snapshots": "snap-1"}' % target.tenant.encode(),
+            b'{"format": 1, "tenant": "%s", "snapshots": ["snap-0000"]}' % target.tenant.encode(),
+            b'{"a":' * 5000 + b"1" + b"}" * 5000,
+            b"\xff\xfe",
+            b"NaN",
+            b'{"id": 1, "files": []}',
+        ]
+    )
+
+    def replaced(name_part: str, data: bytes) -> bytes:
+        """The export with the member whose name contains ``name_part`` replaced."""
+        out = io.BytesIO()
+        with (
+            tarfile.open(fileobj=io.BytesIO(raw)) as tar,
+            tarfile.open(fileobj=out, mode="w:") as new,
+        ):
+            for info in tar.getmembers():
+                payload = tar.extractfile(info)
+                content = payload.read() if payload else b""
+                if name_part in info.name:
+                    content = data
+                info.size = len(content)
+                new.addfile(info, io.BytesIO(content))
+        return out.getvalue()
+
+    damaged = st.one_of(
+        st.integers(0, len(raw) - 1).map(lambda cut: raw[:cut]),
+        st.lists(
+            st.tuples(st.integers(0, len(raw) - 1), st.integers(1, 255)), min_size=1, max_size=8
+        ).map(lambda flips: bytes(b ^ dict(flips).get(i, 0) for i, b in enumerate(raw))),
+        hostile_json.map(lambda data: replaced(archive.INDEX, data)),
+        hostile_json.map(lambda data: replaced("snapshots/", data)),
+        hostile_json.map(lambda data: replaced("key.json", data)),
+    )
+    path = tmp_path / "damaged.cbx"
+    refused = 0
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=damaged)
+    def check(data: bytes) -> None:
+        nonlocal refused
+        if data == raw:
+            return
+        path.write_bytes(data)
+        try:
+            archive.read(target, path)
+        except (InvalidArgument, SnapshotVerificationFailed, StoreError) as exc:
+            refused += 1
+            assert str(exc)
+        else:  # a change the format tolerates (tar padding): the snapshot is whole
+            assert collect.check(target).problems == []
+            for info in list(target.objects.list(records)):
+                target.objects.delete(info.key)
+            return
+        assert list(target.objects.list(records)) == [], "a refused file left a record"
+
+    check()
+    assert refused > 50

@@ -15,12 +15,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cryobox.errors import InvalidArgument, SnapshotVerificationFailed
-from cryobox.store import catalog, chunks, locks
+from cryobox.errors import CryoboxError, InvalidArgument, SnapshotVerificationFailed, StoreError
+from cryobox.store import catalog, chunks, keys, locks
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.keys import record_key
@@ -69,7 +71,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def _index(path: Path, raw: bytes) -> dict[str, Any]:
     try:
         index = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidArgument(f"{path}: {INDEX} is malformed: {exc}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         found = index.get("format") if isinstance(index, dict) else None
@@ -80,13 +82,34 @@ def _index(path: Path, raw: bytes) -> dict[str, Any]:
     return index
 
 
+#: What reading a damaged or hostile file can raise, below our own checks: a truncated
+#: tar, JSON nested past the recursion limit, text that is not UTF-8, a value of the
+#: wrong type. Each is answered as a refusal naming the file, never as a traceback.
+_MALFORMED = (tarfile.TarError, EOFError, RecursionError, ValueError, TypeError, KeyError)
+#: A snapshot id as this project makes them (never a path).
+_SNAPSHOT_ID = re.compile(r"snap-[0-9a-f]{4,64}")
+
+
 def read(store: ChunkStore, path: Path) -> list[StoredSnapshot]:
     """Check the file and put its chunks, then its records, into the store; the
-    snapshots it holds, top first.
+    snapshots it holds, top first. A file refused leaves no record in the store (chunks
+    it put first are unreferenced, for the next collection).
 
-    :raises InvalidArgument: when it is not an export of this tenant.
+    :raises InvalidArgument: when it is not an export of this tenant, or is damaged.
     :raises SnapshotVerificationFailed: naming the record or chunk that is wrong.
     """
+    try:
+        return _read(store, path)
+    except CryoboxError:
+        raise
+    except _MALFORMED as exc:
+        detail = str(exc) or type(exc).__name__
+        if isinstance(exc, RecursionError):
+            detail = "a record nested too deeply"
+        raise InvalidArgument(f"{path} is not a valid cryobox export: {detail}") from None
+
+
+def _read(store: ChunkStore, path: Path) -> list[StoredSnapshot]:
     try:
         tar = tarfile.open(path, "r:")  # noqa: SIM115 (closed by the with below)
     except (OSError, tarfile.TarError) as exc:
@@ -102,18 +125,29 @@ def read(store: ChunkStore, path: Path) -> list[StoredSnapshot]:
                 raise InvalidArgument(f"{path}: {name} is {found.size} bytes, more than {limit}")
             handle = tar.extractfile(found)
             assert handle is not None  # a regular member
-            return handle.read()
+            data = handle.read()
+            if len(data) != found.size:
+                raise InvalidArgument(f"{path}: {name} is cut short")
+            return data
 
         index = _index(path, member(INDEX, MAX_RECORD))
         if index.get("tenant") != store.tenant:
             raise InvalidArgument(
                 f"{path} was exported by tenant {index.get('tenant')!r}, not {store.tenant!r}"
             )
+        bad = [i for i in index["snapshots"] if not _SNAPSHOT_ID.fullmatch(i)]
+        if bad:
+            raise InvalidArgument(f"{path}: {INDEX} names {bad[0][:80]!r}, not a snapshot id")
         key_object = record_key(store.tenant)
         try:
             store.objects.get(key_object)
         except ObjectMissing:  # a store that has never seen this tenant: its key comes along
-            store.objects.put(key_object, member("key.json", MAX_RECORD))
+            raw_key = member("key.json", MAX_RECORD)
+            try:
+                keys.check_record(raw_key, store.tenant, str(path))
+            except StoreError as exc:
+                raise InvalidArgument(f"{path}: key.json is refused: {exc}") from None
+            store.objects.put(key_object, raw_key)
         stored = [
             catalog.decode(
                 store.key,
@@ -123,27 +157,37 @@ def read(store: ChunkStore, path: Path) -> list[StoredSnapshot]:
             for sid in index["snapshots"]
         ]
         with locks.uploading(store.objects, store.tenant):
-            checked: set[str] = set()
-            for snapshot in stored:
-                for file_name, entry in sorted(snapshot.files.items()):
-                    for offset, name, _ in entry["chunks"]:
-                        if name in checked:
-                            continue
-                        where = f"{file_name} chunk at offset {offset} ({name[:16]})"
-                        if f"chunks/{name}" not in members:
-                            raise SnapshotVerificationFailed(
-                                snapshot.id, where, "missing from the file"
-                            )
-                        blob = member(f"chunks/{name}", MAX_CHUNK)
-                        try:
-                            chunks.open_chunk(store.key, name, blob)
-                        except chunks.ChunkRefused as exc:
-                            raise SnapshotVerificationFailed(snapshot.id, where, str(exc)) from None
-                        store.objects.put(
-                            catalog.chunk_key(store.tenant, name), blob, durable=False
-                        )
-                        checked.add(name)
+            try:
+                _put_chunks(store, stored, members, member)
+            except BaseException:
+                store.objects.discard()  # nothing of a refused file is made durable
+                raise
             store.objects.flush()
             for snapshot in reversed(stored):
                 store.objects.put(snapshot.object_key, catalog.encode(store.key, snapshot))
     return stored
+
+
+def _put_chunks(
+    store: ChunkStore,
+    stored: list[StoredSnapshot],
+    members: dict[str, tarfile.TarInfo],
+    member: Callable[[str, int], bytes],
+) -> None:
+    """Check every chunk the records name and put it (not yet durable)."""
+    checked: set[str] = set()
+    for snapshot in stored:
+        for file_name, entry in sorted(snapshot.files.items()):
+            for offset, name, _ in entry["chunks"]:
+                if name in checked:
+                    continue
+                where = f"{file_name} chunk at offset {offset} ({name[:16]})"
+                if f"chunks/{name}" not in members:
+                    raise SnapshotVerificationFailed(snapshot.id, where, "missing from the file")
+                blob = member(f"chunks/{name}", MAX_CHUNK)
+                try:
+                    chunks.open_chunk(store.key, name, blob)
+                except chunks.ChunkRefused as exc:
+                    raise SnapshotVerificationFailed(snapshot.id, where, str(exc)) from None
+                store.objects.put(catalog.chunk_key(store.tenant, name), blob, durable=False)
+                checked.add(name)

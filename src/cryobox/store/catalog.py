@@ -93,7 +93,7 @@ def decode(key: DataKey, object_key: str, raw: bytes) -> StoredSnapshot:
         value = json.loads(raw)
         if not isinstance(value, dict):
             raise ValueError("not an object")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise SnapshotVerificationFailed(what, "store manifest", f"malformed: {exc}") from None
     given = value.pop(MAC_FIELD, None)
     if not isinstance(given, str) or not hmac.compare_digest(given, _mac(key, value)):

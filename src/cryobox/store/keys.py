@@ -131,6 +131,10 @@ def data_key(objects: ObjectStore, tenant: str) -> DataKey:
             record = _read_record(objects, tenant)
             if record is None:
                 record = _create(objects, tenant)
+    return _unwrap(record, tenant, objects.url)
+
+
+def _unwrap(record: dict[str, str], tenant: str, where: str) -> DataKey:
     kek = _kek(tenant, record["kek"])
     try:
         raw = AESGCM(kek).decrypt(
@@ -142,24 +146,37 @@ def data_key(objects: ObjectStore, tenant: str) -> DataKey:
             raise ValueError("not 96 bytes")
     except (InvalidTag, ValueError) as exc:
         raise StoreError(
-            objects.url, f"opening tenant {tenant}'s data key", "it does not unwrap (altered?)"
+            where, f"opening tenant {tenant}'s data key", "it does not unwrap (altered?)"
         ) from exc
     return DataKey(record["id"], tenant, raw[:32], raw[32:64], raw[64:96])
 
 
 def _read_record(objects: ObjectStore, tenant: str) -> dict[str, str] | None:
     try:
-        value = json.loads(objects.get(record_key(tenant)))
+        raw = objects.get(record_key(tenant))
     except ObjectMissing:
         return None
-    except ValueError as exc:
-        raise StoreError(objects.url, f"reading {record_key(tenant)}", str(exc)) from exc
+    return _parse_record(raw, tenant, objects.url)
+
+
+def _parse_record(raw: bytes, tenant: str, where: str) -> dict[str, str]:
+    """The key record ``raw``, checked for its fields. :raises StoreError:"""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise StoreError(where, f"reading {record_key(tenant)}", f"malformed: {exc}") from None
     if not isinstance(value, dict) or value.get("tenant") != tenant:
-        raise StoreError(objects.url, f"reading {record_key(tenant)}", "not this tenant's key")
+        raise StoreError(where, f"reading {record_key(tenant)}", "not this tenant's key")
     missing = [f for f in ("id", "kek", "nonce", "wrapped") if not isinstance(value.get(f), str)]
     if missing:
-        raise StoreError(objects.url, f"reading {record_key(tenant)}", f"no {', '.join(missing)}")
+        raise StoreError(where, f"reading {record_key(tenant)}", f"no {', '.join(missing)}")
     return {k: str(v) for k, v in value.items()}
+
+
+def check_record(raw: bytes, tenant: str, where: str) -> None:
+    """Whether ``raw`` is a key record of ``tenant`` that this host's KEK unwraps (an
+    imported one, before it enters the store). :raises StoreError: naming what is wrong."""
+    _unwrap(_parse_record(raw, tenant, where), tenant, where)
 
 
 def _create(objects: ObjectStore, tenant: str) -> dict[str, str]:
