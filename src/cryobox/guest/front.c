@@ -529,6 +529,25 @@ static void helper_events(void) {
     watch_events(&helper, (read_more ? EPOLLIN : 0) | (to_helper.head ? EPOLLOUT : 0));
 }
 
+/* A child about to exec a command or the Python part: into the commands' cgroup, where
+ * a pids and a memory limit hold (made by cryobox-init, guest/init.c), and back within
+ * the OOM killer's reach (init and this front are kept out of it). Async-signal-safe:
+ * it runs between clone and exec. Where the cgroup is missing, nothing changes. */
+static void enter_commands(void) {
+    static const char *const writes[][2] = {
+        {"/sys/fs/cgroup/commands/cgroup.procs", "0"},
+        {"/proc/self/oom_score_adj", "0"},
+    };
+    for (size_t i = 0; i < sizeof writes / sizeof writes[0]; i++) {
+        int fd = open(writes[i][0], O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            if (write(fd, writes[i][1], 1) < 0) { /* not confined: the command runs anyway */
+            }
+            close(fd);
+        }
+    }
+}
+
 /* Start the Python part; when the guest cannot (no descriptors or processes left), try
  * again a second later: the front goes on serving meanwhile. */
 static void start_helper(void) {
@@ -557,6 +576,7 @@ static void start_helper(void) {
         if (getppid() == 1)
             _exit(1);
         signal(SIGPIPE, SIG_DFL);
+        enter_commands();
         if (pair[1] == 3)
             fcntl(3, F_SETFD, 0);
         else
@@ -1228,6 +1248,7 @@ static int child(void *arg) {
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
+    enter_commands();
     if (dup2(s->stdin_fd, 0) < 0 || dup2(s->out_fd, 1) < 0 || dup2(s->err_fd, 2) < 0)
         goto failed;
     /* Python's order (_posixsubprocess): the directory is entered before the user changes */

@@ -100,7 +100,9 @@ FRONT_FLAGS = ("-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror")
 FRONT_LIBS = ("-Wl,-Bstatic", "-ljansson", "-Wl,-Bdynamic")
 #: Debian packages the front's build uses: their versions are part of the key.
 FRONT_BUILD_PACKAGES = ("gcc", "libc6-dev", "libjansson-dev")
-IMAGE_FILES = ("initramfs-init.sh", "stage2.sh")
+IMAGE_FILES = ("initramfs-init.sh",)
+#: The guest's PID 1 (see its header), compiled like the front.
+INIT_SOURCE = "guest/init.c"
 
 Progress = Callable[[str], None]
 
@@ -249,7 +251,7 @@ def image_key() -> dict[str, Any]:
     }
     sources = {
         name: hashlib.sha256(_source_bytes(name)).hexdigest()
-        for name in (*GUEST_FILES, FRONT_SOURCE, *IMAGE_FILES)
+        for name in (*GUEST_FILES, FRONT_SOURCE, INIT_SOURCE, *IMAGE_FILES)
     }
     key: dict[str, Any] = {
         "rootfs": rootfs_inputs,
@@ -324,6 +326,17 @@ def compile_front(output: Path) -> None:
         source = Path(temp) / "front.c"
         source.write_bytes(_source_bytes(FRONT_SOURCE))
         run(["gcc", *FRONT_FLAGS, "-o", str(output), str(source), *FRONT_LIBS])
+
+
+def compile_init(output: Path) -> None:
+    """Compile the guest's PID 1 (``cryobox-init``) to ``output``, as the front is.
+
+    :raises ImageError: with the compiler's output when it fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="cryobox-init-") as temp:
+        source = Path(temp) / "init.c"
+        source.write_bytes(_source_bytes(INIT_SOURCE))
+        run(["gcc", *FRONT_FLAGS, "-o", str(output), str(source)])
 
 
 def _digest(value: Any) -> str:
@@ -541,8 +554,8 @@ def _initramfs(kernel_dir: Path, output: Path, work: Path) -> None:
     init = work / "init"
     init.write_bytes(_source_bytes("initramfs-init.sh"))
     init.chmod(0o755)
-    (work / "cryobox/stage2.sh").write_bytes(_source_bytes("stage2.sh"))
     compile_front(work / "cryobox/cryobox-agent")
+    compile_init(work / "cryobox/cryobox-init")
     lib = work / "cryobox/lib/cryobox"
     (lib / "__init__.py").write_text('"""cryobox guest side: only the agent and its protocol."""\n')
     for name in GUEST_FILES:

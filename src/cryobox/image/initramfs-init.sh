@@ -1,6 +1,6 @@
 #!/bin/sh
 # cryobox initramfs: load the virtio and ext4 modules, mount the root disk, hand over
-# to tini running the guest agent. Busybox only; every failure powers the VM off
+# to cryobox-init (guest/init.c), which runs the guest agent. Busybox only; every failure powers the VM off
 # with a line on the console saying why.
 /bin/busybox --install -s /bin
 export PATH=/bin
@@ -31,8 +31,8 @@ mkdir -p /newroot
 mount -t ext4 -o rw,noatime /dev/vda /newroot || fail "cannot mount /dev/vda"
 mount -t tmpfs -o mode=755,size=64m tmpfs /newroot/run || fail "cannot mount /run"
 mkdir -p /newroot/run/cryobox
-cp -a /cryobox/lib /cryobox/stage2.sh /cryobox/cryobox-agent /newroot/run/cryobox/
+cp -a /cryobox/lib /cryobox/cryobox-init /cryobox/cryobox-agent /newroot/run/cryobox/
 mount --move /dev /newroot/dev
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
-exec switch_root /newroot /usr/bin/tini -- /bin/sh /run/cryobox/stage2.sh
+exec switch_root /newroot /run/cryobox/cryobox-init

@@ -135,6 +135,10 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
         "-vga",
         "none",
         "-no-reboot",
+        # The guest's power-off (and reboot, which -no-reboot makes one) pauses QEMU
+        # for the supervisor to read why and end it (QemuProcess._watch_guest_ending).
+        "-action",
+        "shutdown=pause",
         "-chardev",
         f"file,id=console,path={spec.console_log},append=on",
         "-serial",

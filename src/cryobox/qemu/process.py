@@ -138,6 +138,14 @@ class _Adopted:
             signal.pidfd_send_signal(self._fd, signal.SIGKILL)
 
 
+#: What QEMU's SHUTDOWN event says when the guest itself ended its run.
+GUEST_ENDINGS = {
+    "guest-shutdown": "the guest powered itself off",
+    "guest-reset": "the guest rebooted itself (a reboot ends a sandbox)",
+    "guest-panic": "the guest kernel panicked",
+}
+
+
 class QemuProcess:
     """A running QEMU with a connected QMP client.
 
@@ -151,6 +159,9 @@ class QemuProcess:
         self.command = build_command(binary or qemu_binary(), spec, vm_user(spec.name))
         self._process: asyncio.subprocess.Process | _Adopted | None = None
         self._qmp: QMPClient | None = None
+        #: Set when the guest itself ended its run (see _watch_guest_ending).
+        self.guest_ending: str | None = None
+        self._ending_watch: asyncio.Task[None] | None = None
         self.link: Link | None = None
         #: The namespace's way out being made (see start).
         self._attaching: asyncio.Future[Link | None] | None = None
@@ -262,6 +273,7 @@ class QemuProcess:
                     pass  # the socket exists before QEMU listens on it: try again
                 else:
                     self._qmp = client
+                    self._ending_watch = asyncio.ensure_future(self._watch_guest_ending(client))
                     return
             waiter = asyncio.ensure_future(self._process.wait())
             await asyncio.wait([waiter], timeout=0.005)
@@ -371,6 +383,23 @@ class QemuProcess:
                 raise self.error(f"migration did not complete within {timeout:.0f} s")
             await asyncio.sleep(0.002)
 
+    async def _watch_guest_ending(self, client: QMPClient) -> None:
+        """When the guest powers itself off, reboots or panics, say so and end QEMU.
+
+        QEMU runs with ``-action shutdown=pause``: left to power off by itself, QEMU 7.2
+        under TCG crashed (SIGSEGV) on the way out, and its exit said nothing of why.
+        Paused instead, it reports the guest's reason here, and is then killed."""
+        with client.listener(("SHUTDOWN",)) as listener:
+            async for event in listener:
+                data = event.get("data")
+                reason = data.get("reason", "") if isinstance(data, dict) else ""
+                if reason in GUEST_ENDINGS:
+                    self.guest_ending = GUEST_ENDINGS[reason]
+                    if self._process is not None and self._process.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            self._process.kill()
+                    return
+
     async def wait(self) -> int:
         assert self._process is not None
         return await self._process.wait()
@@ -413,6 +442,9 @@ class QemuProcess:
             await asyncio.wait([attaching], timeout=ATTACH_TIMEOUT)
 
     async def _close_qmp(self) -> None:
+        if self._ending_watch is not None:
+            self._ending_watch.cancel()
+            self._ending_watch = None
         if self._qmp is not None:
             client, self._qmp = self._qmp, None
             with contextlib.suppress(Exception):

@@ -68,6 +68,7 @@ from cryobox.sandbox.control import (
     StartRequest,
     TakeSnapshot,
 )
+from cryobox.sandbox.ending import vm_ended
 from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
@@ -420,8 +421,13 @@ class Supervisor:
             if vm is self.machine.vm and not self._lifecycle.locked():
                 self.stop(
                     SandboxState.DEAD,
-                    f"{self.machine.vmm.name.upper()} exited with code {code}: "
-                    + vm.stderr_text().strip()[-2000:],
+                    vm_ended(
+                        self.machine.vmm.name,
+                        code,
+                        vm.stderr_text(),
+                        self.folder.console_log,
+                        vm.guest_ending,
+                    ),
                 )
                 return
             # A rollback replaced the VM on purpose: watch the new one.

@@ -103,6 +103,9 @@ class Vm(Protocol):
 
     def stderr_text(self) -> str: ...
 
+    #: Why the guest ended its own run (powered off, rebooted, panicked), when it did.
+    guest_ending: str | None
+
 
 class Vmm(Protocol):
     """A virtual machine monitor backend."""

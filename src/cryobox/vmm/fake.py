@@ -160,6 +160,8 @@ class FakeVm:
     def stderr_text(self) -> str:
         return ""
 
+    guest_ending: str | None = None
+
 
 class FakeVmm:
     """The :class:`~cryobox.vmm.Vmm` Protocol without QEMU."""
