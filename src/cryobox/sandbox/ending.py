@@ -7,6 +7,7 @@ exit), so its exit code and its stderr say nothing; the guest kernel's last line
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 from pathlib import Path
@@ -58,10 +59,8 @@ def vm_ended(
     console = guest_ending(console_tail(console_log))
     qemu = f"{vmm.upper()} exited with code {code}"
     if code is not None and code < 0:
-        try:
+        with contextlib.suppress(ValueError):  # a number no signal has
             qemu = f"{vmm.upper()} was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            pass
         if code == -signal.SIGSEGV:  # QEMU 7.2 does so when a restored guest powers off
             qemu += " (it crashed; a restored guest that powers itself off ends so)"
     stderr = stderr.strip()[-2000:]
