@@ -56,6 +56,10 @@ class SandboxSpec:
     pool: str = ""
     #: Whether it was claimed from a warm pool (restored before it was asked for).
     pooled: bool = False
+    #: The tenant it is made for, written before its VM starts: a server that dies
+    #: between the start and recording the sandbox as the tenant's gives it to that
+    #: tenant when it starts again (``Hub.reconcile``). "" for a pool member not claimed.
+    owner: str = ""
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:

@@ -44,6 +44,8 @@ from cryobox.errors import (
     TemplateNotFound,
 )
 from cryobox.models import CreateRequest, SandboxInfo, SnapshotInfo, TemplateInfo
+from cryobox.sandbox import registry
+from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import SandboxService
 from cryobox.service.commands import CommandSession
@@ -136,6 +138,49 @@ class Hub:
         for row in self.db.rows("SELECT * FROM ports WHERE host_id = ?", (self.me,)):
             with contextlib.suppress(OSError):
                 await self._publish(row["sandbox_id"], row["guest_port"], row["public_port"])
+        await self.reconcile()
+
+    async def reconcile(self) -> list[str]:
+        """Give each sandbox of this host that a tenant asked for, but that a server
+        killed mid-create (or mid-fork) never recorded as that tenant's, to its tenant:
+        owned, tracked (so it counts against the quotas and is metered) and listed, with
+        its ports published and a "created" event. Its tenant is the ``owner`` its spec
+        recorded before its VM started. One whose tenant is gone is killed. Each is
+        logged. The ids adopted or killed."""
+        # Recorded whole only once both rows exist (a kill may fall between the two).
+        owned = {
+            row["id"]
+            for row in self.db.rows(
+                "SELECT owned.id FROM owned JOIN sandboxes ON sandboxes.id = owned.id "
+                "WHERE owned.kind = 'sandbox'"
+            )
+        }
+        tenants = {row["id"]: row["name"] for row in self.db.rows("SELECT id, name FROM tenants")}
+        done: list[str] = []
+        for spec, record in registry.list_sandboxes():
+            if not spec.owner.startswith("tn-") or spec.id in owned or spec.pool:
+                continue  # made outside the server (the CLI, embedded), or already its
+            if record.state.finished:
+                continue  # ended with the server: nothing runs, nothing to own
+            if spec.owner not in tenants:
+                log.warning(
+                    "sandbox %s belongs to no tenant (%s is gone): killed", spec.id, spec.owner
+                )
+                with contextlib.suppress(CryoboxError):
+                    await self.service.kill(spec.id, keep_record=False)
+                done.append(spec.id)
+                continue
+            tenant = self.tenants.get(spec.owner)
+            info = await self.service.get(spec.id)
+            await self._adopt_new(tenant, info, DEFAULT_IDLE_TIMEOUT)
+            log.warning(
+                "sandbox %s was started for tenant %s by a server that stopped before "
+                "recording it: now that tenant's",
+                spec.id,
+                tenants[spec.owner],
+            )
+            done.append(spec.id)
+        return done
 
     def _adopt_unplaced(self) -> None:
         """Rows written before hosts were recorded (schema 2) belong to the host whose
@@ -368,7 +413,9 @@ class Hub:
 
     async def _adopt_new(self, tenant: Tenant, info: SandboxInfo, idle_timeout: float) -> None:
         """Make a sandbox just started the tenant's: owned, tracked, ports published."""
+        crash_point("server-started-vm")
         self.tenants.own(tenant.id, "sandbox", info.id)
+        crash_point("server-owned")
         self.meter.track(info.id, tenant.id, info.cpus, info.memory_mib, idle_timeout, self.me)
         for guest_port in info.ports:
             await self._publish(info.id, guest_port)
@@ -497,6 +544,7 @@ class Hub:
         async with self._reserve(tenant, 1, cpus, memory):
             with acting_for(tenant.id):
                 info = await self.service.resume(sandbox_id)
+            crash_point("server-resumed")
             self.meter.observe(sandbox_id, info.state)  # counted as running before released
         self.meter.set_idle_paused(sandbox_id, False)
         self.meter.touch(sandbox_id)
@@ -590,7 +638,8 @@ class Hub:
             self._reserve(tenant, count, info.cpus, info.memory_mib),
             self._locks[sandbox_id],
         ):
-            forks = await self.service.fork(sandbox_id, count, timeout)
+            with acting_for(tenant.id):  # the copies' owner, before their VMs start
+                forks = await self.service.fork(sandbox_id, count, timeout)
             for fork in forks:
                 await self._adopt_new(tenant, fork, idle)
         self.events.publish(tenant.id, sandbox_id, "forked", forks=[f.id for f in forks])

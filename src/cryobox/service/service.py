@@ -63,7 +63,7 @@ from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import egress, pool, references
 from cryobox.service.commands import CommandSession, OutputSink
-from cryobox.service.persist import Persistence, acting_for
+from cryobox.service.persist import Persistence, acting_for, current_tenant
 from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id, valid_name
@@ -320,6 +320,7 @@ class SandboxService:
             envs=dict(request.envs),
             metadata=dict(request.metadata),
             pool=request.template if pool_member else "",
+            owner="" if pool_member else current_tenant(),
         )
         folder = SandboxDir.for_id(spec.id)
         folder.write_spec(spec)
@@ -353,6 +354,7 @@ class SandboxService:
                     created_at=time.time(),
                     pool="",
                     pooled=True,
+                    owner=current_tenant(),
                 )
                 folder.write_spec(spec)
                 result = await self._control(sandbox_id, ControlOp.CLAIM)
