@@ -31,6 +31,8 @@ def test_qemu_runs_unprivileged_under_seccomp_with_no_capabilities(
     assert fields["Seccomp"] == "2"  # a filter is installed
     assert fields["NoNewPrivs"] == "1"
     assert int(fields["CapEff"], 16) == 0 and int(fields["CapPrm"], 16) == 0
+    # Nor can it ever gain one but setuid/setgid (its -runas), whatever it execs.
+    assert int(fields["CapBnd"], 16) == (1 << 6) | (1 << 7)
     assert all(uid != "0" for uid in fields["Uid"].split())  # real, effective, saved, fs
     assert all(gid != "0" for gid in fields["Gid"].split())
     assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")

@@ -49,3 +49,32 @@ def test_only_the_hosts_own_certificates_are_sent(tmp_path: Path) -> None:
     for bad in ("", "hello", "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"):
         with pytest.raises(InvalidArgument, match="ca_bundle"):
             egress.check_bundle(bad)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:3128",
+        "http://127.1:3128",
+        "http://2130706433:3128",
+        "http://0x7f000001:3128",
+        "http://0177.0.0.1:3128",
+        "http://0.0.0.0:3128",
+        "http://[::1]:3128",
+        "http://[::]:3128",
+        "http://localhost:3128",
+    ],
+)
+def test_a_proxy_on_the_hosts_loopback_is_refused_in_any_spelling(url: str) -> None:
+    """Compared as addresses, as a client reads them, not as text."""
+    with pytest.raises(InvalidArgument, match="loopback"):
+        egress.check_proxy(url)
+
+
+def test_a_refusal_never_shows_the_proxys_password() -> None:
+    for url in ("http://alice:s3cret@127.0.0.1:3128", "ftp://alice:s3cret@proxy:21"):
+        with pytest.raises(InvalidArgument) as refused:
+            egress.check_proxy(url)
+        assert "s3cret" not in str(refused.value)
+        assert "alice:***@" in str(refused.value)
+    assert egress.redact_url("http://proxy:3128") == "http://proxy:3128"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,22 @@ async def test_a_vm_is_killed_only_after_its_network_setup_ended(
         await vm.start(timeout=0.1)
     assert seen == [True]
     assert vm.returncode is not None and not _running(vm.pid)  # killed after, and reaped
+
+
+def test_the_hosts_resolvers_are_reached_on_port_53_only_in_every_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A guest on "internet" used to reach every port of the resolvers' address."""
+    monkeypatch.setattr(namespace, "_resolvers", lambda: ["192.0.2.53"])
+    link = Link("cbx1", "10.213.0.5", "10.213.0.6")
+    for policy in (NetworkPolicy(), NetworkPolicy(mode="allow")):
+        lines = [line.strip() for line in namespace._sandbox_rules(policy, link, []).splitlines()]
+        dns = lines.index("ip daddr 192.0.2.53 udp dport 53 accept")
+        assert lines[dns + 1] == "ip daddr 192.0.2.53 tcp dport 53 accept"
+        assert lines[dns + 2] == "ip daddr { 192.0.2.53 } reject"
+        if policy.mode == "internet":
+            assert lines.index("accept") > dns + 2  # the catch-all comes after
+        if shutil.which("nft") and os.geteuid() == 0:  # and nft takes it (checked only)
+            rules = namespace._sandbox_rules(policy, link, [])
+            checked = subprocess.run(["nft", "-c", "-f", "-"], input=rules, text=True)
+            assert checked.returncode == 0

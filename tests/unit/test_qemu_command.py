@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -134,8 +135,8 @@ def test_qemu_is_confined_by_seccomp_and_runs_unprivileged() -> None:
             ["10.1.2.3:443", "192.168.0.0/16", "10.9.9.9"],
             ["10.1.2.3/32:443", "192.168.0.0/16", "10.9.9.9/32"],
         ),
-        (("127.0.0.1:80", "127.0.0.1:80"), ["127.0.0.1/32:80"]),
-        (["localhost:8080"], ["127.0.0.1/32:8080"]),
+        (("203.0.113.7:80", "203.0.113.7:80"), ["203.0.113.7/32:80"]),
+        (["0.0.0.0/0:443"], ["0.0.0.0/0:443"]),  # wider than what is blocked: kept
     ],
 )
 def test_network_policy_parses_modes_rules_and_names(value: object, json: object) -> None:
@@ -163,6 +164,33 @@ def test_network_policy_parses_modes_rules_and_names(value: object, json: object
 def test_network_policy_refuses_bad_entries_naming_them(bad: object) -> None:
     with pytest.raises(InvalidArgument, match="network"):
         parse_policy(bad)
+
+
+@pytest.mark.parametrize(
+    ("entry", "what"),
+    [
+        ("127.0.0.1:80", "the loopback"),
+        ("localhost:8080", "the loopback"),
+        ("169.254.169.254", "link-local"),
+        ("10.213.0.1:22", "the sandboxes' own links"),
+        ("0.0.0.0", "no address"),
+        ("224.0.0.1", "multicast"),
+    ],
+)
+def test_an_allow_list_entry_no_sandbox_can_reach_is_refused_by_name(entry: str, what: str) -> None:
+    with pytest.raises(InvalidArgument, match=f"{re.escape(entry)}.*{re.escape(what)}"):
+        parse_policy([entry])
+
+
+def test_an_allow_list_entry_of_this_hosts_own_address_is_refused() -> None:
+    from cryobox.network.namespace import host_addresses
+
+    mine = [a for a in host_addresses() if not a.startswith("127.")]
+    if not mine:
+        pytest.skip("this host has no address but loopback")
+    address = mine[0].removesuffix("/32")
+    with pytest.raises(InvalidArgument, match="an address of this host"):
+        parse_policy([f"{address}:8080"])
 
 
 def test_translation_buffer_size_is_set_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,6 +38,7 @@ import os
 import random
 import socket
 import struct
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,13 +196,16 @@ def _sandbox_rules(policy: NetworkPolicy, link: Link, host_addresses: list[str])
         "meta nfproto ipv6 reject",
         f"ip daddr {{ {', '.join(never)} }} reject",
     ]
-    if policy.mode != ALLOW:
-        lines.append("accept")
-    for resolver in _resolvers():
+    resolvers = _resolvers()
+    for resolver in resolvers:
         lines += [
             f"ip daddr {resolver} udp dport 53 accept",
             f"ip daddr {resolver} tcp dport 53 accept",
         ]
+    if resolvers:  # DNS only, in every mode: no other port of the host's resolvers
+        lines.append(f"ip daddr {{ {', '.join(resolvers)} }} reject")
+    if policy.mode != ALLOW:
+        lines.append("accept")
     for rule in policy.rules:
         if rule.port is None:
             lines.append(f"ip daddr {rule.network} accept")
@@ -266,8 +270,27 @@ async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
 
 async def _host_addresses() -> list[str]:
     """Every IPv4 address the host has (on any interface), as /32s."""
+    return _addresses(await _run(["ip", "-j", "-4", "addr", "show"]))
+
+
+def host_addresses() -> list[str]:
+    """:func:`_host_addresses` for a caller outside the event loop ([] without ``ip``)."""
+    try:
+        out = subprocess.run(
+            ["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return _addresses(out)
+
+
+def _addresses(ip_json: str) -> list[str]:
     found = []
-    for interface in json.loads(await _run(["ip", "-j", "-4", "addr", "show"]) or "[]"):
+    try:
+        interfaces = json.loads(ip_json or "[]")
+    except ValueError:
+        return []
+    for interface in interfaces:
         for info in interface.get("addr_info", []):
             if info.get("family") == "inet" and info.get("local"):
                 found.append(f"{info['local']}/32")

@@ -81,11 +81,48 @@ def _parse_rule(entry: Any, resolve: bool) -> list[Rule]:
     if net is not None:
         if net.version != 4:
             raise InvalidArgument(f"network entry {entry!r}: only IPv4 is offered to guests")
-        return [Rule(str(net), port)]
-    if not resolve:
+        rules = [Rule(str(net), port)]
+    elif not resolve:
         raise InvalidArgument(f"network entry {entry!r}: not an address")
-    try:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise InvalidArgument(f"network entry {entry!r}: cannot resolve {host!r} ({exc})") from exc
-    return [Rule(f"{info[4][0]}/32", port) for info in infos]
+    else:
+        try:
+            infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise InvalidArgument(
+                f"network entry {entry!r}: cannot resolve {host!r} ({exc})"
+            ) from exc
+        rules = [Rule(f"{info[4][0]}/32", port) for info in infos]
+    if resolve:  # a policy read back was checked when it was made
+        for rule in rules:
+            _refuse_unreachable(entry, ipaddress.IPv4Network(rule.network))
+    return rules
+
+
+#: Destinations no sandbox ever reaches, whatever its policy (see
+#: :func:`cryobox.network.namespace._sandbox_rules`), with what they are.
+NEVER_REACHED = (
+    (ipaddress.IPv4Network("127.0.0.0/8"), "the loopback (the guest's own, never the host's)"),
+    (ipaddress.IPv4Network("0.0.0.0/8"), "no address (it means this host)"),
+    (ipaddress.IPv4Network("169.254.0.0/16"), "link-local (cloud metadata services)"),
+    (ipaddress.IPv4Network("224.0.0.0/4"), "multicast"),
+    (ipaddress.IPv4Network("255.255.255.255/32"), "the broadcast address"),
+)
+
+
+def _refuse_unreachable(entry: str, net: ipaddress.IPv4Network) -> None:
+    """Refuse a rule every address of which is blocked anyway: the user would believe
+    the guest reaches it. A wider rule that merely contains such addresses is kept (the
+    blocked part stays blocked)."""
+    from cryobox.network.namespace import SUBNET, host_addresses
+
+    never = [
+        *NEVER_REACHED,
+        (SUBNET, "the sandboxes' own links (other sandboxes)"),
+        *((ipaddress.IPv4Network(a), "an address of this host") for a in host_addresses()),
+    ]
+    for blocked, what in never:
+        if net.subnet_of(blocked):
+            raise InvalidArgument(
+                f"network entry {entry!r}: {net} is {what}, which no sandbox may reach; "
+                "to reach a port of the guest from the host, use ports="
+            )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import hashlib
 import os
@@ -101,8 +103,31 @@ def vm_user(name: str) -> str | None:
     return f"{uid}:{uid}"
 
 
+#: The capabilities QEMU keeps in its bounding set: those its ``-runas`` uses to become
+#: its own unprivileged user. It never regains any other, even as root.
+KEPT_CAPABILITIES = (6, 7)  # CAP_SETGID, CAP_SETUID
+PR_CAPBSET_DROP = 24
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def drop_capabilities() -> None:
+    """Empty this process's capability bounding set but for :data:`KEPT_CAPABILITIES`
+    (as root; a no-op otherwise): what QEMU may ever hold, before it execs."""
+    if os.geteuid() != 0:
+        return
+    try:
+        last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    except (OSError, ValueError):
+        last = 40
+    for cap in range(last + 1):
+        if cap not in KEPT_CAPABILITIES and _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(err)}")
+
+
 def _isolated_child() -> None:
     isolate_this_process()
+    drop_capabilities()
 
 
 class _Adopted:
@@ -203,7 +228,7 @@ class QemuProcess:
                 stderr=stderr,
                 # No parent-death signal: a supervisor killed with -9 leaves its VM
                 # running for a new supervisor to adopt (see adopt()).
-                preexec_fn=_isolated_child if self.spec.isolated else None,
+                preexec_fn=_isolated_child if self.spec.isolated else drop_capabilities,
                 env={**os.environ, **MALLOC_SETTINGS},
             )
         try:

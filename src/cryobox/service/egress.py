@@ -25,9 +25,10 @@ import ipaddress
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from cryptography import x509
 
@@ -64,33 +65,59 @@ ALWAYS_DIRECT = "localhost,127.0.0.1,::1"
 def check_proxy(url: str) -> str:
     """``url`` if a guest can use it as its proxy.
 
-    :raises InvalidArgument: naming what is wrong (scheme, host, a loopback address).
+    :raises InvalidArgument: naming what is wrong (scheme, host, an address of the
+        host's own loopback), with the URL's password never shown.
     """
     parts = urlsplit(url)
+    shown = redact_url(url)
     if parts.scheme not in PROXY_SCHEMES or not parts.hostname:
         raise InvalidArgument(
-            f"proxy={url!r}: must be a URL like http://proxy.example:3128 "
+            f"proxy={shown!r}: must be a URL like http://proxy.example:3128 "
             f"(scheme one of {', '.join(PROXY_SCHEMES)})"
         )
     try:
         parts.port  # noqa: B018 (a bad port raises here)
     except ValueError as exc:
-        raise InvalidArgument(f"proxy={url!r}: {exc}") from None
+        raise InvalidArgument(f"proxy={shown!r}: {exc}") from None
     if _loopback(parts.hostname):
         raise InvalidArgument(
-            f"proxy={url!r} is on the host's loopback, which a sandbox cannot reach: "
+            f"proxy={shown!r} is on the host's loopback, which a sandbox cannot reach: "
             "give an address of the host or network the guest can connect to"
         )
     return url
 
 
+def redact_url(url: str) -> str:
+    """``url`` fit for a message: the password of its user part replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    name = user.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{name}:***@{host}"))
+
+
 def _loopback(host: str) -> bool:
+    """Whether ``host`` names the host's own loopback, or no address at all, as an
+    address would be read by a client: ``127.1``, ``2130706433`` and ``0x7f000001`` are
+    127.0.0.1 to inet_aton; ``0.0.0.0`` and ``::`` connect to the loopback too. Names
+    are resolved (one that does not resolve is left to fail in the guest)."""
     if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
         return True
+    addresses: list[str] = []
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        addresses = [socket.inet_ntoa(socket.inet_aton(host))]
+    except OSError:
+        try:
+            addresses = [str(ipaddress.ip_address(host.strip("[]")))]
+        except ValueError:
+            with contextlib.suppress(OSError, UnicodeError):
+                addresses = [str(info[4][0]) for info in socket.getaddrinfo(host, None)]
+    for text in addresses:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+        if address.is_loopback or address.is_unspecified:
+            return True
+    return False
 
 
 def check_bundle(pem: str) -> str:
