@@ -6,6 +6,7 @@ asserts what that user would check."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from api_server import ApiServer
+from cryobox.sandbox import registry
 
 pytestmark = pytest.mark.vm
 
@@ -63,6 +65,16 @@ def test_commands_run_stream_and_fail_like_e2b(sbx: Any) -> None:
     assert sbx.commands.run("whoami", user="root").stdout == "root\n"
     with pytest.raises(e2b.TimeoutException):
         sbx.commands.run("sleep 30", timeout=2)
+
+
+def test_create_envs_go_sealed_with_the_sandbox_never_into_the_database(
+    sbx: Any, api_server: ApiServer
+) -> None:
+    with sqlite3.connect(api_server.database) as db:
+        rows = db.execute("SELECT sandbox_id, envs FROM e2b_sandboxes").fetchall()
+    assert rows and all(envs == "{}" for _, envs in rows), rows
+    spec = registry.find(sbx.sandbox_id).spec_file.read_text()
+    assert "everywhere" not in spec and "envs_sealed" in spec
 
 
 def test_background_handles_stdin_kill_and_list(sbx: Any) -> None:

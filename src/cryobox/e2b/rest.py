@@ -10,6 +10,7 @@ starts sandboxes from a snapshot by passing its id as the template).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -154,15 +155,17 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         envs: dict[str, str],
         network: str | None,
     ) -> dict[str, Any]:
-        request = CreateRequest(template="default", timeout=timeout, network=network)
+        # The variables go with the sandbox (sealed in its spec, given to every command),
+        # never into the database.
+        request = CreateRequest(template="default", timeout=timeout, network=network, envs=envs)
         if template != "base":
             try:
                 snapshot = hub.find_snapshot(me, template, prefix=False)
-                request = CreateRequest(from_snapshot=snapshot.id, timeout=timeout, network=network)
+                request = dataclasses.replace(request, from_snapshot=snapshot.id)
             except SnapshotNotFound:
-                request = CreateRequest(template=template, timeout=timeout, network=network)
+                request = dataclasses.replace(request, template=template)
         info = await hub.create(me, request, idle_timeout=0)
-        rec = records.add(info.id, me.id, template, metadata, envs)
+        rec = records.add(info.id, me.id, template, metadata, {})
         return sandbox(info, rec)
 
     @router.post("/sandboxes", status_code=201)
@@ -284,6 +287,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         forks = await hub.fork(me, sandbox_id, body.count or 1, body.timeout)
         made = []
         for info in forks:
+            # A fork keeps its parent's variables in its own spec.
             child = records.add(info.id, me.id, rec.template_id, rec.metadata, rec.envs)
             made.append({"sandbox": sandbox(info, child)})
         return made

@@ -21,7 +21,11 @@ from typing import Any
 from cryobox import config
 from cryobox.errors import CryoboxError, SandboxNotFound
 from cryobox.sandbox.state import SandboxState, check_transition
+from cryobox.snapshot import keys
 from cryobox.util import write_json_atomic
+
+#: The field of spec.json holding the sandbox's variables, sealed (see SandboxSpec.to_json).
+SEALED_ENVS = "envs_sealed"
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,21 @@ class SandboxSpec:
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:
+        sealed = value.get(SEALED_ENVS)
+        if isinstance(sealed, str):
+            value = {**value, "envs": json.loads(keys.open_sealed("envs", sealed))}
         known = {f.name for f in fields(cls)}
         value = {k: v for k, v in value.items() if k in known}
         return cls(**{**value, "ports": tuple(value.get("ports", ()))})
+
+    def to_json(self) -> dict[str, Any]:
+        """What spec.json holds: the variables sealed with the host key (they are often
+        API tokens; the file is 0600, but a backup or a copied state folder carries it)."""
+        value = asdict(self)
+        envs = value.pop("envs")
+        if envs:
+            value[SEALED_ENVS] = keys.seal("envs", json.dumps(envs).encode())
+        return value
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,7 @@ class SandboxDir:
 
     def write_spec(self, spec: SandboxSpec) -> None:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_json_atomic(self.spec_file, asdict(spec))
+        write_json_atomic(self.spec_file, spec.to_json())
 
     def record(self) -> SandboxRecord:
         """The state record, with "dead" for a live state whose supervisor is gone."""

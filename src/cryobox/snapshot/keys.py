@@ -13,6 +13,7 @@ up with them.
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import hmac
@@ -64,3 +65,32 @@ def signed(fields: dict[str, Any]) -> dict[str, Any]:
 def authentic(fields: dict[str, Any]) -> bool:
     given = fields.get(MAC_FIELD)
     return isinstance(given, str) and hmac.compare_digest(given, mac(fields))
+
+
+def _sealing_key(purpose: str) -> bytes:
+    return hmac.new(host_key(), f"cryobox seal {purpose}".encode(), hashlib.sha256).digest()
+
+
+def seal(purpose: str, data: bytes) -> str:
+    """``data`` encrypted and authenticated with a key derived from the host key for
+    ``purpose`` (AES-256-GCM), as text: what a state folder keeps of a secret (a
+    sandbox's variables), so that a backup or a copied folder does not carry it in
+    the clear."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    nonce = os.urandom(12)
+    sealed = AESGCM(_sealing_key(purpose)).encrypt(nonce, data, purpose.encode())
+    return base64.b64encode(nonce + sealed).decode()
+
+
+def open_sealed(purpose: str, text: str) -> bytes:
+    """What :func:`seal` sealed. :raises ValueError: when it does not open here (another
+    host's key, or altered)."""
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+        return AESGCM(_sealing_key(purpose)).decrypt(raw[:12], raw[12:], purpose.encode())
+    except (InvalidTag, ValueError) as exc:
+        raise ValueError(f"a sealed {purpose} does not open with this host's key") from exc
