@@ -17,6 +17,7 @@ from .app import create_app
 from .database import Database, open_database
 from .hub import Hub
 from .meter import Prices
+from .slow_clients import HeaderDeadlineProtocol
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -84,4 +85,11 @@ def serve(
     app = create_app(
         hub, tick=tick, storage_interval=storage_interval, collect_interval=collect_interval
     )
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        http=HeaderDeadlineProtocol,  # closes connections whose headers are late
+    )

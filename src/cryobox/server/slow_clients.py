@@ -1,0 +1,63 @@
+"""A deadline for a request's headers, which uvicorn does not have.
+
+uvicorn closes a connection idle between requests (its keep-alive timeout), but waits
+for a request's headers forever: 2,000 connections that each sent half a request line
+were all held, and so were their file descriptors (issue 31). This protocol closes a
+connection whose headers are not complete within :func:`header_timeout` seconds of its
+first byte (or of its opening), and arms again for each request of a kept-alive one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+#: Seconds a client has to send a request's headers (``CRYOBOX_HEADER_TIMEOUT``).
+DEFAULT_HEADER_TIMEOUT = 15.0
+
+
+def header_timeout() -> float:
+    try:
+        seconds = float(os.environ.get("CRYOBOX_HEADER_TIMEOUT", DEFAULT_HEADER_TIMEOUT))
+    except ValueError:
+        return DEFAULT_HEADER_TIMEOUT
+    return seconds if 0 < seconds < 86400 else DEFAULT_HEADER_TIMEOUT
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing connections whose headers are late."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        waiting = self.cycle is None or self.cycle.response_complete
+        if not waiting:
+            self._disarm()  # headers complete: the request is the app's now
+        elif self._deadline is None and not self.transport.is_closing():
+            self._arm()  # a kept-alive connection began its next request
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(header_timeout(), self._late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _late(self) -> None:
+        self._deadline = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()

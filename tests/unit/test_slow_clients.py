@@ -1,0 +1,84 @@
+"""The server closes connections whose request headers are late (slowloris), and
+serves the others (issue 31): a real ``cryobox server`` over the fake VMM."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api_server import ApiServer, make_server
+
+TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ApiServer]:
+    state = Path(tempfile.mkdtemp(prefix="cbx-slow-"))
+    env = {
+        "CRYOBOX_VMM": "fake",
+        "CRYOBOX_STATE_DIR": str(state),
+        "CRYOBOX_HEADER_TIMEOUT": str(TIMEOUT),
+    }
+    made = make_server(state / "server", env)
+    made.key = made.tenant("slow")
+    made.start()
+    yield made
+    made.stop()
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_half_sent_requests_are_dropped_and_others_served(server: ApiServer) -> None:
+    slow = []
+    for _ in range(200):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        slow.append(sock)
+    try:
+        started = time.monotonic()
+        # Meanwhile, a whole request is answered at once.
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert all(_closed_by_server(s, TIMEOUT + 10) for s in slow)
+        assert time.monotonic() - started < TIMEOUT + 10
+        # A kept-alive connection whose second request stalls is dropped the same way.
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" in sock.recv(4096)
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        assert _closed_by_server(sock, TIMEOUT + 10)
+        sock.close()
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_a_slow_but_steady_body_is_not_cut_by_the_header_deadline(server: ApiServer) -> None:
+    """The deadline ends with the headers: a body may take longer."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = b'{"seconds": 60}'
+    sock.sendall(
+        b"POST /sandboxes/sbx-000000000000/timeout HTTP/1.1\r\nHost: x\r\n"
+        + f"X-API-Key: {server.key}\r\nContent-Type: application/json\r\n".encode()
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+    for byte in body:
+        time.sleep(TIMEOUT * 1.5 / len(body))
+        sock.sendall(bytes([byte]))
+    sock.settimeout(10)
+    answer = sock.recv(4096)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 404"), answer  # answered (no such sandbox), not cut
