@@ -3,6 +3,7 @@ serves the others (issue 31): a real ``cryobox server`` over the fake VMM."""
 
 from __future__ import annotations
 
+import json
 import socket
 import tempfile
 import time
@@ -82,3 +83,60 @@ def test_a_slow_but_steady_body_is_not_cut_by_the_header_deadline(server: ApiSer
     answer = sock.recv(4096)
     sock.close()
     assert answer.startswith(b"HTTP/1.1 404"), answer  # answered (no such sandbox), not cut
+
+
+def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command(
+    tmp_path: Path,
+) -> None:
+    """The client keeps its connection open but reads nothing. Its command is killed
+    once 64 MiB of output are held for it (as before); then the stream, which used to
+    wait to hand over those 64 MiB for as long as the connection stayed open, is given
+    up once a write has waited CRYOBOX_WRITE_TIMEOUT."""
+    state = tmp_path / "state"
+    env = {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), "CRYOBOX_WRITE_TIMEOUT": "2"}
+    made = make_server(state / "server", env)
+    made.key = made.tenant("stall")
+    made.start()
+    http = httpx.Client(base_url=made.url, headers={"X-API-Key": made.key}, timeout=30)
+    try:
+        sandbox_id = http.post("/sandboxes", json={}).json()["id"]
+        marker = f"cbx-stall-{sandbox_id}"
+        # About 6 MB/s, enough to fill the socket's buffers in a second or two.
+        producer = "import sys, time\nwhile True: sys.stdout.write('x' * 65536); time.sleep(0.01)"
+        body = json.dumps({"cmd": ["python3", "-u", "-c", producer, marker]}).encode()
+        sock = socket.create_connection(("127.0.0.1", made.port))
+        sock.sendall(
+            f"POST /sandboxes/{sandbox_id}/commands HTTP/1.1\r\nHost: x\r\n".encode()
+            + f"X-API-Key: {made.key}\r\nContent-Type: application/json\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+        def running() -> bool:
+            found = http.post(
+                f"/sandboxes/{sandbox_id}/commands", json={"cmd": ["pgrep", "-f", marker]}
+            )
+            return '"exit_code":0' in found.text
+
+        deadline = time.monotonic() + 20
+        while not running():
+            assert time.monotonic() < deadline, "the command never started"
+            time.sleep(0.2)
+        time.sleep(8)  # never read: the server's writes wait, then give up
+        deadline = time.monotonic() + 20
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not running(), "the command outlived its stalled stream"
+        time.sleep(6)  # still not reading: the stream's next write gives up
+        sock.settimeout(20)
+        received = 0
+        while data := sock.recv(1 << 20):  # what was in flight, then the end
+            received += len(data)
+        sock.close()
+        # Not the 64 MiB the server held for it: the stream was given up, not drained.
+        assert received < 24 << 20, received
+    finally:
+        for info in http.get("/sandboxes").json():
+            http.delete(f"/sandboxes/{info['id']}")
+        http.close()
+        made.stop()

@@ -53,6 +53,7 @@ from .backlog import Backlog
 from .forward import Forward, credentials
 from .hub import Hub
 from .limits import BodyLimit
+from .slow_clients import SendDeadline
 from .tenants import Tenant, api_key
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,8 @@ def create_app(
     app.add_middleware(EnvdRpc, envd=envd)
     # Another host's sandbox: passed on whole, before any route or envd reads it.
     app.add_middleware(Forward, hub=hub)
-    app.add_middleware(BodyLimit)  # outermost: before anything reads a body
+    app.add_middleware(BodyLimit)  # before anything reads a body
+    app.add_middleware(SendDeadline)  # outermost: every response's writes have a deadline
 
     # ------------------------------------------------------------------ health
 

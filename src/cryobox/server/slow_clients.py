@@ -61,3 +61,39 @@ class HeaderDeadlineProtocol(H11Protocol):
         self._deadline = None
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
+
+
+#: Seconds one write to a client may wait for it to read (``CRYOBOX_WRITE_TIMEOUT``).
+DEFAULT_WRITE_TIMEOUT = 60.0
+
+
+def write_timeout() -> float:
+    try:
+        seconds = float(os.environ.get("CRYOBOX_WRITE_TIMEOUT", DEFAULT_WRITE_TIMEOUT))
+    except ValueError:
+        return DEFAULT_WRITE_TIMEOUT
+    return seconds if 0 < seconds < 86400 else DEFAULT_WRITE_TIMEOUT
+
+
+class SendDeadline:
+    """ASGI middleware: a response whose client stops reading for
+    :func:`write_timeout` seconds is given up as if the client had left, so a command
+    stream ends (and its command with it) instead of waiting on a full socket for as
+    long as the connection stays open (issue 31: 9 minutes and counting)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_or_give_up(message: Any) -> None:
+            try:
+                await asyncio.wait_for(send(message), write_timeout())
+            except TimeoutError:
+                # What a response does for a client gone: Starlette's streams end on it.
+                raise OSError("the client stopped reading") from None
+
+        await self.app(scope, receive, send_or_give_up)
