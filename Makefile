@@ -17,7 +17,7 @@ APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done
 
-.PHONY: setup image demo test lint unit bench torture clean
+.PHONY: setup image demo test lint unit bench torture soak clean
 
 setup: $(APT_STAMP) $(PIP_STAMP)
 	@# Bytecode for our own modules (an editable install has none, and a shell with
@@ -64,13 +64,17 @@ bench: image
 	$(PYTHON) -m pip install -q -e ".[dev,bench]"
 	$(CRYOBOX) bench --json bench.json --plot docs/bench.png --markdown docs/BENCHMARKS.md
 
-# Several processes on one store and one database, killed at random with -9, for minutes;
-# nothing acknowledged may be lost (figures in docs/BENCHMARKS.md).
+# Several processes on one store and on the server's database (SQLite, PostgreSQL), killed
+# at random with -9, for minutes; nothing acknowledged may be lost (docs/BENCHMARKS.md).
 TORTURE_SECONDS ?= 300
 torture: setup
-	rm -rf /tmp/cryobox-torture && mkdir -p /tmp/cryobox-torture
-	$(PYTHON) -m cryobox.torture run store /tmp/cryobox-torture/store --seconds $(TORTURE_SECONDS) --logs /tmp/cryobox-torture/store-logs
-	$(PYTHON) -m cryobox.torture run database /tmp/cryobox-torture/server.db --seconds $(TORTURE_SECONDS) --logs /tmp/cryobox-torture/db-logs
+	TORTURE_SECONDS=$(TORTURE_SECONDS) $(PYTHON) tests/run_torture.py
+
+# Hours of pause/resume, rollback and fork cycles, beside a server under load whose
+# supervisors are killed with -9 (docs/BENCHMARKS.md has a 30-minute run).
+SOAK_MINUTES ?= 30
+soak: image
+	$(CRYOBOX) soak --minutes $(SOAK_MINUTES) --json soak.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -828,6 +828,24 @@ def template_rm(names: list[str]) -> None:
 
 
 @app.command()
+def soak(
+    minutes: Annotated[float, typer.Option(help="How long to run.")] = 30.0,
+    fault_every: Annotated[
+        float, typer.Option(help="Seconds between two supervisors killed with -9.")
+    ] = 60.0,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
+) -> None:
+    """Pause/resume, rollback and fork cycles on real VMs beside a server under load
+    whose supervisors are killed; reports cycles, faults and anything lost (exit 1)."""
+    from cryobox import soak as soaking
+
+    options = ["--minutes", str(minutes), "--fault-every", str(fault_every)]
+    if json_file is not None:
+        options += ["--json", str(json_file)]
+    raise typer.Exit(soaking.main(options))
+
+
+@app.command()
 def bench(
     scenarios: Annotated[list[str] | None, typer.Argument(help="Scenarios (default: all).")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,

@@ -1,0 +1,22 @@
+"""A short soak (``make soak`` runs 30 minutes): every workload of it runs, a fault is
+injected and recovered from, and nothing is lost (issue 31)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cryobox import soak
+
+pytestmark = pytest.mark.vm
+
+
+def test_a_short_soak_loses_nothing() -> None:
+    report = soak.run(1.5, server_faults_every=20, fork_every=5)
+    summary = report.summary()
+    assert report.losses == [], summary
+    assert report.pause_resume_cycles >= 5, summary
+    assert report.rollback_cycles >= 1 and report.fork_cycles >= 1, summary
+    assert report.copies_checked == 2 * report.fork_cycles, summary
+    assert report.faults_injected >= 1, summary
+    assert report.recoveries == report.faults_injected, summary
+    assert report.api_requests > 10, summary
