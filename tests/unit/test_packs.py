@@ -276,3 +276,44 @@ def test_a_push_given_up_leaves_nothing_visible_and_frees_its_pack(tmp_path: Pat
     os.utime(pack, (0, 0))
     objects.sweep()  # no writer holds it any more
     assert _pack_files(tmp_path) == []
+
+
+def test_an_append_made_while_a_flush_waits_is_left_to_the_next_flush(tmp_path: Path) -> None:
+    """The torture found it: a flush waiting for an append under way took the pending
+    chunks of a pack begun meanwhile too. That chunk was visible before its pack was
+    synced, and its pack got rows in two commits: a delete in between emptied it and
+    removed the file that the second commit's rows then named."""
+    writer = packs.Packs(tmp_path)
+    writer.append(_key(1), _blob(1))
+    first = writer._written[0]
+    with writer._lock:
+        first.busy += 1  # an append of another thread, still under way
+    flushing = threading.Thread(target=writer.flush)
+    flushing.start()
+    time.sleep(0.2)  # the flush waits for it
+    writer.append(_key(2), _blob(2))  # goes to a new pack
+    with writer._lock:
+        first.busy -= 1
+        writer._written_all.notify_all()
+    flushing.join(10)
+    other = LocalObjects(tmp_path)
+    assert other.get(_key(1)) == _blob(1)
+    assert not other.exists(_key(2)), "committed before its pack was synced"
+    other.delete(_key(1))  # empties the first pack, and only it
+    assert len(_pack_files(tmp_path)) == 1
+    writer.flush()
+    assert LocalObjects(tmp_path).get(_key(2)) == _blob(2)
+    assert LocalObjects(tmp_path).check() == []
+
+
+def test_a_pack_still_held_by_its_writer_is_neither_removed_nor_rewritten(tmp_path: Path) -> None:
+    writer = packs.Packs(tmp_path)
+    writer.append(_key(1), _blob(1))
+    held = writer._written[0]
+    other = packs.Packs(tmp_path)
+    # Its rows are not committed and it is young or held: compact leaves it.
+    assert other.compact(abandoned_after=0) == 0
+    assert other._rewrite(held.name, 1 << 30) == 0  # a writer holds it: not rewritten
+    assert (tmp_path / ".packs" / held.name).exists()
+    writer.flush()
+    assert other.read(_key(1)) == _blob(1)

@@ -238,7 +238,14 @@ class Packs:
                 packs, self._written, self._writing = self._written, [], None
                 # An append or a sync under way in one of them is waited for.
                 self._written_all.wait_for(lambda: not any(p.busy for p in packs))
-                pending, self._pending = self._pending, {}
+                # Only their chunks: an append that came while this waited went to a new
+                # pack, which this flush neither syncs nor closes. Committed here, its
+                # chunk would be visible before it is durable, and its pack would get
+                # rows in two commits, so a delete or a compaction that emptied it in
+                # between would remove a file that rows then name (found by the torture).
+                names = {pack.name for pack in packs}
+                pending = {k: p for k, p in self._pending.items() if p.pack in names}
+                self._pending = {k: p for k, p in self._pending.items() if p.pack not in names}
                 self._committing.update(pending)
             try:
                 self._commit(packs, pending)
@@ -344,8 +351,21 @@ class Packs:
             db.execute("DELETE FROM chunks WHERE key = ?", (key,))
             emptied = not _named(db, row[0])
         if emptied:  # committed, so its writer is done with it: nothing adds rows later
-            (self.folder / row[0]).unlink(missing_ok=True)
+            self._unlink_unless_held(self.folder / row[0])
         return True
+
+    def _unlink_unless_held(self, path: Path) -> None:
+        """Remove a pack no row names, unless a writer still holds it (then compact
+        removes it once it is let go and still unnamed)."""
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            finally:
+                os.close(fd)
+            path.unlink(missing_ok=True)
 
     def compact(self, abandoned_after: float) -> int:
         """Rewrite the live chunks of mostly dead packs into a new one and remove packs
@@ -390,6 +410,17 @@ class Packs:
     def _rewrite(self, pack: str, size: int) -> int:
         """Move the pack's chunks into a new pack, one at a time, and remove it. Bytes
         freed."""
+        held = os.open(self.folder / pack, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:  # a writer still holding it may yet commit rows naming it: not now
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0
+            return self._rewrite_held(pack, size)
+        finally:
+            os.close(held)
+
+    def _rewrite_held(self, pack: str, size: int) -> int:
         rows = (
             self._db()
             .execute("SELECT key, offset, length FROM chunks WHERE pack = ?", (pack,))
