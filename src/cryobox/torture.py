@@ -261,9 +261,12 @@ def _acknowledged(folder: Path) -> tuple[set[str], set[str]]:
 
 
 def _errors(folder: Path) -> list[str]:
-    return [
-        line for log in sorted(folder.glob("errors-*.log")) for line in log.read_text().splitlines()
-    ]
+    """What the workers reported, each line once, with how often when more than once."""
+    counts: dict[str, int] = {}
+    for log in sorted(folder.glob("errors-*.log")):
+        for line in log.read_text().splitlines():
+            counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else f"{line} ({n} times)" for line, n in counts.items()]
 
 
 def _verify_store(root: Path, folder: Path, report: Report) -> None:
