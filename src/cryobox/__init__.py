@@ -11,17 +11,46 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cryobox.client import AsyncSandbox, CommandResult, EntryInfo, Sandbox, SandboxInfo
-    from cryobox.errors import CryoboxError
+    from cryobox.errors import *  # noqa: F403
 
+#: Every error class is importable from here (``from cryobox import SandboxNotFound``).
+ERRORS = (
+    "CryoboxError",
+    "StateError",
+    "SandboxNotFound",
+    "SandboxDead",
+    "InvalidArgument",
+    "TemplateNotFound",
+    "CapacityError",
+    "QuotaExceeded",
+    "AuthenticationError",
+    "QemuError",
+    "QemuNotInstalled",
+    "ImageError",
+    "SnapshotError",
+    "SnapshotNotFound",
+    "SnapshotIncompatible",
+    "SnapshotVerificationFailed",
+    "StorageError",
+    "StoreError",
+    "HostUnavailable",
+    "NetworkError",
+    "ChannelError",
+    "ProtocolError",
+    "GuestError",
+    "GuestFileNotFound",
+    "CommandNotFound",
+    "GuestPermissionError",
+)
 _EXPORTS = {
     "AsyncSandbox": "cryobox.client",
     "CommandResult": "cryobox.client",
     "EntryInfo": "cryobox.client",
     "Sandbox": "cryobox.client",
     "SandboxInfo": "cryobox.client",
-    "CryoboxError": "cryobox.errors",
+    **dict.fromkeys(ERRORS, "cryobox.errors"),
 }
-__all__ = ["AsyncSandbox", "CommandResult", "CryoboxError", "EntryInfo", "Sandbox", "SandboxInfo"]
+__all__ = ["AsyncSandbox", "CommandResult", "EntryInfo", "Sandbox", "SandboxInfo", *ERRORS]
 
 
 def __getattr__(name: str) -> Any:

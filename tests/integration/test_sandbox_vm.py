@@ -755,9 +755,19 @@ def test_cli_shell_and_exec_t_run_on_a_terminal(
         if shell.poll() is None:
             shell.kill()
         os.close(controller)
-    # Piped into a shell: typed in as it comes, its end is the shell's end.
-    piped = subprocess.run(
+    # Piped into a terminal session: refused at once, as docker does (a REPL fed from a
+    # pipe never saw its end); exec -i is the piped way.
+    refused = subprocess.run(
         [*CLI, "shell", shared_sandbox.id],
+        input="echo piped-$((6*7))\nexit 5\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert refused.returncode != 0 and "not a terminal" in refused.stderr, refused.stderr
+    piped = subprocess.run(
+        [*CLI, "exec", "-i", shared_sandbox.id, "--", "bash"],
         input="echo piped-$((6*7))\nexit 5\n",
         capture_output=True,
         text=True,

@@ -101,3 +101,22 @@ def test_an_id_prefix_names_one_sandbox_or_says_what_is_wrong() -> None:
         resolve("4f2a")
     with pytest.raises(SandboxNotFound, match="'beef'"):
         resolve("beef")
+    # The whole id without sbx- names it too; a prefix under 4 digits says why not.
+    assert resolve("4f2a00000002") == "sbx-4f2a00000002"
+    for short in ("9c0", "sbx-9c"):
+        with pytest.raises(InvalidArgument, match="at least 4 hex digits"):
+            resolve(short)
+
+
+def test_every_error_class_is_importable_from_cryobox() -> None:
+    import cryobox
+    from cryobox import errors
+
+    for name in cryobox.ERRORS:
+        assert getattr(cryobox, name) is getattr(errors, name)
+    defined = {
+        n
+        for n, v in vars(errors).items()
+        if isinstance(v, type) and v.__module__ == errors.__name__
+    }
+    assert {n for n in defined if issubclass(getattr(errors, n), Exception)} <= set(cryobox.ERRORS)

@@ -261,6 +261,13 @@ TtyOption = Annotated[
 ]
 
 
+def refuse_without_terminal(what: str, instead: str) -> None:
+    """Refuse at once, as docker does, when stdin is not a terminal: a terminal session
+    fed from a pipe never sees its end and would wait forever."""
+    if not sys.stdin.isatty():
+        raise InvalidArgument(f"{what}: the input is not a terminal ({instead})")
+
+
 @app.command("exec")
 def exec_(
     sandbox_id: str,
@@ -276,6 +283,8 @@ def exec_(
     """Run a command in a sandbox; exits with the command's exit code (`exec -it ID --
     python3` for an interactive program)."""
     with errors_reported():
+        if tty and interactive:
+            refuse_without_terminal("exec -it", "use exec -i (without -t) to pipe input")
         sbx = Sandbox.connect(sandbox_id)
         if tty:
             if shell is None and not command:
@@ -304,6 +313,7 @@ def shell_(
 ) -> None:
     """An interactive login shell in a sandbox (bash on a terminal); exits with its code."""
     with errors_reported():
+        refuse_without_terminal("shell", "use exec -i ID -- bash to pipe a script to a shell")
         sbx = Sandbox.connect(sandbox_id)
         code = run_on_terminal(
             sbx,

@@ -438,7 +438,11 @@ def _egress(proxy: str | None, ca_bundle: str | os.PathLike[str] | None) -> dict
 
 
 WHOLE_ID = re.compile(r"sbx-[0-9a-f]{12}")
-PREFIX = re.compile(r"(sbx-)?[0-9a-f]{4,11}")
+#: What may stand for a whole id: 4 to 12 of its hex digits, ``sbx-`` optional (the
+#: whole id without ``sbx-`` included).
+PREFIX = re.compile(r"(sbx-)?[0-9a-f]{4,12}")
+#: Too short to stand for one: said so, rather than "no sandbox".
+SHORT_PREFIX = re.compile(r"(sbx-)?[0-9a-f]{1,3}")
 
 
 async def whole_id(transport: Transport, given: str) -> str:
@@ -448,6 +452,10 @@ async def whole_id(transport: Transport, given: str) -> str:
     :raises SandboxNotFound: when no id begins with it.
     :raises InvalidArgument: when several do.
     """
+    if SHORT_PREFIX.fullmatch(given):
+        raise InvalidArgument(
+            f"sandbox id {given!r} is too short: give at least 4 hex digits of it (sbx-4f2a)"
+        )
     if WHOLE_ID.fullmatch(given) or not PREFIX.fullmatch(given):
         return given
     wanted = given if given.startswith("sbx-") else f"sbx-{given}"
