@@ -1255,8 +1255,21 @@ translates every guest instruction and re-translates all guest code in each new
 QEMU process: restores and forks pay that warm-up, cold boots pay it too."""
 
 
-def to_markdown_document(figures: list[Figure], host: dict[str, Any], quick: bool) -> str:
-    """docs/BENCHMARKS.md, regenerated from a run."""
+#: docs/BENCHMARKS.md from this heading on is written by `make soak` and `make torture`
+#: runs, not by the bench: a regeneration keeps it as it is.
+KEPT_SECTION = "## Reliability: soak and torture"
+
+
+def kept_section(existing: str) -> str:
+    """The part of an existing BENCHMARKS.md that a regeneration keeps ('' if none)."""
+    at = existing.find(KEPT_SECTION)
+    return existing[at:].rstrip() + "\n" if at >= 0 else ""
+
+
+def to_markdown_document(
+    figures: list[Figure], host: dict[str, Any], quick: bool, kept: str = ""
+) -> str:
+    """docs/BENCHMARKS.md, regenerated from a run (``kept``: :func:`kept_section`)."""
     head = (
         f"## {host['date']}: {host['cores']} cores ({host['cpu']}), {host['memory_gib']} GiB, "
         f"kernel {host['kernel']}, QEMU {host['qemu']}, {host['accelerator'].upper()}"
@@ -1272,6 +1285,7 @@ def to_markdown_document(figures: list[Figure], host: dict[str, Any], quick: boo
                 "![the timed figures, log scale](bench.png)",
                 "## Published anchors",
                 ANCHORS,
+                *([kept.rstrip()] if kept else []),
             ]
         )
         + "\n"

@@ -893,7 +893,8 @@ def bench(
         if json_file is not None:
             json_file.write_text(benchmarks.to_json(figures, host) + "\n")
         if markdown is not None:
-            markdown.write_text(benchmarks.to_markdown_document(figures, host, quick))
+            kept = benchmarks.kept_section(markdown.read_text()) if markdown.exists() else ""
+            markdown.write_text(benchmarks.to_markdown_document(figures, host, quick, kept))
 
 
 app.command()(server)
