@@ -13,6 +13,7 @@ import uvicorn
 from cryobox import config
 from cryobox.service import SandboxService
 
+from . import slow_clients
 from .app import create_app
 from .database import Database, open_database
 from .hub import Hub
@@ -59,6 +60,7 @@ def serve(
     all addresses or behind NAT)."""
     os.umask(0o077)  # its database and everything it writes hold tenants' secrets
     config.check_settings()  # a bad host setting stops the server here, not each create
+    slow_clients.check_settings()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

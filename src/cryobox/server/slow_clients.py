@@ -10,21 +10,23 @@ first byte (or of its opening), and arms again for each request of a kept-alive 
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from cryobox import config
 
 #: Seconds a client has to send a request's headers (``CRYOBOX_HEADER_TIMEOUT``).
 DEFAULT_HEADER_TIMEOUT = 15.0
 
 
 def header_timeout() -> float:
-    try:
-        seconds = float(os.environ.get("CRYOBOX_HEADER_TIMEOUT", DEFAULT_HEADER_TIMEOUT))
-    except ValueError:
-        return DEFAULT_HEADER_TIMEOUT
-    return seconds if 0 < seconds < 86400 else DEFAULT_HEADER_TIMEOUT
+    """:raises InvalidArgument: naming the variable when it is not a number >= 0 (the
+    server checks it before it listens: :func:`check_settings`)."""
+    return (
+        config.env_number("CRYOBOX_HEADER_TIMEOUT", DEFAULT_HEADER_TIMEOUT)
+        or DEFAULT_HEADER_TIMEOUT
+    )
 
 
 class HeaderDeadlineProtocol(H11Protocol):
@@ -68,11 +70,16 @@ DEFAULT_WRITE_TIMEOUT = 60.0
 
 
 def write_timeout() -> float:
-    try:
-        seconds = float(os.environ.get("CRYOBOX_WRITE_TIMEOUT", DEFAULT_WRITE_TIMEOUT))
-    except ValueError:
-        return DEFAULT_WRITE_TIMEOUT
-    return seconds if 0 < seconds < 86400 else DEFAULT_WRITE_TIMEOUT
+    """As :func:`header_timeout`, for ``CRYOBOX_WRITE_TIMEOUT``."""
+    return (
+        config.env_number("CRYOBOX_WRITE_TIMEOUT", DEFAULT_WRITE_TIMEOUT) or DEFAULT_WRITE_TIMEOUT
+    )
+
+
+def check_settings() -> None:
+    """Raise on a bad deadline setting (the server calls it before it listens)."""
+    header_timeout()
+    write_timeout()
 
 
 class SendDeadline:
