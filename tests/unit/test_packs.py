@@ -278,13 +278,17 @@ def test_a_push_given_up_leaves_nothing_visible_and_frees_its_pack(tmp_path: Pat
     assert _pack_files(tmp_path) == []
 
 
-def test_an_append_made_while_a_flush_waits_is_left_to_the_next_flush(tmp_path: Path) -> None:
-    """The torture found it: a flush waiting for an append under way took the pending
-    chunks of a pack begun meanwhile too. That chunk was visible before its pack was
-    synced, and its pack got rows in two commits: a delete in between emptied it and
-    removed the file that the second commit's rows then named."""
+def test_an_append_made_while_a_flush_waits_is_synced_and_committed_by_it(
+    tmp_path: Path,
+) -> None:
+    """The torture found it: a flush waiting for an append under way committed the chunk
+    of a pack begun meanwhile, but neither synced nor closed that pack. The chunk was
+    visible before it was durable, and its pack got rows in two commits: a delete in
+    between removed the file that the second commit's rows then named. Now that pack is
+    the flush's too; and a chunk stored again meanwhile (the same key) is committed."""
     writer = packs.Packs(tmp_path)
     writer.append(_key(1), _blob(1))
+    writer.append(_key(3), _blob(3))
     first = writer._written[0]
     with writer._lock:
         first.busy += 1  # an append of another thread, still under way
@@ -292,17 +296,19 @@ def test_an_append_made_while_a_flush_waits_is_left_to_the_next_flush(tmp_path: 
     flushing.start()
     time.sleep(0.2)  # the flush waits for it
     writer.append(_key(2), _blob(2))  # goes to a new pack
+    writer.append(_key(3), _blob(3))  # the same chunk again, as a second push would
     with writer._lock:
         first.busy -= 1
         writer._written_all.notify_all()
     flushing.join(10)
+    assert writer._written == [] and writer._pending == {}  # nothing left behind
     other = LocalObjects(tmp_path)
-    assert other.get(_key(1)) == _blob(1)
-    assert not other.exists(_key(2)), "committed before its pack was synced"
-    other.delete(_key(1))  # empties the first pack, and only it
+    for index in (1, 2, 3):
+        assert other.get(_key(index)) == _blob(index)
+    other.delete(_key(1))  # leaves both packs their other rows
+    other.delete(_key(2))  # empties the second pack, committed whole: removed
     assert len(_pack_files(tmp_path)) == 1
-    writer.flush()
-    assert LocalObjects(tmp_path).get(_key(2)) == _blob(2)
+    assert LocalObjects(tmp_path).get(_key(3)) == _blob(3)
     assert LocalObjects(tmp_path).check() == []
 
 

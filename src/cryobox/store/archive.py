@@ -157,11 +157,10 @@ def _read(store: ChunkStore, path: Path) -> list[StoredSnapshot]:
             for sid in index["snapshots"]
         ]
         with locks.uploading(store.objects, store.tenant):
-            try:
-                _put_chunks(store, stored, members, member)
-            except BaseException:
-                store.objects.discard()  # nothing of a refused file is made durable
-                raise
+            # A refused file's chunks that passed are left unreferenced (never a record):
+            # collected like any. Not discarded: a discard would drop the chunks that
+            # other pushes of this process appended meanwhile.
+            _put_chunks(store, stored, members, member)
             store.objects.flush()
             for snapshot in reversed(stored):
                 store.objects.put(snapshot.object_key, catalog.encode(store.key, snapshot))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import fcntl
+import functools
 import os
 import sqlite3
 import threading
@@ -83,6 +84,11 @@ class _Pack:
         if self.fd >= 0:
             os.close(self.fd)  # and with it the lock
             self.fd = -1
+
+
+def _settled(packs: Sequence[_Pack]) -> bool:
+    """Whether no append or sync is under way in any of ``packs``."""
+    return not any(pack.busy for pack in packs)
 
 
 def _named(db: sqlite3.Connection, pack: str) -> bool:
@@ -235,17 +241,21 @@ class Packs:
         """
         with self._flushing:
             with self._lock:
-                packs, self._written, self._writing = self._written, [], None
-                # An append or a sync under way in one of them is waited for.
-                self._written_all.wait_for(lambda: not any(p.busy for p in packs))
-                # Only their chunks: an append that came while this waited went to a new
-                # pack, which this flush neither syncs nor closes. Committed here, its
-                # chunk would be visible before it is durable, and its pack would get
-                # rows in two commits, so a delete or a compaction that emptied it in
-                # between would remove a file that rows then name (found by the torture).
-                names = {pack.name for pack in packs}
-                pending = {k: p for k, p in self._pending.items() if p.pack in names}
-                self._pending = {k: p for k, p in self._pending.items() if p.pack not in names}
+                packs: list[_Pack] = []
+                while True:
+                    begun, self._written, self._writing = self._written, [], None
+                    packs += begun
+                    # An append or a sync under way in one of them is waited for.
+                    self._written_all.wait_for(functools.partial(_settled, packs))
+                    # An append that came while this waited began a new pack: it is
+                    # this flush's too, synced and closed with the others. (Its chunk
+                    # once went into this commit with its pack left open and unsynced:
+                    # the pack then got rows in two commits, and a delete in between
+                    # removed the file the second commit's rows named. The torture
+                    # found it.) Every pending chunk is now in a pack of ``packs``.
+                    if not self._written:
+                        break
+                pending, self._pending = self._pending, {}
                 self._committing.update(pending)
             try:
                 self._commit(packs, pending)
