@@ -26,6 +26,7 @@ BODIES = [
     '{"timeout": 1e400}',
     '{"cpus": ' + "9" * 5000 + "}",
     "[" * 100_000 + "]" * 100_000,
+    '{"timeout": ' + "[" * 800 + "]" * 800 + "}",  # deep enough to break the echo, not the reader
     '{"a":' * 3000 + "1" + "}" * 3000,
     "\x00",
     '"\\u0000"',

@@ -176,7 +176,7 @@ def test_service_errors_reach_the_sdk_as_their_own_types(
     deadline = time.monotonic() + 10
     while sbx.info().state != "dead" and time.monotonic() < deadline:
         time.sleep(0.05)
-    with pytest.raises(SandboxDead, match="exited"):
+    with pytest.raises(SandboxDead, match="killed by SIGKILL"):
         sbx.commands.run("true")
 
 

@@ -142,3 +142,32 @@ def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command
             http.delete(f"/sandboxes/{info['id']}")
         http.close()
         made.stop()
+
+
+def test_a_reader_that_pauses_while_its_command_runs_is_waited_for(tmp_path: Path) -> None:
+    """A pager or Ctrl-S: no deadline while the command runs and its output fits."""
+    state = tmp_path / "state"
+    env = {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), "CRYOBOX_WRITE_TIMEOUT": "2"}
+    made = make_server(state / "server", env)
+    made.key = made.tenant("pager")
+    made.start()
+    http = httpx.Client(base_url=made.url, headers={"X-API-Key": made.key}, timeout=60)
+    try:
+        sandbox_id = http.post("/sandboxes", json={}).json()["id"]
+        producer = (
+            "import sys, time\nsys.stdout.write('x' * (8 << 20)); sys.stdout.flush()\ntime.sleep(8)"
+        )
+        with http.stream(
+            "POST", f"/sandboxes/{sandbox_id}/commands", json={"cmd": ["python3", "-c", producer]}
+        ) as stream:
+            lines = stream.iter_lines()
+            assert json.loads(next(lines))["type"] == "started"
+            time.sleep(6)  # reads nothing for three write deadlines
+            events = [json.loads(line) for line in lines]
+        assert events[-1]["type"] == "exit" and events[-1]["exit_code"] == 0, events[-1]
+        assert sum(len(e.get("data", "")) for e in events) > 8 << 20  # base64 of 8 MiB
+    finally:
+        for info in http.get("/sandboxes").json():
+            http.delete(f"/sandboxes/{info['id']}")
+        http.close()
+        made.stop()

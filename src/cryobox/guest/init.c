@@ -17,6 +17,9 @@
  *    reserve for the front and the kernel) makes a memory hog meet the OOM killer
  *    there first.
  * Every step that fails is said on the console and skipped: the agent starts anyway.
+ * These limits guard against accidents and runaway programs: a command running as root
+ * in the guest may move itself out of the cgroup or raise its limits (the guest is its
+ * own; the host is protected by the VM, not by this).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,8 +38,8 @@
 #define COMMANDS CGROUP_ROOT "/commands"
 #define FRONT "/run/cryobox/cryobox-agent"
 #define PYTHON "/usr/bin/python3"
-/* Processes and threads the commands may have at once. */
-#define COMMAND_PIDS "4096"
+/* Processes and threads the commands may have at once (fewer in a small guest). */
+#define COMMAND_PIDS 4096
 #define MIB (1024LL * 1024)
 
 static void say(const char *what, int err) {
@@ -84,7 +87,17 @@ static void confine_commands(void) {
         say("cannot make " COMMANDS, errno);
         return;
     }
-    if ((err = write_file(COMMANDS "/pids.max", COMMAND_PIDS)))
+    /* At most 4,096, and never the whole guest's: the kernel's own limit (threads-max,
+     * the RAM / 128 KiB: 2,048 at 256 MiB) less 256 for init, the front and the kernel. */
+    long long pids = COMMAND_PIDS, threads = 0;
+    FILE *f = fopen("/proc/sys/kernel/threads-max", "re");
+    if (f && fscanf(f, "%lld", &threads) == 1 && threads - 256 < pids)
+        pids = threads - 256 > 64 ? threads - 256 : 64;
+    if (f)
+        fclose(f);
+    char limit_pids[32];
+    snprintf(limit_pids, sizeof limit_pids, "%lld", pids);
+    if ((err = write_file(COMMANDS "/pids.max", limit_pids)))
         say("cannot limit the commands' processes", err);
     long long total = mem_total();
     if (total > 0) {
@@ -125,10 +138,22 @@ static void exec_agent(void) {
     _exit(127);
 }
 
-static void pause_a_second(void) {
-    struct timespec second = {1, 0};
-    while (nanosleep(&second, &second) != 0 && errno == EINTR) {
+/* Reap every child that has ended, without waiting. */
+static void reap(void) {
+    while (waitpid(-1, NULL, WNOHANG) > 0) {
     }
+}
+
+/* A second, reaping as it goes: the orphans that end meanwhile (a fork bomb's) must not
+ * fill the process table while the agent is away, or no fork would succeed again. */
+static void pause_a_second(void) {
+    for (int i = 0; i < 10; i++) {
+        reap();
+        struct timespec tenth = {0, 100 * 1000 * 1000};
+        while (nanosleep(&tenth, &tenth) != 0 && errno == EINTR) {
+        }
+    }
+    reap();
 }
 
 int main(void) {

@@ -202,8 +202,12 @@ def _sandbox_rules(policy: NetworkPolicy, link: Link, host_addresses: list[str])
             f"ip daddr {resolver} udp dport 53 accept",
             f"ip daddr {resolver} tcp dport 53 accept",
         ]
-    if resolvers:  # DNS only, in every mode: no other port of the host's resolvers
-        lines.append(f"ip daddr {{ {', '.join(resolvers)} }} reject")
+    # DNS only, in every mode, of a resolver on the host's own network (its gateway, a
+    # private or link-local address): no other port of it. A public resolver (8.8.8.8)
+    # is the internet's, reached as the policy says.
+    private = [r for r in resolvers if not ipaddress.ip_address(r).is_global]
+    if private:
+        lines.append(f"ip daddr {{ {', '.join(private)} }} reject")
     if policy.mode != ALLOW:
         lines.append("accept")
     for rule in policy.rules:

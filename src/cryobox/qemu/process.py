@@ -415,15 +415,25 @@ class QemuProcess:
         under TCG crashed (SIGSEGV) on the way out, and its exit said nothing of why.
         Paused instead, it reports the guest's reason here, and is then killed."""
         with client.listener(("SHUTDOWN",)) as listener:
+            # One that ended while no supervisor listened (between a kill -9 and its
+            # adoption) waits paused in "shutdown": its event went to nobody.
+            with contextlib.suppress(Exception):
+                status = await client.execute("query-status")
+                if isinstance(status, dict) and status.get("status") == "shutdown":
+                    self._guest_ended("the guest shut itself down while unwatched")
+                    return
             async for event in listener:
                 data = event.get("data")
                 reason = data.get("reason", "") if isinstance(data, dict) else ""
                 if reason in GUEST_ENDINGS:
-                    self.guest_ending = GUEST_ENDINGS[reason]
-                    if self._process is not None and self._process.returncode is None:
-                        with contextlib.suppress(ProcessLookupError):
-                            self._process.kill()
+                    self._guest_ended(GUEST_ENDINGS[reason])
                     return
+
+    def _guest_ended(self, why: str) -> None:
+        self.guest_ending = why
+        if self._process is not None and self._process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
 
     async def wait(self) -> int:
         assert self._process is not None

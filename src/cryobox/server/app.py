@@ -53,7 +53,7 @@ from .backlog import Backlog
 from .forward import Forward, credentials
 from .hub import Hub
 from .limits import BodyLimit
-from .slow_clients import SendDeadline
+from .slow_clients import SendDeadline, arm_write_deadline
 from .tenants import Tenant, api_key
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,13 @@ def create_app(
             return JSONResponse({"code": 400, "message": fields}, status_code=400)
         # The answer echoes what was sent, which may hold NaN or Infinity (Python's JSON
         # reader takes them; no JSON writer may): such numbers are answered as text.
-        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, 422)
+        try:
+            detail = json_safe(jsonable_encoder(exc.errors()))
+        except RecursionError:  # the input nested too deep to echo: named, not echoed
+            detail = [
+                {k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()
+            ]
+        return JSONResponse({"detail": detail}, 422)
 
     # E2B's control plane and in-sandbox API under /e2b (see cryobox.e2b).
     records = E2bRecords(hub.db)
@@ -205,7 +211,7 @@ def create_app(
     # Another host's sandbox: passed on whole, before any route or envd reads it.
     app.add_middleware(Forward, hub=hub)
     app.add_middleware(BodyLimit)  # before anything reads a body
-    app.add_middleware(SendDeadline)  # outermost: every response's writes have a deadline
+    app.add_middleware(SendDeadline)  # outermost: a response's writes, when it arms one
 
     # ------------------------------------------------------------------ health
 
@@ -372,7 +378,9 @@ def create_app(
         response_class=StreamingResponse,
         responses={200: {"content": {"application/x-ndjson": {}}}},
     )
-    async def run_command(sandbox_id: str, body: s.RunCommand, me: Me) -> StreamingResponse:
+    async def run_command(
+        sandbox_id: str, body: s.RunCommand, me: Me, http: Request
+    ) -> StreamingResponse:
         """Run a command; its output streams back as it is produced (NDJSON). A client
         that disconnects kills the command."""
         await hub.use(me, sandbox_id)
@@ -399,6 +407,9 @@ def create_app(
         command_id = hub.register_command(me, sandbox_id, session)
         ended = asyncio.ensure_future(session.wait())
         ended.add_done_callback(lambda _: backlog.end())
+        # Once it has ended (or been killed for output nobody read), a client that reads
+        # nothing for a while is given up: the stream does not hold on for it.
+        arm_write_deadline(http.scope, lambda: ended.done() or backlog.overflowed)
 
         async def lines() -> AsyncIterator[bytes]:
             async with hub.busy(sandbox_id):

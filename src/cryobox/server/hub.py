@@ -50,7 +50,7 @@ from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import SandboxService
 from cryobox.service.commands import CommandSession
 from cryobox.service.persist import acting_for
-from cryobox.service.service import BASE_TEMPLATE, DEFAULT_TEMPLATE, forget_finished
+from cryobox.service.service import BASE_TEMPLATE, BUILDING, DEFAULT_TEMPLATE, forget_finished
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
@@ -141,12 +141,13 @@ class Hub:
         await self.reconcile()
 
     async def reconcile(self) -> list[str]:
-        """Give each sandbox of this host that a tenant asked for, but that a server
-        killed mid-create (or mid-fork) never recorded as that tenant's, to its tenant:
-        owned, tracked (so it counts against the quotas and is metered) and listed, with
-        its ports published and a "created" event. Its tenant is the ``owner`` its spec
-        recorded before its VM started. One whose tenant is gone is killed. Each is
-        logged. The ids adopted or killed."""
+        """Settle the sandboxes of this host that a server killed mid-create, mid-fork or
+        mid-claim never recorded whole (owned and tracked): one made for a tenant (its
+        spec's ``owner``, written before its VM started) is given to that tenant (owned,
+        tracked, so it counts against the quotas and is metered, listed, its ports
+        published, a "created" event); one whose tenant is gone, a template build's,
+        and a warm-pool member whose claim was cut short are killed. Each is logged;
+        a failure on one is logged and the others are settled. The ids settled."""
         # Recorded whole only once both rows exist (a kill may fall between the two).
         owned = {
             row["id"]
@@ -158,27 +159,27 @@ class Hub:
         tenants = {row["id"]: row["name"] for row in self.db.rows("SELECT id, name FROM tenants")}
         done: list[str] = []
         for spec, record in registry.list_sandboxes():
-            if not spec.owner.startswith("tn-") or spec.id in owned or spec.pool:
-                continue  # made outside the server (the CLI, embedded), or already its
-            if record.state.finished:
-                continue  # ended with the server: nothing runs, nothing to own
-            if spec.owner not in tenants:
-                log.warning(
-                    "sandbox %s belongs to no tenant (%s is gone): killed", spec.id, spec.owner
-                )
-                with contextlib.suppress(CryoboxError):
+            if spec.id in owned or spec.pool or record.state.finished:
+                continue  # the server's already, waiting in a pool, or ended
+            why = _orphaned(spec, tenants)
+            if why is None:
+                continue  # made outside the server (the CLI, embedded)
+            try:
+                if why:
+                    log.warning("sandbox %s: %s: killed", spec.id, why)
                     await self.service.kill(spec.id, keep_record=False)
-                done.append(spec.id)
+                else:
+                    info = await self.service.get(spec.id)
+                    await self._adopt_new(self.tenants.get(spec.owner), info, DEFAULT_IDLE_TIMEOUT)
+                    log.warning(
+                        "sandbox %s was started for tenant %s by a server that stopped "
+                        "before recording it: now that tenant's",
+                        spec.id,
+                        tenants[spec.owner],
+                    )
+            except (CryoboxError, OSError) as exc:
+                log.error("sandbox %s could not be settled after a crash: %s", spec.id, exc)
                 continue
-            tenant = self.tenants.get(spec.owner)
-            info = await self.service.get(spec.id)
-            await self._adopt_new(tenant, info, DEFAULT_IDLE_TIMEOUT)
-            log.warning(
-                "sandbox %s was started for tenant %s by a server that stopped before "
-                "recording it: now that tenant's",
-                spec.id,
-                tenants[spec.owner],
-            )
             done.append(spec.id)
         return done
 
@@ -881,6 +882,20 @@ class Hub:
             self._stored[tenant.id] = in_store_bytes + unpaused + local_only  # for the quota
             counted = (in_store_bytes if leads else 0) + unpaused + local_only
             self.meter.accrue_storage(tenant.id, by_sandbox, counted, seconds)
+
+
+def _orphaned(spec: registry.SandboxSpec, tenants: Mapping[str, str]) -> str | None:
+    """Why a live sandbox that no tenant owns must be killed; "" when it is to be given
+    to its tenant; None when it is none of the server's business."""
+    if spec.owner.startswith(BUILDING):
+        return "a template build cut short by the server's end"
+    if spec.pooled and not spec.owner:
+        return "a claim from the warm pool cut short by the server's end"
+    if not spec.owner.startswith("tn-"):
+        return None
+    if spec.owner not in tenants:
+        return f"its tenant {spec.owner} is gone"
+    return ""
 
 
 def _tenant_template(tenant: Tenant, name: str) -> str:

@@ -10,6 +10,7 @@ first byte (or of its opening), and arms again for each request of a kept-alive 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -82,11 +83,28 @@ def check_settings() -> None:
     write_timeout()
 
 
+#: The scope key through which a route arms :class:`SendDeadline` for its response: a
+#: callable that says whether the deadline runs now.
+ARM = "cryobox.write_deadline"
+#: How often a blocked write looks whether its deadline runs.
+_STEP = 0.25
+
+
+def arm_write_deadline(scope: Any, armed: Callable[[], bool]) -> None:
+    """Give this request's response a write deadline, running while ``armed()``."""
+    scope[ARM] = armed
+
+
 class SendDeadline:
-    """ASGI middleware: a response whose client stops reading for
-    :func:`write_timeout` seconds is given up as if the client had left, so a command
-    stream ends (and its command with it) instead of waiting on a full socket for as
-    long as the connection stays open (issue 31: 9 minutes and counting)."""
+    """ASGI middleware: a response whose route armed a deadline
+    (:func:`arm_write_deadline`) and whose client then reads nothing for
+    :func:`write_timeout` seconds is given up as if the client had left.
+
+    A command's stream arms it once its command has ended or has been killed for output
+    nobody read: the stream used to wait to hand over up to 64 MiB for as long as the
+    connection stayed open (issue 31: 9 minutes and counting). While the command runs, a
+    reader that pauses (a pager, Ctrl-S, a breakpoint) holds it back as before; other
+    responses (downloads, watches, events) have no deadline."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -97,10 +115,21 @@ class SendDeadline:
             return
 
         async def send_or_give_up(message: Any) -> None:
+            armed = scope.get(ARM)
+            if armed is None:
+                await send(message)
+                return
+            sending = asyncio.ensure_future(send(message))
+            blocked = 0.0
             try:
-                await asyncio.wait_for(send(message), write_timeout())
-            except TimeoutError:
-                # What a response does for a client gone: Starlette's streams end on it.
-                raise OSError("the client stopped reading") from None
+                while not (await asyncio.wait({sending}, timeout=_STEP))[0]:
+                    blocked = blocked + _STEP if armed() else 0.0
+                    if blocked >= write_timeout():
+                        # What a response does for a client gone: its stream ends.
+                        raise OSError("the client stopped reading")
+            finally:
+                if not sending.done():
+                    sending.cancel()
+            sending.result()
 
         await self.app(scope, receive, send_or_give_up)

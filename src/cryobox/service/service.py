@@ -72,6 +72,9 @@ from cryobox.util import data_bytes, each_chunk, new_id
 from cryobox.util import mem_available_mib as mem_available_mib  # the pool reads it here
 from cryobox.vmm import Vmm, backend
 
+#: The owner a template build's sandbox records: it belongs to no tenant, and a server
+#: that finds one left by a crash ends it (``Hub.reconcile``).
+BUILDING = "build:"
 BASE_TEMPLATE = "base"
 DEFAULT_TEMPLATE = "default"
 MAX_FORKS = 100
@@ -179,16 +182,18 @@ class SandboxService:
         tcg_threads: str = "",
         group: SupervisorGroup | None = None,
         pool_member: bool = False,
+        owner: str | None = None,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers (with its proxy
-        and extra CAs in place, see :mod:`.egress`).
+        and extra CAs in place, see :mod:`.egress`). ``owner`` (default: the tenant
+        acting) is recorded in its spec before its VM starts.
 
         :raises InvalidArgument: for a request that cannot work, naming the argument.
         :raises SnapshotError: when the template or snapshot is missing, incompatible or
             fails verification (never cold-booted instead).
         :raises QemuError: when the VMM is missing, fails to start or the guest never answers.
         """
-        validate(request)
+        await asyncio.to_thread(validate, request)  # a proxy name may be resolved
         pem = None
         if forked_from is None:  # a fork has its parent's (in its envs and on its disk)
             proxy, no_proxy = egress.host_proxy(os.environ)
@@ -209,6 +214,7 @@ class SandboxService:
             tcg_threads=tcg_threads,
             group=group,
             pool_member=pool_member,
+            owner=owner,
         )
         # A pool member got the host's when it was made.
         if pem and not (info.pooled and request.ca_bundle is None):
@@ -251,6 +257,7 @@ class SandboxService:
         tcg_threads: str = "",
         group: SupervisorGroup | None = None,
         pool_member: bool = False,
+        owner: str | None = None,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers.
 
@@ -320,7 +327,7 @@ class SandboxService:
             envs=dict(request.envs),
             metadata=dict(request.metadata),
             pool=request.template if pool_member else "",
-            owner="" if pool_member else current_tenant(),
+            owner="" if pool_member else owner if owner is not None else current_tenant(),
         )
         folder = SandboxDir.for_id(spec.id)
         folder.write_spec(spec)
@@ -354,10 +361,13 @@ class SandboxService:
                     created_at=time.time(),
                     pool="",
                     pooled=True,
-                    owner=current_tenant(),
                 )
                 folder.write_spec(spec)
                 result = await self._control(sandbox_id, ControlOp.CLAIM)
+                # Its owner only once claimed (a fresh identity, its ports): a member
+                # left between the two by a crash has none, and a server ends it.
+                spec = dataclasses.replace(spec, owner=current_tenant())
+                folder.write_spec(spec)
             except BaseException as exc:  # withdrawn: ours to end (the caller never saw it)
                 log.warning("pool member %s could not be claimed (%r): ended", sandbox_id, exc)
                 with contextlib.suppress(CryoboxError, OSError):
@@ -984,6 +994,7 @@ class SandboxService:
                 timeout=3600,
             ),
             progress,
+            owner=f"{BUILDING}{current_tenant()}",  # never a tenant's sandbox
         )
         randomized = config.guest_aslr(sandbox.accelerator)  # as it was booted
         try:
