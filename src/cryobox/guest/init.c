@@ -15,7 +15,7 @@
  *    /sys/fs/cgroup/commands, which the front enters each child into before it execs:
  *    a pids limit stops a fork bomb there, and a memory limit (the guest's RAM less a
  *    reserve for the front and the kernel) makes a memory hog meet the OOM killer
- *    there first.
+ *    there first; and the least CPU weight, so that the front gets the CPU it needs.
  * Every step that fails is said on the console and skipped: the agent starts anyway.
  * These limits guard against accidents and runaway programs: a command running as root
  * in the guest may move itself out of the cgroup or raise its limits (the guest is its
@@ -81,8 +81,10 @@ static void confine_commands(void) {
         say("cannot mount the cgroup file system; commands run unconfined", errno);
         return;
     }
-    if ((err = write_file(CGROUP_ROOT "/cgroup.subtree_control", "+pids +memory")))
-        say("cannot enable the pids and memory controllers", err);
+    static const char *const controllers[] = {"+pids", "+memory", "+cpu"};
+    for (size_t i = 0; i < sizeof controllers / sizeof controllers[0]; i++)
+        if ((err = write_file(CGROUP_ROOT "/cgroup.subtree_control", controllers[i])))
+            say(controllers[i], err);
     if (mkdir(COMMANDS, 0755) != 0 && errno != EEXIST) {
         say("cannot make " COMMANDS, errno);
         return;
@@ -99,6 +101,11 @@ static void confine_commands(void) {
     snprintf(limit_pids, sizeof limit_pids, "%lld", pids);
     if ((err = write_file(COMMANDS "/pids.max", limit_pids)))
         say("cannot limit the commands' processes", err);
+    /* The least CPU weight: commands (a fork bomb's thousands of processes included)
+     * share what the front, this program and the kernel leave; the front still
+     * answers the host's pings. */
+    if ((err = write_file(COMMANDS "/cpu.weight", "1")))
+        say("cannot lower the commands' CPU weight", err);
     long long total = mem_total();
     if (total > 0) {
         /* An eighth of the RAM, between 32 and 128 MiB, stays for the front, this
