@@ -418,7 +418,7 @@ def test_a_vm_that_dies_shows_up_dead(sandbox_factory: Any) -> None:
     deadline = time.monotonic() + 15
     while sbx.info().state != "dead" and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sbx.info().state == "dead" and "QEMU exited" in (sbx.info().error or "")
+    assert sbx.info().state == "dead" and "QEMU was killed by SIGKILL" in (sbx.info().error or "")
     assert "dead" in cli("ls", "--all").stdout
     with pytest.raises(SandboxDead):
         sbx.commands.run("true")
