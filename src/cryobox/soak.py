@@ -29,6 +29,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from typing import Any
 from cryobox import Sandbox
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import registry
+from cryobox.util import free_port
 
 #: The guest's side of the pause/resume workload.
 COUNTER = (
@@ -169,7 +171,7 @@ class _ServerLoad:
     def __init__(self, folder: Path, report: SoakReport) -> None:
         self.report = report
         self.folder = folder
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cli = [sys.executable, "-m", "cryobox.cli.main"]
         database = ["--database", str(folder / "server.db")]
@@ -248,15 +250,7 @@ class _ServerLoad:
         self.log.close()
 
 
-def _free_port() -> int:
-    from cryobox.util import free_port
-
-    return free_port()
-
-
 def _wait_listening(port: int, process: subprocess.Popen[bytes]) -> None:
-    import socket
-
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -3,6 +3,7 @@ serves the others (issue 31): a real ``cryobox server`` over the fake VMM."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import tempfile
@@ -87,6 +88,27 @@ def test_a_slow_but_steady_body_is_not_cut_by_the_header_deadline(server: ApiSer
     assert answer.startswith(b"HTTP/1.1 404"), answer  # answered (no such sandbox), not cut
 
 
+@contextlib.contextmanager
+def _server_with_write_deadline(
+    tmp_path: Path, tenant: str, timeout: float
+) -> Iterator[tuple[ApiServer, httpx.Client]]:
+    """A server over the fake VMM whose write deadline is 2 s, and a client of its
+    tenant; its sandboxes are deleted and it is stopped at the end."""
+    state = tmp_path / "state"
+    env = {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), "CRYOBOX_WRITE_TIMEOUT": "2"}
+    made = make_server(state / "server", env)
+    made.key = made.tenant(tenant)
+    made.start()
+    http = httpx.Client(base_url=made.url, headers={"X-API-Key": made.key}, timeout=timeout)
+    try:
+        yield made, http
+    finally:
+        for info in http.get("/sandboxes").json():
+            http.delete(f"/sandboxes/{info['id']}")
+        http.close()
+        made.stop()
+
+
 def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command(
     tmp_path: Path,
 ) -> None:
@@ -94,13 +116,7 @@ def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command
     once 64 MiB of output are held for it (as before); then the stream, which used to
     wait to hand over those 64 MiB for as long as the connection stayed open, is given
     up once a write has waited CRYOBOX_WRITE_TIMEOUT."""
-    state = tmp_path / "state"
-    env = {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), "CRYOBOX_WRITE_TIMEOUT": "2"}
-    made = make_server(state / "server", env)
-    made.key = made.tenant("stall")
-    made.start()
-    http = httpx.Client(base_url=made.url, headers={"X-API-Key": made.key}, timeout=30)
-    try:
+    with _server_with_write_deadline(tmp_path, "stall", 30) as (made, http):
         sandbox_id = http.post("/sandboxes", json={}).json()["id"]
         marker = f"cbx-stall-{sandbox_id}"
         # About 6 MB/s, enough to fill the socket's buffers in a second or two.
@@ -137,22 +153,11 @@ def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command
         sock.close()
         # Not the 64 MiB the server held for it: the stream was given up, not drained.
         assert received < 24 << 20, received
-    finally:
-        for info in http.get("/sandboxes").json():
-            http.delete(f"/sandboxes/{info['id']}")
-        http.close()
-        made.stop()
 
 
 def test_a_reader_that_pauses_while_its_command_runs_is_waited_for(tmp_path: Path) -> None:
     """A pager or Ctrl-S: no deadline while the command runs and its output fits."""
-    state = tmp_path / "state"
-    env = {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), "CRYOBOX_WRITE_TIMEOUT": "2"}
-    made = make_server(state / "server", env)
-    made.key = made.tenant("pager")
-    made.start()
-    http = httpx.Client(base_url=made.url, headers={"X-API-Key": made.key}, timeout=60)
-    try:
+    with _server_with_write_deadline(tmp_path, "pager", 60) as (_, http):
         sandbox_id = http.post("/sandboxes", json={}).json()["id"]
         producer = (
             "import sys, time\nsys.stdout.write('x' * (8 << 20)); sys.stdout.flush()\ntime.sleep(8)"
@@ -166,8 +171,3 @@ def test_a_reader_that_pauses_while_its_command_runs_is_waited_for(tmp_path: Pat
             events = [json.loads(line) for line in lines]
         assert events[-1]["type"] == "exit" and events[-1]["exit_code"] == 0, events[-1]
         assert sum(len(e.get("data", "")) for e in events) > 8 << 20  # base64 of 8 MiB
-    finally:
-        for info in http.get("/sandboxes").json():
-            http.delete(f"/sandboxes/{info['id']}")
-        http.close()
-        made.stop()
