@@ -7,18 +7,10 @@ import dataclasses
 
 import pytest
 
-from cryobox.sandbox.registry import SandboxSpec
 from cryobox.server.hub import _orphaned
+from specs import small_spec
 
-BASE = SandboxSpec(
-    id="sbx-000000000001",
-    image_id="i",
-    accelerator="tcg",
-    cpus=1,
-    memory_mib=256,
-    disk_gib=2,
-    timeout=60,
-)
+BASE = small_spec("sbx-000000000001")
 TENANTS = {"tn-aaaaaaaaaaaa": "acme"}
 
 

@@ -13,9 +13,10 @@ from cryobox import Sandbox
 from cryobox.errors import InvalidArgument, QemuNotInstalled, SandboxNotFound, StateError
 from cryobox.models import CreateRequest
 from cryobox.sandbox import registry
-from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec, process_start
+from cryobox.sandbox.registry import SandboxDir, SandboxRecord, process_start
 from cryobox.sandbox.state import SandboxState, check_transition, require
 from cryobox.service.service import validate
+from specs import small_spec
 
 
 def test_state_error_names_the_state_and_what_was_needed() -> None:
@@ -78,17 +79,7 @@ def test_unknown_sandbox_id() -> None:
 
 def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
     folder = SandboxDir.for_id("sbx-deadbeef0001")
-    folder.write_spec(
-        SandboxSpec(
-            id=folder.id,
-            image_id="i",
-            accelerator="tcg",
-            cpus=1,
-            memory_mib=256,
-            disk_gib=2,
-            timeout=60,
-        )
-    )
+    folder.write_spec(small_spec(folder.id))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", folder.id])
     try:
         folder.write_record(

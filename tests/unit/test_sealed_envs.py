@@ -10,20 +10,12 @@ import pytest
 
 from cryobox.sandbox.registry import SandboxDir, SandboxSpec
 from cryobox.snapshot import keys
+from specs import small_spec
 
 
 def test_a_specs_variables_are_sealed_in_spec_json(tmp_path: Path) -> None:
     folder = SandboxDir(tmp_path / "sbx-1")
-    spec = SandboxSpec(
-        id="sbx-1",
-        image_id="i",
-        accelerator="tcg",
-        cpus=1,
-        memory_mib=256,
-        disk_gib=2,
-        timeout=60,
-        envs={"API_TOKEN": "tok-9f8e7d"},
-    )
+    spec = small_spec("sbx-1", envs={"API_TOKEN": "tok-9f8e7d"})
     folder.write_spec(spec)
     raw = folder.spec_file.read_text()
     assert "tok-9f8e7d" not in raw and "API_TOKEN" not in raw
