@@ -37,7 +37,7 @@ from cryobox.bench_store import disk_bandwidth_mb_s, environment
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
-from cryobox.service import pool
+from cryobox.service import pool, pool_refill
 
 SCENARIOS = (
     "cold-boot",
@@ -416,13 +416,13 @@ def warm_pool(size: int) -> Iterator[None]:
     """The default template's pool at ``size`` for the block (off elsewhere in the bench:
     a refill would compete with every other figure for the cores); ended after, and
     before: a member left from another session (another environment) is not claimed."""
-    pool.end_members()
+    pool_refill.end_members()
     os.environ["CRYOBOX_POOL_SIZE"] = str(size)
     try:
         yield
     finally:
         os.environ["CRYOBOX_POOL_SIZE"] = "0"
-        pool.end_members()
+        pool_refill.end_members()
 
 
 def _wait_pool_ready(timeout: float = 120.0) -> None:

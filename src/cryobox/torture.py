@@ -188,7 +188,7 @@ def _store_checker(target: str, folder: Path) -> None:
 
 
 def _open_database(target: str) -> Database:
-    from cryobox.server.database import open_database
+    from cryobox.server.databases import open_database
 
     if target.startswith("postgresql://"):
         return open_database(url=target)

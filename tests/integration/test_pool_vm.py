@@ -21,7 +21,7 @@ from cryobox import Sandbox, config
 from cryobox.cli.main import app
 from cryobox.errors import CryoboxError, SandboxNotFound
 from cryobox.sandbox import registry
-from cryobox.service import pool
+from cryobox.service import pool, pool_refill
 
 pytestmark = pytest.mark.vm
 
@@ -61,7 +61,7 @@ def pool_of(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     yield size
     monkeypatch.setenv("CRYOBOX_POOL_SIZE", "0")
-    pool.end_members()
+    pool_refill.end_members()
     assert pool.members() == []
 
 
@@ -253,6 +253,6 @@ def test_a_refill_cut_short_leaves_no_hidden_sandbox_running(
     monkeypatch.setenv("CRYOBOX_POOL_SIZE", "2")
     pool.request_refill()
     second = in_flight()
-    pool.end_members()
+    pool_refill.end_members()
     assert not [spec.id for spec, _ in registry.list_sandboxes() if spec.pool]
     assert not (config.sandboxes_dir() / second).exists()

@@ -25,7 +25,8 @@ import pytest
 from api_server import CLI, ApiServer, make_server
 from cryobox import Sandbox
 from cryobox.errors import InvalidArgument, QuotaExceeded, SandboxNotFound
-from cryobox.server.database import MIGRATIONS, open_database
+from cryobox.server.database import MIGRATIONS
+from cryobox.server.databases import open_database
 
 
 @pytest.fixture(scope="module")

@@ -183,7 +183,7 @@ def test_an_allow_list_entry_no_sandbox_can_reach_is_refused_by_name(entry: str,
 
 
 def test_an_allow_list_entry_of_this_hosts_own_address_is_refused() -> None:
-    from cryobox.network.namespace import host_addresses
+    from cryobox.network.addresses import host_addresses
 
     mine = [a for a in host_addresses() if not a.startswith("127.")]
     if not mine:

@@ -37,7 +37,8 @@ from cryobox.errors import (
     SandboxNotFound,
     StateError,
 )
-from cryobox.server.database import MIGRATIONS, SqliteDatabase, open_database
+from cryobox.server.database import MIGRATIONS, SqliteDatabase
+from cryobox.server.databases import open_database
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])

@@ -15,7 +15,7 @@ import typer
 
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import registry
-from cryobox.service import pool
+from cryobox.service import pool, pool_refill
 
 from .output import errors_reported, out, print_rows
 
@@ -91,7 +91,7 @@ def set_size(
     with errors_reported():
         pool.set_size(template, size)
         if size == 0:
-            ended = pool.end_members(template)  # stops a refill at work: it would fill it
+            ended = pool_refill.end_members(template)  # stops a refill at work: it would fill it
             pool.request_refill()  # the other pools, if any
             out.print(f"pool {template} off; {len(ended)} ended")
         else:
@@ -105,7 +105,7 @@ def drain(
 ) -> None:
     """End the waiting members now (a later create() refills the pool)."""
     with errors_reported():
-        for sandbox_id in pool.end_members(template):
+        for sandbox_id in pool_refill.end_members(template):
             out.print(f"ended {sandbox_id}")
 
 

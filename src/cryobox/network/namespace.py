@@ -33,16 +33,15 @@ import contextlib
 import ctypes
 import fcntl
 import ipaddress
-import json
 import os
 import random
 import socket
 import struct
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryobox.errors import NetworkError
+from cryobox.network.addresses import LINK_LOCAL, PREFIX, SUBNET, addresses_of
 from cryobox.network.policy import ALLOW, NONE, NetworkPolicy
 
 CLONE_NEWNET = 0x40000000
@@ -50,12 +49,6 @@ SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 LINK_PREFIX = "cbx"
-#: The addresses of sandbox links: a /30 per sandbox (host end .1, sandbox end .2).
-SUBNET = ipaddress.IPv4Network(os.environ.get("CRYOBOX_SANDBOX_SUBNET", "10.213.0.0/16"))
-#: The prefix length of each sandbox's /30.
-PREFIX = 30
-#: Link-local addresses (cloud metadata services) are never reachable from a sandbox.
-LINK_LOCAL = "169.254.0.0/16"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -274,31 +267,7 @@ async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
 
 async def _host_addresses() -> list[str]:
     """Every IPv4 address the host has (on any interface), as /32s."""
-    return _addresses(await _run(["ip", "-j", "-4", "addr", "show"]))
-
-
-def host_addresses() -> list[str]:
-    """:func:`_host_addresses` for a caller outside the event loop ([] without ``ip``)."""
-    try:
-        out = subprocess.run(
-            ["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return _addresses(out)
-
-
-def _addresses(ip_json: str) -> list[str]:
-    found = []
-    try:
-        interfaces = json.loads(ip_json or "[]")
-    except ValueError:
-        return []
-    for interface in interfaces:
-        for info in interface.get("addr_info", []):
-            if info.get("family") == "inet" and info.get("local"):
-                found.append(f"{info['local']}/32")
-    return found
+    return addresses_of(await _run(["ip", "-j", "-4", "addr", "show"]))
 
 
 async def _new_link(pid: int) -> Link:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryobox.errors import InvalidArgument
+from cryobox.network.addresses import SUBNET, host_addresses
 
 INTERNET = "internet"
 NONE = "none"
@@ -113,8 +114,6 @@ def _refuse_unreachable(entry: str, net: ipaddress.IPv4Network) -> None:
     """Refuse a rule every address of which is blocked anyway: the user would believe
     the guest reaches it. A wider rule that merely contains such addresses is kept (the
     blocked part stays blocked)."""
-    from cryobox.network.namespace import SUBNET, host_addresses
-
     never = [
         *NEVER_REACHED,
         (SUBNET, "the sandboxes' own links (other sandboxes)"),

@@ -59,6 +59,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 from cryobox.sandbox import priority
+from cryobox.sandbox.backend import backend
 from cryobox.sandbox.control import (
     ControlOp,
     ExposePort,
@@ -74,7 +75,7 @@ from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.util import mem_available_mib, without_huge_pages
-from cryobox.vmm import Vmm, backend
+from cryobox.vmm import Vmm
 
 log = logging.getLogger("cryobox.supervisor")
 #: supervisor.log is rotated at this size (one old file kept): at most 2 MiB on disk.

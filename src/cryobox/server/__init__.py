@@ -1,6 +1,7 @@
 """``cryobox server``: the HTTP API for remote agents, with tenants, idle pause and wake,
 and metering, over the same service the embedded SDK uses."""
 
-from .run import connect, database_path, serve
+from .databases import connect, database_path
+from .run import serve
 
 __all__ = ["connect", "database_path", "serve"]

@@ -180,28 +180,6 @@ class Database:
         )
 
 
-def open_database(path: Path | None = None, url: str | None = None) -> Database:
-    """The server's records: PostgreSQL when ``url`` is a ``postgresql://`` URL, else
-    the SQLite file ``path`` (or the one a ``sqlite:///PATH`` URL names).
-
-    :raises InvalidArgument: for a URL of another kind, or a database that cannot be
-        reached or is newer than this cryobox.
-    """
-    if url:
-        if url.startswith(("postgresql://", "postgres://")):
-            from .postgres import PostgresDatabase
-
-            return PostgresDatabase(url)
-        if url.startswith("sqlite:///"):
-            return SqliteDatabase(Path(url.removeprefix("sqlite://")))
-        raise InvalidArgument(
-            f"database URL {redact(url)!r}: use postgresql://USER@HOST:PORT/NAME or sqlite:///PATH"
-        )
-    if path is None:
-        raise InvalidArgument("no database: give a SQLite path or a database URL")
-    return SqliteDatabase(path)
-
-
 def redact(url: str) -> str:
     """A database URL fit for a message: its password replaced by ``***``."""
     return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)

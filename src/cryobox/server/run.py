@@ -6,7 +6,6 @@ import logging
 import os
 import socket
 import urllib.parse
-from pathlib import Path
 
 import uvicorn
 
@@ -15,30 +14,13 @@ from cryobox.service import SandboxService
 
 from . import slow_clients
 from .app import create_app
-from .database import Database, open_database
+from .databases import connect
 from .hub import Hub
 from .meter import Prices
 from .slow_clients import HeaderDeadlineProtocol
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def database_path(database: str | None = None) -> Path:
-    """The server's SQLite file: ``--database``, ``CRYOBOX_DATABASE`` or
-    ``$CRYOBOX_STATE_DIR/server.db``."""
-    return Path(database or os.environ.get("CRYOBOX_DATABASE") or config.state_dir() / "server.db")
-
-
-def database_url(url: str | None = None) -> str | None:
-    """``--database-url`` or ``CRYOBOX_DATABASE_URL`` (PostgreSQL, for several hosts)."""
-    return url or os.environ.get("CRYOBOX_DATABASE_URL") or None
-
-
-def connect(database: str | None = None, url: str | None = None) -> Database:
-    """The server's records: PostgreSQL at the database URL when one is given, else the
-    SQLite file."""
-    return open_database(database_path(database), database_url(url))
 
 
 def serve(

@@ -18,15 +18,14 @@ On disk (``STATE/pool/``):
 
 A claim is the removal of a member's file: ``unlink`` succeeds for exactly one
 process, so a member is never handed out twice, across processes and hosts' threads.
-The refill is a separate process (``python -m cryobox.service.refill``), started after
+The refill is a separate process (``python -m cryobox.service.refill``, its work in
+:mod:`.pool_refill`), started after
 a claim and niced where its priority can be restored on claim, so it never holds up
 the caller and outlives a short script.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
@@ -34,25 +33,18 @@ import json
 import logging
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cryobox import config
 from cryobox.arguments import whole_number
-from cryobox.config import env_number
-from cryobox.errors import CryoboxError
 from cryobox.sandbox import priority
 from cryobox.sandbox.launcher import relevant_env
-from cryobox.util import open_log, write_atomic, write_json_atomic
-
-if TYPE_CHECKING:
-    from cryobox.service.service import SandboxService
+from cryobox.util import open_log, write_json_atomic
 
 log = logging.getLogger("cryobox.pool")
 
@@ -199,17 +191,17 @@ def host_memory_mib(pids: tuple[int | None, ...]) -> float | None:
 # ------------------------------------------------------------------ the refill process
 
 
-def _wanted_token() -> str:
+def wanted_token() -> str:
     with contextlib.suppress(OSError):
         return (root() / "wanted").read_text()
     return ""
 
 
-def _wanted_sizes() -> dict[str, int]:
+def wanted_sizes() -> dict[str, int]:
     """The sizes the latest request saw (its environment may differ from the refill's:
     the refill serves the latest request), else this process's own."""
     with contextlib.suppress(ValueError, TypeError, AttributeError):
-        asked = json.loads(_wanted_token())["sizes"]
+        asked = json.loads(wanted_token())["sizes"]
         return {str(name): int(size) for name, size in asked.items()}
     return sizes()
 
@@ -217,7 +209,7 @@ def _wanted_sizes() -> dict[str, int]:
 _started: list[subprocess.Popen[bytes]] = []
 
 
-def _announce() -> None:
+def announce() -> None:
     """Say the sizes this process wants: a refill at work sees the change and looks again
     with them, and so does one still starting (it reads them once it holds the lock).
     Written in place (a rename costs ~10 ms here): a torn read only makes a refill look
@@ -231,7 +223,7 @@ def _announce() -> None:
 
 def request_refill() -> None:
     """Start a refill process unless one is at work (which then sees this request)."""
-    _announce()
+    announce()
     if not sizes() or _refill_running():
         return
     _started[:] = [p for p in _started if p.poll() is None]  # reap those that ended
@@ -262,7 +254,7 @@ def _refill_running() -> bool:
     return False
 
 
-def _lock_within(fd: int, seconds: float) -> bool:
+def lock_within(fd: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -292,142 +284,3 @@ def stop_refill() -> None:
         deadline = time.monotonic() + 30
         while _refill_running() and time.monotonic() < deadline:
             time.sleep(0.05)
-
-
-async def refill() -> None:
-    """Bring every pool to its size, until no claim came in meanwhile (one process at a
-    time: the caller holds ``refill.lock``)."""
-    from cryobox.service.service import SandboxService
-
-    service = SandboxService()
-    try:
-        while True:
-            seen = _wanted_token()
-            await _sweep_orphans(service)
-            for template, size in sorted(_wanted_sizes().items()):
-                await _refill_one(service, template, size)
-            await _drain_unwanted(service)
-            if _wanted_token() == seen:
-                return
-    finally:
-        await service.close()
-
-
-async def _refill_one(service: SandboxService, template: str, size: int) -> None:
-    from cryobox.models import CreateRequest
-    from cryobox.sandbox import registry
-    from cryobox.sandbox.state import SandboxState
-    from cryobox.service.service import mem_available_mib
-
-    image = await asyncio.to_thread(service.vmm.ensure_image, None)
-    try:
-        source = await service._template_snapshot(template, image, None)
-    except CryoboxError as exc:
-        log.warning("pool %s: no template to restore (%s): its members are ended", template, exc)
-        await _end(service, members(template))
-        return
-    stale = []
-    env = env_digest()
-    for member in members(template):
-        alive = False
-        with contextlib.suppress(CryoboxError, OSError):
-            record = registry.find(member.sandbox_id).record()
-            alive = record.state is SandboxState.RUNNING and registry.supervisor_alive(record)
-        if member.snapshot_id != source.id or member.env != env or not alive:
-            stale.append(member)
-    await _end(service, stale)
-    waiting = members(template)
-    await _end(service, waiting[size:])
-    for _ in range(size - len(waiting)):
-        if mem_available_mib() < source.memory_mib + MEMORY_MARGIN_MIB:
-            log.warning("pool %s: host memory is short; not refilled", template)
-            return
-        info = await service.create(CreateRequest(template=template), pool_member=True)
-        try:
-            await service.warm_up(info.id)
-            origin = info.origin or source.id  # what it was restored from, as it says
-            offer(Member(info.id, template, origin, time.time(), info.network, env))
-        except BaseException:  # a failure, or the refill stopped: never leave it running
-            with contextlib.suppress(CryoboxError, OSError):
-                await asyncio.shield(service.kill(info.id, keep_record=False))
-            raise
-        log.info("pool %s: %s ready", template, info.id)
-
-
-async def _sweep_orphans(service: SandboxService) -> None:
-    """End members that have no pool file and were never claimed: a refill killed while
-    starting one, a claimer that died before taking it over. (A claim in progress that
-    loses its member to this falls back to a restore.)"""
-    from cryobox.sandbox import registry
-
-    for spec, _record in registry.list_sandboxes():
-        if spec.pool and not (folder(spec.pool) / spec.id).exists():
-            with contextlib.suppress(CryoboxError, OSError):
-                if registry.find(spec.id).spec().pool:  # not claimed meanwhile
-                    log.warning("pool %s: %s has no pool file: ended", spec.pool, spec.id)
-                    await service.kill(spec.id, keep_record=False)
-
-
-async def _drain_unwanted(service: SandboxService) -> None:
-    wanted = _wanted_sizes()
-    await _end(service, [m for m in members() if m.template not in wanted])
-
-
-async def _end(service: SandboxService, doomed: list[Member]) -> None:
-    for member in doomed:
-        if withdraw(member):
-            with contextlib.suppress(CryoboxError):
-                await service.kill(member.sandbox_id, keep_record=False)
-
-
-def end_members(template: str | None = None) -> list[str]:
-    """Stop the refill at work and end the waiting members (of ``template``, or all);
-    their ids. For synchronous callers: runs in an event loop of its own."""
-    from cryobox.service.service import SandboxService
-
-    async def work() -> list[str]:
-        service = SandboxService()
-        try:
-            return await drain(service, template)
-        finally:
-            await service.close()
-
-    _announce()  # a refill still starting (not holding its lock yet) reads these sizes
-    stop_refill()
-    with concurrent.futures.ThreadPoolExecutor(1) as executor:  # callable inside a loop
-        return executor.submit(asyncio.run, work()).result()
-
-
-async def drain(service: SandboxService, template: str | None = None) -> list[str]:
-    """End the waiting members (of ``template``, or all); their ids."""
-    doomed = members(template)
-    await _end(service, doomed)
-    return [m.sandbox_id for m in doomed]
-
-
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    priority.lower()  # its own work; each member's supervisor lowers its session too
-    os.umask(0o077)
-    # stop_refill()'s SIGTERM unwinds the refill (a member being started is ended).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    fd = os.open(root() / "refill.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    delay = env_number("CRYOBOX_POOL_REFILL_DELAY", REFILL_DELAY)
-    while True:
-        if not _lock_within(fd, 0.5):  # a probe holds it a moment; a refill, longer
-            return  # another refill is at work
-        write_atomic(root() / "refill.pid", str(os.getpid()).encode(), durable=False)
-        time.sleep(delay)  # holding the lock: stop_refill() finds this process
-        delay = 0
-        seen = _wanted_token()
-        try:
-            asyncio.run(refill())
-        except (CryoboxError, OSError) as exc:
-            log.error("refill failed: %s", exc)
-            return
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        # A claim between the refill's last look and the unlock started no refill (the
-        # lock was held): look once more now that it is free.
-        if _wanted_token() == seen:
-            return

@@ -57,6 +57,7 @@ from cryobox.models import (
 from cryobox.network.namespace import check_can_isolate
 from cryobox.network.policy import INTERNET, parse_policy
 from cryobox.sandbox import registry
+from cryobox.sandbox.backend import backend
 from cryobox.sandbox.control import TIMEOUTS, ControlOp, Pause, TakeSnapshot
 from cryobox.sandbox.launcher import Launcher, SupervisorGroup
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
@@ -68,9 +69,8 @@ from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id, valid_name
 from cryobox.store.keys import LOCAL_TENANT
-from cryobox.util import data_bytes, each_chunk, new_id
-from cryobox.util import mem_available_mib as mem_available_mib  # the pool reads it here
-from cryobox.vmm import Vmm, backend
+from cryobox.util import data_bytes, each_chunk, mem_available_mib, new_id
+from cryobox.vmm import Vmm
 
 #: The owner a template build's sandbox records: it belongs to no tenant, and a server
 #: that finds one left by a crash ends it (``Hub.reconcile``).
@@ -282,7 +282,7 @@ class SandboxService:
         if request.from_snapshot is not None:
             source = await self.persist.local_or_pulled(request.from_snapshot)
         elif request.template != BASE_TEMPLATE:
-            source = await self._template_snapshot(request.template, image, progress)
+            source = await self.template_snapshot(request.template, image, progress)
         shape = {
             "cpus": request.cpus,
             "memory_mib": request.memory_mib,
@@ -912,12 +912,23 @@ class SandboxService:
             raise TemplateNotFound(name)
         # Its waiting members would keep its snapshot (and a refill at work would add one).
         await asyncio.to_thread(pool.stop_refill)
-        await pool.drain(self, name)
+        await self.drain_pool(name)
         self.store.delete_template(name)
         with contextlib.suppress(CryoboxError):
             await self.delete_snapshot(str(entry["snapshot"]))
 
-    async def _template_snapshot(
+    async def drain_pool(self, template: str | None = None) -> builtins.list[str]:
+        """End the waiting members of ``template``'s warm pool (or of every pool); their
+        ids. A member being claimed meanwhile is left to its claimer."""
+        ended: builtins.list[str] = []
+        for member in pool.members(template):
+            if pool.withdraw(member):
+                with contextlib.suppress(CryoboxError):
+                    await self.kill(member.sandbox_id, keep_record=False)
+                ended.append(member.sandbox_id)
+        return ended
+
+    async def template_snapshot(
         self, name: str, image: Image, progress: Progress | None
     ) -> Manifest:
         """The snapshot a template starts from; builds ``default`` when missing or stale."""
