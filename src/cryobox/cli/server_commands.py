@@ -66,6 +66,7 @@ def server(
     ] = 3600.0,
 ) -> None:
     """Serve the HTTP API (docs at /docs). Stopping it leaves every sandbox running."""
+    from cryobox.e2b.extension import extension as e2b
     from cryobox.server import serve
 
     with errors_reported():  # a database it cannot use is one line, not a traceback
@@ -78,6 +79,7 @@ def server(
             tick=tick,
             storage_interval=storage_interval,
             collect_interval=collect_interval,
+            extensions=[e2b()],  # the official e2b SDK's API, under /e2b
         )
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Annotated, Any, cast
@@ -32,9 +33,6 @@ from starlette.background import BackgroundTask
 
 from cryobox import errors as e
 from cryobox.arguments import key_values
-from cryobox.e2b import rest as e2b_rest
-from cryobox.e2b.envd import Envd, EnvdRpc, envd_router
-from cryobox.e2b.records import E2bRecords
 from cryobox.guest import protocol as p
 from cryobox.models import (
     CommandRequest,
@@ -50,6 +48,7 @@ from cryobox.util import rechunked
 
 from . import schemas as s
 from .backlog import Backlog
+from .extensions import Extension
 from .forward import Forward, credentials
 from .hub import Hub
 from .limits import BodyLimit
@@ -151,10 +150,12 @@ def create_app(
     tick: float = 1.0,
     storage_interval: float = 60.0,
     collect_interval: float = 3600.0,
+    extensions: Sequence[Extension] = (),
 ) -> FastAPI:
-    """The API over ``hub``; its lifespan runs the monitor (idle pauses, metering,
-    state-change events) every ``tick`` seconds and measures saved state every
-    ``storage_interval`` seconds."""
+    """The API over ``hub``, with ``extensions`` mounted beside it (the E2B-compatible
+    API, for one); its lifespan runs the monitor (idle pauses, metering, state-change
+    events) every ``tick`` seconds and measures saved state every ``storage_interval``
+    seconds."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -178,20 +179,21 @@ def create_app(
 
     app.state.hub = hub
 
+    def extension_of(request: Request) -> Extension | None:
+        return next((x for x in extensions if x.owns(request.url.path)), None)
+
     @app.exception_handler(e.CryoboxError)
     async def cryobox_error(request: Request, exc: e.CryoboxError) -> JSONResponse:
-        if request.url.path.startswith("/e2b/"):
-            return e2b_rest.error_body(e2b_rest.status_of_e2b(exc, status_of(exc)), exc)
+        extension = extension_of(request)
+        if extension is not None:
+            return extension.error_response(exc, status_of(exc))
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path.startswith("/e2b/"):
-            fields = "; ".join(
-                f"{'.'.join(str(part) for part in item.get('loc', ()))}: {item.get('msg')}"
-                for item in exc.errors()
-            )
-            return JSONResponse({"code": 400, "message": fields}, status_code=400)
+        extension = extension_of(request)
+        if extension is not None:
+            return extension.invalid_request(exc)
         # The answer echoes what was sent, which may hold NaN or Infinity (Python's JSON
         # reader takes them; no JSON writer may): such numbers are answered as text.
         try:
@@ -202,15 +204,18 @@ def create_app(
             ]
         return JSONResponse({"detail": detail}, 422)
 
-    # E2B's control plane and in-sandbox API under /e2b (see cryobox.e2b).
-    records = E2bRecords(hub.db)
-    envd = Envd(hub, records)
-    app.include_router(e2b_rest.e2b_router(hub, records, envd.forget))
-    app.include_router(envd_router(envd))
-    app.add_middleware(EnvdRpc, envd=envd)
-    # Another host's sandbox: passed on whole, before any route or envd reads it.
-    app.add_middleware(Forward, hub=hub)
-    app.add_middleware(BodyLimit)  # before anything reads a body
+    for extension in extensions:  # E2B's control plane and envd under /e2b, for one
+        extension.install(app, hub)
+    # Another host's sandbox: passed on whole, before any route or extension reads it.
+    app.add_middleware(
+        Forward,
+        hub=hub,
+        targets=[x.target for x in extensions],
+        credentials=[functools.partial(x.may_use, hub) for x in extensions],
+    )
+    app.add_middleware(  # before anything reads a body
+        BodyLimit, streaming=[x.streaming for x in extensions if x.streaming is not None]
+    )
     app.add_middleware(SendDeadline)  # outermost: a response's writes, when it arms one
 
     # ------------------------------------------------------------------ health

@@ -14,9 +14,8 @@ A forwarded request carries ``X-Cryobox-Forwarded`` with the hosts' shared secre
 again. The header from anyone without the secret is ignored (the request is forwarded
 as any other), so a client cannot make a host act on a sandbox it does not run.
 
-Which requests name a sandbox: ``/sandboxes/ID...``, E2B's ``/e2b/sandboxes/ID...``
-and ``/e2b/v2/sandboxes/ID...``, and E2B's in-sandbox calls under ``/e2b/`` with an
-``E2b-Sandbox-Id`` header.
+Which requests name a sandbox: ``/sandboxes/ID...``, and those an extension says of
+its own (:attr:`.extensions.Extension.target`: E2B's, for one).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Protocol
 
 import httpx
@@ -37,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 FORWARDED = "x-cryobox-forwarded"
-_SANDBOX_PATH = re.compile(r"^(?:/e2b(?:/v2)?)?/sandboxes/([A-Za-z0-9_.-]+)(?:/|$)")
+_SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_.-]+)(?:/|$)")
 #: Headers that describe one connection, not the request (RFC 9110 section 7.6.1).
 _HOP = {
     "connection",
@@ -65,18 +64,19 @@ class Peers(Protocol):
         """The URL of the other host running the sandbox; None to serve it here."""
 
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
-        """Whether the request's credentials reach the sandbox (its tenant's API key, or
-        its E2B access token)."""
+        """Whether the request's credentials reach the sandbox (its tenant's API key)."""
 
 
-def target(path: str, headers: dict[str, str]) -> str | None:
-    """The sandbox a request names, if any."""
+#: The sandbox a request names (path, lower-cased headers), if any.
+Target = Callable[[str, Mapping[str, str]], "str | None"]
+#: Whether a request's headers carry a credential that reaches a sandbox.
+Credential = Callable[[str, Mapping[str, str]], bool]
+
+
+def target(path: str, headers: Mapping[str, str]) -> str | None:
+    """The sandbox a request to cryobox's own API names, if any."""
     found = _SANDBOX_PATH.match(path)
-    if found:
-        return found.group(1)
-    if path.startswith("/e2b/"):
-        return headers.get("e2b-sandbox-id") or None
-    return None
+    return found.group(1) if found else None
 
 
 def credentials(request: Request) -> dict[str, str]:
@@ -87,9 +87,18 @@ def credentials(request: Request) -> dict[str, str]:
 class Forward:
     """ASGI middleware: pass requests for another host's sandboxes to that host."""
 
-    def __init__(self, app: ASGIApp, hub: Peers) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        hub: Peers,
+        targets: Sequence[Target] = (),
+        credentials: Sequence[Credential] = (),
+    ) -> None:
+        """``targets`` and ``credentials`` are the extensions' own, beside cryobox's."""
         self.app = app
         self.hub = hub
+        self.targets = (target, *targets)
+        self.credentials = (hub.may_use, *credentials)
         self._client: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,7 +106,9 @@ class Forward:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        sandbox_id = target(scope["path"], headers)
+        sandbox_id = next(
+            (found for named in self.targets if (found := named(scope["path"], headers))), None
+        )
         url = None
         if sandbox_id is not None and not self._from_a_host(headers):
             try:
@@ -112,7 +123,7 @@ class Forward:
             return
         # The host is down: only a caller who may use the sandbox hears of it; anyone
         # else gets this host's own answer (that of a missing id, or of a bad key).
-        if not body.overflow and not await asyncio.to_thread(self.hub.may_use, sandbox_id, headers):
+        if not body.overflow and not await asyncio.to_thread(self._may_use, sandbox_id, headers):
             await self.app(scope, body.replay, send)
             return
         await _answer(
@@ -121,6 +132,9 @@ class Forward:
             f"sandbox {sandbox_id} runs on another host, which does not answer now; "
             "try again later",
         )
+
+    def _may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
+        return any(check(sandbox_id, headers) for check in self.credentials)
 
     def _from_a_host(self, headers: Mapping[str, str]) -> bool:
         given = headers.get(FORWARDED)

@@ -232,15 +232,10 @@ class Hub:
 
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
         """Whether a request's credentials reach the sandbox: its tenant's API key (either
-        header), or its E2B access token."""
-        from cryobox.e2b.records import E2bRecords  # cryobox.e2b builds on this module
-
+        header). An extension's own credentials are its to check."""
         key = api_key(headers.get("authorization"), headers.get("x-api-key"))
         tenant = self.tenants.authenticate(key) if key else None
-        if tenant is not None and self.tenants.owns(tenant.id, "sandbox", sandbox_id):
-            return True
-        token = headers.get("x-access-token")
-        return E2bRecords(self.db).by_token(sandbox_id, token) is not None
+        return tenant is not None and self.tenants.owns(tenant.id, "sandbox", sandbox_id)
 
     async def _remote_info(
         self, sandbox_id: str, credentials: Mapping[str, str]

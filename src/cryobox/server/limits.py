@@ -3,30 +3,33 @@
 FastAPI reads and parses a JSON body before a route's dependencies run, so without a cap
 a client without a key could make the server hold any amount of memory. Bodies up to
 ``BODY_LIMIT`` are buffered here and passed on; larger ones are answered 413 at once.
-Routes that stream their body (file uploads, command stdin, E2B's RPC streams) are left
-alone: they authenticate first and read in bounded chunks.
+Routes that stream their body (file uploads, command stdin, and an extension's own, such
+as E2B's RPC streams) are left alone: they authenticate first and read in bounded chunks.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 BODY_LIMIT = 1024 * 1024
-STREAMING = re.compile(
-    r"^(/sandboxes/[^/]+/files$|/sandboxes/[^/]+/commands/[^/]+/stdin$|/e2b/files$"
-    r"|/e2b/process\.Process/|/e2b/filesystem\.Filesystem/)"
-)
+STREAMING = re.compile(r"^(/sandboxes/[^/]+/files$|/sandboxes/[^/]+/commands/[^/]+/stdin$)")
 
 
 class BodyLimit:
-    def __init__(self, app: Any, limit: int = BODY_LIMIT) -> None:
+    def __init__(
+        self, app: Any, limit: int = BODY_LIMIT, streaming: Sequence[re.Pattern[str]] = ()
+    ) -> None:
+        """``streaming``: more paths whose routes read their bodies themselves."""
         self.app = app
         self.limit = limit
+        self.streaming = (STREAMING, *streaming)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope.get("type") != "http" or STREAMING.match(scope.get("path", "")):
+        path = scope.get("path", "")
+        if scope.get("type") != "http" or any(p.match(path) for p in self.streaming):
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import urllib.parse
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -15,6 +16,7 @@ from cryobox.service import SandboxService
 from . import slow_clients
 from .app import create_app
 from .databases import connect
+from .extensions import Extension
 from .hub import Hub
 from .meter import Prices
 from .slow_clients import HeaderDeadlineProtocol
@@ -33,13 +35,15 @@ def serve(
     tick: float = 1.0,
     storage_interval: float = 60.0,
     collect_interval: float = 3600.0,
+    extensions: Sequence[Extension] = (),
 ) -> None:
     """Serve until SIGINT or SIGTERM. Stopping pauses and kills nothing: the sandboxes
     run on under their supervisors, and the next server takes them over.
 
     With a PostgreSQL ``url`` shared by several hosts, ``advertise_url`` is where the
     other hosts reach this one (default ``http://HOST:PORT``; give it when listening on
-    all addresses or behind NAT)."""
+    all addresses or behind NAT). ``extensions`` are served beside cryobox's own API
+    (``cryobox server`` passes the E2B-compatible one)."""
     os.umask(0o077)  # its database and everything it writes hold tenants' secrets
     config.check_settings()  # a bad host setting stops the server here, not each create
     slow_clients.check_settings()
@@ -67,7 +71,11 @@ def serve(
     )
     hub.hosts.register()  # refused here, before listening, if another server is this host
     app = create_app(
-        hub, tick=tick, storage_interval=storage_interval, collect_interval=collect_interval
+        hub,
+        tick=tick,
+        storage_interval=storage_interval,
+        collect_interval=collect_interval,
+        extensions=extensions,
     )
     uvicorn.run(
         app,

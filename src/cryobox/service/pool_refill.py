@@ -106,6 +106,7 @@ async def _end(service: SandboxService, doomed: list[pool.Member]) -> None:
 def end_members(template: str | None = None) -> list[str]:
     """Stop the refill at work and end the waiting members (of ``template``, or all);
     their ids. For synchronous callers: runs in an event loop of its own."""
+
     async def work() -> list[str]:
         service = SandboxService()
         try:

@@ -1,0 +1,79 @@
+"""The E2B-compatible API as an extension of ``cryobox server`` (see
+:class:`cryobox.server.extensions.Extension`): its routes under ``/e2b``, E2B's error
+shape, its per-sandbox access tokens, and which of its requests name a sandbox."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from cryobox.errors import CryoboxError
+from cryobox.server.extensions import Extension
+from cryobox.server.hub import Hub
+
+from . import rest
+from .envd import Envd, EnvdRpc, envd_router
+from .records import E2bRecords
+
+PREFIX = "/e2b/"
+#: E2B's control-plane paths that name a sandbox.
+_SANDBOX_PATH = re.compile(r"^/e2b(?:/v2)?/sandboxes/([A-Za-z0-9_.-]+)(?:/|$)")
+#: Routes that read their bodies in bounded chunks: file uploads and envd's RPC streams.
+STREAMING = re.compile(r"^(/e2b/files$|/e2b/process\.Process/|/e2b/filesystem\.Filesystem/)")
+
+
+def install(app: FastAPI, hub: Hub) -> None:
+    """E2B's control plane (:mod:`.rest`) and in-sandbox API (:mod:`.envd`)."""
+    records = E2bRecords(hub.db)
+    envd = Envd(hub, records)
+    app.include_router(rest.e2b_router(hub, records, envd.forget))
+    app.include_router(envd_router(envd))
+    app.add_middleware(EnvdRpc, envd=envd)
+
+
+def error_response(exc: CryoboxError, status: int) -> JSONResponse:
+    return rest.error_body(rest.status_of_e2b(exc, status), exc)
+
+
+def invalid_request(exc: RequestValidationError) -> JSONResponse:
+    """E2B's error shape, every field's problem in its message."""
+    fields = "; ".join(
+        f"{'.'.join(str(part) for part in item.get('loc', ()))}: {item.get('msg')}"
+        for item in exc.errors()
+    )
+    return JSONResponse({"code": 400, "message": fields}, status_code=400)
+
+
+def may_use(hub: Hub, sandbox_id: str, headers: Mapping[str, str]) -> bool:
+    """Whether the request carries the sandbox's E2B access token."""
+    token = headers.get("x-access-token")
+    return E2bRecords(hub.db).by_token(sandbox_id, token) is not None
+
+
+def target(path: str, headers: Mapping[str, str]) -> str | None:
+    """``/e2b/sandboxes/ID...`` and ``/e2b/v2/sandboxes/ID...``, and envd's calls under
+    ``/e2b/`` with an ``E2b-Sandbox-Id`` header."""
+    found = _SANDBOX_PATH.match(path)
+    if found:
+        return found.group(1)
+    if path.startswith(PREFIX):
+        return headers.get("e2b-sandbox-id") or None
+    return None
+
+
+def extension() -> Extension:
+    """What ``cryobox server`` installs to serve the official ``e2b`` SDK."""
+    return Extension(
+        name="e2b",
+        prefix=PREFIX,
+        install=install,
+        error_response=error_response,
+        invalid_request=invalid_request,
+        may_use=may_use,
+        target=target,
+        streaming=STREAMING,
+    )
