@@ -128,7 +128,7 @@ def postgres() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[Any]:
     """A real S3 server (SeaweedFS) on a loopback port, for the whole session."""
-    from cryobox.store.seaweed import S3Server
+    from cryobox.bench.s3_server import S3Server
 
     server = S3Server()
     server.start()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cryobox import torture
+from cryobox.bench import torture
 from postgres_server import PostgresServer
 
 

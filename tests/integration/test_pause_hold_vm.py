@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from cryobox import Sandbox
-from cryobox.bench_steps import cpu_seconds
+from cryobox.bench.steps import cpu_seconds
 from cryobox.errors import ChannelError, CryoboxError, StateError
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from cryobox import Sandbox, bench_steps
+from cryobox import Sandbox
+from cryobox.bench import steps as bench_steps
 from cryobox.errors import (
     InvalidArgument,
     SnapshotIncompatible,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cryobox import soak
+from cryobox.bench import soak
 
 pytestmark = pytest.mark.vm
 

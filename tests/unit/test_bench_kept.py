@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cryobox import bench
+from cryobox.bench import run as bench
 
 
 def test_a_regeneration_keeps_the_reliability_section() -> None:

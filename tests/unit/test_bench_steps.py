@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cryobox import bench_steps, config
+from cryobox import config
+from cryobox.bench import steps as bench_steps
 
 
 def test_the_latest_line_of_a_kind_is_read_step_by_step(

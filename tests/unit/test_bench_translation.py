@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from cryobox.bench_translation import BOTH, KERNEL, LIBC, OTHERS, PYTHON, attribute
+from cryobox.bench.translation import BOTH, KERNEL, LIBC, OTHERS, PYTHON, attribute
 
 #: Debian 12's python3.11 is not position-independent; its libraries come before libc.
 AGENT_MAPS = """\

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from cryobox import torture
+from cryobox.bench import torture
 
 #: Seconds each torture runs here; ``make torture`` runs minutes.
 SECONDS = 15.0

@@ -847,7 +847,7 @@ def soak(
 ) -> None:
     """Pause/resume, rollback and fork cycles on real VMs beside a server under load
     whose supervisors are killed; reports cycles, faults and anything lost (exit 1)."""
-    from cryobox import soak as soaking
+    from cryobox.bench import soak as soaking
 
     options = ["--minutes", str(minutes), "--fault-every", str(fault_every)]
     if json_file is not None:
@@ -866,7 +866,7 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="Smoke mode: small counts.")] = False,
 ) -> None:
     """Measure the headline figures against their baselines on this host."""
-    from cryobox import bench as benchmarks
+    from cryobox.bench import run as benchmarks
 
     with errors_reported():
         names = tuple(scenarios or benchmarks.SCENARIOS)

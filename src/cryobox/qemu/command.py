@@ -172,7 +172,7 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
     tcg_log = os.environ.get("CRYOBOX_TCG_LOG")
     if tcg_log and spec.accelerator != "kvm":
         # Every block of guest code as TCG translates it, for ``cryobox bench``
-        # (:mod:`cryobox.bench_translation`); QEMU puts its pid for a %d in the path.
+        # (:mod:`cryobox.bench.translation`); QEMU puts its pid for a %d in the path.
         argv += ["-d", "in_asm", "-D", tcg_log]
     if spec.incoming:
         # Stay stopped after the state is loaded: the caller continues the machine.

@@ -255,5 +255,5 @@ async def measure(runs: int, fork_count: int) -> DiyFigures:
     return figures
 
 
-if __name__ == "__main__":  # a quick look: python -m cryobox.bench_diy
+if __name__ == "__main__":  # a quick look: python -m cryobox.bench.diy
     print(asyncio.run(measure(int(os.environ.get("RUNS", "2")), int(os.environ.get("FORKS", "2")))))

@@ -324,7 +324,16 @@ def run(kind: str, target: str, folder: Path, seconds: float, kill_every: float 
 
     def start(role: str) -> None:
         process = subprocess.Popen(
-            [sys.executable, "-m", "cryobox.torture", "worker", kind, role, target, str(folder)],
+            [
+                sys.executable,
+                "-m",
+                "cryobox.bench.torture",
+                "worker",
+                kind,
+                role,
+                target,
+                str(folder),
+            ],
             stderr=open(folder / "workers.log", "ab"),  # noqa: SIM115 - the child owns it
         )
         running[process] = role
@@ -367,7 +376,7 @@ def _where(target: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cryobox.torture", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cryobox.bench.torture", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     go = sub.add_parser("run", help="torture a store folder or a database, then verify")
     go.add_argument("kind", choices=["store", "database"])

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from cryobox import config
+from cryobox.bench.s3_server import S3Server
 from cryobox.client import AsyncSandbox
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import catalog, collect
 from cryobox.store.chunkstore import ChunkStore
-from cryobox.store.seaweed import S3Server
 
 MB = 1e6
 

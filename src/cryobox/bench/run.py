@@ -24,20 +24,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryobox import (
-    bench_bounds,
-    bench_diy,
-    bench_http,
-    bench_steps,
-    bench_store,
-    bench_translation,
-    config,
-)
-from cryobox.bench_store import disk_bandwidth_mb_s, environment
+from cryobox import config
 from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
 from cryobox.service import pool, pool_refill
+
+from . import bounds as bench_bounds
+from . import diy as bench_diy
+from . import http as bench_http
+from . import steps as bench_steps
+from . import store as bench_store
+from . import translation as bench_translation
+from .store import disk_bandwidth_mb_s, environment
 
 SCENARIOS = (
     "cold-boot",
@@ -158,7 +157,7 @@ class Figure:
     baseline: str = ""
     ratio: float | None = None
     note: str = ""
-    #: The same figure for plain QEMU driven by hand (:mod:`.bench_diy`), this run.
+    #: The same figure for plain QEMU driven by hand (:mod:`.diy`), this run.
     diy: float | None = None
     diy_ratio: float | None = None
 
@@ -626,7 +625,7 @@ _STEPS: tuple[list[str] | None, ...] = (None, ["true"], ["true"])
 
 
 async def translation(ctx: Context) -> list[Figure]:
-    """Which guest code a fork's new QEMU translates (:mod:`.bench_translation`): on the
+    """Which guest code a fork's new QEMU translates (:mod:`.translation`): on the
     way to its first answer (restore and identity refresh), for its first ``true``, for
     its second; and, in a second fork that logs nothing, the CPU its QEMU spends on each.
     Only where this process starts the VMs, under TCG."""
@@ -996,7 +995,7 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
 
 
 async def diy(ctx: Context) -> list[Figure]:
-    """Plain QEMU by hand on the same image, in this run (:mod:`.bench_diy`)."""
+    """Plain QEMU by hand on the same image, in this run (:mod:`.diy`)."""
     runs = 1 if ctx.quick else 3
     figures = ctx.diy = await bench_diy.measure(runs, 3 if ctx.quick else 10)
     what = "plain QEMU by hand, same image and machine: "
@@ -1236,7 +1235,7 @@ INTRO = (
     "baseline measured in the same run. No test passes or fails on these: the "
     'machines are shared and noisy. The columns "plain QEMU by hand" and "ratio to it" '
     "hold what a user gets without cryobox, measured in the same run on the same image "
-    "(`cryobox.bench_diy`, the `diy-*` rows: QEMU started by hand, savevm/loadvm, forks as "
+    "(`cryobox.bench.diy`, the `diy-*` rows: QEMU started by hand, savevm/loadvm, forks as "
     "copies of the saved disk; its guest keeps the kernel's default address randomization, "
     "as a user's would)."
 )
