@@ -52,6 +52,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 	clang-format --dry-run --Werror src/cryobox/guest/front.c src/cryobox/guest/init.c
 
 unit: setup

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from cryobox.errors import InvalidArgument
@@ -115,3 +117,23 @@ def key_values(name: str, items: Sequence[str]) -> dict[str, str]:
             raise InvalidArgument(f"{name} {item!r}: write KEY=VALUE")
         found[key] = text
     return found
+
+
+#: A CA bundle's size, at most (PEM of a few hundred certificates).
+MAX_BUNDLE_BYTES = 1 << 20
+
+
+def read_bundle(source: str | os.PathLike[str]) -> str:
+    """PEM text given, or the text of the file named.
+
+    :raises InvalidArgument: when the file cannot be read.
+    """
+    if isinstance(source, str) and "-----BEGIN" in source:
+        return source
+    path = Path(source)
+    try:
+        if path.stat().st_size > MAX_BUNDLE_BYTES:
+            raise InvalidArgument(f"ca_bundle={str(path)!r}: larger than {MAX_BUNDLE_BYTES} bytes")
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"ca_bundle={str(path)!r}: cannot be read ({exc})") from None

@@ -1,11 +1,67 @@
 """Plain records that cross the transport: what the SDK sends (requests) and gets back
-(sandbox, snapshot and template info, command results, file entries)."""
+(sandbox, snapshot and template info, command results, file entries), and the names and
+callbacks the service interface is written in. Every floor may import this module; it
+imports nothing of cryobox's, so that a remote caller of the SDK loads no service.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import enum
+import signal as signals
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+#: Called with a line saying what a long step is doing (an image build, a template).
+Progress = Callable[[str], None]
+#: Called with ("stdout" | "stderr", bytes) as a command's output arrives.
+OutputSink = Callable[[str, bytes], None]
+#: Called with (event type, name relative to the watched folder).
+WatchSink = Callable[[str, str], None]
+
+
+class SandboxState(enum.StrEnum):
+    """Where a sandbox is in its lifecycle (:mod:`cryobox.sandbox.state` has the
+    transitions)."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    KILLED = "killed"
+    DEAD = "dead"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SandboxState.KILLED, SandboxState.DEAD)
+
+
+class SnapshotPurpose(enum.StrEnum):
+    """Why a snapshot was taken: decides who may use it and when it is collected."""
+
+    PAUSE = "pause"
+    CHECKPOINT = "checkpoint"
+    SNAPSHOT = "snapshot"
+    TEMPLATE = "template"
+    FORK = "fork"
+
+
+class StartedCommand(Protocol):
+    """A command as any transport hands it to the SDK (in this process or over HTTP)."""
+
+    pid: int
+
+    async def started(self) -> None: ...
+    async def wait(self) -> dict[str, Any]: ...
+    async def send_stdin(self, data: bytes, eof: bool = False) -> None: ...
+    async def kill(self, signal: int = signals.SIGKILL) -> None: ...
+    async def resize(self, cols: int, rows: int) -> None: ...
+
+
+class ActiveWatch(Protocol):
+    """A watch as any transport hands it to the SDK (in this process or over HTTP)."""
+
+    async def stop(self) -> None: ...
 
 
 @dataclass(frozen=True)

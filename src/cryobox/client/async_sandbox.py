@@ -22,26 +22,25 @@ from types import TracebackType
 from typing import Any, Literal, TypedDict, Unpack, overload
 
 from cryobox import config
-from cryobox.arguments import env_vars, labels
+from cryobox.arguments import env_vars, labels, read_bundle
 from cryobox.errors import CryoboxError, GuestFileNotFound, InvalidArgument, SandboxNotFound
 from cryobox.guest import protocol as p
-from cryobox.image.build import Progress
 from cryobox.models import (
+    ActiveWatch,
     CommandRequest,
     CommandResult,
     CreateRequest,
     EntryInfo,
     FileEvent,
+    Progress,
     SandboxInfo,
+    SandboxState,
     SnapshotInfo,
+    SnapshotPurpose,
+    StartedCommand,
     TemplateInfo,
     matches,
 )
-from cryobox.sandbox.state import SandboxState
-from cryobox.service import egress
-from cryobox.service.commands import StartedCommand
-from cryobox.service.watches import ActiveWatch
-from cryobox.snapshot.manifest import SnapshotPurpose
 
 from .transport import Transport, transport_for
 
@@ -433,7 +432,7 @@ def _egress(proxy: str | None, ca_bundle: str | os.PathLike[str] | None) -> dict
     """``create``'s proxy and CA arguments as the service takes them (and checks): None
     for the defaults of the host the sandbox runs on, ``""`` for none, a bundle file read
     here, where it is."""
-    pem = ca_bundle if ca_bundle in (None, "") else egress.read_bundle(ca_bundle)
+    pem = ca_bundle if ca_bundle in (None, "") else read_bundle(ca_bundle)
     return {"proxy": proxy, "ca_bundle": pem}
 
 

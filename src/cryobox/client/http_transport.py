@@ -29,18 +29,18 @@ from cryobox.errors import (
     InvalidArgument,
     error_from_detail,
 )
-from cryobox.image.build import Progress
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
     EntryInfo,
+    OutputSink,
+    Progress,
     SandboxInfo,
     SnapshotInfo,
+    SnapshotPurpose,
     TemplateInfo,
+    WatchSink,
 )
-from cryobox.service.commands import OutputSink
-from cryobox.service.watches import WatchSink
-from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import each_chunk
 
 #: Calls that answer at once; lifecycle calls (create, fork, template build) may take

@@ -12,24 +12,29 @@ import builtins
 import os
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from cryobox import config
 from cryobox.errors import AuthenticationError
-from cryobox.image.build import Progress
 from cryobox.models import (
+    ActiveWatch,
     CommandRequest,
     CreateRequest,
     EntryInfo,
+    OutputSink,
+    Progress,
     SandboxInfo,
     SnapshotInfo,
+    SnapshotPurpose,
+    StartedCommand,
     TemplateInfo,
+    WatchSink,
 )
-from cryobox.service import SandboxService
-from cryobox.service.commands import OutputSink, StartedCommand
-from cryobox.service.watches import ActiveWatch, WatchSink
-from cryobox.snapshot.manifest import SnapshotPurpose
 
 from .http_transport import HttpTransport
+
+if TYPE_CHECKING:
+    from cryobox.service import SandboxService
 
 
 class Transport(Protocol):
@@ -92,8 +97,132 @@ class Transport(Protocol):
     async def disconnect(self, sandbox_id: str) -> None: ...
 
 
-class LocalTransport(SandboxService):
-    """The service itself, in this process: sandboxes of this host, as this user."""
+class LocalTransport:
+    """The service in this process: sandboxes of this host, as this user.
+
+    It holds a :class:`~cryobox.service.SandboxService`, imported on first construction,
+    so that a caller that talks to a server over HTTP loads no service, launcher or
+    store module."""
+
+    def __init__(self, service: SandboxService | None = None) -> None:
+        if service is None:
+            from cryobox.service import SandboxService
+
+            service = SandboxService()
+        self.service = service
+
+    async def create(self, request: CreateRequest, progress: Progress | None = None) -> SandboxInfo:
+        return await self.service.create(request, progress)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return await self.service.get(sandbox_id)
+
+    async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]:
+        return await self.service.list(all=all)
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self.service.kill(sandbox_id)
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self.service.pause(sandbox_id)
+
+    async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
+        return await self.service.resume(sandbox_id, progress)
+
+    async def capture(
+        self,
+        sandbox_id: str,
+        purpose: SnapshotPurpose,
+        name: str | None,
+        memory: bool = True,
+        overwrite: bool = False,
+    ) -> SnapshotInfo:
+        return await self.service.capture(sandbox_id, purpose, name, memory, overwrite)
+
+    async def rollback(self, sandbox_id: str, ref: str) -> None:
+        await self.service.rollback(sandbox_id, ref)
+
+    async def fork(
+        self, sandbox_id: str, count: int, timeout: float | None = None
+    ) -> builtins.list[SandboxInfo]:
+        return await self.service.fork(sandbox_id, count, timeout)
+
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
+        await self.service.set_timeout(sandbox_id, seconds)
+
+    async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
+        return await self.service.expose_port(sandbox_id, guest_port)
+
+    async def logs(self, sandbox_id: str) -> str:
+        return await self.service.logs(sandbox_id)
+
+    async def ping(self, sandbox_id: str) -> None:
+        await self.service.ping(sandbox_id)
+
+    async def lineage(self) -> builtins.list[dict[str, Any]]:
+        return await self.service.lineage()
+
+    async def start_command(
+        self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
+    ) -> StartedCommand:
+        return await self.service.start_command(sandbox_id, request, on_output)
+
+    def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        return self.service.read_file(sandbox_id, path)
+
+    async def write_file(
+        self, sandbox_id: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], mode: int
+    ) -> None:
+        await self.service.write_file(sandbox_id, path, chunks, mode)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]:
+        return await self.service.list_dir(sandbox_id, path)
+
+    async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
+        return await self.service.stat(sandbox_id, path)
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
+        await self.service.mkdir(sandbox_id, path, parents)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self.service.remove(sandbox_id, path, recursive)
+
+    async def watch(
+        self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
+    ) -> ActiveWatch:
+        return await self.service.watch(sandbox_id, path, recursive, on_event)
+
+    async def snapshots(self) -> builtins.list[SnapshotInfo]:
+        return await self.service.snapshots()
+
+    async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> builtins.list[str]:
+        return await self.service.delete_snapshot(ref, cascade=cascade)
+
+    async def build_template(
+        self,
+        name: str,
+        setup: Sequence[str],
+        *,
+        cpus: int = config.DEFAULT_CPUS,
+        memory_mib: int = config.DEFAULT_MEMORY_MIB,
+        disk_gib: int = config.DEFAULT_DISK_GIB,
+        progress: Progress | None = None,
+    ) -> SnapshotInfo:
+        return await self.service.build_template(
+            name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib, progress=progress
+        )
+
+    async def templates(self) -> builtins.list[TemplateInfo]:
+        return await self.service.templates()
+
+    async def delete_template(self, name: str) -> None:
+        await self.service.delete_template(name)
+
+    async def collect_garbage(self) -> builtins.list[str]:
+        return await self.service.collect_garbage()
+
+    async def disconnect(self, sandbox_id: str) -> None:
+        await self.service.disconnect(sandbox_id)
 
 
 _local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LocalTransport] = (

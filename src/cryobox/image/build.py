@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -41,6 +41,7 @@ import zstandard
 
 from cryobox import config
 from cryobox.errors import ImageError
+from cryobox.models import Progress as Progress
 from cryobox.util import write_json_atomic
 
 #: Bump when the build steps change in a way the other inputs do not show.
@@ -103,8 +104,6 @@ FRONT_BUILD_PACKAGES = ("gcc", "libc6-dev", "libjansson-dev")
 IMAGE_FILES = ("initramfs-init.sh",)
 #: The guest's PID 1 (see its header), compiled like the front.
 INIT_SOURCE = "guest/init.c"
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)

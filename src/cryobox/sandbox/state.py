@@ -16,23 +16,8 @@ and which it needed, instead of failing three layers down.
 
 from __future__ import annotations
 
-import enum
-
 from cryobox.errors import StateError
-
-
-class SandboxState(enum.StrEnum):
-    CREATING = "creating"
-    RUNNING = "running"
-    PAUSED = "paused"
-    RESUMING = "resuming"
-    KILLED = "killed"
-    DEAD = "dead"
-
-    @property
-    def finished(self) -> bool:
-        return self in (SandboxState.KILLED, SandboxState.DEAD)
-
+from cryobox.models import SandboxState as SandboxState  # the names: part of the interface
 
 _ENDS = (SandboxState.KILLED, SandboxState.DEAD)
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {

@@ -5,28 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import signal as signals
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 from cryobox.models import CommandRequest
-
-#: Called with ("stdout" | "stderr", bytes) as output arrives.
-OutputSink = Callable[[str, bytes], None]
-
-
-class StartedCommand(Protocol):
-    """A command as any transport hands it to the SDK (in this process or over HTTP)."""
-
-    pid: int
-
-    async def started(self) -> None: ...
-    async def wait(self) -> dict[str, Any]: ...
-    async def send_stdin(self, data: bytes, eof: bool = False) -> None: ...
-    async def kill(self, signal: int = signals.SIGKILL) -> None: ...
-    async def resize(self, cols: int, rows: int) -> None: ...
+from cryobox.models import OutputSink as OutputSink
+from cryobox.models import StartedCommand as StartedCommand
 
 
 class CommandSession:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from cryptography import x509
 
+from cryobox.arguments import MAX_BUNDLE_BYTES
 from cryobox.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,6 @@ CA_VARIABLES = {
 }
 #: Where the host says its bundle is, in the order tools read them.
 HOST_BUNDLE_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-MAX_BUNDLE_BYTES = 1 << 20
 PROXY_SCHEMES = ("http", "https", "socks5", "socks5h")
 #: Never sent through the proxy, whatever else the host's NO_PROXY says.
 ALWAYS_DIRECT = "localhost,127.0.0.1,::1"
@@ -135,22 +135,6 @@ def check_bundle(pem: str) -> str:
     if not certificates:
         raise InvalidArgument("ca_bundle: holds no certificate")
     return pem
-
-
-def read_bundle(source: str | os.PathLike[str]) -> str:
-    """PEM text given, or the text of the file named.
-
-    :raises InvalidArgument: when the file cannot be read.
-    """
-    if isinstance(source, str) and "-----BEGIN" in source:
-        return source
-    path = Path(source)
-    try:
-        if path.stat().st_size > MAX_BUNDLE_BYTES:
-            raise InvalidArgument(f"ca_bundle={str(path)!r}: larger than {MAX_BUNDLE_BYTES} bytes")
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"ca_bundle={str(path)!r}: cannot be read ({exc})") from None
 
 
 def host_proxy(environ: Mapping[str, str]) -> tuple[str | None, str]:

@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from cryobox.errors import CryoboxError
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+from cryobox.models import ActiveWatch as ActiveWatch
+from cryobox.models import WatchSink as WatchSink
 
 #: What a guest may report (anything else from a hostile guest is dropped).
 EVENT_TYPES = frozenset({"create", "write", "remove", "rename", "chmod"})
-#: Called with (event type, name relative to the watched folder).
-WatchSink = Callable[[str, str], None]
-
-
-class ActiveWatch(Protocol):
-    """A watch as any transport hands it to the SDK (in this process or over HTTP)."""
-
-    async def stop(self) -> None: ...
 
 
 class FolderWatch:

@@ -35,6 +35,7 @@ from typing import Any
 from blake3 import blake3
 
 from cryobox.errors import SnapshotIncompatible, SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.models import SnapshotPurpose as SnapshotPurpose  # part of the interface
 from cryobox.snapshot import keys
 from cryobox.util import data_extents, fsync_dir, write_json_atomic
 
@@ -56,16 +57,6 @@ _ZERO_BLOCK = bytes(HASH_BLOCK)
 class SnapshotKind(enum.StrEnum):
     MEMORY = "memory"
     DISK = "disk"
-
-
-class SnapshotPurpose(enum.StrEnum):
-    """Why a snapshot was taken: decides who may use it and when it is collected."""
-
-    PAUSE = "pause"
-    CHECKPOINT = "checkpoint"
-    SNAPSHOT = "snapshot"
-    TEMPLATE = "template"
-    FORK = "fork"
 
 
 @dataclass(frozen=True)
