@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 ERRORS = (
     "CryoboxError",
     "StateError",
+    "VmNotHeld",
     "SandboxNotFound",
     "SandboxDead",
     "InvalidArgument",

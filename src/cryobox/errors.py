@@ -52,6 +52,18 @@ class StateError(CryoboxError):
         )
 
 
+class VmNotHeld(StateError):
+    """A wake asked of a paused sandbox whose VM is no longer kept in memory (the hold
+    ran out, or the host needed the memory): a resume from its saved pause follows."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(sandbox_id, "paused", ["paused"], "wake")
+        self.args = (
+            f"cannot wake sandbox {sandbox_id}: it is paused but its VM is no longer held; "
+            "it resumes from its saved state",
+        )
+
+
 class SandboxNotFound(CryoboxError):
     def __init__(self, sandbox_id: str) -> None:
         self.sandbox_id = sandbox_id

@@ -51,6 +51,7 @@ from cryobox.errors import (
     SnapshotIncompatible,
     StateError,
     StorageError,
+    VmNotHeld,
 )
 from cryobox.guest.client import AgentClient
 from cryobox.guest.protocol import GuestOp
@@ -896,7 +897,7 @@ class Machine:
         """
         require(self.spec.id, self.record.state, (SandboxState.PAUSED,), "wake")
         if self.vm is None or self.vm.returncode is not None or self.agent is None:
-            raise StateError(self.spec.id, "paused", ["paused with its VM held"], "wake")
+            raise VmNotHeld(self.spec.id)
         timer = StepTimer("wake")
         paused = self.folder.paused
         try:

@@ -54,6 +54,7 @@ from cryobox.errors import (
     SandboxDead,
     StateError,
     StorageError,
+    VmNotHeld,
     error_detail,
 )
 from cryobox.guest import protocol as p
@@ -667,9 +668,9 @@ class Supervisor:
         from the saved pause follows). ``_holding`` stays set until the wake succeeds, so
         a signal meanwhile waits for it (run)."""
         if not self._holding or self._stop.is_set():
-            raise StateError(
-                self.record.id, self.record.state.value, ["paused with its VM held"], "wake"
-            )
+            if self.record.state is not SandboxState.PAUSED:
+                raise StateError(self.record.id, self.record.state.value, ["paused"], "wake")
+            raise VmNotHeld(self.record.id)
         if self._hold_task is not None:
             self._hold_task.cancel()
         try:
