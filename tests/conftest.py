@@ -24,8 +24,8 @@ import pytest
 
 from api_server import ApiServer, kill_vms, make_server
 
-_STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
-os.environ["CRYOBOX_STATE_DIR"] = str(_STATE)
+STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
+os.environ["CRYOBOXSTATE_DIR"] = str(STATE)
 # Warm pools off: a refill after every create would compete with each test for the two
 # cores. tests/integration/test_pool_vm.py turns them on for its own tests.
 os.environ["CRYOBOX_POOL_SIZE"] = "0"
@@ -37,15 +37,15 @@ os.environ["CRYOBOX_PAUSE_HOLD"] = "0"
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill anything a test left behind, then remove the state folder."""
-    kill_vms(_STATE)  # other hosts' folders too; their supervisors then end
+    kill_vms(STATE)  # other hosts' folders too; their supervisors then end
     for proc in Path("/proc").glob("[0-9]*"):  # background uploaders and refills
         with contextlib.suppress(OSError):
             cmdline = (proc / "cmdline").read_bytes()
             if (b"cryobox.store.uploads" in cmdline or b"cryobox.service.refill" in cmdline) and (
-                f"CRYOBOX_STATE_DIR={_STATE}".encode() in (proc / "environ").read_bytes()
+                f"CRYOBOXSTATE_DIR={STATE}".encode() in (proc / "environ").read_bytes()
             ):
                 os.kill(int(proc.name), signal.SIGKILL)
-    shutil.rmtree(_STATE, ignore_errors=True)
+    shutil.rmtree(STATE, ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -55,7 +55,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-def _dump_consoles(request: pytest.FixtureRequest, folders: list[Path]) -> None:
+def dump_consoles(request: pytest.FixtureRequest, folders: list[Path]) -> None:
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
         for folder in folders:
@@ -77,11 +77,11 @@ def sandbox_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., An
     def make(**kwargs: Any) -> Sandbox:
         sbx = Sandbox.create(**kwargs)
         made.append(sbx)
-        folders.append(_STATE / "sandboxes" / sbx.id)
+        folders.append(STATE / "sandboxes" / sbx.id)
         return sbx
 
     yield make
-    _dump_consoles(request, folders)
+    dump_consoles(request, folders)
     for sbx in made:
         try:
             sbx.kill()
@@ -105,7 +105,7 @@ def shared_sandbox(request: pytest.FixtureRequest) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def api_server() -> Iterator[ApiServer]:
     """A real server over the real VMM and this session's state folder, with a tenant."""
-    server = make_server(_STATE / "server")
+    server = make_server(STATE / "server")
     server.key = server.tenant("tests")
     server.start()
     yield server
