@@ -242,13 +242,17 @@ class HttpCommand:
 class HttpTransport:
     """Every :class:`~cryobox.client.transport.Transport` operation as an HTTP call."""
 
-    def __init__(self, api_url: str, api_key: str) -> None:
+    def __init__(
+        self, api_url: str, api_key: str, *, client: httpx.AsyncClient | None = None
+    ) -> None:
+        """``client``: the httpx client to send with (an in-process app's, say, through
+        ``httpx.ASGITransport``); its base URL and the key's header are set here."""
         self.api_url = api_url.rstrip("/")
-        self._client = httpx.AsyncClient(
-            base_url=self.api_url,
-            headers={"Authorization": f"Bearer {api_key}"},
-            timeout=QUICK,
-        )
+        if client is None:
+            client = httpx.AsyncClient(timeout=QUICK)
+        client.base_url = httpx.URL(self.api_url)
+        client.headers["Authorization"] = f"Bearer {api_key}"
+        self._client = client
 
     async def _call(
         self, method: str, path: str, *, timeout: httpx.Timeout = QUICK, **kwargs: Any

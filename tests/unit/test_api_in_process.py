@@ -1,0 +1,80 @@
+"""The HTTP API and the SDK's HTTP transport in one process: the app called through
+``httpx.ASGITransport`` (no socket, no server process), over the fake VMM.
+
+What crosses the API is checked here in seconds: records, command output, file bytes,
+and errors that keep their type. The same calls over a real server process and real VMs
+are in ``tests/integration/test_server_vm.py`` and the ladder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api_server import kill_vms
+from cryobox.client import AsyncSandbox
+from cryobox.client.http_transport import HttpTransport
+from cryobox.e2b.extension import extension as e2b
+from cryobox.errors import GuestFileNotFound, InvalidArgument, SandboxNotFound
+from cryobox.models import CommandRequest, CreateRequest
+from cryobox.server.app import create_app
+from cryobox.server.database import SqliteDatabase
+from cryobox.server.hub import Hub
+from cryobox.service import SandboxService
+from cryobox.vmm.fake import FakeVmm
+
+
+@pytest.fixture
+async def api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[HttpTransport]:
+    """The SDK's HTTP transport wired to the app in this process (one tenant's key)."""
+    state = Path(tempfile.mkdtemp(prefix="cbx-api-"))  # short: unix socket paths
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
+    monkeypatch.setenv("CRYOBOX_VMM", "fake")  # the supervisors this service starts
+    hub = Hub(SandboxService(vmm=FakeVmm()), SqliteDatabase(state / "server.db"))
+    _, key = hub.tenants.create("acme")
+    app = create_app(hub, extensions=[e2b()])
+    await hub.start()  # what the app's lifespan does first (ASGITransport runs no lifespan)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    transport = HttpTransport("http://cryobox.test", key, client=client)
+    try:
+        yield transport
+    finally:
+        for info in await transport.list(all=True):
+            with contextlib.suppress(Exception):
+                await transport.kill(info.id)
+        await transport.close()
+        await hub.close()
+        kill_vms(state)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def test_a_sandbox_round_trip_through_the_api_in_process(api: HttpTransport) -> None:
+    info = await api.create(CreateRequest(template="base", metadata={"run": "in-process"}))
+    assert info.state == "running" and info.metadata == {"run": "in-process"}
+    assert [s.id for s in await api.list()] == [info.id]
+    sbx = AsyncSandbox(info, api)
+    done = await sbx.commands.run("echo hello; echo oops >&2; exit 3")
+    assert (done.exit_code, done.stdout, done.stderr) == (3, "hello\n", "oops\n")
+    await sbx.files.write("/tmp/blob", b"\x00\xffbytes")
+    assert await sbx.files.read("/tmp/blob") == b"\x00\xffbytes"
+    assert "blob" in [entry.name for entry in await sbx.files.list("/tmp")]
+    await sbx.kill()
+    assert (await api.get(info.id)).state == "killed"
+
+
+async def test_errors_keep_their_type_through_the_api_in_process(api: HttpTransport) -> None:
+    with pytest.raises(SandboxNotFound):
+        await api.get("sbx-000000000000")
+    with pytest.raises(InvalidArgument, match="cpus"):
+        await api.create(CreateRequest(template="base", cpus=0))
+    info = await api.create(CreateRequest(template="base"))
+    with pytest.raises(GuestFileNotFound):
+        await AsyncSandbox(info, api).files.read("/no/such/file")
+    with pytest.raises(InvalidArgument):
+        await api.start_command(info.id, CommandRequest(), lambda _stream, _data: None)
