@@ -3,8 +3,11 @@
 Both ends speak :mod:`cryobox.guest.protocol` frames. Guest operations
 (:class:`~cryobox.guest.protocol.GuestOp`) are forwarded to the agent as they are;
 the supervisor's own operations are :class:`ControlOp`, each with one request type
-here that parses and checks its arguments (a wrong argument is an
-:class:`~cryobox.errors.InvalidArgument` naming it, never mistaken for a bug).
+here (:data:`REQUESTS`) that parses and checks its arguments (a wrong argument is an
+:class:`~cryobox.errors.InvalidArgument` naming it, never mistaken for a bug) and reads
+its reply into a typed value (:meth:`ControlRequest.read_reply`; a malformed reply is a
+:class:`~cryobox.errors.ProtocolError`). The client sends a request object and gets
+that value back; the supervisor answers each op with a handler of its dispatch table.
 
 Every request gets exactly one reply. A failure is an error reply whose ``detail``
 rebuilds the same :class:`~cryobox.errors.CryoboxError` on the other side; an
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from cryobox.arguments import positive_seconds, whole_number
 from cryobox.config import MAX_PAUSE_HOLD
-from cryobox.errors import InvalidArgument
-from cryobox.snapshot.manifest import SnapshotPurpose
+from cryobox.errors import InvalidArgument, ProtocolError
+from cryobox.guest.client import AgentClient
+from cryobox.sandbox.registry import SandboxRecord
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 
 
 class ControlOp(enum.StrEnum):
@@ -40,6 +45,11 @@ class ControlOp(enum.StrEnum):
     #: A warm pool's member is handed out: it takes its spec as rewritten, a new identity.
     CLAIM = "sandbox.claim"
     START = "supervisor.start"
+
+    @property
+    def action(self) -> str:
+        """What the op does, as errors name it (``pause``, ``set_timeout``)."""
+        return self.value.split(".", 1)[1]
 
 
 class ControlEvent(enum.StrEnum):
@@ -61,22 +71,153 @@ TIMEOUTS: dict[ControlOp, float] = {
 }
 
 
+Reply = TypeVar("Reply", covariant=True)
+
+
+class ControlRequest(Protocol[Reply]):
+    """A supervisor op's request: its arguments, and how its reply reads."""
+
+    op: ClassVar[ControlOp]
+
+    def to_args(self) -> dict[str, Any]: ...
+    def read_reply(self, result: dict[str, Any]) -> Reply: ...
+
+
+def _record(op: ControlOp, result: dict[str, Any]) -> SandboxRecord:
+    try:
+        return SandboxRecord.from_json(result)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"{op}: the supervisor's reply is not a state record: {exc}") from None
+
+
+def _nothing(op: ControlOp, result: dict[str, Any]) -> None:
+    if result:
+        raise ProtocolError(f"{op}: the supervisor replied {sorted(result)}, expected nothing")
+
+
+@dataclass(frozen=True)
+class Status:
+    """The sandbox's state record, as its supervisor holds it."""
+
+    op: ClassVar[ControlOp] = ControlOp.STATUS
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Status:
+        return cls()
+
+    def to_args(self) -> dict[str, Any]:
+        return {}
+
+    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
+        return _record(self.op, result)
+
+
+@dataclass(frozen=True)
+class Kill:
+    """End the sandbox (its VM, then its supervisor); whatever state it is in."""
+
+    op: ClassVar[ControlOp] = ControlOp.KILL
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Kill:
+        return cls()
+
+    def to_args(self) -> dict[str, Any]:
+        return {}
+
+    def read_reply(self, result: dict[str, Any]) -> None:
+        _nothing(self.op, result)
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Continue a paused sandbox whose VM its supervisor still holds; its new record."""
+
+    op: ClassVar[ControlOp] = ControlOp.WAKE
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Wake:
+        return cls()
+
+    def to_args(self) -> dict[str, Any]:
+        return {}
+
+    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
+        return _record(self.op, result)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A warm pool's member is handed out: its spec as rewritten, a fresh identity; its
+    new record."""
+
+    op: ClassVar[ControlOp] = ControlOp.CLAIM
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Claim:
+        return cls()
+
+    def to_args(self) -> dict[str, Any]:
+        return {}
+
+    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
+        return _record(self.op, result)
+
+
+@dataclass(frozen=True)
+class TimeoutSet:
+    """When the sandbox now ends (None: never)."""
+
+    deadline: float | None
+
+
 @dataclass(frozen=True)
 class SetTimeout:
     seconds: float
 
+    op: ClassVar[ControlOp] = ControlOp.SET_TIMEOUT
+
     @classmethod
     def parse(cls, args: dict[str, Any]) -> SetTimeout:
         return cls(positive_seconds("seconds", args.get("seconds")))
+
+    def to_args(self) -> dict[str, Any]:
+        return {"seconds": self.seconds}
+
+    def read_reply(self, result: dict[str, Any]) -> TimeoutSet:
+        deadline = result.get("deadline")
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float)
+        ):
+            raise ProtocolError(f"{self.op}: deadline={deadline!r} is not a time")
+        return TimeoutSet(None if deadline is None else float(deadline))
+
+
+@dataclass(frozen=True)
+class PortExposed:
+    """The host port on 127.0.0.1 that now reaches the guest port."""
+
+    host_port: int
 
 
 @dataclass(frozen=True)
 class ExposePort:
     guest_port: int
 
+    op: ClassVar[ControlOp] = ControlOp.EXPOSE_PORT
+
     @classmethod
     def parse(cls, args: dict[str, Any]) -> ExposePort:
         return cls(whole_number("guest_port", args.get("guest_port"), 1, 65535))
+
+    def to_args(self) -> dict[str, Any]:
+        return {"guest_port": self.guest_port}
+
+    def read_reply(self, result: dict[str, Any]) -> PortExposed:
+        port = result.get("host_port")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ProtocolError(f"{self.op}: host_port={port!r} is not a port")
+        return PortExposed(port)
 
 
 @dataclass(frozen=True)
@@ -85,6 +226,8 @@ class Pause:
     end it at once)."""
 
     hold: float = 0.0
+
+    op: ClassVar[ControlOp] = ControlOp.PAUSE
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> Pause:
@@ -102,12 +245,17 @@ class Pause:
     def to_args(self) -> dict[str, Any]:
         return {"hold": self.hold}
 
+    def read_reply(self, result: dict[str, Any]) -> None:
+        _nothing(self.op, result)
+
 
 @dataclass(frozen=True)
 class TakeSnapshot:
     purpose: SnapshotPurpose
     name: str | None
     memory: bool
+
+    op: ClassVar[ControlOp] = ControlOp.SNAPSHOT
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> TakeSnapshot:
@@ -129,10 +277,20 @@ class TakeSnapshot:
     def to_args(self) -> dict[str, Any]:
         return {"purpose": self.purpose.value, "name": self.name, "memory": self.memory}
 
+    def read_reply(self, result: dict[str, Any]) -> Manifest:
+        try:
+            return Manifest.from_json(result)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(
+                f"{self.op}: the reply is not a snapshot's manifest: {exc}"
+            ) from None
+
 
 @dataclass(frozen=True)
 class Rollback:
     snapshot_id: str
+
+    op: ClassVar[ControlOp] = ControlOp.ROLLBACK
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> Rollback:
@@ -140,6 +298,12 @@ class Rollback:
         if not isinstance(ref, str) or not ref:
             raise InvalidArgument(f"{ControlOp.ROLLBACK}: snapshot={ref!r} must be an id")
         return cls(ref)
+
+    def to_args(self) -> dict[str, Any]:
+        return {"snapshot": self.snapshot_id}
+
+    def read_reply(self, result: dict[str, Any]) -> None:
+        _nothing(self.op, result)
 
 
 @dataclass(frozen=True)
@@ -150,6 +314,8 @@ class StartRequest:
     resume: bool
     #: Take over the sandbox's running VM, whose supervisor died.
     adopt: bool = False
+
+    op: ClassVar[ControlOp] = ControlOp.START
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> StartRequest:
@@ -168,3 +334,31 @@ class StartRequest:
 
     def to_args(self) -> dict[str, Any]:
         return {"folder": self.folder, "resume": self.resume, "adopt": self.adopt}
+
+    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
+        return _record(self.op, result)
+
+
+#: The request type of every op (what a supervisor parses each op's arguments with).
+REQUESTS: dict[ControlOp, type[Any]] = {
+    request.op: request
+    for request in (
+        Status,
+        Kill,
+        Wake,
+        Claim,
+        SetTimeout,
+        ExposePort,
+        Pause,
+        TakeSnapshot,
+        Rollback,
+        StartRequest,
+    )
+}
+
+
+async def control(channel: AgentClient, request: ControlRequest[Reply]) -> Reply:
+    """Send ``request`` to a supervisor over ``channel``; its reply, typed (each op has
+    its own time limit, :data:`TIMEOUTS`)."""
+    result = await channel.request(request.op, request.to_args(), timeout=TIMEOUTS[request.op])
+    return request.read_reply(result)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import fcntl
 import logging
 import logging.handlers
@@ -41,10 +42,10 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from cryobox.errors import (
     ChannelError,
@@ -62,18 +63,25 @@ from cryobox.guest.client import AgentClient
 from cryobox.sandbox import priority
 from cryobox.sandbox.backend import backend
 from cryobox.sandbox.control import (
+    Claim,
     ControlOp,
     ExposePort,
+    Kill,
     Pause,
+    PortExposed,
     Rollback,
     SetTimeout,
     StartRequest,
+    Status,
     TakeSnapshot,
+    TimeoutSet,
+    Wake,
 )
 from cryobox.sandbox.ending import vm_ended
 from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
+from cryobox.snapshot.manifest import Manifest
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.util import mem_available_mib, without_huge_pages
 from cryobox.vmm import Vmm
@@ -276,6 +284,35 @@ class OutputFlow:
             self._paused.discard(agent_rid)
 
 
+Request = TypeVar("Request")
+
+
+@dataclass(frozen=True)
+class Handler(Generic[Request]):
+    """How the supervisor answers one of its ops (a row of its dispatch table)."""
+
+    #: Reads and checks the op's arguments (:class:`~cryobox.errors.InvalidArgument`).
+    parse: Callable[[dict[str, Any]], Request]
+    #: Does it; its reply (a record, a manifest, a small reply type, or None).
+    run: Callable[[Request], Awaitable[Any]]
+    #: The states the sandbox must be in (None: any; the handler checks what it needs).
+    states: tuple[SandboxState, ...] | None
+    #: Runs under the lifecycle lock: one pause, snapshot, rollback, claim or wake at a time.
+    locked: bool = False
+    #: A failure that leaves the VM ended ends the sandbox: paused after a pause (every
+    #: file was written), dead after anything else.
+    ends_with_vm: bool = False
+
+
+def encode_reply(reply: Any) -> dict[str, Any]:
+    """A handler's reply as the frame carries it."""
+    if reply is None:
+        return {}
+    if isinstance(reply, SandboxRecord | Manifest):
+        return reply.to_json()
+    return dataclasses.asdict(reply)
+
+
 class Supervisor:
     def __init__(self, folder: SandboxDir, vmm: Vmm | None = None, *, shared: bool = False) -> None:
         self.folder = folder
@@ -289,6 +326,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: Lifecycle operations (pause, checkpoint, rollback...) run one at a time.
         self._lifecycle = asyncio.Lock()
+        self._dispatch = self._handlers()
         self._exit_paused = False
         #: Paused with its VM kept (stopped) for a quick wake, until a wake has succeeded;
         #: the task that ends the hold; whether a KILL request (not a signal) ends it.
@@ -582,66 +620,88 @@ class Supervisor:
             )
         return result
 
+    def _handlers(self) -> dict[ControlOp, Handler[Any]]:
+        """The dispatch table: how each of the supervisor's own ops is answered."""
+        running = (SandboxState.RUNNING,)
+        return {
+            ControlOp.STATUS: Handler(Status.parse, self._status, None),
+            ControlOp.KILL: Handler(Kill.parse, self._kill, None),
+            ControlOp.WAKE: Handler(Wake.parse, self._wake, None, locked=True),
+            ControlOp.SET_TIMEOUT: Handler(SetTimeout.parse, self._set_timeout, running),
+            ControlOp.EXPOSE_PORT: Handler(ExposePort.parse, self._expose_port, running),
+            ControlOp.CLAIM: Handler(Claim.parse, self._claim, running, True, True),
+            ControlOp.PAUSE: Handler(Pause.parse, self._pause, running, True, True),
+            ControlOp.SNAPSHOT: Handler(TakeSnapshot.parse, self._snapshot, running, True, True),
+            ControlOp.ROLLBACK: Handler(Rollback.parse, self._rollback, running, True, True),
+        }
+
     async def _control(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
-        if op is ControlOp.STATUS:
-            return self.record.to_json()
-        if op is ControlOp.KILL:  # whatever stop was asked before (a hold's end, say)
-            self._kill_asked = True
-            self._stop_reason = (SandboxState.KILLED, "killed by request")
-            self._stop.set()
-            return {}
-        if op is ControlOp.WAKE:
-            async with self._lifecycle:
-                return await self._wake()
-        if self._holding:  # what follows needs it running
-            require(self.record.id, SandboxState.PAUSED, (SandboxState.RUNNING,), op.split(".")[1])
-        if op is ControlOp.SET_TIMEOUT:
-            seconds = SetTimeout.parse(args).seconds
-            self.machine.update(deadline=time.time() + seconds, timeout=seconds)
-            self._deadline_changed.set()
-            return {"deadline": self.record.deadline}
-        if op is ControlOp.EXPOSE_PORT:
-            return {"host_port": await self.machine.expose_port(ExposePort.parse(args).guest_port)}
+        """Answer one of the supervisor's own ops through its handler; the reply's JSON."""
+        handler = self._dispatch.get(op)
+        if handler is None:
+            raise InvalidArgument(f"{op} is not a request a running supervisor takes")
+        request = handler.parse(args)
+        if not handler.locked:
+            self._guard(op, handler)
+            return encode_reply(await handler.run(request))
         async with self._lifecycle:
-            require(self.record.id, self.record.state, (SandboxState.RUNNING,), op.split(".")[1])
+            self._guard(op, handler)
             try:
-                return await self._lifecycle_op(op, args)
+                return encode_reply(await handler.run(request))
             except Exception as exc:
                 vm = self.machine.vm
-                if vm is not None and vm.returncode is not None:  # it failed past the VM
+                if handler.ends_with_vm and vm is not None and vm.returncode is not None:
                     if op is ControlOp.PAUSE:  # every file was written: completed later
                         self._exit_paused = True
                         self.stop(SandboxState.PAUSED, None)
-                    else:
+                    else:  # it failed past the VM
                         self.stop(SandboxState.DEAD, f"{op} failed after its VM ended: {exc}")
                 raise
 
-    async def _lifecycle_op(self, op: ControlOp, args: dict[str, Any]) -> dict[str, Any]:
-        """Pause, snapshot, rollback or claim (the caller holds the lifecycle lock)."""
-        if op is ControlOp.CLAIM:
-            await self.machine.claim()
-            self._deadline_changed.set()
-            return self.record.to_json()
-        if op is ControlOp.PAUSE:
-            hold = Pause.parse(args).hold
-            await self.machine.pause(hold=hold)
-            if hold:
-                self._holding = True
-                self._hold_task = asyncio.ensure_future(self._hold(hold))
-            else:
-                self._exit_paused = True
-                self.stop(SandboxState.PAUSED, None)
-            return {}
-        if op is ControlOp.SNAPSHOT:
-            request = TakeSnapshot.parse(args)
-            manifest = await self.machine.capture(
-                purpose=request.purpose, name=request.name, memory=request.memory
-            )
-            return manifest.to_json()
-        if op is ControlOp.ROLLBACK:
-            await self.machine.rollback(Rollback.parse(args).snapshot_id)
-            return {}
-        raise InvalidArgument(f"{op} is not a request a running supervisor takes")
+    def _guard(self, op: ControlOp, handler: Handler[Any]) -> None:
+        """The handler's state guard: the states it needs, as the record says (a held
+        VM's record says paused)."""
+        if handler.states is not None:
+            require(self.record.id, self.record.state, handler.states, op.action)
+
+    async def _status(self, _request: Status) -> SandboxRecord:
+        return self.record
+
+    async def _kill(self, _request: Kill) -> None:
+        # Whatever stop was asked before (a hold's end, say), this one is the reason.
+        self._kill_asked = True
+        self._stop_reason = (SandboxState.KILLED, "killed by request")
+        self._stop.set()
+
+    async def _set_timeout(self, request: SetTimeout) -> TimeoutSet:
+        self.machine.update(deadline=time.time() + request.seconds, timeout=request.seconds)
+        self._deadline_changed.set()
+        return TimeoutSet(self.record.deadline)
+
+    async def _expose_port(self, request: ExposePort) -> PortExposed:
+        return PortExposed(await self.machine.expose_port(request.guest_port))
+
+    async def _claim(self, _request: Claim) -> SandboxRecord:
+        await self.machine.claim()
+        self._deadline_changed.set()
+        return self.record
+
+    async def _pause(self, request: Pause) -> None:
+        await self.machine.pause(hold=request.hold)
+        if request.hold:
+            self._holding = True
+            self._hold_task = asyncio.ensure_future(self._hold(request.hold))
+        else:
+            self._exit_paused = True
+            self.stop(SandboxState.PAUSED, None)
+
+    async def _snapshot(self, request: TakeSnapshot) -> Manifest:
+        return await self.machine.capture(
+            purpose=request.purpose, name=request.name, memory=request.memory
+        )
+
+    async def _rollback(self, request: Rollback) -> None:
+        await self.machine.rollback(request.snapshot_id)
 
     # -- a paused VM held
 
@@ -661,7 +721,7 @@ class Supervisor:
             if self._holding:
                 self.stop(SandboxState.PAUSED, None)
 
-    async def _wake(self) -> dict[str, Any]:
+    async def _wake(self, _request: Wake) -> SandboxRecord:
         """Continue the held VM (the caller holds the lifecycle lock); its state record.
 
         A failure before its CPUs went on leaves it paused and lets the VM go (a resume
@@ -686,7 +746,7 @@ class Supervisor:
         self.machine.update(state=SandboxState.RUNNING, error=None, failure=None)
         self._deadline_changed.set()
         log.info("woken")
-        return self.record.to_json()
+        return self.record
 
 
 async def serve_group(group: socket.socket) -> int:

@@ -58,7 +58,19 @@ from cryobox.network.namespace import check_can_isolate
 from cryobox.network.policy import INTERNET, parse_policy
 from cryobox.sandbox import registry
 from cryobox.sandbox.backend import backend
-from cryobox.sandbox.control import TIMEOUTS, ControlOp, Pause, TakeSnapshot
+from cryobox.sandbox.control import (
+    Claim,
+    ControlRequest,
+    ExposePort,
+    Kill,
+    Pause,
+    Reply,
+    Rollback,
+    SetTimeout,
+    TakeSnapshot,
+    Wake,
+    control,
+)
 from cryobox.sandbox.launcher import Launcher, SupervisorGroup
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
@@ -363,7 +375,7 @@ class SandboxService:
                     pooled=True,
                 )
                 folder.write_spec(spec)
-                result = await self._control(sandbox_id, ControlOp.CLAIM)
+                record = await self._control(sandbox_id, Claim())
                 # Its owner only once claimed (a fresh identity, its ports): a member
                 # left between the two by a crash has none, and a server ends it.
                 spec = dataclasses.replace(spec, owner=current_tenant())
@@ -376,7 +388,7 @@ class SandboxService:
                     continue
                 raise
             self._envs[sandbox_id] = spec.envs
-            return sandbox_info(spec, SandboxRecord.from_json(result), folder)
+            return sandbox_info(spec, record, folder)
         return None
 
     async def warm_up(self, sandbox_id: str, runs: int = 2) -> None:
@@ -422,13 +434,13 @@ class SandboxService:
         shared = was.supervisor_shared and registry.supervisor_alive(was)
         if was.state is SandboxState.RUNNING:
             with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
-                await self._control(sandbox_id, ControlOp.KILL)
+                await self._control(sandbox_id, Kill())
             await _wait_finished(folder)
         elif shared:  # not running: asked on its control socket all the same
             with contextlib.suppress(ChannelError, OSError):
                 channel = await AgentClient.connect(folder.control_socket, trusted=True)
                 try:
-                    await channel.request(ControlOp.KILL, {}, timeout=TIMEOUTS[ControlOp.KILL])
+                    await control(channel, Kill())
                 finally:
                     await channel.close()
             await _wait_finished(folder)
@@ -461,7 +473,7 @@ class SandboxService:
         """
         self._require_running(sandbox_id, "pause")
         hold = config.pause_hold()
-        await self._control(sandbox_id, ControlOp.PAUSE, Pause(hold).to_args())
+        await self._control(sandbox_id, Pause(hold))
         await self.disconnect(sandbox_id)
         self.persist.after_pause(registry.find(sandbox_id))
 
@@ -507,7 +519,7 @@ class SandboxService:
         except ChannelError:
             return None  # it is letting the VM go
         try:
-            result = await channel.request(ControlOp.WAKE, {}, timeout=TIMEOUTS[ControlOp.WAKE])
+            record = await control(channel, Wake())
         except CryoboxError as exc:
             if folder.record().state is SandboxState.PAUSED:  # its holder lets it go
                 log.info("%s: no held VM to wake (%s): resuming from its pause", folder.id, exc)
@@ -515,7 +527,7 @@ class SandboxService:
             raise  # woken by another caller meanwhile (a StateError), or gone
         finally:
             await channel.close()
-        return SandboxRecord.from_json(result)
+        return record
 
     async def capture(
         self,
@@ -546,10 +558,7 @@ class SandboxService:
         async with self._name_locks[name or ""] if named else contextlib.nullcontext():
             older = self.replaced_by(name, overwrite=overwrite) if named else []
             self._require_running(sandbox_id, purpose.value)
-            result = await self._control(
-                sandbox_id, ControlOp.SNAPSHOT, TakeSnapshot(purpose, name, memory).to_args()
-            )
-            manifest = Manifest.from_json(result)
+            manifest = await self._control(sandbox_id, TakeSnapshot(purpose, name, memory))
             self.persist.after_capture(manifest)
             await self.delete_unused(older)
         return self._snapshot_info(manifest)
@@ -593,17 +602,14 @@ class SandboxService:
         :raises InvalidArgument: when it belongs to another sandbox or has no memory.
         """
         self._require_running(sandbox_id, "roll back")
-        await self._control(sandbox_id, ControlOp.ROLLBACK, {"snapshot": ref})
+        await self._control(sandbox_id, Rollback(ref))
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
-        await self._control(
-            sandbox_id, ControlOp.SET_TIMEOUT, {"seconds": positive_seconds("seconds", seconds)}
-        )
+        await self._control(sandbox_id, SetTimeout(positive_seconds("seconds", seconds)))
 
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
         whole_number("guest_port", guest_port, 1, 65535)
-        result = await self._control(sandbox_id, ControlOp.EXPOSE_PORT, {"guest_port": guest_port})
-        return int(result["host_port"])
+        return (await self._control(sandbox_id, ExposePort(guest_port))).host_port
 
     async def logs(self, sandbox_id: str) -> str:
         """The guest's serial console so far."""
@@ -1087,11 +1093,10 @@ class SandboxService:
                 return  # another process adopted it at the same moment
             raise
 
-    async def _control(
-        self, sandbox_id: str, op: ControlOp, args: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    async def _control(self, sandbox_id: str, request: ControlRequest[Reply]) -> Reply:
+        """Ask the sandbox's supervisor; its reply, typed."""
         channel = await self._channel(sandbox_id)
-        return await channel.request(op, args or {}, timeout=TIMEOUTS[op])
+        return await control(channel, request)
 
     async def _guest(
         self,
