@@ -1,7 +1,8 @@
 """Plain records that cross the transport: what the SDK sends (requests) and gets back
 (sandbox, snapshot and template info, command results, file entries), and the names and
 callbacks the service interface is written in. Every floor may import this module; it
-imports nothing of cryobox's, so that a remote caller of the SDK loads no service.
+imports only the settings' defaults of cryobox's, so that a remote caller of the SDK
+loads no service.
 """
 
 from __future__ import annotations
@@ -9,8 +10,17 @@ from __future__ import annotations
 import enum
 import signal as signals
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, ClassVar, Protocol
+
+from annotated_types import Ge, Gt, Le, MaxLen, MinLen
+
+from cryobox import config
+
+#: Bounds of the wire schema (see :class:`CreateRequest`).
+Seconds = Annotated[float, Gt(0), Le(30 * 86400)]
+Port = Annotated[int, Ge(1), Le(65535)]
+Text = Annotated[str, MinLen(1), MaxLen(4096)]
 
 #: Called with a line saying what a long step is doing (an image build, a template).
 Progress = Callable[[str], None]
@@ -220,35 +230,59 @@ class TemplateInfo:
 
 @dataclass(frozen=True)
 class CreateRequest:
-    """What a new sandbox should be; ``None`` shape fields come from its template."""
+    """What a new sandbox should be; ``None`` shape fields come from its template.
 
-    template: str = "default"
-    from_snapshot: str | None = None
-    cpus: int | None = None
-    memory_mib: int | None = None
-    disk_gib: int | None = None
-    timeout: float = 300.0
-    ports: Sequence[int] = ()
+    Declared once: the SDK builds it, the service takes it, and it is the wire schema of
+    ``POST /sandboxes`` too (FastAPI validates the body against these fields and their
+    bounds, answering a bad one with a 422 naming it; unknown fields are refused). The
+    bounds are :mod:`annotated_types` constraints, which pydantic reads; in this process
+    nothing checks them (the service checks each argument itself)."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}
+
+    template: Annotated[str, MinLen(1), MaxLen(200)] = "default"
+    from_snapshot: Annotated[str, MinLen(1), MaxLen(200)] | None = None
+    cpus: Annotated[int, Ge(1), Le(config.MAX_CPUS)] | None = None
+    memory_mib: Annotated[int, Ge(config.MIN_MEMORY_MIB), Le(config.MAX_MEMORY_MIB)] | None = None
+    disk_gib: Annotated[int, Ge(config.MIN_DISK_GIB), Le(config.MAX_DISK_GIB)] | None = None
+    timeout: Seconds = config.DEFAULT_TIMEOUT
+    ports: Annotated[Sequence[Port], MaxLen(32)] = ()
     #: What the guest may connect to: "internet", "none" or a list of rules
     #: ("HOST:PORT", "HOST", "CIDR", "CIDR:PORT"); see :mod:`cryobox.network.policy`.
     #: ``None``: the snapshot's or parent's policy for a fork, else "internet".
-    network: str | Sequence[str] | None = None
+    network: str | Annotated[list[Text], MaxLen(256)] | None = None
     #: Seconds without use after which ``cryobox server`` pauses the sandbox, to be woken
     #: by the next call or connection (0: never; None: the server's default, 600). Only a
     #: server watches for idleness: embedded, nothing runs between calls to notice it.
-    idle_timeout: float | None = None
+    idle_timeout: Annotated[float, Ge(0), Le(30 * 86400)] | None = None
     #: Environment variables every command in the sandbox gets (a command's own ``envs``
     #: win); kept private on the host, never shown by ``info``.
-    envs: Mapping[str, str] = field(default_factory=dict)
+    envs: Annotated[Mapping[str, Annotated[str, MaxLen(65536)]], MaxLen(1024)] = field(
+        default_factory=dict
+    )
     #: Free-form string labels kept with the sandbox, shown by ``info`` and ``list``,
     #: filtered on by ``list(metadata=...)``, copied to its forks.
-    metadata: Mapping[str, str] = field(default_factory=dict)
+    metadata: Annotated[Mapping[str, Annotated[str, MaxLen(256)]], MaxLen(64)] = field(
+        default_factory=dict
+    )
     #: The proxy its commands use (``HTTP(S)_PROXY``), the hosts they reach directly
     #: (``NO_PROXY``), and PEM certificates its guest trusts on top of its own; see
     #: :mod:`cryobox.service.egress`. None: the host's; ``""``: none.
-    proxy: str | None = None
-    no_proxy: str | None = None
-    ca_bundle: str | None = None
+    proxy: Annotated[str, MaxLen(2048)] | None = None
+    no_proxy: Annotated[str, MaxLen(4096)] | None = None
+    ca_bundle: Annotated[str, MaxLen(1 << 20)] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON body of ``POST /sandboxes``: the fields that differ from their
+        defaults (a server that predates a field still takes a request without it)."""
+        body: dict[str, Any] = {}
+        for name, value in asdict(self).items():
+            if value == getattr(_CREATE_DEFAULTS, name):
+                continue
+            if isinstance(value, tuple | list):
+                value = list(value)
+            body[name] = value
+        return body
 
 
 @dataclass(frozen=True)
@@ -290,3 +324,6 @@ def matches(info: SandboxInfo, state: str | None, metadata: Mapping[str, str]) -
     if state is not None and info.state != state:
         return False
     return all(info.metadata.get(key) == value for key, value in metadata.items())
+
+
+_CREATE_DEFAULTS = CreateRequest()

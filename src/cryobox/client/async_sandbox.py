@@ -552,7 +552,7 @@ class AsyncSandbox:
             disk_gib=disk_gib,
             timeout=timeout,
             ports=tuple(ports),
-            network=network if isinstance(network, str) else tuple(network),
+            network=network if isinstance(network, str) else list(network),
             idle_timeout=idle_timeout,
             envs=env_vars("envs", envs),
             metadata=labels("metadata", metadata),

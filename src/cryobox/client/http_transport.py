@@ -269,30 +269,7 @@ class HttpTransport:
         return f"/sandboxes/{quote(sandbox_id, safe='')}{rest}"
 
     async def create(self, request: CreateRequest, progress: Progress | None = None) -> SandboxInfo:
-        body = {
-            "template": request.template,
-            "from_snapshot": request.from_snapshot,
-            "cpus": request.cpus,
-            "memory_mib": request.memory_mib,
-            "disk_gib": request.disk_gib,
-            "timeout": request.timeout,
-            "ports": list(request.ports),
-            "network": (
-                request.network
-                if request.network is None or isinstance(request.network, str)
-                else list(request.network)
-            ),
-            "idle_timeout": request.idle_timeout,
-            "envs": dict(request.envs),
-            "metadata": dict(request.metadata),
-        }
-        # Only when given: a server that predates them still takes the rest.
-        extra = {
-            "proxy": request.proxy,
-            "no_proxy": request.no_proxy,
-            "ca_bundle": request.ca_bundle,
-        }
-        body.update({key: value for key, value in extra.items() if value is not None})
+        body = request.to_wire()
         if progress:
             progress(f"starting a sandbox on {self.api_url}")
         response = await self._call("POST", "/sandboxes", json=body, timeout=LONG)

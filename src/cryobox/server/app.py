@@ -227,29 +227,9 @@ def create_app(
     # ------------------------------------------------------------------ sandboxes
 
     @app.post("/sandboxes", status_code=201, tags=["sandboxes"])
-    async def create_sandbox(body: s.CreateSandbox, me: Me) -> SandboxInfo:
+    async def create_sandbox(body: CreateRequest, me: Me) -> SandboxInfo:
         """Start a sandbox; answers once its guest runs commands."""
-        network = (
-            body.network
-            if body.network is None or isinstance(body.network, str)
-            else (tuple(body.network))
-        )
-        request = CreateRequest(
-            template=body.template,
-            from_snapshot=body.from_snapshot,
-            cpus=body.cpus,
-            memory_mib=body.memory_mib,
-            disk_gib=body.disk_gib,
-            timeout=body.timeout,
-            ports=tuple(body.ports),
-            network=network,
-            envs=body.envs,
-            metadata=body.metadata,
-            proxy=body.proxy,
-            no_proxy=body.no_proxy,
-            ca_bundle=body.ca_bundle,
-        )
-        return await hub.create(me, request, body.idle_timeout)
+        return await hub.create(me, body, body.idle_timeout)
 
     @app.get("/sandboxes", tags=["sandboxes"])
     async def list_sandboxes(

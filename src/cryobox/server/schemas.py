@@ -19,28 +19,6 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class CreateSandbox(Body):
-    template: Annotated[str, Field(min_length=1, max_length=200)] = "default"
-    from_snapshot: Annotated[str, Field(min_length=1, max_length=200)] | None = None
-    cpus: Annotated[int, Field(ge=1, le=config.MAX_CPUS)] | None = None
-    memory_mib: Annotated[int, Field(ge=config.MIN_MEMORY_MIB, le=config.MAX_MEMORY_MIB)] | None = (
-        None
-    )
-    disk_gib: Annotated[int, Field(ge=config.MIN_DISK_GIB, le=config.MAX_DISK_GIB)] | None = None
-    timeout: Seconds = config.DEFAULT_TIMEOUT
-    ports: Annotated[list[Port], Field(max_length=32)] = []
-    network: str | Annotated[list[Text], Field(max_length=256)] | None = None
-    #: Seconds without use before the server pauses the sandbox (0: never; default 600).
-    idle_timeout: Annotated[float, Field(ge=0, le=30 * 86400, allow_inf_nan=False)] | None = None
-    #: Variables every command gets (never shown back), and free-form labels.
-    envs: Annotated[dict[str, Annotated[str, Field(max_length=65536)]], Field(max_length=1024)] = {}
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=256)]], Field(max_length=64)] = {}
-    #: The guest's proxy (a URL), the hosts it reaches directly, extra CAs it trusts (PEM).
-    proxy: Annotated[str, Field(max_length=2048)] | None = None
-    no_proxy: Annotated[str, Field(max_length=4096)] | None = None
-    ca_bundle: Annotated[str, Field(max_length=1 << 20)] | None = None
-
-
 class SetTimeout(Body):
     seconds: Seconds
 
