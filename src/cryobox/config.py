@@ -24,6 +24,10 @@ DEFAULT_MEMORY_MIB = 1024
 DEFAULT_DISK_GIB = 4
 #: Seconds a sandbox lives unless extended; the countdown restarts on extension.
 DEFAULT_TIMEOUT = 300.0
+#: The tenant of everything done without a server (the embedded SDK and the CLI).
+LOCAL_TENANT = "local"
+#: Most members one template's warm pool may keep.
+MAX_POOL_SIZE = 16
 MAX_CPUS = 64
 MIN_MEMORY_MIB = 128
 MAX_MEMORY_MIB = 64 * 1024

@@ -249,3 +249,19 @@ def without_huge_pages() -> None:
     mapping, which never used them. Best effort: a kernel without the option keeps them.
     """
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0)
+
+
+def host_memory_mib(pids: tuple[int | None, ...]) -> float | None:
+    """Host memory the processes hold (sum of their PSS: shared pages split among their
+    users), or None when none can be read (not on this host, ended, not ours)."""
+    total_kib, read = 0, False
+    for pid in pids:
+        if not pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                total_kib += sum(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+                read = True
+        except (OSError, ValueError):
+            continue
+    return total_kib / 1024 if read else None

@@ -33,3 +33,16 @@ def test_the_embedded_transport_loads_the_service_when_first_made() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "cryobox.service.service"
+
+
+def test_the_cli_loads_the_service_only_for_the_commands_that_need_it() -> None:
+    probe = (
+        "import sys\n"
+        "import cryobox.cli.main\n"
+        "print([m for m in sys.modules if m.startswith(('cryobox.service', 'cryobox.sandbox',"
+        " 'cryobox.store', 'cryobox.server'))])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"

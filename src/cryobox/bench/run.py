@@ -29,6 +29,7 @@ from cryobox.client import AsyncSandbox
 from cryobox.client.transport import default_transport
 from cryobox.qemu import qemu_version
 from cryobox.service import pool, pool_refill
+from cryobox.util import host_memory_mib
 
 from . import bounds as bench_bounds
 from . import diy as bench_diy
@@ -796,7 +797,7 @@ async def _fork_once(ctx: Context, count: int) -> _ForkRun:
             sum(map(bench_steps.cpu_seconds, qemus)),
             sum(map(bench_steps.cpu_seconds, supervisor_pids)),
             bench_steps.memory_parts([pid for pid in qemus if pid]),
-            pool.host_memory_mib(tuple(supervisor_pids)) or 0.0,
+            host_memory_mib(tuple(supervisor_pids)) or 0.0,
             len(supervisor_pids),
         )
     finally:

@@ -24,7 +24,7 @@ from cryobox import config
 from cryobox.arguments import key_values
 from cryobox.client import Sandbox
 from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument, SandboxNotFound
-from cryobox.service.pool import host_memory_mib
+from cryobox.util import host_memory_mib
 
 from .output import console, errors_reported, out, print_rows, say_error
 from .pool_commands import pool_app, print_members

@@ -2,7 +2,8 @@
 pools of this host (see :mod:`cryobox.service.pool`).
 
 They act on this host's state folder, as ``cryobox gc`` does: a pool belongs to the
-host whose VMs it keeps warm.
+host whose VMs it keeps warm. The service's modules are loaded by the commands that use
+them, so that every other command starts quickly.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Annotated
 
 import typer
 
+from cryobox import config
 from cryobox.errors import CryoboxError
-from cryobox.sandbox import registry
-from cryobox.service import pool, pool_refill
+from cryobox.util import host_memory_mib
 
 from .output import errors_reported, out, print_rows
 
@@ -27,13 +28,16 @@ pool_app = typer.Typer(
 
 def member_rows() -> tuple[list[tuple[str, ...]], float]:
     """One row per waiting member, and the host memory they hold together (MiB)."""
+    from cryobox.sandbox import registry
+    from cryobox.service import pool
+
     now, total = time.time(), 0.0
     rows: list[tuple[str, ...]] = []
     for member in pool.members():
         memory = None
         try:
             record = registry.find(member.sandbox_id).record()
-            memory = pool.host_memory_mib((record.qemu_pid, record.supervisor_pid))
+            memory = host_memory_mib((record.qemu_pid, record.supervisor_pid))
             state = record.state.value
         except (CryoboxError, OSError, ValueError):  # ended while listed
             state = "gone"
@@ -66,6 +70,8 @@ def show(ctx: typer.Context) -> None:
     """Pool sizes, waiting members and the memory they hold."""
     if ctx.invoked_subcommand is not None:
         return
+    from cryobox.service import pool
+
     with errors_reported():
         sizes = pool.sizes()
         print_rows(
@@ -85,9 +91,13 @@ def show(ctx: typer.Context) -> None:
 @pool_app.command("set")
 def set_size(
     template: Annotated[str, typer.Argument(help="Template name.")],
-    size: Annotated[int, typer.Argument(help=f"Members to keep waiting (0 to {pool.MAX_SIZE}).")],
+    size: Annotated[
+        int, typer.Argument(help=f"Members to keep waiting (0 to {config.MAX_POOL_SIZE}).")
+    ],
 ) -> None:
     """Keep SIZE sandboxes of TEMPLATE restored and waiting (0 turns its pool off)."""
+    from cryobox.service import pool, pool_refill
+
     with errors_reported():
         pool.set_size(template, size)
         if size == 0:
@@ -104,6 +114,8 @@ def drain(
     template: Annotated[str | None, typer.Argument(help="Template name (all if omitted).")] = None,
 ) -> None:
     """End the waiting members now (a later create() refills the pool)."""
+    from cryobox.service import pool_refill
+
     with errors_reported():
         for sandbox_id in pool_refill.end_members(template):
             out.print(f"ended {sandbox_id}")

@@ -13,15 +13,15 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from typer.core import TyperGroup
 
-from cryobox.service.persist import acting_for
-from cryobox.service.service import SandboxService
-from cryobox.store.keys import LOCAL_TENANT
-from cryobox.store.retention import Policy
+from cryobox.config import LOCAL_TENANT
+
+if TYPE_CHECKING:  # loaded by the commands that use them: `cryobox --help` stays quick
+    from cryobox.service.service import SandboxService
 
 from .output import console, errors_reported, out, print_rows
 
@@ -51,6 +51,9 @@ key_app = typer.Typer(no_args_is_help=True, help="The store's per-tenant keys.")
 
 
 def _run(tenant: str, work: Callable[[SandboxService], Awaitable[T]]) -> T:
+    from cryobox.service.persist import acting_for
+    from cryobox.service.service import SandboxService
+
     async def main() -> T:
         service = SandboxService()
         try:
@@ -161,6 +164,8 @@ def gc(
     ] = 600.0,
 ) -> None:
     """Collect: unused checkpoints, snapshots past their retention, unreferenced chunks."""
+
+    from cryobox.store.retention import Policy
 
     async def work(service: SandboxService) -> tuple[list[str], Any]:
         collected = await service.collect_garbage()

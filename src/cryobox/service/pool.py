@@ -51,7 +51,7 @@ log = logging.getLogger("cryobox.pool")
 #: Members wanted when nothing was configured.
 DEFAULT_SIZES = {"default": 1}
 #: Most members one template may keep.
-MAX_SIZE = 16
+MAX_SIZE = config.MAX_POOL_SIZE
 #: Seconds a member may wait unclaimed before it ends (a refill replaces it).
 MEMBER_LIFETIME = 24 * 3600.0
 #: Seconds a refill waits before it starts a VM: a claimed sandbox's first commands come
@@ -170,22 +170,6 @@ def claims(template: str, snapshot_id: str, network: str | list[str]) -> Iterato
         fits = member.snapshot_id == snapshot_id and member.network == network
         if fits and member.env == env and withdraw(member):
             yield member.sandbox_id
-
-
-def host_memory_mib(pids: tuple[int | None, ...]) -> float | None:
-    """Host memory the processes hold (sum of their PSS: shared pages split among their
-    users), or None when none can be read (not on this host, ended, not ours)."""
-    total_kib, read = 0, False
-    for pid in pids:
-        if not pid:
-            continue
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as rollup:
-                total_kib += sum(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
-                read = True
-        except (OSError, ValueError):
-            continue
-    return total_kib / 1024 if read else None
 
 
 # ------------------------------------------------------------------ the refill process

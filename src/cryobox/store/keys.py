@@ -34,8 +34,7 @@ from cryobox.errors import InvalidArgument, StoreError
 from cryobox.store.objects import ObjectMissing, ObjectStore
 from cryobox.util import write_json_atomic
 
-#: The tenant of everything done without a server (the embedded SDK and the CLI).
-LOCAL_TENANT = "local"
+LOCAL_TENANT = config.LOCAL_TENANT
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
