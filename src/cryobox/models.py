@@ -56,13 +56,42 @@ class SnapshotPurpose(enum.StrEnum):
     FORK = "fork"
 
 
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a command ended, as the guest reports it."""
+
+    exit_code: int
+    pid: int = 0
+    #: The signal that ended it, if one did.
+    signal: int | None = None
+    #: Whether it was killed for running past its ``timeout``.
+    timed_out: bool = False
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> ExitStatus:
+        """:raises ValueError: for a value that is no exit status."""
+        code, pid, signal = value.get("exit_code"), value.get("pid", 0), value.get("signal")
+        timed_out = value.get("timed_out", False)
+        for name, number in (("exit_code", code), ("pid", pid), ("signal", signal)):
+            if number is None and name == "signal":
+                continue
+            if isinstance(number, bool) or not isinstance(number, int):
+                raise ValueError(f"{name}={number!r} is not a whole number")
+        if not isinstance(timed_out, bool):
+            raise ValueError(f"timed_out={timed_out!r} is not a boolean")
+        return cls(code, pid, signal, timed_out)  # type: ignore[arg-type]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class StartedCommand(Protocol):
     """A command as any transport hands it to the SDK (in this process or over HTTP)."""
 
     pid: int
 
     async def started(self) -> None: ...
-    async def wait(self) -> dict[str, Any]: ...
+    async def wait(self) -> ExitStatus: ...
     async def send_stdin(self, data: bytes, eof: bool = False) -> None: ...
     async def kill(self, signal: int = signals.SIGKILL) -> None: ...
     async def resize(self, cols: int, rows: int) -> None: ...

@@ -20,6 +20,7 @@ from cryobox.guest import agent as guest_agent
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+from cryobox.models import ExitStatus
 
 from .agent_pair import serve_agent
 
@@ -70,12 +71,9 @@ def test_a_forged_file_entry_is_a_protocol_error(entry: Any) -> None:
 
 
 def test_sound_answers_pass() -> None:
-    assert answers.exec_result({"exit_code": 3, "pid": 7, "signal": None, "timed_out": False}) == {
-        "exit_code": 3,
-        "pid": 7,
-        "signal": None,
-        "timed_out": False,
-    }
+    assert answers.exec_result(
+        {"exit_code": 3, "pid": 7, "signal": None, "timed_out": False}
+    ) == ExitStatus(exit_code=3, pid=7, signal=None, timed_out=False)
     (entry,) = answers.entries(
         {
             "entries": [

@@ -147,12 +147,12 @@ class AsyncCommandHandle:
             await calls.settle()
         out, err = bytes(self._output["stdout"]), bytes(self._output["stderr"])
         return CommandResult(
-            exit_code=result["exit_code"],
+            exit_code=result.exit_code,
             stdout=out.decode(errors="replace"),
             stderr=err.decode(errors="replace"),
-            pid=result["pid"] or self.pid,
-            signal=result.get("signal"),
-            timed_out=result["timed_out"],
+            pid=result.pid or self.pid,
+            signal=result.signal,
+            timed_out=result.timed_out,
             stdout_bytes=out,
             stderr_bytes=err,
         )
@@ -208,12 +208,12 @@ class AsyncPtyHandle:
         await self._calls.settle()
         out = bytes(self._output)
         return CommandResult(
-            exit_code=result["exit_code"],
+            exit_code=result.exit_code,
             stdout=out.decode(errors="replace"),
             stderr="",
-            pid=result["pid"] or self.pid,
-            signal=result.get("signal"),
-            timed_out=result["timed_out"],
+            pid=result.pid or self.pid,
+            signal=result.signal,
+            timed_out=result.timed_out,
             stdout_bytes=out,
             stderr_bytes=b"",
         )

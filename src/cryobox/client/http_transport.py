@@ -9,11 +9,9 @@ runs; files stream both ways in chunks.
 from __future__ import annotations
 
 import asyncio
-import base64
 import builtins
 import contextlib
 import dataclasses
-import json
 import signal as signals
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from typing import Any
@@ -21,7 +19,7 @@ from urllib.parse import quote
 
 import httpx
 
-from cryobox import config
+from cryobox import config, streams
 from cryobox.errors import (
     AuthenticationError,
     ChannelError,
@@ -33,6 +31,7 @@ from cryobox.models import (
     CommandRequest,
     CreateRequest,
     EntryInfo,
+    ExitStatus,
     OutputSink,
     Progress,
     SandboxInfo,
@@ -133,8 +132,8 @@ class HttpWatch:
         response = await open_stream(self._client, request, "starting the watch")
         try:
             lines = response.aiter_lines()
-            first = json.loads(await anext(lines))
-            if first.get("type") != "watching":
+            first = streams.read_watch_event(await anext(lines))
+            if not isinstance(first, streams.Watching):
                 raise ChannelError(f"the server answered a watch with {first!r}")
         except BaseException:
             await response.aclose()
@@ -145,11 +144,11 @@ class HttpWatch:
     async def _read(self, response: httpx.Response, lines: AsyncIterator[str]) -> None:
         try:
             async for line in lines:
-                event = json.loads(line)
-                if event.get("type") == "event":
-                    self._on_event(str(event["event"]), str(event["name"]))
-                elif event.get("type") == "error":
-                    raise error_from_detail(event["error"]) or ChannelError(str(event["error"]))
+                match streams.read_watch_event(line):
+                    case streams.FileChanged(kind, name):
+                        self._on_event(kind, name)
+                    case streams.Failed(error):
+                        raise error
         except httpx.HTTPError as exc:
             raise ChannelError(f"the watch's event stream broke: {exc}") from exc
         finally:
@@ -177,33 +176,33 @@ class HttpCommand:
         self._on_output = on_output
         self.pid = 0
         self._id = ""
-        self._reader: asyncio.Future[dict[str, Any]] | None = None
+        self._reader: asyncio.Future[ExitStatus] | None = None
 
     async def start(self, body: dict[str, Any]) -> None:
         request = self._client.build_request("POST", self._base, json=body, timeout=STREAM)
         response = await open_stream(self._client, request, "starting the command")
         try:
             lines = response.aiter_lines()
-            first = json.loads(await anext(lines))
-            self.pid, self._id = int(first["pid"]), str(first["command_id"])
+            first = streams.read_command_event(await anext(lines))
+            if not isinstance(first, streams.Started):
+                raise ChannelError(f"the server answered a command with {first!r}")
+            self.pid, self._id = first.pid, first.command_id
         except BaseException:
             await response.aclose()
             raise
         self._reader = asyncio.ensure_future(self._read(response, lines))
         self._reader.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def _read(self, response: httpx.Response, lines: AsyncIterator[str]) -> dict[str, Any]:
+    async def _read(self, response: httpx.Response, lines: AsyncIterator[str]) -> ExitStatus:
         try:
             async for line in lines:
-                event = json.loads(line)
-                kind = event.get("type")
-                if kind in ("stdout", "stderr"):
-                    self._on_output(kind, base64.b64decode(event["data"]))
-                elif kind == "exit":
-                    event.pop("type")
-                    return dict(event)
-                elif kind == "error":
-                    raise error_from_detail(event["error"]) or ChannelError(str(event["error"]))
+                match streams.read_command_event(line):
+                    case streams.Output(stream, data):
+                        self._on_output(stream, data)
+                    case streams.Exited(status):
+                        return status
+                    case streams.Failed(error):
+                        raise error
         except httpx.HTTPError as exc:
             raise ChannelError(f"the command's output stream broke: {exc}") from exc
         finally:
@@ -213,7 +212,7 @@ class HttpCommand:
     async def started(self) -> None:
         return  # the server answers a start only once the process runs
 
-    async def wait(self) -> dict[str, Any]:
+    async def wait(self) -> ExitStatus:
         assert self._reader is not None
         return await asyncio.shield(self._reader)
 

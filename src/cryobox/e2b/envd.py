@@ -56,7 +56,7 @@ from cryobox.errors import (
     StateError,
 )
 from cryobox.guest import protocol as p
-from cryobox.models import CommandRequest, EntryInfo
+from cryobox.models import CommandRequest, EntryInfo, ExitStatus
 from cryobox.server.hub import Hub
 from cryobox.service.watches import FolderWatch
 from cryobox.util import rechunked
@@ -189,7 +189,7 @@ class Envd:
             keep,
         )
         result = await session.wait()
-        return int(result["exit_code"]), output.decode(errors="replace")
+        return result.exit_code, output.decode(errors="replace")
 
 
 @dataclass(eq=False)
@@ -202,7 +202,7 @@ class Process:
     pid: int = 0
     session: Any = None
     subscribers: set[asyncio.Queue[tuple[str, bytes] | None]] = field(default_factory=set)
-    result: dict[str, Any] | None = None
+    result: ExitStatus | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Future[None] | None = None
     #: Its channel ended with a pause: it runs on in the guest, unreachable but by signal.
@@ -214,7 +214,7 @@ class Process:
         for queue in self.subscribers:
             queue.put_nowait((stream, data))
 
-    def finish(self, result: dict[str, Any] | None) -> None:
+    def finish(self, result: ExitStatus | None) -> None:
         self.result = result
         self.ended.set()
         for queue in self.subscribers:
@@ -240,18 +240,17 @@ def connect_error(exc: Exception, sandbox_id: str) -> ConnectError:
     return ConnectError(Code.INTERNAL, str(exc))
 
 
-def end_event(result: dict[str, Any] | None) -> pr.ProcessEvent:
+def end_event(result: ExitStatus | None) -> pr.ProcessEvent:
     if result is None:
         end = pr.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="lost")
-    elif result.get("signal"):
-        name = {signals.SIGKILL: "killed", signals.SIGTERM: "terminated"}.get(
-            result["signal"], f"signal {result['signal']}"
-        )
+    elif result.signal:
+        names = {int(signals.SIGKILL): "killed", int(signals.SIGTERM): "terminated"}
+        name = names.get(result.signal, f"signal {result.signal}")
         end = pr.ProcessEvent.EndEvent(
             exit_code=-1, exited=False, status=f"signal: {name}", error=f"signal: {name}"
         )
     else:
-        code = int(result["exit_code"])
+        code = result.exit_code
         status = f"exit status {code}"
         end = pr.ProcessEvent.EndEvent(
             exit_code=code, exited=True, status=status, error=status if code else None
@@ -353,7 +352,7 @@ class ProcessService:
         envd does), then forget it. A process whose channel ended with a pause lives on
         in the saved machine: it stays listed, detached (see :meth:`_attached`)."""
         detached = False
-        result: dict[str, Any] | None = None
+        result: ExitStatus | None = None
         try:
             waiting = asyncio.ensure_future(process.session.wait())
             if timeout_ms:

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from cryobox.errors import ProtocolError
-from cryobox.models import EntryInfo
+from cryobox.models import EntryInfo, ExitStatus
 
 ENTRY_TYPES = ("file", "dir", "symlink", "other")
 
@@ -35,7 +35,7 @@ def started(header: dict[str, Any]) -> tuple[int, int]:
     return whole(header, "pid", "exec"), whole(header, "exec_id", "exec")
 
 
-def exec_result(answer: dict[str, Any]) -> dict[str, Any]:
+def exec_result(answer: dict[str, Any]) -> ExitStatus:
     """How a command ended: exit_code, pid, signal (or None), timed_out."""
     signal = answer.get("signal")
     if signal is not None:
@@ -43,12 +43,12 @@ def exec_result(answer: dict[str, Any]) -> dict[str, Any]:
     timed_out = answer.get("timed_out", False)
     if not isinstance(timed_out, bool):
         raise ProtocolError(f"exec: the guest sent timed_out={timed_out!r}, not a boolean")
-    return {
-        "exit_code": whole(answer, "exit_code", "exec"),
-        "pid": whole(answer, "pid", "exec", 0),
-        "signal": signal,
-        "timed_out": timed_out,
-    }
+    return ExitStatus(
+        exit_code=whole(answer, "exit_code", "exec"),
+        pid=whole(answer, "pid", "exec", 0),
+        signal=signal,
+        timed_out=timed_out,
+    )
 
 
 def entry(value: Any, op: str) -> EntryInfo:

@@ -14,7 +14,6 @@ is the file's bytes; ``/sandboxes/{id}/events`` is server-sent events.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
 import json
@@ -32,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from cryobox import errors as e
+from cryobox import streams
 from cryobox.arguments import key_values
 from cryobox.guest import protocol as p
 from cryobox.models import (
@@ -398,22 +398,20 @@ def create_app(
 
         async def lines() -> AsyncIterator[bytes]:
             async with hub.busy(sandbox_id):
-                started = {"type": "started", "pid": session.pid, "command_id": command_id}
-                yield _line(started)
+                yield streams.encode(streams.Started(session.pid, command_id))
                 while (item := await backlog.get()) is not None:
-                    stream, data = item
-                    yield _line({"type": stream, "data": base64.b64encode(data).decode()})
+                    yield streams.encode(streams.Output(*item))
                 try:
                     result = await ended
                 except e.CryoboxError as exc:
-                    yield _line({"type": "error", "error": e.error_detail(exc)})
+                    yield streams.encode(streams.Failed(exc))
                     return
                 if backlog.overflowed:
                     limit = STREAM_BACKLOG_LIMIT >> 20
                     error = e.ChannelError(f"more than {limit} MiB of output went unread")
-                    yield _line({"type": "error", "error": e.error_detail(error)})
+                    yield streams.encode(streams.Failed(error))
                 else:
-                    yield _line({"type": "exit", **result})
+                    yield streams.encode(streams.Exited(result))
 
         async def cleanup() -> None:
             """After the response, however it ended (a client that left before or during
@@ -558,20 +556,20 @@ def create_app(
 
         async def lines() -> AsyncIterator[bytes]:
             async with hub.busy(sandbox_id):
-                yield _line({"type": "watching"})
+                yield streams.encode(streams.Watching())
                 while True:
                     try:
                         item = await asyncio.wait_for(backlog.get(), WATCH_KEEPALIVE)
                     except TimeoutError:
-                        yield _line({"type": "keepalive"})
+                        yield streams.encode(streams.KeepAlive())
                         continue
                     if item is None:
                         break
-                    yield _line({"type": "event", "event": item[0], "name": item[1]})
+                    yield streams.encode(streams.FileChanged(*item))
                 if backlog.overflowed:
                     limit = WATCH_BACKLOG >> 20
                     error = e.ChannelError(f"more than {limit} MiB of watch events went unread")
-                    yield _line({"type": "error", "error": e.error_detail(error)})
+                    yield streams.encode(streams.Failed(error))
 
         return StreamingResponse(
             lines(), media_type="application/x-ndjson", background=BackgroundTask(folder.stop)
@@ -625,10 +623,6 @@ def create_app(
         return hub.usage(me, sandbox_id)
 
     return app
-
-
-def _line(value: dict[str, Any]) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode() + b"\n"
 
 
 async def _monitor(hub: Hub, tick: float, storage_interval: float, collect_interval: float) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
-from cryobox.models import CommandRequest
+from cryobox.models import CommandRequest, ExitStatus
 from cryobox.models import OutputSink as OutputSink
 from cryobox.models import StartedCommand as StartedCommand
 
@@ -60,7 +60,7 @@ class CommandSession:
         """
         await asyncio.shield(self._started)
 
-    async def wait(self) -> dict[str, Any]:
+    async def wait(self) -> ExitStatus:
         """How the command ended: ``exit_code``, ``pid``, ``signal``, ``timed_out``."""
         assert self._request is not None
         return answers.exec_result(await asyncio.shield(self._request))

@@ -1027,11 +1027,11 @@ class SandboxService:
                     sandbox.id, CommandRequest(shell=command), _shown_lines(output, latest)
                 )
                 result = await session.wait()
-                if result["exit_code"] != 0:
+                if result.exit_code != 0:
                     text = output.decode(errors="replace")[-2000:]
                     raise InvalidArgument(
                         f"template {name}: setup command {command!r} exited with "
-                        f"{result['exit_code']}:\n{text}"
+                        f"{result.exit_code}:\n{text}"
                     )
             say("saving the machine")
             saved = await self.capture(sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}")
