@@ -25,7 +25,7 @@ import pytest
 from api_server import ApiServer, kill_vms, make_server
 
 STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
-os.environ["CRYOBOXSTATE_DIR"] = str(STATE)
+os.environ["CRYOBOX_STATE_DIR"] = str(STATE)
 # Warm pools off: a refill after every create would compete with each test for the two
 # cores. tests/integration/test_pool_vm.py turns them on for its own tests.
 os.environ["CRYOBOX_POOL_SIZE"] = "0"
@@ -42,7 +42,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         with contextlib.suppress(OSError):
             cmdline = (proc / "cmdline").read_bytes()
             if (b"cryobox.store.uploads" in cmdline or b"cryobox.service.refill" in cmdline) and (
-                f"CRYOBOXSTATE_DIR={STATE}".encode() in (proc / "environ").read_bytes()
+                f"CRYOBOX_STATE_DIR={STATE}".encode() in (proc / "environ").read_bytes()
             ):
                 os.kill(int(proc.name), signal.SIGKILL)
     shutil.rmtree(STATE, ignore_errors=True)
