@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from cryobox.arguments import positive_seconds, whole_number
 from cryobox.config import MAX_PAUSE_HOLD
@@ -95,73 +95,56 @@ def _nothing(op: ControlOp, result: dict[str, Any]) -> None:
         raise ProtocolError(f"{op}: the supervisor replied {sorted(result)}, expected nothing")
 
 
+class _Bare:
+    """A request without arguments."""
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Self:
+        return cls()
+
+    def to_args(self) -> dict[str, Any]:
+        return {}
+
+
+class _AnswersRecord(_Bare):
+    """An argument-less request answered with the sandbox's state record."""
+
+    op: ClassVar[ControlOp]
+
+    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
+        return _record(self.op, result)
+
+
 @dataclass(frozen=True)
-class Status:
+class Status(_AnswersRecord):
     """The sandbox's state record, as its supervisor holds it."""
 
     op: ClassVar[ControlOp] = ControlOp.STATUS
 
-    @classmethod
-    def parse(cls, args: dict[str, Any]) -> Status:
-        return cls()
-
-    def to_args(self) -> dict[str, Any]:
-        return {}
-
-    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
-        return _record(self.op, result)
-
 
 @dataclass(frozen=True)
-class Kill:
-    """End the sandbox (its VM, then its supervisor); whatever state it is in."""
-
-    op: ClassVar[ControlOp] = ControlOp.KILL
-
-    @classmethod
-    def parse(cls, args: dict[str, Any]) -> Kill:
-        return cls()
-
-    def to_args(self) -> dict[str, Any]:
-        return {}
-
-    def read_reply(self, result: dict[str, Any]) -> None:
-        _nothing(self.op, result)
-
-
-@dataclass(frozen=True)
-class Wake:
+class Wake(_AnswersRecord):
     """Continue a paused sandbox whose VM its supervisor still holds; its new record."""
 
     op: ClassVar[ControlOp] = ControlOp.WAKE
 
-    @classmethod
-    def parse(cls, args: dict[str, Any]) -> Wake:
-        return cls()
-
-    def to_args(self) -> dict[str, Any]:
-        return {}
-
-    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
-        return _record(self.op, result)
-
 
 @dataclass(frozen=True)
-class Claim:
+class Claim(_AnswersRecord):
     """A warm pool's member is handed out: its spec as rewritten, a fresh identity; its
     new record."""
 
     op: ClassVar[ControlOp] = ControlOp.CLAIM
 
-    @classmethod
-    def parse(cls, args: dict[str, Any]) -> Claim:
-        return cls()
 
-    def to_args(self) -> dict[str, Any]:
-        return {}
+@dataclass(frozen=True)
+class Kill(_Bare):
+    """End the sandbox (its VM, then its supervisor); whatever state it is in."""
 
-    def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
-        return _record(self.op, result)
+    op: ClassVar[ControlOp] = ControlOp.KILL
+
+    def read_reply(self, result: dict[str, Any]) -> None:
+        _nothing(self.op, result)
 
 
 @dataclass(frozen=True)
