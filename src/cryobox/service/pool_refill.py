@@ -20,7 +20,7 @@ from cryobox.models import CreateRequest
 from cryobox.sandbox import priority, registry
 from cryobox.sandbox.state import SandboxState
 from cryobox.service import pool
-from cryobox.service.service import SandboxService
+from cryobox.service.service import SandboxService, StartOptions
 from cryobox.util import mem_available_mib, write_atomic
 
 log = logging.getLogger("cryobox.pool")
@@ -67,7 +67,9 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
         if mem_available_mib() < source.memory_mib + pool.MEMORY_MARGIN_MIB:
             log.warning("pool %s: host memory is short; not refilled", template)
             return
-        info = await service.create(CreateRequest(template=template), pool_member=True)
+        info = await service.create(
+            CreateRequest(template=template), start=StartOptions(pool_member=True)
+        )
         try:
             await service.warm_up(info.id)
             origin = info.origin or source.id  # what it was restored from, as it says

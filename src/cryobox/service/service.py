@@ -159,6 +159,26 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class StartOptions:
+    """How one of the service's own starts differs from a caller's create (what a
+    :class:`CreateRequest` does not say)."""
+
+    #: The sandbox this one is a copy of, and its number among its siblings (a fork).
+    forked_from: str | None = None
+    fork_index: int = 0
+    #: TCG's threading for its first VM ("" the host's; see ``config.fork_tcg_threads``).
+    tcg_threads: str = ""
+    #: The supervisor processes it shares with its siblings (a fork's copies).
+    group: SupervisorGroup | None = None
+    #: A member for a warm pool (the refill's), nobody's sandbox until claimed.
+    pool_member: bool = False
+
+
+#: A caller's create.
+PLAIN_START = StartOptions()
+
+
 class SandboxService:
     """Owns every operation; holds one control connection per sandbox it talks to."""
 
@@ -189,16 +209,13 @@ class SandboxService:
         request: CreateRequest,
         progress: Progress | None = None,
         *,
-        forked_from: str | None = None,
-        fork_index: int = 0,
-        tcg_threads: str = "",
-        group: SupervisorGroup | None = None,
-        pool_member: bool = False,
+        start: StartOptions = PLAIN_START,
         owner: str | None = None,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers (with its proxy
         and extra CAs in place, see :mod:`.egress`). ``owner`` (default: the tenant
-        acting) is recorded in its spec before its VM starts.
+        acting) is recorded in its spec before its VM starts; ``start`` says how the
+        service's own starts differ (a fork's copies, a warm pool's members).
 
         :raises InvalidArgument: for a request that cannot work, naming the argument.
         :raises SnapshotError: when the template or snapshot is missing, incompatible or
@@ -207,7 +224,7 @@ class SandboxService:
         """
         await asyncio.to_thread(validate, request)  # a proxy name may be resolved
         pem = None
-        if forked_from is None:  # a fork has its parent's (in its envs and on its disk)
+        if start.forked_from is None:  # a fork has its parent's (envs, disk)
             proxy, no_proxy = egress.host_proxy(os.environ)
             if request.proxy is not None:
                 proxy = request.proxy or None
@@ -218,16 +235,7 @@ class SandboxService:
                 pem = await asyncio.to_thread(egress.host_bundle, os.environ)
             extra = egress.variables(proxy, no_proxy, pem)
             request = dataclasses.replace(request, envs={**extra, **request.envs})
-        info = await self._start(
-            request,
-            progress,
-            forked_from=forked_from,
-            fork_index=fork_index,
-            tcg_threads=tcg_threads,
-            group=group,
-            pool_member=pool_member,
-            owner=owner,
-        )
+        info = await self._start(request, progress, start=start, owner=owner)
         # A pool member got the host's when it was made.
         if pem and not (info.pooled and request.ca_bundle is None):
             try:
@@ -264,18 +272,14 @@ class SandboxService:
         request: CreateRequest,
         progress: Progress | None = None,
         *,
-        forked_from: str | None = None,
-        fork_index: int = 0,
-        tcg_threads: str = "",
-        group: SupervisorGroup | None = None,
-        pool_member: bool = False,
+        start: StartOptions = PLAIN_START,
         owner: str | None = None,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers.
 
         From a template with a warm pool (:mod:`.pool`), a waiting member is claimed
         instead of restored when the request fits it (default shape and network), and a
-        refill is asked for. ``pool_member`` starts a member for the pool (the refill).
+        refill is asked for. ``start.pool_member`` starts a member for the pool (the refill).
 
         :raises InvalidArgument: for a request that cannot work, naming the argument.
         :raises SnapshotError: when the template or snapshot is missing, incompatible or
@@ -308,8 +312,8 @@ class SandboxService:
         pooled_template = (
             source is not None
             and request.from_snapshot is None
-            and forked_from is None
-            and not pool_member
+            and start.forked_from is None
+            and not start.pool_member
             and request.template in pool.sizes()
         )
         if pooled_template and source is not None:
@@ -328,24 +332,26 @@ class SandboxService:
             cpus=shape["cpus"] or config.DEFAULT_CPUS,
             memory_mib=shape["memory_mib"] or config.DEFAULT_MEMORY_MIB,
             disk_gib=shape["disk_gib"] or config.DEFAULT_DISK_GIB,
-            timeout=pool.MEMBER_LIFETIME if pool_member else request.timeout,
+            timeout=pool.MEMBER_LIFETIME if start.pool_member else request.timeout,
             ports=tuple(request.ports),
             template=request.template if request.from_snapshot is None else "",
             restore_from=source.id if source else None,
-            forked_from=forked_from,
-            fork_index=fork_index,
-            tcg_threads=tcg_threads,
+            forked_from=start.forked_from,
+            fork_index=start.fork_index,
+            tcg_threads=start.tcg_threads,
             network=policy.to_json(),
             envs=dict(request.envs),
             metadata=dict(request.metadata),
-            pool=request.template if pool_member else "",
-            owner="" if pool_member else owner if owner is not None else current_tenant(),
+            pool=request.template if start.pool_member else "",
+            owner="" if start.pool_member else owner if owner is not None else current_tenant(),
         )
         folder = SandboxDir.for_id(spec.id)
         folder.write_spec(spec)
         folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING), check=False)
         try:
-            record = await self.launcher.start(folder, resume=False, progress=progress, group=group)
+            record = await self.launcher.start(
+                folder, resume=False, progress=progress, group=start.group
+            )
         except BaseException:
             _remove(folder)  # a failed create leaves nothing behind
             raise
@@ -664,10 +670,9 @@ class SandboxService:
                         envs=spec.envs,
                         metadata=spec.metadata,
                     ),
-                    forked_from=sandbox_id,
-                    fork_index=index,
-                    tcg_threads=threads,
-                    group=group,
+                    start=StartOptions(
+                        forked_from=sandbox_id, fork_index=index, tcg_threads=threads, group=group
+                    ),
                 )
 
         try:
