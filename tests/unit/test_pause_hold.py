@@ -55,13 +55,13 @@ def test_a_stale_pause_folder_never_stands_for_a_sandbox_whose_files_are_not_in_
     long_ago = time.time() - 3600
     running = SandboxRecord(id="sbx-1", state=SandboxState.RUNNING, disk="disk-1.qcow2")
 
-    folder.write_record(running, check=False)
+    folder.write_record(running)
     _age(folder, long_ago)
     (folder.path / "disk-1.qcow2").write_bytes(b"the live disk")
     assert folder.record().state is SandboxState.DEAD  # its disk never moved: not paused
 
     (folder.path / "disk-1.qcow2").rename(folder.paused / "disk.qcow2")
-    folder.write_record(running, check=False)
+    folder.write_record(running)
     _age(folder, long_ago)
     found = folder.record()
     assert found.state is SandboxState.PAUSED and found.pause_id == "pause-old"

@@ -88,8 +88,7 @@ def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
                 state=SandboxState.RUNNING,
                 supervisor_pid=child.pid,
                 supervisor_started=process_start(child.pid),
-            ),
-            check=False,
+            )
         )
         assert folder.record().state is SandboxState.RUNNING
     finally:
@@ -104,8 +103,7 @@ def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
             state=SandboxState.RUNNING,
             supervisor_pid=os.getpid(),
             supervisor_started=1,
-        ),
-        check=False,
+        )
     )
     assert folder.record().state is SandboxState.DEAD
     Sandbox.connect(folder.id).kill()
@@ -115,7 +113,7 @@ def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
 def test_record_writes_are_atomic_and_checked() -> None:
     folder = SandboxDir.for_id("sbx-deadbeef0002")
     folder.path.mkdir(parents=True)
-    folder.write_record(SandboxRecord(id=folder.id, state=SandboxState.KILLED), check=False)
+    folder.write_record(SandboxRecord(id=folder.id, state=SandboxState.KILLED))
     with pytest.raises(StateError):
         folder.write_record(SandboxRecord(id=folder.id, state=SandboxState.RUNNING))
     assert [p.name for p in folder.path.iterdir()] == ["state.json"]

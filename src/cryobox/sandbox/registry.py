@@ -287,8 +287,10 @@ class SandboxDir:
             self.remove_pause()  # a pause was under way: one found here is stale
             mf.commit_pending(temp, self.paused)
 
-    def write_record(self, record: SandboxRecord, *, check: bool = True) -> None:
-        if check and self.state_file.exists():
+    def write_record(self, record: SandboxRecord) -> None:
+        """Write the state record atomically; a change of state must be an edge of the
+        state machine (:data:`~cryobox.sandbox.state.TRANSITIONS`), whoever writes it."""
+        if self.state_file.exists():
             current = SandboxRecord.from_json(json.loads(self.state_file.read_text())).state
             if current != record.state:
                 check_transition(self.id, current, record.state)

@@ -347,7 +347,7 @@ class SandboxService:
         )
         folder = SandboxDir.for_id(spec.id)
         folder.write_spec(spec)
-        folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING), check=False)
+        folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING))
         try:
             record = await self.launcher.start(
                 folder, resume=False, progress=progress, group=start.group
@@ -1192,7 +1192,7 @@ def _bury(folder: SandboxDir) -> None:
         ports={},
     )
     try:
-        folder.write_record(ended, check=False)
+        folder.write_record(ended)
     except OSError:  # a record that cannot be written is a sandbox forgotten
         _remove(folder)
 
