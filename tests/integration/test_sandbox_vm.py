@@ -38,7 +38,6 @@ from cryobox.errors import (
     SandboxDead,
 )
 from cryobox.sandbox import registry
-from cryobox.service import service
 
 from .guest_http import fetch_until_up
 
@@ -387,7 +386,7 @@ def test_kill_removes_the_vm_and_its_files(sandbox_factory: Any) -> None:
     sbx.kill()
     assert not registry.process_alive(qemu_pid, sbx.id)
     # Its record and logs stay a while, for `ls --all`; its disk and RAM are gone.
-    assert {path.name for path in folder.path.iterdir()} <= service.RECORD_FILES
+    assert {path.name for path in folder.path.iterdir()} <= registry.RECORD_FILES
     assert f"{sbx.id}\tkilled" in cli("ls", "--all").stdout
     assert sbx.id not in cli("ls").stdout
     assert f"[cryobox] {sbx.id} continues template snapshot " in cli("logs", sbx.id).stdout

@@ -85,7 +85,7 @@ def test_whole_lifecycle_over_the_fake() -> None:
         fork.kill()
     sbx.kill()
     left = {p.name for p in registry.SandboxDir.for_id(sbx.id).path.iterdir()}
-    assert left <= service.RECORD_FILES  # its record and logs, for ls --all
+    assert left <= registry.RECORD_FILES  # its record and logs, for ls --all
     with pytest.raises(InvalidArgument, match="a snapshot needs a name"):
         copy.snapshot("")
 
@@ -258,7 +258,7 @@ def test_a_killed_sandbox_is_listed_for_a_while_then_forgotten(
     assert ended[sbx.id].state == ended[paused.id].state == "killed"
     assert {sbx.id, paused.id}.isdisjoint(i.id for i in Sandbox.list())
     # What stays is its record and logs: no disk, no RAM, no pause, no process.
-    assert {p.name for p in folder.path.iterdir()} <= service.RECORD_FILES
+    assert {p.name for p in folder.path.iterdir()} <= registry.RECORD_FILES
     assert not (registry.find(paused.id).path / "paused").exists()
     assert Sandbox.connect(sbx.id, resume=False).info().state == "killed"
     with pytest.raises(SandboxDead):

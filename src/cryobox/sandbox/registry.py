@@ -1,4 +1,6 @@
-"""Sandboxes on disk: one folder each, with a spec and a state record.
+"""Sandboxes on disk: one folder each, with a spec and a state record; what is done to a
+folder as a whole (bury a killed sandbox's, remove one, forget those long ended) is done
+here.
 
 Any process can list and find sandboxes by reading these folders, so ``cryobox ls``
 in another shell sees what runs. The supervisor is the only writer of a running
@@ -8,6 +10,7 @@ record that says "running" but whose supervisor is gone is reported as dead.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -26,6 +29,11 @@ from cryobox.util import write_json_atomic
 
 #: The field of spec.json holding the sandbox's variables, sealed (see SandboxSpec.to_json).
 SEALED_ENVS = "envs_sealed"
+#: What a killed sandbox keeps for ``list(all=True)``, ``info`` and ``logs``: no disk,
+#: no RAM, no pause.
+RECORD_FILES = frozenset(
+    {"spec.json", "state.json", "console.log", "console.log.1", "supervisor.log", "qemu.stderr"}
+)
 
 
 @dataclass(frozen=True)
@@ -287,6 +295,49 @@ class SandboxDir:
             self.remove_pause()  # a pause was under way: one found here is stale
             mf.commit_pending(temp, self.paused)
 
+    async def wait_finished(self, timeout: float = 15.0) -> None:
+        """Return once the record says killed or dead (or ``timeout`` passed)."""
+        deadline = time.monotonic() + timeout
+        while not self.record().state.finished and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    def bury(self) -> None:
+        """Reduce a killed sandbox's folder to its record and logs (:data:`RECORD_FILES`),
+        marked killed; its VM killed first if one still runs."""
+        self._kill_recorded_vm()
+        record = self.record()
+        for path in list(self.path.iterdir()):
+            if path.name in RECORD_FILES:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        ended = replace(
+            record,
+            state=SandboxState.KILLED if not record.state.finished else record.state,
+            supervisor_pid=None,
+            qemu_pid=None,
+            disk=None,
+            memory_file=None,
+            memory_from=None,
+            pause_id=None,
+            ports={},
+        )
+        try:
+            self.write_record(ended)
+        except OSError:  # a record that cannot be written is a sandbox forgotten
+            self.remove()
+
+    def remove(self) -> None:
+        """Remove the folder, and the VM first if a failed start left one running."""
+        self._kill_recorded_vm()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def _kill_recorded_vm(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            kill_vm(SandboxRecord.from_json(json.loads(self.state_file.read_text())), self.id)
+
     def write_record(self, record: SandboxRecord) -> None:
         """Write the state record atomically; a change of state must be an edge of the
         state machine (:data:`~cryobox.sandbox.state.TRANSITIONS`), whoever writes it."""
@@ -382,3 +433,17 @@ def list_sandboxes() -> list[tuple[SandboxSpec, SandboxRecord]]:
             found.append((folder.spec(), folder.record()))
     found.sort(key=lambda pair: pair[0].created_at)
     return found
+
+
+def forget_finished(
+    keep: float, sandboxes: list[tuple[SandboxSpec, SandboxRecord]] | None = None
+) -> list[str]:
+    """Remove what is left of sandboxes that ended more than ``keep`` seconds ago (among
+    ``sandboxes`` when the caller has listed them already); their ids."""
+    gone = []
+    now = time.time()
+    for spec, record in list_sandboxes() if sandboxes is None else sandboxes:
+        if record.state.finished and now - record.updated_at > keep:
+            SandboxDir.for_id(spec.id).remove()
+            gone.append(spec.id)
+    return gone

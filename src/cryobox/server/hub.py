@@ -46,11 +46,11 @@ from cryobox.errors import (
 from cryobox.models import CreateRequest, SandboxInfo, SnapshotInfo, TemplateInfo
 from cryobox.sandbox import registry
 from cryobox.sandbox.machine import crash_point
-from cryobox.sandbox.registry import SandboxDir
+from cryobox.sandbox.registry import SandboxDir, forget_finished
 from cryobox.service import SandboxService
 from cryobox.service.commands import CommandSession
 from cryobox.service.persist import acting_for
-from cryobox.service.service import BASE_TEMPLATE, BUILDING, DEFAULT_TEMPLATE, forget_finished
+from cryobox.service.service import BASE_TEMPLATE, BUILDING, DEFAULT_TEMPLATE
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy

@@ -19,10 +19,8 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
-import shutil
 import signal
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
@@ -353,7 +351,7 @@ class SandboxService:
                 folder, resume=False, progress=progress, group=start.group
             )
         except BaseException:
-            _remove(folder)  # a failed create leaves nothing behind
+            folder.remove()  # a failed create leaves nothing behind
             raise
         return sandbox_info(spec, record, folder)
 
@@ -415,7 +413,7 @@ class SandboxService:
         """Sandboxes on this host, oldest first; finished ones too with ``all`` (those
         that ended more than ``config.finished_keep()`` seconds ago are forgotten)."""
         sandboxes = registry.list_sandboxes()
-        gone = await asyncio.to_thread(forget_finished, config.finished_keep(), sandboxes)
+        gone = await asyncio.to_thread(registry.forget_finished, config.finished_keep(), sandboxes)
         return [
             sandbox_info(spec, record, SandboxDir.for_id(spec.id))
             for spec, record in sandboxes
@@ -441,7 +439,7 @@ class SandboxService:
         if was.state is SandboxState.RUNNING:
             with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
                 await self._control(sandbox_id, Kill())
-            await _wait_finished(folder)
+            await folder.wait_finished()
         elif shared:  # not running: asked on its control socket all the same
             with contextlib.suppress(ChannelError, OSError):
                 channel = await AgentClient.connect(folder.control_socket, trusted=True)
@@ -449,7 +447,7 @@ class SandboxService:
                     await control(channel, Kill())
                 finally:
                     await channel.close()
-            await _wait_finished(folder)
+            await folder.wait_finished()
         await self.disconnect(sandbox_id)
         record = folder.record()
         if (
@@ -463,9 +461,9 @@ class SandboxService:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.qemu_pid, signal.SIGKILL)
         if keep_record:
-            _bury(folder)
+            folder.bury()
         else:
-            _remove(folder)
+            folder.remove()
         await self.collect_garbage()
 
     async def pause(self, sandbox_id: str) -> None:
@@ -1132,13 +1130,6 @@ class SandboxService:
             await self.disconnect(sandbox_id)
 
 
-async def _wait_finished(folder: SandboxDir, timeout: float = 15.0) -> None:
-    """Return once the sandbox's record says killed or dead (or ``timeout`` passed)."""
-    deadline = time.monotonic() + timeout
-    while not folder.record().state.finished and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-
-
 def _shown_lines(into: bytearray, show: Callable[[str], None]) -> OutputSink:
     """Collect output into ``into`` and show its latest complete line (at most 80
     characters), as a long setup command runs."""
@@ -1157,67 +1148,6 @@ def _collector(into: bytearray) -> OutputSink:
         into.extend(data)
 
     return collect
-
-
-#: What a killed sandbox keeps for ``list(all=True)``, ``info`` and ``logs``: no disk,
-#: no RAM, no pause.
-RECORD_FILES = frozenset(
-    {"spec.json", "state.json", "console.log", "console.log.1", "supervisor.log", "qemu.stderr"}
-)
-
-
-def _bury(folder: SandboxDir) -> None:
-    """Reduce a killed sandbox's folder to its record and logs, marked killed."""
-    with contextlib.suppress(OSError, ValueError):
-        registry.kill_vm(
-            SandboxRecord.from_json(json.loads(folder.state_file.read_text())), folder.id
-        )
-    record = folder.record()
-    for path in list(folder.path.iterdir()):
-        if path.name in RECORD_FILES:
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    ended = dataclasses.replace(
-        record,
-        state=SandboxState.KILLED if not record.state.finished else record.state,
-        supervisor_pid=None,
-        qemu_pid=None,
-        disk=None,
-        memory_file=None,
-        memory_from=None,
-        pause_id=None,
-        ports={},
-    )
-    try:
-        folder.write_record(ended)
-    except OSError:  # a record that cannot be written is a sandbox forgotten
-        _remove(folder)
-
-
-def forget_finished(
-    keep: float, sandboxes: list[tuple[SandboxSpec, SandboxRecord]] | None = None
-) -> list[str]:
-    """Remove what is left of sandboxes that ended more than ``keep`` seconds ago (among
-    ``sandboxes`` when the caller has listed them already); their ids."""
-    gone = []
-    now = time.time()
-    for spec, record in registry.list_sandboxes() if sandboxes is None else sandboxes:
-        if record.state.finished and now - record.updated_at > keep:
-            _remove(SandboxDir.for_id(spec.id))
-            gone.append(spec.id)
-    return gone
-
-
-def _remove(folder: SandboxDir) -> None:
-    """Remove a sandbox's folder, and its VM first if a failed start left one running."""
-    with contextlib.suppress(OSError, ValueError):
-        registry.kill_vm(
-            SandboxRecord.from_json(json.loads(folder.state_file.read_text())), folder.id
-        )
-    shutil.rmtree(folder.path, ignore_errors=True)
 
 
 def discard_spare() -> None:
