@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import signal as signals
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Any, ClassVar, Protocol
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
@@ -302,15 +302,20 @@ class CreateRequest:
     ca_bundle: Annotated[str, MaxLen(1 << 20)] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON body of ``POST /sandboxes``: the fields that differ from their
-        defaults (a server that predates a field still takes a request without it)."""
+        """The JSON body of ``POST /sandboxes``: the template and timeout always (a
+        server's defaults may differ from this SDK's), the other fields when given (a
+        server that predates one still takes a request without it)."""
         body: dict[str, Any] = {}
-        for name, value in asdict(self).items():
-            if value == getattr(_CREATE_DEFAULTS, name):
-                continue
-            if isinstance(value, tuple | list):
+        for each in fields(self):
+            value = getattr(self, each.name)
+            if isinstance(value, Mapping):
+                value = dict(value)
+            elif isinstance(value, Sequence) and not isinstance(value, str):
                 value = list(value)
-            body[name] = value
+            if each.name in ("template", "timeout") or value != getattr(
+                _CREATE_DEFAULTS, each.name
+            ):
+                body[each.name] = value
         return body
 
 

@@ -93,10 +93,11 @@ def encode(event: CommandEvent | WatchEvent) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode() + b"\n"
 
 
-def read_command_event(line: str) -> CommandEvent:
-    """A line of a command's output stream.
+def read_command_event(line: str) -> CommandEvent | None:
+    """A line of a command's output stream; None for an event of a type this client does
+    not know (a newer server's), which it skips.
 
-    :raises ProtocolError: for a line that is no such event.
+    :raises ProtocolError: for a line that is no event, or a known event malformed.
     """
     value, kind = _object(line)
     try:
@@ -110,28 +111,27 @@ def read_command_event(line: str) -> CommandEvent:
             return Failed(_error(value))
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise ProtocolError(f"a command stream's {kind!r} event is malformed: {exc}") from None
-    raise ProtocolError(f"a command stream sent an event of type {kind!r}")
+    return None
 
 
-def read_watch_event(line: str) -> WatchEvent:
-    """A line of a folder watch's stream.
+def read_watch_event(line: str) -> WatchEvent | None:
+    """A line of a folder watch's stream; None for an event of a type this client does
+    not know (a newer server's), which it skips.
 
-    :raises ProtocolError: for a line that is no such event.
+    :raises ProtocolError: for a line that is no event, or a known event malformed.
     """
     value, kind = _object(line)
     if kind == "watching":
         return Watching()
     if kind == "keepalive":
         return KeepAlive()
-    if (
-        kind == "event"
-        and isinstance(value.get("event"), str)
-        and isinstance(value.get("name"), str)
-    ):
-        return FileChanged(value["event"], value["name"])
+    if kind == "event":
+        if isinstance(value.get("event"), str) and isinstance(value.get("name"), str):
+            return FileChanged(value["event"], value["name"])
+        raise ProtocolError(f"a watch stream sent {value!r}")
     if kind == "error":
         return Failed(_error(value))
-    raise ProtocolError(f"a watch stream sent {value!r}")
+    return None
 
 
 def _object(line: str) -> tuple[dict[str, Any], str]:

@@ -78,3 +78,21 @@ async def test_errors_keep_their_type_through_the_api_in_process(api: HttpTransp
         await AsyncSandbox(info, api).files.read("/no/such/file")
     with pytest.raises(InvalidArgument):
         await api.start_command(info.id, CommandRequest(), lambda _stream, _data: None)
+
+
+def test_a_create_request_goes_on_the_wire_as_plain_json() -> None:
+    import json
+    from types import MappingProxyType
+
+    request = CreateRequest(
+        ports=(8000,), network=["1.2.3.4"], envs=MappingProxyType({"A": "1"}), cpus=2
+    )
+    body = request.to_wire()
+    assert json.loads(json.dumps(body)) == {
+        "template": "default",  # always: a server's defaults may differ
+        "timeout": 300.0,
+        "ports": [8000],
+        "network": ["1.2.3.4"],
+        "envs": {"A": "1"},
+        "cpus": 2,
+    }

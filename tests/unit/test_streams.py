@@ -40,12 +40,16 @@ def test_watch_events_round_trip() -> None:
         '{"type": "stdout", "data": "***"}',
         '{"type": "exit", "exit_code": true}',
         '{"type": "exit", "exit_code": 0, "timed_out": "no"}',
-        '{"type": "nonsense"}',
     ],
 )
 def test_a_malformed_command_event_is_a_protocol_error(line: str) -> None:
     with pytest.raises(ProtocolError):
         streams.read_command_event(line)
+
+
+def test_an_event_of_a_newer_server_is_skipped() -> None:
+    assert streams.read_command_event('{"type": "progress", "percent": 50}') is None
+    assert streams.read_watch_event('{"type": "renamed-folder"}') is None
 
 
 def test_a_malformed_watch_event_is_a_protocol_error() -> None:

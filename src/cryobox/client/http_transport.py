@@ -133,6 +133,8 @@ class HttpWatch:
         try:
             lines = response.aiter_lines()
             first = streams.read_watch_event(await anext(lines))
+            if isinstance(first, streams.Failed):
+                raise first.error
             if not isinstance(first, streams.Watching):
                 raise ChannelError(f"the server answered a watch with {first!r}")
         except BaseException:
@@ -184,6 +186,8 @@ class HttpCommand:
         try:
             lines = response.aiter_lines()
             first = streams.read_command_event(await anext(lines))
+            if isinstance(first, streams.Failed):
+                raise first.error
             if not isinstance(first, streams.Started):
                 raise ChannelError(f"the server answered a command with {first!r}")
             self.pid, self._id = first.pid, first.command_id

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox import config
-from cryobox.errors import CryoboxError, SandboxNotFound
+from cryobox.errors import CryoboxError, SandboxNotFound, StateError
 from cryobox.sandbox.state import SandboxState, check_transition
 from cryobox.snapshot import keys
 from cryobox.util import write_json_atomic
@@ -326,6 +326,8 @@ class SandboxDir:
         )
         try:
             self.write_record(ended)
+        except StateError:  # its supervisor recorded its end meanwhile: that record stands
+            pass
         except OSError:  # a record that cannot be written is a sandbox forgotten
             self.remove()
 
