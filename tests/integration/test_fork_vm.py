@@ -129,7 +129,8 @@ def test_a_fork_that_fails_halfway_leaves_nothing_behind(
     real = service.SandboxService.create
 
     async def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("fork_index") == 3:
+        start = kwargs.get("start")
+        if start is not None and start.fork_index == 3:
             raise InvalidArgument("simulated failure of fork 3")
         return await real(self, *args, **kwargs)
 
