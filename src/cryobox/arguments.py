@@ -137,3 +137,30 @@ def read_bundle(source: str | os.PathLike[str]) -> str:
         return path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"ca_bundle={str(path)!r}: cannot be read ({exc})") from None
+
+
+def text(what: str, value: object) -> str:
+    """``value``, which must be a string.
+
+    :raises InvalidArgument: naming ``what`` otherwise.
+    """
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what}={value!r}: must be a string")
+    return value
+
+
+_SNAPSHOT_NAME = re.compile(r"[^/\x00-\x1f\x7f]{1,200}")
+
+
+def snapshot_name(what: str, value: object) -> str:
+    """A snapshot's or checkpoint's name: 1 to 200 characters, no ``/``, no control
+    characters, not ``.`` or ``..``.
+
+    :raises InvalidArgument: naming ``what`` otherwise.
+    """
+    name = text(what, value)
+    if not _SNAPSHOT_NAME.fullmatch(name) or name in (".", ".."):
+        raise InvalidArgument(
+            f"{what}={name!r}: a name is 1 to 200 characters, without '/' or control characters"
+        )
+    return name

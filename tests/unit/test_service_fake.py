@@ -12,7 +12,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -334,3 +334,34 @@ def test_guest_aslr_follows_the_setting_and_the_accelerator(
 ) -> None:
     monkeypatch.setenv("CRYOBOX_GUEST_ASLR", mode)
     assert config.guest_aslr(accelerator) is randomized
+
+
+def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them() -> None:
+    """Wrong types and contradictory arguments are refused before anything starts, with
+    an InvalidArgument naming the argument, never a TypeError from deep inside."""
+    refused: dict[str, Callable[[], object]] = {
+        "template=123": lambda: Sandbox.create(123),  # type: ignore[arg-type]
+        "ports=8000": lambda: Sandbox.create("base", ports=8000),  # type: ignore[arg-type]
+        "network=": lambda: Sandbox.create("base", network=5),  # type: ignore[arg-type]
+        "from_snapshot=": lambda: Sandbox.create("base", from_snapshot="x"),
+        "sandbox id=None": lambda: Sandbox.connect(None),  # type: ignore[arg-type]
+    }
+    before = {info.id for info in Sandbox.list(all=True)}
+    for named, call in refused.items():
+        with pytest.raises(InvalidArgument, match=named):
+            call()
+    assert {info.id for info in Sandbox.list(all=True)} == before  # nothing started
+    sbx = Sandbox.create("base")
+    in_a_sandbox: dict[str, Callable[[], object]] = {
+        "cmd must be": lambda: sbx.commands.run(123),  # type: ignore[call-overload]
+        "data=123": lambda: sbx.files.write("/tmp/x", 123),  # type: ignore[arg-type]
+        "path=None": lambda: sbx.files.read(None),  # type: ignore[arg-type]
+        "name='a/b'": lambda: sbx.snapshot("a/b"),
+        "name=''": lambda: sbx.checkpoint(name=""),
+        "name=5": lambda: sbx.checkpoint(name=5),  # type: ignore[arg-type]
+    }
+    for named, call in in_a_sandbox.items():
+        with pytest.raises(InvalidArgument, match=named):
+            call()
+    assert sbx.checkpoints() == []  # no half-taken checkpoint either
+    assert sbx.commands.run("true").exit_code == 0

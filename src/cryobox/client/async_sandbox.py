@@ -15,14 +15,14 @@ import os
 import posixpath
 import re
 import signal as signals
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict, Unpack, overload
 
 from cryobox import config
-from cryobox.arguments import env_vars, labels, read_bundle
+from cryobox.arguments import env_vars, labels, read_bundle, text
 from cryobox.errors import CryoboxError, GuestFileNotFound, InvalidArgument, SandboxNotFound
 from cryobox.guest import protocol as p
 from cryobox.models import (
@@ -283,7 +283,7 @@ def _command(cmd: str | Sequence[str], options: RunOptions) -> CommandRequest:
     }
     if isinstance(cmd, str):
         return CommandRequest(shell=cmd, **common)
-    if cmd and all(isinstance(word, str) for word in cmd):
+    if isinstance(cmd, Sequence) and cmd and all(isinstance(word, str) for word in cmd):
         return CommandRequest(argv=tuple(cmd), **common)
     raise InvalidArgument(f"cmd must be a string or a non-empty list of strings, not {cmd!r}")
 
@@ -343,6 +343,7 @@ class AsyncFiles:
 
         :raises GuestFileNotFound: when there is no such file.
         """
+        text("path", path)
         chunks = [c async for c in self._sandbox._transport.read_file(self._sandbox.id, path)]
         return b"".join(chunks)
 
@@ -352,6 +353,9 @@ class AsyncFiles:
 
     async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` (replaced atomically; the folder must exist)."""
+        text("path", path)
+        if not isinstance(data, bytes | bytearray | memoryview | str):
+            raise InvalidArgument(f"data={data!r}: must be bytes or a string")
         payload = data.encode() if isinstance(data, str) else data
         chunks = (payload[i : i + p.CHUNK] for i in range(0, len(payload), p.CHUNK))
         await self._sandbox._transport.write_file(self._sandbox.id, path, chunks, mode)
@@ -387,10 +391,12 @@ class AsyncFiles:
 
     async def list(self, path: str) -> builtins.list[EntryInfo]:
         """The entries of a guest folder."""
+        text("path", path)
         return await self._sandbox._transport.list_dir(self._sandbox.id, path)
 
     async def stat(self, path: str) -> EntryInfo:
         """What ``path`` is: type, size, mode, mtime."""
+        text("path", path)
         return await self._sandbox._transport.stat(self._sandbox.id, path)
 
     async def exists(self, path: str) -> bool:
@@ -403,10 +409,12 @@ class AsyncFiles:
 
     async def mkdir(self, path: str, parents: bool = True) -> None:
         """Make a folder (and its parents)."""
+        text("path", path)
         await self._sandbox._transport.mkdir(self._sandbox.id, path, parents)
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         """Remove a file, or a folder (its contents too with ``recursive``)."""
+        text("path", path)
         await self._sandbox._transport.remove(self._sandbox.id, path, recursive)
 
     async def watch(
@@ -451,6 +459,7 @@ async def whole_id(transport: Transport, given: str) -> str:
     :raises SandboxNotFound: when no id begins with it.
     :raises InvalidArgument: when several do.
     """
+    text("sandbox id", given)
     if SHORT_PREFIX.fullmatch(given):
         raise InvalidArgument(
             f"sandbox id {given!r} is too short: give at least 4 hex digits of it (sbx-4f2a)"
@@ -541,6 +550,25 @@ class AsyncSandbox:
             fails verification (never cold-booted instead).
         :raises QemuError: when QEMU is missing, fails to start or the guest never answers.
         """
+        if not isinstance(template, str) or not template:
+            raise InvalidArgument(f"template={template!r}: must be a template's name")
+        if from_snapshot is not None and not isinstance(from_snapshot, str | SnapshotInfo):
+            raise InvalidArgument(
+                f"from_snapshot={from_snapshot!r}: must be a snapshot, its id or its name"
+            )
+        if from_snapshot is not None and template != "default":
+            raise InvalidArgument(
+                f"template={template!r} and from_snapshot={from_snapshot!r}: give one (a "
+                "snapshot is what the sandbox starts from, in place of a template)"
+            )
+        if isinstance(ports, str | bytes) or not isinstance(ports, Iterable):
+            raise InvalidArgument(f"ports={ports!r}: must be a list of guest port numbers")
+        if not isinstance(network, str) and (
+            not isinstance(network, Iterable) or not all(isinstance(n, str) for n in network)
+        ):
+            raise InvalidArgument(
+                f"network={network!r}: must be 'internet', 'none' or a list of rules"
+            )
         transport = transport_for(api_url, api_key)
         request = CreateRequest(
             template=template,

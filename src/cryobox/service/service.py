@@ -27,7 +27,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Se
 from typing import Any
 
 from cryobox import config
-from cryobox.arguments import env_vars, labels, positive_seconds, whole_number
+from cryobox.arguments import env_vars, labels, positive_seconds, snapshot_name, whole_number
 from cryobox.errors import (
     CapacityError,
     ChannelError,
@@ -556,6 +556,8 @@ class SandboxService:
         """
         if purpose is SnapshotPurpose.SNAPSHOT and not name:
             raise InvalidArgument("a snapshot needs a name")
+        if name is not None and purpose in (SnapshotPurpose.SNAPSHOT, SnapshotPurpose.CHECKPOINT):
+            snapshot_name("name", name)
         if name and looks_like_id(name):
             raise InvalidArgument(f"snapshot name {name!r} has the shape of an id; choose another")
         named = purpose is SnapshotPurpose.SNAPSHOT and unique and bool(name)
