@@ -37,7 +37,13 @@ def print_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         for row in (header, *rows):
             print("\t".join(" ".join(cell.split("\t")).replace("\n", " ") for cell in row))
         return
-    table = Table(*(escape(h) for h in header))
+    table = Table()
+    for index, name in enumerate(header):
+        if index == 0:  # the id: whole on any width, so that it can be copied
+            widest = max((len(row[0]) for row in rows), default=0)
+            table.add_column(escape(name), no_wrap=True, min_width=max(widest, len(name)))
+        else:
+            table.add_column(escape(name))
     for row in rows:
         table.add_row(*(escape(cell) for cell in row))
     out.print(table)
