@@ -149,18 +149,25 @@ def text(what: str, value: object) -> str:
     return value
 
 
-_SNAPSHOT_NAME = re.compile(r"[^/\x00-\x1f\x7f]{1,200}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` can name a snapshot, a checkpoint or a template (a template's is a
+    file name in the store): not empty, no ``/``, no control characters, no leading
+    ``.``."""
+    return bool(name) and "/" not in name and not name.startswith(".") and not _CONTROL.search(name)
 
 
 def snapshot_name(what: str, value: object) -> str:
-    """A snapshot's or checkpoint's name: 1 to 200 characters, no ``/``, no control
-    characters, not ``.`` or ``..``.
+    """A snapshot's or checkpoint's name: a :func:`valid_name` of at most 200 characters.
 
     :raises InvalidArgument: naming ``what`` otherwise.
     """
     name = text(what, value)
-    if not _SNAPSHOT_NAME.fullmatch(name) or name in (".", ".."):
+    if len(name) > 200 or not valid_name(name):
         raise InvalidArgument(
-            f"{what}={name!r}: a name is 1 to 200 characters, without '/' or control characters"
+            f"{what}={name!r}: a name is 1 to 200 characters, without '/', control "
+            "characters or a leading '.'"
         )
     return name

@@ -27,7 +27,14 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Se
 from typing import Any
 
 from cryobox import config
-from cryobox.arguments import env_vars, labels, positive_seconds, snapshot_name, whole_number
+from cryobox.arguments import (
+    env_vars,
+    labels,
+    positive_seconds,
+    snapshot_name,
+    valid_name,
+    whole_number,
+)
 from cryobox.errors import (
     CapacityError,
     ChannelError,
@@ -77,7 +84,7 @@ from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.persist import Persistence, acting_for, current_tenant
 from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
-from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id, valid_name
+from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, each_chunk, mem_available_mib, new_id
 from cryobox.vmm import Vmm

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cryobox import config
+from cryobox.arguments import valid_name
 from cryobox.errors import (
     InvalidArgument,
     SnapshotError,
@@ -67,11 +68,6 @@ def one_by_id_prefix(ref: str, manifests: list[Manifest]) -> Manifest | None:
         names = ", ".join(m.id for m in found[:5])
         raise InvalidArgument(f"{ref!r} begins several snapshot ids ({names}): give more of it")
     return found[0] if found else None
-
-
-def valid_name(name: str) -> bool:
-    """Whether ``name`` can be a file name in the store (no paths, no hidden names)."""
-    return bool(name) and "/" not in name and not name.startswith(".") and "\0" not in name
 
 
 class SnapshotStore(Protocol):
