@@ -70,19 +70,26 @@ class ExitStatus:
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> ExitStatus:
         """:raises ValueError: for a value that is no exit status."""
-        code, pid, signal = value.get("exit_code"), value.get("pid", 0), value.get("signal")
+        signal = value.get("signal")
         timed_out = value.get("timed_out", False)
-        for name, number in (("exit_code", code), ("pid", pid), ("signal", signal)):
-            if number is None and name == "signal":
-                continue
-            if isinstance(number, bool) or not isinstance(number, int):
-                raise ValueError(f"{name}={number!r} is not a whole number")
         if not isinstance(timed_out, bool):
-            raise ValueError(f"timed_out={timed_out!r} is not a boolean")
-        return cls(code, pid, signal, timed_out)  # type: ignore[arg-type]
+            raise ValueError(f"timed_out={timed_out!r}, not a boolean")
+        return cls(
+            exit_code=_whole(value, "exit_code"),
+            pid=_whole(value, "pid", 0),
+            signal=None if signal is None else _whole(value, "signal"),
+            timed_out=timed_out,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _whole(value: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    number = value.get(key, default)
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise ValueError(f"{key}={number!r}, not a whole number")
+    return number
 
 
 class StartedCommand(Protocol):

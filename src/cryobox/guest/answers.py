@@ -37,18 +37,10 @@ def started(header: dict[str, Any]) -> tuple[int, int]:
 
 def exec_result(answer: dict[str, Any]) -> ExitStatus:
     """How a command ended: exit_code, pid, signal (or None), timed_out."""
-    signal = answer.get("signal")
-    if signal is not None:
-        signal = whole(answer, "signal", "exec")
-    timed_out = answer.get("timed_out", False)
-    if not isinstance(timed_out, bool):
-        raise ProtocolError(f"exec: the guest sent timed_out={timed_out!r}, not a boolean")
-    return ExitStatus(
-        exit_code=whole(answer, "exit_code", "exec"),
-        pid=whole(answer, "pid", "exec", 0),
-        signal=signal,
-        timed_out=timed_out,
-    )
+    try:
+        return ExitStatus.from_json(answer)
+    except ValueError as exc:
+        raise ProtocolError(f"exec: the guest sent {exc}") from None
 
 
 def entry(value: Any, op: str) -> EntryInfo:
