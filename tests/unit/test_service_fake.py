@@ -365,3 +365,9 @@ def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them() -> None
             call()
     assert sbx.checkpoints() == []  # no half-taken checkpoint either
     assert sbx.commands.run("true").exit_code == 0
+
+
+def test_a_network_given_as_a_generator_is_read_once_and_kept_whole() -> None:
+    rules = (rule for rule in ["203.0.113.7:443"])
+    sbx = Sandbox.create("base", network=rules)  # type: ignore[arg-type]
+    assert sbx.info().network == ["203.0.113.7/32:443"]  # not "internet" from an empty read

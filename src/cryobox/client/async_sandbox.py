@@ -563,12 +563,13 @@ class AsyncSandbox:
             )
         if isinstance(ports, str | bytes) or not isinstance(ports, Iterable):
             raise InvalidArgument(f"ports={ports!r}: must be a list of guest port numbers")
-        if not isinstance(network, str) and (
-            not isinstance(network, Iterable) or not all(isinstance(n, str) for n in network)
-        ):
-            raise InvalidArgument(
-                f"network={network!r}: must be 'internet', 'none' or a list of rules"
-            )
+        if not isinstance(network, str):
+            rules = list(network) if isinstance(network, Iterable) else None
+            if rules is None or not all(isinstance(rule, str) for rule in rules):
+                raise InvalidArgument(
+                    f"network={network!r}: must be 'internet', 'none' or a list of rules"
+                )
+            network = rules
         transport = transport_for(api_url, api_key)
         request = CreateRequest(
             template=template,
@@ -580,7 +581,7 @@ class AsyncSandbox:
             disk_gib=disk_gib,
             timeout=timeout,
             ports=tuple(ports),
-            network=network if isinstance(network, str) else list(network),
+            network=network,
             idle_timeout=idle_timeout,
             envs=env_vars("envs", envs),
             metadata=labels("metadata", metadata),
