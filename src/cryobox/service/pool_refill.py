@@ -49,7 +49,7 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
         source = await service.template_snapshot(template, image, None)
     except CryoboxError as exc:
         log.warning("pool %s: no template to restore (%s): its members are ended", template, exc)
-        await _end(service, pool.members(template))
+        await service.end_pool_members(pool.members(template))
         return
     stale = []
     env = pool.env_digest()
@@ -60,9 +60,9 @@ async def _refill_one(service: SandboxService, template: str, size: int) -> None
             alive = record.state is SandboxState.RUNNING and registry.supervisor_alive(record)
         if member.snapshot_id != source.id or member.env != env or not alive:
             stale.append(member)
-    await _end(service, stale)
+    await service.end_pool_members(stale)
     waiting = pool.members(template)
-    await _end(service, waiting[size:])
+    await service.end_pool_members(waiting[size:])
     for _ in range(size - len(waiting)):
         if mem_available_mib() < source.memory_mib + pool.MEMORY_MARGIN_MIB:
             log.warning("pool %s: host memory is short; not refilled", template)
@@ -95,14 +95,7 @@ async def _sweep_orphans(service: SandboxService) -> None:
 
 async def _drain_unwanted(service: SandboxService) -> None:
     wanted = pool.wanted_sizes()
-    await _end(service, [m for m in pool.members() if m.template not in wanted])
-
-
-async def _end(service: SandboxService, doomed: list[pool.Member]) -> None:
-    for member in doomed:
-        if pool.withdraw(member):
-            with contextlib.suppress(CryoboxError):
-                await service.kill(member.sandbox_id, keep_record=False)
+    await service.end_pool_members([m for m in pool.members() if m.template not in wanted])
 
 
 def end_members(template: str | None = None) -> list[str]:

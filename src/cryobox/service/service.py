@@ -938,8 +938,13 @@ class SandboxService:
     async def drain_pool(self, template: str | None = None) -> builtins.list[str]:
         """End the waiting members of ``template``'s warm pool (or of every pool); their
         ids. A member being claimed meanwhile is left to its claimer."""
+        return await self.end_pool_members(pool.members(template))
+
+    async def end_pool_members(self, doomed: Iterable[pool.Member]) -> builtins.list[str]:
+        """End these warm-pool members, each once withdrawn from its pool (one a claimer
+        took meanwhile is left to it); the ids ended."""
         ended: builtins.list[str] = []
-        for member in pool.members(template):
+        for member in doomed:
             if pool.withdraw(member):
                 with contextlib.suppress(CryoboxError):
                     await self.kill(member.sandbox_id, keep_record=False)
