@@ -72,3 +72,33 @@ def _age(folder: SandboxDir, when: float) -> None:
     raw = json.loads(folder.state_file.read_text())
     raw["updated_at"] = when
     folder.state_file.write_text(json.dumps(raw))
+
+
+def test_reading_a_record_changes_nothing_and_reconcile_finishes_the_pause(
+    tmp_path: Path,
+) -> None:
+    """A supervisor killed after its pause was written whole but before its renames:
+    a read says what the sandbox is (paused) without moving a file; ``reconcile`` (the
+    service's, a starting supervisor's) does the renames and records it."""
+    folder = SandboxDir(tmp_path / "sbx-2")
+    folder.path.mkdir()
+    folder.pause.temp.mkdir()
+    (folder.pause.temp / "manifest.json").write_text(json.dumps({"id": "pause-new"}))
+    (folder.path / "disk-1.qcow2").write_bytes(b"the live disk")
+    folder.write_record(SandboxRecord(id="sbx-2", state=SandboxState.RUNNING, disk="disk-1.qcow2"))
+    _age(folder, time.time() - 3600)
+    before = sorted(p.relative_to(folder.path) for p in folder.path.rglob("*"))
+    raw = folder.state_file.read_text()
+
+    seen = folder.record()
+    assert seen.state is SandboxState.PAUSED and seen.pause_id == "pause-new"
+    assert sorted(p.relative_to(folder.path) for p in folder.path.rglob("*")) == before
+    assert folder.state_file.read_text() == raw  # not written either
+
+    settled = folder.reconcile()
+    assert settled.state is SandboxState.PAUSED and settled.pause_id == "pause-new"
+    assert (folder.paused / "disk.qcow2").read_bytes() == b"the live disk"
+    assert not (folder.path / "disk-1.qcow2").exists() and not folder.pause.temp.exists()
+    assert json.loads(folder.state_file.read_text())["state"] == "paused"
+    again = folder.record()
+    assert (again.state, again.pause_id) == (SandboxState.PAUSED, "pause-new")

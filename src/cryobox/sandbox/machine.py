@@ -59,12 +59,12 @@ from cryobox.network.forward import PortForwarder
 from cryobox.network.namespace import isolation_enabled
 from cryobox.network.policy import NetworkPolicy
 from cryobox.sandbox import priority
+from cryobox.sandbox.pause import pause_files
 from cryobox.sandbox.registry import (
     SandboxDir,
     SandboxRecord,
     SandboxSpec,
     kill_vm,
-    pause_files,
     process_alive,
     process_start,
 )
@@ -77,8 +77,6 @@ from cryobox.util import (
     data_bytes,
     free_port,
     new_id,
-    release_unwritten,
-    write_json_atomic,
 )
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
 
@@ -215,7 +213,7 @@ class Machine:
         self.vmm = vmm
         self.store = store
         self.image = vmm.load_image(self.spec.image_id)
-        self.record = folder.record()
+        self.record = folder.reconcile()  # what a supervisor before this one left
         self._save = save
         self.vm: Vm | None = None
         self.agent: AgentClient | None = None
@@ -338,19 +336,17 @@ class Machine:
             ):
                 # Cut short before the guest ran: the pause is still whole.
                 await self.stop_vm()
-                self.folder.give_back_pause(self.record)
+                self.folder.pause.give_back(self.record)
                 self.update(state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None)
                 raise StateError(
                     self.spec.id, "paused", ["running"], "adopt (its resume was cut short)"
                 )
             # A pause that kept its VM, or a wake, cut short after its files moved: the VM
-            # runs on them, under their names again.
-            self.folder.take_back_pause(self.record)
-            shutil.rmtree(self.folder.paused, ignore_errors=True)  # the guest runs on
+            # runs on them, under their names again (the guest runs on: no pause stays).
+            self.folder.pause.take_back(self.record)
             # Stopped for a while (a save, a held pause or a wake cut short): its clock too.
             stood_still = await self.vm.run_state() == "paused"
             await self.vm.continue_cpus()  # a save was cut short with the guest frozen
-            shutil.rmtree(self.folder.path / "paused.tmp", ignore_errors=True)
             forwards = await self._listen(forwards)
             self.update(ports={f.guest_port: f.host_port for f in forwards}, pause_id=None)
             self.agent, _ = await self._connect_agent(RESTORE_TIMEOUT)
@@ -794,9 +790,8 @@ class Machine:
         if not self.record.memory_shared:
             needed += self.spec.memory_mib << 20
         check_space(needed, "pausing", self.folder.path)
-        temp = self.folder.path / "paused.tmp"
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir(mode=0o700)
+        transaction = self.folder.pause
+        temp = transaction.begin()
         disk, memory = self.folder.path / self.record.disk, self._memory_path()
         timer = StepTimer("pause")
         await self.vm.stop_cpus()
@@ -816,9 +811,9 @@ class Machine:
                 ),
                 files=described,
             )
-            write_json_atomic(temp / mf.PENDING_MANIFEST, manifest.to_signed_json())
+            transaction.write_pending(manifest)
         except BaseException as exc:
-            shutil.rmtree(temp, ignore_errors=True)
+            transaction.discard()
             await self.vm.continue_cpus()
             if isinstance(exc, OSError):
                 raise storage_error(exc, "pausing", self.folder.path) from exc
@@ -831,7 +826,12 @@ class Machine:
             await self.stop_vm()
         timer("vm held" if hold else "vm end")
         try:
-            self._commit_pause(temp, disk, memory, timer)
+            transaction.move_in(self.record)
+            crash_point("moved")
+            timer("move")
+            transaction.commit()
+            crash_point("committed")
+            timer("commit")
             if hold:
                 self.update(
                     state=SandboxState.PAUSED, pause_id=manifest.id, held_until=time.time() + hold
@@ -845,28 +845,6 @@ class Machine:
             self.update(
                 state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None, pause_id=manifest.id
             )
-
-    def _commit_pause(self, temp: Path, disk: Path, memory: Path, timer: StepTimer) -> None:
-        """The renames that end a pause: its files into ``temp``, ``temp`` to ``paused/``.
-
-        The disk layer moves last: once it is out of the sandbox folder, everything is in
-        the pause folder and a new supervisor can finish the pause (registry)."""
-        if self.record.memory_shared:
-            # Paused, the RAM file needs no reserve: only the pages the guest wrote stay.
-            # (Content-preserving with a held VM too: the holes punched are blocks never
-            # written, read as zeros either way, and its CPUs are stopped.)
-            with contextlib.suppress(OSError):
-                release_unwritten(memory)
-            os.rename(memory, temp / mf.MEMORY)
-        os.rename(disk, temp / mf.DISK)
-        crash_point("moved")
-        timer("move")
-        # A running sandbox's pause folder is stale: what an upload left after the last
-        # resume, or a pause a wake could not remove.
-        self.folder.remove_pause()
-        mf.commit_pending(temp, self.folder.paused)
-        crash_point("committed")
-        timer("commit")
 
     async def _hold_vm(self) -> None:
         """What a held VM lets go of: its requests in flight fail as if it had ended (a
@@ -911,7 +889,7 @@ class Machine:
         if saved.id != self.record.pause_id or not all(s.exists() for s, _ in moved):
             raise StateError(self.spec.id, "paused", ["paused with its own pause here"], "wake")
         # Recorded before the files move: a supervisor dying from here on is adopted, and
-        # adoption puts them back under these names (SandboxDir.take_back_pause).
+        # adoption puts them back under these names (PauseTransaction.take_back).
         self._claim(SandboxState.RESUMING, supervisor_pid)
         back: list[tuple[Path, Path]] = []
         try:
@@ -939,7 +917,7 @@ class Machine:
             await self.agent.request(*self._refresh_args(False)(), timeout=RESTORE_TIMEOUT)
             timer("agent refreshed")
             self.update(pause_id=None)
-            self.folder.remove_pause()  # else removed by the next pause
+            self.folder.pause.remove()  # else removed by the next pause
         except Exception as exc:  # its clock may lag; an unanswered agent: _watch_agent
             log.error("after the wake (the guest runs on): %s", exc)
         timer.log()
@@ -1005,7 +983,7 @@ class Machine:
                 os.rename(target, source)
             raise
         try:  # the guest runs on: a pause folder left here is removed by the next pause
-            self.folder.remove_pause()
+            self.folder.pause.remove()
         except OSError as exc:
             log.error("the resumed pause could not be removed: %s", exc)
         self.update(pause_id=None)

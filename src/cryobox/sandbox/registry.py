@@ -3,9 +3,12 @@ folder as a whole (bury a killed sandbox's, remove one, forget those long ended)
 here.
 
 Any process can list and find sandboxes by reading these folders, so ``cryobox ls``
-in another shell sees what runs. The supervisor is the only writer of a running
-sandbox's state record; every write is atomic (temporary name, fsync, rename). A
-record that says "running" but whose supervisor is gone is reported as dead.
+in another shell sees what runs; a read (:meth:`SandboxDir.record`) changes nothing. The
+state record has three writers, all through :meth:`SandboxDir.write_record`, which
+refuses a change of state that is not an edge of the state machine: the folder's
+creation ("creating"), the supervisor while it serves the sandbox, and this module's
+recovery (:meth:`SandboxDir.reconcile`) and burial of a killed sandbox. Every write is
+atomic (temporary name, fsync, rename).
 """
 
 from __future__ import annotations
@@ -17,136 +20,38 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from cryobox import config
 from cryobox.errors import CryoboxError, SandboxNotFound, StateError
+from cryobox.sandbox.pause import PauseTransaction
+from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, check_transition
-from cryobox.snapshot import keys
 from cryobox.util import write_json_atomic
 
-#: The field of spec.json holding the sandbox's variables, sealed (see SandboxSpec.to_json).
-SEALED_ENVS = "envs_sealed"
+__all__ = [
+    "ADOPTABLE",
+    "RECORD_FILES",
+    "SEALED_ENVS",
+    "SandboxDir",
+    "SandboxRecord",
+    "SandboxSpec",
+    "find",
+    "forget_finished",
+    "kill_vm",
+    "list_sandboxes",
+    "process_alive",
+    "process_start",
+    "process_stat",
+    "supervisor_alive",
+]
+
 #: What a killed sandbox keeps for ``list(all=True)``, ``info`` and ``logs``: no disk,
 #: no RAM, no pause.
 RECORD_FILES = frozenset(
     {"spec.json", "state.json", "console.log", "console.log.1", "supervisor.log", "qemu.stderr"}
 )
-
-
-@dataclass(frozen=True)
-class SandboxSpec:
-    """What was asked for at creation; changes once at most, when a pooled sandbox is
-    claimed (see :mod:`cryobox.service.pool`): it then takes its caller's settings."""
-
-    id: str
-    image_id: str
-    accelerator: str
-    cpus: int
-    memory_mib: int
-    disk_gib: int
-    timeout: float
-    ports: tuple[int, ...] = ()
-    template: str = "base"
-    #: Id of the snapshot this sandbox starts from (None: a cold boot of the image).
-    restore_from: str | None = None
-    #: For a fork: the sandbox it was forked from, and its number among its siblings
-    #: (its RAM maps the fork snapshot's file privately, shared copy-on-write).
-    forked_from: str | None = None
-    fork_index: int = 0
-    #: TCG's threading for its first VM ("" the host's; see ``config.fork_tcg_threads``).
-    tcg_threads: str = ""
-    created_at: float = field(default_factory=time.time)
-    #: The network policy's JSON form (see :class:`cryobox.network.NetworkPolicy`).
-    network: str | list[str] = "internet"
-    #: Variables every command gets, and free-form labels (see ``CreateRequest``).
-    envs: dict[str, str] = field(default_factory=dict)
-    metadata: dict[str, str] = field(default_factory=dict)
-    #: The template whose warm pool this sandbox waits in (hidden from lists), or "".
-    pool: str = ""
-    #: Whether it was claimed from a warm pool (restored before it was asked for).
-    pooled: bool = False
-    #: The tenant it is made for, written before its VM starts: a server that dies
-    #: between the start and recording the sandbox as the tenant's gives it to that
-    #: tenant when it starts again (``Hub.reconcile``). "" for a pool member not claimed.
-    owner: str = ""
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any]) -> SandboxSpec:
-        sealed = value.get(SEALED_ENVS)
-        if isinstance(sealed, str):
-            value = {**value, "envs": json.loads(keys.open_sealed("envs", sealed))}
-        known = {f.name for f in fields(cls)}
-        value = {k: v for k, v in value.items() if k in known}
-        return cls(**{**value, "ports": tuple(value.get("ports", ()))})
-
-    def to_json(self) -> dict[str, Any]:
-        """What spec.json holds: the variables sealed with the host key (they are often
-        API tokens; the file is 0600, but a backup or a copied state folder carries it)."""
-        value = asdict(self)
-        envs = value.pop("envs")
-        if envs:
-            value[SEALED_ENVS] = keys.seal("envs", json.dumps(envs).encode())
-        return value
-
-
-@dataclass(frozen=True)
-class SandboxRecord:
-    """A sandbox's current state as last written by its supervisor."""
-
-    id: str
-    state: SandboxState
-    supervisor_pid: int | None = None
-    #: The supervisor's start time (clock ticks after boot): guards against pid reuse.
-    supervisor_started: int | None = None
-    #: Whether that process serves other sandboxes too (the copies of one fork): it is
-    #: then never killed for this sandbox's sake once this one has ended.
-    supervisor_shared: bool = False
-    qemu_pid: int | None = None
-    ports: dict[int, int] = field(default_factory=dict)
-    deadline: float | None = None
-    #: Seconds of life the sandbox gets from each start or resume: the spec's timeout
-    #: until ``set_timeout`` changes it (so an extension survives pause and resume).
-    timeout: float | None = None
-    error: str | None = None
-    #: Structured detail of ``error`` (a QEMU failure's command, exit code, stderr).
-    failure: dict[str, Any] | None = None
-    #: The active (writable) disk layer's file name in the sandbox folder, and the ids of
-    #: the snapshots whose frozen layers are below it, top first (the image is the bottom).
-    disk: str | None = None
-    disk_chain: tuple[str, ...] = ()
-    #: The RAM file the VM maps (a file name in the sandbox folder), or the id of the
-    #: snapshot whose RAM file it maps privately (a fork); shared (its own) or private.
-    memory_file: str | None = None
-    memory_from: str | None = None
-    memory_shared: bool = True
-    #: The snapshot this sandbox was restored from last: its parent in the lineage.
-    origin: str | None = None
-    #: The id of the pause that holds its machine while paused (what a pull must match).
-    pause_id: str | None = None
-    #: While paused: until when its supervisor holds the stopped VM for a quick wake
-    #: (``config.pause_hold``); None once the VM is gone.
-    held_until: float | None = None
-    updated_at: float = field(default_factory=time.time)
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any]) -> SandboxRecord:
-        known = {f.name for f in fields(cls)}
-        decoded = {
-            **value,
-            "state": SandboxState(value["state"]),
-            "ports": {int(k): int(v) for k, v in (value.get("ports") or {}).items()},
-            "disk_chain": tuple(value.get("disk_chain") or ()),
-        }
-        return cls(**{k: v for k, v in decoded.items() if k in known})
-
-    def to_json(self) -> dict[str, Any]:
-        value = asdict(self)
-        value["state"] = self.state.value
-        value["ports"] = {str(k): v for k, v in self.ports.items()}
-        return value
 
 
 class SandboxDir:
@@ -167,6 +72,7 @@ class SandboxDir:
         self.supervisor_log = path / "supervisor.log"
         #: The pause snapshot, while the sandbox is paused.
         self.paused = path / "paused"
+        self.pause = PauseTransaction(path)
 
     @classmethod
     def for_id(cls, sandbox_id: str) -> SandboxDir:
@@ -178,122 +84,97 @@ class SandboxDir:
     def spec(self) -> SandboxSpec:
         return SandboxSpec.from_json(json.loads(self.spec_file.read_text()))
 
+    @classmethod
+    def create(cls, spec: SandboxSpec) -> SandboxDir:
+        """The folder of a new sandbox: its spec, and its record saying "creating"."""
+        folder = cls.for_id(spec.id)
+        folder.write_spec(spec)
+        folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING))
+        return folder
+
     def write_spec(self, spec: SandboxSpec) -> None:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_json_atomic(self.spec_file, spec.to_json())
 
-    def record(self) -> SandboxRecord:
-        """The state record, with "dead" for a live state whose supervisor is gone."""
+    def _read(self) -> SandboxRecord:
+        """The state record as written ("creating" before the first write)."""
         try:
-            record = SandboxRecord.from_json(json.loads(self.state_file.read_text()))
+            return SandboxRecord.from_json(json.loads(self.state_file.read_text()))
         except FileNotFoundError:
-            record = SandboxRecord(id=self.id, state=SandboxState.CREATING)
+            return SandboxRecord(id=self.id, state=SandboxState.CREATING)
+
+    def record(self) -> SandboxRecord:
+        """The state record as it stands, read without touching anything: a live state
+        whose supervisor and VM are gone reads as what :meth:`reconcile` makes of it
+        ("paused" when its pause stands, else "dead"); a paused one whose held VM lost
+        its supervisor reads as let go. A running VM whose supervisor died reads as
+        running: the next use adopts it."""
+        record = self._read()
         if record.state is SandboxState.PAUSED:
-            return self._let_go_of_orphan(record)
-        if record.state.finished:
+            if record.qemu_pid and not supervisor_alive(record):
+                return replace(record, supervisor_pid=None, qemu_pid=None, held_until=None)
             return record
-        # A creator writes "creating" before its supervisor has a pid: allow it a moment.
-        orphaned = record.supervisor_pid is not None or time.time() - record.updated_at > 30
-        if orphaned and not supervisor_alive(record):
-            vm_alive = process_alive(record.qemu_pid, f"cryobox-{self.id}")
-            if vm_alive and record.state in ADOPTABLE:
-                return record  # its VM runs on: the next use adopts it (see needs_adoption)
-            if vm_alive:  # a start cut short: nobody can finish it
-                kill_vm(record, self.id)
-            if record.state is SandboxState.RESUMING:
-                self.give_back_pause(record)
-            self._complete_pause(record)
-            moved = not (record.disk and (self.path / record.disk).exists())
-            if moved and (self.paused / "manifest.json").exists():
-                # The supervisor died after committing a pause: the pause stands (recorded
-                # here, so that a resume finds the state it needs).
-                pause_id = None
-                with contextlib.suppress(OSError, ValueError):
-                    pause_id = json.loads((self.paused / "manifest.json").read_text())["id"]
-                paused = replace(
-                    record,
-                    state=SandboxState.PAUSED,
-                    supervisor_pid=None,
-                    qemu_pid=None,
-                    pause_id=pause_id,
-                )
-                with contextlib.suppress(OSError, CryoboxError):
-                    self.write_record(paused)
-                return paused
+        if record.state.finished or not self._orphaned(record):
+            return record
+        if record.state in ADOPTABLE and process_alive(record.qemu_pid, f"cryobox-{self.id}"):
+            return record
+        pause_id = self.pause.stands(record)
+        if pause_id is not None:
             return replace(
                 record,
-                state=SandboxState.DEAD,
-                error=record.error or "its supervisor process is gone",
+                state=SandboxState.PAUSED,
+                supervisor_pid=None,
+                qemu_pid=None,
+                pause_id=pause_id or None,
             )
-        return record
+        return replace(
+            record, state=SandboxState.DEAD, error=record.error or "its supervisor process is gone"
+        )
 
-    def _let_go_of_orphan(self, record: SandboxRecord) -> SandboxRecord:
-        """A paused record whose VM was held by a supervisor that died (killed with -9):
-        the VM goes (everything is in ``paused/``), the record says so."""
-        if not record.qemu_pid or supervisor_alive(record):
+    def _orphaned(self, record: SandboxRecord) -> bool:
+        """Whether a live record's supervisor is gone (a creator writes "creating" before
+        its supervisor has a pid: it is allowed 30 s)."""
+        if record.supervisor_pid is None and time.time() - record.updated_at <= 30:
+            return False
+        return not supervisor_alive(record)
+
+    def reconcile(self) -> SandboxRecord:
+        """Settle what a supervisor that died (killed with -9, crashed) left, and return
+        the record as it then stands (:meth:`record`): a VM nobody can serve (a start cut
+        short, a held pause's) is killed, a resume cut short gives its pause back, a pause
+        written whole is finished; a pause that stands is recorded. A VM that runs on is
+        left for adoption (``Launcher.start(adopt=True)``).
+
+        Called where a sandbox is started, adopted or acted on: a supervisor starting on
+        its folder, and the service before it looks at one (never by a plain read)."""
+        record = self._read()
+        if record.state is SandboxState.PAUSED:
+            if not record.qemu_pid or supervisor_alive(record):
+                return record
+            kill_vm(record, self.id)  # (a wake records "resuming" before it moves any file)
+            released = replace(record, supervisor_pid=None, qemu_pid=None, held_until=None)
+            with contextlib.suppress(OSError, CryoboxError):
+                self.write_record(released)
+            return released
+        if record.state.finished or not self._orphaned(record):
             return record
-        kill_vm(record, self.id)  # (a wake records "resuming" before it moves any file)
-        released = replace(record, supervisor_pid=None, qemu_pid=None, held_until=None)
-        with contextlib.suppress(OSError, CryoboxError):
-            self.write_record(released)
-        return released
+        vm_alive = process_alive(record.qemu_pid, f"cryobox-{self.id}")
+        if vm_alive and record.state in ADOPTABLE:
+            return record  # its VM runs on: the next use adopts it (see needs_adoption)
+        if vm_alive:  # a start cut short: nobody can finish it
+            kill_vm(record, self.id)
+        if record.state is SandboxState.RESUMING:
+            self.pause.give_back(record)
+        self.pause.complete(record)
+        settled = self.record()
+        if settled.state is SandboxState.PAUSED:  # recorded: a resume finds what it needs
+            with contextlib.suppress(OSError, CryoboxError):
+                self.write_record(settled)
+        return settled
 
     def needs_adoption(self, record: SandboxRecord) -> bool:
         """Whether the sandbox's VM runs (or was being resumed) but its supervisor is gone."""
         return record.state in ADOPTABLE and not supervisor_alive(record)
-
-    def give_back_pause(self, record: SandboxRecord) -> None:
-        """Undo a resume cut short before its guest ran: the files it moved out of
-        ``paused/`` go back, so the pause is whole again (its hashes still match)."""
-        from cryobox.snapshot import manifest as mf
-
-        if not (self.paused / mf.MANIFEST).exists():
-            return
-        for name, saved in pause_files(record):
-            if (self.path / name).exists() and not (self.paused / saved).exists():
-                with contextlib.suppress(OSError):
-                    os.rename(self.path / name, self.paused / saved)
-
-    def take_back_pause(self, record: SandboxRecord) -> None:
-        """Put the disk layer and RAM file of a pause that a live VM still runs on back
-        under the names the record gives them: a pause that kept its VM and was cut short
-        (its files moved or committed, its state not yet recorded), or a wake cut short.
-        The VM is the truth then; adoption continues it and drops the pause."""
-        for source in (self.path / "paused.tmp", self.paused):
-            for name, saved in pause_files(record):
-                if (source / saved).exists() and not (self.path / name).exists():
-                    os.rename(source / saved, self.path / name)
-
-    def remove_pause(self) -> None:
-        """Remove ``paused/``, a pause that is history (resumed, woken, or stale beside a
-        newer one). Renamed first: an upload of it still running cannot write into it."""
-        if self.paused.exists():
-            done = self.path / f"paused.done-{time.monotonic_ns()}"
-            os.rename(self.paused, done)
-            shutil.rmtree(done, ignore_errors=True)
-
-    def _complete_pause(self, record: SandboxRecord) -> None:
-        """Finish the pause of a supervisor that died after writing and hashing all of it
-        (its VM frozen, then ended): only renames were left, so the sandbox is not lost.
-
-        Called only once the VM is gone: while it runs, it is adopted instead.
-        """
-        from cryobox.snapshot import manifest as mf
-
-        temp = self.path / "paused.tmp"
-        if not (temp / mf.PENDING_MANIFEST).exists() and not (temp / mf.MANIFEST).exists():
-            return
-        moves = []
-        if record.disk and (self.path / record.disk).exists():
-            moves.append((self.path / record.disk, temp / mf.DISK))
-        memory = self.path / (record.memory_file or "memory")
-        if record.memory_shared and memory.exists() and not (temp / mf.MEMORY).exists():
-            moves.append((memory, temp / mf.MEMORY))
-        with contextlib.suppress(OSError, ValueError, CryoboxError):
-            for source, target in moves:
-                os.rename(source, target)
-            self.remove_pause()  # a pause was under way: one found here is stale
-            mf.commit_pending(temp, self.paused)
 
     async def wait_finished(self, timeout: float = 15.0) -> None:
         """Return once the record says killed or dead (or ``timeout`` passed)."""
@@ -353,15 +234,6 @@ class SandboxDir:
         write_json_atomic(
             self.state_file, replace(record, updated_at=time.time()).to_json(), durable=durable
         )
-
-
-def pause_files(record: SandboxRecord) -> list[tuple[str, str]]:
-    """The sandbox's own files a pause holds: (name in the sandbox folder, name in the
-    pause), the disk layer, and the RAM file where RAM is not in the device state."""
-    from cryobox.snapshot import manifest as mf
-
-    memory = record.memory_file if record.memory_shared else None
-    return [(n, saved) for n, saved in ((record.disk, mf.DISK), (memory, mf.MEMORY)) if n]
 
 
 def process_stat(pid: int) -> list[str] | None:
@@ -424,15 +296,17 @@ def find(sandbox_id: str) -> SandboxDir:
     return folder
 
 
-def list_sandboxes() -> list[tuple[SandboxSpec, SandboxRecord]]:
-    """Every sandbox on this host, oldest first."""
+def list_sandboxes(*, reconciled: bool = False) -> list[tuple[SandboxSpec, SandboxRecord]]:
+    """Every sandbox on this host, oldest first; each settled first with ``reconciled``
+    (see :meth:`SandboxDir.reconcile`: what the service and a starting server ask for)."""
     found = []
     for path in config.sandboxes_dir().iterdir():
         folder = SandboxDir(path)
         if path.name.startswith(".") or not folder.exists():
             continue
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            found.append((folder.spec(), folder.record()))
+            record = folder.reconcile() if reconciled else folder.record()
+            found.append((folder.spec(), record))
     found.sort(key=lambda pair: pair[0].created_at)
     return found
 

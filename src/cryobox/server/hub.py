@@ -158,7 +158,7 @@ class Hub:
         }
         tenants = {row["id"]: row["name"] for row in self.db.rows("SELECT id, name FROM tenants")}
         done: list[str] = []
-        for spec, record in registry.list_sandboxes():
+        for spec, record in registry.list_sandboxes(reconciled=True):
             if spec.id in owned or spec.pool or record.state.finished:
                 continue  # the server's already, waiting in a pool, or ended
             why = _orphaned(spec, tenants)

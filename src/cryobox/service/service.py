@@ -350,9 +350,7 @@ class SandboxService:
             pool=request.template if start.pool_member else "",
             owner="" if start.pool_member else owner if owner is not None else current_tenant(),
         )
-        folder = SandboxDir.for_id(spec.id)
-        folder.write_spec(spec)
-        folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING))
+        folder = SandboxDir.create(spec)
         try:
             record = await self.launcher.start(
                 folder, resume=False, progress=progress, group=start.group
@@ -414,12 +412,12 @@ class SandboxService:
     async def get(self, sandbox_id: str) -> SandboxInfo:
         """:raises SandboxNotFound:"""
         folder = registry.find(sandbox_id)
-        return sandbox_info(folder.spec(), folder.record(), folder)
+        return sandbox_info(folder.spec(), folder.reconcile(), folder)
 
     async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]:
         """Sandboxes on this host, oldest first; finished ones too with ``all`` (those
         that ended more than ``config.finished_keep()`` seconds ago are forgotten)."""
-        sandboxes = registry.list_sandboxes()
+        sandboxes = registry.list_sandboxes(reconciled=True)
         gone = await asyncio.to_thread(registry.forget_finished, config.finished_keep(), sandboxes)
         return [
             sandbox_info(spec, record, SandboxDir.for_id(spec.id))
@@ -437,7 +435,7 @@ class SandboxService:
         saw, a pool member). Killing a sandbox that has already ended forgets it.
         """
         folder = registry.find(sandbox_id)
-        spec, was = folder.spec(), folder.record()
+        spec, was = folder.spec(), folder.reconcile()
         if was.state.finished or spec.pool:
             keep_record = False
         # A fork's copy is asked whenever its supervisor lives (paused with its VM held,
@@ -495,7 +493,7 @@ class SandboxService:
         :raises SnapshotError: when its saved state is refused (it stays paused).
         """
         folder = registry.find(sandbox_id)
-        if folder.needs_adoption(folder.record()):
+        if folder.needs_adoption(folder.reconcile()):
             # A resume cut short (its supervisor died): running on, or paused again.
             with contextlib.suppress(StateError):
                 await self._adopt(folder)
@@ -652,7 +650,7 @@ class SandboxService:
         """
         whole_number("count", count, 1, MAX_FORKS)
         folder = registry.find(sandbox_id)
-        require(sandbox_id, folder.record().state, (SandboxState.RUNNING,), "fork")
+        require(sandbox_id, folder.reconcile().state, (SandboxState.RUNNING,), "fork")
         spec = folder.spec()
         needed = count * (FORK_OVERHEAD_MIB + spec.memory_mib // 8)
         available = mem_available_mib()
@@ -1075,7 +1073,7 @@ class SandboxService:
     # ------------------------------------------------------------------ plumbing
 
     def _require_running(self, sandbox_id: str, action: str) -> None:
-        record = registry.find(sandbox_id).record()
+        record = registry.find(sandbox_id).reconcile()
         if record.state.finished:
             raise SandboxDead(sandbox_id, record.error or record.state.value)
         require(sandbox_id, record.state, (SandboxState.RUNNING,), action)
@@ -1089,7 +1087,7 @@ class SandboxService:
         channel = self._channels.get(sandbox_id)
         if channel is None or channel.closed:
             folder = registry.find(sandbox_id)
-            if folder.needs_adoption(folder.record()):
+            if folder.needs_adoption(folder.reconcile()):
                 await self._adopt(folder)
             self._require_running(sandbox_id, "use")
             channel = await AgentClient.connect(folder.control_socket, trusted=True)
