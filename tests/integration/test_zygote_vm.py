@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cryobox.sandbox import registry, supervisor
-from cryobox.service import service
+from cryobox.service import shared_launcher
 
 pytestmark = pytest.mark.vm
 
@@ -23,7 +23,7 @@ def _stat(pid: int) -> list[str]:
 
 
 def _zygote_pid() -> int:
-    zygote = service._LAUNCHER._zygote
+    zygote = shared_launcher()._zygote
     assert zygote is not None
     return zygote.process.pid
 

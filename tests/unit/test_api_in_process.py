@@ -26,7 +26,7 @@ from cryobox.models import CommandRequest, CreateRequest
 from cryobox.server.app import create_app
 from cryobox.server.database import SqliteDatabase
 from cryobox.server.hub import Hub
-from cryobox.service import SandboxService
+from cryobox.service import open_service
 from cryobox.vmm.fake import FakeVmm
 
 
@@ -36,7 +36,7 @@ async def api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[HttpTransport]:
     state = Path(tempfile.mkdtemp(prefix="cbx-api-"))  # short: unix socket paths
     monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
     monkeypatch.setenv("CRYOBOX_VMM", "fake")  # the supervisors this service starts
-    hub = Hub(SandboxService(vmm=FakeVmm()), SqliteDatabase(state / "server.db"))
+    hub = Hub(open_service(vmm=FakeVmm()), SqliteDatabase(state / "server.db"))
     _, key = hub.tenants.create("acme")
     app = create_app(hub, extensions=[e2b()])
     await hub.start()  # what the app's lifespan does first (ASGITransport runs no lifespan)

@@ -51,11 +51,11 @@ key_app = typer.Typer(no_args_is_help=True, help="The store's per-tenant keys.")
 
 
 def _run(tenant: str, work: Callable[[SandboxService], Awaitable[T]]) -> T:
+    from cryobox.service import open_service
     from cryobox.service.persist import acting_for
-    from cryobox.service.service import SandboxService
 
     async def main() -> T:
-        service = SandboxService()
+        service = open_service()
         try:
             with acting_for(tenant):
                 return await work(service)
@@ -168,7 +168,7 @@ def gc(
     from cryobox.store.retention import Policy
 
     async def work(service: SandboxService) -> tuple[list[str], Any]:
-        collected = await service.collect_garbage()
+        collected = await service.catalog.collect_garbage()
         policy = Policy.from_env()
         return collected, await asyncio.to_thread(service.persist.collect, policy, grace=grace)
 

@@ -106,9 +106,9 @@ class LocalTransport:
 
     def __init__(self, service: SandboxService | None = None) -> None:
         if service is None:
-            from cryobox.service import SandboxService
+            from cryobox.service import open_service
 
-            service = SandboxService()
+            service = open_service()
         self.service = service
 
     async def create(self, request: CreateRequest, progress: Progress | None = None) -> SandboxInfo:
@@ -157,46 +157,46 @@ class LocalTransport:
         return await self.service.logs(sandbox_id)
 
     async def ping(self, sandbox_id: str) -> None:
-        await self.service.ping(sandbox_id)
+        await self.service.guest.ping(sandbox_id)
 
     async def lineage(self) -> builtins.list[dict[str, Any]]:
-        return await self.service.lineage()
+        return await self.service.catalog.lineage()
 
     async def start_command(
         self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
     ) -> StartedCommand:
-        return await self.service.start_command(sandbox_id, request, on_output)
+        return await self.service.guest.start_command(sandbox_id, request, on_output)
 
     def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        return self.service.read_file(sandbox_id, path)
+        return self.service.guest.read_file(sandbox_id, path)
 
     async def write_file(
         self, sandbox_id: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], mode: int
     ) -> None:
-        await self.service.write_file(sandbox_id, path, chunks, mode)
+        await self.service.guest.write_file(sandbox_id, path, chunks, mode)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]:
-        return await self.service.list_dir(sandbox_id, path)
+        return await self.service.guest.list_dir(sandbox_id, path)
 
     async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
-        return await self.service.stat(sandbox_id, path)
+        return await self.service.guest.stat(sandbox_id, path)
 
     async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
-        await self.service.mkdir(sandbox_id, path, parents)
+        await self.service.guest.mkdir(sandbox_id, path, parents)
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        await self.service.remove(sandbox_id, path, recursive)
+        await self.service.guest.remove(sandbox_id, path, recursive)
 
     async def watch(
         self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
     ) -> ActiveWatch:
-        return await self.service.watch(sandbox_id, path, recursive, on_event)
+        return await self.service.guest.watch(sandbox_id, path, recursive, on_event)
 
     async def snapshots(self) -> builtins.list[SnapshotInfo]:
-        return await self.service.snapshots()
+        return await self.service.catalog.snapshots()
 
     async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> builtins.list[str]:
-        return await self.service.delete_snapshot(ref, cascade=cascade)
+        return await self.service.catalog.delete_snapshot(ref, cascade=cascade)
 
     async def build_template(
         self,
@@ -213,16 +213,16 @@ class LocalTransport:
         )
 
     async def templates(self) -> builtins.list[TemplateInfo]:
-        return await self.service.templates()
+        return await self.service.catalog.templates()
 
     async def delete_template(self, name: str) -> None:
         await self.service.delete_template(name)
 
     async def collect_garbage(self) -> builtins.list[str]:
-        return await self.service.collect_garbage()
+        return await self.service.catalog.collect_garbage()
 
     async def disconnect(self, sandbox_id: str) -> None:
-        await self.service.disconnect(sandbox_id)
+        await self.service.connections.disconnect(sandbox_id)
 
 
 _local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LocalTransport] = (

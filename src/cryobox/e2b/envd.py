@@ -183,7 +183,7 @@ class Envd:
         def keep(_stream: str, data: bytes) -> None:
             output.extend(data[: max(0, HELPER_OUTPUT - len(output))])
 
-        session = await self.hub.service.start_command(
+        session = await self.hub.service.guest.start_command(
             caller.sandbox_id,
             CommandRequest(argv=tuple(argv), user=caller.user, timeout=HELPER_TIMEOUT),
             keep,
@@ -321,7 +321,7 @@ class ProcessService:
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         process.subscribers.add(queue)
         try:
-            process.session = await self.envd.hub.service.start_command(
+            process.session = await self.envd.hub.service.guest.start_command(
                 caller.sandbox_id,
                 CommandRequest(
                     argv=argv,
@@ -523,7 +523,7 @@ class FilesystemService:
 
     async def _stat(self, caller: Caller, path: str) -> fs.EntryInfo:
         try:
-            entry = await self.envd.hub.service.stat(caller.sandbox_id, path)
+            entry = await self.envd.hub.service.guest.stat(caller.sandbox_id, path)
             return entry_info(await self._followed(caller, entry))
         except CryoboxError as exc:
             raise connect_error(exc, caller.sandbox_id) from exc
@@ -533,7 +533,7 @@ class FilesystemService:
         if entry.type != "symlink" or not entry.symlink_target:
             return entry
         with contextlib.suppress(GuestFileNotFound):
-            target = await self.envd.hub.service.stat(caller.sandbox_id, entry.symlink_target)
+            target = await self.envd.hub.service.guest.stat(caller.sandbox_id, entry.symlink_target)
             return dataclasses.replace(entry, type=target.type)
         return entry
 
@@ -577,7 +577,7 @@ class FilesystemService:
 
         async def walk(path: str, level: int) -> None:
             try:
-                entries = await self.envd.hub.service.list_dir(caller.sandbox_id, path)
+                entries = await self.envd.hub.service.guest.list_dir(caller.sandbox_id, path)
             except CryoboxError as exc:
                 raise connect_error(exc, caller.sandbox_id) from exc
             for entry in entries:
@@ -602,7 +602,9 @@ class FilesystemService:
     ) -> fs.RemoveResponse:
         caller = await self.envd.rpc_caller(ctx)
         try:
-            await self.envd.hub.service.remove(caller.sandbox_id, caller.path(request.path), True)
+            await self.envd.hub.service.guest.remove(
+                caller.sandbox_id, caller.path(request.path), True
+            )
         except GuestFileNotFound:
             pass  # removing what is not there succeeds, as in E2B
         except CryoboxError as exc:
@@ -616,7 +618,7 @@ class FilesystemService:
         if (await self._stat(caller, root)).type != fs.FileType.DIRECTORY:
             raise ConnectError(Code.INVALID_ARGUMENT, f"{root} is not a directory")
         try:
-            return await self.envd.hub.service.watch(caller.sandbox_id, root, recursive, sink)
+            return await self.envd.hub.service.guest.watch(caller.sandbox_id, root, recursive, sink)
         except CryoboxError as exc:
             raise connect_error(exc, caller.sandbox_id) from exc
 
@@ -769,7 +771,7 @@ def envd_router(envd: Envd) -> APIRouter:
         except NotRunning:
             return not_running(request.headers.get("e2b-sandbox-id"))
         target = caller.path(path)
-        chunks = envd.hub.service.read_file(caller.sandbox_id, target)
+        chunks = envd.hub.service.guest.read_file(caller.sandbox_id, target)
         try:
             first = await anext(chunks)
         except StopAsyncIteration:
@@ -840,7 +842,7 @@ async def _write(
     if not name:
         raise InvalidArgument("a file part has no file name")
     target = caller.path(name)
-    await envd.hub.service.write_file(
+    await envd.hub.service.guest.write_file(
         caller.sandbox_id, target, rechunked(chunks, p.CHUNK), 0o644, owner=caller.user
     )
     return {"name": posixpath.basename(target), "type": "file", "path": target, "metadata": {}}

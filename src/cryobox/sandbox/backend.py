@@ -17,12 +17,13 @@ from cryobox.vmm.base import Vmm
 BACKENDS = ("qemu", "fake")
 
 
-def backend() -> Vmm:
-    """The VMM this process uses: QEMU unless ``CRYOBOX_VMM`` names the fake.
+def backend(name: str | None = None) -> Vmm:
+    """The VMM called ``name``; by default the one this process uses: QEMU unless
+    ``CRYOBOX_VMM`` names the fake.
 
-    :raises InvalidArgument: when ``CRYOBOX_VMM`` names no backend.
+    :raises InvalidArgument: when the name (or ``CRYOBOX_VMM``) names no backend.
     """
-    name = os.environ.get("CRYOBOX_VMM") or "qemu"
+    name = name or os.environ.get("CRYOBOX_VMM") or "qemu"
     if name == "qemu":
         from cryobox.qemu.vmm import QemuVmm
 
@@ -31,4 +32,4 @@ def backend() -> Vmm:
         from cryobox.vmm.fake import FakeVmm
 
         return FakeVmm()
-    raise InvalidArgument(f"CRYOBOX_VMM={name!r}: must be one of {', '.join(BACKENDS)}")
+    raise InvalidArgument(f"VMM {name!r} (CRYOBOX_VMM): must be one of {', '.join(BACKENDS)}")

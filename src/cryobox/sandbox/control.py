@@ -297,26 +297,34 @@ class StartRequest:
     resume: bool
     #: Take over the sandbox's running VM, whose supervisor died.
     adopt: bool = False
+    #: The VMM the supervisor runs it with (chosen by the service's composition root).
+    backend: str = "qemu"
 
     op: ClassVar[ControlOp] = ControlOp.START
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> StartRequest:
         folder, resume = args.get("folder"), args.get("resume", False)
-        adopt = args.get("adopt", False)
+        adopt, backend = args.get("adopt", False), args.get("backend", "qemu")
         if (
             not isinstance(folder, str)
             or not folder
             or not isinstance(resume, bool)
             or not isinstance(adopt, bool)
+            or not isinstance(backend, str)
         ):
             raise InvalidArgument(
-                f"{ControlOp.START}: needs a folder and booleans resume and adopt"
+                f"{ControlOp.START}: needs a folder, booleans resume and adopt, a backend name"
             )
-        return cls(folder, resume, adopt)
+        return cls(folder, resume, adopt, backend)
 
     def to_args(self) -> dict[str, Any]:
-        return {"folder": self.folder, "resume": self.resume, "adopt": self.adopt}
+        return {
+            "folder": self.folder,
+            "resume": self.resume,
+            "adopt": self.adopt,
+            "backend": self.backend,
+        }
 
     def read_reply(self, result: dict[str, Any]) -> SandboxRecord:
         return _record(self.op, result)

@@ -289,19 +289,21 @@ class Launcher:
         self,
         folder: SandboxDir,
         *,
+        backend: str,
         resume: bool,
         adopt: bool = False,
         progress: Callable[[str], None] | None = None,
         group: SupervisorGroup | None = None,
     ) -> SandboxRecord:
-        """Hand ``folder`` to a supervisor (of ``group``'s when given, a fork's copies');
-        return its record once the sandbox runs. A start that fails or is cancelled
+        """Hand ``folder`` to a supervisor (of ``group``'s when given, a fork's copies)
+        that runs it on the VMM called ``backend``; return its record once the sandbox
+        runs. A start that fails or is cancelled
         stops its supervisor: a group's, with every copy it serves (a fork is all or
         nothing).
 
         :raises CryoboxError: the error that stopped the start (rebuilt as its own type).
         """
-        request = StartRequest(str(folder.path), resume, adopt)
+        request = StartRequest(str(folder.path), resume, adopt, backend)
         encoded = p.encode({"id": 0, "op": ControlOp.START, "args": request.to_args()})
         # In a thread: a zygote that is still importing must not hold up the event loop.
         taking = asyncio.ensure_future(asyncio.to_thread(self._take, encoded, group))

@@ -82,7 +82,7 @@ from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot.manifest import Manifest
-from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore
 from cryobox.util import mem_available_mib, without_huge_pages
 from cryobox.vmm import Vmm
 
@@ -314,12 +314,12 @@ def encode_reply(reply: Any) -> dict[str, Any]:
 
 
 class Supervisor:
-    def __init__(self, folder: SandboxDir, vmm: Vmm | None = None, *, shared: bool = False) -> None:
+    def __init__(
+        self, folder: SandboxDir, vmm: Vmm, store: SnapshotStore, *, shared: bool = False
+    ) -> None:
         self.folder = folder
         # ``shared``: this process serves other sandboxes too (a fork's group).
-        self.machine = Machine(
-            folder, self._save, vmm or backend(), LocalSnapshotStore(), shared_supervisor=shared
-        )
+        self.machine = Machine(folder, self._save, vmm, store, shared_supervisor=shared)
         self._stop = asyncio.Event()
         self._stop_reason: tuple[SandboxState, str | None] = (SandboxState.KILLED, None)
         self._deadline_changed = asyncio.Event()
@@ -854,7 +854,8 @@ async def _start_and_run(
         handler = _log_to(folder, only=not shared)
         try:
             try:
-                supervisor = Supervisor(folder, shared=shared)
+                vmm = backend(request.backend)  # the service's choice
+                supervisor = Supervisor(folder, vmm, LocalSnapshotStore(), shared=shared)
             except Exception as exc:
                 if isinstance(exc, OSError):
                     exc = StorageError("starting the supervisor", str(folder.path), str(exc))

@@ -317,7 +317,7 @@ def create_app(
     @app.post("/sandboxes/{sandbox_id}/ping", status_code=204, tags=["sandboxes"])
     async def ping(sandbox_id: str, me: Me) -> Response:
         await hub.use(me, sandbox_id)
-        await hub.service.ping(sandbox_id)
+        await hub.service.guest.ping(sandbox_id)
         return Response(status_code=204)
 
     @app.get("/sandboxes/{sandbox_id}/lineage", tags=["sandboxes"])
@@ -385,7 +385,7 @@ def create_app(
             killing.add_done_callback(lambda t: t.cancelled() or t.exception())
 
         backlog: Backlog[tuple[str, bytes]] = Backlog(STREAM_BACKLOG_LIMIT, kill)
-        session = await hub.service.start_command(
+        session = await hub.service.guest.start_command(
             sandbox_id, request, lambda stream, data: backlog.put((stream, data), len(data))
         )
         await session.started()  # a missing program or cwd is answered with its status
@@ -475,7 +475,7 @@ def create_app(
     async def download(sandbox_id: str, path: PathQ, me: Me) -> StreamingResponse:
         """The file's bytes, streamed."""
         await hub.use(me, sandbox_id)
-        chunks = cast(AsyncGenerator[bytes, None], hub.service.read_file(sandbox_id, path))
+        chunks = cast(AsyncGenerator[bytes, None], hub.service.guest.read_file(sandbox_id, path))
         try:
             first = await anext(chunks)  # a missing file is a 404, not an empty body
         except StopAsyncIteration:
@@ -502,7 +502,7 @@ def create_app(
         """Write the streamed request body to ``path`` (replaced atomically)."""
         await hub.use(me, sandbox_id)
         async with hub.busy(sandbox_id):
-            await hub.service.write_file(
+            await hub.service.guest.write_file(
                 sandbox_id, path, rechunked(request.stream(), p.CHUNK), mode
             )
         return Response(status_code=204)
@@ -510,18 +510,18 @@ def create_app(
     @app.delete("/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
     async def remove(sandbox_id: str, path: PathQ, me: Me, recursive: bool = False) -> Response:
         await hub.use(me, sandbox_id)
-        await hub.service.remove(sandbox_id, path, recursive)
+        await hub.service.guest.remove(sandbox_id, path, recursive)
         return Response(status_code=204)
 
     @app.get("/sandboxes/{sandbox_id}/files/list", tags=["files"])
     async def list_dir(sandbox_id: str, path: PathQ, me: Me) -> list[EntryInfo]:
         await hub.use(me, sandbox_id)
-        return await hub.service.list_dir(sandbox_id, path)
+        return await hub.service.guest.list_dir(sandbox_id, path)
 
     @app.get("/sandboxes/{sandbox_id}/files/stat", tags=["files"])
     async def stat(sandbox_id: str, path: PathQ, me: Me) -> EntryInfo:
         await hub.use(me, sandbox_id)
-        return await hub.service.stat(sandbox_id, path)
+        return await hub.service.guest.stat(sandbox_id, path)
 
     @app.get(
         "/sandboxes/{sandbox_id}/files/watch",
@@ -546,7 +546,7 @@ def create_app(
             ending.add_done_callback(lambda t: t.cancelled() or t.exception())
 
         backlog: Backlog[tuple[str, str]] = Backlog(WATCH_BACKLOG, stop)
-        folder = await hub.service.watch(
+        folder = await hub.service.guest.watch(
             sandbox_id,
             path,
             recursive,
@@ -578,7 +578,7 @@ def create_app(
     @app.post("/sandboxes/{sandbox_id}/files/mkdir", status_code=204, tags=["files"])
     async def mkdir(sandbox_id: str, body: s.MakeDir, me: Me) -> Response:
         await hub.use(me, sandbox_id)
-        await hub.service.mkdir(sandbox_id, body.path, body.parents)
+        await hub.service.guest.mkdir(sandbox_id, body.path, body.parents)
         return Response(status_code=204)
 
     # ------------------------------------------------------------------ snapshots, templates

@@ -603,13 +603,13 @@ class Hub:
         older: builtins.list[str] = []
         if named:  # among the tenant's own snapshots only
             mine = set(self.tenants.owned(tenant.id, "snapshot"))
-            older = self.service.replaced_by(name, overwrite=overwrite, among=mine)
+            older = self.service.catalog.replaced_by(name, overwrite=overwrite, among=mine)
         async with self._locks[sandbox_id]:
             with acting_for(tenant.id):
                 info = await self.service.capture(sandbox_id, purpose, name, memory, unique=False)
             self.tenants.own(tenant.id, "snapshot", info.id)
             with acting_for(tenant.id):
-                for gone in await self.service.delete_unused(older):
+                for gone in await self.service.catalog.delete_unused(older):
                     self.tenants.disown("snapshot", gone)
         self.events.publish(
             tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
@@ -658,7 +658,7 @@ class Hub:
         mine = set(self.tenants.owned(tenant.id, "sandbox")) | set(
             self.tenants.owned(tenant.id, "snapshot")
         )
-        return [node for node in await self.service.lineage() if node["id"] in mine]
+        return [node for node in await self.service.catalog.lineage() if node["id"] in mine]
 
     # ------------------------------------------------------------------ commands
 
@@ -687,11 +687,11 @@ class Hub:
 
     async def snapshots(self, tenant: Tenant) -> builtins.list[SnapshotInfo]:
         mine = set(self.tenants.owned(tenant.id, "snapshot"))
-        return [s for s in await self.service.snapshots() if s.id in mine]
+        return [s for s in await self.service.catalog.snapshots() if s.id in mine]
 
     async def snapshot(self, tenant: Tenant, ref: str) -> SnapshotInfo:
         manifest = self.find_snapshot(tenant, ref)
-        for snapshot in await self.service.snapshots():
+        for snapshot in await self.service.catalog.snapshots():
             if snapshot.id == manifest.id:
                 return snapshot
         raise SnapshotNotFound(ref)  # deleted meanwhile
@@ -701,7 +701,7 @@ class Hub:
     ) -> builtins.list[str]:
         manifest = self.find_snapshot(tenant, ref)
         with acting_for(tenant.id):
-            deleted = await self.service.delete_snapshot(manifest.id, cascade=cascade)
+            deleted = await self.service.catalog.delete_snapshot(manifest.id, cascade=cascade)
         for snapshot_id in deleted:
             self.tenants.disown("snapshot", snapshot_id)
         return deleted
@@ -709,7 +709,7 @@ class Hub:
     async def templates(self, tenant: Tenant) -> builtins.list[TemplateInfo]:
         prefix = _tenant_template(tenant, "")
         found = []
-        for template in await self.service.templates():
+        for template in await self.service.catalog.templates():
             if template.name.startswith(prefix):
                 found.append(dataclasses.replace(template, name=template.name[len(prefix) :]))
             elif not template.name.startswith("tn-"):
@@ -843,7 +843,7 @@ class Hub:
                     report.chunks_deleted,
                     report.bytes_freed,
                 )
-        for snapshot_id in await self.service.collect_garbage():
+        for snapshot_id in await self.service.catalog.collect_garbage():
             self.tenants.disown("snapshot", snapshot_id)
 
     async def measure_storage(self, seconds: float) -> None:

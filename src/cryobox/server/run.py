@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from cryobox import config
-from cryobox.service import SandboxService
+from cryobox.service import open_service
 
 from . import slow_clients
 from .app import create_app
@@ -63,7 +63,7 @@ def serve(
             db.where,
         )
     hub = Hub(
-        SandboxService(),
+        open_service(),
         db,
         host=host,
         prices=Prices.from_env(),

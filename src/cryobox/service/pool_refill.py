@@ -20,6 +20,7 @@ from cryobox.models import CreateRequest
 from cryobox.sandbox import priority, registry
 from cryobox.sandbox.state import SandboxState
 from cryobox.service import pool
+from cryobox.service.compose import open_service
 from cryobox.service.service import SandboxService, StartOptions
 from cryobox.util import mem_available_mib, write_atomic
 
@@ -29,7 +30,7 @@ log = logging.getLogger("cryobox.pool")
 async def refill() -> None:
     """Bring every pool to its size, until no claim came in meanwhile (one process at a
     time: the caller holds ``refill.lock``)."""
-    service = SandboxService()
+    service = open_service()
     try:
         while True:
             seen = pool.wanted_token()
@@ -103,7 +104,7 @@ def end_members(template: str | None = None) -> list[str]:
     their ids. For synchronous callers: runs in an event loop of its own."""
 
     async def work() -> list[str]:
-        service = SandboxService()
+        service = open_service()
         try:
             return await service.drain_pool(template)
         finally:

@@ -23,8 +23,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 from cryobox import config
 from cryobox.arguments import (
@@ -41,35 +40,28 @@ from cryobox.errors import (
     CryoboxError,
     GuestFileNotFound,
     InvalidArgument,
-    SandboxDead,
     SnapshotIncompatible,
     SnapshotNotFound,
     StateError,
     TemplateNotFound,
 )
-from cryobox.guest import answers
 from cryobox.guest import protocol as p
-from cryobox.guest.client import AgentClient, EventHandler
+from cryobox.guest.client import AgentClient
 from cryobox.image.build import Image, Progress
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
-    EntryInfo,
     SandboxInfo,
     SnapshotInfo,
-    TemplateInfo,
 )
 from cryobox.network.namespace import check_can_isolate
 from cryobox.network.policy import INTERNET, parse_policy
 from cryobox.sandbox import registry
-from cryobox.sandbox.backend import backend
 from cryobox.sandbox.control import (
     Claim,
-    ControlRequest,
     ExposePort,
     Kill,
     Pause,
-    Reply,
     Rollback,
     SetTimeout,
     TakeSnapshot,
@@ -79,14 +71,16 @@ from cryobox.sandbox.control import (
 from cryobox.sandbox.launcher import Launcher, SupervisorGroup
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
-from cryobox.service import egress, pool, references
-from cryobox.service.commands import CommandSession, OutputSink
+from cryobox.service import egress, pool
+from cryobox.service.catalog import Catalog
+from cryobox.service.commands import OutputSink
+from cryobox.service.connections import Connections
+from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence, acting_for, current_tenant
-from cryobox.service.watches import FolderWatch, WatchSink
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
-from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore, looks_like_id
+from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
-from cryobox.util import data_bytes, each_chunk, mem_available_mib, new_id
+from cryobox.util import data_bytes, mem_available_mib, new_id
 from cryobox.vmm import Vmm
 
 #: The owner a template build's sandbox records: it belongs to no tenant, and a server
@@ -105,7 +99,6 @@ FORK_CONCURRENCY = 4
 #: Seconds a file or status request to the guest may take before it counts as hung.
 GUEST_REQUEST_TIMEOUT = 120.0
 
-_LAUNCHER = Launcher()
 log = logging.getLogger("cryobox.service")
 
 
@@ -187,19 +180,18 @@ PLAIN_START = StartOptions()
 class SandboxService:
     """Owns every operation; holds one control connection per sandbox it talks to."""
 
-    def __init__(
-        self,
-        vmm: Vmm | None = None,
-        store: SnapshotStore | None = None,
-        launcher: Launcher | None = None,
-    ) -> None:
-        self.vmm = vmm or backend()
-        self.store = store or LocalSnapshotStore()
-        self.launcher = launcher or _LAUNCHER
+    def __init__(self, vmm: Vmm, store: SnapshotStore, launcher: Launcher) -> None:
+        """Built by :func:`cryobox.service.compose.open_service` (the one place that
+        chooses the parts), or by a test with its own."""
+        self.vmm = vmm
+        self.store = store
+        self.launcher = launcher
         self.persist = Persistence(self.store)
-        self._channels: dict[str, AgentClient] = {}
-        #: Each sandbox's own variables for its commands (from its spec, which never changes).
-        self._envs: dict[str, dict[str, str]] = {}
+        self.connections = Connections(self.launcher, vmm.name)
+        #: Commands, files and watches inside the sandboxes.
+        self.guest = GuestOperations(self.connections)
+        #: Snapshots, templates and lineage: what this host has saved.
+        self.catalog = Catalog(self.store, self.persist)
         #: The last request for a warm pool refill (kept: a task nobody holds may vanish).
         self._refill: asyncio.Future[None] | None = None
         #: One capture of a given snapshot name at a time (names are unique).
@@ -267,10 +259,10 @@ class SandboxService:
             (egress.GUEST_MARKER, marker),  # last: it vouches for the two before
         ):
             chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
-            await self.write_file(sandbox_id, path, chunks, 0o644)
+            await self.guest.write_file(sandbox_id, path, chunks, 0o644)
 
     async def _read_all(self, sandbox_id: str, path: str) -> bytes:
-        return b"".join([chunk async for chunk in self.read_file(sandbox_id, path)])
+        return b"".join([chunk async for chunk in self.guest.read_file(sandbox_id, path)])
 
     async def _start(
         self,
@@ -353,7 +345,7 @@ class SandboxService:
         folder = SandboxDir.create(spec)
         try:
             record = await self.launcher.start(
-                folder, resume=False, progress=progress, group=start.group
+                folder, backend=self.vmm.name, resume=False, progress=progress, group=start.group
             )
         except BaseException:
             folder.remove()  # a failed create leaves nothing behind
@@ -384,7 +376,7 @@ class SandboxService:
                     pooled=True,
                 )
                 folder.write_spec(spec)
-                record = await self._control(sandbox_id, Claim())
+                record = await self.connections.control(sandbox_id, Claim())
                 # Its owner only once claimed (a fresh identity, its ports): a member
                 # left between the two by a crash has none, and a server ends it.
                 spec = dataclasses.replace(spec, owner=current_tenant())
@@ -396,7 +388,7 @@ class SandboxService:
                 if isinstance(exc, (CryoboxError, OSError)):
                     continue
                 raise
-            self._envs[sandbox_id] = spec.envs
+            self.connections.envs[sandbox_id] = spec.envs
             return sandbox_info(spec, record, folder)
         return None
 
@@ -404,7 +396,7 @@ class SandboxService:
         """Run ``true`` in the guest so the first command after a claim finds the code it
         needs translated already (TCG translates each new process's code paths)."""
         for _ in range(runs):
-            session = await self.start_command(
+            session = await self.guest.start_command(
                 sandbox_id, CommandRequest(argv=("true",)), _collector(bytearray())
             )
             await session.wait()
@@ -443,7 +435,7 @@ class SandboxService:
         shared = was.supervisor_shared and registry.supervisor_alive(was)
         if was.state is SandboxState.RUNNING:
             with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
-                await self._control(sandbox_id, Kill())
+                await self.connections.control(sandbox_id, Kill())
             await folder.wait_finished()
         elif shared:  # not running: asked on its control socket all the same
             with contextlib.suppress(ChannelError, OSError):
@@ -453,7 +445,7 @@ class SandboxService:
                 finally:
                     await channel.close()
             await folder.wait_finished()
-        await self.disconnect(sandbox_id)
+        await self.connections.disconnect(sandbox_id)
         record = folder.record()
         if (
             registry.supervisor_alive(record)
@@ -469,7 +461,7 @@ class SandboxService:
             folder.bury()
         else:
             folder.remove()
-        await self.collect_garbage()
+        await self.catalog.collect_garbage()
 
     async def pause(self, sandbox_id: str) -> None:
         """Save the whole machine and end its VM; :meth:`resume` continues it.
@@ -480,10 +472,10 @@ class SandboxService:
         :raises StateError: when it is not running.
         :raises StorageError: when the host cannot hold the pause (it keeps running).
         """
-        self._require_running(sandbox_id, "pause")
+        self.connections.require_running(sandbox_id, "pause")
         hold = config.pause_hold()
-        await self._control(sandbox_id, Pause(hold))
-        await self.disconnect(sandbox_id)
+        await self.connections.control(sandbox_id, Pause(hold))
+        await self.connections.disconnect(sandbox_id)
         self.persist.after_pause(registry.find(sandbox_id))
 
     async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
@@ -496,7 +488,7 @@ class SandboxService:
         if folder.needs_adoption(folder.reconcile()):
             # A resume cut short (its supervisor died): running on, or paused again.
             with contextlib.suppress(StateError):
-                await self._adopt(folder)
+                await self.connections.adopt(folder)
             record = folder.record()
             if record.state is SandboxState.RUNNING:
                 return sandbox_info(folder.spec(), record, folder)
@@ -507,7 +499,9 @@ class SandboxService:
             self.persist.after_resume(folder)
             return sandbox_info(folder.spec(), woken, folder)
         await self.persist.paused_here(folder)  # its files deleted here: from the store
-        record = await self.launcher.start(folder, resume=True, progress=progress)
+        record = await self.launcher.start(
+            folder, backend=self.vmm.name, resume=True, progress=progress
+        )
         self.persist.after_resume(folder)
         return sandbox_info(folder.spec(), record, folder)
 
@@ -567,44 +561,14 @@ class SandboxService:
             raise InvalidArgument(f"snapshot name {name!r} has the shape of an id; choose another")
         named = purpose is SnapshotPurpose.SNAPSHOT and unique and bool(name)
         async with self._name_locks[name or ""] if named else contextlib.nullcontext():
-            older = self.replaced_by(name, overwrite=overwrite) if named else []
-            self._require_running(sandbox_id, purpose.value)
-            manifest = await self._control(sandbox_id, TakeSnapshot(purpose, name, memory))
-            self.persist.after_capture(manifest)
-            await self.delete_unused(older)
-        return self._snapshot_info(manifest)
-
-    def replaced_by(
-        self, name: str | None, *, overwrite: bool, among: set[str] | None = None
-    ) -> builtins.list[str]:
-        """The snapshots (not checkpoints) called ``name`` here, oldest first, and only
-        those of ``among`` when given (a tenant's): what a new one of that name replaces.
-
-        :raises InvalidArgument: when there are some and no ``overwrite``.
-        """
-        older = [
-            m.id
-            for m in self.store.all()
-            if name
-            and m.name == name
-            and m.purpose == SnapshotPurpose.SNAPSHOT.value
-            and (among is None or m.id in among)
-        ]
-        if older and not overwrite:
-            raise InvalidArgument(
-                f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
-                "or overwrite it (overwrite=True; cryobox snapshot --overwrite)"
+            older = self.catalog.replaced_by(name, overwrite=overwrite) if named else []
+            self.connections.require_running(sandbox_id, purpose.value)
+            manifest = await self.connections.control(
+                sandbox_id, TakeSnapshot(purpose, name, memory)
             )
-        return older
-
-    async def delete_unused(self, snapshot_ids: Iterable[str]) -> builtins.list[str]:
-        """Delete each of these snapshots that nothing uses (the others stay, reachable
-        by id); the ids deleted."""
-        deleted: builtins.list[str] = []
-        for snapshot_id in snapshot_ids:
-            with contextlib.suppress(CryoboxError):  # still used: kept
-                deleted += await self.delete_snapshot(snapshot_id)
-        return deleted
+            self.persist.after_capture(manifest)
+            await self.catalog.delete_unused(older)
+        return self.catalog.snapshot_info(manifest)
 
     async def rollback(self, sandbox_id: str, ref: str) -> None:
         """Return a running sandbox to one of its checkpoints (id or name).
@@ -612,15 +576,15 @@ class SandboxService:
         :raises SnapshotError: when the checkpoint is missing or fails verification.
         :raises InvalidArgument: when it belongs to another sandbox or has no memory.
         """
-        self._require_running(sandbox_id, "roll back")
-        await self._control(sandbox_id, Rollback(ref))
+        self.connections.require_running(sandbox_id, "roll back")
+        await self.connections.control(sandbox_id, Rollback(ref))
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
-        await self._control(sandbox_id, SetTimeout(positive_seconds("seconds", seconds)))
+        await self.connections.control(sandbox_id, SetTimeout(positive_seconds("seconds", seconds)))
 
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
         whole_number("guest_port", guest_port, 1, 65535)
-        return (await self._control(sandbox_id, ExposePort(guest_port))).host_port
+        return (await self.connections.control(sandbox_id, ExposePort(guest_port))).host_port
 
     async def logs(self, sandbox_id: str) -> str:
         """The guest's serial console so far."""
@@ -628,10 +592,6 @@ class SandboxService:
             return registry.find(sandbox_id).console_log.read_text(errors="replace")
         except FileNotFoundError:
             return ""
-
-    async def ping(self, sandbox_id: str) -> None:
-        """One round trip to the guest agent (for measuring the channel)."""
-        await self._guest(sandbox_id, p.GuestOp.PING, {})
 
     async def fork(
         self, sandbox_id: str, count: int, timeout: float | None = None
@@ -692,231 +652,11 @@ class SandboxService:
             for fork in started:  # no fork is left behind unreturned
                 with contextlib.suppress(CryoboxError):
                     await self.kill(fork.id, keep_record=False)
-            await self.collect_garbage()
+            await self.catalog.collect_garbage()
             raise failed[0]
         return started
 
-    async def lineage(self) -> builtins.list[dict[str, Any]]:
-        """Every sandbox and snapshot on this host as nodes naming their parent.
-
-        A sandbox's parent is the snapshot it was restored from (none for a cold boot); a
-        snapshot's parent is the sandbox it was taken of.
-        """
-        nodes: list[dict[str, Any]] = []
-        for spec, record in registry.list_sandboxes():
-            if spec.pool:
-                continue  # a warm pool's member is nobody's sandbox yet
-            nodes.append(
-                {
-                    "id": spec.id,
-                    "kind": "sandbox",
-                    "parent": record.origin,
-                    "state": record.state.value,
-                    "forked_from": spec.forked_from,
-                    "label": spec.template or "",
-                }
-            )
-        for manifest in self.store.all():
-            nodes.append(
-                {
-                    "id": manifest.id,
-                    "kind": "snapshot",
-                    "parent": manifest.source_sandbox,
-                    "state": manifest.kind.value,
-                    "forked_from": None,
-                    "label": manifest.purpose + (f" {manifest.name}" if manifest.name else ""),
-                }
-            )
-        return nodes
-
-    # ------------------------------------------------------------------ commands and files
-
-    async def start_command(
-        self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
-    ) -> CommandSession:
-        """Start a command; the session says when it ends and feeds or kills it."""
-        if request.timeout is not None:
-            positive_seconds("timeout", request.timeout)
-        channel = await self._channel(sandbox_id)
-        envs = self._envs.get(sandbox_id)
-        if envs:  # the sandbox's variables, under the command's own
-            request = dataclasses.replace(request, env={**envs, **request.env})
-        session = CommandSession(channel, on_output)
-        session.start(request)
-        return session
-
-    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        """The file's bytes in chunks, as they arrive (a bounded queue: the guest waits
-        for a slow reader only as far as the channel buffers).
-
-        :raises GuestFileNotFound:
-        """
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        held = 0
-
-        def chunk(_header: dict[str, Any], data: bytes) -> None:
-            nonlocal held
-            held += len(data)
-            if held > READ_BACKLOG:  # the reader fell behind: end the read, hold no more
-                if not request.done():
-                    request.cancel()
-                return
-            queue.put_nowait(data)
-
-        channel = await self._channel(sandbox_id)
-        request = asyncio.ensure_future(
-            channel.request(p.GuestOp.FILE_READ, {"path": path}, on_event=chunk)
-        )
-        request.add_done_callback(lambda _: queue.put_nowait(None))
-        try:
-            while (data := await queue.get()) is not None:
-                held -= len(data)
-                yield data
-            if request.cancelled() and held > READ_BACKLOG:
-                raise ChannelError(
-                    f"reading {path}: the reader fell more than {READ_BACKLOG >> 20} MiB behind"
-                )
-            await request
-        finally:
-            if not request.done():
-                request.cancel()
-
-    async def write_file(
-        self,
-        sandbox_id: str,
-        path: str,
-        chunks: Iterable[bytes] | AsyncIterable[bytes],
-        mode: int,
-        *,
-        owner: str | None = None,
-    ) -> None:
-        """Write a file from chunks (of at most the protocol's chunk size), under a
-        temporary name renamed at the end; missing parent folders are made. ``owner``: a
-        guest user to own the file and the folders made (else root)."""
-        channel = await self._channel(sandbox_id)
-        args: dict[str, Any] = {"path": path, "mode": mode, "parents": True}
-        if owner is not None:
-            args["owner"] = owner
-        begun = await channel.request(
-            p.GuestOp.FILE_WRITE_BEGIN, args, timeout=GUEST_REQUEST_TIMEOUT
-        )
-        handle = answers.whole(begun, "handle", "write")
-        try:
-            async for chunk in each_chunk(chunks):
-                await channel.request(
-                    p.GuestOp.FILE_WRITE_CHUNK,
-                    {"handle": handle},
-                    chunk,
-                    timeout=GUEST_REQUEST_TIMEOUT,
-                )
-        except BaseException:
-            if not channel.closed:  # the temporary file goes; the first error is the one
-                with contextlib.suppress(CryoboxError):
-                    await channel.request(
-                        p.GuestOp.FILE_WRITE_END, {"handle": handle, "abort": True}, timeout=30
-                    )
-            raise
-        await channel.request(
-            p.GuestOp.FILE_WRITE_END, {"handle": handle}, timeout=GUEST_REQUEST_TIMEOUT
-        )
-
-    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[EntryInfo]:
-        result = await self._guest(sandbox_id, p.GuestOp.FILE_LIST, {"path": path})
-        return answers.entries(result, "list")
-
-    async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
-        result = await self._guest(sandbox_id, p.GuestOp.FILE_STAT, {"path": path})
-        return answers.entry(result, "stat")
-
-    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
-        await self._guest(sandbox_id, p.GuestOp.FILE_MKDIR, {"path": path, "parents": parents})
-
-    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        await self._guest(sandbox_id, p.GuestOp.FILE_REMOVE, {"path": path, "recursive": recursive})
-
-    async def watch(
-        self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
-    ) -> FolderWatch:
-        """Report changes under the folder ``path`` to ``on_event(type, name)`` until the
-        watch is stopped.
-
-        :raises GuestFileNotFound: when there is no such folder.
-        """
-        watch = FolderWatch(await self._channel(sandbox_id), on_event)
-        await watch.start(path, recursive)
-        return watch
-
     # ------------------------------------------------------------------ snapshots, templates
-
-    def _snapshot_info(self, manifest: Manifest) -> SnapshotInfo:
-        stored = 0
-        with contextlib.suppress(OSError):
-            stored = self.store.stored_bytes(manifest.id)
-        upload = self.persist.upload_state(manifest.id)
-        return SnapshotInfo.from_manifest(
-            manifest.to_json(), stored, location=str(upload.get("state", "local"))
-        )
-
-    async def snapshots(self) -> builtins.list[SnapshotInfo]:
-        """Every saved snapshot, checkpoint and template snapshot on this host."""
-        return [self._snapshot_info(m) for m in self.store.all()]
-
-    async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> builtins.list[str]:
-        """Delete a snapshot (by id or name) that nothing builds on, locally and in the
-        chunk store; with ``cascade``, the snapshots built on it go first (never a
-        sandbox's). Returns the ids deleted.
-
-        :raises SnapshotNotFound:
-        :raises InvalidArgument: naming the sandboxes or snapshots that still use it.
-        """
-        manifest = self.store.get(ref)
-        every = self.store.all()
-        doomed = [manifest]
-        if cascade:  # newest first, so each goes before what it builds on
-            doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
-        ids = {m.id for m in doomed}
-        sandboxes = registry.list_sandboxes()
-        stored_children = self.persist.stored_users(m.id for m in doomed)
-        for each in doomed:
-            needed_by = references.users(each.id, [m for m in every if m.id not in ids], sandboxes)
-            if not cascade:
-                needed_by += [f"stored snapshot {s}" for s in stored_children[each.id]]
-            if needed_by:
-                hint = "" if cascade else " (or delete with cascade)"
-                raise InvalidArgument(
-                    f"snapshot {each.id} is the base of {', '.join(needed_by)}; "
-                    f"delete those first{hint}"
-                )
-        for each in doomed:
-            for child in stored_children[each.id]:  # evicted ones: in the store only
-                self.persist.forget(child)
-            self.store.delete(each.id)
-            self.persist.forget(each.id)
-            for template in self.store.templates():
-                if template.get("snapshot") == each.id:
-                    self.store.delete_template(str(template["name"]))
-        return [m.id for m in doomed]
-
-    async def collect_garbage(self) -> builtins.list[str]:
-        """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
-        self.store.sweep()
-        named = {str(t.get("snapshot")) for t in self.store.templates()}
-        doomed = references.collectable(self.store.all(), registry.list_sandboxes(), named)
-        for manifest in doomed:
-            self.store.delete(manifest.id)
-        return [m.id for m in doomed]
-
-    async def templates(self) -> builtins.list[TemplateInfo]:
-        return [
-            TemplateInfo(
-                name=str(t["name"]),
-                snapshot_id=str(t["snapshot"]),
-                image_id=str(t.get("image_id", "")),
-                setup=tuple(t.get("setup") or ()),
-                created_at=float(t.get("created_at", 0)),
-            )
-            for t in self.store.templates()
-        ]
 
     async def delete_template(self, name: str) -> None:
         """Remove a template and its snapshot (kept while a sandbox builds on it).
@@ -931,7 +671,7 @@ class SandboxService:
         await self.drain_pool(name)
         self.store.delete_template(name)
         with contextlib.suppress(CryoboxError):
-            await self.delete_snapshot(str(entry["snapshot"]))
+            await self.catalog.delete_snapshot(str(entry["snapshot"]))
 
     async def drain_pool(self, template: str | None = None) -> builtins.list[str]:
         """End the waiting members of ``template``'s warm pool (or of every pool); their
@@ -1038,7 +778,7 @@ class SandboxService:
                 def latest(line: str, step: str = step) -> None:
                     say(f"{step}: {line}")
 
-                session = await self.start_command(
+                session = await self.guest.start_command(
                     sandbox.id, CommandRequest(shell=command), _shown_lines(output, latest)
                 )
                 result = await session.wait()
@@ -1067,79 +807,12 @@ class SandboxService:
                 await self.kill(sandbox.id, keep_record=False)
         if previous and previous.get("snapshot") != saved.id:
             with contextlib.suppress(CryoboxError):  # kept while something builds on it
-                await self.delete_snapshot(str(previous["snapshot"]))
+                await self.catalog.delete_snapshot(str(previous["snapshot"]))
         return saved
 
-    # ------------------------------------------------------------------ plumbing
-
-    def _require_running(self, sandbox_id: str, action: str) -> None:
-        record = registry.find(sandbox_id).reconcile()
-        if record.state.finished:
-            raise SandboxDead(sandbox_id, record.error or record.state.value)
-        require(sandbox_id, record.state, (SandboxState.RUNNING,), action)
-
-    async def _channel(self, sandbox_id: str) -> AgentClient:
-        """The control connection to the sandbox's supervisor, opened on first use.
-
-        :raises SandboxDead: when it died or was killed.
-        :raises StateError: when it is not running (paused, say).
-        """
-        channel = self._channels.get(sandbox_id)
-        if channel is None or channel.closed:
-            folder = registry.find(sandbox_id)
-            if folder.needs_adoption(folder.reconcile()):
-                await self._adopt(folder)
-            self._require_running(sandbox_id, "use")
-            channel = await AgentClient.connect(folder.control_socket, trusted=True)
-            self._channels[sandbox_id] = channel
-            self._envs[sandbox_id] = folder.spec().envs  # fixed at create: read once
-        return channel
-
-    async def _adopt(self, folder: SandboxDir) -> None:
-        """Start a supervisor for a running VM whose supervisor died.
-
-        :raises SandboxDead: when its VM cannot be taken over (it is then killed).
-        """
-        try:
-            await self.launcher.start(folder, resume=False, adopt=True)
-        except CryoboxError:
-            record = folder.record()
-            if record.state is SandboxState.RUNNING and registry.supervisor_alive(record):
-                return  # another process adopted it at the same moment
-            raise
-
-    async def _control(self, sandbox_id: str, request: ControlRequest[Reply]) -> Reply:
-        """Ask the sandbox's supervisor; its reply, typed."""
-        channel = await self._channel(sandbox_id)
-        return await control(channel, request)
-
-    async def _guest(
-        self,
-        sandbox_id: str,
-        op: p.GuestOp,
-        args: dict[str, Any],
-        on_event: EventHandler | None = None,
-    ) -> dict[str, Any]:
-        """A read-only or idempotent guest request, retried once on a fresh connection if
-        the channel broke (the sandbox was paused and resumed in between, say)."""
-        try:
-            channel = await self._channel(sandbox_id)
-            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
-        except ChannelError:
-            await self.disconnect(sandbox_id)
-            channel = await self._channel(sandbox_id)
-            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
-
-    async def disconnect(self, sandbox_id: str) -> None:
-        """Drop this process's connection to a sandbox; the sandbox keeps running."""
-        channel = self._channels.pop(sandbox_id, None)
-        self._envs.pop(sandbox_id, None)
-        if channel is not None:
-            await channel.close()
-
     async def close(self) -> None:
-        for sandbox_id in list(self._channels):
-            await self.disconnect(sandbox_id)
+        """Close this service's connections (the sandboxes run on)."""
+        await self.connections.close()
 
 
 def _shown_lines(into: bytearray, show: Callable[[str], None]) -> OutputSink:
@@ -1162,9 +835,4 @@ def _collector(into: bytearray) -> OutputSink:
     return collect
 
 
-def discard_spare() -> None:
-    """Let the process's warm spare supervisor go (tests that change its environment)."""
-    _LAUNCHER.discard_spare()
-
-
-__all__ = ["SandboxService", "discard_spare", "validate"]
+__all__ = ["SandboxService", "StartOptions", "validate"]

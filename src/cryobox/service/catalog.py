@@ -1,0 +1,164 @@
+"""What this host has saved: snapshots, checkpoints, templates, and the lineage that
+joins them to sandboxes; what deleting one takes (nothing may build on it) and what
+nothing needs any more (collected).
+
+It reads and deletes only: what is saved is taken by a sandbox's supervisor, and a
+template is built by the service (a sandbox booted, set up and saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+from cryobox.errors import CryoboxError, InvalidArgument
+from cryobox.models import SnapshotInfo, TemplateInfo
+from cryobox.sandbox import registry
+from cryobox.service import references
+from cryobox.service.persist import Persistence
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+from cryobox.snapshot.store import SnapshotStore
+
+
+class Catalog:
+    """This host's saved state, read through its snapshot store."""
+
+    def __init__(self, store: SnapshotStore, persist: Persistence) -> None:
+        self.store = store
+        self.persist = persist
+
+    def snapshot_info(self, manifest: Manifest) -> SnapshotInfo:
+        stored = 0
+        with contextlib.suppress(OSError):
+            stored = self.store.stored_bytes(manifest.id)
+        upload = self.persist.upload_state(manifest.id)
+        return SnapshotInfo.from_manifest(
+            manifest.to_json(), stored, location=str(upload.get("state", "local"))
+        )
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        """Every saved snapshot, checkpoint and template snapshot on this host."""
+        return [self.snapshot_info(m) for m in self.store.all()]
+
+    def replaced_by(
+        self, name: str | None, *, overwrite: bool, among: set[str] | None = None
+    ) -> list[str]:
+        """The snapshots (not checkpoints) called ``name`` here, oldest first, and only
+        those of ``among`` when given (a tenant's): what a new one of that name replaces.
+
+        :raises InvalidArgument: when there are some and no ``overwrite``.
+        """
+        older = [
+            m.id
+            for m in self.store.all()
+            if name
+            and m.name == name
+            and m.purpose == SnapshotPurpose.SNAPSHOT.value
+            and (among is None or m.id in among)
+        ]
+        if older and not overwrite:
+            raise InvalidArgument(
+                f"a snapshot named {name!r} exists ({older[-1]}): choose another name, "
+                "or overwrite it (overwrite=True; cryobox snapshot --overwrite)"
+            )
+        return older
+
+    async def delete_unused(self, snapshot_ids: Iterable[str]) -> list[str]:
+        """Delete each of these snapshots that nothing uses (the others stay, reachable
+        by id); the ids deleted."""
+        deleted: list[str] = []
+        for snapshot_id in snapshot_ids:
+            with contextlib.suppress(CryoboxError):  # still used: kept
+                deleted += await self.delete_snapshot(snapshot_id)
+        return deleted
+
+    async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> list[str]:
+        """Delete a snapshot (by id or name) that nothing builds on, locally and in the
+        chunk store; with ``cascade``, the snapshots built on it go first (never a
+        sandbox's). Returns the ids deleted.
+
+        :raises SnapshotNotFound:
+        :raises InvalidArgument: naming the sandboxes or snapshots that still use it.
+        """
+        manifest = self.store.get(ref)
+        every = self.store.all()
+        doomed = [manifest]
+        if cascade:  # newest first, so each goes before what it builds on
+            doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
+        ids = {m.id for m in doomed}
+        sandboxes = registry.list_sandboxes()
+        stored_children = self.persist.stored_users(m.id for m in doomed)
+        for each in doomed:
+            needed_by = references.users(each.id, [m for m in every if m.id not in ids], sandboxes)
+            if not cascade:
+                needed_by += [f"stored snapshot {s}" for s in stored_children[each.id]]
+            if needed_by:
+                hint = "" if cascade else " (or delete with cascade)"
+                raise InvalidArgument(
+                    f"snapshot {each.id} is the base of {', '.join(needed_by)}; "
+                    f"delete those first{hint}"
+                )
+        for each in doomed:
+            for child in stored_children[each.id]:  # evicted ones: in the store only
+                self.persist.forget(child)
+            self.store.delete(each.id)
+            self.persist.forget(each.id)
+            for template in self.store.templates():
+                if template.get("snapshot") == each.id:
+                    self.store.delete_template(str(template["name"]))
+        return [m.id for m in doomed]
+
+    async def collect_garbage(self) -> list[str]:
+        """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
+        self.store.sweep()
+        named = {str(t.get("snapshot")) for t in self.store.templates()}
+        doomed = references.collectable(self.store.all(), registry.list_sandboxes(), named)
+        for manifest in doomed:
+            self.store.delete(manifest.id)
+        return [m.id for m in doomed]
+
+    async def templates(self) -> list[TemplateInfo]:
+        return [
+            TemplateInfo(
+                name=str(t["name"]),
+                snapshot_id=str(t["snapshot"]),
+                image_id=str(t.get("image_id", "")),
+                setup=tuple(t.get("setup") or ()),
+                created_at=float(t.get("created_at", 0)),
+            )
+            for t in self.store.templates()
+        ]
+
+    async def lineage(self) -> list[dict[str, Any]]:
+        """Every sandbox and snapshot on this host as nodes naming their parent.
+
+        A sandbox's parent is the snapshot it was restored from (none for a cold boot); a
+        snapshot's parent is the sandbox it was taken of.
+        """
+        nodes: list[dict[str, Any]] = []
+        for spec, record in registry.list_sandboxes():
+            if spec.pool:
+                continue  # a warm pool's member is nobody's sandbox yet
+            nodes.append(
+                {
+                    "id": spec.id,
+                    "kind": "sandbox",
+                    "parent": record.origin,
+                    "state": record.state.value,
+                    "forked_from": spec.forked_from,
+                    "label": spec.template or "",
+                }
+            )
+        for manifest in self.store.all():
+            nodes.append(
+                {
+                    "id": manifest.id,
+                    "kind": "snapshot",
+                    "parent": manifest.source_sandbox,
+                    "state": manifest.kind.value,
+                    "forked_from": None,
+                    "label": manifest.purpose + (f" {manifest.name}" if manifest.name else ""),
+                }
+            )
+        return nodes

@@ -1,0 +1,104 @@
+"""The service's connections to the sandboxes' supervisors: one per sandbox, opened on
+first use, with the sandbox's own variables for its commands.
+
+Opening one is where a sandbox whose supervisor died is taken over: its folder is
+reconciled (:meth:`~cryobox.sandbox.registry.SandboxDir.reconcile`), and a VM that runs
+on gets a new supervisor (adopted) before the connection is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cryobox.errors import ChannelError, CryoboxError, SandboxDead
+from cryobox.guest import protocol as p
+from cryobox.guest.client import AgentClient, EventHandler
+from cryobox.sandbox import registry
+from cryobox.sandbox.control import ControlRequest, Reply, control
+from cryobox.sandbox.launcher import Launcher
+from cryobox.sandbox.registry import SandboxDir
+from cryobox.sandbox.state import SandboxState, require
+
+#: Seconds a file or status request to the guest may take before it counts as hung.
+GUEST_REQUEST_TIMEOUT = 120.0
+
+
+class Connections:
+    """Control connections to supervisors, by sandbox id (this process's own)."""
+
+    def __init__(self, launcher: Launcher, backend: str) -> None:
+        self.launcher = launcher
+        #: The VMM an adopting supervisor takes a running VM over with.
+        self.backend = backend
+        self._channels: dict[str, AgentClient] = {}
+        #: Each sandbox's own variables for its commands (from its spec, which never changes).
+        self.envs: dict[str, dict[str, str]] = {}
+
+    def require_running(self, sandbox_id: str, action: str) -> None:
+        record = registry.find(sandbox_id).reconcile()
+        if record.state.finished:
+            raise SandboxDead(sandbox_id, record.error or record.state.value)
+        require(sandbox_id, record.state, (SandboxState.RUNNING,), action)
+
+    async def channel(self, sandbox_id: str) -> AgentClient:
+        """The control connection to the sandbox's supervisor, opened on first use.
+
+        :raises SandboxDead: when it died or was killed.
+        :raises StateError: when it is not running (paused, say).
+        """
+        channel = self._channels.get(sandbox_id)
+        if channel is None or channel.closed:
+            folder = registry.find(sandbox_id)
+            if folder.needs_adoption(folder.reconcile()):
+                await self.adopt(folder)
+            self.require_running(sandbox_id, "use")
+            channel = await AgentClient.connect(folder.control_socket, trusted=True)
+            self._channels[sandbox_id] = channel
+            self.envs[sandbox_id] = folder.spec().envs  # fixed at create: read once
+        return channel
+
+    async def adopt(self, folder: SandboxDir) -> None:
+        """Start a supervisor for a running VM whose supervisor died.
+
+        :raises SandboxDead: when its VM cannot be taken over (it is then killed).
+        """
+        try:
+            await self.launcher.start(folder, backend=self.backend, resume=False, adopt=True)
+        except CryoboxError:
+            record = folder.record()
+            if record.state is SandboxState.RUNNING and registry.supervisor_alive(record):
+                return  # another process adopted it at the same moment
+            raise
+
+    async def control(self, sandbox_id: str, request: ControlRequest[Reply]) -> Reply:
+        """Ask the sandbox's supervisor; its reply, typed."""
+        channel = await self.channel(sandbox_id)
+        return await control(channel, request)
+
+    async def guest(
+        self,
+        sandbox_id: str,
+        op: p.GuestOp,
+        args: dict[str, Any],
+        on_event: EventHandler | None = None,
+    ) -> dict[str, Any]:
+        """A read-only or idempotent guest request, retried once on a fresh connection if
+        the channel broke (the sandbox was paused and resumed in between, say)."""
+        try:
+            channel = await self.channel(sandbox_id)
+            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
+        except ChannelError:
+            await self.disconnect(sandbox_id)
+            channel = await self.channel(sandbox_id)
+            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
+
+    async def disconnect(self, sandbox_id: str) -> None:
+        """Drop this process's connection to a sandbox; the sandbox keeps running."""
+        channel = self._channels.pop(sandbox_id, None)
+        self.envs.pop(sandbox_id, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for sandbox_id in list(self._channels):
+            await self.disconnect(sandbox_id)

@@ -1,0 +1,156 @@
+"""What the service does inside a running sandbox's guest: commands, files, watches.
+
+Each goes over the sandbox's control connection (:mod:`.connections`) to the guest
+agent; replies are read into typed records (:mod:`cryobox.guest.answers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+from cryobox.arguments import positive_seconds
+from cryobox.errors import ChannelError, CryoboxError
+from cryobox.guest import answers
+from cryobox.guest import protocol as p
+from cryobox.models import CommandRequest, EntryInfo
+from cryobox.service.commands import CommandSession, OutputSink
+from cryobox.service.connections import GUEST_REQUEST_TIMEOUT, Connections
+from cryobox.service.watches import FolderWatch, WatchSink
+from cryobox.util import each_chunk
+
+#: Bytes of a file read held for a consumer that does not keep up, before the read ends.
+READ_BACKLOG = 64 * 1024 * 1024
+
+
+class GuestOperations:
+    """Commands, files and watches in running sandboxes."""
+
+    def __init__(self, connections: Connections) -> None:
+        self.connections = connections
+
+    async def start_command(
+        self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
+    ) -> CommandSession:
+        """Start a command; the session says when it ends and feeds or kills it."""
+        if request.timeout is not None:
+            positive_seconds("timeout", request.timeout)
+        channel = await self.connections.channel(sandbox_id)
+        envs = self.connections.envs.get(sandbox_id)
+        if envs:  # the sandbox's variables, under the command's own
+            request = dataclasses.replace(request, env={**envs, **request.env})
+        session = CommandSession(channel, on_output)
+        session.start(request)
+        return session
+
+    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes in chunks, as they arrive (a bounded queue: the guest waits
+        for a slow reader only as far as the channel buffers).
+
+        :raises GuestFileNotFound:
+        """
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        held = 0
+
+        def chunk(_header: dict[str, Any], data: bytes) -> None:
+            nonlocal held
+            held += len(data)
+            if held > READ_BACKLOG:  # the reader fell behind: end the read, hold no more
+                if not request.done():
+                    request.cancel()
+                return
+            queue.put_nowait(data)
+
+        channel = await self.connections.channel(sandbox_id)
+        request = asyncio.ensure_future(
+            channel.request(p.GuestOp.FILE_READ, {"path": path}, on_event=chunk)
+        )
+        request.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (data := await queue.get()) is not None:
+                held -= len(data)
+                yield data
+            if request.cancelled() and held > READ_BACKLOG:
+                raise ChannelError(
+                    f"reading {path}: the reader fell more than {READ_BACKLOG >> 20} MiB behind"
+                )
+            await request
+        finally:
+            if not request.done():
+                request.cancel()
+
+    async def write_file(
+        self,
+        sandbox_id: str,
+        path: str,
+        chunks: Iterable[bytes] | AsyncIterable[bytes],
+        mode: int,
+        *,
+        owner: str | None = None,
+    ) -> None:
+        """Write a file from chunks (of at most the protocol's chunk size), under a
+        temporary name renamed at the end; missing parent folders are made. ``owner``: a
+        guest user to own the file and the folders made (else root)."""
+        channel = await self.connections.channel(sandbox_id)
+        args: dict[str, Any] = {"path": path, "mode": mode, "parents": True}
+        if owner is not None:
+            args["owner"] = owner
+        begun = await channel.request(
+            p.GuestOp.FILE_WRITE_BEGIN, args, timeout=GUEST_REQUEST_TIMEOUT
+        )
+        handle = answers.whole(begun, "handle", "write")
+        try:
+            async for chunk in each_chunk(chunks):
+                await channel.request(
+                    p.GuestOp.FILE_WRITE_CHUNK,
+                    {"handle": handle},
+                    chunk,
+                    timeout=GUEST_REQUEST_TIMEOUT,
+                )
+        except BaseException:
+            if not channel.closed:  # the temporary file goes; the first error is the one
+                with contextlib.suppress(CryoboxError):
+                    await channel.request(
+                        p.GuestOp.FILE_WRITE_END, {"handle": handle, "abort": True}, timeout=30
+                    )
+            raise
+        await channel.request(
+            p.GuestOp.FILE_WRITE_END, {"handle": handle}, timeout=GUEST_REQUEST_TIMEOUT
+        )
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[EntryInfo]:
+        result = await self.connections.guest(sandbox_id, p.GuestOp.FILE_LIST, {"path": path})
+        return answers.entries(result, "list")
+
+    async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
+        result = await self.connections.guest(sandbox_id, p.GuestOp.FILE_STAT, {"path": path})
+        return answers.entry(result, "stat")
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
+        await self.connections.guest(
+            sandbox_id, p.GuestOp.FILE_MKDIR, {"path": path, "parents": parents}
+        )
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self.connections.guest(
+            sandbox_id, p.GuestOp.FILE_REMOVE, {"path": path, "recursive": recursive}
+        )
+
+    async def watch(
+        self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
+    ) -> FolderWatch:
+        """Report changes under the folder ``path`` to ``on_event(type, name)`` until the
+        watch is stopped.
+
+        :raises GuestFileNotFound: when there is no such folder.
+        """
+        watch = FolderWatch(await self.connections.channel(sandbox_id), on_event)
+        await watch.start(path, recursive)
+        return watch
+
+    async def ping(self, sandbox_id: str) -> None:
+        """One round trip to the guest agent (for measuring the channel)."""
+        await self.connections.guest(sandbox_id, p.GuestOp.PING, {})
