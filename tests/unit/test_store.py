@@ -532,7 +532,7 @@ def test_an_upload_goes_pending_uploading_stored(
 def test_collection_expires_old_snapshots_here_and_in_the_store(
     local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cryobox.service.persist import Persistence, acting_for
+    from cryobox.service.persist import Persistence
 
     monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
     tenant = f"t{uuid.uuid4().hex[:10]}"
@@ -541,14 +541,13 @@ def test_collection_expires_old_snapshots_here_and_in_the_store(
     young = make_snapshot(local, shared, "young", age_days=6)
     # 8 days: within the 30 that disk snapshots are kept
     old_disk = make_snapshot(local, random_windows(1), "old-disk", (), 8, SnapshotKind.DISK)
-    persist = Persistence(local)
-    with acting_for(tenant):
-        store = persist.chunks()
-        for snap in (old, young):
-            store.push(local.folder(snap.id), snap)
-        # A server tenant's pass looks only at what it owns.
-        assert persist.collect(Policy(), grace=0, owned={young.id}).expired == []
-        report = persist.collect(Policy(), grace=0)
+    persist = Persistence(local, tenant)
+    store = persist.chunks()
+    for snap in (old, young):
+        store.push(local.folder(snap.id), snap)
+    # A server tenant's pass looks only at what it owns.
+    assert persist.collect(Policy(), grace=0, owned={young.id}).expired == []
+    report = persist.collect(Policy(), grace=0)
     assert report.expired == [old.id] and report.skipped is None
     assert {m.id for m in local.all()} == {young.id, old_disk.id}
     assert [s.id for s in store.all()] == [young.id]
@@ -559,24 +558,23 @@ def test_collection_expires_old_snapshots_here_and_in_the_store(
 def test_with_several_hosts_only_one_collects_the_store_and_keeps_others_pauses(
     local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cryobox.service.persist import Persistence, acting_for
+    from cryobox.service.persist import Persistence
 
     monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
     tenant = f"t{uuid.uuid4().hex[:10]}"
-    persist = Persistence(local)
-    with acting_for(tenant):
-        store = persist.chunks()
-        for sandbox in ("sbx-paused-on-b", "sbx-running-on-b", "sbx-gone"):
-            pause = make_snapshot(local, random_windows(1), sandbox)
-            store.push(local.folder(pause.id), pause, sandbox=sandbox)
-            local.delete(pause.id)
-        elsewhere = {"sbx-paused-on-b": "paused", "sbx-running-on-b": "running"}
-        # A host that does not lead the store leaves every stored pause alone...
-        quiet = persist.collect(Policy(), grace=0, store_wide=False, elsewhere=elsewhere)
-        assert quiet.forgotten_pauses == [] and quiet.chunks_deleted == 0
-        assert len([s for s in store.all() if s.sandbox]) == 3
-        # ...and the one that does keeps the pause of a sandbox paused on another host.
-        report = persist.collect(Policy(), grace=0, elsewhere=elsewhere)
+    persist = Persistence(local).of(tenant)
+    store = persist.chunks()
+    for sandbox in ("sbx-paused-on-b", "sbx-running-on-b", "sbx-gone"):
+        pause = make_snapshot(local, random_windows(1), sandbox)
+        store.push(local.folder(pause.id), pause, sandbox=sandbox)
+        local.delete(pause.id)
+    elsewhere = {"sbx-paused-on-b": "paused", "sbx-running-on-b": "running"}
+    # A host that does not lead the store leaves every stored pause alone...
+    quiet = persist.collect(Policy(), grace=0, store_wide=False, elsewhere=elsewhere)
+    assert quiet.forgotten_pauses == [] and quiet.chunks_deleted == 0
+    assert len([s for s in store.all() if s.sandbox]) == 3
+    # ...and the one that does keeps the pause of a sandbox paused on another host.
+    report = persist.collect(Policy(), grace=0, elsewhere=elsewhere)
     assert sorted(report.forgotten_pauses) == ["sbx-gone", "sbx-running-on-b"]
     assert [s.sandbox for s in store.all() if s.sandbox] == ["sbx-paused-on-b"]
     assert report.chunks_deleted >= 2

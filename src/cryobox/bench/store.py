@@ -93,15 +93,12 @@ async def measure(quick: bool) -> dict[str, Any]:
         await sbx.commands.run(f"head -c {base_mb}000000 /dev/urandom > /dev/shm/a")
         ram_mib = (await sbx.info()).memory_mib
         first = await sbx.snapshot(names[0])
-        from cryobox.service.persist import acting_for
-
         # The same first push into fresh stores (a tenant each), each beside the disk's
         # rate for as many bytes right after it (a shared disk's rate varies from one
         # minute to the next).
         found["save_mb_s"], found["disk_mb_s"] = [], []
         for run in range(1 if quick else 3):
-            with acting_for(tenants[run]):
-                seconds, found["save_bytes"] = await _push(persist, first.id)
+            seconds, found["save_bytes"] = await _push(persist.of(tenants[run]), first.id)
             found["save_mb_s"].append(found["save_bytes"] / MB / seconds)
             await asyncio.to_thread(os.sync)
             found["disk_mb_s"].append(
@@ -109,31 +106,31 @@ async def measure(quick: bool) -> dict[str, Any]:
                     disk_bandwidth_mb_s, max(16, round(found["save_bytes"] / 2**20))
                 )
             )
-        with acting_for(tenant):
-            await sbx.commands.run(f"head -c {changed_mb}000000 /dev/urandom > /dev/shm/b")
-            second = await sbx.snapshot(names[1])
-            _, found["second_bytes"] = await _push(persist, second.id)
-            found["ram_bytes"] = ram_mib << 20
-            usage = await asyncio.to_thread(collect.usage, persist.chunks())
-            found["store_bytes"] = usage.stored_bytes
-            found["local_start_s"] = await _fresh_start(second.id)
+        persist = persist.of(tenant)
+        await sbx.commands.run(f"head -c {changed_mb}000000 /dev/urandom > /dev/shm/b")
+        second = await sbx.snapshot(names[1])
+        _, found["second_bytes"] = await _push(persist, second.id)
+        found["ram_bytes"] = ram_mib << 20
+        usage = await asyncio.to_thread(collect.usage, persist.chunks())
+        found["store_bytes"] = usage.stored_bytes
+        found["local_start_s"] = await _fresh_start(second.id)
 
-            await asyncio.to_thread(server.start)
-            with environment(server.env(f"bench-{tenant}")):
-                found["upload_s"], found["upload_bytes"] = await _push(persist, first.id)
-                await _push(persist, second.id)
-                await persist.evict(second.id)
-                found["remote_start_s"] = await _fresh_start(second.id)
-                await persist.evict(second.id)
-                await persist.evict(first.id)
-                start = time.perf_counter()
-                await persist.pull(first.id)
-                found["pull_s"] = time.perf_counter() - start
-                found["pull_bytes"] = sum(
-                    f.stat().st_blocks * 512
-                    for f in Path(persist.local.folder(first.id)).iterdir()
-                    if f.is_file()
-                )
+        await asyncio.to_thread(server.start)
+        with environment(server.env(f"bench-{tenant}")):
+            found["upload_s"], found["upload_bytes"] = await _push(persist, first.id)
+            await _push(persist, second.id)
+            await persist.evict(second.id)
+            found["remote_start_s"] = await _fresh_start(second.id)
+            await persist.evict(second.id)
+            await persist.evict(first.id)
+            start = time.perf_counter()
+            await persist.pull(first.id)
+            found["pull_s"] = time.perf_counter() - start
+            found["pull_bytes"] = sum(
+                f.stat().st_blocks * 512
+                for f in Path(persist.local.folder(first.id)).iterdir()
+                if f.is_file()
+            )
     finally:
         await sbx.kill()
         await asyncio.to_thread(server.stop)

@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 from cryobox.config import LOCAL_TENANT
 
 if TYPE_CHECKING:  # loaded by the commands that use them: `cryobox --help` stays quick
+    from cryobox.service.persist import Persistence
     from cryobox.service.service import SandboxService
 
 from .output import console, errors_reported, out, print_rows
@@ -50,15 +51,14 @@ store_app = typer.Typer(no_args_is_help=True, help="The chunk store: checks and 
 key_app = typer.Typer(no_args_is_help=True, help="The store's per-tenant keys.")
 
 
-def _run(tenant: str, work: Callable[[SandboxService], Awaitable[T]]) -> T:
+def _run(tenant: str, work: Callable[[SandboxService, Persistence], Awaitable[T]]) -> T:
+    """``work`` done with this host's service and its store access on behalf of ``tenant``."""
     from cryobox.service import open_service
-    from cryobox.service.persist import acting_for
 
     async def main() -> T:
         service = open_service()
         try:
-            with acting_for(tenant):
-                return await work(service)
+            return await work(service, service.persist.of(tenant))
         finally:
             await service.close()
 
@@ -73,7 +73,7 @@ def push(ref: str, tenant: TenantOption = LOCAL_TENANT) -> None:
         def shown(done: int, total: int) -> None:
             status.update(f"storing {ref}: {done / max(total, 1):.0%} of {total / 1e6:.0f} MB")
 
-        state = _run(tenant, lambda s: s.persist.push(ref, progress=shown))
+        state = _run(tenant, lambda _s, p: p.push(ref, progress=shown))
     out.print(f"stored {ref} ({state.get('stored_bytes', 0) / 1e6:.1f} MB in the store)")
 
 
@@ -85,7 +85,7 @@ def pull(ref: str, tenant: TenantOption = LOCAL_TENANT) -> None:
         def shown(done: int, total: int) -> None:
             status.update(f"pulling {ref}: {done / max(total, 1):.0%} of {total / 1e6:.0f} MB")
 
-        manifest = _run(tenant, lambda s: s.persist.pull(ref, progress=shown))
+        manifest = _run(tenant, lambda _s, p: p.pull(ref, progress=shown))
     out.print(manifest.id)
 
 
@@ -93,7 +93,7 @@ def pull(ref: str, tenant: TenantOption = LOCAL_TENANT) -> None:
 def evict(ref: str, tenant: TenantOption = LOCAL_TENANT) -> None:
     """Delete a stored snapshot's local files; it is pulled back when used."""
     with errors_reported():
-        manifest = _run(tenant, lambda s: s.persist.evict(ref))
+        manifest = _run(tenant, lambda _s, p: p.evict(ref))
     out.print(f"evicted {manifest.id} (kept in the store)")
 
 
@@ -101,7 +101,7 @@ def evict(ref: str, tenant: TenantOption = LOCAL_TENANT) -> None:
 def export(ref: str, file: Path, tenant: TenantOption = LOCAL_TENANT) -> None:
     """Pack a snapshot and the disk layers it builds on into one file (encrypted)."""
     with errors_reported(), console.status(f"exporting {ref}"):
-        size = _run(tenant, lambda s: s.persist.export(ref, file))
+        size = _run(tenant, lambda _s, p: p.export(ref, file))
     out.print(f"exported {ref} to {file} ({size / 1e6:.1f} MB)")
 
 
@@ -113,7 +113,7 @@ def import_(
 ) -> None:
     """Check an exported file and bring its snapshot onto this host as NAME."""
     with errors_reported(), console.status(f"importing {file}"):
-        manifest = _run(tenant, lambda s: s.persist.import_(file, name))
+        manifest = _run(tenant, lambda _s, p: p.import_(file, name))
     out.print(manifest.id)
 
 
@@ -126,7 +126,7 @@ def check(
 ) -> None:
     """Verify every stored snapshot and every chunk it names (exit 1 on a problem)."""
     with errors_reported(), console.status("checking the store"):
-        result = _run(tenant, lambda s: asyncio.to_thread(s.persist.check, deep=not quick))
+        result = _run(tenant, lambda _s, p: asyncio.to_thread(p.check, deep=not quick))
     for problem in result.problems:
         console.print(f"[red]problem:[/red] {problem}", highlight=False)
     out.print(
@@ -140,7 +140,7 @@ def check(
 def store_usage(tenant: TenantOption = LOCAL_TENANT, as_json: JsonOption = False) -> None:
     """Bytes in the store per snapshot (unique and shared) and in all."""
     with errors_reported():
-        usage = _run(tenant, lambda s: asyncio.to_thread(s.persist.usage))
+        usage = _run(tenant, lambda _s, p: asyncio.to_thread(p.usage))
     if as_json:
         out.print_json(json.dumps(asdict(usage)))
         return
@@ -167,10 +167,10 @@ def gc(
 
     from cryobox.store.retention import Policy
 
-    async def work(service: SandboxService) -> tuple[list[str], Any]:
+    async def work(service: SandboxService, persist: Persistence) -> tuple[list[str], Any]:
         collected = await service.catalog.collect_garbage()
         policy = Policy.from_env()
-        return collected, await asyncio.to_thread(service.persist.collect, policy, grace=grace)
+        return collected, await asyncio.to_thread(persist.collect, policy, grace=grace)
 
     with errors_reported(), console.status("collecting"):
         collected, report = _run(tenant, work)
@@ -187,5 +187,5 @@ def gc(
 def rotate(tenant: TenantOption = LOCAL_TENANT) -> None:
     """Make a new key-encryption key and re-wrap the tenant's data key with it."""
     with errors_reported():
-        kek = _run(tenant, lambda s: asyncio.to_thread(s.persist.rotate_key))
+        kek = _run(tenant, lambda _s, p: asyncio.to_thread(p.rotate_key))
     out.print(f"tenant {tenant}: data key re-wrapped with {kek}")

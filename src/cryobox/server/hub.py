@@ -49,7 +49,6 @@ from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.registry import SandboxDir, forget_finished
 from cryobox.service import SandboxService
 from cryobox.service.commands import CommandSession
-from cryobox.service.persist import acting_for
 from cryobox.service.service import BASE_TEMPLATE, BUILDING, DEFAULT_TEMPLATE
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
@@ -442,8 +441,7 @@ class Hub:
         )
         cpus, memory = self._shape(request)
         async with self._reserve(tenant, 1, cpus, memory):
-            with acting_for(tenant.id):
-                info = await self.service.create(request)
+            info = await self.service.create(request, tenant=tenant.id)
             await self._adopt_new(tenant, info, _idle(idle_timeout))
         return self._present(info)
 
@@ -522,8 +520,7 @@ class Hub:
                 or time.time() - tracked.last_activity <= tracked.idle_timeout
             ):
                 return False
-            with acting_for(tenant.id):
-                await self.service.pause(sandbox_id)
+            await self.service.pause(sandbox_id, tenant=tenant.id)
             self.meter.set_idle_paused(sandbox_id, idle)
             self.meter.observe(sandbox_id, "paused")
         self.events.publish(tenant.id, sandbox_id, "paused", reason="idle" if idle else "asked")
@@ -538,8 +535,7 @@ class Hub:
         tracked = self.meter.get(sandbox_id)
         cpus, memory = (tracked.cpus, tracked.memory_mib) if tracked else (0, 0)
         async with self._reserve(tenant, 1, cpus, memory):
-            with acting_for(tenant.id):
-                info = await self.service.resume(sandbox_id)
+            info = await self.service.resume(sandbox_id, tenant=tenant.id)
             crash_point("server-resumed")
             self.meter.observe(sandbox_id, info.state)  # counted as running before released
         self.meter.set_idle_paused(sandbox_id, False)
@@ -605,12 +601,12 @@ class Hub:
             mine = set(self.tenants.owned(tenant.id, "snapshot"))
             older = self.service.catalog.replaced_by(name, overwrite=overwrite, among=mine)
         async with self._locks[sandbox_id]:
-            with acting_for(tenant.id):
-                info = await self.service.capture(sandbox_id, purpose, name, memory, unique=False)
+            info = await self.service.capture(
+                sandbox_id, purpose, name, memory, unique=False, tenant=tenant.id
+            )
             self.tenants.own(tenant.id, "snapshot", info.id)
-            with acting_for(tenant.id):
-                for gone in await self.service.catalog.delete_unused(older):
-                    self.tenants.disown("snapshot", gone)
+            for gone in await self.service.catalog.delete_unused(older, tenant=tenant.id):
+                self.tenants.disown("snapshot", gone)
         self.events.publish(
             tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
         )
@@ -634,8 +630,8 @@ class Hub:
             self._reserve(tenant, count, info.cpus, info.memory_mib),
             self._locks[sandbox_id],
         ):
-            with acting_for(tenant.id):  # the copies' owner, before their VMs start
-                forks = await self.service.fork(sandbox_id, count, timeout)
+            # The copies' owner, recorded before their VMs start.
+            forks = await self.service.fork(sandbox_id, count, timeout, tenant=tenant.id)
             for fork in forks:
                 await self._adopt_new(tenant, fork, idle)
         self.events.publish(tenant.id, sandbox_id, "forked", forks=[f.id for f in forks])
@@ -700,8 +696,9 @@ class Hub:
         self, tenant: Tenant, ref: str, *, cascade: bool = False
     ) -> builtins.list[str]:
         manifest = self.find_snapshot(tenant, ref)
-        with acting_for(tenant.id):
-            deleted = await self.service.catalog.delete_snapshot(manifest.id, cascade=cascade)
+        deleted = await self.service.catalog.delete_snapshot(
+            manifest.id, cascade=cascade, tenant=tenant.id
+        )
         for snapshot_id in deleted:
             self.tenants.disown("snapshot", snapshot_id)
         return deleted
@@ -730,10 +727,14 @@ class Hub:
         internal = _tenant_template(tenant, name)
         self._check_storage(tenant)
         async with self._reserve(tenant, 1, cpus, memory_mib):
-            with acting_for(tenant.id):
-                info = await self.service.build_template(
-                    internal, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
-                )
+            info = await self.service.build_template(
+                internal,
+                setup,
+                cpus=cpus,
+                memory_mib=memory_mib,
+                disk_gib=disk_gib,
+                tenant=tenant.id,
+            )
         self.tenants.own(tenant.id, "template", internal)
         self.tenants.own(tenant.id, "snapshot", info.id)
         return info
@@ -742,8 +743,7 @@ class Hub:
         internal = _tenant_template(tenant, name)
         if not self.tenants.owns(tenant.id, "template", internal):
             raise TemplateNotFound(name)
-        with acting_for(tenant.id):
-            await self.service.delete_template(internal)
+        await self.service.delete_template(internal, tenant=tenant.id)
         self.tenants.disown("template", internal)
 
     # ------------------------------------------------------------------ usage
@@ -823,16 +823,15 @@ class Hub:
         }
         for tenant in self.tenants.all():
             owned = set(self.tenants.owned(tenant.id, "snapshot"))
-            with acting_for(tenant.id):
-                report = await asyncio.to_thread(
-                    functools.partial(
-                        self.service.persist.collect,
-                        policy,
-                        owned=owned,
-                        store_wide=leads,
-                        elsewhere=elsewhere,
-                    )
+            report = await asyncio.to_thread(
+                functools.partial(
+                    self.service.persist.of(tenant.id).collect,
+                    policy,
+                    owned=owned,
+                    store_wide=leads,
+                    elsewhere=elsewhere,
                 )
+            )
             for snapshot_id in report.expired:
                 self.tenants.disown("snapshot", snapshot_id)
             if report.expired or report.chunks_deleted:

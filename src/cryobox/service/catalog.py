@@ -19,6 +19,7 @@ from cryobox.service import references
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore
+from cryobox.store.keys import LOCAL_TENANT
 
 
 class Catalog:
@@ -64,16 +65,20 @@ class Catalog:
             )
         return older
 
-    async def delete_unused(self, snapshot_ids: Iterable[str]) -> list[str]:
+    async def delete_unused(
+        self, snapshot_ids: Iterable[str], *, tenant: str = LOCAL_TENANT
+    ) -> list[str]:
         """Delete each of these snapshots that nothing uses (the others stay, reachable
         by id); the ids deleted."""
         deleted: list[str] = []
         for snapshot_id in snapshot_ids:
             with contextlib.suppress(CryoboxError):  # still used: kept
-                deleted += await self.delete_snapshot(snapshot_id)
+                deleted += await self.delete_snapshot(snapshot_id, tenant=tenant)
         return deleted
 
-    async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> list[str]:
+    async def delete_snapshot(
+        self, ref: str, *, cascade: bool = False, tenant: str = LOCAL_TENANT
+    ) -> list[str]:
         """Delete a snapshot (by id or name) that nothing builds on, locally and in the
         chunk store; with ``cascade``, the snapshots built on it go first (never a
         sandbox's). Returns the ids deleted.
@@ -88,7 +93,8 @@ class Catalog:
             doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
         ids = {m.id for m in doomed}
         sandboxes = registry.list_sandboxes()
-        stored_children = self.persist.stored_users(m.id for m in doomed)
+        persist = self.persist.of(tenant)
+        stored_children = persist.stored_users(m.id for m in doomed)
         for each in doomed:
             needed_by = references.users(each.id, [m for m in every if m.id not in ids], sandboxes)
             if not cascade:
@@ -101,9 +107,9 @@ class Catalog:
                 )
         for each in doomed:
             for child in stored_children[each.id]:  # evicted ones: in the store only
-                self.persist.forget(child)
+                persist.forget(child)
             self.store.delete(each.id)
-            self.persist.forget(each.id)
+            persist.forget(each.id)
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:
                     self.store.delete_template(str(template["name"]))

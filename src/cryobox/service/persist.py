@@ -4,8 +4,9 @@ The service keeps restoring from local snapshot folders; this module decides whe
 folder goes into the chunk store (snapshots, templates and pauses, in the background),
 brings folders back from the store when they are gone (a snapshot evicted or taken
 elsewhere, a paused sandbox whose files were deleted), and collects by the retention
-policy. Everything happens on behalf of a tenant: the server sets it per request with
-:func:`acting_for`; embedded use is tenant ``local``.
+policy. Everything happens on behalf of one tenant, which a :class:`Persistence` is
+made for (:meth:`Persistence.of`): the server passes each request's; embedded use is
+tenant ``local``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextvars import ContextVar
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,22 +44,8 @@ from cryobox.store.retention import Policy, expired
 from cryobox.store.transfer import LocalSources, Progress, local_sources
 from cryobox.util import new_id
 
-_tenant: ContextVar[str] = ContextVar("cryobox_store_tenant", default=LOCAL_TENANT)
 #: Purposes uploaded after they are taken (checkpoints and forks live with their sandbox).
 UPLOADED = (SnapshotPurpose.SNAPSHOT, SnapshotPurpose.TEMPLATE)
-
-
-@contextlib.contextmanager
-def acting_for(tenant: str) -> Iterator[None]:
-    token = _tenant.set(tenant)
-    try:
-        yield
-    finally:
-        _tenant.reset(token)
-
-
-def current_tenant() -> str:
-    return _tenant.get()
 
 
 @dataclass
@@ -75,13 +61,27 @@ class CollectReport:
 
 
 class Persistence:
-    def __init__(self, local: SnapshotStore) -> None:
+    """This host's snapshots and the chunk store, on behalf of ``tenant``."""
+
+    def __init__(
+        self,
+        local: SnapshotStore,
+        tenant: str = LOCAL_TENANT,
+        clients: dict[tuple[str, str], ChunkStore] | None = None,
+    ) -> None:
         self.local = local
-        self._stores: dict[tuple[str, str], ChunkStore] = {}
+        self.tenant = tenant
+        #: Chunk store clients by (store URL, tenant), shared by every tenant's view.
+        self._stores: dict[tuple[str, str], ChunkStore] = {} if clients is None else clients
+
+    def of(self, tenant: str) -> Persistence:
+        """The same, on behalf of ``tenant`` (the store clients are shared)."""
+        return self if tenant == self.tenant else Persistence(self.local, tenant, self._stores)
 
     def chunks(self, tenant: str | None = None) -> ChunkStore:
-        """The tenant's chunk store at ``CRYOBOX_STORE`` as set now (one client each)."""
-        key = (store_url(), tenant or current_tenant())
+        """A tenant's (by default this one's) chunk store at ``CRYOBOX_STORE`` as set
+        now (one client each)."""
+        key = (store_url(), tenant or self.tenant)
         if key not in self._stores:
             self._stores[key] = ChunkStore(key[1], open_objects(key[0]))
         return self._stores[key]
@@ -90,10 +90,10 @@ class Persistence:
 
     def after_capture(self, manifest: Manifest) -> None:
         if manifest.purpose in UPLOADED:
-            uploads.schedule(self.local.folder(manifest.id), current_tenant())
+            uploads.schedule(self.local.folder(manifest.id), self.tenant)
 
     def after_pause(self, folder: SandboxDir) -> None:
-        uploads.schedule(folder.paused, current_tenant())
+        uploads.schedule(folder.paused, self.tenant)
 
     def upload_state(self, snapshot_id: str) -> dict[str, Any]:
         return uploads.state(self.local.folder(snapshot_id))
@@ -105,7 +105,7 @@ class Persistence:
         ``progress(done, total)`` is told the bytes read so far (from a worker thread)."""
         manifest = self.local.get(ref)
         folder = self.local.folder(manifest.id)
-        uploads.mark(folder, current_tenant())
+        uploads.mark(folder, self.tenant)
         if not await asyncio.to_thread(uploads.upload, folder, progress):
             raise StoreError(
                 str(self.chunks().objects.url),
@@ -223,7 +223,7 @@ class Persistence:
             return  # which pause it was is unknown: never pull one that may be older
         marked = uploads.state(folder.paused)
         store = ChunkStore(
-            str(marked.get("tenant") or current_tenant()),
+            str(marked.get("tenant") or self.tenant),
             open_objects(str(marked["store"])) if marked.get("store") else None,
         )
         try:

@@ -76,7 +76,7 @@ from cryobox.service.catalog import Catalog
 from cryobox.service.commands import OutputSink
 from cryobox.service.connections import Connections
 from cryobox.service.guest_ops import GuestOperations
-from cryobox.service.persist import Persistence, acting_for, current_tenant
+from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
@@ -207,11 +207,12 @@ class SandboxService:
         progress: Progress | None = None,
         *,
         start: StartOptions = PLAIN_START,
+        tenant: str = LOCAL_TENANT,
         owner: str | None = None,
     ) -> SandboxInfo:
-        """Start a sandbox and return it once its guest agent answers (with its proxy
-        and extra CAs in place, see :mod:`.egress`). ``owner`` (default: the tenant
-        acting) is recorded in its spec before its VM starts; ``start`` says how the
+        """Start a sandbox for ``tenant`` and return it once its guest agent answers
+        (with its proxy and extra CAs in place, see :mod:`.egress`). ``owner`` (default:
+        the tenant) is recorded in its spec before its VM starts; ``start`` says how the
         service's own starts differ (a fork's copies, a warm pool's members).
 
         :raises InvalidArgument: for a request that cannot work, naming the argument.
@@ -232,7 +233,9 @@ class SandboxService:
                 pem = await asyncio.to_thread(egress.host_bundle, os.environ)
             extra = egress.variables(proxy, no_proxy, pem)
             request = dataclasses.replace(request, envs={**extra, **request.envs})
-        info = await self._start(request, progress, start=start, owner=owner)
+        info = await self._start(
+            request, progress, start=start, tenant=tenant, owner=tenant if owner is None else owner
+        )
         # A pool member got the host's when it was made.
         if pem and not (info.pooled and request.ca_bundle is None):
             try:
@@ -269,8 +272,9 @@ class SandboxService:
         request: CreateRequest,
         progress: Progress | None = None,
         *,
-        start: StartOptions = PLAIN_START,
-        owner: str | None = None,
+        start: StartOptions,
+        tenant: str,
+        owner: str,
     ) -> SandboxInfo:
         """Start a sandbox and return it once its guest agent answers.
 
@@ -293,9 +297,9 @@ class SandboxService:
         image = await asyncio.to_thread(self.vmm.ensure_image, progress)
         source: Manifest | None = None
         if request.from_snapshot is not None:
-            source = await self.persist.local_or_pulled(request.from_snapshot)
+            source = await self.persist.of(tenant).local_or_pulled(request.from_snapshot)
         elif request.template != BASE_TEMPLATE:
-            source = await self.template_snapshot(request.template, image, progress)
+            source = await self.template_snapshot(request.template, image, progress, tenant)
         shape = {
             "cpus": request.cpus,
             "memory_mib": request.memory_mib,
@@ -315,7 +319,7 @@ class SandboxService:
         )
         if pooled_template and source is not None:
             try:
-                claimed = await self._claim_pooled(request, source, policy.to_json())
+                claimed = await self._claim_pooled(request, source, policy.to_json(), owner)
             finally:
                 # Off the caller's path: starting the refill process is a fork of this one.
                 self._refill = asyncio.get_running_loop().run_in_executor(None, pool.request_refill)
@@ -340,7 +344,7 @@ class SandboxService:
             envs=dict(request.envs),
             metadata=dict(request.metadata),
             pool=request.template if start.pool_member else "",
-            owner="" if start.pool_member else owner if owner is not None else current_tenant(),
+            owner="" if start.pool_member else owner,
         )
         folder = SandboxDir.create(spec)
         try:
@@ -353,7 +357,7 @@ class SandboxService:
         return sandbox_info(spec, record, folder)
 
     async def _claim_pooled(
-        self, request: CreateRequest, source: Manifest, network: str | list[str]
+        self, request: CreateRequest, source: Manifest, network: str | list[str], owner: str
     ) -> SandboxInfo | None:
         """A waiting member of the template's pool, given the request's settings and a
         fresh identity; None when none is ready (or none that fits).
@@ -379,7 +383,7 @@ class SandboxService:
                 record = await self.connections.control(sandbox_id, Claim())
                 # Its owner only once claimed (a fresh identity, its ports): a member
                 # left between the two by a crash has none, and a server ends it.
-                spec = dataclasses.replace(spec, owner=current_tenant())
+                spec = dataclasses.replace(spec, owner=owner)
                 folder.write_spec(spec)
             except BaseException as exc:  # withdrawn: ours to end (the caller never saw it)
                 log.warning("pool member %s could not be claimed (%r): ended", sandbox_id, exc)
@@ -463,7 +467,7 @@ class SandboxService:
             folder.remove()
         await self.catalog.collect_garbage()
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, *, tenant: str = LOCAL_TENANT) -> None:
         """Save the whole machine and end its VM; :meth:`resume` continues it.
 
         The VM is kept, stopped, for ``config.pause_hold()`` seconds: a resume within
@@ -476,9 +480,11 @@ class SandboxService:
         hold = config.pause_hold()
         await self.connections.control(sandbox_id, Pause(hold))
         await self.connections.disconnect(sandbox_id)
-        self.persist.after_pause(registry.find(sandbox_id))
+        self.persist.of(tenant).after_pause(registry.find(sandbox_id))
 
-    async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
+    async def resume(
+        self, sandbox_id: str, progress: Progress | None = None, *, tenant: str = LOCAL_TENANT
+    ) -> SandboxInfo:
         """Continue a paused sandbox with every process where it was.
 
         :raises StateError: when it is not paused.
@@ -494,15 +500,16 @@ class SandboxService:
                 return sandbox_info(folder.spec(), record, folder)
         require(sandbox_id, folder.record().state, (SandboxState.PAUSED,), "resume")
         config.check_settings()  # a bad one is named before the paused files are touched
+        persist = self.persist.of(tenant)
         woken = await self._wake(folder)
         if woken is not None:
-            self.persist.after_resume(folder)
+            persist.after_resume(folder)
             return sandbox_info(folder.spec(), woken, folder)
-        await self.persist.paused_here(folder)  # its files deleted here: from the store
+        await persist.paused_here(folder)  # its files deleted here: from the store
         record = await self.launcher.start(
             folder, backend=self.vmm.name, resume=True, progress=progress
         )
-        self.persist.after_resume(folder)
+        persist.after_resume(folder)
         return sandbox_info(folder.spec(), record, folder)
 
     async def _wake(self, folder: SandboxDir) -> SandboxRecord | None:
@@ -541,6 +548,7 @@ class SandboxService:
         overwrite: bool = False,
         *,
         unique: bool = True,
+        tenant: str = LOCAL_TENANT,
     ) -> SnapshotInfo:
         """A checkpoint, snapshot, template or fork snapshot of a running sandbox.
 
@@ -566,8 +574,8 @@ class SandboxService:
             manifest = await self.connections.control(
                 sandbox_id, TakeSnapshot(purpose, name, memory)
             )
-            self.persist.after_capture(manifest)
-            await self.catalog.delete_unused(older)
+            self.persist.of(tenant).after_capture(manifest)
+            await self.catalog.delete_unused(older, tenant=tenant)
         return self.catalog.snapshot_info(manifest)
 
     async def rollback(self, sandbox_id: str, ref: str) -> None:
@@ -594,7 +602,12 @@ class SandboxService:
             return ""
 
     async def fork(
-        self, sandbox_id: str, count: int, timeout: float | None = None
+        self,
+        sandbox_id: str,
+        count: int,
+        timeout: float | None = None,
+        *,
+        tenant: str = LOCAL_TENANT,
     ) -> builtins.list[SandboxInfo]:
         """``count`` new running sandboxes continuing from this instant of a running one.
 
@@ -621,7 +634,9 @@ class SandboxService:
                 available_mib=available,
             )
         threads = config.fork_tcg_threads(count)
-        saved = await self.capture(sandbox_id, SnapshotPurpose.FORK, f"fork-of-{sandbox_id}")
+        saved = await self.capture(
+            sandbox_id, SnapshotPurpose.FORK, f"fork-of-{sandbox_id}", tenant=tenant
+        )
         gate = asyncio.Semaphore(FORK_CONCURRENCY)
         group = SupervisorGroup()  # the copies share supervisor processes
 
@@ -638,6 +653,7 @@ class SandboxService:
                     start=StartOptions(
                         forked_from=sandbox_id, fork_index=index, tcg_threads=threads, group=group
                     ),
+                    tenant=tenant,
                 )
 
         try:
@@ -658,7 +674,7 @@ class SandboxService:
 
     # ------------------------------------------------------------------ snapshots, templates
 
-    async def delete_template(self, name: str) -> None:
+    async def delete_template(self, name: str, *, tenant: str = LOCAL_TENANT) -> None:
         """Remove a template and its snapshot (kept while a sandbox builds on it).
 
         :raises TemplateNotFound: when there is no such template.
@@ -671,7 +687,7 @@ class SandboxService:
         await self.drain_pool(name)
         self.store.delete_template(name)
         with contextlib.suppress(CryoboxError):
-            await self.catalog.delete_snapshot(str(entry["snapshot"]))
+            await self.catalog.delete_snapshot(str(entry["snapshot"]), tenant=tenant)
 
     async def drain_pool(self, template: str | None = None) -> builtins.list[str]:
         """End the waiting members of ``template``'s warm pool (or of every pool); their
@@ -690,9 +706,10 @@ class SandboxService:
         return ended
 
     async def template_snapshot(
-        self, name: str, image: Image, progress: Progress | None
+        self, name: str, image: Image, progress: Progress | None, tenant: str = LOCAL_TENANT
     ) -> Manifest:
-        """The snapshot a template starts from; builds ``default`` when missing or stale."""
+        """The snapshot a template starts from (pulled from ``tenant``'s store when it is
+        not here); builds ``default`` (the host's) when missing or stale."""
         image_id = image.id
         entry = self.store.template(name)
         usable = entry is not None and entry.get("image_id") == image_id
@@ -705,7 +722,7 @@ class SandboxService:
             usable = entry.get("guest_aslr") == config.guest_aslr(accelerator)
         if entry is not None and usable:
             try:
-                manifest = await self.persist.local_or_pulled(str(entry["snapshot"]))
+                manifest = await self.persist.of(tenant).local_or_pulled(str(entry["snapshot"]))
                 if cache:
                     await asyncio.to_thread(self._continuable, manifest, image, accelerator)
                 return manifest
@@ -726,8 +743,8 @@ class SandboxService:
             )
         if progress:
             progress("building the default template (one cold boot, then every create restores)")
-        with acting_for(LOCAL_TENANT):  # the host's, whoever asked first
-            info = await self.build_template(DEFAULT_TEMPLATE, [], progress=progress)
+        # The host's, whoever asked first.
+        info = await self.build_template(DEFAULT_TEMPLATE, [], progress=progress)
         return self.store.get(info.id)
 
     def _continuable(self, manifest: Manifest, image: Image, accelerator: str) -> None:
@@ -747,9 +764,11 @@ class SandboxService:
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
         progress: Progress | None = None,
+        tenant: str = LOCAL_TENANT,
     ) -> SnapshotInfo:
-        """Boot the image, run ``setup`` commands, save the machine as template ``name``.
-        ``progress`` is told each step, and a setup command's latest output line.
+        """Boot the image, run ``setup`` commands, save the machine as template ``name``
+        (stored as ``tenant``'s). ``progress`` is told each step, and a setup command's
+        latest output line.
 
         :raises InvalidArgument: for a bad name, or a setup command that fails (its output).
         """
@@ -766,7 +785,8 @@ class SandboxService:
                 timeout=3600,
             ),
             progress,
-            owner=f"{BUILDING}{current_tenant()}",  # never a tenant's sandbox
+            tenant=tenant,
+            owner=f"{BUILDING}{tenant}",  # never a tenant's sandbox
         )
         randomized = config.guest_aslr(sandbox.accelerator)  # as it was booted
         try:
@@ -789,7 +809,9 @@ class SandboxService:
                         f"{result.exit_code}:\n{text}"
                     )
             say("saving the machine")
-            saved = await self.capture(sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}")
+            saved = await self.capture(
+                sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}", tenant=tenant
+            )
             # Named before the build sandbox is killed: its kill collects unnamed templates.
             previous = self.store.template(name)
             self.store.set_template(
@@ -807,7 +829,7 @@ class SandboxService:
                 await self.kill(sandbox.id, keep_record=False)
         if previous and previous.get("snapshot") != saved.id:
             with contextlib.suppress(CryoboxError):  # kept while something builds on it
-                await self.catalog.delete_snapshot(str(previous["snapshot"]))
+                await self.catalog.delete_snapshot(str(previous["snapshot"]), tenant=tenant)
         return saved
 
     async def close(self) -> None:
