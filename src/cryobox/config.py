@@ -28,6 +28,8 @@ DEFAULT_TIMEOUT = 300.0
 LOCAL_TENANT = "local"
 #: Most members one template's warm pool may keep.
 MAX_POOL_SIZE = 16
+#: Copies one fork may make.
+MAX_FORKS = 100
 MAX_CPUS = 64
 MIN_MEMORY_MIB = 128
 MAX_MEMORY_MIB = 64 * 1024

@@ -265,6 +265,45 @@ class TemplateInfo:
 
 
 @dataclass(frozen=True)
+class LineageNode:
+    """A sandbox or a snapshot, and where it came from: a sandbox's parent is the
+    snapshot it was restored from last (None for a cold boot), a snapshot's the sandbox
+    it was taken of."""
+
+    id: str
+    #: "sandbox" or "snapshot".
+    kind: str
+    parent: str | None
+    #: A sandbox's state, or a snapshot's kind ("memory", "disk").
+    state: str
+    #: For a fork's copy: the sandbox it was forked from.
+    forked_from: str | None
+    #: A sandbox's template; a snapshot's purpose and name.
+    label: str
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> LineageNode:
+        """:raises ValueError: when a field is missing or of the wrong type."""
+        try:
+            node = cls(**{f: value[f] for f in _LINEAGE_FIELDS})
+        except KeyError as exc:
+            raise ValueError(f"a lineage node without {exc}") from None
+        texts = (node.id, node.kind, node.state, node.label)
+        maybe = (node.parent, node.forked_from)
+        if not all(isinstance(t, str) for t in texts) or not all(
+            m is None or isinstance(m, str) for m in maybe
+        ):
+            raise ValueError(f"a lineage node of the wrong shape: {dict(value)!r}")
+        return node
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_LINEAGE_FIELDS = ("id", "kind", "parent", "state", "forked_from", "label")
+
+
+@dataclass(frozen=True)
 class CreateRequest:
     """What a new sandbox should be; ``None`` shape fields come from its template.
 

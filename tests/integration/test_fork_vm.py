@@ -70,8 +70,8 @@ def test_fork_ten_copies_each_its_own_machine(sandbox_factory: Any) -> None:
         assert parent.files.read_text("/root/who") == "parent" and counting(parent)
         origin = forks[0].info().origin
         assert origin and all(f.info().origin == origin for f in forks)
-        lineage = {n["id"]: n for n in Sandbox.lineage()}
-        assert lineage[origin]["parent"] == parent.id
+        lineage = {n.id: n for n in Sandbox.lineage()}
+        assert lineage[origin].parent == parent.id
         parent.kill()  # the forks do not depend on it
         assert all(counting(f) for f in forks[:3])
     finally:

@@ -31,16 +31,29 @@ from cryobox.vmm.fake import FakeVmm
 
 
 @pytest.fixture
-async def api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[HttpTransport]:
-    """The SDK's HTTP transport wired to the app in this process (one tenant's key)."""
+async def app(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
+    """An httpx client wired to the app in this process, and one tenant's key."""
     state = Path(tempfile.mkdtemp(prefix="cbx-api-"))  # short: unix socket paths
     monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
     monkeypatch.setenv("CRYOBOX_VMM", "fake")  # the supervisors this service starts
     hub = Hub(open_service(vmm=FakeVmm()), SqliteDatabase(state / "server.db"))
     _, key = hub.tenants.create("acme")
-    app = create_app(hub, extensions=[e2b()])
     await hub.start()  # what the app's lifespan does first (ASGITransport runs no lifespan)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    asgi = httpx.ASGITransport(app=create_app(hub, extensions=[e2b()]))
+    client = httpx.AsyncClient(transport=asgi, base_url="http://cryobox.test")
+    try:
+        yield client, key
+    finally:
+        await client.aclose()
+        await hub.close()
+        kill_vms(state)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+async def api(app: tuple[httpx.AsyncClient, str]) -> AsyncIterator[HttpTransport]:
+    """The SDK's HTTP transport over that client."""
+    client, key = app
     transport = HttpTransport("http://cryobox.test", key, client=client)
     try:
         yield transport
@@ -48,10 +61,6 @@ async def api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[HttpTransport]:
         for info in await transport.list(all=True):
             with contextlib.suppress(Exception):
                 await transport.kill(info.id)
-        await transport.close()
-        await hub.close()
-        kill_vms(state)
-        shutil.rmtree(state, ignore_errors=True)
 
 
 async def test_a_sandbox_round_trip_through_the_api_in_process(api: HttpTransport) -> None:
@@ -64,6 +73,8 @@ async def test_a_sandbox_round_trip_through_the_api_in_process(api: HttpTranspor
     await sbx.files.write("/tmp/blob", b"\x00\xffbytes")
     assert await sbx.files.read("/tmp/blob") == b"\x00\xffbytes"
     assert "blob" in [entry.name for entry in await sbx.files.list("/tmp")]
+    node = {n.id: n for n in await api.lineage()}[info.id]  # typed records, both ends
+    assert (node.kind, node.state, node.parent) == ("sandbox", "running", None)
     await sbx.kill()
     assert (await api.get(info.id)).state == "killed"
 
@@ -96,3 +107,25 @@ def test_a_create_request_goes_on_the_wire_as_plain_json() -> None:
         "envs": {"A": "1"},
         "cpus": 2,
     }
+
+
+async def test_the_shared_wire_bodies_bound_and_close_each_field(
+    app: tuple[httpx.AsyncClient, str],
+) -> None:
+    """The bodies the SDK sends (cryobox.wire) are the ones the server validates: a bad
+    value or an unknown field is a 422 naming it, before any work starts."""
+    client, key = app
+    auth = {"Authorization": f"Bearer {key}"}
+    cases = [
+        ("/templates", {"name": "no spaces"}, "name"),
+        ("/templates", {"name": "web", "cpus": 0}, "cpus"),
+        ("/sandboxes/sbx-0/commands", {"cmd": "true", "bogus": 1}, "bogus"),
+        ("/sandboxes/sbx-0/commands", {"cmd": []}, "cmd"),
+        ("/sandboxes/sbx-0/forks", {"count": 101}, "count"),
+        ("/sandboxes/sbx-0/timeout", {"seconds": 0}, "seconds"),
+        ("/sandboxes/sbx-0/ports", {"guest_port": 70000}, "guest_port"),
+    ]
+    for path, body, field in cases:
+        answer = await client.post(path, json=body, headers=auth)
+        assert answer.status_code == 422, (path, body, answer.text)
+        assert any(field in item["loc"] for item in answer.json()["detail"]), answer.json()

@@ -24,6 +24,7 @@ from cryobox import config
 from cryobox.arguments import key_values
 from cryobox.client import Sandbox
 from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument, SandboxNotFound
+from cryobox.models import LineageNode
 from cryobox.util import host_memory_mib
 
 from .output import console, errors_reported, out, print_rows, say_error
@@ -773,21 +774,21 @@ def tree(as_json: JsonOption = False) -> None:
     with errors_reported():
         nodes = Sandbox.lineage()
         if as_json:
-            print(json.dumps(nodes, indent=2))
+            print(json.dumps([node.to_json() for node in nodes], indent=2))
             return
-        ids = {node["id"] for node in nodes}
-        children: dict[str | None, list[dict[str, Any]]] = {}
+        ids = {node.id for node in nodes}
+        children: dict[str | None, list[LineageNode]] = {}
         for node in nodes:
-            parent = node["parent"] if node["parent"] in ids else None
+            parent = node.parent if node.parent in ids else None
             children.setdefault(parent, []).append(node)
         root = Tree("[bold]cryobox[/bold] (image)")
 
         def add(branch: Tree, parent: str | None) -> None:
             for node in children.get(parent, []):
-                text = f"{node['id']}  {node['kind']} {node['state']} {node['label']}".rstrip()
-                if node["parent"] and node["parent"] not in ids:
-                    text += f"  (from {node['parent']}, gone)"
-                add(branch.add(text), node["id"])
+                text = f"{node.id}  {node.kind} {node.state} {node.label}".rstrip()
+                if node.parent and node.parent not in ids:
+                    text += f"  (from {node.parent}, gone)"
+                add(branch.add(text), node.id)
 
         add(root, None)
         out.print(root)

@@ -32,6 +32,7 @@ from cryobox.models import (
     CreateRequest,
     EntryInfo,
     FileEvent,
+    LineageNode,
     Progress,
     SandboxInfo,
     SandboxState,
@@ -716,7 +717,7 @@ class AsyncSandbox:
     @staticmethod
     async def lineage(
         *, api_url: str | None = None, api_key: str | None = None
-    ) -> builtins.list[dict[str, Any]]:
+    ) -> builtins.list[LineageNode]:
         """Sandboxes and snapshots of this host as nodes naming their parent."""
         return await transport_for(api_url, api_key).lineage()
 

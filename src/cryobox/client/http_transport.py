@@ -19,12 +19,13 @@ from urllib.parse import quote
 
 import httpx
 
-from cryobox import config, streams
+from cryobox import config, streams, wire
 from cryobox.errors import (
     AuthenticationError,
     ChannelError,
     CryoboxError,
     InvalidArgument,
+    ProtocolError,
     error_from_detail,
 )
 from cryobox.models import (
@@ -32,6 +33,7 @@ from cryobox.models import (
     CreateRequest,
     EntryInfo,
     ExitStatus,
+    LineageNode,
     OutputSink,
     Progress,
     SandboxInfo,
@@ -180,8 +182,10 @@ class HttpCommand:
         self._id = ""
         self._reader: asyncio.Future[ExitStatus] | None = None
 
-    async def start(self, body: dict[str, Any]) -> None:
-        request = self._client.build_request("POST", self._base, json=body, timeout=STREAM)
+    async def start(self, body: wire.RunCommand) -> None:
+        request = self._client.build_request(
+            "POST", self._base, json=body.to_wire(), timeout=STREAM
+        )
         response = await open_stream(self._client, request, "starting the command")
         try:
             lines = response.aiter_lines()
@@ -231,13 +235,15 @@ class HttpCommand:
 
     async def resize(self, cols: int, rows: int) -> None:
         response = await self._client.post(
-            f"{self._base}/{self._id}/resize", json={"cols": cols, "rows": rows}, timeout=QUICK
+            f"{self._base}/{self._id}/resize",
+            json=wire.TerminalSize(cols, rows).to_wire(),
+            timeout=QUICK,
         )
         raise_for(response)
 
     async def kill(self, signal: int = signals.SIGKILL) -> None:
         response = await self._client.post(
-            f"{self._base}/{self._id}/kill", json={"signal": int(signal)}, timeout=QUICK
+            f"{self._base}/{self._id}/kill", json=wire.Signal(int(signal)).to_wire(), timeout=QUICK
         )
         raise_for(response)
 
@@ -303,19 +309,23 @@ class HttpTransport:
         memory: bool = True,
         overwrite: bool = False,
     ) -> SnapshotInfo:
-        body: dict[str, Any] = {"name": name}
         if purpose is SnapshotPurpose.CHECKPOINT:
-            path = "/checkpoints"
+            path, body = "/checkpoints", wire.Capture(name)
         elif purpose is SnapshotPurpose.SNAPSHOT:
-            path, body["memory"], body["overwrite"] = "/snapshots", memory, overwrite
+            path, body = "/snapshots", wire.Capture(name, memory, overwrite)
         else:
             raise InvalidArgument(f"a {purpose.value} snapshot is not taken over HTTP")
-        response = await self._call("POST", self._sbx(sandbox_id, path), json=body, timeout=LONG)
+        response = await self._call(
+            "POST", self._sbx(sandbox_id, path), json=body.to_wire(), timeout=LONG
+        )
         return snapshot_info(response.json())
 
     async def rollback(self, sandbox_id: str, ref: str) -> None:
         await self._call(
-            "POST", self._sbx(sandbox_id, "/rollback"), json={"checkpoint": ref}, timeout=LONG
+            "POST",
+            self._sbx(sandbox_id, "/rollback"),
+            json=wire.Rollback(ref).to_wire(),
+            timeout=LONG,
         )
 
     async def fork(
@@ -324,17 +334,19 @@ class HttpTransport:
         response = await self._call(
             "POST",
             self._sbx(sandbox_id, "/forks"),
-            json={"count": count, "timeout": timeout},
+            json=wire.Fork(count, timeout).to_wire(),
             timeout=LONG,
         )
         return [sandbox_info(item) for item in response.json()]
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
-        await self._call("POST", self._sbx(sandbox_id, "/timeout"), json={"seconds": seconds})
+        await self._call(
+            "POST", self._sbx(sandbox_id, "/timeout"), json=wire.SetTimeout(seconds).to_wire()
+        )
 
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
         response = await self._call(
-            "POST", self._sbx(sandbox_id, "/ports"), json={"guest_port": guest_port}
+            "POST", self._sbx(sandbox_id, "/ports"), json=wire.ExposePort(guest_port).to_wire()
         )
         return int(response.json()["host_port"])
 
@@ -344,24 +356,25 @@ class HttpTransport:
     async def ping(self, sandbox_id: str) -> None:
         await self._call("POST", self._sbx(sandbox_id, "/ping"))
 
-    async def lineage(self) -> builtins.list[dict[str, Any]]:
+    async def lineage(self) -> builtins.list[LineageNode]:
         response = await self._call("GET", "/lineage")
-        nodes: builtins.list[dict[str, Any]] = response.json()
-        return nodes
+        try:
+            return [LineageNode.from_json(node) for node in response.json()]
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ProtocolError(f"GET /lineage answered what is no lineage: {exc}") from None
 
     async def start_command(
         self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
     ) -> HttpCommand:
-        body: dict[str, Any] = {
-            "cmd": request.shell if request.shell is not None else list(request.argv or ()),
-            "env": request.env,
-            "cwd": request.cwd,
-            "user": request.user,
-            "timeout": request.timeout,
-            "stdin": request.stdin,
-        }
-        if request.pty is not None:  # only when asked: a server without PTYs runs the rest
-            body["pty"] = {"cols": request.pty[0], "rows": request.pty[1]}
+        body = wire.RunCommand(
+            cmd=request.shell if request.shell is not None else list(request.argv or ()),
+            env=request.env,
+            cwd=request.cwd,
+            user=request.user,
+            timeout=request.timeout,
+            stdin=request.stdin,
+            pty=None if request.pty is None else wire.TerminalSize(*request.pty),
+        )
         command = HttpCommand(self._client, self._sbx(sandbox_id, "/commands"), on_output)
         await command.start(body)
         return command
@@ -404,7 +417,9 @@ class HttpTransport:
 
     async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
         await self._call(
-            "POST", self._sbx(sandbox_id, "/files/mkdir"), json={"path": path, "parents": parents}
+            "POST",
+            self._sbx(sandbox_id, "/files/mkdir"),
+            json=wire.MakeDir(path, parents).to_wire(),
         )
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
@@ -445,14 +460,8 @@ class HttpTransport:
     ) -> SnapshotInfo:
         if progress:
             progress(f"building template {name} on {self.api_url}")
-        body = {
-            "name": name,
-            "setup": list(setup),
-            "cpus": cpus,
-            "memory_mib": memory_mib,
-            "disk_gib": disk_gib,
-        }
-        response = await self._call("POST", "/templates", json=body, timeout=LONG)
+        body = wire.BuildTemplate(name, list(setup), cpus, memory_mib, disk_gib)
+        response = await self._call("POST", "/templates", json=body.to_wire(), timeout=LONG)
         return snapshot_info(response.json())
 
     async def templates(self) -> builtins.list[TemplateInfo]:

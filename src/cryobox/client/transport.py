@@ -12,7 +12,7 @@ import builtins
 import os
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cryobox import config
 from cryobox.errors import AuthenticationError
@@ -21,6 +21,7 @@ from cryobox.models import (
     CommandRequest,
     CreateRequest,
     EntryInfo,
+    LineageNode,
     OutputSink,
     Progress,
     SandboxInfo,
@@ -64,7 +65,7 @@ class Transport(Protocol):
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int: ...
     async def logs(self, sandbox_id: str) -> str: ...
     async def ping(self, sandbox_id: str) -> None: ...
-    async def lineage(self) -> builtins.list[dict[str, Any]]: ...
+    async def lineage(self) -> builtins.list[LineageNode]: ...
     async def start_command(
         self, sandbox_id: str, request: CommandRequest, on_output: OutputSink
     ) -> StartedCommand: ...
@@ -159,7 +160,7 @@ class LocalTransport:
     async def ping(self, sandbox_id: str) -> None:
         await self.service.guest.ping(sandbox_id)
 
-    async def lineage(self) -> builtins.list[dict[str, Any]]:
+    async def lineage(self) -> builtins.list[LineageNode]:
         return await self.service.catalog.lineage()
 
     async def start_command(

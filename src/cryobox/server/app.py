@@ -32,12 +32,14 @@ from starlette.background import BackgroundTask
 
 from cryobox import errors as e
 from cryobox import streams
+from cryobox import wire as s
 from cryobox.arguments import key_values
 from cryobox.guest import protocol as p
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
     EntryInfo,
+    LineageNode,
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
@@ -46,7 +48,6 @@ from cryobox.models import (
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
 
-from . import schemas as s
 from .backlog import Backlog
 from .extensions import Extension
 from .forward import Forward, credentials
@@ -321,18 +322,18 @@ def create_app(
         return Response(status_code=204)
 
     @app.get("/sandboxes/{sandbox_id}/lineage", tags=["sandboxes"])
-    async def sandbox_lineage(sandbox_id: str, me: Me) -> list[dict[str, Any]]:
+    async def sandbox_lineage(sandbox_id: str, me: Me) -> list[LineageNode]:
         """The sandbox and its ancestors: the snapshots and sandboxes it came from."""
         await hub.get(me, sandbox_id)
-        nodes = {node["id"]: node for node in await hub.lineage(me)}
+        nodes = {node.id: node for node in await hub.lineage(me)}
         chain, current = [], nodes.get(sandbox_id)
         while current is not None and current not in chain:
             chain.append(current)
-            current = nodes.get(current["parent"] or "")
+            current = nodes.get(current.parent or "")
         return chain
 
     @app.get("/lineage", tags=["sandboxes"])
-    async def lineage(me: Me) -> list[dict[str, Any]]:
+    async def lineage(me: Me) -> list[LineageNode]:
         return await hub.lineage(me)
 
     @app.get("/sandboxes/{sandbox_id}/events", tags=["sandboxes"])

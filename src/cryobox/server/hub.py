@@ -43,7 +43,7 @@ from cryobox.errors import (
     StoreError,
     TemplateNotFound,
 )
-from cryobox.models import CreateRequest, SandboxInfo, SnapshotInfo, TemplateInfo
+from cryobox.models import CreateRequest, LineageNode, SandboxInfo, SnapshotInfo, TemplateInfo
 from cryobox.sandbox import registry
 from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.registry import SandboxDir, forget_finished
@@ -650,11 +650,11 @@ class Hub:
         self._sandbox(tenant, sandbox_id)
         return await self.service.logs(sandbox_id)
 
-    async def lineage(self, tenant: Tenant) -> builtins.list[dict[str, Any]]:
+    async def lineage(self, tenant: Tenant) -> builtins.list[LineageNode]:
         mine = set(self.tenants.owned(tenant.id, "sandbox")) | set(
             self.tenants.owned(tenant.id, "snapshot")
         )
-        return [node for node in await self.service.catalog.lineage() if node["id"] in mine]
+        return [node for node in await self.service.catalog.lineage() if node.id in mine]
 
     # ------------------------------------------------------------------ commands
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any
 
 from cryobox.errors import CryoboxError, InvalidArgument
-from cryobox.models import SnapshotInfo, TemplateInfo
+from cryobox.models import LineageNode, SnapshotInfo, TemplateInfo
 from cryobox.sandbox import registry
 from cryobox.service import references
 from cryobox.service.persist import Persistence
@@ -136,35 +135,34 @@ class Catalog:
             for t in self.store.templates()
         ]
 
-    async def lineage(self) -> list[dict[str, Any]]:
+    async def lineage(self) -> list[LineageNode]:
         """Every sandbox and snapshot on this host as nodes naming their parent.
 
         A sandbox's parent is the snapshot it was restored from (none for a cold boot); a
         snapshot's parent is the sandbox it was taken of.
         """
-        nodes: list[dict[str, Any]] = []
-        for spec, record in registry.list_sandboxes():
-            if spec.pool:
-                continue  # a warm pool's member is nobody's sandbox yet
-            nodes.append(
-                {
-                    "id": spec.id,
-                    "kind": "sandbox",
-                    "parent": record.origin,
-                    "state": record.state.value,
-                    "forked_from": spec.forked_from,
-                    "label": spec.template or "",
-                }
+        nodes = [
+            LineageNode(
+                id=spec.id,
+                kind="sandbox",
+                parent=record.origin,
+                state=record.state.value,
+                forked_from=spec.forked_from,
+                label=spec.template or "",
             )
+            for spec, record in registry.list_sandboxes()
+            if not spec.pool  # a warm pool's member is nobody's sandbox yet
+        ]
         for manifest in self.store.all():
+            name = f" {manifest.name}" if manifest.name else ""
             nodes.append(
-                {
-                    "id": manifest.id,
-                    "kind": "snapshot",
-                    "parent": manifest.source_sandbox,
-                    "state": manifest.kind.value,
-                    "forked_from": None,
-                    "label": manifest.purpose + (f" {manifest.name}" if manifest.name else ""),
-                }
+                LineageNode(
+                    id=manifest.id,
+                    kind="snapshot",
+                    parent=manifest.source_sandbox,
+                    state=manifest.kind.value,
+                    forked_from=None,
+                    label=manifest.purpose + name,
+                )
             )
         return nodes

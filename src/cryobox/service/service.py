@@ -88,7 +88,6 @@ from cryobox.vmm import Vmm
 BUILDING = "build:"
 BASE_TEMPLATE = "base"
 DEFAULT_TEMPLATE = "default"
-MAX_FORKS = 100
 #: Bytes of a file read held for a consumer that does not keep up, before the read ends.
 READ_BACKLOG = 64 * 1024 * 1024
 #: Host memory a fork needs beyond the frozen RAM all forks share: QEMU itself (about
@@ -621,7 +620,7 @@ class SandboxService:
         :raises CapacityError: when the host cannot hold them; nothing is started.
         :raises StateError: when the parent is not running.
         """
-        whole_number("count", count, 1, MAX_FORKS)
+        whole_number("count", count, 1, config.MAX_FORKS)
         folder = registry.find(sandbox_id)
         require(sandbox_id, folder.reconcile().state, (SandboxState.RUNNING,), "fork")
         spec = folder.spec()

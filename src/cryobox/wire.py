@@ -1,0 +1,147 @@
+"""The HTTP API's request and reply bodies, declared once: the server validates what it
+receives against them (FastAPI reads their fields and :mod:`annotated_types` bounds, and
+answers a bad value with a 422 naming the field; unknown fields are refused), and the
+SDK's HTTP client builds what it sends from them.
+
+Plain dataclasses, not pydantic models, so that a remote caller of the SDK (and every
+CLI command) does not pay for importing pydantic; the server's FastAPI turns them into
+validators. The create body is :class:`cryobox.models.CreateRequest` (the SDK's own
+record); command output and events are :mod:`cryobox.streams`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, ClassVar, cast
+
+from annotated_types import Ge, Le, MaxLen, MinLen, Predicate
+
+from cryobox import config
+from cryobox.models import Port, Seconds, Text
+
+#: What refuses an unknown field (FastAPI builds its validator with this configuration).
+STRICT: dict[str, Any] = {"extra": "forbid"}
+Name = Annotated[str, MinLen(1), MaxLen(200)]
+TemplateName = Annotated[
+    str, MinLen(1), MaxLen(100), Predicate(re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*").fullmatch)
+]
+
+
+class Body:
+    """A JSON body: its fields as the wire carries them."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = STRICT
+
+    def to_wire(self) -> dict[str, Any]:
+        body: dict[str, Any] = asdict(cast(Any, self))  # every subclass is a dataclass
+        return body
+
+
+@dataclass(frozen=True)
+class SetTimeout(Body):
+    seconds: Seconds
+
+
+@dataclass(frozen=True)
+class Capture(Body):
+    name: Name | None = None
+    memory: bool = True
+    #: A snapshot's name is the tenant's one snapshot of that name: taken again only
+    #: with ``overwrite`` (the older one is then deleted, unless something uses it).
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class Rollback(Body):
+    checkpoint: Name
+
+
+@dataclass(frozen=True)
+class Fork(Body):
+    count: Annotated[int, Ge(1), Le(config.MAX_FORKS)] = 1
+    timeout: Seconds | None = None
+
+
+@dataclass(frozen=True)
+class ExposePort(Body):
+    guest_port: Port
+
+
+@dataclass(frozen=True)
+class TerminalSize(Body):
+    cols: Annotated[int, Ge(1), Le(4096)]
+    rows: Annotated[int, Ge(1), Le(4096)]
+
+
+@dataclass(frozen=True)
+class RunCommand(Body):
+    #: A string runs under ``/bin/sh -c``; a list is the argv itself.
+    cmd: Text | Annotated[list[Text], MinLen(1), MaxLen(4096)]
+    env: Annotated[dict[str, str], MaxLen(256)] = field(default_factory=dict)
+    cwd: Text | None = None
+    user: Annotated[str, MinLen(1), MaxLen(64)] | None = None
+    timeout: Seconds | None = None
+    #: Whether stdin will be fed through ``.../stdin`` (else the command's stdin is empty).
+    stdin: bool = False
+    #: Run it on a pseudo-terminal of this size (all its output then comes as stdout).
+    pty: TerminalSize | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Without ``pty`` unless asked: a server without terminals runs the rest."""
+        body = asdict(self)
+        if self.pty is None:
+            del body["pty"]
+        return body
+
+
+@dataclass(frozen=True)
+class Signal(Body):
+    signal: Annotated[int, Ge(1), Le(64)] = 9
+
+
+@dataclass(frozen=True)
+class MakeDir(Body):
+    path: Text
+    parents: bool = True
+
+
+@dataclass(frozen=True)
+class BuildTemplate(Body):
+    name: TemplateName
+    setup: Annotated[list[Text], MaxLen(100)] = field(default_factory=list)
+    cpus: Annotated[int, Ge(1), Le(config.MAX_CPUS)] = config.DEFAULT_CPUS
+    memory_mib: Annotated[int, Ge(config.MIN_MEMORY_MIB), Le(config.MAX_MEMORY_MIB)] = (
+        config.DEFAULT_MEMORY_MIB
+    )
+    disk_gib: Annotated[int, Ge(config.MIN_DISK_GIB), Le(config.MAX_DISK_GIB)] = (
+        config.DEFAULT_DISK_GIB
+    )
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    """Every 4xx/5xx of cryobox's own: the message, and the error's type and context
+    (the SDK raises the same exception type from it)."""
+
+    detail: str
+    error: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What a delete removed (a cascade removes more than one)."""
+
+    deleted: list[str]
+
+
+@dataclass(frozen=True)
+class HostPort:
+    guest_port: int
+    host_port: int
+
+
+@dataclass(frozen=True)
+class Health:
+    status: str
+    version: str
