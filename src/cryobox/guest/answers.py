@@ -30,11 +30,6 @@ def text(answer: dict[str, Any], key: str, op: str) -> str:
     return value
 
 
-def started(header: dict[str, Any]) -> tuple[int, int]:
-    """The pid and exec id of a command's "started" event."""
-    return whole(header, "pid", "exec"), whole(header, "exec_id", "exec")
-
-
 def exec_result(answer: dict[str, Any]) -> ExitStatus:
     """How a command ended: exit_code, pid, signal (or None), timed_out."""
     try:

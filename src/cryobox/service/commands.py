@@ -10,6 +10,7 @@ from typing import Any
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+from cryobox.guest.events import CommandOutput, CommandStarted, GuestEvent, typed
 from cryobox.models import CommandRequest, ExitStatus
 from cryobox.models import OutputSink as OutputSink
 from cryobox.models import StartedCommand as StartedCommand
@@ -28,7 +29,7 @@ class CommandSession:
 
     def start(self, request: CommandRequest) -> None:
         self._request = asyncio.ensure_future(
-            self._channel.request(p.GuestOp.EXEC, request.to_args(), on_event=self._on_event)
+            self._channel.request(p.GuestOp.EXEC, request.to_args(), on_event=typed(self._on_event))
         )
         self._request.add_done_callback(self._on_request_done)
 
@@ -44,14 +45,13 @@ class CommandSession:
         else:
             self._started.set_result(None)
 
-    def _on_event(self, header: dict[str, Any], payload: bytes) -> None:
-        event = header.get("event")
-        if event == "started":
-            self.pid, self._exec_id = answers.started(header)  # ProtocolError if forged
+    def _on_event(self, event: GuestEvent) -> None:
+        if isinstance(event, CommandStarted):
+            self.pid, self._exec_id = event.pid, event.exec_id
             if not self._started.done():
                 self._started.set_result(None)
-        elif event in ("stdout", "stderr"):
-            self._on_output(str(event), payload)
+        elif isinstance(event, CommandOutput):
+            self._on_output(event.stream, event.data)
 
     async def started(self) -> None:
         """Return once the process runs in the guest.

@@ -16,6 +16,7 @@ from cryobox.arguments import positive_seconds
 from cryobox.errors import ChannelError, CryoboxError
 from cryobox.guest import answers
 from cryobox.guest import protocol as p
+from cryobox.guest.events import FileChunk, GuestEvent, typed
 from cryobox.models import CommandRequest, EntryInfo
 from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.connections import GUEST_REQUEST_TIMEOUT, Connections
@@ -55,8 +56,11 @@ class GuestOperations:
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         held = 0
 
-        def chunk(_header: dict[str, Any], data: bytes) -> None:
+        def chunk(event: GuestEvent) -> None:
             nonlocal held
+            if not isinstance(event, FileChunk):
+                return
+            data = event.data
             held += len(data)
             if held > READ_BACKLOG:  # the reader fell behind: end the read, hold no more
                 if not request.done():
@@ -66,7 +70,7 @@ class GuestOperations:
 
         channel = await self.connections.channel(sandbox_id)
         request = asyncio.ensure_future(
-            channel.request(p.GuestOp.FILE_READ, {"path": path}, on_event=chunk)
+            channel.request(p.GuestOp.FILE_READ, {"path": path}, on_event=typed(chunk))
         )
         request.add_done_callback(lambda _: queue.put_nowait(None))
         try:

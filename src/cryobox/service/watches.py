@@ -10,11 +10,9 @@ from typing import Any
 from cryobox.errors import CryoboxError
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+from cryobox.guest.events import FolderChanged, GuestEvent, WatchStarted, typed
 from cryobox.models import ActiveWatch as ActiveWatch
 from cryobox.models import WatchSink as WatchSink
-
-#: What a guest may report (anything else from a hostile guest is dropped).
-EVENT_TYPES = frozenset({"create", "write", "remove", "rename", "chmod"})
 
 
 class FolderWatch:
@@ -37,7 +35,7 @@ class FolderWatch:
             self._channel.request(
                 p.GuestOp.FILE_WATCH,
                 {"path": path, "recursive": recursive},
-                on_event=self._event,
+                on_event=typed(self._event),
             )
         )
         self._request.add_done_callback(self._done)
@@ -56,16 +54,13 @@ class FolderWatch:
             else:
                 self._watching.cancel()
 
-    def _event(self, header: dict[str, Any], _payload: bytes) -> None:
-        event = header.get("event")
-        if event == "watching" and isinstance(header.get("watch_id"), int):
-            self._watch_id = int(header["watch_id"])
+    def _event(self, event: GuestEvent) -> None:
+        if isinstance(event, WatchStarted):
+            self._watch_id = event.watch_id
             if not self._watching.done():
                 self._watching.set_result(None)
-        elif event == "fs":
-            kind, name = header.get("type"), header.get("name")
-            if kind in EVENT_TYPES and isinstance(name, str) and len(name) < 4096:
-                self._on_event(str(kind), name)
+        elif isinstance(event, FolderChanged):
+            self._on_event(event.type, event.name)
 
     async def stop(self) -> None:
         """End the watch (a watch already ended, or a sandbox gone, is fine). The guest is
