@@ -4,7 +4,8 @@ Each is read from its frame once, where it arrives (:func:`typed` wraps a handle
 checked field by field: the guest runs code nobody reviewed, so an event of a known kind
 with a forged field is a :class:`~cryobox.errors.ProtocolError` naming it (it fails the
 request), and an event of an unknown kind, or a watch event outside what a watch may
-report, is dropped.
+report, is dropped. A command's output and a folder's change are the records the HTTP API
+streams (:mod:`cryobox.streams`): they cross both wires as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 from cryobox.guest import answers
 from cryobox.guest.client import EventHandler
+from cryobox.streams import FileChanged as FolderChanged
+from cryobox.streams import Output as CommandOutput
 
 #: What a folder watch may report.
 CHANGE_TYPES = frozenset({"create", "write", "remove", "rename", "chmod"})
@@ -31,12 +34,6 @@ class CommandStarted:
 
 
 @dataclass(frozen=True)
-class CommandOutput:
-    stream: str  # "stdout" or "stderr"
-    data: bytes
-
-
-@dataclass(frozen=True)
 class FileChunk:
     """The next bytes of a file being read."""
 
@@ -48,14 +45,6 @@ class WatchStarted:
     """The folder is watched: the id an unwatch names."""
 
     watch_id: int
-
-
-@dataclass(frozen=True)
-class FolderChanged:
-    """Something changed under a watched folder (``name`` relative to it)."""
-
-    type: str
-    name: str
 
 
 GuestEvent = CommandStarted | CommandOutput | FileChunk | WatchStarted | FolderChanged
@@ -95,3 +84,16 @@ def typed(handler: Callable[[GuestEvent], None]) -> EventHandler:
             handler(event)
 
     return on_frame
+
+
+__all__ = [
+    "CHANGE_TYPES",
+    "CommandOutput",
+    "CommandStarted",
+    "FileChunk",
+    "FolderChanged",
+    "GuestEvent",
+    "WatchStarted",
+    "read_event",
+    "typed",
+]

@@ -60,7 +60,7 @@ class FolderWatch:
             if not self._watching.done():
                 self._watching.set_result(None)
         elif isinstance(event, FolderChanged):
-            self._on_event(event.type, event.name)
+            self._on_event(event.event, event.name)
 
     async def stop(self) -> None:
         """End the watch (a watch already ended, or a sandbox gone, is fine). The guest is
