@@ -25,7 +25,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from cryobox import config
 from cryobox.errors import CryoboxError, SandboxDead, error_from_detail
@@ -152,6 +152,25 @@ def _qemu_stamp() -> tuple[int, int] | None:
     except (CryoboxError, OSError):  # not installed: the supervisor will say so
         return None
     return st.st_ino, st.st_mtime_ns
+
+
+class SupervisorLauncher(Protocol):
+    """What starts a sandbox's supervisor for the service (:class:`Launcher`: processes
+    forked from a zygote; :class:`~cryobox.sandbox.in_process.InProcessLauncher`: tasks
+    of the service's own event loop, for unit tests)."""
+
+    async def start(
+        self,
+        folder: SandboxDir,
+        *,
+        backend: str,
+        resume: bool,
+        adopt: bool = False,
+        progress: Callable[[str], None] | None = None,
+        group: SupervisorGroup | None = None,
+    ) -> SandboxRecord: ...
+
+    def discard_spare(self) -> None: ...
 
 
 class Launcher:
@@ -314,7 +333,7 @@ class Launcher:
             raise
         try:
             outcome = await asyncio.wait_for(
-                self._converse(spare, request, progress),
+                converse(spare.sock, request, progress),
                 TIMEOUTS[ControlOp.START],
             )
         except TimeoutError:
@@ -331,37 +350,41 @@ class Launcher:
             _stop(spare.process, group)  # it is exiting already: wait for it
             raise outcome
         spare.process.close()  # it runs the sandbox on its own from here
-        return SandboxRecord.from_json(outcome)
+        return outcome
 
-    async def _converse(
-        self,
-        spare: _Spare,
-        request: StartRequest,
-        progress: Callable[[str], None] | None,
-    ) -> dict[str, Any] | CryoboxError:
-        reader, writer = await asyncio.open_unix_connection(sock=spare.sock)
-        decoder = p.Decoder()
-        while data := await reader.read(p.MAX_HEADER):
-            for item in decoder.feed(data):
-                if not isinstance(item, p.Frame):
-                    continue
-                header = item.header
-                if header.get("event") == ControlEvent.PROGRESS:
-                    if progress is not None:
-                        progress(str(header.get("step")))
-                elif header.get("ok"):
-                    result = header.get("result")
-                    writer.close()
-                    return result if isinstance(result, dict) else {}
-                elif "ok" in header:
-                    writer.close()
-                    detail = header.get("detail")
-                    message = str((header.get("error") or {}).get("message"))
-                    rebuilt = error_from_detail(detail) if isinstance(detail, dict) else None
-                    return rebuilt or SandboxDead(request.folder.rsplit("/", 1)[-1], message)
-        writer.close()
-        name = request.folder.rsplit("/", 1)[-1]
-        return SandboxDead(name, "its supervisor exited while starting (see supervisor.log)")
+
+async def converse(
+    sock: socket.socket,
+    request: StartRequest,
+    progress: Callable[[str], None] | None,
+) -> SandboxRecord | CryoboxError:
+    """Read a start's conversation on ``sock``: its progress to ``progress``, then the
+    state record once the sandbox runs, or the error that stopped it.
+
+    :raises ProtocolError: when the record it sends is malformed."""
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    decoder = p.Decoder()
+    while data := await reader.read(p.MAX_HEADER):
+        for item in decoder.feed(data):
+            if not isinstance(item, p.Frame):
+                continue
+            header = item.header
+            if header.get("event") == ControlEvent.PROGRESS:
+                if progress is not None:
+                    progress(str(header.get("step")))
+            elif header.get("ok"):
+                result = header.get("result")
+                writer.close()
+                return request.read_reply(result if isinstance(result, dict) else {})
+            elif "ok" in header:
+                writer.close()
+                detail = header.get("detail")
+                message = str((header.get("error") or {}).get("message"))
+                rebuilt = error_from_detail(detail) if isinstance(detail, dict) else None
+                return rebuilt or SandboxDead(request.folder.rsplit("/", 1)[-1], message)
+    writer.close()
+    name = request.folder.rsplit("/", 1)[-1]
+    return SandboxDead(name, "its supervisor exited while starting (see supervisor.log)")
 
 
 def _abandon(taking: asyncio.Future[_Spare]) -> None:

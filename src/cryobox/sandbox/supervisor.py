@@ -344,14 +344,21 @@ class Supervisor:
     # -- life
 
     async def run(
-        self, resume: bool, report: ClientConnection | None = None, *, adopt: bool = False
+        self,
+        resume: bool,
+        report: ClientConnection | None = None,
+        *,
+        adopt: bool = False,
+        own_process: bool = True,
     ) -> int:
         """Start (or resume) the sandbox, serve it until it ends; 0 unless the start failed.
 
         ``report`` receives the start's outcome: the state record, or the error.
+        ``own_process``: the process is a supervisor's (SIGTERM and SIGINT stop it);
+        False for one served inside another program's event loop (a unit test's).
         """
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if own_process else ():
             loop.add_signal_handler(sig, _on_signal, sig)
         _SERVING.add(self)
         try:
@@ -804,17 +811,34 @@ async def serve_group(group: socket.socket) -> int:
 
 async def _serve(sock: socket.socket, *, shared: bool = False) -> int:
     """Read the start request from the service, then run the sandbox (``shared``: beside
-    others of this process's). The socket is closed on every way out, so the service
-    never waits on a start nobody serves."""
+    others of this process's) on the VMM the request names and the local snapshot
+    store. The socket is closed on every way out, so the service never waits on a start
+    nobody serves."""
+    return await serve(sock, shared=shared)
+
+
+async def serve(
+    sock: socket.socket,
+    *,
+    shared: bool = False,
+    vmm: Vmm | None = None,
+    store: SnapshotStore | None = None,
+) -> int:
+    """:func:`_serve` with the VMM and store given (an in-process supervisor's: the
+    service's own, see :class:`cryobox.sandbox.in_process.InProcessLauncher`)."""
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     try:
-        return await _start_and_run(reader, writer, shared)
+        return await _start_and_run(reader, writer, shared, vmm, store)
     finally:
         writer.close()
 
 
 async def _start_and_run(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shared: bool
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    shared: bool,
+    vmm: Vmm | None,
+    store: SnapshotStore | None,
 ) -> int:
     decoder = p.Decoder()
     request: StartRequest | None = None
@@ -854,8 +878,12 @@ async def _start_and_run(
         handler = _log_to(folder, only=not shared)
         try:
             try:
-                vmm = backend(request.backend)  # the service's choice
-                supervisor = Supervisor(folder, vmm, LocalSnapshotStore(), shared=shared)
+                supervisor = Supervisor(
+                    folder,
+                    vmm or backend(request.backend),  # the service's choice
+                    store or LocalSnapshotStore(),
+                    shared=shared,
+                )
             except Exception as exc:
                 if isinstance(exc, OSError):
                     exc = StorageError("starting the supervisor", str(folder.path), str(exc))
@@ -863,7 +891,9 @@ async def _start_and_run(
                 await writer.drain()
                 return 1
             try:
-                return await supervisor.run(request.resume, report, adopt=request.adopt)
+                return await supervisor.run(
+                    request.resume, report, adopt=request.adopt, own_process=vmm is None
+                )
             except Exception as exc:
                 if not shared:
                     raise  # the process ends: its sandbox is adopted or found dead

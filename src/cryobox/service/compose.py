@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from cryobox.sandbox.backend import backend
-from cryobox.sandbox.launcher import Launcher
+from cryobox.sandbox.launcher import Launcher, SupervisorLauncher
 from cryobox.service.service import SandboxService
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore
 from cryobox.vmm import Vmm
@@ -36,7 +36,7 @@ def open_service(
     *,
     vmm: Vmm | None = None,
     store: SnapshotStore | None = None,
-    launcher: Launcher | None = None,
+    launcher: SupervisorLauncher | None = None,
 ) -> SandboxService:
     """A service of this host's sandboxes: on the VMM ``CRYOBOX_VMM`` names, the local
     snapshot store under the state folder and this process's launcher, unless given."""

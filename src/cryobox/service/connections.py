@@ -15,7 +15,7 @@ from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient, EventHandler
 from cryobox.sandbox import registry
 from cryobox.sandbox.control import ControlRequest, Reply, control
-from cryobox.sandbox.launcher import Launcher
+from cryobox.sandbox.launcher import SupervisorLauncher
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState, require
 
@@ -26,7 +26,7 @@ GUEST_REQUEST_TIMEOUT = 120.0
 class Connections:
     """Control connections to supervisors, by sandbox id (this process's own)."""
 
-    def __init__(self, launcher: Launcher, backend: str) -> None:
+    def __init__(self, launcher: SupervisorLauncher, backend: str) -> None:
         self.launcher = launcher
         #: The VMM an adopting supervisor takes a running VM over with.
         self.backend = backend

@@ -68,7 +68,7 @@ from cryobox.sandbox.control import (
     Wake,
     control,
 )
-from cryobox.sandbox.launcher import Launcher, SupervisorGroup
+from cryobox.sandbox.launcher import SupervisorGroup, SupervisorLauncher
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import egress, pool
@@ -179,7 +179,7 @@ PLAIN_START = StartOptions()
 class SandboxService:
     """Owns every operation; holds one control connection per sandbox it talks to."""
 
-    def __init__(self, vmm: Vmm, store: SnapshotStore, launcher: Launcher) -> None:
+    def __init__(self, vmm: Vmm, store: SnapshotStore, launcher: SupervisorLauncher) -> None:
         """Built by :func:`cryobox.service.compose.open_service` (the one place that
         chooses the parts), or by a test with its own."""
         self.vmm = vmm

@@ -1,0 +1,78 @@
+"""The service with its parts injected through constructors, down to the supervisor:
+the fake VMM and a snapshot store of the test's own, supervisors served as tasks of
+the test's event loop (:class:`~cryobox.sandbox.in_process.InProcessLauncher`). No
+environment variable chooses anything, and no supervisor process starts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import StateError
+from cryobox.models import CommandRequest, CreateRequest, SnapshotPurpose
+from cryobox.sandbox import registry
+from cryobox.sandbox.in_process import InProcessLauncher
+from cryobox.service import SandboxService
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.vmm.fake import FakeVmm
+
+
+@pytest.fixture
+async def parts(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SandboxService]:
+    state = Path(tempfile.mkdtemp(prefix="cbx-inproc-"))  # short: unix socket paths
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
+    monkeypatch.delenv("CRYOBOX_VMM", raising=False)  # nothing chosen by the environment
+    monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "0")
+    vmm, store = FakeVmm(), LocalSnapshotStore(state)
+    launcher = InProcessLauncher(vmm, store)
+    service = SandboxService(vmm, store, launcher)
+    try:
+        yield service
+    finally:
+        for info in await service.list(all=True):
+            if not registry.find(info.id).record().state.finished:
+                await service.kill(info.id)
+        await service.close()
+        await launcher.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def _run(service: SandboxService, sandbox_id: str, shell: str) -> str:
+    out = bytearray()
+    session = await service.guest.start_command(
+        sandbox_id, CommandRequest(shell=shell), lambda _stream, data: out.extend(data)
+    )
+    assert (await session.wait()).exit_code == 0
+    return out.decode()
+
+
+async def test_a_lifecycle_with_every_part_injected(parts: SandboxService) -> None:
+    service = parts
+    info = await service.create(CreateRequest(template="base"))
+    assert info.state == "running"
+    assert info.supervisor_pid == os.getpid()  # served in this process, by a task
+    assert await _run(service, info.id, "echo hi") == "hi\n"
+    await service.guest.write_file(info.id, "/tmp/note", [b"kept"], 0o644)
+    checkpoint = await service.capture(info.id, SnapshotPurpose.CHECKPOINT, "one")
+    assert service.store.get(checkpoint.id).source_sandbox == info.id  # the injected store
+    await service.rollback(info.id, "one")
+    await service.pause(info.id)
+    assert (await service.get(info.id)).state == "paused"
+    with pytest.raises(StateError, match="paused"):
+        await service.guest.start_command(info.id, CommandRequest(shell="true"), print)
+    resumed = await service.resume(info.id)
+    assert resumed.state == "running"
+    assert await _run(service, info.id, "cat /tmp/note") == "kept"
+    copies = await service.fork(info.id, 2)
+    assert len({c.id for c in copies}) == 2
+    for copy in copies:
+        assert (await service.get(copy.id)).forked_from == info.id
+        assert await _run(service, copy.id, "cat /tmp/note") == "kept"
+    for each in (info, *copies):
+        await service.kill(each.id)
+        assert (await service.get(each.id)).state == "killed"
