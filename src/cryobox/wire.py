@@ -145,3 +145,87 @@ class HostPort:
 class Health:
     status: str
     version: str
+
+
+@dataclass(frozen=True)
+class SandboxUsage:
+    """One sandbox's metered use: compute while it ran, saved state while kept."""
+
+    id: str
+    state: str = ""
+    vcpu_seconds: float = 0.0
+    gib_seconds: float = 0.0
+    stored_bytes: int = 0
+    stored_gb_months: float = 0.0
+    #: Its tenant (in the answer about one sandbox).
+    tenant_id: str = ""
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> SandboxUsage:
+        """:raises ValueError: for a field of the wrong type."""
+        return cls(
+            id=_text(value, "id"),
+            state=_text(value, "state", ""),
+            vcpu_seconds=_number(value, "vcpu_seconds"),
+            gib_seconds=_number(value, "gib_seconds"),
+            stored_bytes=int(_number(value, "stored_bytes")),
+            stored_gb_months=_number(value, "stored_gb_months"),
+            tenant_id=_text(value, "tenant_id", ""),
+        )
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Dollars so far."""
+
+    compute: float
+    storage: float
+    total: float
+
+
+@dataclass(frozen=True)
+class UsageReport:
+    """A tenant's metered use so far, priced, with a line per sandbox."""
+
+    tenant_id: str
+    vcpu_seconds: float
+    gib_seconds: float
+    stored_bytes: int
+    stored_gb_months: float
+    #: Dollars per vCPU-hour, GiB-hour of RAM, GB-month of saved state.
+    prices: dict[str, float]
+    cost_usd: Costs
+    sandboxes: list[SandboxUsage]
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> UsageReport:
+        """:raises ValueError: for a field missing or of the wrong type."""
+        cost, prices, lines = value.get("cost_usd"), value.get("prices"), value.get("sandboxes")
+        if not isinstance(cost, dict) or not isinstance(prices, dict):
+            raise ValueError("a usage report without its costs and prices")
+        if not isinstance(lines, list) or not all(isinstance(line, dict) for line in lines):
+            raise ValueError("a usage report without its list of sandboxes")
+        return cls(
+            tenant_id=_text(value, "tenant_id"),
+            vcpu_seconds=_number(value, "vcpu_seconds"),
+            gib_seconds=_number(value, "gib_seconds"),
+            stored_bytes=int(_number(value, "stored_bytes")),
+            stored_gb_months=_number(value, "stored_gb_months"),
+            prices={str(k): _number(prices, k) for k in prices},
+            cost_usd=Costs(*(_number(cost, k) for k in ("compute", "storage", "total"))),
+            sandboxes=[SandboxUsage.from_json(line) for line in lines],
+        )
+
+
+def _text(value: dict[str, Any], key: str, default: str | None = None) -> str:
+    found = value.get(key, default)
+    if not isinstance(found, str):
+        raise ValueError(f"{key}={found!r}, not a string")
+    return found
+
+
+def _number(value: dict[str, Any], key: str) -> float:
+    found = value.get(key, 0)
+    if isinstance(found, bool) or not isinstance(found, int | float):
+        raise ValueError(f"{key}={found!r}, not a number")
+    return float(found)

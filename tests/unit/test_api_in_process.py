@@ -28,6 +28,7 @@ from cryobox.server.database import SqliteDatabase
 from cryobox.server.hub import Hub
 from cryobox.service import open_service
 from cryobox.vmm.fake import FakeVmm
+from cryobox.wire import SandboxUsage, UsageReport
 
 
 @pytest.fixture
@@ -75,6 +76,11 @@ async def test_a_sandbox_round_trip_through_the_api_in_process(api: HttpTranspor
     assert "blob" in [entry.name for entry in await sbx.files.list("/tmp")]
     node = {n.id: n for n in await api.lineage()}[info.id]  # typed records, both ends
     assert (node.kind, node.state, node.parent) == ("sandbox", "running", None)
+    report = await api.usage()
+    assert isinstance(report, UsageReport) and [s.id for s in report.sandboxes] == [info.id]
+    assert report.cost_usd.total == report.cost_usd.compute + report.cost_usd.storage
+    line = await api.usage(info.id)
+    assert isinstance(line, SandboxUsage) and line.id == info.id and line.tenant_id
     await sbx.kill()
     assert (await api.get(info.id)).state == "killed"
 

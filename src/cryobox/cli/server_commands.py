@@ -8,6 +8,7 @@ database directly: run them where the server runs); ``usage`` asks a server over
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from typing import Annotated
@@ -163,6 +164,7 @@ def usage(
 ) -> None:
     """Compute and saved-state usage so far, and what it costs (asks the server)."""
     from cryobox.client.http_transport import HttpTransport
+    from cryobox.wire import SandboxUsage, UsageReport
 
     with errors_reported():
         url, key = os.environ.get("CRYOBOX_API_URL"), os.environ.get("CRYOBOX_API_KEY")
@@ -171,7 +173,7 @@ def usage(
                 "usage is metered by a server: set CRYOBOX_API_URL and CRYOBOX_API_KEY"
             )
 
-        async def fetch() -> dict[str, object]:
+        async def fetch() -> UsageReport | SandboxUsage:
             transport = HttpTransport(url, key)
             try:
                 return await transport.usage(sandbox_id)
@@ -179,22 +181,21 @@ def usage(
                 await transport.close()
 
         report = asyncio.run(fetch())
-        if as_json or sandbox_id:
-            print(json.dumps(report, indent=2))
+        if as_json or not isinstance(report, UsageReport):
+            print(json.dumps(dataclasses.asdict(report), indent=2))
             return
-        cost = report["cost_usd"]
-        assert isinstance(cost, dict)
+        cost = report.cost_usd
         print_rows(
             ("VCPU-S", "GIB-S", "STORED", "GB-MONTHS", "COMPUTE $", "STORAGE $", "TOTAL $"),
             [
                 (
-                    f"{report['vcpu_seconds']:.1f}",
-                    f"{report['gib_seconds']:.1f}",
-                    f"{int(str(report['stored_bytes'])) / 1e6:.1f}MB",
-                    f"{report['stored_gb_months']:.6f}",
-                    f"{cost['compute']:.6f}",
-                    f"{cost['storage']:.6f}",
-                    f"{cost['total']:.6f}",
+                    f"{report.vcpu_seconds:.1f}",
+                    f"{report.gib_seconds:.1f}",
+                    f"{report.stored_bytes / 1e6:.1f}MB",
+                    f"{report.stored_gb_months:.6f}",
+                    f"{cost.compute:.6f}",
+                    f"{cost.storage:.6f}",
+                    f"{cost.total:.6f}",
                 )
             ],
         )

@@ -476,10 +476,18 @@ class HttpTransport:
     async def disconnect(self, sandbox_id: str) -> None:
         """Nothing is held per sandbox over HTTP (each call is its own request)."""
 
-    async def usage(self, sandbox_id: str | None = None) -> dict[str, Any]:
+    async def usage(self, sandbox_id: str | None = None) -> wire.UsageReport | wire.SandboxUsage:
+        """The tenant's usage so far, priced; or one sandbox's (``sandbox_id``)."""
         params = {"sandbox_id": sandbox_id} if sandbox_id else {}
-        usage: dict[str, Any] = (await self._call("GET", "/usage", params=params)).json()
-        return usage
+        value = (await self._call("GET", "/usage", params=params)).json()
+        try:
+            if not isinstance(value, dict):
+                raise ValueError(f"{type(value).__name__}, not an object")
+            if sandbox_id:
+                return wire.SandboxUsage.from_json(value)
+            return wire.UsageReport.from_json(value)
+        except ValueError as exc:
+            raise ProtocolError(f"GET /usage answered what is no usage: {exc}") from None
 
     async def close(self) -> None:
         await self._client.aclose()

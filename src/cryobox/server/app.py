@@ -618,7 +618,7 @@ def create_app(
     @app.get("/usage", tags=["usage"])
     async def usage(
         me: Me, sandbox_id: Annotated[str | None, Query(max_length=200)] = None
-    ) -> dict[str, Any]:
+    ) -> s.UsageReport | s.SandboxUsage:
         """Compute (vCPU-seconds, GiB-seconds, only while running) and saved state
         (GB-months) so far, priced."""
         return hub.usage(me, sandbox_id)

@@ -53,6 +53,7 @@ from cryobox.service.service import BASE_TEMPLATE, BUILDING, DEFAULT_TEMPLATE
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
+from cryobox.wire import SandboxUsage, UsageReport
 
 from .database import Connection, Database
 from .events import EventBus
@@ -748,13 +749,15 @@ class Hub:
 
     # ------------------------------------------------------------------ usage
 
-    def usage(self, tenant: Tenant, sandbox_id: str | None = None) -> dict[str, Any]:
+    def usage(self, tenant: Tenant, sandbox_id: str | None = None) -> UsageReport | SandboxUsage:
+        """The tenant's usage report, or one of its sandboxes' line of it."""
         report = usage_report(self.db, tenant.id, self.prices, self._stored.get(tenant.id, 0))
         if sandbox_id is not None:
             if not self.tenants.owns(tenant.id, "sandbox", sandbox_id):  # on any host
                 raise SandboxNotFound(sandbox_id)
-            lines = [s for s in report["sandboxes"] if s["id"] == sandbox_id]
-            return {"tenant_id": tenant.id, **lines[0]} if lines else {"id": sandbox_id}
+            lines = [s for s in report.sandboxes if s.id == sandbox_id]
+            line = lines[0] if lines else SandboxUsage(id=sandbox_id)
+            return dataclasses.replace(line, tenant_id=tenant.id)
         return report
 
     # ------------------------------------------------------------------ the monitor's tick

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox.config import env_number
+from cryobox.wire import Costs, SandboxUsage, UsageReport
 
 from .database import Database
 
@@ -173,37 +174,35 @@ def _tracked(row: Any) -> Tracked:
     )
 
 
-def usage_report(db: Database, tenant_id: str, prices: Prices, stored_bytes: int) -> dict[str, Any]:
+def usage_report(db: Database, tenant_id: str, prices: Prices, stored_bytes: int) -> UsageReport:
     """The tenant's usage so far and what it costs, with a line per tracked sandbox."""
     totals = db.row("SELECT * FROM tenant_usage WHERE tenant_id = ?", (tenant_id,))
     vcpu_s = float(totals["vcpu_seconds"]) if totals else 0.0
     gib_s = float(totals["gib_seconds"]) if totals else 0.0
     stored_bs = float(totals["stored_byte_seconds"]) if totals else 0.0
     sandboxes = [
-        {
-            "id": r["id"],
-            "state": r["last_state"],
-            "vcpu_seconds": r["compute_seconds"] * r["cpus"],
-            "gib_seconds": r["compute_seconds"] * r["memory_mib"] / 1024,
-            "stored_bytes": r["stored_bytes"],
-            "stored_gb_months": r["stored_byte_seconds"] / GB_MONTH,
-        }
+        SandboxUsage(
+            id=r["id"],
+            state=r["last_state"],
+            vcpu_seconds=r["compute_seconds"] * r["cpus"],
+            gib_seconds=r["compute_seconds"] * r["memory_mib"] / 1024,
+            stored_bytes=int(r["stored_bytes"]),
+            stored_gb_months=r["stored_byte_seconds"] / GB_MONTH,
+        )
         for r in db.rows("SELECT * FROM sandboxes WHERE tenant_id = ? ORDER BY id", (tenant_id,))
     ]
-    cost = {
-        "compute": vcpu_s / 3600 * prices.vcpu_hour + gib_s / 3600 * prices.gib_hour,
-        "storage": stored_bs / GB_MONTH * prices.gb_month,
-    }
-    return {
-        "tenant_id": tenant_id,
-        "vcpu_seconds": vcpu_s,
-        "gib_seconds": gib_s,
-        "stored_bytes": stored_bytes,
-        "stored_gb_months": stored_bs / GB_MONTH,
-        "prices": vars(prices),
-        "cost_usd": {**cost, "total": cost["compute"] + cost["storage"]},
-        "sandboxes": sandboxes,
-    }
+    compute = vcpu_s / 3600 * prices.vcpu_hour + gib_s / 3600 * prices.gib_hour
+    storage = stored_bs / GB_MONTH * prices.gb_month
+    return UsageReport(
+        tenant_id=tenant_id,
+        vcpu_seconds=vcpu_s,
+        gib_seconds=gib_s,
+        stored_bytes=stored_bytes,
+        stored_gb_months=stored_bs / GB_MONTH,
+        prices=dict(vars(prices)),
+        cost_usd=Costs(compute, storage, compute + storage),
+        sandboxes=sandboxes,
+    )
 
 
 def bytes_on_disk(path: Path) -> int:
