@@ -18,6 +18,7 @@ ERRORS = (
     "CryoboxError",
     "StateError",
     "VmNotHeld",
+    "AlreadySupervised",
     "SandboxNotFound",
     "SandboxDead",
     "InvalidArgument",

@@ -52,6 +52,15 @@ class StateError(CryoboxError):
         )
 
 
+class AlreadySupervised(CryoboxError):
+    """An adoption of a sandbox whose supervisor lives (another process adopted it first):
+    the sandbox stays as it is."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+        super().__init__(f"cannot adopt sandbox {sandbox_id}: another supervisor serves it")
+
+
 class VmNotHeld(StateError):
     """A wake asked of a paused sandbox whose VM is no longer kept in memory (the hold
     ran out, or the host needed the memory): a resume from its saved pause follows."""

@@ -43,12 +43,14 @@ from typing import Any
 
 from cryobox import config
 from cryobox.errors import (
+    AlreadySupervised,
     ChannelError,
     CryoboxError,
     InvalidArgument,
     NetworkError,
     SandboxDead,
     SnapshotIncompatible,
+    SnapshotVerificationFailed,
     StateError,
     StorageError,
     VmNotHeld,
@@ -61,6 +63,7 @@ from cryobox.network.policy import NetworkPolicy
 from cryobox.sandbox import priority
 from cryobox.sandbox.pause import pause_files
 from cryobox.sandbox.registry import (
+    ADOPTABLE,
     SandboxDir,
     SandboxRecord,
     SandboxSpec,
@@ -313,10 +316,13 @@ class Machine:
 
         :raises SandboxDead: when its VM is gone too.
         """
-        if not self.folder.needs_adoption(self.record):  # re-read under the supervisor lock
+        # Re-read under the supervisor lock.
+        if self.record.state not in ADOPTABLE:
             raise StateError(
-                self.spec.id, self.record.state.value, ["running with no supervisor"], "adopt"
+                self.spec.id, self.record.state.value, [s.value for s in ADOPTABLE], "adopt"
             )
+        if not self.folder.needs_adoption(self.record):
+            raise AlreadySupervised(self.spec.id)
         pid = self.record.qemu_pid
         if not pid or not process_alive(pid, f"cryobox-{self.spec.id}"):
             raise SandboxDead(self.spec.id, "its supervisor and its VM are gone")
@@ -878,16 +884,13 @@ class Machine:
             raise VmNotHeld(self.spec.id)
         timer = StepTimer("wake")
         paused = self.folder.paused
-        try:
-            saved = mf.load(paused)
-        except CryoboxError as exc:
-            raise StateError(
-                self.spec.id, "paused", ["paused with its pause here"], f"wake ({exc})"
-            ) from exc
+        saved = mf.load(paused)  # (a resume from the files follows a failed wake)
         here = self.folder.path
         moved = [(paused / kept, here / name) for name, kept in pause_files(self.record)]
         if saved.id != self.record.pause_id or not all(s.exists() for s, _ in moved):
-            raise StateError(self.spec.id, "paused", ["paused with its own pause here"], "wake")
+            raise SnapshotVerificationFailed(
+                saved.id, "paused/", f"not the whole pause {self.record.pause_id} its VM saved"
+            )
         # Recorded before the files move: a supervisor dying from here on is adopted, and
         # adoption puts them back under these names (PauseTransaction.take_back).
         self._claim(SandboxState.RESUMING, supervisor_pid)

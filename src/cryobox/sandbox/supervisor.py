@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from cryobox.errors import (
+    AlreadySupervised,
     ChannelError,
     CryoboxError,
     GuestError,
@@ -432,7 +433,9 @@ class Supervisor:
     def _leave_as_is(self, exc: Exception) -> bool:
         """Whether a failed adoption left the sandbox as it should stay: paused again (a
         resume cut short before its guest ran), or served by another supervisor."""
-        return self.record.state is SandboxState.PAUSED or isinstance(exc, StateError)
+        return self.record.state is SandboxState.PAUSED or isinstance(
+            exc, StateError | AlreadySupervised
+        )
 
     async def _failed_start(self, exc: Exception, resume: bool) -> None:
         """End a start that failed, saying why. A failed resume stays paused: its saved
