@@ -66,22 +66,40 @@ def dump_consoles(request: pytest.FixtureRequest, folders: list[Path]) -> None:
                     print(f"\n===== {folder.name}/{name} (last lines) =====\n{tail}")
 
 
+def _sandbox_folders() -> set[Path]:
+    """Every sandbox folder under the session's state folder: the embedded service's and
+    each test server's (a host of its own under it)."""
+    found: set[Path] = set()
+    for pattern in ("sandboxes/*", "*/sandboxes/*", "*/*/sandboxes/*"):
+        found.update(STATE.glob(pattern))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def vm_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Whatever made them (a factory, the SDK, a server, the e2b SDK, a fork), the VMs a
+    test started have their logs printed when it fails: every sandbox folder that
+    appeared under the state folder during the test."""
+    before = _sandbox_folders()
+    yield
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        dump_consoles(request, sorted(_sandbox_folders() - before))
+
+
 @pytest.fixture
-def sandbox_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+def sandbox_factory() -> Iterator[Callable[..., Any]]:
     """``sandbox_factory(**create_kwargs)`` -> a sync Sandbox, killed after the test."""
     from cryobox import Sandbox
 
     made: list[Sandbox] = []
-    folders: list[Path] = []
 
     def make(**kwargs: Any) -> Sandbox:
         sbx = Sandbox.create(**kwargs)
         made.append(sbx)
-        folders.append(STATE / "sandboxes" / sbx.id)
         return sbx
 
-    yield make
-    dump_consoles(request, folders)
+    yield make  # (their logs on failure: vm_logs_on_failure)
     for sbx in made:
         try:
             sbx.kill()

@@ -4,7 +4,7 @@ over HTTP.
 
 A sandbox is cold-booted (template ``base``), restored from a memory snapshot (the
 default template), or a fork of a running sandbox. Each comes from one factory that
-kills what it made and prints its VMs' logs when the test failed.
+kills what it made; the logs of every VM a failed test started are printed (conftest).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from api_server import ApiServer
-from conftest import STATE, dump_consoles
 from cryobox import Sandbox
 
 from .guest_http import fetch_until_up
@@ -32,9 +31,7 @@ Remote = dict[str, Any]
 
 
 @pytest.fixture
-def make_sandbox(
-    request: pytest.FixtureRequest, api_server: ApiServer
-) -> Iterator[Callable[[str, Remote], Sandbox]]:
+def make_sandbox(api_server: ApiServer) -> Iterator[Callable[[str, Remote], Sandbox]]:
     """``make_sandbox(kind, remote)``: a running sandbox with guest port 8000 forwarded,
     made through ``remote`` (a server's ``api_url`` and ``api_key``, or embedded: {})."""
     made: list[Sandbox] = []
@@ -50,8 +47,7 @@ def make_sandbox(
         made.append(copy)
         return copy
 
-    yield make
-    dump_consoles(request, [STATE / "sandboxes" / s.id for s in made])
+    yield make  # (their logs on failure: conftest's vm_logs_on_failure)
     for sbx in reversed(made):  # a fork's copies before their parent
         with contextlib.suppress(Exception):
             sbx.kill()
