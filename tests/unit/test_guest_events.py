@@ -1,6 +1,6 @@
-"""A guest's events are read into typed records where they arrive: forged fields of a
-known kind fail the request by name; unknown kinds and changes a watch may not report
-are dropped."""
+"""A guest's events and answers are read into typed records where they arrive: forged
+fields of a known kind fail the request by name; unknown kinds and changes a watch may
+not report are dropped."""
 
 from __future__ import annotations
 
@@ -49,3 +49,23 @@ def test_forged_fields_are_named_and_unknown_events_dropped() -> None:
     handler({"event": "nonsense"}, b"")
     handler({"event": "stdout"}, b"hi")
     assert seen == [CommandOutput("stdout", b"hi")]
+
+
+def test_each_guest_request_builds_its_arguments_and_reads_its_answer() -> None:
+    from cryobox.guest import requests as g
+    from cryobox.models import CommandRequest
+
+    assert g.FileWriteBegin("/a", 0o600).to_args() == {"path": "/a", "mode": 0o600, "parents": True}
+    assert g.FileWriteBegin("/a", 0o600, owner="user").to_args()["owner"] == "user"
+    assert g.FileWriteBegin("/a", 0o600).read_reply({"handle": 4}) == 4
+    assert g.FileWriteEnd(4).to_args() == {"handle": 4}
+    assert g.FileWriteEnd(4, abort=True).to_args() == {"handle": 4, "abort": True}
+    assert g.Exec(CommandRequest(shell="true")).read_reply({"exit_code": 0}).exit_code == 0
+    assert g.FileList("/").read_reply({"entries": []}) == []
+    for request, forged in (
+        (g.FileWriteBegin("/a", 0o600), {"handle": "4"}),
+        (g.FileList("/"), {"entries": "all"}),
+        (g.FileStat("/a"), {"name": 3}),
+    ):
+        with pytest.raises(ProtocolError):
+            request.read_reply(forged)

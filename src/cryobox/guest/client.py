@@ -27,6 +27,7 @@ from cryobox.errors import (
     error_from_detail,
 )
 from cryobox.guest import protocol as p
+from cryobox.guest.requests import GuestRequest, Reply
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,25 @@ class AgentClient:
             raise ChannelError(f"{op}: no answer within {timeout} s") from None
         finally:
             self._pending.pop(request_id, None)
+
+    async def ask(
+        self,
+        request: GuestRequest[Reply],
+        payload: bytes = b"",
+        *,
+        on_event: EventHandler | None = None,
+        timeout: float | None = None,
+    ) -> Reply:
+        """Send one typed request (:mod:`cryobox.guest.requests`); its answer, read.
+
+        :raises GuestError: when the peer answers with an error.
+        :raises ChannelError: when the channel closes or times out first.
+        :raises ProtocolError: when the answer is malformed.
+        """
+        answer = await self.request(
+            request.op, request.to_args(), payload, on_event=on_event, timeout=timeout
+        )
+        return request.read_reply(answer)
 
     async def close(self) -> None:
         self._fail_all("closed by the client")

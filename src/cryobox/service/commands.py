@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import signal as signals
-from typing import Any
 
-from cryobox.guest import answers
 from cryobox.guest import protocol as p
+from cryobox.guest import requests as g
 from cryobox.guest.client import AgentClient
 from cryobox.guest.events import CommandOutput, CommandStarted, GuestEvent, typed
 from cryobox.models import CommandRequest, ExitStatus
@@ -23,17 +22,17 @@ class CommandSession:
         self._channel = channel
         self._on_output = on_output
         self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._request: asyncio.Future[dict[str, Any]] | None = None
+        self._request: asyncio.Future[ExitStatus] | None = None
         self.pid = 0
         self._exec_id = 0
 
     def start(self, request: CommandRequest) -> None:
         self._request = asyncio.ensure_future(
-            self._channel.request(p.GuestOp.EXEC, request.to_args(), on_event=typed(self._on_event))
+            self._channel.ask(g.Exec(request), on_event=typed(self._on_event))
         )
         self._request.add_done_callback(self._on_request_done)
 
-    def _on_request_done(self, request: asyncio.Future[dict[str, Any]]) -> None:
+    def _on_request_done(self, request: asyncio.Future[ExitStatus]) -> None:
         error = None if request.cancelled() else request.exception()  # marks it retrieved
         if self._started.done():
             return
@@ -63,27 +62,18 @@ class CommandSession:
     async def wait(self) -> ExitStatus:
         """How the command ended: ``exit_code``, ``pid``, ``signal``, ``timed_out``."""
         assert self._request is not None
-        return answers.exec_result(await asyncio.shield(self._request))
+        return await asyncio.shield(self._request)
 
     async def send_stdin(self, data: bytes, eof: bool = False) -> None:
         for start in range(0, max(len(data), 1), p.CHUNK):
             last = start + p.CHUNK >= len(data)
-            await self._channel.request(
-                p.GuestOp.EXEC_STDIN,
-                {"exec_id": self._exec_id, "eof": eof and last},
-                data[start : start + p.CHUNK],
-                timeout=60,
+            await self._channel.ask(
+                g.ExecStdin(self._exec_id, eof and last), data[start : start + p.CHUNK], timeout=60
             )
 
     async def kill(self, signal: int = signals.SIGKILL) -> None:
-        await self._channel.request(
-            p.GuestOp.EXEC_KILL, {"exec_id": self._exec_id, "signal": int(signal)}, timeout=30
-        )
+        await self._channel.ask(g.ExecKill(self._exec_id, int(signal)), timeout=30)
 
     async def resize(self, cols: int, rows: int) -> None:
         """Set the size of the command's terminal (it was started with ``pty``)."""
-        await self._channel.request(
-            p.GuestOp.EXEC_RESIZE,
-            {"exec_id": self._exec_id, "cols": int(cols), "rows": int(rows)},
-            timeout=30,
-        )
+        await self._channel.ask(g.ExecResize(self._exec_id, int(cols), int(rows)), timeout=30)

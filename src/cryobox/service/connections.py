@@ -8,11 +8,10 @@ on gets a new supervisor (adopted) before the connection is made.
 
 from __future__ import annotations
 
-from typing import Any
-
 from cryobox.errors import ChannelError, CryoboxError, SandboxDead
-from cryobox.guest import protocol as p
-from cryobox.guest.client import AgentClient, EventHandler
+from cryobox.guest.client import AgentClient
+from cryobox.guest.requests import GuestRequest
+from cryobox.guest.requests import Reply as GuestReply
 from cryobox.sandbox import registry
 from cryobox.sandbox.control import ControlRequest, Reply, control
 from cryobox.sandbox.launcher import SupervisorLauncher
@@ -75,22 +74,17 @@ class Connections:
         channel = await self.channel(sandbox_id)
         return await control(channel, request)
 
-    async def guest(
-        self,
-        sandbox_id: str,
-        op: p.GuestOp,
-        args: dict[str, Any],
-        on_event: EventHandler | None = None,
-    ) -> dict[str, Any]:
+    async def guest(self, sandbox_id: str, request: GuestRequest[GuestReply]) -> GuestReply:
         """A read-only or idempotent guest request, retried once on a fresh connection if
-        the channel broke (the sandbox was paused and resumed in between, say)."""
+        the channel broke (the sandbox was paused and resumed in between, say); its
+        answer, read."""
         try:
             channel = await self.channel(sandbox_id)
-            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
+            return await channel.ask(request, timeout=GUEST_REQUEST_TIMEOUT)
         except ChannelError:
             await self.disconnect(sandbox_id)
             channel = await self.channel(sandbox_id)
-            return await channel.request(op, args, on_event=on_event, timeout=GUEST_REQUEST_TIMEOUT)
+            return await channel.ask(request, timeout=GUEST_REQUEST_TIMEOUT)
 
     async def disconnect(self, sandbox_id: str) -> None:
         """Drop this process's connection to a sandbox; the sandbox keeps running."""

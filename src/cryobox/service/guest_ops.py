@@ -10,12 +10,10 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any
 
 from cryobox.arguments import positive_seconds
 from cryobox.errors import ChannelError, CryoboxError
-from cryobox.guest import answers
-from cryobox.guest import protocol as p
+from cryobox.guest import requests as g
 from cryobox.guest.events import FileChunk, GuestEvent, typed
 from cryobox.models import CommandRequest, EntryInfo
 from cryobox.service.commands import CommandSession, OutputSink
@@ -69,9 +67,7 @@ class GuestOperations:
             queue.put_nowait(data)
 
         channel = await self.connections.channel(sandbox_id)
-        request = asyncio.ensure_future(
-            channel.request(p.GuestOp.FILE_READ, {"path": path}, on_event=typed(chunk))
-        )
+        request = asyncio.ensure_future(channel.ask(g.FileRead(path), on_event=typed(chunk)))
         request.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while (data := await queue.get()) is not None:
@@ -99,49 +95,29 @@ class GuestOperations:
         temporary name renamed at the end; missing parent folders are made. ``owner``: a
         guest user to own the file and the folders made (else root)."""
         channel = await self.connections.channel(sandbox_id)
-        args: dict[str, Any] = {"path": path, "mode": mode, "parents": True}
-        if owner is not None:
-            args["owner"] = owner
-        begun = await channel.request(
-            p.GuestOp.FILE_WRITE_BEGIN, args, timeout=GUEST_REQUEST_TIMEOUT
-        )
-        handle = answers.whole(begun, "handle", "write")
+        begin = g.FileWriteBegin(path, mode, owner=owner)
+        handle = await channel.ask(begin, timeout=GUEST_REQUEST_TIMEOUT)
         try:
             async for chunk in each_chunk(chunks):
-                await channel.request(
-                    p.GuestOp.FILE_WRITE_CHUNK,
-                    {"handle": handle},
-                    chunk,
-                    timeout=GUEST_REQUEST_TIMEOUT,
-                )
+                await channel.ask(g.FileWriteChunk(handle), chunk, timeout=GUEST_REQUEST_TIMEOUT)
         except BaseException:
             if not channel.closed:  # the temporary file goes; the first error is the one
                 with contextlib.suppress(CryoboxError):
-                    await channel.request(
-                        p.GuestOp.FILE_WRITE_END, {"handle": handle, "abort": True}, timeout=30
-                    )
+                    await channel.ask(g.FileWriteEnd(handle, abort=True), timeout=30)
             raise
-        await channel.request(
-            p.GuestOp.FILE_WRITE_END, {"handle": handle}, timeout=GUEST_REQUEST_TIMEOUT
-        )
+        await channel.ask(g.FileWriteEnd(handle), timeout=GUEST_REQUEST_TIMEOUT)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[EntryInfo]:
-        result = await self.connections.guest(sandbox_id, p.GuestOp.FILE_LIST, {"path": path})
-        return answers.entries(result, "list")
+        return await self.connections.guest(sandbox_id, g.FileList(path))
 
     async def stat(self, sandbox_id: str, path: str) -> EntryInfo:
-        result = await self.connections.guest(sandbox_id, p.GuestOp.FILE_STAT, {"path": path})
-        return answers.entry(result, "stat")
+        return await self.connections.guest(sandbox_id, g.FileStat(path))
 
     async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
-        await self.connections.guest(
-            sandbox_id, p.GuestOp.FILE_MKDIR, {"path": path, "parents": parents}
-        )
+        await self.connections.guest(sandbox_id, g.FileMkdir(path, parents))
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        await self.connections.guest(
-            sandbox_id, p.GuestOp.FILE_REMOVE, {"path": path, "recursive": recursive}
-        )
+        await self.connections.guest(sandbox_id, g.FileRemove(path, recursive))
 
     async def watch(
         self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
@@ -157,4 +133,4 @@ class GuestOperations:
 
     async def ping(self, sandbox_id: str) -> None:
         """One round trip to the guest agent (for measuring the channel)."""
-        await self.connections.guest(sandbox_id, p.GuestOp.PING, {})
+        await self.connections.guest(sandbox_id, g.Ping())

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 from cryobox.errors import CryoboxError
-from cryobox.guest import protocol as p
+from cryobox.guest import requests as g
 from cryobox.guest.client import AgentClient
 from cryobox.guest.events import FolderChanged, GuestEvent, WatchStarted, typed
 from cryobox.models import ActiveWatch as ActiveWatch
@@ -23,7 +22,7 @@ class FolderWatch:
         self._channel = channel
         self._on_event = on_event
         self._watching: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._request: asyncio.Future[dict[str, Any]] | None = None
+        self._request: asyncio.Future[None] | None = None
         self._watch_id = 0
 
     async def start(self, path: str, recursive: bool) -> None:
@@ -32,21 +31,17 @@ class FolderWatch:
         :raises GuestFileNotFound: when there is no such folder.
         """
         self._request = asyncio.ensure_future(
-            self._channel.request(
-                p.GuestOp.FILE_WATCH,
-                {"path": path, "recursive": recursive},
-                on_event=typed(self._event),
-            )
+            self._channel.ask(g.FileWatch(path, recursive), on_event=typed(self._event))
         )
         self._request.add_done_callback(self._done)
         await asyncio.shield(self._watching)
 
     @property
-    def ended(self) -> asyncio.Future[dict[str, Any]]:
+    def ended(self) -> asyncio.Future[None]:
         assert self._request is not None
         return self._request
 
-    def _done(self, request: asyncio.Future[dict[str, Any]]) -> None:
+    def _done(self, request: asyncio.Future[None]) -> None:
         error = None if request.cancelled() else request.exception()  # marks it retrieved
         if not self._watching.done():
             if error is not None:
@@ -68,8 +63,6 @@ class FolderWatch:
         if self._request is None or (self._request.done() and not self._watch_id):
             return
         with contextlib.suppress(CryoboxError):
-            await self._channel.request(
-                p.GuestOp.FILE_UNWATCH, {"watch_id": self._watch_id}, timeout=30
-            )
+            await self._channel.ask(g.FileUnwatch(self._watch_id), timeout=30)
         with contextlib.suppress(CryoboxError, asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._request), 10)

@@ -1,0 +1,233 @@
+"""The guest operations the service asks for, one record each: its arguments going out
+and its answer coming back typed (:meth:`GuestRequest.read_reply`, which checks every
+field the guest sent: a forged one is a :class:`~cryobox.errors.ProtocolError` naming
+it). Sent with :meth:`cryobox.guest.client.AgentClient.ask`; what crosses the channel
+is built and read here only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from cryobox.guest import answers
+from cryobox.guest.protocol import GuestOp
+from cryobox.models import CommandRequest, EntryInfo, ExitStatus
+
+Reply = TypeVar("Reply", covariant=True)
+
+
+class GuestRequest(Protocol[Reply]):
+    """One guest operation: its op, its arguments, and how its answer reads."""
+
+    op: ClassVar[GuestOp]
+
+    def to_args(self) -> dict[str, Any]: ...
+
+    def read_reply(self, answer: dict[str, Any]) -> Reply: ...
+
+
+class _NoReply:
+    """An operation whose answer carries nothing the caller uses."""
+
+    def read_reply(self, answer: dict[str, Any]) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Ping(_NoReply):
+    op: ClassVar[GuestOp] = GuestOp.PING
+
+    def to_args(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Exec:
+    """Run a command; its events are its start and output, its answer how it ended."""
+
+    command: CommandRequest
+    op: ClassVar[GuestOp] = GuestOp.EXEC
+
+    def to_args(self) -> dict[str, Any]:
+        return self.command.to_args()
+
+    def read_reply(self, answer: dict[str, Any]) -> ExitStatus:
+        return answers.exec_result(answer)
+
+
+@dataclass(frozen=True)
+class ExecStdin(_NoReply):
+    """The next bytes of a command's stdin (the payload); ``eof`` closes it."""
+
+    exec_id: int
+    eof: bool = False
+    op: ClassVar[GuestOp] = GuestOp.EXEC_STDIN
+
+    def to_args(self) -> dict[str, Any]:
+        return {"exec_id": self.exec_id, "eof": self.eof}
+
+
+@dataclass(frozen=True)
+class ExecKill(_NoReply):
+    exec_id: int
+    signal: int
+    op: ClassVar[GuestOp] = GuestOp.EXEC_KILL
+
+    def to_args(self) -> dict[str, Any]:
+        return {"exec_id": self.exec_id, "signal": self.signal}
+
+
+@dataclass(frozen=True)
+class ExecResize(_NoReply):
+    exec_id: int
+    cols: int
+    rows: int
+    op: ClassVar[GuestOp] = GuestOp.EXEC_RESIZE
+
+    def to_args(self) -> dict[str, Any]:
+        return {"exec_id": self.exec_id, "cols": self.cols, "rows": self.rows}
+
+
+@dataclass(frozen=True)
+class FileRead(_NoReply):
+    """A file's bytes, as chunk events."""
+
+    path: str
+    op: ClassVar[GuestOp] = GuestOp.FILE_READ
+
+    def to_args(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+
+@dataclass(frozen=True)
+class FileWriteBegin:
+    """Open a file for writing under a temporary name; the answer is its handle."""
+
+    path: str
+    mode: int
+    parents: bool = True
+    #: A guest user to own the file and the folders made (else root).
+    owner: str | None = None
+    op: ClassVar[GuestOp] = GuestOp.FILE_WRITE_BEGIN
+
+    def to_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {"path": self.path, "mode": self.mode, "parents": self.parents}
+        if self.owner is not None:
+            args["owner"] = self.owner
+        return args
+
+    def read_reply(self, answer: dict[str, Any]) -> int:
+        return answers.whole(answer, "handle", "write")
+
+
+@dataclass(frozen=True)
+class FileWriteChunk(_NoReply):
+    """The next bytes of a file being written (the payload)."""
+
+    handle: int
+    op: ClassVar[GuestOp] = GuestOp.FILE_WRITE_CHUNK
+
+    def to_args(self) -> dict[str, Any]:
+        return {"handle": self.handle}
+
+
+@dataclass(frozen=True)
+class FileWriteEnd(_NoReply):
+    """Rename the written file into place, or (``abort``) remove it."""
+
+    handle: int
+    abort: bool = False
+    op: ClassVar[GuestOp] = GuestOp.FILE_WRITE_END
+
+    def to_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {"handle": self.handle}
+        if self.abort:
+            args["abort"] = True
+        return args
+
+
+@dataclass(frozen=True)
+class FileList:
+    path: str
+    op: ClassVar[GuestOp] = GuestOp.FILE_LIST
+
+    def to_args(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def read_reply(self, answer: dict[str, Any]) -> list[EntryInfo]:
+        return answers.entries(answer, "list")
+
+
+@dataclass(frozen=True)
+class FileStat:
+    path: str
+    op: ClassVar[GuestOp] = GuestOp.FILE_STAT
+
+    def to_args(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def read_reply(self, answer: dict[str, Any]) -> EntryInfo:
+        return answers.entry(answer, "stat")
+
+
+@dataclass(frozen=True)
+class FileMkdir(_NoReply):
+    path: str
+    parents: bool = True
+    op: ClassVar[GuestOp] = GuestOp.FILE_MKDIR
+
+    def to_args(self) -> dict[str, Any]:
+        return {"path": self.path, "parents": self.parents}
+
+
+@dataclass(frozen=True)
+class FileRemove(_NoReply):
+    path: str
+    recursive: bool = False
+    op: ClassVar[GuestOp] = GuestOp.FILE_REMOVE
+
+    def to_args(self) -> dict[str, Any]:
+        return {"path": self.path, "recursive": self.recursive}
+
+
+@dataclass(frozen=True)
+class FileWatch(_NoReply):
+    """Report changes under a folder as events until :class:`FileUnwatch` names it."""
+
+    path: str
+    recursive: bool = False
+    op: ClassVar[GuestOp] = GuestOp.FILE_WATCH
+
+    def to_args(self) -> dict[str, Any]:
+        return {"path": self.path, "recursive": self.recursive}
+
+
+@dataclass(frozen=True)
+class FileUnwatch(_NoReply):
+    watch_id: int
+    op: ClassVar[GuestOp] = GuestOp.FILE_UNWATCH
+
+    def to_args(self) -> dict[str, Any]:
+        return {"watch_id": self.watch_id}
+
+
+__all__ = [
+    "Exec",
+    "ExecKill",
+    "ExecResize",
+    "ExecStdin",
+    "FileList",
+    "FileMkdir",
+    "FileRead",
+    "FileRemove",
+    "FileStat",
+    "FileUnwatch",
+    "FileWatch",
+    "FileWriteBegin",
+    "FileWriteChunk",
+    "FileWriteEnd",
+    "GuestRequest",
+    "Ping",
+    "Reply",
+]
