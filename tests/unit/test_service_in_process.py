@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +18,31 @@ from cryobox.models import CommandRequest, CreateRequest, SnapshotPurpose
 from cryobox.sandbox import registry
 from cryobox.sandbox.in_process import InProcessLauncher
 from cryobox.service import SandboxService
+from cryobox.service.pool import Member
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.vmm.fake import FakeVmm
+
+
+class NoPools:
+    """Warm pools that have no member and never refill."""
+
+    def sizes(self) -> dict[str, int]:
+        return {}
+
+    def claims(self, template: str, snapshot_id: str, network: str | list[str]) -> Iterator[str]:
+        return iter(())
+
+    def members(self, template: str | None = None) -> list[Member]:
+        return []
+
+    def withdraw(self, member: Member) -> bool:
+        return False
+
+    def request_refill(self) -> None:
+        raise AssertionError("no refill is asked for without a pool")
+
+    def stop_refill(self) -> None:
+        pass
 
 
 @pytest.fixture
@@ -30,7 +53,7 @@ async def parts(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SandboxService
     monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "0")
     vmm, store = FakeVmm(), LocalSnapshotStore(state)
     launcher = InProcessLauncher(vmm, store)
-    service = SandboxService(vmm, store, launcher)
+    service = SandboxService(vmm, store, launcher, NoPools())
     try:
         yield service
     finally:

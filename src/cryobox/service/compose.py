@@ -15,6 +15,7 @@ import threading
 
 from cryobox.sandbox.backend import backend
 from cryobox.sandbox.launcher import Launcher, SupervisorLauncher
+from cryobox.service.pool import HostPools, WarmPools
 from cryobox.service.service import SandboxService
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore
 from cryobox.vmm import Vmm
@@ -37,11 +38,16 @@ def open_service(
     vmm: Vmm | None = None,
     store: SnapshotStore | None = None,
     launcher: SupervisorLauncher | None = None,
+    pools: WarmPools | None = None,
 ) -> SandboxService:
     """A service of this host's sandboxes: on the VMM ``CRYOBOX_VMM`` names, the local
-    snapshot store under the state folder and this process's launcher, unless given."""
+    snapshot store under the state folder, this process's launcher and this host's warm
+    pools, unless given."""
     return SandboxService(
-        vmm or backend(), store or LocalSnapshotStore(), launcher or shared_launcher()
+        vmm or backend(),
+        store or LocalSnapshotStore(),
+        launcher or shared_launcher(),
+        pools or HostPools(),
     )
 
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from cryobox import config
 from cryobox.arguments import whole_number
@@ -268,3 +269,45 @@ def stop_refill() -> None:
         deadline = time.monotonic() + 30
         while _refill_running() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+class WarmPools(Protocol):
+    """What the service asks of the warm pools: which templates have one, a member to
+    claim, the members to end, and a refill. :class:`HostPools` is this host's (the
+    functions above, on disk); a test may give the service its own."""
+
+    def sizes(self) -> dict[str, int]: ...
+
+    def claims(
+        self, template: str, snapshot_id: str, network: str | list[str]
+    ) -> Iterator[str]: ...
+
+    def members(self, template: str | None = None) -> list[Member]: ...
+
+    def withdraw(self, member: Member) -> bool: ...
+
+    def request_refill(self) -> None: ...
+
+    def stop_refill(self) -> None: ...
+
+
+class HostPools:
+    """This host's warm pools (``STATE/pool/``), refilled by a process of their own."""
+
+    def sizes(self) -> dict[str, int]:
+        return sizes()
+
+    def claims(self, template: str, snapshot_id: str, network: str | list[str]) -> Iterator[str]:
+        return claims(template, snapshot_id, network)
+
+    def members(self, template: str | None = None) -> list[Member]:
+        return members(template)
+
+    def withdraw(self, member: Member) -> bool:
+        return withdraw(member)
+
+    def request_refill(self) -> None:
+        request_refill()
+
+    def stop_refill(self) -> None:
+        stop_refill()

@@ -179,12 +179,20 @@ PLAIN_START = StartOptions()
 class SandboxService:
     """Owns every operation; holds one control connection per sandbox it talks to."""
 
-    def __init__(self, vmm: Vmm, store: SnapshotStore, launcher: SupervisorLauncher) -> None:
+    def __init__(
+        self,
+        vmm: Vmm,
+        store: SnapshotStore,
+        launcher: SupervisorLauncher,
+        pools: pool.WarmPools,
+    ) -> None:
         """Built by :func:`cryobox.service.compose.open_service` (the one place that
         chooses the parts), or by a test with its own."""
         self.vmm = vmm
         self.store = store
         self.launcher = launcher
+        #: The warm pools a create claims from (see :mod:`.pool`).
+        self.pools = pools
         self.persist = Persistence(self.store)
         self.connections = Connections(self.launcher, vmm.name)
         #: Commands, files and watches inside the sandboxes.
@@ -314,14 +322,16 @@ class SandboxService:
             and request.from_snapshot is None
             and start.forked_from is None
             and not start.pool_member
-            and request.template in pool.sizes()
+            and request.template in self.pools.sizes()
         )
         if pooled_template and source is not None:
             try:
                 claimed = await self._claim_pooled(request, source, policy.to_json(), owner)
             finally:
                 # Off the caller's path: starting the refill process is a fork of this one.
-                self._refill = asyncio.get_running_loop().run_in_executor(None, pool.request_refill)
+                self._refill = asyncio.get_running_loop().run_in_executor(
+                    None, self.pools.request_refill
+                )
             if claimed is not None:
                 return claimed
         accelerator = await asyncio.to_thread(self.vmm.accelerator, image)
@@ -364,7 +374,7 @@ class SandboxService:
         A member that cannot be claimed (it died while waiting) is ended and the next
         one tried: the caller never sees it.
         """
-        for sandbox_id in pool.claims(request.template, source.id, network):
+        for sandbox_id in self.pools.claims(request.template, source.id, network):
             folder = SandboxDir.for_id(sandbox_id)
             try:
                 member = folder.spec()
@@ -682,7 +692,7 @@ class SandboxService:
         if entry is None:
             raise TemplateNotFound(name)
         # Its waiting members would keep its snapshot (and a refill at work would add one).
-        await asyncio.to_thread(pool.stop_refill)
+        await asyncio.to_thread(self.pools.stop_refill)
         await self.drain_pool(name)
         self.store.delete_template(name)
         with contextlib.suppress(CryoboxError):
@@ -691,14 +701,14 @@ class SandboxService:
     async def drain_pool(self, template: str | None = None) -> builtins.list[str]:
         """End the waiting members of ``template``'s warm pool (or of every pool); their
         ids. A member being claimed meanwhile is left to its claimer."""
-        return await self.end_pool_members(pool.members(template))
+        return await self.end_pool_members(self.pools.members(template))
 
     async def end_pool_members(self, doomed: Iterable[pool.Member]) -> builtins.list[str]:
         """End these warm-pool members, each once withdrawn from its pool (one a claimer
         took meanwhile is left to it); the ids ended."""
         ended: builtins.list[str] = []
         for member in doomed:
-            if pool.withdraw(member):
+            if self.pools.withdraw(member):
                 with contextlib.suppress(CryoboxError):
                     await self.kill(member.sandbox_id, keep_record=False)
                 ended.append(member.sandbox_id)
