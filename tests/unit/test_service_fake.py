@@ -50,6 +50,7 @@ def fake_vmm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         except Exception as exc:  # report, keep cleaning
             print(f"cleanup of {info.id} failed: {exc}")
     discard_spare()
+    transport._local.clear()  # its service runs the fake: no later test may get it
     shutil.rmtree(state, ignore_errors=True)
 
 
