@@ -104,8 +104,6 @@ def test_a_resume_within_the_hold_continues_the_same_vm(sandbox_factory: Any, ho
     saved = mf.load(folder.paused)
     assert saved.id == record.pause_id
     mf.verify(folder.paused, saved)
-    with pytest.raises(StateError, match="paused"):
-        sbx.commands.run("true")
     if isolation_enabled():  # the supervisor's forwarded port closes, as without a hold
         assert _refused(sbx.info().ports[8000])
     spent = cpu_seconds(record.qemu_pid)

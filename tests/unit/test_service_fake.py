@@ -72,8 +72,10 @@ def test_whole_lifecycle_over_the_fake() -> None:
     sbx.rollback("first")
     sbx.pause()
     assert sbx.info().state == "paused"
-    with pytest.raises(StateError, match="paused"):
-        sbx.commands.run("true")
+    # Any call on the handle that needs it running resumes it, as connect does.
+    assert sbx.files.read_text("/etc/hostname") and sbx.info().state == "running"
+    sbx.pause()
+    assert sbx.logs() is not None and sbx.info().state == "paused"  # looking leaves it
     sbx = Sandbox.resume(sbx.id)
     assert sbx.info().state == "running"
     saved = sbx.snapshot("saved")
@@ -262,6 +264,8 @@ def test_a_killed_sandbox_is_listed_for_a_while_then_forgotten(
     assert {p.name for p in folder.path.iterdir()} <= registry.RECORD_FILES
     assert not (registry.find(paused.id).path / "paused").exists()
     assert Sandbox.connect(sbx.id, resume=False).info().state == "killed"
+    with pytest.raises(SandboxDead, match="killed"):  # at once, not at its first use
+        Sandbox.connect(sbx.id)
     with pytest.raises(SandboxDead):
         sbx.commands.run("true")
     with pytest.raises(StateError):

@@ -19,11 +19,18 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypedDict, Unpack, overload
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
 from cryobox import config
 from cryobox.arguments import env_vars, labels, read_bundle, text
-from cryobox.errors import CryoboxError, GuestFileNotFound, InvalidArgument, SandboxNotFound
+from cryobox.errors import (
+    CryoboxError,
+    GuestFileNotFound,
+    InvalidArgument,
+    SandboxDead,
+    SandboxNotFound,
+    StateError,
+)
 from cryobox.guest import protocol as p
 from cryobox.models import (
     ActiveWatch,
@@ -44,6 +51,8 @@ from cryobox.models import (
 )
 
 from .transport import Transport, transport_for
+
+T = TypeVar("T")
 
 OutputHandler = Callable[[str], Any]
 #: Called with a PTY's raw output bytes (terminal escapes included).
@@ -252,7 +261,9 @@ class AsyncPty:
         )
         handle = AsyncPtyHandle(on_data)
         transport, sandbox_id = self._sandbox._transport, self._sandbox.id
-        handle._session = await transport.start_command(sandbox_id, request, handle._on_output)
+        handle._session = await self._sandbox._awake(
+            lambda: transport.start_command(sandbox_id, request, handle._on_output)
+        )
         await handle._session.started()
         return handle
 
@@ -325,7 +336,9 @@ class AsyncCommands:
         stdin = options.get("stdin")
         handle = AsyncCommandHandle(options.get("on_stdout"), options.get("on_stderr"))
         transport, sandbox_id = self._sandbox._transport, self._sandbox.id
-        handle._session = await transport.start_command(sandbox_id, request, handle._on_output)
+        handle._session = await self._sandbox._awake(
+            lambda: transport.start_command(sandbox_id, request, handle._on_output)
+        )
         if stdin not in (None, False, True) or background:
             await handle._session.started()
         if isinstance(stdin, bytes | str):
@@ -345,8 +358,12 @@ class AsyncFiles:
         :raises GuestFileNotFound: when there is no such file.
         """
         text("path", path)
-        chunks = [c async for c in self._sandbox._transport.read_file(self._sandbox.id, path)]
-        return b"".join(chunks)
+
+        async def read_all() -> bytes:
+            stream = self._sandbox._transport.read_file(self._sandbox.id, path)
+            return b"".join([chunk async for chunk in stream])
+
+        return await self._sandbox._awake(read_all)
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         """The file's text."""
@@ -358,8 +375,14 @@ class AsyncFiles:
         if not isinstance(data, bytes | bytearray | memoryview | str):
             raise InvalidArgument(f"data={data!r}: must be bytes or a string")
         payload = data.encode() if isinstance(data, str) else data
-        chunks = (payload[i : i + p.CHUNK] for i in range(0, len(payload), p.CHUNK))
-        await self._sandbox._transport.write_file(self._sandbox.id, path, chunks, mode)
+        await self._sandbox._awake(
+            lambda: self._sandbox._transport.write_file(
+                self._sandbox.id,
+                path,
+                (payload[i : i + p.CHUNK] for i in range(0, len(payload), p.CHUNK)),
+                mode,
+            )
+        )
 
     async def upload(
         self, local_path: str | os.PathLike[str], path: str, mode: int | None = None
@@ -375,16 +398,22 @@ class AsyncFiles:
                     yield chunk
 
         mode = mode if mode is not None else source.stat().st_mode & 0o777
-        await self._sandbox._transport.write_file(self._sandbox.id, path, chunks(), mode)
+        await self._sandbox._awake(
+            lambda: self._sandbox._transport.write_file(self._sandbox.id, path, chunks(), mode)
+        )
 
     async def download(self, path: str, local_path: str | os.PathLike[str]) -> None:
         """Copy a guest file to the host, written to a temporary name then renamed."""
         target = Path(local_path)
         temp = target.with_name(f".{target.name}.cryobox-part")
-        try:
-            with open(temp, "wb") as handle:
+
+        async def copy() -> None:
+            with open(temp, "wb") as handle:  # (a retry after a resume starts it again)
                 async for chunk in self._sandbox._transport.read_file(self._sandbox.id, path):
                     handle.write(chunk)
+
+        try:
+            await self._sandbox._awake(copy)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
@@ -393,12 +422,16 @@ class AsyncFiles:
     async def list(self, path: str) -> builtins.list[EntryInfo]:
         """The entries of a guest folder."""
         text("path", path)
-        return await self._sandbox._transport.list_dir(self._sandbox.id, path)
+        return await self._sandbox._awake(
+            lambda: self._sandbox._transport.list_dir(self._sandbox.id, path)
+        )
 
     async def stat(self, path: str) -> EntryInfo:
         """What ``path`` is: type, size, mode, mtime."""
         text("path", path)
-        return await self._sandbox._transport.stat(self._sandbox.id, path)
+        return await self._sandbox._awake(
+            lambda: self._sandbox._transport.stat(self._sandbox.id, path)
+        )
 
     async def exists(self, path: str) -> bool:
         """Whether ``path`` exists in the guest."""
@@ -411,12 +444,16 @@ class AsyncFiles:
     async def mkdir(self, path: str, parents: bool = True) -> None:
         """Make a folder (and its parents)."""
         text("path", path)
-        await self._sandbox._transport.mkdir(self._sandbox.id, path, parents)
+        await self._sandbox._awake(
+            lambda: self._sandbox._transport.mkdir(self._sandbox.id, path, parents)
+        )
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         """Remove a file, or a folder (its contents too with ``recursive``)."""
         text("path", path)
-        await self._sandbox._transport.remove(self._sandbox.id, path, recursive)
+        await self._sandbox._awake(
+            lambda: self._sandbox._transport.remove(self._sandbox.id, path, recursive)
+        )
 
     async def watch(
         self, path: str, on_event: EventHandler, recursive: bool = False
@@ -433,8 +470,25 @@ class AsyncFiles:
             handle._calls(FileEvent(type=kind, name=name, path=posixpath.join(path, name)))
 
         transport, sandbox_id = self._sandbox._transport, self._sandbox.id
-        handle._watch = await transport.watch(sandbox_id, path, recursive, sink)
+        handle._watch = await self._sandbox._awake(
+            lambda: transport.watch(sandbox_id, path, recursive, sink)
+        )
         return handle
+
+
+async def _resume(transport: Transport, sandbox_id: str) -> SandboxInfo:
+    """Resume a paused sandbox; its info. Another process resuming it at the same time
+    is no error.
+
+    :raises SnapshotError: when its saved state is refused (it stays paused).
+    """
+    try:
+        return await transport.resume(sandbox_id)
+    except CryoboxError:
+        info = await transport.get(sandbox_id)
+        if info.state != SandboxState.RUNNING:
+            raise
+        return info
 
 
 def _egress(proxy: str | None, ca_bundle: str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -616,23 +670,23 @@ class AsyncSandbox:
         (every process where it was), as E2B's ``connect`` does, unless ``resume=False``
         (to look at it, or kill it, as it is).
 
-        A sandbox that has ended can still be inspected (``info``, ``logs``) and killed;
-        running commands in it raises :class:`SandboxDead` or :class:`StateError`.
+        A sandbox that has ended (killed, dead) raises :class:`SandboxDead` at once; with
+        ``resume=False`` it can still be inspected (``info``, ``logs``) and killed (which
+        forgets it). Any later call on the handle that acts on the machine resumes it
+        if it was paused meanwhile (see ``_awake``).
 
         :raises SandboxNotFound: when there is no such sandbox.
+        :raises SandboxDead: when it has ended (and ``resume`` is true).
         :raises SnapshotError: when a paused one's saved state is refused (it stays
             paused).
         """
         transport = transport_for(api_url, api_key)
         sandbox_id = await whole_id(transport, sandbox_id)
         info = await transport.get(sandbox_id)
-        if resume and info.state == "paused":
-            try:
-                info = await transport.resume(sandbox_id)
-            except CryoboxError:  # another process may have resumed it at the same time
-                info = await transport.get(sandbox_id)
-                if info.state != "running":
-                    raise
+        if resume and info.state in (SandboxState.KILLED, SandboxState.DEAD):
+            raise SandboxDead(sandbox_id, info.error or f"it was {info.state}")
+        if resume and info.state == SandboxState.PAUSED:
+            info = await _resume(transport, sandbox_id)
         return cls(info, transport)
 
     @staticmethod
@@ -721,6 +775,21 @@ class AsyncSandbox:
         """Sandboxes and snapshots of this host as nodes naming their parent."""
         return await transport_for(api_url, api_key).lineage()
 
+    async def _awake(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``; when it finds the sandbox paused, the sandbox is resumed (every
+        process where it was) and ``call()`` made again. One rule for every call on a
+        handle that acts on the machine (commands, terminals, files, watches, checkpoints,
+        snapshots, rollbacks, forks, ports, its timeout), as :meth:`connect` and the CLI
+        do; ``pause``, ``kill``, ``info``, ``logs`` and ``close`` leave a paused sandbox
+        paused."""
+        try:
+            return await call()
+        except StateError as exc:
+            if exc.state != SandboxState.PAUSED:
+                raise
+        self._info = await _resume(self._transport, self.id)
+        return await call()
+
     async def info(self) -> SandboxInfo:
         """The sandbox as it is now (state, deadline, ports, origin...)."""
         self._info = await self._transport.get(self.id)
@@ -746,12 +815,14 @@ class AsyncSandbox:
 
         :raises CapacityError: when the host cannot hold them; nothing is started.
         """
-        forks = await self._transport.fork(self.id, count)
+        forks = await self._awake(lambda: self._transport.fork(self.id, count))
         return [AsyncSandbox(info, self._transport) for info in forks]
 
     async def checkpoint(self, name: str | None = None) -> SnapshotInfo:
         """Save the running machine so that :meth:`rollback` can return to this instant."""
-        return await self._transport.capture(self.id, SnapshotPurpose.CHECKPOINT, name)
+        return await self._awake(
+            lambda: self._transport.capture(self.id, SnapshotPurpose.CHECKPOINT, name)
+        )
 
     async def snapshot(
         self, name: str, memory: bool = True, overwrite: bool = False
@@ -764,8 +835,10 @@ class AsyncSandbox:
 
         :raises InvalidArgument: when the name is taken (and no ``overwrite``).
         """
-        return await self._transport.capture(
-            self.id, SnapshotPurpose.SNAPSHOT, name, memory, overwrite
+        return await self._awake(
+            lambda: self._transport.capture(
+                self.id, SnapshotPurpose.SNAPSHOT, name, memory, overwrite
+            )
         )
 
     async def checkpoints(self) -> builtins.list[SnapshotInfo]:
@@ -783,17 +856,17 @@ class AsyncSandbox:
         :raises InvalidArgument: when it belongs to another sandbox or has no memory.
         """
         ref = checkpoint.id if isinstance(checkpoint, SnapshotInfo) else checkpoint
-        await self._transport.rollback(self.id, ref)
+        await self._awake(lambda: self._transport.rollback(self.id, ref))
 
     async def expose_port(self, guest_port: int) -> int:
         """Forward a guest TCP port to a free port on 127.0.0.1 and return that port."""
-        host_port = await self._transport.expose_port(self.id, guest_port)
+        host_port = await self._awake(lambda: self._transport.expose_port(self.id, guest_port))
         await self.info()
         return host_port
 
     async def set_timeout(self, seconds: float) -> None:
         """Kill the sandbox ``seconds`` from now unless extended again."""
-        await self._transport.set_timeout(self.id, seconds)
+        await self._awake(lambda: self._transport.set_timeout(self.id, seconds))
 
     async def logs(self) -> str:
         """The guest's serial console so far."""
