@@ -83,7 +83,9 @@ def test_reading_a_record_changes_nothing_and_reconcile_finishes_the_pause(
     folder = SandboxDir(tmp_path / "sbx-2")
     folder.path.mkdir()
     folder.pause.temp.mkdir()
-    (folder.pause.temp / "manifest.json").write_text(json.dumps({"id": "pause-new"}))
+    listed = {"id": "pause-new", "files": {"disk.qcow2": {}, "devices.state": {}}}
+    (folder.pause.temp / "manifest.json").write_text(json.dumps(listed))
+    (folder.pause.temp / "devices.state").write_bytes(b"devices")
     (folder.path / "disk-1.qcow2").write_bytes(b"the live disk")
     folder.write_record(SandboxRecord(id="sbx-2", state=SandboxState.RUNNING, disk="disk-1.qcow2"))
     _age(folder, time.time() - 3600)
@@ -102,3 +104,21 @@ def test_reading_a_record_changes_nothing_and_reconcile_finishes_the_pause(
     assert json.loads(folder.state_file.read_text())["state"] == "paused"
     again = folder.record()
     assert (again.state, again.pause_id) == (SandboxState.PAUSED, "pause-new")
+
+
+def test_a_pause_missing_a_file_it_lists_never_stands(tmp_path: Path) -> None:
+    """A pause written into ``paused.tmp`` that lists a file no longer anywhere cannot be
+    completed: the sandbox reads (and stays) dead, never paused on a pause that would
+    be refused at every resume."""
+    folder = SandboxDir(tmp_path / "sbx-3")
+    folder.path.mkdir()
+    folder.pause.temp.mkdir()
+    listed = {"id": "pause-broken", "files": {"disk.qcow2": {}, "devices.state": {}}}
+    (folder.pause.temp / "manifest.json").write_text(json.dumps(listed))
+    (folder.path / "disk-1.qcow2").write_bytes(b"the live disk")  # devices.state: lost
+    folder.write_record(SandboxRecord(id="sbx-3", state=SandboxState.RUNNING, disk="disk-1.qcow2"))
+    _age(folder, time.time() - 3600)
+    assert folder.record().state is SandboxState.DEAD
+    assert folder.reconcile().state is SandboxState.DEAD
+    assert json.loads(folder.state_file.read_text())["state"] == "running"  # not rewritten
+    assert (folder.path / "disk-1.qcow2").exists()  # nothing moved for a pause that cannot be

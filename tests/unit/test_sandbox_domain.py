@@ -106,7 +106,7 @@ def test_record_of_a_vanished_supervisor_reads_dead(tmp_path: object) -> None:
         )
     )
     assert folder.record().state is SandboxState.DEAD
-    Sandbox.connect(folder.id).kill()
+    Sandbox.connect(folder.id, resume=False).kill()  # (connect() raises: it is dead)
     assert not folder.path.exists()
 
 

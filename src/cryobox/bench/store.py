@@ -20,8 +20,9 @@ from typing import Any
 from cryobox import config
 from cryobox.bench.s3_server import S3Server
 from cryobox.client import AsyncSandbox
+from cryobox.models import CommandRequest, CreateRequest, SnapshotPurpose
+from cryobox.service import SandboxService, open_service
 from cryobox.service.persist import Persistence
-from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import catalog, collect
 from cryobox.store.chunkstore import ChunkStore
 
@@ -70,19 +71,26 @@ async def _push(persist: Persistence, ref: str) -> tuple[float, int]:
     return seconds, await asyncio.to_thread(_chunk_bytes, store) - before
 
 
-async def _fresh_start(ref: str) -> float:
+async def _fresh_start(service: SandboxService, ref: str, tenant: str) -> float:
+    """Seconds from a create of ``ref`` (pulled from ``tenant``'s store when it is not
+    here) to the end of its first command."""
     start = time.perf_counter()
-    sbx = await AsyncSandbox.create(from_snapshot=ref)
-    await sbx.commands.run(["true"])
-    seconds = time.perf_counter() - start
-    await sbx.kill()
-    return seconds
+    info = await service.create(CreateRequest(from_snapshot=ref), tenant=tenant)
+    try:
+        session = await service.guest.start_command(
+            info.id, CommandRequest(argv=("true",)), lambda _stream, _data: None
+        )
+        await session.wait()
+        return time.perf_counter() - start
+    finally:
+        await service.kill(info.id)
 
 
 async def measure(quick: bool) -> dict[str, Any]:
     """The raw figures (see the module's docstring)."""
     base_mb, changed_mb = (40, 20) if quick else (300, 107)
-    persist = Persistence(LocalSnapshotStore())
+    service = open_service()  # the bench tenant's calls go through it, tenant named
+    persist = service.persist
     tenant = f"bench{os.getpid()}"
     tenants = [tenant, f"{tenant}-2", f"{tenant}-3"]
     found: dict[str, Any] = {"base_mb": base_mb, "changed_mb": changed_mb}
@@ -108,19 +116,19 @@ async def measure(quick: bool) -> dict[str, Any]:
             )
         persist = persist.of(tenant)
         await sbx.commands.run(f"head -c {changed_mb}000000 /dev/urandom > /dev/shm/b")
-        second = await sbx.snapshot(names[1])
+        second = await service.capture(sbx.id, SnapshotPurpose.SNAPSHOT, names[1], tenant=tenant)
         _, found["second_bytes"] = await _push(persist, second.id)
         found["ram_bytes"] = ram_mib << 20
         usage = await asyncio.to_thread(collect.usage, persist.chunks())
         found["store_bytes"] = usage.stored_bytes
-        found["local_start_s"] = await _fresh_start(second.id)
+        found["local_start_s"] = await _fresh_start(service, second.id, tenant)
 
         await asyncio.to_thread(server.start)
         with environment(server.env(f"bench-{tenant}")):
             found["upload_s"], found["upload_bytes"] = await _push(persist, first.id)
             await _push(persist, second.id)
             await persist.evict(second.id)
-            found["remote_start_s"] = await _fresh_start(second.id)
+            found["remote_start_s"] = await _fresh_start(service, second.id, tenant)
             await persist.evict(second.id)
             await persist.evict(first.id)
             start = time.perf_counter()
@@ -133,6 +141,7 @@ async def measure(quick: bool) -> dict[str, Any]:
             )
     finally:
         await sbx.kill()
+        await service.close()
         await asyncio.to_thread(server.stop)
         for name in names:
             with contextlib.suppress(Exception):

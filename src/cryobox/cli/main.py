@@ -620,14 +620,14 @@ def kill(
 def set_timeout(sandbox_id: str, seconds: float) -> None:
     """Kill the sandbox SECONDS from now unless extended again."""
     with errors_reported():
-        Sandbox.connect(sandbox_id, resume=False).set_timeout(seconds)
+        Sandbox.connect(sandbox_id).set_timeout(seconds)  # (a paused one is resumed)
 
 
 @app.command()
 def port(sandbox_id: str, guest_port: int) -> None:
     """Forward a guest TCP port to 127.0.0.1 and print the host port."""
     with errors_reported():
-        out.print(Sandbox.connect(sandbox_id, resume=False).expose_port(guest_port))
+        out.print(Sandbox.connect(sandbox_id).expose_port(guest_port))
 
 
 @image_app.command("build")

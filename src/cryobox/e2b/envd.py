@@ -45,6 +45,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from starlette.requests import ClientDisconnect
 
 from cryobox.errors import (
+    AlreadySupervised,
     ChannelError,
     CommandNotFound,
     CryoboxError,
@@ -231,7 +232,7 @@ def connect_error(exc: Exception, sandbox_id: str) -> ConnectError:
         return ConnectError(Code.NOT_FOUND, str(exc))
     if isinstance(exc, GuestPermissionError):
         return ConnectError(Code.PERMISSION_DENIED, str(exc))
-    if isinstance(exc, StateError | ChannelError):
+    if isinstance(exc, StateError | AlreadySupervised | ChannelError):
         return ConnectError(
             Code.UNAVAILABLE, f"the connection to sandbox {sandbox_id} ended: {exc}"
         )

@@ -216,7 +216,8 @@ class Machine:
         self.vmm = vmm
         self.store = store
         self.image = vmm.load_image(self.spec.image_id)
-        self.record = folder.reconcile()  # what a supervisor before this one left
+        # What a supervisor before this one left (this one holds the supervisor lock).
+        self.record = folder.reconcile(locked=True)
         self._save = save
         self.vm: Vm | None = None
         self.agent: AgentClient | None = None

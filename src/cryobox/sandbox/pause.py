@@ -104,28 +104,34 @@ class PauseTransaction:
         sandbox died). Reads only.
 
         A pause folder stands only if the sandbox's disk layer went into it (or a resume
-        cut short took it out): one left from before would be an older machine."""
-        for folder in (self.temp, self.saved):
-            pending = folder is self.temp
-            names = (mf.PENDING_MANIFEST, mf.MANIFEST) if pending else (mf.MANIFEST,)
-            for name in names:
-                if not (folder / name).exists():
-                    continue
-                moved = not (record.disk and (self.path / record.disk).exists())
-                if pending or moved or record.state is SandboxState.RESUMING:
-                    return _manifest_id(folder / name) or ""
+        cut short took it out): one left from before would be an older machine. One being
+        written stands only if every file it lists is in it or can still move in."""
+        for name in (mf.PENDING_MANIFEST, mf.MANIFEST):
+            if (self.temp / name).exists() and self._completable(record, self.temp / name):
+                return _manifest_id(self.temp / name) or ""
+        if (self.saved / mf.MANIFEST).exists():
+            moved = not (record.disk and (self.path / record.disk).exists())
+            if moved or record.state is SandboxState.RESUMING:
+                return _manifest_id(self.saved / mf.MANIFEST) or ""
         return None
+
+    def _completable(self, record: SandboxRecord, manifest: Path) -> bool:
+        """Whether :meth:`complete` would find every file the manifest lists."""
+        try:
+            listed = json.loads(manifest.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        movable = {saved for name, saved in pause_files(record) if (self.path / name).exists()}
+        return all((self.temp / name).exists() or name in movable for name in listed)
 
     def complete(self, record: SandboxRecord) -> None:
         """Finish the pause of a supervisor that died after writing and hashing all of it
         (its VM frozen, then ended): only renames were left, so the sandbox is not lost.
 
         Called only once the VM is gone: while it runs, it is adopted instead."""
-        if (
-            not (self.temp / mf.PENDING_MANIFEST).exists()
-            and not (self.temp / mf.MANIFEST).exists()
-        ):
-            return
+        written = [self.temp / n for n in (mf.PENDING_MANIFEST, mf.MANIFEST)]
+        if not any(path.exists() and self._completable(record, path) for path in written):
+            return  # nothing written, or not whole: never a pause that would be refused
         with contextlib.suppress(OSError, ValueError, CryoboxError):
             for name, saved in reversed(pause_files(record)):
                 if (self.path / name).exists() and not (self.temp / saved).exists():

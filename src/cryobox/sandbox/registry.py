@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -63,6 +65,8 @@ class SandboxDir:
         self.spec_file = path / "spec.json"
         self.state_file = path / "state.json"
         self.control_socket = path / "control.sock"
+        #: Held by the sandbox's supervisor for its life (one supervisor per sandbox).
+        self.supervisor_lock = path / "supervisor.lock"
         self.qmp_socket = path / "qmp.sock"
         self.agent_socket = path / "agent.sock"
         self.disk = path / "disk.qcow2"
@@ -138,7 +142,7 @@ class SandboxDir:
             return False
         return not supervisor_alive(record)
 
-    def reconcile(self) -> SandboxRecord:
+    def reconcile(self, *, locked: bool = False) -> SandboxRecord:
         """Settle what a supervisor that died (killed with -9, crashed) left, and return
         the record as it then stands (:meth:`record`): a VM nobody can serve (a start cut
         short, a held pause's) is killed, a resume cut short gives its pause back, a pause
@@ -146,7 +150,45 @@ class SandboxDir:
         left for adoption (``Launcher.start(adopt=True)``).
 
         Called where a sandbox is started, adopted or acted on: a supervisor starting on
-        its folder, and the service before it looks at one (never by a plain read)."""
+        its folder (``locked``: it holds the sandbox's supervisor lock), and the service
+        before it looks at one (never by a plain read). The recovery runs under the
+        supervisor lock: while a supervisor holds it (one serves the sandbox, or starts
+        to, and settles it itself), nothing is touched and the record is only read."""
+        if not self._needs_recovery(self._read()):
+            return self.record()
+        if locked:
+            return self._recover()
+        with self._supervisor_lock() as held:
+            return self._recover() if held else self.record()
+
+    def _needs_recovery(self, record: SandboxRecord) -> bool:
+        if record.state is SandboxState.PAUSED:
+            return bool(record.qemu_pid) and not supervisor_alive(record)
+        if record.state.finished or not self._orphaned(record):
+            return False
+        vm_alive = process_alive(record.qemu_pid, f"cryobox-{self.id}")
+        return not (vm_alive and record.state in ADOPTABLE)
+
+    @contextlib.contextmanager
+    def _supervisor_lock(self) -> Iterator[bool]:
+        """Whether this process got the sandbox's supervisor lock (held until the end)."""
+        try:
+            fd = os.open(self.supervisor_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:  # the folder went meanwhile
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def _recover(self) -> SandboxRecord:
+        """:meth:`reconcile`'s work, under the supervisor lock (the record read again)."""
         record = self._read()
         if record.state is SandboxState.PAUSED:
             if not record.qemu_pid or supervisor_alive(record):
@@ -167,8 +209,14 @@ class SandboxDir:
             self.pause.give_back(record)
         self.pause.complete(record)
         settled = self.record()
-        if settled.state is SandboxState.PAUSED:  # recorded: a resume finds what it needs
-            with contextlib.suppress(OSError, CryoboxError):
+        if settled.state is SandboxState.PAUSED:
+            if not (self.paused / "manifest.json").exists():  # its commit failed: not whole
+                return replace(
+                    settled,
+                    state=SandboxState.DEAD,
+                    error="its supervisor died with its pause not committed",
+                )
+            with contextlib.suppress(OSError, CryoboxError):  # a resume finds what it needs
                 self.write_record(settled)
         return settled
 

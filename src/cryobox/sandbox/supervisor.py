@@ -864,7 +864,7 @@ async def _start_and_run(
     # One supervisor per sandbox: it holds this lock for its life. An adopter gives up at
     # once if another holds it (someone adopted first); a resume waits for the supervisor
     # that paused to be gone. Each re-reads the state once it holds the lock (Machine).
-    lock = os.open(folder.path / "supervisor.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock = os.open(folder.supervisor_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + (0 if request.adopt else LOCK_WAIT_SECONDS)
         while True:

@@ -77,6 +77,7 @@ STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
     (e.GuestPermissionError, 403),
     (e.QuotaExceeded, 429),
     (e.StateError, 409),
+    (e.AlreadySupervised, 409),
     (e.SandboxDead, 409),
     (e.SnapshotError, 409),
     (e.InvalidArgument, 400),

@@ -1,12 +1,12 @@
 """The one place a service is put together: which VMM, which snapshot store, which
 launcher (and so which supervisors) it works with.
 
-Everything below takes its parts as constructor arguments; nothing else picks a
-backend or builds a store. The VMM is chosen by name (``CRYOBOX_VMM``, QEMU unless it
-names the fake), and that name travels with each start request down to the
-supervisor, which builds the same backend in its own process. The launcher is one
-per process: it keeps the zygote that forks supervisors warm, and every service of
-the process shares it.
+Everything below takes its parts as constructor arguments; no other part of a service
+picks a backend or builds a store. The VMM is chosen by name (``CRYOBOX_VMM``, QEMU
+unless it names the fake), and that name travels with each start request down to the
+supervisor: a supervisor process is the one other root, building the VMM its start
+request names and the local store. The launcher is one per process: it keeps the
+zygote that forks supervisors warm, and every service of the process shares it.
 """
 
 from __future__ import annotations

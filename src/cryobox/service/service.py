@@ -35,6 +35,7 @@ from cryobox.arguments import (
     whole_number,
 )
 from cryobox.errors import (
+    AlreadySupervised,
     CapacityError,
     ChannelError,
     CryoboxError,
@@ -502,7 +503,7 @@ class SandboxService:
         folder = registry.find(sandbox_id)
         if folder.needs_adoption(folder.reconcile()):
             # A resume cut short (its supervisor died): running on, or paused again.
-            with contextlib.suppress(StateError):
+            with contextlib.suppress(StateError, AlreadySupervised):
                 await self.connections.adopt(folder)
             record = folder.record()
             if record.state is SandboxState.RUNNING:
