@@ -35,9 +35,10 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from cryobox.util import create_private_file, fsync_dir
 
@@ -57,6 +58,28 @@ CREATE TABLE IF NOT EXISTS chunks (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS chunks_by_pack ON chunks (pack);
 """
+
+
+T = TypeVar("T")
+
+#: Seconds a read or the opening of the index waits out a "database is locked".
+LOCKED_WAIT = 60.0
+
+
+def _when_unlocked(work: Callable[[], T]) -> T:
+    """``work()``, again while SQLite answers "database is locked" without waiting for
+    its busy timeout (it does so to a reader while a process killed mid-write leaves the
+    WAL to be recovered, and to the journal-mode pragma of a new connection)."""
+    deadline = time.monotonic() + LOCKED_WAIT
+    pause = 0.005
+    while True:
+        try:
+            return work()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 @dataclass(frozen=True)
@@ -120,11 +143,19 @@ class Packs:
         if db is None:
             self._make_folder()
             create_private_file(self.db_path)
-            db = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
+            db = _when_unlocked(self._open)
+            self._local.db = db
+        return db
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
+        try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(_SCHEMA)
-            self._local.db = db
+        except BaseException:
+            db.close()
+            raise
         return db
 
     def _new_pack(self) -> _Pack:
@@ -154,21 +185,29 @@ class Packs:
             pending = self._pending.get(key) or self._committing.get(key)
         if pending is not None:
             return pending
-        row = (
-            self._db()
-            .execute("SELECT pack, offset, length, modified FROM chunks WHERE key = ?", (key,))
-            .fetchone()
+        row = _when_unlocked(
+            lambda: (
+                self._db()
+                .execute("SELECT pack, offset, length, modified FROM chunks WHERE key = ?", (key,))
+                .fetchone()
+            )
         )
         return Place(*row) if row else None
 
     def list(self, prefix: str) -> Iterator[tuple[str, Place]]:
         """Committed chunks whose key starts with ``prefix``, in key order."""
-        rows = self._db().execute(
-            "SELECT key, pack, offset, length, modified FROM chunks "
-            "WHERE key >= ? AND key < ? ORDER BY key",
-            (prefix, prefix + "\U0010ffff"),
+        rows = _when_unlocked(
+            lambda: (
+                self._db()
+                .execute(
+                    "SELECT key, pack, offset, length, modified FROM chunks "
+                    "WHERE key >= ? AND key < ? ORDER BY key",
+                    (prefix, prefix + "\U0010ffff"),
+                )
+                .fetchall()
+            )
         )
-        for key, *place in rows.fetchall():
+        for key, *place in rows:
             yield key, Place(*place)
 
     # -- writing -----------------------------------------------------------------
