@@ -58,6 +58,9 @@ def test_each_guest_request_builds_its_arguments_and_reads_its_answer() -> None:
     assert g.FileWriteBegin("/a", 0o600).to_args() == {"path": "/a", "mode": 0o600, "parents": True}
     assert g.FileWriteBegin("/a", 0o600, owner="user").to_args()["owner"] == "user"
     assert g.FileWriteBegin("/a", 0o600).read_reply({"handle": 4}) == 4
+    assert g.Ping().to_args() == {}
+    assert g.ExecKill(3, 9).to_args() == {"exec_id": 3, "signal": 9}
+    assert g.FileRemove("/a", True).to_args() == {"path": "/a", "recursive": True}
     assert g.FileWriteEnd(4).to_args() == {"handle": 4}
     assert g.FileWriteEnd(4, abort=True).to_args() == {"handle": 4, "abort": True}
     assert g.Exec(CommandRequest(shell="true")).read_reply({"exit_code": 0}).exit_code == 0

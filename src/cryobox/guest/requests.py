@@ -7,8 +7,8 @@ is built and read here only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 from cryobox.guest import answers
 from cryobox.guest.protocol import GuestOp
@@ -27,7 +27,15 @@ class GuestRequest(Protocol[Reply]):
     def read_reply(self, answer: dict[str, Any]) -> Reply: ...
 
 
-class _NoReply:
+class _Fields:
+    """An operation whose arguments are its fields, as they are."""
+
+    def to_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = asdict(cast(Any, self))  # every subclass is a dataclass
+        return args
+
+
+class _NoReply(_Fields):
     """An operation whose answer carries nothing the caller uses."""
 
     def read_reply(self, answer: dict[str, Any]) -> None:
@@ -37,9 +45,6 @@ class _NoReply:
 @dataclass(frozen=True)
 class Ping(_NoReply):
     op: ClassVar[GuestOp] = GuestOp.PING
-
-    def to_args(self) -> dict[str, Any]:
-        return {}
 
 
 @dataclass(frozen=True)
@@ -64,18 +69,12 @@ class ExecStdin(_NoReply):
     eof: bool = False
     op: ClassVar[GuestOp] = GuestOp.EXEC_STDIN
 
-    def to_args(self) -> dict[str, Any]:
-        return {"exec_id": self.exec_id, "eof": self.eof}
-
 
 @dataclass(frozen=True)
 class ExecKill(_NoReply):
     exec_id: int
     signal: int
     op: ClassVar[GuestOp] = GuestOp.EXEC_KILL
-
-    def to_args(self) -> dict[str, Any]:
-        return {"exec_id": self.exec_id, "signal": self.signal}
 
 
 @dataclass(frozen=True)
@@ -85,9 +84,6 @@ class ExecResize(_NoReply):
     rows: int
     op: ClassVar[GuestOp] = GuestOp.EXEC_RESIZE
 
-    def to_args(self) -> dict[str, Any]:
-        return {"exec_id": self.exec_id, "cols": self.cols, "rows": self.rows}
-
 
 @dataclass(frozen=True)
 class FileRead(_NoReply):
@@ -95,9 +91,6 @@ class FileRead(_NoReply):
 
     path: str
     op: ClassVar[GuestOp] = GuestOp.FILE_READ
-
-    def to_args(self) -> dict[str, Any]:
-        return {"path": self.path}
 
 
 @dataclass(frozen=True)
@@ -128,9 +121,6 @@ class FileWriteChunk(_NoReply):
     handle: int
     op: ClassVar[GuestOp] = GuestOp.FILE_WRITE_CHUNK
 
-    def to_args(self) -> dict[str, Any]:
-        return {"handle": self.handle}
-
 
 @dataclass(frozen=True)
 class FileWriteEnd(_NoReply):
@@ -148,24 +138,18 @@ class FileWriteEnd(_NoReply):
 
 
 @dataclass(frozen=True)
-class FileList:
+class FileList(_Fields):
     path: str
     op: ClassVar[GuestOp] = GuestOp.FILE_LIST
-
-    def to_args(self) -> dict[str, Any]:
-        return {"path": self.path}
 
     def read_reply(self, answer: dict[str, Any]) -> list[EntryInfo]:
         return answers.entries(answer, "list")
 
 
 @dataclass(frozen=True)
-class FileStat:
+class FileStat(_Fields):
     path: str
     op: ClassVar[GuestOp] = GuestOp.FILE_STAT
-
-    def to_args(self) -> dict[str, Any]:
-        return {"path": self.path}
 
     def read_reply(self, answer: dict[str, Any]) -> EntryInfo:
         return answers.entry(answer, "stat")
@@ -177,18 +161,12 @@ class FileMkdir(_NoReply):
     parents: bool = True
     op: ClassVar[GuestOp] = GuestOp.FILE_MKDIR
 
-    def to_args(self) -> dict[str, Any]:
-        return {"path": self.path, "parents": self.parents}
-
 
 @dataclass(frozen=True)
 class FileRemove(_NoReply):
     path: str
     recursive: bool = False
     op: ClassVar[GuestOp] = GuestOp.FILE_REMOVE
-
-    def to_args(self) -> dict[str, Any]:
-        return {"path": self.path, "recursive": self.recursive}
 
 
 @dataclass(frozen=True)
@@ -199,17 +177,11 @@ class FileWatch(_NoReply):
     recursive: bool = False
     op: ClassVar[GuestOp] = GuestOp.FILE_WATCH
 
-    def to_args(self) -> dict[str, Any]:
-        return {"path": self.path, "recursive": self.recursive}
-
 
 @dataclass(frozen=True)
 class FileUnwatch(_NoReply):
     watch_id: int
     op: ClassVar[GuestOp] = GuestOp.FILE_UNWATCH
-
-    def to_args(self) -> dict[str, Any]:
-        return {"watch_id": self.watch_id}
 
 
 __all__ = [
