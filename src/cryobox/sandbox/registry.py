@@ -113,7 +113,10 @@ class SandboxDir:
         ("paused" when its pause stands, else "dead"); a paused one whose held VM lost
         its supervisor reads as let go. A running VM whose supervisor died reads as
         running: the next use adopts it."""
-        record = self._read()
+        return self._as_it_stands(self._read())
+
+    def _as_it_stands(self, record: SandboxRecord) -> SandboxRecord:
+        """:meth:`record` of the record as read."""
         if record.state is SandboxState.PAUSED:
             if record.qemu_pid and not supervisor_alive(record):
                 return replace(record, supervisor_pid=None, qemu_pid=None, held_until=None)
@@ -154,8 +157,9 @@ class SandboxDir:
         before it looks at one (never by a plain read). The recovery runs under the
         supervisor lock: while a supervisor holds it (one serves the sandbox, or starts
         to, and settles it itself), nothing is touched and the record is only read."""
-        if not self._needs_recovery(self._read()):
-            return self.record()
+        read = self._read()
+        if not self._needs_recovery(read):
+            return self._as_it_stands(read)  # (one read of the record per look)
         if locked:
             return self._recover()
         with self._supervisor_lock() as held:
