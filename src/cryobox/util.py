@@ -131,22 +131,58 @@ def mem_available_mib() -> int:
 
 
 def release_unwritten(path: Path) -> None:
-    """Give back the blocks reserved for ``path`` and never written (its holes as
-    SEEK_DATA sees them), keeping its content: a paused RAM file then holds only the
-    pages the guest used. Best effort: a file system without hole punching keeps them."""
+    """Give back the blocks of ``path`` that hold nothing, keeping its content: those
+    reserved and never written (its holes as SEEK_DATA sees them) and its pages of
+    zeros (a guest booted with ``init_on_free`` zeroes the memory it frees). A paused
+    RAM file then holds only the pages the guest uses. Best effort: a file system
+    without hole punching keeps them.
+
+    Only for a file nobody writes meanwhile (a stopped machine's RAM): a page found
+    zero and then written would lose that write."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+    def punch(fd: int, start: int, length: int) -> None:
+        if length > 0:
+            libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, length)
+
     fd = os.open(path, os.O_RDWR)
     try:
         size, offset = os.fstat(fd).st_size, 0
         for start, end in [*data_extents(fd), (size, size)]:
-            if start > offset:
-                libc.fallocate(
-                    fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, start - offset
-                )
+            punch(fd, offset, start - offset)
+            for zero_start, zero_end in _zero_runs(fd, start, end):
+                punch(fd, zero_start, zero_end - zero_start)
             offset = max(offset, end)
     finally:
         os.close(fd)
+
+
+#: The unit in which :func:`release_unwritten` looks for zeros: pages one by one cost
+#: 1 s per GiB of scattered data in Python; 64 KiB blocks find nearly all that a guest
+#: freed (it frees whole processes' worth, in runs) in a tenth of that.
+ZERO_BLOCK = 64 << 10
+_ZERO_BLOCK = bytes(ZERO_BLOCK)
+
+
+def _zero_runs(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:
+    """The (start, end) runs of whole zero ``ZERO_BLOCK``s in ``fd[start:end]``."""
+    chunk = len(_ZERO_CHUNK)
+    run: int | None = None  # file offset where the current run of zeros began
+    for base in range(start, end, chunk):
+        data = os.pread(fd, min(chunk, end - base), base)
+        if data == _ZERO_CHUNK[: len(data)]:  # one memcmp for a chunk of zeros
+            run = base if run is None else run
+            continue
+        for offset in range(0, len(data), ZERO_BLOCK):
+            # bytes.startswith compares in place (a memoryview's == goes item by item)
+            if data.startswith(_ZERO_BLOCK[: len(data) - offset], offset):
+                run = base + offset if run is None else run
+            elif run is not None:
+                yield run, base + offset
+                run = None
+    if run is not None:
+        yield run, end
 
 
 def copy_sparse(source: Path, target: Path, *, skip_zero_pages: bool = False) -> None:
@@ -182,12 +218,14 @@ def _copy_nonzero_pages(src: int, dst: int, start: int, end: int) -> None:
     """Write the runs of non-zero pages of ``src[start:end]`` to the same offsets of ``dst``."""
     chunk = len(_ZERO_CHUNK)
     for base in range(start, end, chunk):
-        view = memoryview(os.pread(src, min(chunk, end - base), base))
-        if view == _ZERO_CHUNK[: len(view)]:
+        data = os.pread(src, min(chunk, end - base), base)
+        if data == _ZERO_CHUNK[: len(data)]:
             continue  # the common case in a reserved RAM file: one memcmp, no page loop
-        run = None  # offset in view where the current run of non-zero pages began
-        for offset in range(0, len(view), PAGE):
-            zero = view[offset : offset + PAGE] == _ZERO_PAGE[: len(view) - offset]
+        view = memoryview(data)
+        run = None  # offset in data where the current run of non-zero pages began
+        for offset in range(0, len(data), PAGE):
+            # bytes.startswith compares in place (a memoryview's == goes item by item)
+            zero = data.startswith(_ZERO_PAGE[: len(data) - offset], offset)
             if zero and run is not None:
                 os.pwrite(dst, view[run:offset], base + run)
                 run = None

@@ -239,6 +239,24 @@ def test_reserved_ram_is_released_without_changing_content(tmp_path: Path) -> No
     assert ram.stat().st_size == 64 << 20
 
 
+def test_pages_the_guest_zeroed_are_given_back_and_read_the_same(tmp_path: Path) -> None:
+    """A guest booted with init_on_free leaves freed memory as written zero pages."""
+    from cryobox.util import ZERO_BLOCK, data_bytes, release_unwritten
+
+    ram = tmp_path / "memory"
+    data = bytearray(16 << 20)  # 16 MiB written: zeros, with data in a few pages
+    for page in (0, 7, 1000, 1001, 3000):
+        data[page * 4096 : page * 4096 + 5] = b"alive"
+    data[-1] = 1  # the last byte of the last page
+    ram.write_bytes(bytes(data))
+    digest = mf.file_digest(ram)
+    assert data_bytes(ram) == 16 << 20
+    release_unwritten(ram)
+    # The blocks holding those pages (0 and 7 share one), nothing else.
+    assert data_bytes(ram) == 4 * ZERO_BLOCK
+    assert ram.read_bytes() == bytes(data) and mf.file_digest(ram) == digest
+
+
 def test_a_forged_verification_stamp_does_not_skip_the_hash_check(tmp_path: Path) -> None:
     import json
 

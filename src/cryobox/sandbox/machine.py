@@ -80,6 +80,7 @@ from cryobox.util import (
     data_bytes,
     free_port,
     new_id,
+    release_unwritten,
 )
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
 
@@ -811,6 +812,13 @@ class Machine:
             files = {mf.DEVICE_STATE: temp / mf.DEVICE_STATE, mf.DISK: disk}
             if self.record.memory_shared:
                 files[mf.MEMORY] = memory
+                # The RAM file keeps only what the guest uses: its never written blocks
+                # and the pages it freed (zeroed: init_on_free) go back to the host
+                # before the hash, which then skips them. Content-preserving, so the VM
+                # can continue on it; its reserve, if it had one, is taken again then.
+                await asyncio.to_thread(release_unwritten, memory)
+                self.ram_reserved = False
+                timer("ram released")
             described = await asyncio.to_thread(mf.describe, files)
             manifest = replace(
                 self._manifest(

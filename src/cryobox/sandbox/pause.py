@@ -31,7 +31,7 @@ from cryobox.sandbox.records import SandboxRecord
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
-from cryobox.util import release_unwritten, write_json_atomic
+from cryobox.util import write_json_atomic
 
 
 def pause_files(record: SandboxRecord) -> list[tuple[str, str]]:
@@ -68,17 +68,11 @@ class PauseTransaction:
         """Forget a pause not committed (its VM continues)."""
         shutil.rmtree(self.temp, ignore_errors=True)
 
-    def move_in(self, record: SandboxRecord, release: bool = True) -> None:
+    def move_in(self, record: SandboxRecord) -> None:
         """The first renames of the commit: the RAM file, then the disk layer, into
         ``paused.tmp/``. The disk layer moves last: once it is out of the sandbox folder,
-        everything is in the pause and :meth:`complete` can finish it.
-
-        With ``release``, the RAM file's unwritten blocks are given back first (paused,
-        it needs no reserve; content-preserving: they read as zeros either way)."""
+        everything is in the pause and :meth:`complete` can finish it."""
         for name, saved in reversed(pause_files(record)):
-            if saved == mf.MEMORY and release:
-                with contextlib.suppress(OSError):
-                    release_unwritten(self.path / name)
             os.rename(self.path / name, self.temp / saved)
 
     def commit(self) -> None:
