@@ -36,6 +36,13 @@ MAX_MEMORY_MIB = 64 * 1024
 #: The image's filesystem is 2 GiB; a larger disk is grown into at boot.
 MIN_DISK_GIB = 2
 MAX_DISK_GIB = 1024
+#: A rewindable history (``checkpoint_every``): its period's bounds in seconds (each
+#: automatic checkpoint stops the guest for a moment and stores its RAM), and how many
+#: checkpoints it keeps unless told.
+MIN_CHECKPOINT_EVERY = 5.0
+MAX_CHECKPOINT_EVERY = 86400.0
+DEFAULT_KEEP_CHECKPOINTS = 10
+MAX_KEEP_CHECKPOINTS = 1000
 
 
 def _private(path: Path) -> Path:

@@ -210,6 +210,10 @@ class SandboxInfo:
     #: While paused: until when its stopped VM is kept for a quick resume (the memory it
     #: holds meanwhile is ``vmm_pid``'s); None when the pause holds no VM.
     held_until: float | None = None
+    #: Its rewindable history: an automatic checkpoint every ``checkpoint_every`` seconds
+    #: while it runs (0: none), the newest ``keep_checkpoints`` kept.
+    checkpoint_every: float = 0.0
+    keep_checkpoints: int = 0
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,9 @@ class SnapshotInfo:
     #: Where it is kept: ``local`` only, or its upload to the chunk store: ``pending``,
     #: ``uploading``, ``stored`` (``failed`` is retried).
     location: str = "local"
+    #: A checkpoint taken by the sandbox itself (``checkpoint_every``), expired by its
+    #: ``keep_checkpoints``; False for one asked for.
+    automatic: bool = False
 
     @classmethod
     def from_manifest(
@@ -250,6 +257,7 @@ class SnapshotInfo:
             size_bytes=size,
             stored_bytes=stored_bytes,
             location=location,
+            automatic=bool(value.get("automatic", False)),
         )
 
 
@@ -346,6 +354,11 @@ class CreateRequest:
     proxy: Annotated[str, MaxLen(2048)] | None = None
     no_proxy: Annotated[str, MaxLen(4096)] | None = None
     ca_bundle: Annotated[str, MaxLen(1 << 20)] | None = None
+    #: A rewindable history: the sandbox checkpoints itself every ``checkpoint_every``
+    #: seconds while it runs (0: never), keeping the newest ``keep_checkpoints``
+    #: (default ``config.DEFAULT_KEEP_CHECKPOINTS``); see ``AsyncSandbox.rewind``.
+    checkpoint_every: Annotated[float, Ge(0), Le(config.MAX_CHECKPOINT_EVERY)] = 0.0
+    keep_checkpoints: Annotated[int, Ge(1), Le(config.MAX_KEEP_CHECKPOINTS)] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON body of ``POST /sandboxes``: the template and timeout always (a

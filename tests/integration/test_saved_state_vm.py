@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
+import httpx
 import pytest
 
+from api_server import ApiServer
 from cryobox import Sandbox
 from cryobox.sandbox import registry
 from cryobox.snapshot import manifest as mf
@@ -84,3 +87,89 @@ def test_memory_a_process_used_and_freed_is_not_saved(sandbox_factory: Any) -> N
         assert verdict == "ok" and after > before + 1
     copy.kill()
     Sandbox.delete_snapshot("freed-memory")
+
+
+def automatic(sbx: Sandbox) -> list[Any]:
+    return [point for point in sbx.history() if point.automatic]
+
+
+def wait_for(check: Any, within: float, what: str) -> Any:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if found := check():
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"not within {within:g} s: {what}")
+
+
+def test_a_sandbox_with_a_history_rewinds_to_a_deleted_file_and_a_killed_process(
+    sandbox_factory: Any,
+) -> None:
+    sbx = sandbox_factory(checkpoint_every=5, keep_checkpoints=3)
+    assert (sbx.info().checkpoint_every, sbx.info().keep_checkpoints) == (5, 3)
+    sbx.commands.run("echo precious > /root/work.txt; nohup sleep 100000 >/dev/null 2>&1 &")
+    pid = sbx.commands.run(["pgrep", "-x", "sleep"]).stdout.strip()
+    made = time.time()
+    point = wait_for(
+        lambda: [p for p in automatic(sbx) if p.created_at > made],
+        60,
+        "an automatic checkpoint after the file was written",
+    )[0]
+    sbx.commands.run(["rm", "/root/work.txt"])
+    sbx.commands.run(["kill", pid])
+    assert not sbx.files.exists("/root/work.txt")
+
+    back = sbx.rewind(time.time() - point.created_at)  # "as it was N seconds ago"
+    assert back.id == point.id
+    assert sbx.files.read_text("/root/work.txt") == "precious\n"
+    assert sbx.commands.run(["pgrep", "-x", "sleep"]).stdout.strip() == pid
+
+    # Automatic checkpoints beyond keep_checkpoints=3 expire, the oldest first; the one
+    # the sandbox went back to stays while its disk builds on it.
+    seen: set[str] = set()
+
+    def four_taken_since() -> bool:
+        seen.update(p.id for p in automatic(sbx) if p.created_at > point.created_at)
+        return len(seen) >= 4
+
+    wait_for(four_taken_since, 90, "four automatic checkpoints after the rewind")
+    kept = automatic(sbx)
+    assert point.id in [p.id for p in kept]
+    since = [p for p in kept if p.id != point.id]
+    assert len(since) <= 3 + 1  # (+1: one taken, not yet expired, as we looked)
+    assert len(seen - {p.id for p in kept}) >= 1  # some of those seen are gone
+
+    # Any point of the history starts a new sandbox; a datetime rewinds too.
+    newest = kept[-1]
+    copy = Sandbox.create(from_snapshot=newest.id)
+    try:
+        assert copy.files.read_text("/root/work.txt") == "precious\n"
+    finally:
+        copy.kill()
+    sbx.commands.run(["rm", "/root/work.txt"])
+    # (a millisecond later: a datetime holds microseconds, the float more)
+    assert sbx.rewind(datetime.fromtimestamp(point.created_at + 0.001)).id == point.id
+    assert sbx.files.exists("/root/work.txt")
+
+
+def test_a_history_over_http_is_its_tenants_alone(api_server: ApiServer) -> None:
+    sbx = Sandbox.create(checkpoint_every=5, api_url=api_server.url, api_key=api_server.key)
+    intruder = httpx.Client(
+        base_url=api_server.url, headers={"X-API-Key": api_server.tenant("prier")}, timeout=60
+    )
+    try:
+        sbx.files.write("/root/draft.txt", "first draft")
+        made = time.time()
+        point = wait_for(
+            lambda: [p for p in automatic(sbx) if p.created_at > made], 60, "a checkpoint"
+        )[0]
+        sbx.files.write("/root/draft.txt", "ruined")
+        assert sbx.rewind(point).id == point.id
+        assert sbx.files.read_text("/root/draft.txt") == "first draft"
+        # Another tenant neither sees it nor rolls a sandbox back to it.
+        assert point.id not in intruder.get("/snapshots").text
+        answer = intruder.post(f"/sandboxes/{sbx.id}/rollback", json={"checkpoint": point.id})
+        assert answer.status_code == 404
+        assert intruder.get(f"/snapshots/{point.id}").status_code == 404
+    finally:
+        sbx.kill()

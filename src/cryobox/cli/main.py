@@ -10,9 +10,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import threading
 import time
+from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
@@ -114,6 +116,9 @@ def create_sandbox(
     label: list[str] | None = None,
     proxy: str | None = None,
     ca_bundle: str | None = None,
+    *,
+    checkpoint_every: float = 0,
+    keep_checkpoints: int | None = None,
 ) -> Sandbox:
     envs, metadata = key_values("--env", env or []), key_values("--label", label or [])
     with console.status("starting sandbox (building the guest image first if needed)") as status:
@@ -130,6 +135,8 @@ def create_sandbox(
             network=network if network in ("internet", "none") else network.split(","),
             proxy=proxy,
             ca_bundle=ca_bundle,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
             progress=lambda step: status.update(step),
         )
 
@@ -156,6 +163,17 @@ def create(
             help="A PEM file of CAs the guest trusts too ('' for none; default: the host's own)."
         ),
     ] = None,
+    checkpoint_every: Annotated[
+        float,
+        typer.Option(
+            help="Checkpoint it every SECONDS (5 or more) while it runs: `cryobox history` "
+            "lists them, `cryobox rewind` goes back. 0: never."
+        ),
+    ] = 0,
+    keep_checkpoints: Annotated[
+        int | None,
+        typer.Option(help="With --checkpoint-every: how many to keep, the newest (default 10)."),
+    ] = None,
 ) -> None:
     """Start a sandbox and print its id."""
     with errors_reported():
@@ -172,6 +190,8 @@ def create(
             label,
             proxy,
             ca_bundle,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
         )
         for guest, host in sbx.ports.items():
             console.print(f"port {guest} -> 127.0.0.1:{host}")
@@ -700,6 +720,59 @@ def rollback(sandbox_id: str, checkpoint_ref: str) -> None:
         sbx = Sandbox.connect(sandbox_id)
         sbx.rollback(checkpoint_ref)
         out.print(f"rolled {sbx.id} back to {checkpoint_ref}")
+
+
+@app.command()
+def history(sandbox_id: str, as_json: JsonOption = False) -> None:
+    """List the checkpoints a sandbox can rewind to, oldest first (automatic ones too)."""
+    with errors_reported():
+        points = Sandbox.connect(sandbox_id, resume=False).history()
+        if as_json:
+            print(json.dumps([dataclasses.asdict(s) for s in points], indent=2))
+            return
+        now = time.time()
+        rows = [
+            (
+                point.id,
+                datetime.fromtimestamp(point.created_at).isoformat(sep=" ", timespec="seconds"),
+                f"{now - point.created_at:.0f}s",
+                "automatic" if point.automatic else (point.name or "-"),
+            )
+            for point in points
+        ]
+        print_rows(("ID", "TAKEN", "AGO", "NAME"), rows)
+
+
+@app.command()
+def rewind(
+    sandbox_id: str,
+    to: Annotated[
+        str,
+        typer.Argument(
+            help="How far: seconds ago ('90', '90s', '5m', '2h'), an ISO date and time, "
+            "or a checkpoint's id or name. The newest checkpoint at or before it is used."
+        ),
+    ],
+) -> None:
+    """Return a sandbox to a point of its history (files, processes, memory as then)."""
+    with errors_reported():
+        sbx = Sandbox.connect(sandbox_id)
+        point = sbx.rewind(when(to))
+        ago = time.time() - point.created_at
+        out.print(f"rewound {sbx.id} to {point.id}, taken {ago:.0f} s ago")
+
+
+_AGO = re.compile(r"(\d+(?:\.\d*)?)([smh]?)")
+
+
+def when(text: str) -> str | float | datetime:
+    """A rewind's target as typed: a duration ago, an ISO instant, else a checkpoint."""
+    if match := _AGO.fullmatch(text.strip()):
+        return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return text
 
 
 @snapshot_app.command("take")

@@ -15,8 +15,10 @@ import os
 import posixpath
 import re
 import signal as signals
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
@@ -50,6 +52,7 @@ from cryobox.models import (
     matches,
 )
 
+from .history import point_in_history
 from .transport import Transport, transport_for
 
 T = TypeVar("T")
@@ -567,6 +570,8 @@ class AsyncSandbox:
         metadata: Mapping[str, str] | None = None,
         proxy: str | None = None,
         ca_bundle: str | os.PathLike[str] | None = None,
+        checkpoint_every: float = 0,
+        keep_checkpoints: int | None = None,
         progress: Progress | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
@@ -595,6 +600,13 @@ class AsyncSandbox:
         sandbox runs on: its proxy variables, and the certificates its bundle holds
         beyond the standard ones (a TLS inspecting proxy's CA); ``""`` turns either off.
         See :mod:`cryobox.service.egress`.
+
+        ``checkpoint_every`` (seconds, 5 or more) gives it a rewindable history: it
+        checkpoints itself that often while it runs, keeping the newest
+        ``keep_checkpoints`` (default 10); :meth:`history` lists them, :meth:`rewind`
+        goes back to one, and any of them can start new sandboxes (``from_snapshot``).
+        Each stops the guest for a moment and stores the RAM it uses (zero pages
+        skipped) and the disk blocks it changed. Forks do not inherit it.
 
         ``api_url`` and ``api_key`` (or ``CRYOBOX_API_URL`` and ``CRYOBOX_API_KEY``) run it
         on a ``cryobox server`` instead of this host; there ``idle_timeout`` seconds
@@ -641,6 +653,8 @@ class AsyncSandbox:
             envs=env_vars("envs", envs),
             metadata=labels("metadata", metadata),
             **_egress(proxy, ca_bundle),
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
         )
         return cls(await transport.create(request, progress), transport)
 
@@ -857,6 +871,26 @@ class AsyncSandbox:
         """
         ref = checkpoint.id if isinstance(checkpoint, SnapshotInfo) else checkpoint
         await self._awake(lambda: self._transport.rollback(self.id, ref))
+
+    async def history(self) -> builtins.list[SnapshotInfo]:
+        """The points this sandbox can :meth:`rewind` to, oldest first: its checkpoints,
+        the automatic ones (``checkpoint_every``, marked ``automatic``) and those asked
+        for, each with its time (``created_at``)."""
+        return sorted(await self.checkpoints(), key=lambda s: s.created_at)
+
+    async def rewind(self, to: SnapshotInfo | str | datetime | float) -> SnapshotInfo:
+        """Return the sandbox to a point of its history and say which: a checkpoint (or
+        its id or name), or the newest one taken at or before an instant, given as a
+        ``datetime`` or as seconds ago (``rewind(60)``: as it was a minute ago, or just
+        before). Files, processes and memory are as they were then; the checkpoints
+        taken since stay in the history, so it can go forward again.
+
+        :raises InvalidArgument: when ``to`` is not one of those, or no checkpoint is
+            that old (the message says the oldest it has).
+        """
+        point = point_in_history(await self.history(), to, time.time())
+        await self.rollback(point.id)
+        return point
 
     async def expose_port(self, guest_port: int) -> int:
         """Forward a guest TCP port to a free port on 127.0.0.1 and return that port."""

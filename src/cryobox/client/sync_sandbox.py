@@ -174,6 +174,8 @@ class Sandbox:
     snapshot = method(AsyncSandbox.snapshot)
     checkpoints = method(AsyncSandbox.checkpoints)
     rollback = method(AsyncSandbox.rollback)
+    history = method(AsyncSandbox.history)
+    rewind = method(AsyncSandbox.rewind)
     expose_port = method(AsyncSandbox.expose_port)
     set_timeout = method(AsyncSandbox.set_timeout)
     logs = method(AsyncSandbox.logs)

@@ -60,7 +60,7 @@ from cryobox.guest.protocol import GuestOp
 from cryobox.network.forward import PortForwarder
 from cryobox.network.namespace import isolation_enabled
 from cryobox.network.policy import NetworkPolicy
-from cryobox.sandbox import priority
+from cryobox.sandbox import priority, references, registry
 from cryobox.sandbox.pause import pause_files
 from cryobox.sandbox.registry import (
     ADOPTABLE,
@@ -676,7 +676,7 @@ class Machine:
         return manifest
 
     async def capture(
-        self, *, purpose: SnapshotPurpose, name: str | None, memory: bool
+        self, *, purpose: SnapshotPurpose, name: str | None, memory: bool, automatic: bool = False
     ) -> Manifest:
         """Save this running machine as a snapshot and let it go on running.
 
@@ -701,7 +701,7 @@ class Machine:
             files = await self._save_files(temp, memory, timer)
             manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
             described = await asyncio.to_thread(mf.describe_files, temp, files)
-            manifest = replace(manifest, files=described)
+            manifest = replace(manifest, files=described, automatic=automatic)
             _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
             timer("hashed and flushed")
             crash_point("hashed")
@@ -721,6 +721,29 @@ class Machine:
             timer("guest clock refreshed")
         timer.log()
         return manifest
+
+    def expire_history(self) -> list[str]:
+        """Delete this sandbox's oldest automatic checkpoints beyond ``keep_checkpoints``
+        (those it asked for by hand stay); the ids deleted. One that something builds
+        on (a fork started from it, a later checkpoint after a rewind to it) is kept
+        until nothing does, and the next expiry takes it."""
+        keep = self.spec.keep_checkpoints
+        mine = [
+            m
+            for m in self.store.all()
+            if m.automatic
+            and m.source_sandbox == self.spec.id
+            and m.purpose is SnapshotPurpose.CHECKPOINT
+        ]
+        doomed = sorted(mine, key=lambda m: m.created_at)[:-keep] if keep > 0 else []
+        deleted = []
+        for manifest in doomed:
+            every = self.store.all()
+            if references.users(manifest.id, every, registry.list_sandboxes()):
+                continue
+            self.store.delete(manifest.id)
+            deleted.append(manifest.id)
+        return deleted
 
     async def _save_files(self, temp: Path, memory: bool, timer: StepTimer) -> list[str]:
         """Copy the stopped machine's disk layer, RAM and device state into ``temp``;

@@ -51,6 +51,10 @@ class SandboxSpec:
     #: between the start and recording the sandbox as the tenant's gives it to that
     #: tenant when it starts again (``Hub.reconcile``). "" for a pool member not claimed.
     owner: str = ""
+    #: Its rewindable history: a checkpoint every ``checkpoint_every`` seconds while it
+    #: runs (0: none), the newest ``keep_checkpoints`` kept (taken by its supervisor).
+    checkpoint_every: float = 0.0
+    keep_checkpoints: int = 0
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:

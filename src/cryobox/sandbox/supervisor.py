@@ -82,7 +82,7 @@ from cryobox.sandbox.ending import vm_ended
 from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
-from cryobox.snapshot.manifest import Manifest
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore
 from cryobox.util import mem_available_mib, without_huge_pages
 from cryobox.vmm import Vmm
@@ -95,6 +95,8 @@ LOG_MAX_BYTES = 1 << 20
 CONSOLE_MAX_BYTES = 1 << 20
 CONSOLE_CHECK_SECONDS = 2.0
 SPACE_CHECK_SECONDS = 1.0
+#: How often a sandbox without a history looks again (a pool member may get one).
+HISTORY_CHECK_SECONDS = 1.0
 #: Output held for a client that does not read before the guest is told to wait.
 OUTPUT_HIGH = 4 << 20
 OUTPUT_LOW = 1 << 20
@@ -398,6 +400,7 @@ class Supervisor:
             asyncio.ensure_future(self._watch_console()),
             asyncio.ensure_future(self._watch_agent()),
             asyncio.ensure_future(self._watch_space()),
+            asyncio.ensure_future(self._keep_history()),
         ]
         await self._stop.wait()
         for watcher in watchers:
@@ -532,6 +535,34 @@ class Supervisor:
                 await self.machine.keep_ram_safe()
             except (StorageError, OSError) as exc:
                 log.error("cannot reserve the RAM file's blocks: %s", exc)
+
+    async def _keep_history(self) -> None:
+        """A sandbox created with ``checkpoint_every`` checkpoints itself that often
+        while it runs (measured from the start of the previous one, or of this
+        supervisor: a resumed sandbox waits a whole period), and its oldest automatic
+        checkpoints beyond ``keep_checkpoints`` go. One that fails (a full disk) is
+        logged and tried again a period later: the sandbox runs on."""
+        started = time.monotonic()
+        while True:
+            every = self.machine.spec.checkpoint_every  # a pool member gets one on claim
+            if not every:
+                await asyncio.sleep(HISTORY_CHECK_SECONDS)
+                started = time.monotonic()
+                continue
+            await asyncio.sleep(max(0.0, started + every - time.monotonic()))
+            started = time.monotonic()
+            async with self._lifecycle:
+                if self.record.state is not SandboxState.RUNNING or self._holding:
+                    continue  # pausing or paused: the period starts again on its resume
+                try:
+                    manifest = await self.machine.capture(
+                        purpose=SnapshotPurpose.CHECKPOINT, name=None, memory=True, automatic=True
+                    )
+                    expired = await asyncio.to_thread(self.machine.expire_history)
+                except (CryoboxError, OSError) as exc:
+                    log.warning("automatic checkpoint failed (tried again in %g s): %s", every, exc)
+                    continue
+            log.info("automatic checkpoint %s; expired: %s", manifest.id, expired or "none")
 
     async def _watch_console(self) -> None:
         """Keep console.log under its cap: past it, the log moves to console.log.1 and

@@ -277,11 +277,21 @@ class Hub:
             info, ports=self.ports.published(info.id), vmm_pid=None, supervisor_pid=None
         )
 
+    def _snapshots_of(self, tenant: Tenant) -> builtins.list[str]:
+        """The ids of the tenant's snapshots: those it made, and the automatic
+        checkpoints its sandboxes took by themselves (``checkpoint_every``: their
+        supervisors take and expire them, the server never sees them made)."""
+        sandboxes = set(self.tenants.owned(tenant.id, "sandbox"))
+        automatic = [
+            m.id for m in self.service.store.all() if m.automatic and m.source_sandbox in sandboxes
+        ]
+        return [*self.tenants.owned(tenant.id, "snapshot"), *automatic]
+
     def find_snapshot(self, tenant: Tenant, ref: str, *, prefix: bool = True) -> Manifest:
         """One of the tenant's snapshots by id or name (the newest of that name), or by
         a unique id prefix (unless ``prefix`` is False: E2B's template names)."""
         mine: list[Manifest] = []
-        for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
+        for snapshot_id in self._snapshots_of(tenant):
             try:
                 manifest = self.service.store.get(snapshot_id)
             except SnapshotNotFound:
@@ -652,9 +662,7 @@ class Hub:
         return await self.service.logs(sandbox_id)
 
     async def lineage(self, tenant: Tenant) -> builtins.list[LineageNode]:
-        mine = set(self.tenants.owned(tenant.id, "sandbox")) | set(
-            self.tenants.owned(tenant.id, "snapshot")
-        )
+        mine = set(self.tenants.owned(tenant.id, "sandbox")) | set(self._snapshots_of(tenant))
         return [node for node in await self.service.catalog.lineage() if node.id in mine]
 
     # ------------------------------------------------------------------ commands
@@ -683,7 +691,7 @@ class Hub:
     # ------------------------------------------------------------------ snapshots, templates
 
     async def snapshots(self, tenant: Tenant) -> builtins.list[SnapshotInfo]:
-        mine = set(self.tenants.owned(tenant.id, "snapshot"))
+        mine = set(self._snapshots_of(tenant))
         return [s for s in await self.service.catalog.snapshots() if s.id in mine]
 
     async def snapshot(self, tenant: Tenant, ref: str) -> SnapshotInfo:
@@ -870,7 +878,7 @@ class Hub:
                         folder = SandboxDir.for_id(tracked.id).path
                         by_sandbox[tracked.id] = await asyncio.to_thread(bytes_on_disk, folder)
             local_only = 0
-            for snapshot_id in self.tenants.owned(tenant.id, "snapshot"):
+            for snapshot_id in self._snapshots_of(tenant):
                 if snapshot_id not in in_store:
                     with contextlib.suppress(CryoboxError, OSError):
                         local_only += self.service.store.stored_bytes(snapshot_id)

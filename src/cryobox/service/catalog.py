@@ -13,8 +13,7 @@ from collections.abc import Iterable
 
 from cryobox.errors import CryoboxError, InvalidArgument
 from cryobox.models import LineageNode, SnapshotInfo, TemplateInfo
-from cryobox.sandbox import registry
-from cryobox.service import references
+from cryobox.sandbox import references, registry
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore

@@ -26,10 +26,9 @@ from cryobox.errors import (
     SnapshotNotFound,
     StoreError,
 )
-from cryobox.sandbox import registry
+from cryobox.sandbox import references, registry
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
-from cryobox.service import references
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore

@@ -24,6 +24,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from cryobox import config
 from cryobox.arguments import (
@@ -114,6 +115,7 @@ def validate(request: CreateRequest) -> None:
     if request.disk_gib is not None:
         whole_number("disk_gib", request.disk_gib, config.MIN_DISK_GIB, config.MAX_DISK_GIB)
     positive_seconds("timeout", request.timeout)
+    history(request.checkpoint_every, request.keep_checkpoints)
     env_vars("envs", request.envs)
     labels("metadata", request.metadata)
     if request.proxy:
@@ -123,6 +125,28 @@ def validate(request: CreateRequest) -> None:
     for port in request.ports:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
+
+
+def history(every: float, keep: int | None) -> tuple[float, int]:
+    """A rewindable history's ``(checkpoint_every, keep_checkpoints)`` as a sandbox
+    keeps them: (0, 0) for none.
+
+    :raises InvalidArgument: naming the value out of bounds.
+    """
+    if isinstance(every, bool) or not isinstance(every, int | float):
+        raise InvalidArgument(f"checkpoint_every={every!r}: must be a number of seconds")
+    if every and not config.MIN_CHECKPOINT_EVERY <= every <= config.MAX_CHECKPOINT_EVERY:
+        raise InvalidArgument(
+            f"checkpoint_every={every:g}: must be 0 (none) or "
+            f"{config.MIN_CHECKPOINT_EVERY:g}..{config.MAX_CHECKPOINT_EVERY:g} seconds"
+        )
+    if keep is not None:
+        whole_number("keep_checkpoints", keep, 1, config.MAX_KEEP_CHECKPOINTS)
+        if not every:
+            raise InvalidArgument("keep_checkpoints: needs checkpoint_every")
+    if not every:
+        return 0.0, 0
+    return float(every), keep or config.DEFAULT_KEEP_CHECKPOINTS
 
 
 def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -> SandboxInfo:
@@ -154,7 +178,14 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         pooled=spec.pooled,
         pool=spec.pool,
         held_until=record.held_until if held else None,
+        checkpoint_every=spec.checkpoint_every,
+        keep_checkpoints=spec.keep_checkpoints,
     )
+
+
+def _history_fields(request: CreateRequest) -> dict[str, Any]:
+    every, keep = history(request.checkpoint_every, request.keep_checkpoints)
+    return {"checkpoint_every": every, "keep_checkpoints": keep}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +386,7 @@ class SandboxService:
             metadata=dict(request.metadata),
             pool=request.template if start.pool_member else "",
             owner="" if start.pool_member else owner,
+            **_history_fields(request),
         )
         folder = SandboxDir.create(spec)
         try:
@@ -388,6 +420,7 @@ class SandboxService:
                     created_at=time.time(),
                     pool="",
                     pooled=True,
+                    **_history_fields(request),
                 )
                 folder.write_spec(spec)
                 record = await self.connections.control(sandbox_id, Claim())

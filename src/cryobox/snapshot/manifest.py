@@ -83,6 +83,9 @@ class Manifest:
     backend: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    #: A checkpoint the sandbox took by itself (``checkpoint_every``): expired beyond
+    #: its ``keep_checkpoints``, unlike those asked for.
+    automatic: bool = False
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Manifest:

@@ -1,7 +1,7 @@
 """How long saved state is kept: the policy and which snapshots it expires.
 
 Defaults: memory snapshots 7 days, disk snapshots 30 days; checkpoints and fork
-snapshots live and die with their sandboxes (:mod:`cryobox.service.references`);
+snapshots live and die with their sandboxes (:mod:`cryobox.sandbox.references`);
 template snapshots and paused machines never expire while their template or sandbox
 exists. ``keep_last`` keeps the newest N snapshots of each source sandbox whatever
 their age (0: no such floor). Environment: ``CRYOBOX_RETAIN_MEMORY_DAYS``,

@@ -1,0 +1,52 @@
+"""Which point of a sandbox's history a rewind goes back to."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from cryobox.errors import InvalidArgument, SnapshotNotFound
+from cryobox.models import SnapshotInfo
+
+
+def point_in_history(
+    history: list[SnapshotInfo], to: SnapshotInfo | str | datetime | float, now: float
+) -> SnapshotInfo:
+    """The checkpoint of ``history`` (oldest first) that ``to`` names: a checkpoint, its
+    id, name (the newest of that name) or a unique start of its id; or, for an instant
+    (a ``datetime``, or seconds before ``now``), the newest taken at or before it.
+
+    :raises SnapshotNotFound: when no checkpoint of the history has that id or name.
+    :raises InvalidArgument: for a ``to`` of another type, a negative number of
+        seconds, or an instant older than every checkpoint (naming the oldest).
+    """
+    if isinstance(to, SnapshotInfo):
+        to = to.id
+    if isinstance(to, str):
+        named = [c for c in history if to in (c.id, c.name)]
+        if not named and len(to) >= 4:
+            named = [c for c in history if c.id.startswith(to) or c.id.startswith(f"snap-{to}")]
+            if len(named) > 1:
+                raise InvalidArgument(f"{to!r} starts the ids of several checkpoints: give more")
+        if not named:
+            raise SnapshotNotFound(to)
+        return max(named, key=lambda c: c.created_at)
+    if isinstance(to, datetime):
+        instant = to.timestamp()  # a naive datetime is this host's local time
+    elif isinstance(to, int | float) and not isinstance(to, bool):
+        if to < 0:
+            raise InvalidArgument(f"to={to!r}: seconds ago cannot be negative")
+        instant = now - to
+    else:
+        raise InvalidArgument(
+            f"to={to!r}: must be a checkpoint, its id or name, a datetime or seconds ago"
+        )
+    earlier = [c for c in history if c.created_at <= instant]
+    if earlier:
+        return max(earlier, key=lambda c: c.created_at)
+    if not history:
+        raise InvalidArgument("this sandbox has no checkpoint to rewind to")
+    oldest = min(history, key=lambda c: c.created_at)
+    raise InvalidArgument(
+        f"no checkpoint is that old: the oldest, {oldest.id}, is from "
+        f"{now - oldest.created_at:.0f} s ago ({datetime.fromtimestamp(oldest.created_at)})"
+    )

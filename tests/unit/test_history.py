@@ -1,0 +1,127 @@
+"""A rewindable history's arguments: which checkpoint a rewind picks, the bounds of
+``checkpoint_every`` and ``keep_checkpoints``, and the CLI's ways of saying when."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from cryobox.cli.main import when
+from cryobox.client.history import point_in_history
+from cryobox.errors import InvalidArgument, SnapshotNotFound
+from cryobox.models import SnapshotInfo
+from cryobox.service.service import history
+
+NOW = 1_800_000_000.0
+
+
+def point(snapshot_id: str, ago: float, name: str | None = None) -> SnapshotInfo:
+    return SnapshotInfo(
+        id=snapshot_id,
+        name=name,
+        kind="memory",
+        purpose="checkpoint",
+        created_at=NOW - ago,
+        source_sandbox="sbx-1",
+        parent=None,
+        memory_mib=1024,
+        cpus=2,
+        size_bytes=0,
+        automatic=name is None,
+    )
+
+
+HISTORY = [
+    point("snap-a1a1a1a1a1a1", 300),
+    point("snap-b2b2b2b2b2b2", 200, "clean"),
+    point("snap-c3c3c3c3c3c3", 100),
+]
+
+
+@pytest.mark.parametrize(
+    ("to", "expected"),
+    [
+        (0, "snap-c3c3c3c3c3c3"),  # now: the newest
+        (100, "snap-c3c3c3c3c3c3"),  # exactly when it was taken
+        (150, "snap-b2b2b2b2b2b2"),  # between two: the one before
+        (299.5, "snap-a1a1a1a1a1a1"),
+        (datetime.fromtimestamp(NOW - 250), "snap-a1a1a1a1a1a1"),
+        ("clean", "snap-b2b2b2b2b2b2"),  # by name
+        ("snap-c3c3c3c3c3c3", "snap-c3c3c3c3c3c3"),
+        ("b2b2", "snap-b2b2b2b2b2b2"),  # a start of the id, without "snap-" too
+        (HISTORY[0], "snap-a1a1a1a1a1a1"),
+    ],
+)
+def test_a_rewind_goes_to_the_newest_checkpoint_at_or_before_the_instant(
+    to: object, expected: str
+) -> None:
+    assert point_in_history(HISTORY, to, NOW).id == expected  # type: ignore[arg-type]
+
+
+def test_a_rewind_further_back_than_the_history_names_its_oldest_point() -> None:
+    with pytest.raises(InvalidArgument, match="the oldest, snap-a1a1a1a1a1a1, is from 300 s ago"):
+        point_in_history(HISTORY, 301, NOW)
+    with pytest.raises(InvalidArgument, match="no checkpoint to rewind to"):
+        point_in_history([], 10, NOW)
+
+
+@pytest.mark.parametrize("to", [-5, True, None, ["snap-a1a1a1a1a1a1"]])
+def test_a_rewind_to_something_that_is_no_instant_is_refused(to: object) -> None:
+    with pytest.raises(InvalidArgument, match="to="):
+        point_in_history(HISTORY, to, NOW)  # type: ignore[arg-type]
+
+
+def test_a_rewind_to_a_checkpoint_not_in_the_history_is_not_found() -> None:
+    with pytest.raises(SnapshotNotFound):
+        point_in_history(HISTORY, "snap-zz99", NOW)
+
+
+@pytest.mark.parametrize(
+    ("every", "keep", "kept"),
+    [
+        (0, None, (0.0, 0)),
+        (5, None, (5.0, 10)),
+        (60, 30, (60.0, 30)),
+        (86400, 1000, (86400.0, 1000)),
+    ],
+)
+def test_a_history_is_kept_as_asked_with_ten_checkpoints_by_default(
+    every: float, keep: int | None, kept: tuple[float, int]
+) -> None:
+    assert history(every, keep) == kept
+
+
+@pytest.mark.parametrize(
+    ("every", "keep", "named"),
+    [
+        (1, None, "checkpoint_every=1"),  # too often
+        (86401, None, "checkpoint_every=86401"),
+        (-5, None, "checkpoint_every=-5"),
+        ("60", None, "checkpoint_every='60'"),
+        (60, 0, "keep_checkpoints"),
+        (60, 1001, "keep_checkpoints"),
+        (0, 5, "keep_checkpoints: needs checkpoint_every"),
+    ],
+)
+def test_a_history_out_of_bounds_is_refused_naming_the_value(
+    every: object, keep: object, named: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=named):
+        history(every, keep)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("5m", 300.0),
+        ("1.5h", 5400.0),
+        ("2026-12-02T10:00:00", datetime(2026, 12, 2, 10)),
+        ("clean", "clean"),
+        ("snap-4f2a", "snap-4f2a"),
+    ],
+)
+def test_the_cli_reads_seconds_ago_an_instant_or_a_checkpoint(typed: str, meant: object) -> None:
+    assert when(typed) == meant
