@@ -133,7 +133,9 @@ def test_the_sdk_works_over_http(server: ApiServer, tmp_path: Path) -> None:
         handle = sbx.commands.run("cat", background=True, stdin=True)
         handle.send_stdin("fed\n", eof=True)
         assert handle.wait().stdout == "fed\n"
-        payload = bytes(range(256)) * 5000  # several chunks, every byte value
+        # Every byte value, in 16 chunks (more than are sent before the first answer)
+        # each unlike the others: a chunk written out of order would show.
+        payload = b"".join(bytes([i]) * 100_000 + bytes(range(256)) for i in range(40))
         sbx.files.write("/tmp/blob", payload)
         assert sbx.files.read("/tmp/blob") == payload
         assert sbx.files.stat("/tmp/blob").size == len(payload)

@@ -34,6 +34,7 @@ from cryobox.util import host_memory_mib
 from . import bounds as bench_bounds
 from . import diy as bench_diy
 from . import http as bench_http
+from . import saved as bench_saved
 from . import steps as bench_steps
 from . import store as bench_store
 from . import translation as bench_translation
@@ -54,6 +55,8 @@ SCENARIOS = (
     "translation",
     "restore-vs-ram",
     "snapshot-bytes",
+    "freed-memory",
+    "history",
     "guest-flood",
     "http-exec",
     "http-get",
@@ -916,6 +919,62 @@ async def snapshot_bytes(ctx: Context) -> list[Figure]:
     return figures
 
 
+async def freed_memory(ctx: Context) -> list[Figure]:
+    measured = await bench_saved.freed_memory(ctx.quick)
+    used = f"MB the guest uses ({measured.used_mb:.0f})"
+    note = f"a process filled {bench_saved.FREED_MB // (4 if ctx.quick else 1)} MB and exited"
+    return [
+        summarize(
+            "freed-memory-snapshot",
+            [measured.snapshot_ram_mb],
+            "MB",
+            baseline=used,
+            base_value=measured.used_mb,
+            note=f"RAM file of the snapshot ({measured.snapshot_s:.2f} s); {note}",
+        ),
+        summarize(
+            "freed-memory-pause",
+            [measured.paused_ram_mb],
+            "MB",
+            baseline=used,
+            base_value=measured.used_mb,
+            note=f"RAM file of the pause ({measured.pause_s:.2f} s); {note}",
+        ),
+    ]
+
+
+async def history(ctx: Context) -> list[Figure]:
+    measured = await bench_saved.history(ctx.quick)
+    every = f"checkpoint_every={measured.every:g}"
+    return [
+        summarize(
+            "history-checkpoint-stop",
+            measured.stopped_ms,
+            "ms",
+            note=f"guest stopped per automatic checkpoint, {bench_saved.CHANGED_MB} MB "
+            f"changed since the one before ({every})",
+        ),
+        summarize(
+            "history-checkpoint-stored",
+            measured.stored_mb,
+            "MB",
+            baseline="MB changed",
+            base_value=bench_saved.CHANGED_MB * 1.048576,
+            note="on the host's disk per automatic checkpoint (RAM in use, zero pages "
+            "skipped, and the disk layer): whole, not yet only what changed",
+        ),
+        summarize(
+            "history-suite-rounds",
+            [measured.rounds_with],
+            "rounds",
+            baseline="rounds without a history",
+            base_value=measured.rounds_without,
+            note=f"a CPU-bound suite for {2 * measured.every + 1:g} s with {every} "
+            "(ratio 1: no slowdown)",
+        ),
+    ]
+
+
 async def guest_flood(ctx: Context) -> list[Figure]:
     before, peak, logs = await bench_bounds.flood(ctx.quick)
     streamed = bench_bounds.FLOOD_BYTES / (10 if ctx.quick else 1) / 2**20
@@ -984,6 +1043,10 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await restore_vs_ram(ctx)
     if "snapshot-bytes" in names:
         figures += await snapshot_bytes(ctx)
+    if "freed-memory" in names:
+        figures += await freed_memory(ctx)
+    if "history" in names:
+        figures += await history(ctx)
     if "guest-flood" in names:
         figures += await guest_flood(ctx)
     if {"http-exec", "http-get"} & set(names):

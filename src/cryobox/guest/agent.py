@@ -654,6 +654,8 @@ class Agent:
         self._immediate: dict[str, Callable[[int, dict[str, Any], bytes], dict[str, Any]]] = {
             p.GuestOp.PING: self.ping,
             p.GuestOp.SYS_REFRESH: self.sys_refresh,
+            # In the order the chunks came: the host sends several before the first answer.
+            p.GuestOp.FILE_WRITE_CHUNK: self.file_write_chunk,
         }
         self._handlers: dict[str, Callable[[int, dict[str, Any], bytes], Any]] = {
             p.GuestOp.EXEC: self.exec,
@@ -663,7 +665,6 @@ class Agent:
             p.GuestOp.FLOW: self.flow,
             p.GuestOp.FILE_READ: self.file_read,
             p.GuestOp.FILE_WRITE_BEGIN: self.file_write_begin,
-            p.GuestOp.FILE_WRITE_CHUNK: self.file_write_chunk,
             p.GuestOp.FILE_WRITE_END: self.file_write_end,
             p.GuestOp.FILE_LIST: self.file_list,
             p.GuestOp.FILE_STAT: self.file_stat,
@@ -943,12 +944,13 @@ class Agent:
         self._uploads[rid] = (handle, temp, path)
         return {"handle": rid}
 
-    async def file_write_chunk(self, rid: int, args: dict[str, Any], payload: bytes) -> None:
+    def file_write_chunk(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         handle, _, path = self._upload(args)
         try:
             handle.write(payload)
         except OSError as exc:  # a full disk, most likely: said of the user's path
             raise os_error(exc, path) from exc
+        return {}
 
     async def file_write_end(
         self, rid: int, args: dict[str, Any], payload: bytes

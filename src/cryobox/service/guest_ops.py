@@ -7,6 +7,7 @@ agent; replies are read into typed records (:mod:`cryobox.guest.answers`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
@@ -23,6 +24,8 @@ from cryobox.util import each_chunk
 
 #: Bytes of a file read held for a consumer that does not keep up, before the read ends.
 READ_BACKLOG = 64 * 1024 * 1024
+#: File chunks sent to the guest before the first is answered (of CHUNK bytes each).
+WRITE_WINDOW = 8
 
 
 class GuestOperations:
@@ -97,10 +100,24 @@ class GuestOperations:
         channel = await self.connections.channel(sandbox_id)
         begin = g.FileWriteBegin(path, mode, owner=owner)
         handle = await channel.ask(begin, timeout=GUEST_REQUEST_TIMEOUT)
+        # Up to WRITE_WINDOW chunks travel before the first is answered: the agent writes
+        # them in the order they came, and the link is never idle waiting on an answer.
+        in_flight: collections.deque[asyncio.Future[None]] = collections.deque()
         try:
             async for chunk in each_chunk(chunks):
-                await channel.ask(g.FileWriteChunk(handle), chunk, timeout=GUEST_REQUEST_TIMEOUT)
+                in_flight.append(
+                    asyncio.ensure_future(
+                        channel.ask(g.FileWriteChunk(handle), chunk, timeout=GUEST_REQUEST_TIMEOUT)
+                    )
+                )
+                if len(in_flight) >= WRITE_WINDOW:
+                    await in_flight.popleft()
+            while in_flight:
+                await in_flight.popleft()
         except BaseException:
+            for sent in in_flight:
+                sent.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
             if not channel.closed:  # the temporary file goes; the first error is the one
                 with contextlib.suppress(CryoboxError):
                     await channel.ask(g.FileWriteEnd(handle, abort=True), timeout=30)

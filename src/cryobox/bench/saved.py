@@ -1,0 +1,126 @@
+"""What saved state costs, for ``cryobox bench``: memory a guest freed (``freed-memory``)
+and a rewindable history (``history``): each automatic checkpoint's pause of the guest
+and stored bytes, and what it takes from a CPU-bound workload running meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+
+from cryobox import config
+from cryobox.client.async_sandbox import AsyncSandbox
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.util import data_bytes
+
+#: A process fills this many MB with data and exits (quick mode: a quarter).
+FREED_MB = 800
+#: Bytes changed between two automatic checkpoints of the history scenario.
+CHANGED_MB = 10
+#: A CPU-bound suite, run in a loop for the given seconds: prints how many rounds.
+SUITE = """
+import hashlib, json, re, time, zlib
+deadline, rounds = time.monotonic() + {seconds}, 0
+while time.monotonic() < deadline:
+    text = json.dumps([{{"n": i, "s": str(i) * 8}} for i in range(2000)])
+    assert json.loads(text)[-1]["n"] == 1999
+    assert len(re.findall(r"\\d+", text)) >= 4000
+    zlib.decompress(zlib.compress(text.encode()))
+    hashlib.sha256(text.encode()).hexdigest()
+    rounds += 1
+print(rounds)
+"""
+
+
+@dataclass
+class Freed:
+    used_mb: float
+    snapshot_ram_mb: float
+    paused_ram_mb: float
+    snapshot_s: float
+    pause_s: float
+
+
+async def freed_memory(quick: bool) -> Freed:
+    """A guest whose process filled ``FREED_MB`` and exited: the RAM its snapshot and its
+    pause keep, beside the RAM it uses (its RAM minus what its kernel calls free)."""
+    filled = FREED_MB // 4 if quick else FREED_MB
+    sbx = await AsyncSandbox.create()
+    try:
+        fill = f"import os; b = bytearray(os.urandom(1 << 20)) * {filled}"
+        await sbx.commands.run(["python3", "-c", fill])
+        free = await sbx.commands.run(["awk", "/^MemFree:/{print $2}", "/proc/meminfo"])
+        used = (config.DEFAULT_MEMORY_MIB << 20) - int(free.stdout) * 1024
+        start = time.perf_counter()
+        snap = await sbx.snapshot("bench-freed", overwrite=True)
+        snapshot_s = time.perf_counter() - start
+        ram = data_bytes(LocalSnapshotStore().folder(snap.id) / mf.MEMORY)
+        start = time.perf_counter()
+        await sbx.pause()
+        pause_s = time.perf_counter() - start
+        paused = data_bytes(config.sandboxes_dir() / sbx.id / "paused" / mf.MEMORY)
+    finally:
+        await sbx.kill()
+    await AsyncSandbox.delete_snapshot("bench-freed")
+    return Freed(used / 1e6, ram / 1e6, paused / 1e6, snapshot_s, pause_s)
+
+
+@dataclass
+class History:
+    #: Each automatic checkpoint: ms the guest was stopped, MB stored.
+    stopped_ms: list[float]
+    stored_mb: list[float]
+    #: Rounds of the suite in the same time without and with a history.
+    rounds_without: int
+    rounds_with: int
+    every: float
+
+
+_CAPTURE = re.compile(r"capture of (?P<id>snap-\w+) \(checkpoint\) \d+ ms: (?P<steps>.*)$")
+#: The steps of a capture during which the guest is stopped.
+_STOPPED_STEPS = ("disk copied", "ram copied", "device state")
+
+
+def stopped_ms(sandbox_id: str) -> dict[str, float]:
+    """Per checkpoint id, the ms its capture kept the guest stopped (from its log)."""
+    log = config.sandboxes_dir() / sandbox_id / "supervisor.log"
+    found = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if match := _CAPTURE.search(line):
+            steps = dict(part.strip().rsplit(" ", 1) for part in match["steps"].split(","))
+            found[match["id"]] = sum(float(steps.get(name, 0)) for name in _STOPPED_STEPS)
+    return found
+
+
+async def history(quick: bool) -> History:
+    """Automatic checkpoints every ``every`` s while ``CHANGED_MB`` change between them,
+    then a CPU-bound suite for the same time in a sandbox with and one without them."""
+    every = 5.0 if quick else 30.0
+    checkpoints = 2 if quick else 4
+    sbx = await AsyncSandbox.create(checkpoint_every=every, keep_checkpoints=checkpoints + 2)
+    try:
+        for i in range(checkpoints):
+            await sbx.commands.run(f"head -c {CHANGED_MB}M /dev/urandom > /root/changed-{i}")
+            count = len([p for p in await sbx.history() if p.automatic])
+            while len([p for p in await sbx.history() if p.automatic]) == count:
+                await asyncio.sleep(0.5)
+        points = [p for p in await sbx.history() if p.automatic][-checkpoints:]
+        stops = stopped_ms(sbx.id)
+        stopped = [stops[p.id] for p in points if p.id in stops]
+        stored = [p.stored_bytes / 1e6 for p in points]
+    finally:
+        await sbx.kill()
+    seconds = 2 * every + 1
+    rounds = []
+    for period in (0.0, every):
+        runner = await AsyncSandbox.create(checkpoint_every=period)
+        try:
+            result = await runner.commands.run(
+                ["python3", "-c", SUITE.format(seconds=seconds)], timeout=seconds + 120
+            )
+            rounds.append(int(result.stdout))
+        finally:
+            await runner.kill()
+    return History(stopped, stored, rounds[0], rounds[1], every)
