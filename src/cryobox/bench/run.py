@@ -925,21 +925,17 @@ async def freed_memory(ctx: Context) -> list[Figure]:
     note = f"a process filled {bench_saved.FREED_MB // (4 if ctx.quick else 1)} MB and exited"
     return [
         summarize(
-            "freed-memory-snapshot",
-            [measured.snapshot_ram_mb],
+            f"freed-memory-{what}",
+            [ram_mb],
             "MB",
             baseline=used,
             base_value=measured.used_mb,
-            note=f"RAM file of the snapshot ({measured.snapshot_s:.2f} s); {note}",
-        ),
-        summarize(
-            "freed-memory-pause",
-            [measured.paused_ram_mb],
-            "MB",
-            baseline=used,
-            base_value=measured.used_mb,
-            note=f"RAM file of the pause ({measured.pause_s:.2f} s); {note}",
-        ),
+            note=f"RAM file of the {what} ({seconds:.2f} s); {note}",
+        )
+        for what, ram_mb, seconds in (
+            ("snapshot", measured.snapshot_ram_mb, measured.snapshot_s),
+            ("pause", measured.paused_ram_mb, measured.pause_s),
+        )
     ]
 
 
