@@ -173,14 +173,16 @@ class SnapshotNotFound(SnapshotError):
 class SnapshotIncompatible(SnapshotError):
     """The snapshot was taken under conditions this host cannot continue."""
 
-    def __init__(self, snapshot_id: str, field: str, saved: object, host: object) -> None:
+    def __init__(
+        self, snapshot_id: str, field: str, saved: object, host: object, hint: str = ""
+    ) -> None:
         self.snapshot_id = snapshot_id
         self.field = field
         self.saved = saved
         self.host = host
         super().__init__(
             f"snapshot {snapshot_id} refused: {field} is {saved!r} in the snapshot "
-            f"but {host!r} here"
+            f"but {host!r} here" + (f" ({hint})" if hint else "")
         )
 
 

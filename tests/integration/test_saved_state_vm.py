@@ -173,3 +173,18 @@ def test_a_history_over_http_is_its_tenants_alone(api_server: ApiServer) -> None
         assert intruder.get(f"/snapshots/{point.id}").status_code == 404
     finally:
         sbx.kill()
+
+
+def test_any_shape_is_started_and_the_second_of_a_shape_restores(sandbox_factory: Any) -> None:
+    """The default template is built once per shape asked for; the guest has that shape."""
+    first = sandbox_factory(cpus=1, memory_mib=1536)
+    info = first.info()
+    assert (info.cpus, info.memory_mib, info.template) == (1, 1536, "default-1c-1536m-4g")
+    assert first.commands.run("nproc").stdout.strip() == "1"
+    total_kib = int(first.commands.run(["awk", "/^MemTotal:/{print $2}", "/proc/meminfo"]).stdout)
+    assert 1300 << 10 < total_kib <= 1536 << 10  # the guest's RAM, less what its kernel keeps
+    templates = {t.name: t.snapshot_id for t in Sandbox.templates()}
+    second = sandbox_factory(cpus=1, memory_mib=1536)
+    assert second.info().origin == templates["default-1c-1536m-4g"]  # restored, not built
+    assert {t.name: t.snapshot_id for t in Sandbox.templates()} == templates
+    assert second.commands.run("nproc").stdout.strip() == "1"

@@ -125,3 +125,32 @@ def test_a_history_out_of_bounds_is_refused_naming_the_value(
 )
 def test_the_cli_reads_seconds_ago_an_instant_or_a_checkpoint(typed: str, meant: object) -> None:
     assert when(typed) == meant
+
+
+@pytest.mark.parametrize(
+    ("asked", "template"),
+    [
+        ({}, "default"),
+        ({"cpus": 2, "memory_mib": 1024, "disk_gib": 4}, "default"),  # the defaults
+        ({"memory_mib": 2048}, "default-2c-2048m-4g"),
+        ({"cpus": 4, "disk_gib": 8}, "default-4c-1024m-8g"),
+        ({"template": "base", "memory_mib": 2048}, "base"),
+        ({"template": "app", "cpus": 4}, "app"),  # a named template keeps its shape
+        ({"from_snapshot": "snap-1", "cpus": 4}, "default"),
+    ],
+)
+def test_any_shape_starts_from_a_default_template_of_that_shape(
+    asked: dict[str, object], template: str
+) -> None:
+    from cryobox.models import CreateRequest
+    from cryobox.service.service import default_shape, shaped_template
+
+    chosen = shaped_template(CreateRequest(**asked))  # type: ignore[arg-type]
+    assert chosen == template
+    if chosen.startswith("default-"):
+        shape = default_shape(chosen)
+        assert shape is not None
+        for name in ("cpus", "memory_mib", "disk_gib"):
+            if asked.get(name) is not None:
+                assert shape[name] == asked[name]
+    assert default_shape("app") is None and default_shape("default-x") is None

@@ -581,8 +581,11 @@ class AsyncSandbox:
         ``template="default"`` restores the default template's memory snapshot (built on
         first use); ``"base"`` boots the image cold; another name is a template built with
         :meth:`build_template`. ``from_snapshot`` (what :meth:`snapshot` returned, or its
-        id or name) starts from a saved snapshot instead. A template or snapshot fixes ``cpus``,
-        ``memory_mib`` and ``disk_gib`` (default 2, 1024, 4 for ``base``).
+        id or name) starts from a saved snapshot instead. ``cpus``, ``memory_mib`` and
+        ``disk_gib`` (default 2, 1024, 4) may be anything with the default template: one
+        is built for each shape asked for, on first use (``default-4c-2048m-4g``); a
+        named template or a snapshot keeps the shape it was saved with (another is
+        refused with :class:`SnapshotIncompatible`, saying so).
 
         ``network`` is what the guest may connect to: ``"internet"`` (anywhere the host
         reaches, never the host itself nor other sandboxes), ``"none"``, or a list of

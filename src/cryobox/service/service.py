@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -125,6 +126,47 @@ def validate(request: CreateRequest) -> None:
     for port in request.ports:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
+
+
+RESHAPE_HINT = (
+    "a memory snapshot keeps the vCPUs, RAM and disk it was saved with: build a template "
+    "of that shape with build_template(name, cpus=, memory_mib=, disk_gib=), or give no "
+    "template: the default one is built once for each shape asked for"
+)
+_SHAPED_DEFAULT = re.compile(r"default-(\d+)c-(\d+)m-(\d+)g")
+
+
+def shaped_template(request: CreateRequest) -> str:
+    """The template a create starts from: the one it names; for the default template
+    with a shape of its own (``cpus``, ``memory_mib`` or ``disk_gib`` other than the
+    defaults), the default template of that shape, ``default-<cpus>c-<MiB>m-<GiB>g``,
+    built like the default one on first use: any shape starts warm after the first."""
+    if request.template != DEFAULT_TEMPLATE or request.from_snapshot is not None:
+        return request.template
+    cpus = request.cpus or config.DEFAULT_CPUS
+    memory = request.memory_mib or config.DEFAULT_MEMORY_MIB
+    disk = request.disk_gib or config.DEFAULT_DISK_GIB
+    if (cpus, memory, disk) == (
+        config.DEFAULT_CPUS,
+        config.DEFAULT_MEMORY_MIB,
+        config.DEFAULT_DISK_GIB,
+    ):
+        return DEFAULT_TEMPLATE
+    return f"{DEFAULT_TEMPLATE}-{cpus}c-{memory}m-{disk}g"
+
+
+def default_shape(template: str) -> dict[str, int] | None:
+    """The shape of one of the host's default templates (the plain one, or one named by
+    :func:`shaped_template`), as ``build_template``'s arguments; None for another."""
+    if template == DEFAULT_TEMPLATE:
+        return {
+            "cpus": config.DEFAULT_CPUS,
+            "memory_mib": config.DEFAULT_MEMORY_MIB,
+            "disk_gib": config.DEFAULT_DISK_GIB,
+        }
+    if match := _SHAPED_DEFAULT.fullmatch(template):
+        return {"cpus": int(match[1]), "memory_mib": int(match[2]), "disk_gib": int(match[3])}
+    return None
 
 
 def history(every: float, keep: int | None) -> tuple[float, int]:
@@ -335,10 +377,11 @@ class SandboxService:
             check_can_isolate()
         image = await asyncio.to_thread(self.vmm.ensure_image, progress)
         source: Manifest | None = None
+        template = shaped_template(request)
         if request.from_snapshot is not None:
             source = await self.persist.of(tenant).local_or_pulled(request.from_snapshot)
-        elif request.template != BASE_TEMPLATE:
-            source = await self.template_snapshot(request.template, image, progress, tenant)
+        elif template != BASE_TEMPLATE:
+            source = await self.template_snapshot(template, image, progress, tenant)
         shape = {
             "cpus": request.cpus,
             "memory_mib": request.memory_mib,
@@ -347,14 +390,16 @@ class SandboxService:
         if source is not None:
             for name, asked in shape.items():
                 if asked is not None and asked != getattr(source, name):
-                    raise SnapshotIncompatible(source.id, name, getattr(source, name), asked)
+                    raise SnapshotIncompatible(
+                        source.id, name, getattr(source, name), asked, hint=RESHAPE_HINT
+                    )
                 shape[name] = getattr(source, name)
         pooled_template = (
             source is not None
             and request.from_snapshot is None
             and start.forked_from is None
             and not start.pool_member
-            and request.template in self.pools.sizes()
+            and template in self.pools.sizes()
         )
         if pooled_template and source is not None:
             try:
@@ -376,7 +421,7 @@ class SandboxService:
             disk_gib=shape["disk_gib"] or config.DEFAULT_DISK_GIB,
             timeout=pool.MEMBER_LIFETIME if start.pool_member else request.timeout,
             ports=tuple(request.ports),
-            template=request.template if request.from_snapshot is None else "",
+            template=template if request.from_snapshot is None else "",
             restore_from=source.id if source else None,
             forked_from=start.forked_from,
             fork_index=start.fork_index,
@@ -756,7 +801,8 @@ class SandboxService:
         image_id = image.id
         entry = self.store.template(name)
         usable = entry is not None and entry.get("image_id") == image_id
-        cache = name == DEFAULT_TEMPLATE
+        shape = default_shape(name)
+        cache = shape is not None
         accelerator = ""  # asked once, for the default template's checks only
         if entry is not None and usable and cache:
             # The default template is a cache of one cold boot: one booted with the other
@@ -784,10 +830,18 @@ class SandboxService:
             raise SnapshotIncompatible(
                 str(entry.get("snapshot")), "image_id", entry.get("image_id"), image_id
             )
+        assert shape is not None
         if progress:
-            progress("building the default template (one cold boot, then every create restores)")
+            progress(f"building the {name} template (one cold boot, then every create restores)")
         # The host's, whoever asked first.
-        info = await self.build_template(DEFAULT_TEMPLATE, [], progress=progress)
+        info = await self.build_template(
+            name,
+            [],
+            cpus=shape["cpus"],
+            memory_mib=shape["memory_mib"],
+            disk_gib=shape["disk_gib"],
+            progress=progress,
+        )
         return self.store.get(info.id)
 
     def _continuable(self, manifest: Manifest, image: Image, accelerator: str) -> None:
