@@ -208,7 +208,7 @@ def test_tampered_or_incompatible_snapshots_are_refused(sandbox_factory: Any) ->
     with pytest.raises(SnapshotIncompatible, match=r"backend\.version") as info:
         Sandbox.create(from_snapshot="to-tamper")
     assert info.value.field == "backend.version" and info.value.saved == "6.0.0"
-    with pytest.raises(SnapshotIncompatible, match="memory_mib.*build a template of that shape"):
+    with pytest.raises(SnapshotIncompatible, match=r"memory_mib.*build a template of that shape"):
         Sandbox.create(from_snapshot=snap.id, memory_mib=2048)
     new = [i for i in Sandbox.list(all=True) if i.id not in before]
     assert all(i.state == "dead" for i in new)
