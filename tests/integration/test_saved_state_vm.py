@@ -166,11 +166,14 @@ def test_a_history_over_http_is_its_tenants_alone(api_server: ApiServer) -> None
         sbx.files.write("/root/draft.txt", "ruined")
         assert sbx.rewind(point).id == point.id
         assert sbx.files.read_text("/root/draft.txt") == "first draft"
-        # Another tenant neither sees it nor rolls a sandbox back to it.
+        # Another tenant neither sees it nor starts a sandbox from it.
+        assert point.id in {
+            p.id for p in Sandbox.snapshots(api_url=api_server.url, api_key=api_server.key)
+        }
         assert point.id not in intruder.get("/snapshots").text
-        answer = intruder.post(f"/sandboxes/{sbx.id}/rollback", json={"checkpoint": point.id})
-        assert answer.status_code == 404
         assert intruder.get(f"/snapshots/{point.id}").status_code == 404
+        answer = intruder.post("/sandboxes", json={"from_snapshot": point.id})
+        assert answer.status_code == 404, answer.text
     finally:
         sbx.kill()
 

@@ -232,6 +232,15 @@ def test_templates_are_listed_and_removed_through_the_cli() -> None:
     assert snapshot not in {s.id for s in Sandbox.snapshots()}  # collected with its last user
 
 
+def test_the_default_template_of_a_shape_is_the_hosts_alone() -> None:
+    with pytest.raises(InvalidArgument, match="the host's default template of that shape"):
+        Sandbox.build_template("default-4c-2048m-4g", ["true"])
+    sbx = Sandbox.create(cpus=1, memory_mib=512)  # built by the host, then restored
+    assert sbx.info().template == "default-1c-512m-4g"
+    assert "default-1c-512m-4g" in {t.name for t in Sandbox.templates()}
+    sbx.kill()
+
+
 def test_an_extended_timeout_survives_pause_and_resume_and_is_what_expiry_reports() -> None:
     sbx = Sandbox.create("base", timeout=600)
     sbx.set_timeout(900)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from cryobox import config
 from cryobox.client.async_sandbox import AsyncSandbox
+from cryobox.models import SnapshotInfo
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.util import data_bytes
@@ -101,12 +102,17 @@ async def history(quick: bool) -> History:
     checkpoints = 2 if quick else 4
     sbx = await AsyncSandbox.create(checkpoint_every=every, keep_checkpoints=checkpoints + 2)
     try:
+        taken: list[SnapshotInfo] = []
         for i in range(checkpoints):
             await sbx.commands.run(f"head -c {CHANGED_MB}M /dev/urandom > /root/changed-{i}")
-            count = len([p for p in await sbx.history() if p.automatic])
-            while len([p for p in await sbx.history() if p.automatic]) == count:
+            changed, deadline = time.time(), time.monotonic() + 4 * every + 60
+            while time.monotonic() < deadline:  # the next one taken after the change
+                after = [p for p in await sbx.history() if p.automatic and p.created_at > changed]
+                if after:
+                    taken.append(after[0])
+                    break
                 await asyncio.sleep(0.5)
-        points = [p for p in await sbx.history() if p.automatic][-checkpoints:]
+        points = taken
         stops = stopped_ms(sbx.id)
         stopped = [stops[p.id] for p in points if p.id in stops]
         stored = [p.stored_bytes / 1e6 for p in points]

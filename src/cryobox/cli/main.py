@@ -750,7 +750,8 @@ def rewind(
         str,
         typer.Argument(
             help="How far: seconds ago ('90', '90s', '5m', '2h'), an ISO date and time, "
-            "or a checkpoint's id or name. The newest checkpoint at or before it is used."
+            "or a checkpoint's id or name (one named like a duration: by its id). The "
+            "newest checkpoint at or before it is used."
         ),
     ],
 ) -> None:

@@ -839,7 +839,8 @@ class Machine:
                 # and the pages it freed (zeroed: init_on_free) go back to the host
                 # before the hash, which then skips them. Content-preserving, so the VM
                 # can continue on it; its reserve, if it had one, is taken again then.
-                await asyncio.to_thread(release_unwritten, memory)
+                with contextlib.suppress(OSError):  # best effort: the pause is sound without
+                    await asyncio.to_thread(release_unwritten, memory)
                 self.ram_reserved = False
                 timer("ram released")
             described = await asyncio.to_thread(mf.describe, files)

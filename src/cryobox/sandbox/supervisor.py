@@ -467,9 +467,10 @@ class Supervisor:
             self._stop.set()
 
     async def _watch_vm(self) -> None:
-        while True:
+        while not self._stop.is_set():
             vm = self.machine.vm
-            assert vm is not None
+            if vm is None:  # ended by an operation that failed past it (and said so)
+                return
             code = await vm.wait()
             if vm is self.machine.vm and not self._lifecycle.locked():
                 self.stop(
@@ -483,8 +484,11 @@ class Supervisor:
                     ),
                 )
                 return
-            # A rollback replaced the VM on purpose: watch the new one.
-            while self._lifecycle.locked() or self.machine.vm is vm:
+            # Under a lifecycle operation: a rollback replaces the VM on purpose (the new
+            # one is watched next), a pause ends it and says so. One that ended under an
+            # operation that did neither (an automatic checkpoint when QEMU crashed) is
+            # found dead on the next turn, once the operation let go.
+            while self._lifecycle.locked():
                 await asyncio.sleep(0.05)
 
     async def _watch_deadline(self) -> None:
@@ -559,8 +563,8 @@ class Supervisor:
                         purpose=SnapshotPurpose.CHECKPOINT, name=None, memory=True, automatic=True
                     )
                     expired = await asyncio.to_thread(self.machine.expire_history)
-                except (CryoboxError, OSError) as exc:
-                    log.warning("automatic checkpoint failed (tried again in %g s): %s", every, exc)
+                except Exception as exc:  # never the end of the history (nor of the VM)
+                    log.warning("automatic checkpoint failed (tried again in %g s): %r", every, exc)
                     continue
             log.info("automatic checkpoint %s; expired: %s", manifest.id, expired or "none")
 

@@ -49,7 +49,12 @@ from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.registry import SandboxDir, forget_finished
 from cryobox.service import SandboxService
 from cryobox.service.commands import CommandSession
-from cryobox.service.service import BASE_TEMPLATE, BUILDING, DEFAULT_TEMPLATE
+from cryobox.service.service import (
+    BASE_TEMPLATE,
+    BUILDING,
+    DEFAULT_TEMPLATE,
+    shaped_template,
+)
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
@@ -404,8 +409,8 @@ class Hub:
         with contextlib.suppress(CryoboxError):
             if request.from_snapshot is not None:
                 source = self.service.store.get(request.from_snapshot)
-            elif request.template != BASE_TEMPLATE:
-                entry = self.service.store.template(request.template)
+            elif request.template != BASE_TEMPLATE:  # the default: of the shape asked for
+                entry = self.service.store.template(shaped_template(request))
                 if entry is not None:
                     source = self.service.store.get(str(entry["snapshot"]))
         if source is not None:
@@ -450,6 +455,8 @@ class Hub:
                 else None
             ),
         )
+        if request.checkpoint_every:  # a history stores a checkpoint every period
+            self._check_storage(tenant)
         cpus, memory = self._shape(request)
         async with self._reserve(tenant, 1, cpus, memory):
             info = await self.service.create(request, tenant=tenant.id)

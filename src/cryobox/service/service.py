@@ -128,12 +128,16 @@ def validate(request: CreateRequest) -> None:
             raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
 
 
+#: How a cold-booted guest is set up, beyond the image: a default template (a cache of
+#: one cold boot) saved under another is built again. 2: the guest zeroes the memory
+#: it frees (``init_on_free``), which a template booted before never does.
+GUEST_BOOT = 2
 RESHAPE_HINT = (
     "a memory snapshot keeps the vCPUs, RAM and disk it was saved with: build a template "
     "of that shape with build_template(name, cpus=, memory_mib=, disk_gib=), or give no "
     "template: the default one is built once for each shape asked for"
 )
-_SHAPED_DEFAULT = re.compile(r"default-(\d+)c-(\d+)m-(\d+)g")
+_SHAPED_DEFAULT = re.compile(r"default-([1-9]\d*)c-([1-9]\d*)m-([1-9]\d*)g")
 
 
 def shaped_template(request: CreateRequest) -> str:
@@ -452,7 +456,7 @@ class SandboxService:
         A member that cannot be claimed (it died while waiting) is ended and the next
         one tried: the caller never sees it.
         """
-        for sandbox_id in self.pools.claims(request.template, source.id, network):
+        for sandbox_id in self.pools.claims(shaped_template(request), source.id, network):
             folder = SandboxDir.for_id(sandbox_id)
             try:
                 member = folder.spec()
@@ -808,7 +812,10 @@ class SandboxService:
             # The default template is a cache of one cold boot: one booted with the other
             # address randomization is built again (a template of the user's keeps its own).
             accelerator = await asyncio.to_thread(self.vmm.accelerator, image)
-            usable = entry.get("guest_aslr") == config.guest_aslr(accelerator)
+            usable = (
+                entry.get("guest_aslr") == config.guest_aslr(accelerator)
+                and entry.get("guest_boot", 1) == GUEST_BOOT
+            )
         if entry is not None and usable:
             try:
                 manifest = await self.persist.of(tenant).local_or_pulled(str(entry["snapshot"]))
@@ -841,6 +848,7 @@ class SandboxService:
             memory_mib=shape["memory_mib"],
             disk_gib=shape["disk_gib"],
             progress=progress,
+            host_cache=True,
         )
         return self.store.get(info.id)
 
@@ -862,15 +870,22 @@ class SandboxService:
         disk_gib: int = config.DEFAULT_DISK_GIB,
         progress: Progress | None = None,
         tenant: str = LOCAL_TENANT,
+        host_cache: bool = False,
     ) -> SnapshotInfo:
         """Boot the image, run ``setup`` commands, save the machine as template ``name``
         (stored as ``tenant``'s). ``progress`` is told each step, and a setup command's
-        latest output line.
+        latest output line. ``host_cache``: one of the host's default templates of a
+        shape (:func:`shaped_template`), whose names nobody else may take.
 
         :raises InvalidArgument: for a bad name, or a setup command that fails (its output).
         """
         if not valid_name(name) or name == BASE_TEMPLATE:
             raise InvalidArgument(f"template name {name!r} is not allowed")
+        if _SHAPED_DEFAULT.fullmatch(name) and not host_cache:
+            raise InvalidArgument(
+                f"template name {name!r} is the host's default template of that shape "
+                "(built by itself when a create asks for the shape): choose another"
+            )
         say = progress or (lambda _: None)
         say("booting the image")
         sandbox = await self.create(
@@ -917,6 +932,7 @@ class SandboxService:
                 {
                     "image_id": sandbox.image_id,
                     "guest_aslr": randomized,
+                    "guest_boot": GUEST_BOOT,
                     "setup": list(setup),
                     "created_at": time.time(),
                 },
