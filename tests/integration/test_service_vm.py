@@ -88,6 +88,9 @@ def test_a_full_disk_refuses_checkpoint_snapshot_and_pause_and_the_sandbox_runs_
     small_tmpfs: Path,
 ) -> None:
     sbx = Sandbox.create("base", memory_mib=512)
+    # The guest zeroed all its memory as it booted (init_on_free): the RAM file holds
+    # what it uses all the same, not its whole RAM.
+    assert sbx.info().ram_file_bytes < (512 << 20) // 2
     sbx.commands.run(COUNTER)
     sbx.commands.run("head -c 64M /dev/urandom > /root/blob")  # RAM and disk to copy
     filler = fill(small_tmpfs, leave_mib=24)

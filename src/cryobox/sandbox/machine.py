@@ -389,6 +389,26 @@ class Machine:
             kernel_args += ("norandmaps",)  # kernel.randomize_va_space=0 from the start
         await self._start_vm(incoming=False, kernel_args=kernel_args)
         self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
+        await self._release_boot_zeros(memory)
+
+    async def _release_boot_zeros(self, memory: Path) -> None:
+        """Give back the RAM file's zero blocks once the guest has booted.
+
+        A guest booted with ``init_on_free`` zeroes all its memory as its kernel first
+        frees it: the whole RAM file is written (a 1 GiB guest's 1073 MB against 145 MB
+        without), host disk and page cache held for nothing. Released with the CPUs
+        stopped (nothing writes meanwhile; 0.1-0.3 s once per cold boot), then the
+        clock is stepped over the stop. Best effort: it only saves room."""
+        assert self.vm is not None
+        await self.vm.stop_cpus()
+        try:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(release_unwritten, memory)
+            self.ram_reserved = False  # taken again when the space runs short
+        finally:
+            await self.vm.continue_cpus()
+        with contextlib.suppress(CryoboxError):
+            await self._refresh_guest(new_identity=False)
 
     async def _restore(self, manifest: Manifest, *, new_identity: bool) -> None:
         """Continue a memory snapshot in this sandbox, on a new disk overlay.
