@@ -44,3 +44,9 @@ def test_the_embedded_transport_loads_the_service_when_first_made() -> None:
         "print(type(LocalTransport().service).__module__)"
     )
     assert loaded_after(code).splitlines()[0] == "cryobox.service.service"
+
+
+def test_the_cli_leaves_the_http_client_unloaded_until_a_server_is_named() -> None:
+    """httpx is a tenth of a second of every embedded CLI call's start."""
+    code = "import cryobox.cli.main\nprint('httpx' in sys.modules)"
+    assert loaded_after(code).splitlines()[0] == "False"

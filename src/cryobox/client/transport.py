@@ -32,10 +32,10 @@ from cryobox.models import (
     WatchSink,
 )
 
-from .http_transport import HttpTransport
-
 if TYPE_CHECKING:
     from cryobox.service import SandboxService
+
+    from .http_transport import HttpTransport
 
 
 class Transport(Protocol):
@@ -262,5 +262,8 @@ def transport_for(api_url: str | None = None, api_key: str | None = None) -> Tra
     clients = _remote.setdefault(loop, {})
     remote = clients.get((url, key))
     if remote is None:
+        # Imported here: httpx is a tenth of a second of every embedded CLI call's start.
+        from .http_transport import HttpTransport
+
         remote = clients[url, key] = HttpTransport(url, key)
     return remote
