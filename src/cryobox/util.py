@@ -130,59 +130,67 @@ def mem_available_mib() -> int:
     return 0
 
 
-def release_unwritten(path: Path) -> None:
+def release_empty(path: Path) -> None:
     """Give back the blocks of ``path`` that hold nothing, keeping its content: those
-    reserved and never written (its holes as SEEK_DATA sees them) and its pages of
-    zeros (a guest booted with ``init_on_free`` zeroes the memory it frees). A paused
-    RAM file then holds only the pages the guest uses. Best effort: a file system
-    without hole punching keeps them.
+    reserved and never written (its holes as SEEK_DATA sees them) and its runs of zero
+    ``ZERO_BLOCK``s (a guest booted with ``init_on_free`` zeroes the memory it frees).
+    A paused RAM file then holds only the pages the guest uses. Best effort: a file
+    system without hole punching keeps them.
 
-    Only for a file nobody writes meanwhile (a stopped machine's RAM): a page found
+    Only for a file nobody writes meanwhile (a stopped machine's RAM): a block found
     zero and then written would lose that write."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
-    def punch(fd: int, start: int, length: int) -> None:
-        if length > 0:
-            libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, length)
+    def punch(fd: int, start: int, end: int) -> None:
+        if end > start:
+            libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, end - start)
 
     fd = os.open(path, os.O_RDWR)
     try:
         size, offset = os.fstat(fd).st_size, 0
         for start, end in [*data_extents(fd), (size, size)]:
-            punch(fd, offset, start - offset)
-            for zero_start, zero_end in _zero_runs(fd, start, end):
-                punch(fd, zero_start, zero_end - zero_start)
+            punch(fd, offset, start)
+            run: int | None = None  # where the current run of zeros began
+            for at, data in _segments(fd, start, end, ZERO_BLOCK):
+                if data is None:
+                    run = at if run is None else run
+                elif run is not None:
+                    punch(fd, run, at)
+                    run = None
+            if run is not None:
+                punch(fd, run, end)
             offset = max(offset, end)
     finally:
         os.close(fd)
 
 
-#: The unit in which :func:`release_unwritten` looks for zeros: pages one by one cost
+#: The unit in which :func:`release_empty` looks for zeros: pages one by one cost
 #: 1 s per GiB of scattered data in Python; 64 KiB blocks find nearly all that a guest
 #: freed (it frees whole processes' worth, in runs) in a tenth of that.
 ZERO_BLOCK = 64 << 10
-_ZERO_BLOCK = bytes(ZERO_BLOCK)
+_ZEROS = {PAGE: _ZERO_PAGE, ZERO_BLOCK: bytes(ZERO_BLOCK)}
 
 
-def _zero_runs(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:
-    """The (start, end) runs of whole zero ``ZERO_BLOCK``s in ``fd[start:end]``."""
-    chunk = len(_ZERO_CHUNK)
-    run: int | None = None  # file offset where the current run of zeros began
+def _segments(fd: int, start: int, end: int, unit: int) -> Iterator[tuple[int, memoryview | None]]:
+    """``fd[start:end]``, read 1 MiB at a time, as the runs of whole zero ``unit``s and
+    of data in between, in order and back to back (each ends where the next starts):
+    (offset, None) for zeros, (offset, the bytes) for data."""
+    zeros, chunk = _ZEROS[unit], len(_ZERO_CHUNK)
     for base in range(start, end, chunk):
         data = os.pread(fd, min(chunk, end - base), base)
         if data == _ZERO_CHUNK[: len(data)]:  # one memcmp for a chunk of zeros
-            run = base if run is None else run
+            yield base, None
             continue
-        for offset in range(0, len(data), ZERO_BLOCK):
+        view = memoryview(data)
+        run, run_zero = 0, data.startswith(zeros[: len(data)])
+        for offset in range(unit, len(data), unit):
             # bytes.startswith compares in place (a memoryview's == goes item by item)
-            if data.startswith(_ZERO_BLOCK[: len(data) - offset], offset):
-                run = base + offset if run is None else run
-            elif run is not None:
-                yield run, base + offset
-                run = None
-    if run is not None:
-        yield run, end
+            zero = data.startswith(zeros[: len(data) - offset], offset)
+            if zero is not run_zero:
+                yield base + run, None if run_zero else view[run:offset]
+                run, run_zero = offset, zero
+        yield base + run, None if run_zero else view[run:]
 
 
 def copy_sparse(source: Path, target: Path, *, skip_zero_pages: bool = False) -> None:
@@ -216,23 +224,9 @@ def copy_sparse(source: Path, target: Path, *, skip_zero_pages: bool = False) ->
 
 def _copy_nonzero_pages(src: int, dst: int, start: int, end: int) -> None:
     """Write the runs of non-zero pages of ``src[start:end]`` to the same offsets of ``dst``."""
-    chunk = len(_ZERO_CHUNK)
-    for base in range(start, end, chunk):
-        data = os.pread(src, min(chunk, end - base), base)
-        if data == _ZERO_CHUNK[: len(data)]:
-            continue  # the common case in a reserved RAM file: one memcmp, no page loop
-        view = memoryview(data)
-        run = None  # offset in data where the current run of non-zero pages began
-        for offset in range(0, len(data), PAGE):
-            # bytes.startswith compares in place (a memoryview's == goes item by item)
-            zero = data.startswith(_ZERO_PAGE[: len(data) - offset], offset)
-            if zero and run is not None:
-                os.pwrite(dst, view[run:offset], base + run)
-                run = None
-            elif not zero and run is None:
-                run = offset
-        if run is not None:
-            os.pwrite(dst, view[run:], base + run)
+    for offset, data in _segments(src, start, end, PAGE):
+        if data is not None:
+            os.pwrite(dst, data, offset)
 
 
 def free_port() -> int:

@@ -38,6 +38,7 @@ from cryobox.errors import (
     SandboxDead,
 )
 from cryobox.sandbox import registry
+from waiting import until
 
 from .guest_http import fetch_until_up
 
@@ -665,15 +666,6 @@ def test_an_extended_timeout_survives_pause_and_resume(sandbox_factory: Any) -> 
     again = Sandbox.resume(sbx.id)  # each start gets the last set_timeout's life
     deadline = again.info().deadline
     assert deadline is not None and 800 < deadline - time.time() <= 900
-
-
-def until(found: Any, what: str, timeout: float = 60) -> None:
-    """Wait for ``found()`` to be true (output arrives when the guest gets to it)."""
-    deadline = time.monotonic() + timeout
-    while not found():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout} s for {what}")
-        time.sleep(0.05)
 
 
 def test_pty_shell_has_a_size_resizes_takes_ctrl_c_and_exits_with_its_code(

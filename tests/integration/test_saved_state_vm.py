@@ -15,6 +15,7 @@ from cryobox.sandbox import registry
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.util import data_bytes
+from waiting import until
 
 pytestmark = pytest.mark.vm
 
@@ -93,15 +94,6 @@ def automatic(sbx: Sandbox) -> list[Any]:
     return [point for point in sbx.history() if point.automatic]
 
 
-def wait_for(check: Any, within: float, what: str) -> Any:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if found := check():
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"not within {within:g} s: {what}")
-
-
 def test_a_sandbox_with_a_history_rewinds_to_a_deleted_file_and_a_killed_process(
     sandbox_factory: Any,
 ) -> None:
@@ -110,10 +102,11 @@ def test_a_sandbox_with_a_history_rewinds_to_a_deleted_file_and_a_killed_process
     sbx.commands.run("echo precious > /root/work.txt; nohup sleep 100000 >/dev/null 2>&1 &")
     pid = sbx.commands.run(["pgrep", "-x", "sleep"]).stdout.strip()
     made = time.time()
-    point = wait_for(
+    point = until(
         lambda: [p for p in automatic(sbx) if p.created_at > made],
-        60,
         "an automatic checkpoint after the file was written",
+        timeout=60,
+        every=0.5,
     )[0]
     sbx.commands.run(["rm", "/root/work.txt"])
     sbx.commands.run(["kill", pid])
@@ -136,7 +129,9 @@ def test_a_sandbox_with_a_history_rewinds_to_a_deleted_file_and_a_killed_process
 
     # (Each is expired right after the next one is taken, not at the same instant: a
     # look between the two sees keep + 1 of them.)
-    kept = wait_for(one_expired, 120, "a checkpoint taken since the rewind to expire")
+    kept = until(
+        one_expired, "a checkpoint taken since the rewind to expire", timeout=120, every=0.5
+    )
     assert point.id in [p.id for p in kept]
     since = [p for p in kept if p.id != point.id]
     assert len(since) <= 3 + 1  # (+1: one taken, not yet expired, as we looked)
@@ -162,8 +157,11 @@ def test_a_history_over_http_is_its_tenants_alone(api_server: ApiServer) -> None
     try:
         sbx.files.write("/root/draft.txt", "first draft")
         made = time.time()
-        point = wait_for(
-            lambda: [p for p in automatic(sbx) if p.created_at > made], 60, "a checkpoint"
+        point = until(
+            lambda: [p for p in automatic(sbx) if p.created_at > made],
+            "a checkpoint",
+            timeout=60,
+            every=0.5,
         )[0]
         sbx.files.write("/root/draft.txt", "ruined")
         assert sbx.rewind(point).id == point.id

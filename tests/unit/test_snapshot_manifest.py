@@ -224,7 +224,7 @@ def test_a_manifest_without_a_mac_is_refused_as_an_older_format(tmp_path: Path) 
 
 
 def test_reserved_ram_is_released_without_changing_content(tmp_path: Path) -> None:
-    from cryobox.util import data_bytes, release_unwritten
+    from cryobox.util import data_bytes, release_empty
 
     ram = tmp_path / "memory"
     fd = os.open(ram, os.O_RDWR | os.O_CREAT, 0o600)
@@ -233,7 +233,7 @@ def test_reserved_ram_is_released_without_changing_content(tmp_path: Path) -> No
     os.close(fd)
     digest = mf.file_digest(ram)
     assert ram.stat().st_blocks * 512 >= 64 << 20
-    release_unwritten(ram)
+    release_empty(ram)
     assert ram.stat().st_blocks * 512 <= 8 << 20  # about the written pages stay
     assert data_bytes(ram) > 0 and mf.file_digest(ram) == digest
     assert ram.stat().st_size == 64 << 20
@@ -241,7 +241,7 @@ def test_reserved_ram_is_released_without_changing_content(tmp_path: Path) -> No
 
 def test_pages_the_guest_zeroed_are_given_back_and_read_the_same(tmp_path: Path) -> None:
     """A guest booted with init_on_free leaves freed memory as written zero pages."""
-    from cryobox.util import ZERO_BLOCK, data_bytes, release_unwritten
+    from cryobox.util import ZERO_BLOCK, data_bytes, release_empty
 
     ram = tmp_path / "memory"
     data = bytearray(16 << 20)  # 16 MiB written: zeros, with data in a few pages
@@ -251,7 +251,7 @@ def test_pages_the_guest_zeroed_are_given_back_and_read_the_same(tmp_path: Path)
     ram.write_bytes(bytes(data))
     digest = mf.file_digest(ram)
     assert data_bytes(ram) == 16 << 20
-    release_unwritten(ram)
+    release_empty(ram)
     # The blocks holding those pages (0 and 7 share one), nothing else.
     assert data_bytes(ram) == 4 * ZERO_BLOCK
     assert ram.read_bytes() == bytes(data) and mf.file_digest(ram) == digest

@@ -16,6 +16,8 @@ from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.util import data_bytes
 
+from .steps import step_ms
+
 #: A process fills this many MB with data and exits (quick mode: a quarter).
 FREED_MB = 800
 #: Bytes changed between two automatic checkpoints of the history scenario.
@@ -90,8 +92,8 @@ def stopped_ms(sandbox_id: str) -> dict[str, float]:
     found = {}
     for line in log.read_text(errors="replace").splitlines():
         if match := _CAPTURE.search(line):
-            steps = dict(part.strip().rsplit(" ", 1) for part in match["steps"].split(","))
-            found[match["id"]] = sum(float(steps.get(name, 0)) for name in _STOPPED_STEPS)
+            steps = step_ms(match["steps"])
+            found[match["id"]] = sum(steps.get(name, 0.0) for name in _STOPPED_STEPS)
     return found
 
 

@@ -32,13 +32,18 @@ def step_timings(sandbox_id: str, kind: str) -> dict[str, float] | None:
         found = _STEPS.search(line)
         if found is None or not found["kind"].startswith(kind):
             continue
-        steps = {"total": float(found["total"])}
-        for part in found["steps"].split(","):
-            step = _STEP.search(part.strip())
-            if step is not None:
-                steps[step["name"]] = float(step["ms"])
-        return steps
+        return {"total": float(found["total"]), **step_ms(found["steps"])}
     return None
+
+
+def step_ms(steps: str) -> dict[str, float]:
+    """A logged timer's steps ("vm start 107, device state 34") as {name: ms}."""
+    found = {}
+    for part in steps.split(","):
+        step = _STEP.search(part.strip())
+        if step is not None:
+            found[step["name"]] = float(step["ms"])
+    return found
 
 
 def cpu_seconds(pid: int | None) -> float:

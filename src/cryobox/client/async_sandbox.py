@@ -892,18 +892,17 @@ class AsyncSandbox:
         :raises InvalidArgument: when ``to`` is not one of those, or no checkpoint is
             that old (the message says the oldest it has).
         """
-        for attempt in (1, 2):
+        point = point_in_history(await self.history(), to, time.time())
+        try:
+            await self.rollback(point.id)
+        except SnapshotNotFound:
+            if isinstance(to, SnapshotInfo | str):
+                raise
+            # Expired as we chose (an automatic checkpoint taken meanwhile): choose again
+            # from the history as it is now.
             point = point_in_history(await self.history(), to, time.time())
-            try:
-                await self.rollback(point.id)
-            except SnapshotNotFound:
-                # Expired meanwhile (an automatic checkpoint taken as we chose): choose
-                # again from the history as it is now.
-                if attempt == 2 or isinstance(to, SnapshotInfo | str):
-                    raise
-                continue
-            return point
-        raise AssertionError("unreachable")
+            await self.rollback(point.id)
+        return point
 
     async def expose_port(self, guest_port: int) -> int:
         """Forward a guest TCP port to a free port on 127.0.0.1 and return that port."""

@@ -80,7 +80,7 @@ from cryobox.util import (
     data_bytes,
     free_port,
     new_id,
-    release_unwritten,
+    release_empty,
 )
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
 
@@ -402,13 +402,20 @@ class Machine:
         assert self.vm is not None
         await self.vm.stop_cpus()
         try:
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(release_unwritten, memory)
-            self.ram_reserved = False  # taken again when the space runs short
+            await self._release_ram(memory)
         finally:
             await self.vm.continue_cpus()
         with contextlib.suppress(CryoboxError):
             await self._refresh_guest(new_identity=False)
+
+    async def _release_ram(self, memory: Path) -> None:
+        """Give back the stopped machine's RAM file's empty blocks (never written, or
+        zeroed by the guest: ``init_on_free``). Content-preserving, so the VM continues
+        on it; its reserve, if it had one, is taken again when the space runs short.
+        Best effort: it only saves room."""
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(release_empty, memory)
+        self.ram_reserved = False
 
     async def _restore(self, manifest: Manifest, *, new_identity: bool) -> None:
         """Continue a memory snapshot in this sandbox, on a new disk overlay.
@@ -855,13 +862,8 @@ class Machine:
             files = {mf.DEVICE_STATE: temp / mf.DEVICE_STATE, mf.DISK: disk}
             if self.record.memory_shared:
                 files[mf.MEMORY] = memory
-                # The RAM file keeps only what the guest uses: its never written blocks
-                # and the pages it freed (zeroed: init_on_free) go back to the host
-                # before the hash, which then skips them. Content-preserving, so the VM
-                # can continue on it; its reserve, if it had one, is taken again then.
-                with contextlib.suppress(OSError):  # best effort: the pause is sound without
-                    await asyncio.to_thread(release_unwritten, memory)
-                self.ram_reserved = False
+                # Before the hash, which then skips what went back to the host.
+                await self._release_ram(memory)
                 timer("ram released")
             described = await asyncio.to_thread(mf.describe, files)
             manifest = replace(

@@ -137,6 +137,12 @@ RESHAPE_HINT = (
     "of that shape with build_template(name, cpus=, memory_mib=, disk_gib=), or give no "
     "template: the default one is built once for each shape asked for"
 )
+#: The default template's shape, as ``build_template``'s arguments.
+_DEFAULT_SHAPE = {
+    "cpus": config.DEFAULT_CPUS,
+    "memory_mib": config.DEFAULT_MEMORY_MIB,
+    "disk_gib": config.DEFAULT_DISK_GIB,
+}
 _SHAPED_DEFAULT = re.compile(r"default-([1-9]\d*)c-([1-9]\d*)m-([1-9]\d*)g")
 
 
@@ -147,27 +153,17 @@ def shaped_template(request: CreateRequest) -> str:
     built like the default one on first use: any shape starts warm after the first."""
     if request.template != DEFAULT_TEMPLATE or request.from_snapshot is not None:
         return request.template
-    cpus = request.cpus or config.DEFAULT_CPUS
-    memory = request.memory_mib or config.DEFAULT_MEMORY_MIB
-    disk = request.disk_gib or config.DEFAULT_DISK_GIB
-    if (cpus, memory, disk) == (
-        config.DEFAULT_CPUS,
-        config.DEFAULT_MEMORY_MIB,
-        config.DEFAULT_DISK_GIB,
-    ):
+    shape = {name: getattr(request, name) or value for name, value in _DEFAULT_SHAPE.items()}
+    if shape == _DEFAULT_SHAPE:
         return DEFAULT_TEMPLATE
-    return f"{DEFAULT_TEMPLATE}-{cpus}c-{memory}m-{disk}g"
+    return f"{DEFAULT_TEMPLATE}-{shape['cpus']}c-{shape['memory_mib']}m-{shape['disk_gib']}g"
 
 
 def default_shape(template: str) -> dict[str, int] | None:
     """The shape of one of the host's default templates (the plain one, or one named by
     :func:`shaped_template`), as ``build_template``'s arguments; None for another."""
     if template == DEFAULT_TEMPLATE:
-        return {
-            "cpus": config.DEFAULT_CPUS,
-            "memory_mib": config.DEFAULT_MEMORY_MIB,
-            "disk_gib": config.DEFAULT_DISK_GIB,
-        }
+        return dict(_DEFAULT_SHAPE)
     if match := _SHAPED_DEFAULT.fullmatch(template):
         return {"cpus": int(match[1]), "memory_mib": int(match[2]), "disk_gib": int(match[3])}
     return None
