@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import json
 import os
 import secrets
@@ -130,6 +131,20 @@ def mem_available_mib() -> int:
     return 0
 
 
+def punch(fd: int, start: int, length: int) -> None:
+    """Give back the blocks of ``length`` bytes at ``start`` (they read as zeros after),
+    keeping the file's size. Best effort: a file system without hole punching keeps them."""
+    if length > 0:
+        _fallocate()(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, length)
+
+
+@functools.cache
+def _fallocate() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return libc.fallocate
+
+
 def release_empty(path: Path) -> None:
     """Give back the blocks of ``path`` that hold nothing, keeping its content: those
     reserved and never written (its holes as SEEK_DATA sees them) and its runs of zero
@@ -139,27 +154,20 @@ def release_empty(path: Path) -> None:
 
     Only for a file nobody writes meanwhile (a stopped machine's RAM): a block found
     zero and then written would lose that write."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-
-    def punch(fd: int, start: int, end: int) -> None:
-        if end > start:
-            libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, end - start)
-
     fd = os.open(path, os.O_RDWR)
     try:
         size, offset = os.fstat(fd).st_size, 0
         for start, end in [*data_extents(fd), (size, size)]:
-            punch(fd, offset, start)
+            punch(fd, offset, start - offset)
             run: int | None = None  # where the current run of zeros began
             for at, data in _segments(fd, start, end, ZERO_BLOCK):
                 if data is None:
                     run = at if run is None else run
                 elif run is not None:
-                    punch(fd, run, at)
+                    punch(fd, run, at - run)
                     run = None
             if run is not None:
-                punch(fd, run, end)
+                punch(fd, run, end - run)
             offset = max(offset, end)
     finally:
         os.close(fd)

@@ -248,6 +248,82 @@ def test_files_round_trip_and_are_seen_by_commands(shared_sandbox: Sandbox, tmp_
     assert not shared_sandbox.files.exists("/root/work")
 
 
+TRANSFER_DISK_STAT = (
+    'for d in /sys/block/*; do [ "$(cat $d/serial 2>/dev/null)" = cryobox-transfer ]'
+    " && cat $d/stat; done"
+)
+
+
+def transfer_disk_bytes(sbx: Sandbox) -> tuple[int, int]:
+    """Bytes the guest has read from and written to its transfer disk (/sys/block)."""
+    fields = sbx.commands.run(TRANSFER_DISK_STAT).stdout.split()
+    return int(fields[2]) * 512, int(fields[6]) * 512
+
+
+def test_large_files_cross_through_the_transfer_disk_intact_both_ways(
+    shared_sandbox: Sandbox, tmp_path: Path
+) -> None:
+    sbx = shared_sandbox
+    data = os.urandom(40 * 2**20 + 12345)  # two whole slots and a part of a third
+    read_before, written_before = transfer_disk_bytes(sbx)
+    sbx.files.write("/root/big.bin", data)
+    read_after, _ = transfer_disk_bytes(sbx)
+    assert read_after - read_before >= len(data)  # the guest took them from its disk
+    digest = sbx.commands.run("sha256sum /root/big.bin").stdout.split()[0]
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert sbx.files.read("/root/big.bin") == data
+    _, written_after = transfer_disk_bytes(sbx)
+    assert written_after - written_before >= len(data)  # and gave them back through it
+    # tmpfs has no O_DIRECT: written and read through the guest's page cache instead.
+    sbx.files.write("/dev/shm/big.bin", data)
+    assert sbx.files.read("/dev/shm/big.bin") == data
+    local = tmp_path / "up.bin"
+    local.write_bytes(data[: 5 * 2**20 + 1])
+    sbx.files.upload(local, "/root/up.bin")
+    sbx.files.download("/root/up.bin", tmp_path / "down.bin")
+    assert (tmp_path / "down.bin").read_bytes() == local.read_bytes()
+    # Two writes at once: one holds the disk, the other goes over the agent channel.
+    blobs = [os.urandom(18 * 2**20 + i) for i in range(2)]
+    threads = [
+        threading.Thread(target=sbx.files.write, args=(f"/root/both-{i}.bin", blob))
+        for i, blob in enumerate(blobs)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, blob in enumerate(blobs):
+        assert sbx.files.read(f"/root/both-{i}.bin") == blob
+    # A restored machine has an empty transfer disk of its own, and it works the same.
+    sbx.pause()
+    sbx.files.write("/root/after-resume.bin", data[: 20 * 2**20])
+    assert sbx.info().state == "running"
+    assert sbx.files.read("/root/after-resume.bin") == data[: 20 * 2**20]
+    sbx.commands.run("rm -f /root/*.bin /dev/shm/big.bin")
+
+
+def test_a_transfer_spoiled_on_the_way_fails_and_leaves_no_file(
+    shared_sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if getattr(shared_sandbox._async._transport, "api_url", None):
+        pytest.skip("the host's side runs in the server's process")
+    from cryobox.sandbox.transfer_disk import TransferDisk
+
+    put = TransferDisk.put
+
+    def put_then_spoil(self: TransferDisk, slot: int, data: bytes) -> int:
+        check = put(self, slot, data)
+        os.pwrite(self.fd, bytes([data[100] ^ 0xFF]), slot + 100)  # after its check
+        return check
+
+    monkeypatch.setattr(TransferDisk, "put", put_then_spoil)
+    with pytest.raises(CryoboxError, match="Adler-32 of bytes 0-"):
+        shared_sandbox.files.write("/root/spoiled.bin", os.urandom(3 * 2**20))
+    monkeypatch.undo()
+    left = shared_sandbox.commands.run("ls -a /root").stdout.split()
+    assert [name for name in left if "spoiled" in name] == []
+
+
 def test_background_command_with_stdin_and_kill(shared_sandbox: Sandbox) -> None:
     handle = shared_sandbox.commands.run("cat; echo done", background=True, stdin=True)
     assert handle.pid > 0

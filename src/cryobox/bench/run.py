@@ -57,6 +57,7 @@ SCENARIOS = (
     "snapshot-bytes",
     "freed-memory",
     "history",
+    "file-transfer",
     "guest-flood",
     "http-exec",
     "http-get",
@@ -971,6 +972,31 @@ async def history(ctx: Context) -> list[Figure]:
     ]
 
 
+async def file_transfer(ctx: Context) -> list[Figure]:
+    """Files in and out of a sandbox, embedded and over HTTP, beside the guest's own read
+    of the same file from its disk in the same run."""
+    figures = []
+    async with bench_http.running_server() as (url, key):
+        for label, where in (("", {}), ("-http", {"api_url": url, "api_key": key})):
+            measured = await bench_saved.file_transfer(ctx.quick, **where)
+            disk = statistics.median(measured.disk_read)
+            over = "over HTTP (SDK -> server -> sandbox)" if label else "embedded"
+            for way, rates in (("write", measured.write), ("read", measured.read)):
+                figures.append(
+                    summarize(
+                        f"file-{way}{label}",
+                        rates,
+                        "MB/s",
+                        baseline="the guest's own read of it",
+                        base_value=disk,
+                        note=f"{measured.mb:.0f} MB of random bytes through files.{way}, "
+                        f"{over}; the guest reads the file from its disk (dd, page cache "
+                        f"dropped) at a median {disk:.0f} MB/s",
+                    )
+                )
+    return figures
+
+
 async def guest_flood(ctx: Context) -> list[Figure]:
     before, peak, logs = await bench_bounds.flood(ctx.quick)
     streamed = bench_bounds.FLOOD_BYTES / (10 if ctx.quick else 1) / 2**20
@@ -1043,6 +1069,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await freed_memory(ctx)
     if "history" in names:
         figures += await history(ctx)
+    if "file-transfer" in names:
+        figures += await file_transfer(ctx)
     if "guest-flood" in names:
         figures += await guest_flood(ctx)
     if {"http-exec", "http-get"} & set(names):

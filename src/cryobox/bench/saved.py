@@ -1,13 +1,15 @@
 """What saved state costs, for ``cryobox bench``: memory a guest freed (``freed-memory``)
 and a rewindable history (``history``): each automatic checkpoint's pause of the guest
-and stored bytes, and what it takes from a CPU-bound workload running meanwhile."""
+and stored bytes, and what it takes from a CPU-bound workload running meanwhile; and how
+fast files move in and out (``file-transfer``), beside the guest's own disk."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryobox import config
 from cryobox.client.async_sandbox import AsyncSandbox
@@ -132,3 +134,49 @@ async def history(quick: bool) -> History:
         finally:
             await runner.kill()
     return History(stopped, stored, rounds[0], rounds[1], every)
+
+
+#: MB moved each way by the file-transfer scenario (quick mode: a quarter).
+TRANSFER_MB = 200
+#: The guest reads the file back from its own disk, its page cache dropped first.
+DISK_READ = (
+    "sync; echo 3 > /proc/sys/vm/drop_caches; dd if={path} of=/dev/null bs=1M 2>&1 | tail -1"
+)
+
+
+@dataclass
+class Transfer:
+    mb: float
+    #: MB/s of each run, each way, and of the guest's own read of the file after it.
+    write: list[float] = field(default_factory=list)
+    read: list[float] = field(default_factory=list)
+    disk_read: list[float] = field(default_factory=list)
+
+
+async def file_transfer(
+    quick: bool, api_url: str | None = None, api_key: str | None = None
+) -> Transfer:
+    """``TRANSFER_MB`` of random bytes through ``files.write`` then ``files.read`` (over
+    HTTP when ``api_url`` is given), each run beside the guest's own read of that file
+    from its disk (dd, page cache dropped)."""
+    size = (TRANSFER_MB // 4 if quick else TRANSFER_MB) * 10**6
+    data = os.urandom(size)
+    found = Transfer(size / 1e6)
+    sbx = await AsyncSandbox.create(api_url=api_url, api_key=api_key)
+    path = "/root/transfer.bin"
+    try:
+        for _ in range(1 if quick else 3):
+            start = time.perf_counter()
+            await sbx.files.write(path, data)
+            found.write.append(found.mb / (time.perf_counter() - start))
+            start = time.perf_counter()
+            back = await sbx.files.read(path)
+            found.read.append(found.mb / (time.perf_counter() - start))
+            if back != data:
+                raise RuntimeError("the file read back differs from the one written")
+            dd = await sbx.commands.run(DISK_READ.format(path=path))
+            seconds = float(re.findall(r"copied, ([0-9.]+) s", dd.stdout)[0])
+            found.disk_read.append(found.mb / seconds)
+    finally:
+        await sbx.kill()
+    return found

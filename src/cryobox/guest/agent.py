@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cryobox.guest import disk_copy
 from cryobox.guest import protocol as p
 from cryobox.guest.watch import Watch
 
@@ -48,6 +49,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Folder watches a guest serves at once (each holds an inotify descriptor).
 MAX_WATCHES = 256
 READ_SIZE = 64 * 1024
+#: Seconds the transfer disk's copy buffers are kept after the last copy.
+BUFFERS_KEPT = 2.0
 #: util-linux's setsid, which gives a command its terminal as controlling terminal.
 SETSID = "/usr/bin/setsid"
 #: What a fork is told of its origin (written by whichever part of the agent served the
@@ -645,6 +648,10 @@ class Agent:
         self._running: dict[int, RunningCommand] = {}
         self._flowing: dict[int, asyncio.Event] = {}
         self._uploads: dict[int, tuple[Any, str, str]] = {}
+        #: Uploads' temporary files opened with O_DIRECT (None: not possible there).
+        self._direct: dict[int, int | None] = {}
+        self._transfer_disk: int | None = None
+        self._drop_buffers: asyncio.TimerHandle | None = None
         self._watches: dict[int, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # A ping and a restore's refresh (its first answer): no task and no turn of the
@@ -666,6 +673,8 @@ class Agent:
             p.GuestOp.FILE_READ: self.file_read,
             p.GuestOp.FILE_WRITE_BEGIN: self.file_write_begin,
             p.GuestOp.FILE_WRITE_END: self.file_write_end,
+            p.GuestOp.FILE_WRITE_DISK: self.file_write_disk,
+            p.GuestOp.FILE_READ_DISK: self.file_read_disk,
             p.GuestOp.FILE_LIST: self.file_list,
             p.GuestOp.FILE_STAT: self.file_stat,
             p.GuestOp.FILE_MKDIR: self.file_mkdir,
@@ -952,11 +961,80 @@ class Agent:
             raise os_error(exc, path) from exc
         return {}
 
+    def _disk(self) -> int:
+        """The transfer disk, opened with O_DIRECT on first use."""
+        if self._transfer_disk is None:
+            device = disk_copy.find_disk()
+            if device is None:
+                raise OpError(p.UNSUPPORTED, "this machine has no transfer disk")
+            self._transfer_disk = os.open(device, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        return self._transfer_disk
+
+    async def _copy(self, work: Callable[[], Any], size: int) -> Any:
+        """Run a copy through the transfer disk: of ``size`` bytes up to
+        ``disk_copy.SMALL`` at once (a thread's hand-off costs more), else in a thread (two
+        slots' copies overlap). Its buffers are given back once no copy came for
+        ``BUFFERS_KEPT`` seconds."""
+        if self._drop_buffers is not None:
+            self._drop_buffers.cancel()
+        try:
+            return work() if size <= disk_copy.SMALL else await asyncio.to_thread(work)
+        except disk_copy.DiskCopyError as exc:
+            raise OpError(p.INVALID, str(exc)) from None
+        finally:
+            loop = asyncio.get_running_loop()
+            self._drop_buffers = loop.call_later(BUFFERS_KEPT, disk_copy.buffers.drop)
+
+    async def file_write_disk(
+        self, rid: int, args: dict[str, Any], payload: bytes
+    ) -> dict[str, Any]:
+        """Bytes the host put on the transfer disk, written into an upload at an offset
+        (slots are copied in parallel: each names where its bytes go)."""
+        handle, temp, path = self._upload(args)
+        number, at = int(args["handle"]), int(args["offset"])
+        slot, size = int(args["slot"]), int(args["size"])
+        if at < 0:
+            raise OpError(p.INVALID, f"offset {at} is negative")
+        if number not in self._direct:
+            handle.flush()  # nothing buffered may land after (or over) these bytes
+            self._direct[number] = disk_copy.open_direct(temp, os.O_WRONLY)
+        direct = self._direct[number]
+        disk = self._disk()
+        try:
+            check = await self._copy(
+                lambda: disk_copy.disk_to_file(disk, slot, size, handle.fileno(), direct, at),
+                size,
+            )
+        except OSError as exc:  # a full disk, most likely: said of the user's path
+            raise os_error(exc, path) from exc
+        return {"size": size, "check": check}
+
+    async def file_read_disk(
+        self, rid: int, args: dict[str, Any], payload: bytes
+    ) -> dict[str, Any]:
+        """A part of a regular file copied onto the transfer disk for the host."""
+        path = str(args["path"])
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise OpError(p.INVALID, f"not a regular file: {path}")
+        at, slot, size = int(args["offset"]), int(args["slot"]), int(args["size"])
+        if at < 0:
+            raise OpError(p.INVALID, f"offset {at} is negative")
+        disk = self._disk()
+        got, check = await self._copy(
+            lambda: disk_copy.file_to_disk(path, at, disk, slot, size),
+            min(size, info.st_size - at),
+        )
+        return {"size": got, "check": check}
+
     async def file_write_end(
         self, rid: int, args: dict[str, Any], payload: bytes
     ) -> dict[str, Any]:
         handle, temp, path = self._upload(args)
         del self._uploads[int(args["handle"])]
+        direct = self._direct.pop(int(args["handle"]), None)
+        if direct is not None:
+            os.close(direct)
         try:
             if args.get("abort"):
                 raise OpError(p.INVALID, "upload aborted")

@@ -35,6 +35,13 @@ MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 1024 * 1024
 #: Size of the chunks that streamed data (output, files) is cut into.
 CHUNK = 256 * 1024
+#: The transfer disk (bulk file transfers): slots of this many bytes, one transfer step
+#: each, so the host fills one while the guest copies the other.
+TRANSFER_SLOT = 16 << 20
+TRANSFER_SLOTS = 2
+TRANSFER_BYTES = TRANSFER_SLOT * TRANSFER_SLOTS
+#: The serial number the guest finds its transfer disk by (``/sys/block/*/serial``).
+TRANSFER_SERIAL = "cryobox-transfer"
 
 
 class GuestOp(enum.StrEnum):
@@ -52,6 +59,10 @@ class GuestOp(enum.StrEnum):
     FILE_WRITE_BEGIN = "file.write.begin"
     FILE_WRITE_CHUNK = "file.write.chunk"
     FILE_WRITE_END = "file.write.end"
+    #: Copy bytes the host put in a slot of the transfer disk into a file being written.
+    FILE_WRITE_DISK = "file.write.disk"
+    #: Copy a part of a file into a slot of the transfer disk for the host to read.
+    FILE_READ_DISK = "file.read.disk"
     FILE_LIST = "file.list"
     FILE_STAT = "file.stat"
     FILE_MKDIR = "file.mkdir"
@@ -76,6 +87,8 @@ NOT_EMPTY = "not_empty"
 #: The guest's disk (or the file system written to) is full.
 NO_SPACE = "no_space"
 INTERNAL = "internal"
+#: The machine lacks what the request needs (a transfer disk): the host uses another way.
+UNSUPPORTED = "unsupported"
 #: The supervisor lost its channel to the agent (said by the supervisor, never the agent).
 CHANNEL = "channel"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 
+from cryobox.errors import ProtocolError
 from cryobox.guest import answers
 from cryobox.guest.protocol import GuestOp
 from cryobox.models import CommandRequest, EntryInfo, ExitStatus
@@ -120,6 +121,54 @@ class FileWriteChunk(_NoReply):
 
     handle: int
     op: ClassVar[GuestOp] = GuestOp.FILE_WRITE_CHUNK
+
+
+@dataclass(frozen=True)
+class DiskCopy:
+    """What a copy through the transfer disk moved: its bytes and their Adler-32 as the
+    guest computed it (checked by the host against its own)."""
+
+    size: int
+    check: int
+
+
+def _disk_copy(answer: dict[str, Any], op: str, least: int, most: int) -> DiskCopy:
+    """The answer to a copy through the transfer disk, its size within what was asked
+    (the host reads that many bytes of the disk: a forged size is refused here)."""
+    size = answers.whole(answer, "size", op)
+    if not least <= size <= most:
+        raise ProtocolError(f"{op}: the guest copied size={size} bytes, of {most} asked")
+    return DiskCopy(size, answers.whole(answer, "check", op))
+
+
+@dataclass(frozen=True)
+class FileWriteDisk(_Fields):
+    """Write ``size`` bytes at ``offset`` of the file being written, from the transfer
+    disk at ``slot`` (a byte offset)."""
+
+    handle: int
+    offset: int
+    slot: int
+    size: int
+    op: ClassVar[GuestOp] = GuestOp.FILE_WRITE_DISK
+
+    def read_reply(self, answer: dict[str, Any]) -> DiskCopy:
+        return _disk_copy(answer, "write", self.size, self.size)
+
+
+@dataclass(frozen=True)
+class FileReadDisk(_Fields):
+    """Copy up to ``size`` bytes of the file at ``offset`` into the transfer disk at
+    ``slot``; fewer at its end."""
+
+    path: str
+    offset: int
+    slot: int
+    size: int
+    op: ClassVar[GuestOp] = GuestOp.FILE_READ_DISK
+
+    def read_reply(self, answer: dict[str, Any]) -> DiskCopy:
+        return _disk_copy(answer, "read", 0, self.size)
 
 
 @dataclass(frozen=True)

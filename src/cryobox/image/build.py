@@ -93,7 +93,13 @@ HOST_TOOLS = (
     "dpkg-query",
 )
 #: Files of this package that go into the initramfs (their bytes are part of the key).
-GUEST_FILES = ("guest/__init__.py", "guest/protocol.py", "guest/agent.py", "guest/watch.py")
+GUEST_FILES = (
+    "guest/__init__.py",
+    "guest/protocol.py",
+    "guest/agent.py",
+    "guest/disk_copy.py",
+    "guest/watch.py",
+)
 #: The agent's compiled front (it owns the port; see its header), built on this host with
 #: Debian's gcc for the guest's glibc (both Debian 12), jansson linked in statically.
 FRONT_SOURCE = "guest/front.c"

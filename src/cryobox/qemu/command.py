@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from cryobox.config import env_number, tcg_threads
+from cryobox.guest.protocol import TRANSFER_SERIAL
 from cryobox.network.policy import NONE
 from cryobox.vmm.base import MachineSpec, PortForward
 
@@ -97,6 +98,21 @@ def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
     return args
 
 
+def transfer_disk_args(path: Path | None) -> list[str]:
+    """A raw disk for bulk file transfers (:mod:`cryobox.service.bulk`): the host writes a
+    file's bytes into it and the guest reads them with O_DIRECT, and back. It holds no
+    state: a restored machine gets an empty one."""
+    if path is None:
+        return []
+    return [
+        "-blockdev",
+        f"driver=raw,node-name=transfer,file.driver=file,file.filename={path}",
+        "-device",
+        f"virtio-blk-pci,drive=transfer,id=transferdisk,serial={TRANSFER_SERIAL},"
+        "werror=report,rerror=report",
+    ]
+
+
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
     """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
     once it is set up)."""
@@ -155,6 +171,7 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
         # A host disk that fills up is an I/O error for the guest, never a VM stopped by
         # QEMU (its default) while cryobox says it runs.
         f"virtio-blk-pci,drive={ROOT_DRIVE},id=rootdisk,werror=report,rerror=report",
+        *transfer_disk_args(spec.transfer_disk),
         "-device",
         "virtio-serial-pci,id=vser0",
         "-chardev",

@@ -54,6 +54,7 @@ class QemuVmm:
                 monitor_socket=path,
                 agent_socket=path,
                 console_log=path,
+                transfer_disk=path,
             ),
         )
         return {

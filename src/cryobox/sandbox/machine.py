@@ -60,7 +60,7 @@ from cryobox.guest.protocol import GuestOp
 from cryobox.network.forward import PortForwarder
 from cryobox.network.namespace import isolation_enabled
 from cryobox.network.policy import NetworkPolicy
-from cryobox.sandbox import priority, references, registry
+from cryobox.sandbox import priority, references, registry, transfer_disk
 from cryobox.sandbox.pause import pause_files
 from cryobox.sandbox.registry import (
     ADOPTABLE,
@@ -579,6 +579,7 @@ class Machine:
             network=self.network,
             isolated=self.isolated,
             tcg_threads=self._tcg_threads,
+            transfer_disk=self.folder.transfer_disk,
         )
 
     async def _start_vm(
@@ -591,6 +592,10 @@ class Machine:
         wanted = dict.fromkeys((*self.spec.ports, *guest_ports, *self.record.ports))
         kept = self.record.ports
         forwards = tuple(PortForward(g, kept.get(g) or self._new_port()) for g in wanted)
+        try:
+            transfer_disk.fresh(self.folder.transfer_disk)
+        except OSError as exc:
+            raise storage_error(exc, "creating the transfer disk", self.folder.path) from exc
         self.vm = await self.vmm.start(
             self._machine_spec(incoming, forwards, kernel_args),
             self.folder.qemu_stderr,

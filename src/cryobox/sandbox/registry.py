@@ -72,6 +72,8 @@ class SandboxDir:
         self.disk = path / "disk.qcow2"
         self.memory_file = path / "memory"
         self.console_log = path / "console.log"
+        #: The running machine's disk for bulk file transfers (:mod:`cryobox.service.bulk`).
+        self.transfer_disk = path / "transfer.raw"
         self.qemu_stderr = path / "qemu.stderr"
         self.supervisor_log = path / "supervisor.log"
         #: The pause snapshot, while the sandbox is paused.

@@ -15,8 +15,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from cryobox.arguments import positive_seconds
 from cryobox.errors import ChannelError, CryoboxError
 from cryobox.guest import requests as g
+from cryobox.guest.client import AgentClient
 from cryobox.guest.events import FileChunk, GuestEvent, typed
+from cryobox.guest.protocol import CHUNK
 from cryobox.models import CommandRequest, EntryInfo
+from cryobox.sandbox import registry
+from cryobox.sandbox.transfer_disk import TransferDisk
+from cryobox.service import bulk
 from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.connections import GUEST_REQUEST_TIMEOUT, Connections
 from cryobox.service.watches import FolderWatch, WatchSink
@@ -26,6 +31,11 @@ from cryobox.util import each_chunk
 READ_BACKLOG = 64 * 1024 * 1024
 #: File chunks sent to the guest before the first is answered (of CHUNK bytes each).
 WRITE_WINDOW = 8
+
+
+def _pieces(held: bytearray) -> list[bytes]:
+    """Bytes held back, as chunks the agent channel carries."""
+    return [bytes(held[i : i + CHUNK]) for i in range(0, len(held), CHUNK)]
 
 
 class GuestOperations:
@@ -49,11 +59,28 @@ class GuestOperations:
         return session
 
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        """The file's bytes in chunks, as they arrive (a bounded queue: the guest waits
-        for a slow reader only as far as the channel buffers).
+        """The file's bytes in chunks, as they arrive: through the sandbox's transfer
+        disk (:mod:`.bulk`), else over the agent channel.
 
         :raises GuestFileNotFound:
         """
+        disk = TransferDisk.claim(registry.find(sandbox_id).transfer_disk)
+        if disk is not None:
+            try:
+                stream = await bulk.read(await self.connections.channel(sandbox_id), path, disk)
+                if stream is not None:
+                    async with contextlib.aclosing(stream):
+                        async for data in stream:
+                            yield data
+                    return
+            finally:
+                disk.release()
+        async for data in self._read_over_channel(sandbox_id, path):
+            yield data
+
+    async def _read_over_channel(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes in chunks over the agent channel (a bounded queue: the guest
+        waits for a slow reader only as far as the channel buffers)."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         held = 0
 
@@ -100,11 +127,52 @@ class GuestOperations:
         channel = await self.connections.channel(sandbox_id)
         begin = g.FileWriteBegin(path, mode, owner=owner)
         handle = await channel.ask(begin, timeout=GUEST_REQUEST_TIMEOUT)
+        stream = aiter(each_chunk(chunks))
+        held = bytearray()  # the first bytes, to see whether the file is a large one
+        try:
+            while len(held) < bulk.DISK_FROM:
+                try:
+                    held += await anext(stream)
+                except StopAsyncIteration:
+                    break
+            disk = None
+            if len(held) >= bulk.DISK_FROM:
+                disk = TransferDisk.claim(registry.find(sandbox_id).transfer_disk)
+            if disk is not None:
+                try:
+                    written = await bulk.write(channel, handle, disk, path, held, stream)
+                finally:
+                    disk.release()
+                if written:
+                    await channel.ask(g.FileWriteEnd(handle), timeout=GUEST_REQUEST_TIMEOUT)
+                    return
+        except BaseException:
+            await self._abort_write(channel, handle)
+            raise
+        await self._write_over_channel(channel, handle, _pieces(held), stream)
+
+    async def _abort_write(self, channel: AgentClient, handle: int) -> None:
+        """Remove the temporary file of a write that failed (the first error is the one)."""
+        if not channel.closed:
+            with contextlib.suppress(CryoboxError):
+                await channel.ask(g.FileWriteEnd(handle, abort=True), timeout=30)
+
+    async def _write_over_channel(
+        self, channel: AgentClient, handle: int, head: list[bytes], stream: AsyncIterator[bytes]
+    ) -> None:
+        """Send the chunks in ``head``, then ``stream``'s, over the agent channel."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for chunk in head:
+                yield chunk
+            async for chunk in stream:
+                yield chunk
+
         # Up to WRITE_WINDOW chunks travel before the first is answered: the agent writes
         # them in the order they came, and the link is never idle waiting on an answer.
         in_flight: collections.deque[asyncio.Future[None]] = collections.deque()
         try:
-            async for chunk in each_chunk(chunks):
+            async for chunk in chunks():
                 in_flight.append(
                     asyncio.ensure_future(
                         channel.ask(g.FileWriteChunk(handle), chunk, timeout=GUEST_REQUEST_TIMEOUT)
@@ -118,9 +186,7 @@ class GuestOperations:
             for sent in in_flight:
                 sent.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
-            if not channel.closed:  # the temporary file goes; the first error is the one
-                with contextlib.suppress(CryoboxError):
-                    await channel.ask(g.FileWriteEnd(handle, abort=True), timeout=30)
+            await self._abort_write(channel, handle)
             raise
         await channel.ask(g.FileWriteEnd(handle), timeout=GUEST_REQUEST_TIMEOUT)
 

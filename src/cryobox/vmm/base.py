@@ -57,6 +57,8 @@ class MachineSpec:
     #: TCG's threading for this VM ("single" or "multi"); "" for the host's setting
     #: (``config.tcg_threads``).
     tcg_threads: str = ""
+    #: A raw file of ``TRANSFER_BYTES`` for bulk file transfers; ``None``: no such disk.
+    transfer_disk: Path | None = None
 
 
 class Vm(Protocol):

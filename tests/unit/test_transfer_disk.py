@@ -1,0 +1,223 @@
+"""Bulk file transfers through the transfer disk, both ends real: the service's side
+(:mod:`cryobox.service.bulk`) against the guest agent's (:mod:`cryobox.guest.disk_copy`),
+served on the host over a socketpair with a plain file standing in for the disk.
+
+What the VM adds (the disk as a virtio device, O_DIRECT on the guest's ext4, the
+transfer going over HTTP) is checked on real machines in
+``tests/integration/test_sandbox_vm.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import ChannelError, GuestError, ProtocolError
+from cryobox.guest import agent as guest_agent
+from cryobox.guest import disk_copy
+from cryobox.guest import protocol as p
+from cryobox.guest import requests as g
+from cryobox.guest.client import AgentClient
+from cryobox.sandbox import transfer_disk
+from cryobox.sandbox.transfer_disk import TransferDisk
+from cryobox.service import bulk
+
+from .agent_pair import STREAM_LIMIT
+
+SLOT = p.TRANSFER_SLOT
+
+
+@dataclass
+class Pair:
+    agent: guest_agent.Agent
+    client: AgentClient
+    disk_path: Path
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    """The agent with ``disk.raw`` as its transfer disk, and the host's channel to it."""
+    disk_path = tmp_path / "disk.raw"
+    transfer_disk.fresh(disk_path)
+    ours, theirs = socket.socketpair()
+    agent = guest_agent.Agent()
+    agent._transfer_disk = os.open(disk_path, os.O_RDWR)
+    agent.channel = guest_agent.Channel(
+        os.dup(theirs.fileno()), asyncio.get_running_loop(), agent.on_frame
+    )
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours, limit=STREAM_LIMIT)
+    client = AgentClient(reader, writer)
+    yield Pair(agent, client, disk_path)
+    await client.close()
+    os.close(agent._transfer_disk)
+
+
+async def pieces(data: bytes, size: int = p.CHUNK) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+async def write(pair: Pair, path: Path, data: bytes) -> bool:
+    """What the service does: the first DISK_FROM bytes held, the rest streamed; the
+    upload aborted when the transfer fails."""
+    handle = await pair.client.ask(g.FileWriteBegin(str(path), 0o640))
+    held = bytearray(data[: bulk.DISK_FROM])
+    disk = TransferDisk.claim(pair.disk_path)
+    assert disk is not None
+    try:
+        done = await bulk.write(
+            pair.client, handle, disk, str(path), held, pieces(data[bulk.DISK_FROM :])
+        )
+    except ChannelError:
+        with contextlib.suppress(GuestError):  # "upload aborted": the temporary file went
+            await pair.client.ask(g.FileWriteEnd(handle, abort=True))
+        raise
+    finally:
+        disk.release()
+    if done:
+        await pair.client.ask(g.FileWriteEnd(handle))
+    return done
+
+
+async def read(pair: Pair, path: Path) -> bytes | None:
+    disk = TransferDisk.claim(pair.disk_path)
+    assert disk is not None
+    try:
+        stream = await bulk.read(pair.client, str(path), disk)
+        return None if stream is None else b"".join([chunk async for chunk in stream])
+    finally:
+        disk.release()
+
+
+@pytest.mark.parametrize(
+    "size",
+    [bulk.DISK_FROM, SLOT - 1, SLOT, 2 * SLOT, 2 * SLOT + 4097, 3 * SLOT + 1],
+    ids=["1MiB", "slot-1", "slot", "2-slots", "2-slots+4097", "3-slots+1"],
+)
+async def test_files_go_both_ways_intact_at_every_size_around_a_slot(
+    pair: Pair, tmp_path: Path, size: int
+) -> None:
+    data = os.urandom(size)
+    target = tmp_path / "guest" / "file.bin"
+    target.parent.mkdir()
+    assert await write(pair, target, data)
+    assert target.read_bytes() == data
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert await read(pair, target) == data
+    # Every transfer gives the disk's blocks back to the host when it ends.
+    assert os.stat(pair.disk_path).st_blocks == 0
+
+
+async def test_a_write_whose_slot_changed_on_the_way_is_refused_and_leaves_no_file(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put = TransferDisk.put
+
+    def put_then_spoil(self: TransferDisk, slot: int, data: bytes) -> int:
+        check = put(self, slot, data)
+        if slot:  # the second slot: one byte differs from what the host checked
+            os.pwrite(self.fd, bytes([data[7] ^ 1]), slot + 7)
+        return check
+
+    monkeypatch.setattr(TransferDisk, "put", put_then_spoil)
+    target = tmp_path / "spoiled.bin"
+    with pytest.raises(ChannelError, match=f"writing {target}: the guest's Adler-32 of bytes"):
+        await write(pair, target, os.urandom(2 * SLOT))
+    assert not target.exists()
+    assert [f.name for f in tmp_path.iterdir() if "spoiled" in f.name] == []
+
+
+async def test_a_read_whose_slot_changed_on_the_way_is_refused(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    take = TransferDisk.take
+
+    def spoil_then_take(self: TransferDisk, slot: int, copied: g.DiskCopy) -> bytes:
+        os.pwrite(self.fd, b"\xff", slot + copied.size - 1)
+        return take(self, slot, copied)
+
+    target = tmp_path / "file.bin"
+    target.write_bytes(os.urandom(SLOT + 5))
+    monkeypatch.setattr(TransferDisk, "take", spoil_then_take)
+    with pytest.raises(ChannelError, match=r"does not hold the \d+ bytes the guest copied"):
+        await read(pair, target)
+
+
+async def test_without_a_disk_the_guest_says_so_and_the_bytes_are_kept_for_the_channel(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    os.close(pair.agent._transfer_disk)  # type: ignore[arg-type]
+    pair.agent._transfer_disk = None
+    monkeypatch.setattr(disk_copy, "find_disk", lambda: None)  # as on a machine without one
+    pair.agent._transfer_disk = None
+    data = os.urandom(SLOT + 3)
+    handle = await pair.client.ask(g.FileWriteBegin(str(tmp_path / "f"), 0o644))
+    held = bytearray(data[: bulk.DISK_FROM])
+    disk = TransferDisk.claim(pair.disk_path)
+    assert disk is not None
+    try:
+        written = await bulk.write(
+            pair.client, handle, disk, "f", held, pieces(data[bulk.DISK_FROM :])
+        )
+        assert not written
+        # What was taken from the stream to fill the first slot is handed back, in order.
+        assert bytes(held) == data[:SLOT]
+        (tmp_path / "r").write_bytes(data)
+        assert await bulk.read(pair.client, str(tmp_path / "r"), disk) is None
+    finally:
+        disk.release()
+        pair.agent._transfer_disk = os.open(pair.disk_path, os.O_RDWR)
+
+
+async def test_the_guest_refuses_a_slot_outside_the_disk_and_a_device_to_read(
+    pair: Pair, tmp_path: Path
+) -> None:
+    handle = await pair.client.ask(g.FileWriteBegin(str(tmp_path / "f"), 0o644))
+    for slot, size in [(5, 10), (p.TRANSFER_BYTES, 1), (0, SLOT + 1), (SLOT, -1)]:
+        with pytest.raises(GuestError) as caught:
+            await pair.client.ask(g.FileWriteDisk(handle, 0, slot, size))
+        assert caught.value.kind == p.INVALID
+    with pytest.raises(GuestError, match="offset -1 is negative"):
+        await pair.client.ask(g.FileWriteDisk(handle, -1, 0, 1))
+    with pytest.raises(GuestError, match="not a regular file: /dev/null"):
+        await pair.client.ask(g.FileReadDisk("/dev/null", 0, 0, SLOT))
+    with pytest.raises(GuestError, match="not a regular file"):
+        await pair.client.ask(g.FileReadDisk(str(tmp_path), 0, 0, SLOT))
+
+
+def test_one_transfer_at_a_time_holds_the_disk_across_processes(tmp_path: Path) -> None:
+    path = tmp_path / "transfer.raw"
+    assert TransferDisk.claim(path) is None  # no disk: the channel it is
+    transfer_disk.fresh(path)
+    first = TransferDisk.claim(path)
+    assert first is not None
+    # flock is per open file: another process (or this one, opening again) is refused.
+    assert TransferDisk.claim(path) is None
+    first.release()
+    again = TransferDisk.claim(path)
+    assert again is not None
+    again.release()
+    path.write_bytes(b"not ours")  # a file of another size is left alone
+    assert TransferDisk.claim(path) is None
+
+
+def test_a_forged_size_in_a_copys_answer_is_refused_before_the_disk_is_read() -> None:
+    # The host reads as many bytes as the answer says: never more than it asked for.
+    ask_read = g.FileReadDisk("/f", 0, 0, SLOT)
+    assert ask_read.read_reply({"size": 5, "check": 7}) == g.DiskCopy(5, 7)
+    for size in (SLOT + 1, -1, 10**18):
+        with pytest.raises(ProtocolError, match=f"size={size} bytes, of {SLOT} asked"):
+            ask_read.read_reply({"size": size, "check": 7})
+    ask_write = g.FileWriteDisk(1, 0, 0, 4096)
+    with pytest.raises(ProtocolError, match="size=4095"):
+        ask_write.read_reply({"size": 4095, "check": 7})
+    with pytest.raises(ProtocolError, match="check="):
+        ask_write.read_reply({"size": 4096, "check": "7"})
