@@ -418,6 +418,14 @@ def test_other_processes_see_and_use_the_sandbox(
         == 0
     )
     assert (tmp_path / "out.txt").read_text() == "via cp"
+    # Any id form names the sandbox (a prefix without sbx-); an unknown one is said so.
+    short = shared_sandbox.id.removeprefix("sbx-")[:8]
+    by_prefix = cli("cp", str(source), f"{short}:/root/in2.txt", env=env)
+    assert by_prefix.returncode == 0 and by_prefix.stdout == "copied 1 file\n"
+    assert shared_sandbox.files.read("/root/in2.txt") == b"via cp"
+    unknown = cli("cp", str(source), "nope:/root/", env=env)
+    assert unknown.returncode == 1 and "nope" in unknown.stderr
+    assert "exactly one side" not in unknown.stderr
     # cp -r, both ways: nested folders, modes kept, a symlink named and skipped.
     tree = tmp_path / "tree"
     (tree / "sub" / "deeper").mkdir(parents=True)

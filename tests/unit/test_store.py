@@ -215,6 +215,7 @@ class Counting:
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
         self.url = inner.url
+        self.workers = inner.workers
         self.gets: list[str] = []
 
     def put(self, key: str, data: bytes | memoryview, *, durable: bool = True) -> None:

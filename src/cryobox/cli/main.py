@@ -371,9 +371,11 @@ def run(
 
 
 def split_remote(location: str) -> tuple[str | None, str]:
-    """``sbx-1234:/path`` -> (id, path); a host path -> (None, path)."""
+    """``ID:/path`` (any id or unique prefix the other commands take) -> (id, path); a
+    host path -> (None, path). As ``docker cp`` reads it: a colon before any ``/`` names
+    a sandbox (write ``./a:b`` for a host file whose name has one)."""
     head, sep, tail = location.partition(":")
-    if sep and head.startswith("sbx-") and "/" not in head:
+    if sep and head and "/" not in head:
         return head, tail
     return None, location
 
@@ -391,6 +393,8 @@ def cp(
     As cp does: into an existing folder, the copy is named after its source; a folder
     needs -r. Symlinks are not copied (each is named). Files keep their mode.
     """
+    from .copy_tree import download_tree, upload_tree  # tarfile: only when copying
+
     with errors_reported():
         (src_id, src_path), (dst_id, dst_path) = split_remote(source), split_remote(destination)
         if (src_id is None) == (dst_id is None):
@@ -404,10 +408,11 @@ def cp(
             if target.is_dir():
                 target = target / PurePosixPath(src_path.rstrip("/")).name
             if is_dir:
-                copied = _download_tree(sbx, src_path, target)
+                copied = download_tree(sbx, src_path, target, _skipped)
                 out.print(f"copied {copied} files")
             else:
                 sbx.files.download(src_path, target)
+                out.print("copied 1 file")
         else:
             assert dst_id is not None
             sbx = Sandbox.connect(dst_id)
@@ -420,45 +425,16 @@ def cp(
             ):
                 remote = remote.rstrip("/") + "/" + local.resolve().name
             if local.is_dir():
-                copied = _upload_tree(sbx, local, remote)
+                copied = upload_tree(sbx, local, remote, _skipped)
                 out.print(f"copied {copied} files")
             else:
                 sbx.files.upload(src_path, remote)
+                out.print("copied 1 file")
         sbx.close()
 
 
-def _upload_tree(sbx: Sandbox, local: Path, remote: str) -> int:
-    """Copy the folder ``local`` to the guest folder ``remote``; the number of files."""
-    copied = 0
-    for folder, folders, files in os.walk(local):
-        relative = Path(folder).relative_to(local)
-        into = remote if relative == Path(".") else f"{remote}/{relative.as_posix()}"
-        sbx.files.mkdir(into)
-        for name in sorted(files) + [d for d in folders if (Path(folder) / d).is_symlink()]:
-            path = Path(folder) / name
-            if path.is_symlink():
-                console.print(f"skipped symlink {path}", highlight=False)
-                continue
-            sbx.files.upload(path, f"{into}/{name}")
-            copied += 1
-        folders[:] = [d for d in folders if not (Path(folder) / d).is_symlink()]
-    return copied
-
-
-def _download_tree(sbx: Sandbox, remote: str, local: Path) -> int:
-    """Copy the guest folder ``remote`` to the host folder ``local``; the number of files."""
-    copied = 0
-    local.mkdir(parents=True, exist_ok=True)
-    for entry in sbx.files.list(remote):
-        if entry.type == "dir":
-            copied += _download_tree(sbx, entry.path, local / entry.name)
-        elif entry.type == "file":
-            sbx.files.download(entry.path, local / entry.name)
-            os.chmod(local / entry.name, entry.mode & 0o777)
-            copied += 1
-        else:
-            console.print(f"skipped {entry.type} {entry.path}", highlight=False)
-    return copied
+def _skipped(what: str) -> None:
+    console.print(f"skipped {what}", highlight=False)
 
 
 StateOption = Annotated[

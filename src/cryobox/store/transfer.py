@@ -29,7 +29,6 @@ from cryobox.store.objects import ObjectMissing, ObjectStore
 
 #: (bytes done, bytes in all): called from worker threads.
 Progress = Callable[[int, int], None]
-WORKERS = 4
 
 
 def _push_file(
@@ -94,7 +93,7 @@ def push(
         if progress is not None:
             progress(done, total)
 
-    with locks.uploading(objects, key.tenant), ThreadPoolExecutor(WORKERS) as pool:
+    with locks.uploading(objects, key.tenant), ThreadPoolExecutor(objects.workers) as pool:
         known = catalog.chunk_sizes(objects, key.tenant)
         reused: set[str] = set()
         try:
@@ -168,7 +167,7 @@ def pull(
     total = stored.data_bytes()
     done = 0
     fetched = 0
-    with ThreadPoolExecutor(WORKERS) as pool:
+    with ThreadPoolExecutor(objects.workers) as pool:
         for name, entry in sorted(stored.files.items()):
             if name not in manifest.files:
                 raise SnapshotVerificationFailed(manifest.id, name, "not in its manifest")
