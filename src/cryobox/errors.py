@@ -239,18 +239,27 @@ class ProtocolError(ChannelError):
 
 
 #: What each guest operation is, in the words of an error message (its wire name is
-#: the protocol's, not the user's).
+#: the protocol's, not the user's). Every operation has one (a unit test holds to it).
 _GUEST_ACTIONS = {
+    "ping": "reaching the guest agent",
     "exec": "running a command",
+    "exec.stdin": "sending input to a command",
+    "exec.kill": "stopping a command",
+    "exec.resize": "resizing a terminal",
+    "flow": "pacing a command's output",
     "file.read": "reading",
+    "file.read.disk": "reading",
     "file.write.begin": "writing",
     "file.write.chunk": "writing",
     "file.write.end": "writing",
+    "file.write.disk": "writing",
     "file.list": "listing",
     "file.stat": "looking up",
     "file.mkdir": "making a folder",
     "file.remove": "removing",
     "file.watch": "watching",
+    "file.unwatch": "stopping a watch",
+    "sys.refresh": "refreshing the guest's identity",
 }
 
 

@@ -67,3 +67,13 @@ def test_partial_magic_at_the_end_of_garbage_is_kept() -> None:
     first = decoder.feed(b"zzzz" + data[:2])
     assert isinstance(first[0], p.FrameError)
     assert [f.id for f in frames(decoder.feed(data[2:]))] == [5]
+
+
+def test_every_operation_has_words_for_its_errors() -> None:
+    """A guest error names what the user was doing, never the wire's operation: the
+    transfer disk's ops once leaked as "file.read.disk: No such file" (CI, 2026-12-02)."""
+    from cryobox.errors import GuestError, _GUEST_ACTIONS
+
+    assert set(_GUEST_ACTIONS) == {op.value for op in p.GuestOp}
+    missing = GuestError(p.GuestOp.FILE_READ_DISK, p.NOT_FOUND, "No such file: /x")
+    assert str(missing) == "reading: No such file: /x"
