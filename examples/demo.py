@@ -29,7 +29,8 @@ def fetch(url: str) -> str:
     for _ in range(120):
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
-                return response.read().decode().strip()
+                body: bytes = response.read()
+                return body.decode().strip()
         except OSError:
             time.sleep(0.5)
     raise SystemExit(f"the guest's web server never answered on {url}")

@@ -12,15 +12,17 @@ pytestmark = pytest.mark.vm
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
-def test_the_agent_session_example_runs_end_to_end() -> None:
+def run_example(name: str) -> str:
+    """What the example printed; it must exit 0."""
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "agent_session.py")],
-        capture_output=True,
-        text=True,
-        timeout=900,
+        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    out = done.stdout
+    return done.stdout
+
+
+def test_the_agent_session_example_runs_end_to_end() -> None:
+    out = run_example("agent_session.py")
     assert "ran the tests: OK" in out and "broke it: FAILED" in out
     assert "rolled back: tests pass, the server never stopped" in out
     # pip ran, or its skip says so plainly.
@@ -28,3 +30,15 @@ def test_the_agent_session_example_runs_end_to_end() -> None:
     verdicts = [line.split()[2] for line in out.splitlines() if line.startswith("    mul-")]
     assert sorted(verdicts) == ["FAIL", "FAIL", "PASS"]
     assert "picked mul-by-operator" in out and out.rstrip().endswith("agent session: done")
+
+
+def test_the_mcp_agent_example_keeps_the_one_fix_that_passes() -> None:
+    """examples/mcp_agent.py: best-of-N through ``cryobox mcp`` over stdio only."""
+    out = run_example("mcp_agent.py")
+    fixes = [line.split() for line in out.splitlines() if line.startswith("    fix-")]
+    assert {fix[0]: fix[2] for fix in fixes} == {
+        "fix-subtract": "FAIL",
+        "fix-multiply": "PASS",
+        "fix-ignore": "FAIL",
+    }
+    assert out.rstrip().endswith("mcp agent: done")

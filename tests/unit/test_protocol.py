@@ -72,7 +72,7 @@ def test_partial_magic_at_the_end_of_garbage_is_kept() -> None:
 def test_every_operation_has_words_for_its_errors() -> None:
     """A guest error names what the user was doing, never the wire's operation: the
     transfer disk's ops once leaked as "file.read.disk: No such file" (CI, 2026-12-02)."""
-    from cryobox.errors import GuestError, _GUEST_ACTIONS
+    from cryobox.errors import _GUEST_ACTIONS, GuestError
 
     assert set(_GUEST_ACTIONS) == {op.value for op in p.GuestOp}
     missing = GuestError(p.GuestOp.FILE_READ_DISK, p.NOT_FOUND, "No such file: /x")

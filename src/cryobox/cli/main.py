@@ -29,6 +29,7 @@ from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument, Sandb
 from cryobox.models import LineageNode
 from cryobox.util import host_memory_mib
 
+from .mcp_command import mcp
 from .output import console, errors_reported, out, print_rows, say_error
 from .pool_commands import pool_app, print_members
 from .server_commands import server, tenant_app, usage
@@ -952,6 +953,7 @@ app.command()(server)
 app.add_typer(tenant_app, name="tenant")
 app.command()(usage)
 app.command()(gc)
+app.command()(mcp)
 
 if __name__ == "__main__":
     app()
