@@ -58,6 +58,13 @@ class Rollback(Body):
 
 
 @dataclass(frozen=True)
+class SaveTemplate(Body):
+    name: TemplateName
+    #: Guest ports every sandbox of the template has forwarded (a Dockerfile's EXPOSE).
+    ports: Annotated[list[Port], MaxLen(64)] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Fork(Body):
     count: Annotated[int, Ge(1), Le(config.MAX_FORKS)] = 1
     timeout: Seconds | None = None

@@ -37,6 +37,12 @@ async def serve_agent() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_unix_connection(sock=ours, limit=STREAM_LIMIT)
 
 
+#: Where both agents look for a template's command defaults in these tests (the guest's
+#: /etc/cryobox/defaults.json): absent unless a test writes it.
+COMMAND_DEFAULTS = Path(tempfile.mkdtemp(prefix="cryobox-defaults-test-")) / "defaults.json"
+os.environ["CRYOBOX_COMMAND_DEFAULTS"] = str(COMMAND_DEFAULTS)
+
+
 @functools.cache
 def front_binary() -> Path:
     """The front, compiled once per test session."""

@@ -10,6 +10,7 @@ not serve itself), so that the two answer alike.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pwd
 import socket
@@ -26,7 +27,7 @@ from cryobox.guest import agent as guest_agent
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 
-from .agent_pair import serve_agent, served_front
+from .agent_pair import COMMAND_DEFAULTS, serve_agent, served_front
 
 AGENTS = ("python", "front")
 
@@ -96,6 +97,37 @@ async def test_exec_env_cwd_and_stdin(client: AgentClient, tmp_path: Path) -> No
     await client.request("exec.stdin", {"exec_id": exec_id, "eof": True}, b"from stdin")
     assert (await request)["exit_code"] == 0
     assert b"".join(out) == f"hi {tmp_path}\nfrom stdin".encode()
+
+
+async def test_a_templates_command_defaults_apply_unless_the_command_says_otherwise(
+    client: AgentClient,
+) -> None:
+    """A Dockerfile's ENV, USER and WORKDIR, kept in the guest's defaults file."""
+    show = {"shell": 'echo "$APP_MODE $(id -un) $(pwd)"'}
+    try:
+        COMMAND_DEFAULTS.write_text(
+            json.dumps({"env": {"APP_MODE": "prod"}, "user": "nobody", "workdir": "/tmp"})
+        )
+        assert (await run_text(client, show)) == "prod nobody /tmp\n"
+        mine = {**show, "env": {"APP_MODE": "dev"}, "user": "root", "cwd": "/"}
+        assert (await run_text(client, mine)) == "dev root /\n"
+        COMMAND_DEFAULTS.write_text('["not", "defaults"]')  # ignored, as if absent
+        assert (await run_text(client, show)) == " root /root\n"
+    finally:
+        COMMAND_DEFAULTS.unlink(missing_ok=True)
+    assert (await run_text(client, show)) == " root /root\n"
+
+
+async def run_text(client: AgentClient, args: dict[str, Any]) -> str:
+    out: list[bytes] = []
+
+    def on_event(header: dict[str, Any], payload: bytes) -> None:
+        if header["event"] == "stdout":
+            out.append(payload)
+
+    result = await client.request("exec", args, on_event=on_event)
+    assert result["exit_code"] == 0, result
+    return b"".join(out).decode()
 
 
 async def test_exec_timeout_kills_the_command(client: AgentClient) -> None:

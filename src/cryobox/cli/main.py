@@ -848,22 +848,46 @@ def tree(as_json: JsonOption = False) -> None:
 @template_app.command("build")
 def template_build(
     name: str,
+    context: Annotated[
+        Path | None,
+        typer.Argument(help="With -f: the folder COPY and ADD take files from (default: .)."),
+    ] = None,
     setup: Annotated[
         list[str] | None, typer.Option("--setup", help="Shell command to run (repeatable).")
+    ] = None,
+    dockerfile: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", help="Build from this Dockerfile instead of --setup."),
+    ] = None,
+    build_arg: Annotated[
+        list[str] | None,
+        typer.Option("--build-arg", help="With -f: NAME=VALUE for an ARG (repeatable)."),
     ] = None,
     cpus: CpusOption = config.DEFAULT_CPUS,
     memory: MemoryOption = config.DEFAULT_MEMORY_MIB,
     disk: DiskOption = config.DEFAULT_DISK_GIB,
 ) -> None:
-    """Boot the image, run the setup commands, save the machine as template NAME."""
+    """Boot the image, run the setup commands, save the machine as template NAME; or
+    build it from a Dockerfile (-f) with files from CONTEXT, each step cached."""
     with errors_reported(), console.status(f"building template {name}") as status:
+        if dockerfile is None and (context is not None or build_arg):
+            raise InvalidArgument("CONTEXT and --build-arg go with -f Dockerfile")
+
+        def show(step: str) -> None:
+            if dockerfile is not None and not step.startswith(" "):
+                out.print(step)  # a Dockerfile's steps stay on screen, as docker's do
+            status.update(f"building template {name}: {step.strip()}")
+
         snap = Sandbox.build_template(
             name,
             setup or [],
+            dockerfile=dockerfile,
+            context=(context or Path(".")) if dockerfile is not None else None,
+            build_args=key_values("--build-arg", build_arg or []) or None,
             cpus=cpus,
             memory_mib=memory,
             disk_gib=disk,
-            progress=lambda step: status.update(f"building template {name}: {step}"),
+            progress=show,
         )
     out.print(f"template {name}: snapshot {snap.id}")
 

@@ -712,6 +712,9 @@ class AsyncSandbox:
         name: str,
         setup: Sequence[str] = (),
         *,
+        dockerfile: str | os.PathLike[str] | None = None,
+        context: str | os.PathLike[str] | None = None,
+        build_args: Mapping[str, str] | None = None,
         cpus: int = config.DEFAULT_CPUS,
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
@@ -722,8 +725,43 @@ class AsyncSandbox:
         """Boot the image, run ``setup`` shell commands, save the machine as template ``name``.
         ``progress`` is told each step (and, embedded, a setup command's latest line).
 
-        :raises InvalidArgument: for a bad name or a setup command that fails (with its output).
+        Or build it from a ``dockerfile`` whose files come from ``context`` (default: the
+        Dockerfile's folder), with ``build_args`` for its ARGs: ``FROM cryobox`` boots
+        cryobox's image (in the shape asked for), ``FROM <template>`` starts from that
+        template (in its shape); RUN, COPY, ADD (local files; a tar archive is
+        unpacked), ENV, ARG, WORKDIR, USER, EXPOSE, CMD and ENTRYPOINT. ENV, USER and
+        WORKDIR become every command's defaults in the template's sandboxes, EXPOSE's
+        ports are forwarded in each, and CMD/ENTRYPOINT runs in each (started once, at
+        the build's end, and saved running). Each step is cached by its content: a
+        rebuild runs again only what follows the first change.
+
+        :raises InvalidArgument: for a bad name or a setup command that fails (with its
+            output); for a Dockerfile instruction cryobox does not support (by name and
+            line), or a step that fails.
         """
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"name={name!r}: must be a template's name")
+        if dockerfile is not None:
+            if setup:
+                raise InvalidArgument("setup= and dockerfile=: give one (RUN steps go in it)")
+            from .template_build import build_from_dockerfile
+
+            source = Path(dockerfile)
+            return await build_from_dockerfile(
+                name,
+                source,
+                Path(context) if context is not None else source.parent,
+                env_vars("build_args", build_args),
+                cpus=cpus,
+                memory_mib=memory_mib,
+                disk_gib=disk_gib,
+                progress=progress,
+                api_url=api_url,
+                api_key=api_key,
+                sandboxes=AsyncSandbox,
+            )
+        if context is not None or build_args:
+            raise InvalidArgument("context= and build_args= go with dockerfile=")
         return await transport_for(api_url, api_key).build_template(
             name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib, progress=progress
         )
@@ -866,6 +904,20 @@ class AsyncSandbox:
             for s in await self._transport.snapshots()
             if s.source_sandbox == self.id and s.purpose == SnapshotPurpose.CHECKPOINT
         ]
+
+    async def save_template(self, name: str, *, ports: Sequence[int] = ()) -> SnapshotInfo:
+        """Save this running sandbox as template ``name`` (replacing one of that name):
+        ``create(template=name)`` then starts new sandboxes that continue from this
+        instant (every process, file and memory as now), with ``ports`` forwarded in
+        each besides those they ask for. This sandbox runs on.
+
+        :raises InvalidArgument: for a name that is not allowed.
+        """
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"name={name!r}: must be a template's name")
+        if isinstance(ports, str | bytes) or not all(isinstance(x, int) for x in ports):
+            raise InvalidArgument(f"ports={ports!r}: must be a list of guest port numbers")
+        return await self._awake(lambda: self._transport.save_template(self.id, name, tuple(ports)))
 
     async def rollback(self, checkpoint: SnapshotInfo | str) -> None:
         """Return the running sandbox to a checkpoint: files, processes and memory as then.

@@ -320,6 +320,15 @@ class HttpTransport:
         )
         return snapshot_info(response.json())
 
+    async def save_template(
+        self, sandbox_id: str, name: str, ports: Sequence[int] = ()
+    ) -> SnapshotInfo:
+        body = wire.SaveTemplate(name, list(ports))
+        response = await self._call(
+            "POST", self._sbx(sandbox_id, "/template"), json=body.to_wire(), timeout=LONG
+        )
+        return snapshot_info(response.json())
+
     async def rollback(self, sandbox_id: str, ref: str) -> None:
         await self._call(
             "POST",

@@ -172,6 +172,7 @@ class Sandbox:
     fork = method(AsyncSandbox.fork, _sandboxes)
     checkpoint = method(AsyncSandbox.checkpoint)
     snapshot = method(AsyncSandbox.snapshot)
+    save_template = method(AsyncSandbox.save_template)
     checkpoints = method(AsyncSandbox.checkpoints)
     rollback = method(AsyncSandbox.rollback)
     history = method(AsyncSandbox.history)

@@ -57,6 +57,9 @@ class Transport(Protocol):
         memory: bool = True,
         overwrite: bool = False,
     ) -> SnapshotInfo: ...
+    async def save_template(
+        self, sandbox_id: str, name: str, ports: Sequence[int] = ()
+    ) -> SnapshotInfo: ...
     async def rollback(self, sandbox_id: str, ref: str) -> None: ...
     async def fork(
         self, sandbox_id: str, count: int, timeout: float | None = None
@@ -139,6 +142,11 @@ class LocalTransport:
         overwrite: bool = False,
     ) -> SnapshotInfo:
         return await self.service.capture(sandbox_id, purpose, name, memory, overwrite)
+
+    async def save_template(
+        self, sandbox_id: str, name: str, ports: Sequence[int] = ()
+    ) -> SnapshotInfo:
+        return await self.service.save_template(sandbox_id, name, ports=ports)
 
     async def rollback(self, sandbox_id: str, ref: str) -> None:
         await self.service.rollback(sandbox_id, ref)

@@ -21,6 +21,7 @@ import ctypes
 import errno
 import fcntl
 import grp
+import json
 import os
 import pwd
 import select
@@ -761,7 +762,7 @@ class Agent:
         if not argv or not all(isinstance(a, str) for a in argv):
             raise OpError(p.INVALID, "exec needs argv (a list of strings) or shell (a string)")
         env, user = command_env(args.get("env") or {}, args.get("user"))
-        cwd = args.get("cwd") or env["HOME"]
+        cwd = args.get("cwd") or command_defaults().get("workdir") or env["HOME"]
         timeout = args.get("timeout")
         size = args.get("pty")
         terminal = Terminal(int(size["cols"]), int(size["rows"]), user) if size else None
@@ -1211,8 +1212,45 @@ def user_entry(name: str) -> pwd.struct_passwd:
     return entry
 
 
+_defaults: dict[str, Any] = {}
+_defaults_file: tuple[int, int, int] | None = None
+
+
+def command_defaults() -> dict[str, Any]:
+    """What commands start with unless they say otherwise (``env``, ``user``,
+    ``workdir``): the template's, written by a Dockerfile build into
+    :data:`protocol.COMMAND_DEFAULTS` (its ENV, USER and WORKDIR); nothing when there is
+    no such file. Read again only when the file changes; a file that is not a JSON
+    object of those is ignored, as if absent (the guest's root may write anything)."""
+    global _defaults, _defaults_file
+    path = os.environ.get("CRYOBOX_COMMAND_DEFAULTS") or p.COMMAND_DEFAULTS  # unit tests
+    try:
+        st = os.stat(path)
+    except OSError:
+        _defaults, _defaults_file = {}, None
+        return _defaults
+    if (st.st_ino, st.st_size, st.st_mtime_ns) != _defaults_file:
+        _defaults_file = (st.st_ino, st.st_size, st.st_mtime_ns)
+        try:
+            with open(path, "rb") as file:
+                value = json.loads(file.read(1 << 20))
+        except (OSError, ValueError):
+            value = None
+        valid = (
+            isinstance(value, dict)
+            and isinstance(value.get("env", {}), dict)
+            and all(isinstance(v, str) for v in value.get("env", {}).values())
+            and all(isinstance(value.get(k, ""), str) for k in ("user", "workdir"))
+        )
+        _defaults = value if valid and isinstance(value, dict) else {}
+    return _defaults
+
+
 def command_env(extra: dict[str, Any], user: Any) -> tuple[dict[str, str], str | None]:
-    """The environment a command starts with: a login-like base, then the caller's."""
+    """The environment a command starts with: a login-like base, the template's
+    defaults (:func:`command_defaults`), then the caller's."""
+    defaults = command_defaults()
+    user = user or defaults.get("user") or None
     name = str(user) if user else "root"
     try:
         entry = user_entry(name)
@@ -1227,6 +1265,7 @@ def command_env(extra: dict[str, Any], user: Any) -> tuple[dict[str, str], str |
         "LANG": "C.UTF-8",
         "TERM": "xterm-256color",
     }
+    env.update(defaults.get("env", {}))
     env.update(fork_env())
     env.update({str(k): str(v) for k, v in extra.items()})
     return env, (name if user else None)

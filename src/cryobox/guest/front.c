@@ -753,6 +753,65 @@ static void read_stripped(const char *path, char *out, size_t size) {
         out[--n] = 0;
 }
 
+/* A template's command defaults (protocol.py's COMMAND_DEFAULTS: its Dockerfile's ENV,
+ * USER and WORKDIR), as agent.py's command_defaults() reads them: read again only when
+ * the file changes, and ignored unless it is a JSON object whose "env" is an object of
+ * strings and whose "user" and "workdir" are strings. */
+#define COMMAND_DEFAULTS "/etc/cryobox/defaults.json"
+static json_t *defaults;
+
+/* The file, or the one CRYOBOX_COMMAND_DEFAULTS names (the host's unit tests). */
+static const char *defaults_path(void) {
+    const char *path = getenv("CRYOBOX_COMMAND_DEFAULTS");
+    return path && *path ? path : COMMAND_DEFAULTS;
+}
+
+static struct stat defaults_seen;
+
+static bool valid_defaults(json_t *value) {
+    if (!json_is_object(value))
+        return false;
+    json_t *env = json_object_get(value, "env");
+    if (env && !json_is_object(env))
+        return false;
+    const char *key;
+    json_t *item;
+    json_object_foreach(env, key, item) {
+        if (!json_is_string(item))
+            return false;
+    }
+    json_t *user = json_object_get(value, "user"), *workdir = json_object_get(value, "workdir");
+    return (!user || json_is_string(user)) && (!workdir || json_is_string(workdir));
+}
+
+static json_t *command_defaults(void) {
+    struct stat st;
+    if (stat(defaults_path(), &st) != 0) {
+        json_decref(defaults);
+        defaults = NULL;
+        memset(&defaults_seen, 0, sizeof defaults_seen);
+        return NULL;
+    }
+    if (defaults_seen.st_ino == st.st_ino && defaults_seen.st_size == st.st_size &&
+        defaults_seen.st_mtim.tv_sec == st.st_mtim.tv_sec &&
+        defaults_seen.st_mtim.tv_nsec == st.st_mtim.tv_nsec)
+        return defaults;
+    defaults_seen = st;
+    json_decref(defaults);
+    defaults = st.st_size <= (1 << 20) ? json_load_file(defaults_path(), 0, NULL) : NULL;
+    if (defaults && !valid_defaults(defaults)) {
+        json_decref(defaults);
+        defaults = NULL;
+    }
+    return defaults;
+}
+
+/* A non-empty string of the defaults, or NULL. */
+static const char *default_text(json_t *found, const char *name) {
+    json_t *value = json_object_get(found, name);
+    return json_is_string(value) && *json_string_value(value) ? json_string_value(value) : NULL;
+}
+
 /* The fork identity every later command gets (also read by the Python agent). */
 static char fork_id[32], forked_from[256];
 
@@ -1368,6 +1427,9 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
         snprintf(message, size, "bad arguments: user must be a string");
         goto fail;
     }
+    json_t *preset = command_defaults();
+    if (!user)
+        user = default_text(preset, "user");
     const char *name = user ? user : "root";
     const struct user *entry = find_user(name);
     if (!entry) {
@@ -1383,6 +1445,11 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
     env_set(&env, "SHELL", entry->shell);
     env_set(&env, "LANG", "C.UTF-8");
     env_set(&env, "TERM", "xterm-256color");
+    const char *preset_key;
+    json_t *preset_value;
+    json_object_foreach(json_object_get(preset, "env"), preset_key, preset_value) {
+        env_set(&env, preset_key, json_string_value(preset_value));
+    }
     read_fork_identity(); /* the Python part may have served the refresh */
     if (fork_id[0]) {
         env_set(&env, "CRYOBOX_FORK_ID", fork_id);
@@ -1406,9 +1473,10 @@ static struct command *start_command(int64_t rid, json_t *args, const char **kin
         free(text);
     }
     json_t *cwd_json = json_object_get(args, "cwd");
+    const char *workdir = default_text(preset, "workdir");
     const char *cwd = json_is_string(cwd_json) && *json_string_value(cwd_json)
                           ? json_string_value(cwd_json)
-                          : env_get(&env, "HOME");
+                          : (workdir ? workdir : env_get(&env, "HOME"));
     json_t *timeout = json_object_get(args, "timeout");
     if (timeout && !json_is_null(timeout) && !json_is_number(timeout)) {
         snprintf(message, size, "bad arguments: timeout must be a number");

@@ -44,6 +44,11 @@ TRANSFER_BYTES = TRANSFER_SLOT * TRANSFER_SLOTS
 TRANSFER_SERIAL = "cryobox-transfer"
 
 
+#: A template's command defaults in the guest (its Dockerfile's ENV, USER, WORKDIR), as
+#: JSON: ``{"env": {...}, "user": "...", "workdir": "..."}``; read by the agent.
+COMMAND_DEFAULTS = "/etc/cryobox/defaults.json"
+
+
 class GuestOp(enum.StrEnum):
     """What the guest agent does on request: the one vocabulary of operations."""
 

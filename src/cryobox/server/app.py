@@ -303,6 +303,12 @@ def create_app(
             overwrite=body.overwrite,
         )
 
+    @app.post("/sandboxes/{sandbox_id}/template", status_code=201, tags=["sandboxes"])
+    async def save_template(sandbox_id: str, body: s.SaveTemplate, me: Me) -> SnapshotInfo:
+        """Save the running sandbox as template ``name`` (replacing one of that name): new
+        sandboxes created from it continue from this instant, with ``ports`` forwarded."""
+        return await hub.save_template(me, sandbox_id, body.name, body.ports)
+
     @app.post("/sandboxes/{sandbox_id}/forks", status_code=201, tags=["sandboxes"])
     async def fork(sandbox_id: str, body: s.Fork, me: Me) -> list[SandboxInfo]:
         return await hub.fork(me, sandbox_id, body.count, body.timeout)

@@ -755,6 +755,25 @@ class Hub:
         self.tenants.own(tenant.id, "snapshot", info.id)
         return info
 
+    async def save_template(
+        self, tenant: Tenant, sandbox_id: str, name: str, ports: Sequence[int]
+    ) -> SnapshotInfo:
+        if name in (BASE_TEMPLATE, DEFAULT_TEMPLATE) or "." in name or "/" in name:
+            raise InvalidArgument(f"template name {name!r} is not allowed")
+        await self.use(tenant, sandbox_id)
+        self._check_storage(tenant)
+        internal = _tenant_template(tenant, name)
+        async with self._locks[sandbox_id]:
+            info = await self.service.save_template(
+                sandbox_id, internal, ports=ports, tenant=tenant.id
+            )
+        self.tenants.own(tenant.id, "template", internal)
+        self.tenants.own(tenant.id, "snapshot", info.id)
+        self.events.publish(
+            tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
+        )
+        return info
+
     async def delete_template(self, tenant: Tenant, name: str) -> None:
         internal = _tenant_template(tenant, name)
         if not self.tenants.owns(tenant.id, "template", internal):

@@ -302,6 +302,7 @@ class SandboxService:
         :raises QemuError: when the VMM is missing, fails to start or the guest never answers.
         """
         await asyncio.to_thread(validate, request)  # a proxy name may be resolved
+        request = self._with_template_ports(request)
         pem = None
         if start.forked_from is None:  # a fork has its parent's (envs, disk)
             proxy, no_proxy = egress.host_proxy(os.environ)
@@ -326,6 +327,15 @@ class SandboxService:
                     await asyncio.shield(self.kill(info.id, keep_record=False))
                 raise
         return info
+
+    def _with_template_ports(self, request: CreateRequest) -> CreateRequest:
+        """The request, with the ports its template forwards in every sandbox (a
+        Dockerfile's EXPOSE) besides its own."""
+        entry = None if request.from_snapshot else self.store.template(request.template)
+        exposed = [int(port) for port in (entry or {}).get("ports") or ()]
+        if not exposed:
+            return request
+        return dataclasses.replace(request, ports=tuple(dict.fromkeys([*request.ports, *exposed])))
 
     async def _trust(self, sandbox_id: str, pem: str) -> None:
         """Add ``pem``'s certificates to what the guest trusts, in a bundle of its own
@@ -896,7 +906,6 @@ class SandboxService:
             tenant=tenant,
             owner=f"{BUILDING}{tenant}",  # never a tenant's sandbox
         )
-        randomized = config.guest_aslr(sandbox.accelerator)  # as it was booted
         try:
             for number, command in enumerate(setup, 1):
                 step = f"setup {number}/{len(setup)}: {command[:60]}"
@@ -917,25 +926,60 @@ class SandboxService:
                         f"{result.exit_code}:\n{text}"
                     )
             say("saving the machine")
-            saved = await self.capture(
-                sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}", tenant=tenant
-            )
             # Named before the build sandbox is killed: its kill collects unnamed templates.
-            previous = self.store.template(name)
-            self.store.set_template(
-                name,
-                saved.id,
-                {
-                    "image_id": sandbox.image_id,
-                    "guest_aslr": randomized,
-                    "guest_boot": GUEST_BOOT,
-                    "setup": list(setup),
-                    "created_at": time.time(),
-                },
-            )
+            return await self._save_template(sandbox, name, setup, (), tenant)
         finally:
             with contextlib.suppress(CryoboxError):
                 await self.kill(sandbox.id, keep_record=False)
+
+    async def save_template(
+        self,
+        sandbox_id: str,
+        name: str,
+        *,
+        ports: Sequence[int] = (),
+        tenant: str = LOCAL_TENANT,
+    ) -> SnapshotInfo:
+        """Save a running sandbox as template ``name`` (replacing one of that name, whose
+        snapshot goes once nothing builds on it): sandboxes created from it continue from
+        this instant, with ``ports`` forwarded besides those they ask for. The sandbox
+        runs on. A Dockerfile build ends with this.
+
+        :raises InvalidArgument: for a name that is not allowed.
+        """
+        if not valid_name(name) or name in (BASE_TEMPLATE, DEFAULT_TEMPLATE):
+            raise InvalidArgument(f"template name {name!r} is not allowed")
+        if _SHAPED_DEFAULT.fullmatch(name):
+            raise InvalidArgument(
+                f"template name {name!r} is the host's default template of that shape: "
+                "choose another"
+            )
+        return await self._save_template(await self.get(sandbox_id), name, (), ports, tenant)
+
+    async def _save_template(
+        self,
+        sandbox: SandboxInfo,
+        name: str,
+        setup: Sequence[str],
+        ports: Sequence[int],
+        tenant: str,
+    ) -> SnapshotInfo:
+        saved = await self.capture(
+            sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}", tenant=tenant
+        )
+        previous = self.store.template(name)
+        self.store.set_template(
+            name,
+            saved.id,
+            {
+                "image_id": sandbox.image_id,
+                "guest_aslr": config.guest_aslr(sandbox.accelerator),  # as it was booted
+                "guest_boot": GUEST_BOOT,
+                "setup": list(setup),
+                "ports": sorted(set(ports)),
+                "created_at": time.time(),
+            },
+        )
         if previous and previous.get("snapshot") != saved.id:
             with contextlib.suppress(CryoboxError):  # kept while something builds on it
                 await self.catalog.delete_snapshot(str(previous["snapshot"]), tenant=tenant)
