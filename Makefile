@@ -11,15 +11,19 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # guest agent's front, src/cryobox/guest/front.c).
 # The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
 # PostgreSQL: the tests of the multi-host server start one in a temporary folder.
+# Chromium: the web console's browser test drives it (Playwright, from PyPI).
 APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates \
                 gcc libc6-dev libjansson-dev clang-format \
-                iproute2 util-linux nftables postgresql
+                iproute2 util-linux nftables postgresql chromium
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done
+# The web console's browser libraries (xterm.js), pinned by console/package-lock.json.
+CONSOLE_VENDOR := src/cryobox/server/console/vendor
+XTERM := console/node_modules/@xterm
 
 .PHONY: setup image demo test lint unit bench torture soak clean
 
-setup: $(APT_STAMP) $(PIP_STAMP)
+setup: $(APT_STAMP) $(PIP_STAMP) $(CONSOLE_VENDOR)/.done
 	@# Bytecode for our own modules (an editable install has none, and a shell with
 	@# PYTHONDONTWRITEBYTECODE never writes it): each supervisor's start, one per sandbox,
 	@# would compile them again. Checked against the sources' times: never stale.
@@ -40,6 +44,14 @@ $(APT_STAMP): Makefile
 $(PIP_STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q -e '.[dev]'
+	@touch $@
+
+$(CONSOLE_VENDOR)/.done: console/package-lock.json
+	@command -v npm >/dev/null || $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm
+	cd console && npm ci --no-audit --no-fund --silent
+	mkdir -p $(CONSOLE_VENDOR)
+	cp $(XTERM)/xterm/lib/xterm.js $(XTERM)/xterm/css/xterm.css $(XTERM)/addon-fit/lib/addon-fit.js $(CONSOLE_VENDOR)/
+	cp $(XTERM)/xterm/LICENSE $(CONSOLE_VENDOR)/LICENSE.xterm
 	@touch $@
 
 image: setup

@@ -191,6 +191,25 @@ class Costs:
 
 
 @dataclass(frozen=True)
+class UsageDay:
+    """A tenant's use on one UTC day, priced."""
+
+    day: str
+    vcpu_seconds: float
+    gib_seconds: float
+    stored_gb_months: float
+    cost_usd: Costs
+
+
+@dataclass(frozen=True)
+class UsageDays:
+    """A tenant's use per day (``GET /usage/days``), with the prices it is counted at."""
+
+    prices: dict[str, float]
+    days: list[UsageDay]
+
+
+@dataclass(frozen=True)
 class UsageReport:
     """A tenant's metered use so far, priced, with a line per sandbox."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -49,12 +50,15 @@ from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
 
 from .backlog import Backlog
+from .console import install_console
 from .extensions import Extension
 from .forward import Forward, credentials
 from .hub import Hub
 from .limits import BodyLimit
+from .meter import usage_days
 from .slow_clients import SendDeadline, arm_write_deadline
 from .tenants import Tenant, api_key
+from .terminal import install_terminal
 
 log = logging.getLogger(__name__)
 
@@ -348,20 +352,9 @@ def create_app(
         """Server-sent events of the sandbox's state changes (created, paused, resumed,
         forked, snapshot stored, rolled back, timed out, died, killed)."""
         await hub.get(me, sandbox_id)
-
-        async def stream() -> AsyncIterator[str]:
-            async with hub.events.subscribe(me.id, sandbox_id) as sub:
-                yield ": subscribed\n\n"
-                while not await request.is_disconnected():
-                    try:
-                        event = await asyncio.wait_for(sub.queue.get(), 15)
-                    except TimeoutError:
-                        yield ": keep-alive\n\n"
-                        continue
-                    payload = {**event.to_json(), "dropped": sub.dropped}
-                    yield f"event: {event.type}\ndata: {json.dumps(payload)}\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(
+            _event_stream(hub, me, sandbox_id, request), media_type="text/event-stream"
+        )
 
     # ------------------------------------------------------------------ commands
 
@@ -630,7 +623,41 @@ def create_app(
         (GB-months) so far, priced."""
         return hub.usage(me, sandbox_id)
 
+    @app.get("/usage/days", tags=["usage"])
+    async def usage_per_day(me: Me, days: Annotated[int, Query(ge=1, le=366)] = 30) -> s.UsageDays:
+        """Compute and saved state per UTC day, the last ``days`` days that had any."""
+        prices = dataclasses.asdict(hub.prices)
+        return s.UsageDays(prices=prices, days=usage_days(hub.db, me.id, hub.prices, days))
+
+    # ------------------------------------------------------------------ the console
+
+    @app.get("/events", tags=["sandboxes"])
+    async def tenant_events(me: Me, request: Request) -> StreamingResponse:
+        """Server-sent events of every sandbox of the tenant (what each sandbox's
+        ``/events`` says, with its ``sandbox_id``): what the console follows."""
+        return StreamingResponse(
+            _event_stream(hub, me, None, request), media_type="text/event-stream"
+        )
+
+    install_terminal(app, hub)
+    install_console(app)
     return app
+
+
+async def _event_stream(
+    hub: Hub, me: Tenant, sandbox_id: str | None, request: Request
+) -> AsyncIterator[str]:
+    """Server-sent events of one sandbox of the tenant, or of all of them (None)."""
+    async with hub.events.subscribe(me.id, sandbox_id) as sub:
+        yield ": subscribed\n\n"
+        while not await request.is_disconnected():
+            try:
+                event = await asyncio.wait_for(sub.queue.get(), 15)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            payload = {**event.to_json(), "dropped": sub.dropped}
+            yield f"event: {event.type}\ndata: {json.dumps(payload)}\n\n"
 
 
 async def _monitor(hub: Hub, tick: float, storage_interval: float, collect_interval: float) -> None:

@@ -120,6 +120,17 @@ MIGRATIONS: tuple[str, ...] = (
         created_at REAL NOT NULL
     );
     """,
+    # 4: usage per tenant and UTC day (the console's charts).
+    """
+    CREATE TABLE usage_days (
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        day TEXT NOT NULL,
+        vcpu_seconds REAL NOT NULL DEFAULT 0,
+        gib_seconds REAL NOT NULL DEFAULT 0,
+        stored_byte_seconds REAL NOT NULL DEFAULT 0,
+        PRIMARY KEY (tenant_id, day)
+    );
+    """,
 )
 
 

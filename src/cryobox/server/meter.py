@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox.config import env_number
-from cryobox.wire import Costs, SandboxUsage, UsageReport
+from cryobox.wire import Costs, SandboxUsage, UsageDay, UsageReport
 
 from .database import Database
 
@@ -125,10 +125,18 @@ class Meter:
                     "UPDATE sandboxes SET compute_seconds = compute_seconds + ? WHERE id = ?",
                     (seconds, sandbox_id),
                 )
+                vcpu_s, gib_s = seconds * row["cpus"], seconds * row["memory_mib"] / 1024
                 conn.execute(
                     "UPDATE tenant_usage SET vcpu_seconds = vcpu_seconds + ?, "
                     "gib_seconds = gib_seconds + ? WHERE tenant_id = ?",
-                    (seconds * row["cpus"], seconds * row["memory_mib"] / 1024, row["tenant_id"]),
+                    (vcpu_s, gib_s, row["tenant_id"]),
+                )
+                conn.execute(
+                    "INSERT INTO usage_days (tenant_id, day, vcpu_seconds, gib_seconds) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (tenant_id, day) DO UPDATE SET "
+                    "vcpu_seconds = usage_days.vcpu_seconds + excluded.vcpu_seconds, "
+                    "gib_seconds = usage_days.gib_seconds + excluded.gib_seconds",
+                    (row["tenant_id"], utc_day(now), vcpu_s, gib_s),
                 )
             running = state in ("running", "creating", "resuming")
             conn.execute(
@@ -147,6 +155,12 @@ class Meter:
                 "UPDATE tenant_usage SET stored_byte_seconds = stored_byte_seconds + ? "
                 "WHERE tenant_id = ?",
                 (tenant_bytes * seconds, tenant_id),
+            )
+            conn.execute(
+                "INSERT INTO usage_days (tenant_id, day, stored_byte_seconds) VALUES (?, ?, ?) "
+                "ON CONFLICT (tenant_id, day) DO UPDATE SET stored_byte_seconds = "
+                "usage_days.stored_byte_seconds + excluded.stored_byte_seconds",
+                (tenant_id, utc_day(time.time()), tenant_bytes * seconds),
             )
             for sandbox_id, held in by_sandbox.items():
                 conn.execute(
@@ -172,6 +186,41 @@ def _tracked(row: Any) -> Tracked:
         idle_paused=bool(row["idle_paused"]),
         last_state=row["last_state"],
     )
+
+
+def utc_day(when: float) -> str:
+    """The UTC date of a time, as ``YYYY-MM-DD`` (usage is kept per day)."""
+    return time.strftime("%Y-%m-%d", time.gmtime(when))
+
+
+def usage_days(db: Database, tenant_id: str, prices: Prices, days: int) -> list[UsageDay]:
+    """The tenant's usage and its cost on each of the last ``days`` UTC days that had
+    any, oldest first."""
+    since = utc_day(time.time() - (days - 1) * 86400)
+    rows = db.rows(
+        "SELECT * FROM usage_days WHERE tenant_id = ? AND day >= ? ORDER BY day",
+        (tenant_id, since),
+    )
+    found = []
+    for r in rows:
+        vcpu_s, gib_s = float(r["vcpu_seconds"]), float(r["gib_seconds"])
+        gb_months = float(r["stored_byte_seconds"]) / GB_MONTH
+        compute = vcpu_s / 3600 * prices.vcpu_hour + gib_s / 3600 * prices.gib_hour
+        storage = gb_months * prices.gb_month
+        found.append(
+            UsageDay(
+                day=str(r["day"]),
+                vcpu_seconds=vcpu_s,
+                gib_seconds=gib_s,
+                stored_gb_months=gb_months,
+                cost_usd=Costs(
+                    compute=round(compute, 6),
+                    storage=round(storage, 6),
+                    total=round(compute + storage, 6),
+                ),
+            )
+        )
+    return found
 
 
 def usage_report(db: Database, tenant_id: str, prices: Prices, stored_bytes: int) -> UsageReport:
