@@ -214,6 +214,8 @@ class SandboxInfo:
     #: while it runs (0: none), the newest ``keep_checkpoints`` kept.
     checkpoint_every: float = 0.0
     keep_checkpoints: int = 0
+    #: The ``cryobox server`` host that runs it (its id; empty when embedded).
+    host: str = ""
 
 
 @dataclass(frozen=True)

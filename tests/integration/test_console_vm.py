@@ -75,11 +75,19 @@ def test_a_user_works_checkpoints_breaks_and_travels_back_in_the_browser(
     page.click("button[type=submit]")
     page.wait_for_selector(".sign-in .error:not([hidden])")
     page.screenshot(path=str(folder / "sign-in.png"))
+    # Another tenant's sandbox, running meanwhile: never on this tenant's pages.
+    theirs = httpx.Client(
+        base_url=api_server.url, headers={"Authorization": f"Bearer {api_server.key}"}, timeout=300
+    )
+    stranger = theirs.post("/sandboxes", json={}).json()["id"]
     sign_in(page, api_server.url, key)
     try:
         page.click("#create")
         row = page.wait_for_selector("tr[data-id] .state.running", timeout=300_000)
         sandbox = row.evaluate("node => node.closest('tr').dataset.id")
+        assert page.locator("tr[data-id]").count() == 1
+        assert page.locator(f"tr[data-id='{stranger}']").count() == 0
+        assert "sbx-" not in page.inner_text("#sandboxes").replace(sandbox, "")
         page.screenshot(path=str(folder / "sandboxes.png"))
 
         # The terminal: a login shell in the guest, typed into.
@@ -145,12 +153,14 @@ def test_a_user_works_checkpoints_breaks_and_travels_back_in_the_browser(
         page.wait_for_selector("g.node[data-kind=snapshot]")
         page.wait_for_timeout(500)
         assert page.locator("img").count() == 0 and dialogs == []
+        assert page.locator(f"g.node[data-id='{stranger}']").count() == 0
 
         page.goto(f"{api_server.url}/#/usage")
         page.wait_for_selector("#usage h2")
         assert "So far: $" in page.inner_text("#usage h2")
         page.screenshot(path=str(folder / "usage.png"))
     finally:
+        theirs.delete(f"/sandboxes/{stranger}")
         for info in api.get("/sandboxes").json():
             api.delete(f"/sandboxes/{info['id']}")
         for snap in api.get("/snapshots").json():

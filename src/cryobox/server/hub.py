@@ -279,7 +279,11 @@ class Hub:
     def _present(self, info: SandboxInfo) -> SandboxInfo:
         """A sandbox as a tenant sees it: the server's public ports, no host pids."""
         return dataclasses.replace(
-            info, ports=self.ports.published(info.id), vmm_pid=None, supervisor_pid=None
+            info,
+            ports=self.ports.published(info.id),
+            vmm_pid=None,
+            supervisor_pid=None,
+            host=self.me,
         )
 
     def _snapshots_of(self, tenant: Tenant) -> builtins.list[str]:

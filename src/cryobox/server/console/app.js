@@ -215,12 +215,13 @@ function showSandboxes() {
     const lines = new Map(usage.sandboxes.map((line) => [line.id, line]));
     list.sort((a, b) => b.created_at - a.created_at);
     table.replaceChildren(
-      el("tr", {}, ...["Sandbox", "State", "From", "Age", "Shape", "Cost so far", "Labels", ""].map((h) => el("th", {}, h))),
+      el("tr", {}, ...["Sandbox", "State", "From", "Age", "Host", "Shape", "Cost so far", "Labels", ""].map((h) => el("th", {}, h))),
       ...list.map((info) => el("tr", {"data-id": info.id},
         el("td", {}, el("a", {href: `#/sandbox/${info.id}`}, info.id)),
         el("td", {}, el("span", {class: `state ${info.state}`}, info.state)),
         el("td", {}, info.forked_from ? `fork of ${info.forked_from}` : info.origin || info.template),
         el("td", {}, ago(info.created_at)),
+        el("td", {}, info.host || "-"),
         el("td", {}, `${info.cpus} vCPU, ${info.memory_mib} MiB`),
         el("td", {}, dollars(costOf(lines.get(info.id), usage.prices))),
         el("td", {}, Object.entries(info.metadata || {}).map(([k, v]) => el("span", {class: "label"}, `${k}=${v}`))),
@@ -319,7 +320,8 @@ function showSandbox(id) {
     info.replaceChildren(
       el("h2", {}, found.id, " ", el("span", {class: `state ${found.state}`}, found.state)),
       el("p", {}, `from ${found.forked_from ? `a fork of ${found.forked_from}` : found.origin || found.template}`,
-        ` · ${found.cpus} vCPU, ${found.memory_mib} MiB, ${found.disk_gib} GiB · created ${when(found.created_at)}`),
+        ` · ${found.cpus} vCPU, ${found.memory_mib} MiB, ${found.disk_gib} GiB · created ${when(found.created_at)}`,
+        found.host ? ` · on host ${found.host}` : ""),
       el("p", {}, "ports: ", ports.length ? ports.flatMap((p) => [p, " "]) : "none"),
       el("div", {class: "actions"}, sandboxActions(found, load)),
     );
