@@ -143,12 +143,40 @@ def test_a_user_works_checkpoints_breaks_and_travels_back_in_the_browser(
         until(lambda: page.locator("g.node.sandbox").count() >= 2, "the fork in the tree")
         page.screenshot(path=str(folder / "history.png"))
 
+        # A new sandbox from the checkpoint's node: it has the file as it was then.
+        page.click(f"g.node[data-id='{point['id']}']")
+        page.click("#node-menu button:has-text('Start a sandbox from it')")
+        until(
+            lambda: any(s["origin"] == point["id"] for s in api.get("/sandboxes").json()),
+            "a sandbox started from the checkpoint",
+            timeout=300,
+        )
+        [started] = [s for s in api.get("/sandboxes").json() if s["origin"] == point["id"]]
+        then = api.get(f"/sandboxes/{started['id']}/files", params={"path": "/root/app.txt"})
+        assert then.text == "good\n"
+
         # A hostile file name is shown as text: nothing runs, no element is made of it.
         api.put(f"/sandboxes/{sandbox}/files", params={"path": f"/root/{HOSTILE}"}, content=b"x")
         api.post(f"/sandboxes/{sandbox}/snapshots", json={"name": HOSTILE[:60].replace("/", "")})
         page.goto(f"{api_server.url}/#/sandbox/{sandbox}")
         page.wait_for_selector(f"#files li.entry:has-text('{HOSTILE}')")
         assert page.locator("#files img").count() == 0
+
+        # Upload and download through the file browser.
+        local = tmp_path / "notes.txt"
+        local.write_text("uploaded from the browser\n")
+        page.set_input_files("#upload", str(local))
+        until(
+            lambda: (
+                api.get(f"/sandboxes/{sandbox}/files", params={"path": "/root/notes.txt"}).text
+                == "uploaded from the browser\n"
+            ),
+            "the uploaded file in the guest",
+        )
+        page.wait_for_selector("#files li.entry:has-text('notes.txt')")
+        with page.expect_download() as download:
+            page.click("#files li.entry a:text-is('app.txt')")
+        assert Path(download.value.path()).read_text() == "good\n"
         page.goto(f"{api_server.url}/#/history")
         page.wait_for_selector("g.node[data-kind=snapshot]")
         page.wait_for_timeout(500)
