@@ -9,6 +9,7 @@ import asyncio
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from api_server import ApiServer
 from cryobox.sandbox import registry
+from waiting import until
 
 pytestmark = pytest.mark.vm
 
@@ -180,9 +182,37 @@ def test_watch_dir_reports_changes(sbx: Any) -> None:
         sbx.files.watch_dir("no-such-folder")
 
 
+def test_a_pty_takes_keys_resizes_reconnects_and_dies_like_e2b(sbx: Any) -> None:
+    """E2B's terminals map onto cryobox's: input typed in, a resize the shell sees,
+    a second connection that gets the output, and kill."""
+    seen = bytearray()
+    terminal = sbx.pty.create(e2b.PtySize(rows=24, cols=80), envs={"WHO": "e2b"})
+    waiting = threading.Thread(
+        target=lambda: terminal.wait(on_pty=lambda data: seen.extend(data)), daemon=True
+    )
+    waiting.start()
+    sbx.pty.send_stdin(terminal.pid, b"stty size; echo hi-$WHO-$((2+3))\n")
+    until(lambda: b"hi-e2b-5" in seen and b"24 80" in seen, "the terminal's answer")
+    sbx.pty.resize(terminal.pid, e2b.PtySize(rows=30, cols=100))
+    again = sbx.pty.connect(terminal.pid)
+    also = bytearray()
+    threading.Thread(
+        target=lambda: again.wait(on_pty=lambda data: also.extend(data)), daemon=True
+    ).start()
+    sbx.pty.send_stdin(terminal.pid, b"stty size\n")
+    until(lambda: b"30 100" in seen and b"30 100" in also, "the new size, on both connections")
+    assert sbx.pty.kill(terminal.pid)
+    waiting.join(30)
+    assert not waiting.is_alive()
+    with pytest.raises(e2b.SandboxException, match="no terminal"):
+        handle = sbx.commands.run("sleep 30", background=True)
+        try:
+            sbx.pty.resize(handle.pid, e2b.PtySize(rows=10, cols=10))
+        finally:
+            handle.kill()
+
+
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
-    with pytest.raises(e2b.SandboxException, match="pty"):
-        sbx.pty.create(e2b.PtySize(rows=24, cols=80))
     with pytest.raises(e2b.SandboxException, match="get_metrics"):
         sbx.get_metrics()
 

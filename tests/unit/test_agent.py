@@ -215,6 +215,30 @@ async def test_ping_is_answered_while_a_command_runs(client: AgentClient, served
     assert (await command)["exit_code"] == 0
 
 
+async def test_a_terminal_killed_as_soon_as_it_starts_takes_nothing_else_with_it(
+    client: AgentClient, served: Served
+) -> None:
+    """Before the shell has made the terminal its own, the terminal has no foreground
+    group (0): the kill once went to killpg(0), the agent's own group (found by E2B's
+    test of pty.kill right after pty.create)."""
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    def on_event(header: dict[str, Any], payload: bytes) -> None:
+        if header["event"] == "started" and not started.done():
+            started.set_result(int(header["exec_id"]))
+
+    command = asyncio.ensure_future(
+        client.request(
+            "exec", {"argv": ["/bin/sh"], "pty": {"cols": 80, "rows": 24}}, on_event=on_event
+        )
+    )
+    exec_id = await started
+    await client.request("exec.kill", {"exec_id": exec_id, "signal": 9})
+    result = await asyncio.wait_for(command, 10)
+    assert result["signal"] == 9
+    assert (await client.request("ping"))["pid"] == served.pid
+
+
 async def test_agent_answers_garbage_with_an_error_and_keeps_serving(served: Served) -> None:
     reader, writer = served.reader, served.writer
     writer.write(b"\x00\x01this is not a frame" + p.encode({"id": 1, "op": "ping"}))

@@ -210,10 +210,12 @@ class Process:
     detached: bool = False
     #: Killed because the caller's deadline passed (its streams end with that error).
     deadline_passed: bool = False
+    #: Started on a pseudo-terminal (``pty.create``): its output is envd's ``pty`` data.
+    terminal: bool = False
 
     def on_output(self, stream: str, data: bytes) -> None:
         for queue in self.subscribers:
-            queue.put_nowait((stream, data))
+            queue.put_nowait(("pty" if self.terminal else stream, data))
 
     def finish(self, result: ExitStatus | None) -> None:
         self.result = result
@@ -239,6 +241,17 @@ def connect_error(exc: Exception, sandbox_id: str) -> ConnectError:
     if isinstance(exc, InvalidArgument):
         return ConnectError(Code.INVALID_ARGUMENT, str(exc))
     return ConnectError(Code.INTERNAL, str(exc))
+
+
+def terminal_size(pty: pr.PTY) -> tuple[int, int]:
+    """(cols, rows) of E2B's PTY message, within what a terminal can be.
+
+    :raises ConnectError: INVALID_ARGUMENT for a size out of 1-1000.
+    """
+    size = pty.size or pr.PTY.Size(cols=80, rows=24)
+    if not (1 <= size.cols <= 1000 and 1 <= size.rows <= 1000):
+        raise ConnectError(Code.INVALID_ARGUMENT, f"pty size {size.cols}x{size.rows}: 1-1000 each")
+    return int(size.cols), int(size.rows)
 
 
 def end_event(result: ExitStatus | None) -> pr.ProcessEvent:
@@ -311,14 +324,14 @@ class ProcessService:
         self, request: pr.StartRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[pr.StartResponse]:
         caller = await self.envd.rpc_caller(ctx)
-        if request.pty is not None:
-            raise ConnectError(Code.UNIMPLEMENTED, "pty.create is not supported by cryobox yet")
         if sum(1 for sid, _ in self.envd.processes if sid == caller.sandbox_id) >= MAX_PROCESSES:
             raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_PROCESSES} processes")
         config = request.process or pr.ProcessConfig()
         argv = (config.cmd, *config.args)
         env = {**caller.record.envs, **dict(config.envs)}
         process = Process(caller.sandbox_id, config, request.tag)
+        size = terminal_size(request.pty) if request.pty is not None else None
+        process.terminal = size is not None
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         process.subscribers.add(queue)
         try:
@@ -329,7 +342,8 @@ class ProcessService:
                     env=env,
                     cwd=caller.path(config.cwd) if config.cwd else caller.home,
                     user=caller.user,
-                    stdin=request.stdin is not False,
+                    stdin=size is not None or request.stdin is not False,
+                    pty=size,
                 ),
                 process.on_output,
             )
@@ -427,9 +441,7 @@ class ProcessService:
     async def _input(self, caller: Caller, process: Process, data: pr.ProcessInput | None) -> None:
         self._attached(process)
         choice = data.input if data is not None else None
-        if isinstance(choice, Oneof) and choice.field == "pty":
-            raise ConnectError(Code.UNIMPLEMENTED, "pty input is not supported by cryobox yet")
-        payload = choice.value if isinstance(choice, Oneof) else b""
+        payload = choice.value if isinstance(choice, Oneof) else b""  # stdin, or pty keys
         try:
             await process.session.send_stdin(bytes(payload))
         except CryoboxError as exc:
@@ -491,7 +503,19 @@ class ProcessService:
     async def update(
         self, request: pr.UpdateRequest, ctx: RequestContext[Any, Any]
     ) -> pr.UpdateResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "pty.resize is not supported by cryobox yet")
+        """Resize a process's terminal (``pty.resize``)."""
+        caller = await self.envd.rpc_caller(ctx)
+        process = self._attached(self._find(caller, request.process))
+        if request.pty is None or not process.terminal:
+            raise ConnectError(
+                Code.INVALID_ARGUMENT, f"process {process.pid} has no terminal to resize"
+            )
+        cols, rows = terminal_size(request.pty)
+        try:
+            await process.session.resize(cols, rows)
+        except CryoboxError as exc:
+            raise connect_error(exc, caller.sandbox_id) from exc
+        return pr.UpdateResponse()
 
 
 def entry_info(entry: EntryInfo) -> fs.EntryInfo:

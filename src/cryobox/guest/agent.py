@@ -622,7 +622,12 @@ class Terminal:
         (an interactive shell ignores SIGTERM and SIGINT; its jobs have groups of their
         own)."""
         with contextlib.suppress(OSError):
-            kill_group(os.tcgetpgrp(self.master), sig)
+            group = os.tcgetpgrp(self.master)
+            # Before the shell has made the terminal its own there is no foreground
+            # group: 0, and killpg(0) would be the agent's own group (E2B's test of a
+            # kill right after pty.create killed the agent).
+            if group > 0 and group != os.getpgrp():
+                kill_group(group, sig)
 
     def close_slave(self) -> None:
         if self.slave >= 0:
@@ -900,6 +905,10 @@ class Agent:
             if sig == signal.SIGKILL:
                 kill_session(proc.pid)
         kill_group(proc.pid, sig)
+        # The leader itself too: a command signalled before it has set up its group
+        # (killed as soon as started) has no group of that number yet.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, sig)
 
     def _process(self, args: dict[str, Any]) -> subprocess.Popen[bytes]:
         proc = self._processes.get(int(args["exec_id"]))
