@@ -155,10 +155,19 @@ class EntryInfo:
     owner: str = ""
     group: str = ""
     symlink_target: str | None = None
+    #: Its ``user.*`` extended attributes (E2B's file metadata is ``user.e2b.*``).
+    xattrs: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> EntryInfo:
+        found = value.get("xattrs")
+        xattrs = (
+            {str(k): str(v) for k, v in found.items() if isinstance(k, str)}
+            if isinstance(found, dict)
+            else {}
+        )
         return cls(
+            xattrs=xattrs,
             name=value["name"],
             path=value["path"],
             type=value["type"],

@@ -212,6 +212,27 @@ def test_a_pty_takes_keys_resizes_reconnects_and_dies_like_e2b(sbx: Any) -> None
             handle.kill()
 
 
+def test_file_metadata_is_kept_as_envd_keeps_it(sbx: Any) -> None:
+    """``user.e2b.*`` extended attributes on the guest file: written with the file,
+    shown by get_info and list, kept by a rename, gone when the file is replaced."""
+    info = sbx.files.write("meta/a.txt", "one", metadata={"Author": "ada", "stage": "draft"})
+    assert info.metadata == {"author": "ada", "stage": "draft"}  # keys lowercased
+    assert sbx.files.get_info("meta/a.txt").metadata == {"author": "ada", "stage": "draft"}
+    [listed] = [e for e in sbx.files.list("meta") if e.name == "a.txt"]
+    assert listed.metadata == {"author": "ada", "stage": "draft"}
+    stored = sbx.commands.run(
+        'getfattr -d meta/a.txt 2>/dev/null || python3 -c "import os;'
+        " print(os.getxattr('meta/a.txt', 'user.e2b.author'))\""
+    )
+    assert "ada" in stored.stdout
+    assert sbx.files.rename("meta/a.txt", "meta/b.txt").metadata == {
+        "author": "ada",
+        "stage": "draft",
+    }
+    assert sbx.files.write("meta/b.txt", "two").metadata is None
+    assert sbx.files.get_info("meta/b.txt").metadata is None
+
+
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
     with pytest.raises(e2b.SandboxException, match="get_metrics"):
         sbx.get_metrics()

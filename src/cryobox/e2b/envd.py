@@ -22,6 +22,7 @@ import binascii
 import contextlib
 import dataclasses
 import posixpath
+import re
 import signal as signals
 import stat as stats
 import uuid
@@ -537,7 +538,42 @@ def entry_info(entry: EntryInfo) -> fs.EntryInfo:
         group=entry.group,
         modified_time=Timestamp(seconds=seconds, nanos=int((entry.mtime - seconds) * 1e9)),
         symlink_target=entry.symlink_target,
+        metadata=file_metadata(entry),
     )
+
+
+#: Where envd keeps a file's metadata: extended attributes under this prefix.
+METADATA_XATTR = "user.e2b."
+#: E2B's rules for metadata (the SDK checks them too): a header token as key,
+#: printable US-ASCII as value.
+_METADATA_KEY = re.compile(r"\A[A-Za-z0-9!#$%&'*+\-.^_`|~]+\Z")
+_METADATA_VALUE = re.compile(r"\A[\x20-\x7e]*\Z")
+
+
+def file_metadata(entry: EntryInfo) -> dict[str, str]:
+    """A file's E2B metadata: its ``user.e2b.*`` extended attributes, prefix dropped."""
+    return {
+        name[len(METADATA_XATTR) :]: value
+        for name, value in entry.xattrs.items()
+        if name.startswith(METADATA_XATTR)
+    }
+
+
+def upload_metadata(headers: Mapping[str, str]) -> dict[str, str]:
+    """The extended attributes an upload's ``X-Metadata-*`` headers ask for (keys
+    lowercased, as envd does).
+
+    :raises InvalidArgument: for a key or value E2B does not allow.
+    """
+    found: dict[str, str] = {}
+    for header, value in headers.items():
+        if not header.lower().startswith("x-metadata-"):
+            continue
+        key = header[len("x-metadata-") :].lower()
+        if not _METADATA_KEY.match(key) or not _METADATA_VALUE.match(value):
+            raise InvalidArgument(f"metadata {key!r}: not a header token and printable ASCII")
+        found[METADATA_XATTR + key] = value
+    return found
 
 
 class FilesystemService:
@@ -824,6 +860,7 @@ def envd_router(envd: Envd) -> APIRouter:
         kind = request.headers.get("content-type", "")
         written: list[dict[str, Any]] = []
         try:
+            xattrs = upload_metadata(request.headers)
             if kind.startswith("multipart/form-data"):
                 declared = request.headers.get("content-length", "")
                 if not declared.isdigit() or int(declared) > MULTIPART_LIMIT:
@@ -838,14 +875,14 @@ def envd_router(envd: Envd) -> APIRouter:
                     if isinstance(part, str):
                         continue
                     name = path if path and len(parts) == 1 else part.filename or ""
-                    written.append(await _write(envd, caller, name, _parts(part)))
+                    written.append(await _write(envd, caller, name, _parts(part), xattrs))
             else:
                 if not path:
                     return envd_error(400, "path is required for an octet-stream upload")
                 stream: AsyncIterator[bytes] = request.stream()
                 if request.headers.get("content-encoding", "").lower() == "gzip":
                     stream = _gunzip(stream)
-                written.append(await _write(envd, caller, path, stream))
+                written.append(await _write(envd, caller, path, stream, xattrs))
         except GuestFileNotFound as exc:
             return envd_error(404, str(exc))
         except GuestPermissionError as exc:
@@ -862,15 +899,30 @@ def envd_router(envd: Envd) -> APIRouter:
 
 
 async def _write(
-    envd: Envd, caller: Caller, name: str, chunks: AsyncIterator[bytes]
+    envd: Envd,
+    caller: Caller,
+    name: str,
+    chunks: AsyncIterator[bytes],
+    xattrs: Mapping[str, str],
 ) -> dict[str, Any]:
     if not name:
         raise InvalidArgument("a file part has no file name")
     target = caller.path(name)
     await envd.hub.service.guest.write_file(
-        caller.sandbox_id, target, rechunked(chunks, p.CHUNK), 0o644, owner=caller.user
+        caller.sandbox_id,
+        target,
+        rechunked(chunks, p.CHUNK),
+        0o644,
+        owner=caller.user,
+        xattrs=xattrs,
     )
-    return {"name": posixpath.basename(target), "type": "file", "path": target, "metadata": {}}
+    metadata = {k[len(METADATA_XATTR) :]: v for k, v in xattrs.items()}
+    return {
+        "name": posixpath.basename(target),
+        "type": "file",
+        "path": target,
+        "metadata": metadata or None,
+    }
 
 
 async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

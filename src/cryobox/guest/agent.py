@@ -957,6 +957,12 @@ class Agent:
         except OSError as exc:  # said of the user's path, not of our temporary name
             raise os_error(exc, path) from exc
         handle = os.fdopen(fd, "wb")  # closed by file_write_end/abort
+        try:
+            set_xattrs(fd, args.get("xattrs") or {}, path)
+        except BaseException:
+            handle.close()
+            os.unlink(temp)
+            raise
         os.chmod(temp, int(args.get("mode", 0o644)))
         if owner is not None:
             os.chown(temp, owner.pw_uid, owner.pw_gid)
@@ -1185,7 +1191,54 @@ def describe(path: str, st: os.stat_result) -> dict[str, Any]:
     if kind == "symlink":
         with contextlib.suppress(OSError):
             found["target"] = os.path.realpath(path)
+    else:
+        xattrs = user_xattrs(path)
+        if xattrs:
+            found["xattrs"] = xattrs
     return found
+
+
+#: Bounds of the extended attributes a file's description carries and a write sets.
+XATTRS_MAX = 64
+XATTR_VALUE_MAX = 4096
+
+
+def user_xattrs(path: str) -> dict[str, str]:
+    """The ``user.*`` extended attributes of a file (not following a link), or none
+    where the file system has none."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for name in sorted(n for n in names if n.startswith("user."))[:XATTRS_MAX]:
+        with contextlib.suppress(OSError):
+            value = os.getxattr(path, name, follow_symlinks=False)
+            found[name] = value[:XATTR_VALUE_MAX].decode(errors="replace")
+    return found
+
+
+def set_xattrs(fd: int, xattrs: Any, path: str) -> None:
+    """Give the open file ``xattrs`` (``user.*`` names only).
+
+    :raises OpError: INVALID for anything else, UNSUPPORTED where the file system has
+        no extended attributes (tmpfs in this guest's kernel).
+    """
+    if not isinstance(xattrs, dict) or len(xattrs) > XATTRS_MAX:
+        raise OpError(p.INVALID, f"xattrs: at most {XATTRS_MAX} names and values")
+    for name, value in xattrs.items():
+        if not isinstance(name, str) or not name.startswith("user.") or not isinstance(value, str):
+            raise OpError(p.INVALID, f"xattrs: {name!r} is not a user.* name with a text value")
+        if len(name) > 255 or len(value) > XATTR_VALUE_MAX:
+            raise OpError(p.INVALID, f"xattrs: {name!r} or its value is too long")
+        try:
+            os.setxattr(fd, name, value.encode())
+        except OSError as exc:
+            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise OpError(
+                    p.UNSUPPORTED, f"extended attributes are not supported where {path} is"
+                ) from exc
+            raise os_error(exc, path) from exc
 
 
 def name_of(lookup: Callable[[int], Any], number: int) -> str:

@@ -58,7 +58,23 @@ def entry(value: Any, op: str) -> EntryInfo:
         owner=optional_text(value, "owner", op),
         group=optional_text(value, "group", op),
         symlink_target=optional_text(value, "target", op) or None,
+        xattrs=xattrs(value, op),
     )
+
+
+def xattrs(value: dict[str, Any], op: str) -> dict[str, str]:
+    """An entry's ``user.*`` extended attributes (an older agent sends none)."""
+    found = value.get("xattrs", {})
+    if (
+        not isinstance(found, dict)
+        or len(found) > 64
+        or not all(
+            isinstance(k, str) and k.startswith("user.") and isinstance(v, str)
+            for k, v in found.items()
+        )
+    ):
+        raise ProtocolError(f"{op}: the guest sent xattrs={found!r:.200}, not user.* texts")
+    return dict(found)
 
 
 def optional_text(value: dict[str, Any], name: str, op: str) -> str:

@@ -7,6 +7,7 @@ is built and read here only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 
@@ -103,12 +104,16 @@ class FileWriteBegin:
     parents: bool = True
     #: A guest user to own the file and the folders made (else root).
     owner: str | None = None
+    #: Extended attributes (``user.*`` names) the new file gets; it has no others.
+    xattrs: Mapping[str, str] | None = None
     op: ClassVar[GuestOp] = GuestOp.FILE_WRITE_BEGIN
 
     def to_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {"path": self.path, "mode": self.mode, "parents": self.parents}
         if self.owner is not None:
             args["owner"] = self.owner
+        if self.xattrs:
+            args["xattrs"] = dict(self.xattrs)
         return args
 
     def read_reply(self, answer: dict[str, Any]) -> int:

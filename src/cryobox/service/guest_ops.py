@@ -10,7 +10,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 
 from cryobox.arguments import positive_seconds
 from cryobox.errors import ChannelError, CryoboxError
@@ -120,12 +120,14 @@ class GuestOperations:
         mode: int,
         *,
         owner: str | None = None,
+        xattrs: Mapping[str, str] | None = None,
     ) -> None:
         """Write a file from chunks (of at most the protocol's chunk size), under a
         temporary name renamed at the end; missing parent folders are made. ``owner``: a
-        guest user to own the file and the folders made (else root)."""
+        guest user to own the file and the folders made (else root); ``xattrs``: its
+        extended attributes (``user.*``; a file replaced loses the old one's)."""
         channel = await self.connections.channel(sandbox_id)
-        begin = g.FileWriteBegin(path, mode, owner=owner)
+        begin = g.FileWriteBegin(path, mode, owner=owner, xattrs=xattrs)
         handle = await channel.ask(begin, timeout=GUEST_REQUEST_TIMEOUT)
         stream = aiter(each_chunk(chunks))
         held = bytearray()  # the first bytes, to see whether the file is a large one
