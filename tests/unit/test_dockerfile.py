@@ -4,6 +4,7 @@ where, cache keys, and what is refused by name."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,68 @@ def test_the_readmes_dockerfile_is_read_as_it_says(tmp_path: Path) -> None:
         (8000,),
     )
     assert read.command == ("python3", "-m", "http.server", "8000")
+
+
+def test_path_and_quotes_read_as_docker_reads_them(context: Path) -> None:
+    read = plan(
+        'FROM cryobox\nENV PATH=/opt/venv/bin:$PATH\nENV GREETING "hello there"\nRUN true\n',
+        context,
+    )
+    env = dict(read.steps[0].settings.env)
+    assert (
+        env["PATH"] == "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    )
+    assert env["GREETING"] == "hello there"
+    with pytest.raises(InvalidArgument, match=r"line 2: ENV cannot be read"):
+        plan("FROM cryobox\nENV MSG it's here\n", context)
+
+
+def test_a_glob_does_not_cross_folders(context: Path) -> None:
+    (context / "sub").mkdir()
+    (context / "sub" / "c.txt").write_text("c")
+    [copy] = plan("FROM cryobox\nCOPY *.txt /opt/\n", context).steps
+    assert "/opt/c.txt" not in [guest for _h, guest in copy.files]
+    [deep] = plan("FROM cryobox\nCOPY sub/*.txt /opt/\n", context).steps
+    assert [guest for _h, guest in deep.files] == ["/opt/c.txt"]
+
+
+def test_dockerignore_leaves_files_out_and_takes_exceptions(context: Path) -> None:
+    (context / ".git").mkdir()
+    (context / ".git" / "config").write_text("secret")
+    (context / ".env").write_text("TOKEN=1")
+    (context / "app" / "keep.log").write_text("kept")
+    (context / "app" / "drop.log").write_text("dropped")
+    (context / ".dockerignore").write_text("# comment\n.git\n.env\n**/*.log\n!app/keep.log\n")
+    [copy] = plan("FROM cryobox\nCOPY . /srv/\n", context).steps
+    copied = {guest for _h, guest in copy.files}
+    assert "/srv/app/main.py" in copied and "/srv/app/keep.log" in copied
+    assert not {"/srv/.git", "/srv/.git/config", "/srv/.env", "/srv/app/drop.log"} & copied
+    with pytest.raises(InvalidArgument, match=r"\.env: no such file"):
+        plan("FROM cryobox\nCOPY .env /x\n", context)
+
+
+def test_files_changed_during_the_build_are_refused(context: Path) -> None:
+    from cryobox.client.template_build import _archive
+
+    [copy] = plan("FROM cryobox\nCOPY app/ /srv/\n", context).steps
+    _archive(copy, context).unlink()  # unchanged: archived
+    (context / "app" / "main.py").write_text("print('changed')\n")
+    before = set(Path(tempfile.gettempdir()).glob("cryobox-copy-*.tar"))
+    with pytest.raises(InvalidArgument, match="changed during the build"):
+        _archive(copy, context)
+    assert set(Path(tempfile.gettempdir()).glob("cryobox-copy-*.tar")) <= before  # removed
+
+
+def test_a_folder_swapped_for_a_link_is_not_followed(context: Path, tmp_path: Path) -> None:
+    from cryobox.client.template_build import _archive
+
+    outside = tmp_path.parent / f"outside-{tmp_path.name}"
+    outside.mkdir()
+    (outside / "util.py").write_text("X = 1\n")  # the same bytes as the context's
+    [copy] = plan("FROM cryobox\nCOPY app/ /srv/\n", context).steps
+    lib = context / "app" / "lib"
+    (lib / "util.py").unlink()
+    lib.rmdir()
+    lib.symlink_to(outside)
+    with pytest.raises(InvalidArgument, match="leads outside the build context"):
+        _archive(copy, context)

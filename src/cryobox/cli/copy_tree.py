@@ -47,7 +47,7 @@ def _archive_of(local: Path, archive: Path, skipped: Skipped) -> int:
 
 
 def _guest(sbx: Sandbox, argv: list[str], doing: str) -> None:
-    done = sbx.commands.run(argv)
+    done = sbx.commands.run(argv, user="root")  # as files.write: not a template's USER
     if done.exit_code != 0:
         raise CryoboxError(f"{doing} in the sandbox failed: {done.stderr.strip()}")
 
@@ -64,7 +64,7 @@ def upload_tree(sbx: Sandbox, local: Path, remote: str, skipped: Skipped) -> int
         unpack = ["tar", "-xf", inbox, "-C", remote, "--no-same-owner"]
         _guest(sbx, unpack, f"unpacking into {remote}")
     finally:
-        sbx.commands.run(["rm", "-f", inbox])
+        sbx.commands.run(["rm", "-f", inbox], user="root")
     return count
 
 
@@ -78,7 +78,7 @@ def download_tree(sbx: Sandbox, remote: str, local: Path, skipped: Skipped) -> i
             sbx.files.download(outbox, archive)
             return _unpack(archive, local, remote, skipped)
     finally:
-        sbx.commands.run(["rm", "-f", outbox])
+        sbx.commands.run(["rm", "-f", outbox], user="root")
 
 
 def _unpack(archive: Path, local: Path, remote: str, skipped: Skipped) -> int:

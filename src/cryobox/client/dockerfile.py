@@ -21,14 +21,17 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
 import re
 import shlex
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from cryobox.errors import InvalidArgument
+from cryobox.guest.protocol import DEFAULT_PATH
 
 #: ``FROM`` this: cryobox's own image, booted; any other name is a template.
 OWN_IMAGE = "cryobox"
@@ -80,12 +83,16 @@ class Step:
     archive: Path | None = None
     target: str = ""
     chown: str | None = None
+    #: What a copy step's files were when the Dockerfile was read (its cache key has
+    #: it): the files sent must still be these.
+    digest: str = ""
 
 
 @dataclass(frozen=True)
 class Plan:
     """A Dockerfile, read: where it starts, its steps, and what its sandboxes get."""
 
+    context: Path
     base: str
     steps: tuple[Step, ...]
     settings: Settings
@@ -171,12 +178,12 @@ def _flags(instruction: Instruction, allowed: tuple[str, ...]) -> tuple[dict[str
 
 def _pairs(instruction: Instruction, variables: Mapping[str, str]) -> list[tuple[str, str]]:
     """``ENV`` and ``ARG``'s ``NAME=value`` pairs (``ENV NAME value`` too)."""
-    words = shlex.split(instruction.arguments, posix=True)
+    words = _words(instruction, instruction.arguments)
     if not words:
         raise instruction.refuse("needs NAME=value")
     if instruction.keyword == "ENV" and "=" not in words[0]:
-        name, _, value = instruction.arguments.partition(" ")
-        return [(name, substitute(value.strip(), variables))]
+        # The old form, ENV NAME the rest: its quotes go, as Docker's do.
+        return [(words[0], substitute(" ".join(words[1:]), variables))]
     pairs = []
     for word in words:
         name, equals, value = word.partition("=")
@@ -188,8 +195,71 @@ def _pairs(instruction: Instruction, variables: Mapping[str, str]) -> list[tuple
     return pairs
 
 
-def _inside(context: Path, pattern: str, instruction: Instruction) -> list[Path]:
-    """The context's files and folders a ``COPY`` source names (globs allowed).
+def _words(instruction: Instruction, text: str) -> list[str]:
+    """Shell-like words of ``text``.
+
+    :raises InvalidArgument: for an unbalanced quote, naming the line.
+    """
+    try:
+        return shlex.split(text, posix=True)
+    except ValueError as exc:
+        raise instruction.refuse(f"cannot be read: {exc}") from None
+
+
+def _matches(relative: str, pattern: PurePosixPath) -> bool:
+    """Whether a context path matches a COPY pattern as Docker's does: part by part, so
+    that ``*`` never crosses a ``/``."""
+    parts = PurePosixPath(relative).parts
+    return len(parts) == len(pattern.parts) and all(
+        fnmatch.fnmatchcase(part, wanted) for part, wanted in zip(parts, pattern.parts, strict=True)
+    )
+
+
+def _glob(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    """Whether path parts match pattern parts, ``**`` standing for any number of parts."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_glob(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return (
+        bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob(parts[1:], pattern[1:])
+    )
+
+
+def ignore_rules(context: Path) -> list[tuple[bool, tuple[str, ...]]]:
+    """The context's ``.dockerignore``: (re-included?, pattern parts) in order."""
+    try:
+        text = (context / ".dockerignore").read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    rules = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        keep = line.startswith("!")
+        pattern = PurePosixPath(line.lstrip("!").strip().strip("/"))
+        if pattern.parts:
+            rules.append((keep, pattern.parts))
+    return rules
+
+
+def ignored(relative: str, rules: list[tuple[bool, tuple[str, ...]]]) -> bool:
+    """Whether ``.dockerignore`` leaves a context path out (a folder left out takes what
+    it holds; the last rule that matches decides, as Docker's)."""
+    parts = PurePosixPath(relative).parts
+    result = False
+    for keep, pattern in rules:
+        if any(_glob(parts[:end], pattern) for end in range(1, len(parts) + 1)):
+            result = not keep
+    return result
+
+
+def _inside(
+    context: Path, pattern: str, instruction: Instruction, rules: list[tuple[bool, tuple[str, ...]]]
+) -> list[Path]:
+    """The context's files and folders a ``COPY`` source names (globs allowed), those
+    ``.dockerignore`` leaves out aside.
 
     :raises InvalidArgument: for a source outside the context, or one that matches
         nothing.
@@ -201,10 +271,11 @@ def _inside(context: Path, pattern: str, instruction: Instruction) -> list[Path]
         found = sorted(
             path
             for path in context.rglob("*")
-            if fnmatch.fnmatchcase(path.relative_to(context).as_posix(), str(relative))
+            if _matches(path.relative_to(context).as_posix(), relative)
         )
     else:
         found = [context / relative] if (context / relative).exists() else []
+    found = [path for path in found if not ignored(path.relative_to(context).as_posix(), rules)]
     resolved_context = context.resolve()
     for path in found:
         if not path.resolve().is_relative_to(resolved_context):
@@ -214,7 +285,13 @@ def _inside(context: Path, pattern: str, instruction: Instruction) -> list[Path]
     return found
 
 
-def _copies(sources: list[Path], target: str, instruction: Instruction) -> list[tuple[Path, str]]:
+def _copies(
+    sources: list[Path],
+    target: str,
+    instruction: Instruction,
+    context: Path,
+    rules: list[tuple[bool, tuple[str, ...]]],
+) -> list[tuple[Path, str]]:
     """Host file -> guest path for every file a ``COPY`` moves, as Docker places them:
     a folder's contents go into the target; files into it when it ends with ``/`` or
     there are several, else onto it."""
@@ -225,6 +302,8 @@ def _copies(sources: list[Path], target: str, instruction: Instruction) -> list[
     for source in sources:
         if source.is_dir():
             for path in sorted(source.rglob("*")):
+                if ignored(path.relative_to(context).as_posix(), rules):
+                    continue
                 if path.is_symlink() or not (path.is_file() or path.is_dir()):
                     raise instruction.refuse(f"{path}: only files and folders are copied")
                 guest = PurePosixPath(target) / path.relative_to(source).as_posix()
@@ -245,11 +324,38 @@ def _digest(parts: list[str | bytes]) -> str:
     return digest.hexdigest()
 
 
-def _files_digest(files: list[tuple[Path, str]]) -> str:
+def read_copied(host: Path, context: Path) -> tuple[int, bytes | None]:
+    """A context file's mode and bytes (None for a folder), read without following a
+    link, from where it really is inside ``context``.
+
+    :raises InvalidArgument: when it now leads outside the context (a folder on its
+        path swapped for a link meanwhile) or is no longer a file or folder.
+    """
+    if not Path(os.path.realpath(host)).is_relative_to(context.resolve()):
+        raise InvalidArgument(f"{host}: leads outside the build context")
+    try:
+        # No link followed, and no wait on a FIFO planted in the context.
+        fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidArgument(f"{host}: cannot be read ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return st.st_mode, None
+        raise InvalidArgument(f"{host}: only files and folders are copied")
+    with os.fdopen(fd, "rb") as file:
+        return st.st_mode, file.read()
+
+
+def files_digest(
+    files: list[tuple[Path, str]] | tuple[tuple[Path, str], ...], context: Path
+) -> str:
+    """The digest of what a COPY moves: guest paths, modes and bytes."""
     parts: list[str | bytes] = []
     for host, guest in files:
-        mode = host.stat().st_mode
-        parts += [guest, oct(mode), host.read_bytes() if host.is_file() else b"<dir>"]
+        mode, data = read_copied(host, context)
+        parts += [guest, oct(mode), b"<dir>" if data is None else data]
     return _digest(parts)
 
 
@@ -259,6 +365,7 @@ def plan(text: str, context: Path, build_args: Mapping[str, str] | None = None) 
     :raises InvalidArgument: naming the line and what is wrong or not supported.
     """
     given = dict(build_args or {})
+    rules = ignore_rules(context)
     declared: dict[str, str] = {}
     env: dict[str, str] = {}
     user: str | None = None
@@ -272,7 +379,8 @@ def plan(text: str, context: Path, build_args: Mapping[str, str] | None = None) 
     consumed: set[str] = set()
 
     def variables() -> dict[str, str]:
-        return {**declared, **env}
+        # What $NAME finds: a command's PATH in the guest too (ENV PATH=/x:$PATH).
+        return {"PATH": DEFAULT_PATH, **declared, **env}
 
     def settings(with_args: bool = True) -> Settings:
         """The settings now; a step's environment has the ARGs too (as Docker's RUN
@@ -354,7 +462,7 @@ def plan(text: str, context: Path, build_args: Mapping[str, str] | None = None) 
         else:  # COPY, ADD
             options, rest = _flags(instruction, ("chown",))
             form_words = _exec_form(Instruction(word, rest, instruction.line))
-            words = list(form_words or shlex.split(rest))
+            words = list(form_words or _words(instruction, rest))
             words = [substitute(w, variables()) for w in words]
             if len(words) < 2:
                 raise instruction.refuse("needs a source and a target")
@@ -366,23 +474,34 @@ def plan(text: str, context: Path, build_args: Mapping[str, str] | None = None) 
                     "/" if target.endswith("/") else ""
                 )
             chown = options.get("chown") or None
-            sources = [found for p in patterns for found in _inside(context, p, instruction)]
+            sources = [found for p in patterns for found in _inside(context, p, instruction, rules)]
             if word == "ADD" and len(sources) == 1 and sources[0].name.endswith(_ARCHIVES):
-                digest = _files_digest([(sources[0], target)])
-                add("copy", instruction, [digest], archive=sources[0], target=target, chown=chown)
-            else:
-                files = _copies(sources, target, instruction)
+                digest = files_digest([(sources[0], target)], context)
                 add(
                     "copy",
                     instruction,
-                    [_files_digest(files)],
+                    [digest],
+                    archive=sources[0],
+                    target=target,
+                    chown=chown,
+                    digest=digest,
+                )
+            else:
+                files = _copies(sources, target, instruction, context, rules)
+                digest = files_digest(files, context)
+                add(
+                    "copy",
+                    instruction,
+                    [digest],
                     files=tuple(files),
                     target=target,
                     chown=chown,
+                    digest=digest,
                 )
     if base is None:
         raise InvalidArgument("Dockerfile: no FROM (FROM cryobox, or FROM a template's name)")
     return Plan(
+        context=context,
         base=base,
         steps=tuple(steps),
         settings=settings(with_args=False),

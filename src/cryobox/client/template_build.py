@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shlex
+import stat
 import tarfile
 import tempfile
 from collections.abc import Mapping
@@ -30,7 +32,7 @@ from cryobox.errors import CryoboxError, InvalidArgument
 from cryobox.guest import protocol as p
 from cryobox.models import Progress, SnapshotInfo
 
-from .dockerfile import OWN_IMAGE, Plan, Step, defaults_json, plan
+from .dockerfile import OWN_IMAGE, Plan, Step, defaults_json, files_digest, plan, read_copied
 
 if TYPE_CHECKING:
     from .async_sandbox import AsyncSandbox
@@ -48,22 +50,37 @@ def cache_name(origin: str, key: str) -> str:
     return CACHE_PREFIX + hashlib.sha256(f"{origin}\0{key}".encode()).hexdigest()[:32]
 
 
-def _archive(files: tuple[tuple[Path, str], ...], chown: str | None) -> Path:
-    """A tar file on the host holding ``files`` at their guest paths, owned by root or
-    by ``chown`` (``user[:group]``, names looked up in the guest as tar unpacks)."""
-    user, _, group = (chown or "root").partition(":")
+def _archive(step: Step, context: Path) -> Path:
+    """A tar file on the host holding the step's files at their guest paths, owned by
+    root (``--chown`` is applied in the guest), made from the bytes read once here and
+    checked against what the Dockerfile was read with (its cache key).
+
+    :raises InvalidArgument: when a file changed since, or now leads out of the context.
+    """
     handle, name = tempfile.mkstemp(prefix="cryobox-copy-", suffix=".tar")
     os.close(handle)
-    with tarfile.open(name, "w") as tar:
-        for host, guest in files:
-            member = tar.gettarinfo(str(host), arcname=guest.lstrip("/"))
-            member.uid = member.gid = 0
-            member.uname, member.gname = user, group or user
-            if member.isfile():
-                with open(host, "rb") as data:
-                    tar.addfile(member, data)
-            else:
-                tar.addfile(member)
+    parts: list[tuple[Path, str]] = []
+    try:
+        with tarfile.open(name, "w") as tar:
+            for host, guest in step.files:
+                mode, data = read_copied(host, context)
+                member = tarfile.TarInfo(guest.lstrip("/"))
+                member.mode = stat.S_IMODE(mode)
+                member.uname = member.gname = "root"
+                if data is None:
+                    member.type = tarfile.DIRTYPE
+                    tar.addfile(member)
+                else:
+                    member.size = len(data)
+                    tar.addfile(member, io.BytesIO(data))
+                parts.append((host, guest))
+        if files_digest(parts, context) != step.digest:
+            raise InvalidArgument(
+                f"Dockerfile line {step.line}: {step.text}: its files changed during the build"
+            )
+    except BaseException:
+        os.unlink(name)
+        raise
     return Path(name)
 
 
@@ -100,21 +117,34 @@ async def _run(sandbox: AsyncSandbox, step: Step, say: Progress) -> None:
         )
 
 
-async def _copy(sandbox: AsyncSandbox, step: Step) -> None:
-    """Unpack the step's files (or its archive) into the guest as root."""
+async def _copy(sandbox: AsyncSandbox, step: Step, context: Path) -> None:
+    """Unpack the step's files (or its archive) into the guest as root, then give them
+    to ``--chown``'s user and group (names or numbers; an unknown name is refused)."""
     inbox = f"/tmp/.cryobox-build-{os.urandom(6).hex()}"
-    local = step.archive or _archive(step.files, step.chown)
+    if step.chown:
+        await _shell(sandbox, step, _owner_check(step.chown))
+    if step.archive is not None:
+        if files_digest([(step.archive, step.target)], context) != step.digest:
+            raise InvalidArgument(
+                f"Dockerfile line {step.line}: {step.text}: the archive changed during the build"
+            )
+        local = step.archive
+    else:
+        local = _archive(step, context)
     try:
         await sandbox.files.upload(local, inbox)
     finally:
         if step.archive is None:
             local.unlink(missing_ok=True)
+    owner = shlex.quote(step.chown or "")
     if step.archive is not None:
         target = shlex.quote(step.target)
-        owner = f" && chown -R {shlex.quote(step.chown)} {target}" if step.chown else ""
-        command = f"mkdir -p {target} && tar -x -f {inbox} -C {target}{owner}"
+        give = f" && chown -R -- {owner} {target}" if step.chown else ""
+        command = f"mkdir -p -- {target} && tar -x -f {inbox} -C {target}{give}"
     else:
-        command = f"tar -x -p --same-owner -f {inbox} -C /"
+        paths = " ".join(shlex.quote(guest) for _host, guest in step.files)
+        give = f" && chown -h -- {owner} {paths}" if step.chown else ""
+        command = f"tar -x -p --same-owner -f {inbox} -C /{give}"
     try:
         await _shell(sandbox, step, command)
     finally:
@@ -122,11 +152,29 @@ async def _copy(sandbox: AsyncSandbox, step: Step) -> None:
             await sandbox.commands.run(["rm", "-f", inbox], user="root")
 
 
-async def _step(sandbox: AsyncSandbox, step: Step, say: Progress) -> None:
+def _owner_check(chown: str) -> str:
+    """A shell test that ``--chown``'s user and group exist in the guest (a number is
+    taken as it is, as Docker does)."""
+    user, _, group = chown.partition(":")
+    checks = []
+    if not user.isdigit():
+        checks.append(
+            f"getent passwd {shlex.quote(user)} >/dev/null || "
+            f"{{ echo 'no user {user} in the guest' >&2; exit 1; }}"
+        )
+    if group and not group.isdigit():
+        checks.append(
+            f"getent group {shlex.quote(group)} >/dev/null || "
+            f"{{ echo 'no group {group} in the guest' >&2; exit 1; }}"
+        )
+    return " && ".join(checks) or "true"
+
+
+async def _step(sandbox: AsyncSandbox, step: Step, say: Progress, context: Path) -> None:
     if step.kind == "run":
         await _run(sandbox, step, say)
     elif step.kind == "copy":
-        await _copy(sandbox, step)
+        await _copy(sandbox, step, context)
     else:
         await _shell(sandbox, step, f"mkdir -p {shlex.quote(step.target)}")
 
@@ -235,7 +283,7 @@ async def build_from_dockerfile(
         for number in range(reused + 1, total + 1):
             step = read.steps[number - 1]
             say(f"step {number}/{total}: {step.text[:70]}")
-            await _step(sandbox, step, say)
+            await _step(sandbox, step, say, read.context)
             await sandbox.snapshot(keys[number - 1], memory=False, overwrite=True)
         await _finish(sandbox, read, say)
         say("saving the machine")

@@ -46,7 +46,7 @@ from cryobox.guest.watch import Watch
 PORT_NAME = "org.cryobox.agent.0"
 RUN_DIR = Path("/run/cryobox")
 SETUP_MARKER = RUN_DIR / "system-ready"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_PATH = p.DEFAULT_PATH
 #: Folder watches a guest serves at once (each holds an inotify descriptor).
 MAX_WATCHES = 256
 READ_SIZE = 64 * 1024

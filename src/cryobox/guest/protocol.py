@@ -44,6 +44,8 @@ TRANSFER_BYTES = TRANSFER_SLOT * TRANSFER_SLOTS
 TRANSFER_SERIAL = "cryobox-transfer"
 
 
+#: Every command's PATH in the guest unless it sets its own (front.c has the same).
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: A template's command defaults in the guest (its Dockerfile's ENV, USER, WORKDIR), as
 #: JSON: ``{"env": {...}, "user": "...", "workdir": "..."}``; read by the agent.
 COMMAND_DEFAULTS = "/etc/cryobox/defaults.json"

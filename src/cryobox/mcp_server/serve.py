@@ -15,6 +15,8 @@ import uvicorn
 from mcp.server.mcpserver import MCPServer
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .tools import MAX_FILE_BYTES
+
 #: Where the MCP endpoint is on the HTTP server.
 HTTP_PATH = "/mcp"
 
@@ -56,6 +58,14 @@ def serve_stdio(server: MCPServer) -> None:
 
 def serve_http(server: MCPServer, host: str, port: int, token: str) -> None:
     """Answer clients at ``http://HOST:PORT/mcp`` until interrupted."""
-    app = BearerToken(server.streamable_http_app(streamable_http_path=HTTP_PATH, host=host), token)
+    app = BearerToken(
+        server.streamable_http_app(
+            streamable_http_path=HTTP_PATH,
+            host=host,
+            # write_file's content, base64 included, and the JSON-RPC around it.
+            max_request_body_size=3 * MAX_FILE_BYTES,
+        ),
+        token,
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     anyio.run(uvicorn.Server(config).serve)

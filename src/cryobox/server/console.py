@@ -13,10 +13,12 @@ API as the SDK. Every string that comes from a guest or a user is shown as text
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.responses import Response
 
 FILES = Path(__file__).parent / "console"
 #: What every page answer carries: nothing but this origin's files and API may load,
@@ -32,6 +34,16 @@ SECURITY_HEADERS = {
 }
 
 
+class _Files(StaticFiles):
+    """The console's files, each with the page's security headers (index.html is
+    reachable under /console/ too)."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+
 def install_console(app: FastAPI) -> None:
     """Serve the console: ``/`` is its page, ``/console/...`` its files."""
 
@@ -39,4 +51,4 @@ def install_console(app: FastAPI) -> None:
     async def page() -> FileResponse:
         return FileResponse(FILES / "index.html", headers=SECURITY_HEADERS)
 
-    app.mount("/console", StaticFiles(directory=FILES), name="console")
+    app.mount("/console", _Files(directory=FILES), name="console")

@@ -156,11 +156,12 @@ class Meter:
                 "WHERE tenant_id = ?",
                 (tenant_bytes * seconds, tenant_id),
             )
-            conn.execute(
-                "INSERT INTO usage_days (tenant_id, day, stored_byte_seconds) VALUES (?, ?, ?) "
+            conn.execute(  # nothing for a tenant removed meanwhile (its key is gone)
+                "INSERT INTO usage_days (tenant_id, day, stored_byte_seconds) "
+                "SELECT id, ?, ? FROM tenants WHERE id = ? "
                 "ON CONFLICT (tenant_id, day) DO UPDATE SET stored_byte_seconds = "
                 "usage_days.stored_byte_seconds + excluded.stored_byte_seconds",
-                (tenant_id, utc_day(time.time()), tenant_bytes * seconds),
+                (utc_day(time.time()), tenant_bytes * seconds, tenant_id),
             )
             for sandbox_id, held in by_sandbox.items():
                 conn.execute(

@@ -32,8 +32,11 @@ from .hub import Hub
 
 #: Bytes of output waiting unread before the shell is killed.
 TERMINAL_BACKLOG = 4 * 1024 * 1024
-#: Seconds a client has to say who it is.
+#: Seconds a client has to say who it is, and how long that message may be.
 HELLO_TIMEOUT = 10.0
+HELLO_LIMIT = 4096
+#: The largest message of keys or a resize taken (a big paste included).
+MESSAGE_LIMIT = 1 << 20
 SHELL = ("/bin/bash", "-l")
 
 
@@ -48,8 +51,11 @@ def install_terminal(app: FastAPI, hub: Hub) -> None:
     async def terminal(socket: WebSocket, sandbox_id: str) -> None:
         await socket.accept()
         try:
-            hello = json.loads(await asyncio.wait_for(socket.receive_text(), HELLO_TIMEOUT))
-        except (TimeoutError, ValueError, WebSocketDisconnect, KeyError):
+            first = await asyncio.wait_for(socket.receive_text(), HELLO_TIMEOUT)
+            if len(first) > HELLO_LIMIT:
+                raise ValueError("too long")
+            hello = json.loads(first)
+        except (TimeoutError, ValueError, RecursionError, WebSocketDisconnect, KeyError):
             await socket.close(4400, 'the first message must be {"key": ..., "cols", "rows"}')
             return
         key = hello.get("key") if isinstance(hello, dict) else None
@@ -83,7 +89,10 @@ def install_terminal(app: FastAPI, hub: Hub) -> None:
 
         async def keys() -> None:
             while True:
-                message = json.loads(await socket.receive_text())
+                text = await socket.receive_text()
+                if len(text) > MESSAGE_LIMIT:
+                    continue  # a paste larger than this is dropped, not parsed
+                message = json.loads(text)
                 if not isinstance(message, dict):
                     continue
                 if isinstance(message.get("input"), str):
