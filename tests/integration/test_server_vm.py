@@ -35,6 +35,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("post", "/sandboxes/{sandbox_id}/rollback"): {"checkpoint": "PLACEHOLDER"},
     ("post", "/sandboxes/{sandbox_id}/snapshots"): {"name": "theirs"},
     ("post", "/sandboxes/{sandbox_id}/forks"): {"count": 1},
+    ("post", "/sandboxes/{sandbox_id}/template"): {"name": "theirs"},
     ("post", "/sandboxes/{sandbox_id}/ports"): {"guest_port": 9999},
     ("post", "/sandboxes/{sandbox_id}/commands"): {"cmd": "touch /root/intruder"},
     ("post", "/sandboxes/{sandbox_id}/commands/{command_id}/kill"): {"signal": 9},
@@ -71,6 +72,9 @@ def test_another_tenants_key_is_answered_404_on_every_endpoint(api_server: ApiSe
             for listing in ("/sandboxes?all=true", "/snapshots", "/lineage"):
                 assert sbx.id not in intruder.get(listing).text
                 assert saved.id not in intruder.get(listing).text
+            # No template was made of the owner's sandbox for anyone.
+            assert "theirs" not in intruder.get("/templates").text
+            assert "theirs" not in owner.get("/templates").text
             # The owner's sandbox is untouched: running, its file, its command.
             assert owner.get(f"/sandboxes/{sbx.id}").json()["state"] == "running"
             assert sbx.files.read_text("/root/mine.txt") == "owner's"
