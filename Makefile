@@ -20,10 +20,12 @@ PIP_STAMP := $(VENV)/.pip-done
 # The web console's browser libraries (xterm.js), pinned by console/package-lock.json.
 CONSOLE_VENDOR := src/cryobox/server/console/vendor
 XTERM := console/node_modules/@xterm
+# E2B's JavaScript SDK for tests/compat/test_e2b_js.py, pinned by its lock file.
+JS_E2B := tests/compat/js
 
 .PHONY: setup image demo test lint unit bench torture soak clean
 
-setup: $(APT_STAMP) $(PIP_STAMP) $(CONSOLE_VENDOR)/.done
+setup: $(APT_STAMP) $(PIP_STAMP) $(CONSOLE_VENDOR)/.done $(JS_E2B)/node_modules/.done
 	@# Bytecode for our own modules (an editable install has none, and a shell with
 	@# PYTHONDONTWRITEBYTECODE never writes it): each supervisor's start, one per sandbox,
 	@# would compile them again. Checked against the sources' times: never stale.
@@ -52,6 +54,11 @@ $(CONSOLE_VENDOR)/.done: console/package-lock.json
 	mkdir -p $(CONSOLE_VENDOR)
 	cp $(XTERM)/xterm/lib/xterm.js $(XTERM)/xterm/css/xterm.css $(XTERM)/addon-fit/lib/addon-fit.js $(CONSOLE_VENDOR)/
 	cp $(XTERM)/xterm/LICENSE $(CONSOLE_VENDOR)/LICENSE.xterm
+	@touch $@
+
+$(JS_E2B)/node_modules/.done: $(JS_E2B)/package-lock.json
+	@command -v npm >/dev/null || $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm
+	cd $(JS_E2B) && npm ci --no-audit --no-fund --silent
 	@touch $@
 
 image: setup

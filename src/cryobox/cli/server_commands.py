@@ -103,13 +103,17 @@ def tenant_create(
     max_vcpus: Annotated[int, typer.Option(help="vCPUs of running sandboxes.")] = 40,
     max_memory_mib: Annotated[int, typer.Option(help="MiB of running sandboxes.")] = 40960,
     max_stored_gib: Annotated[int, typer.Option(help="GiB of saved state.")] = 100,
+    e2b_key: Annotated[
+        bool,
+        typer.Option("--e2b-key", help="A key in E2B's shape (e2b_ and hex), as its JS SDK wants."),
+    ] = False,
 ) -> None:
     """Create a tenant; its API key is the last line printed (shown only now)."""
     from cryobox.server.tenants import Quota
 
     with errors_reported():
         quota = Quota(max_sandboxes, max_vcpus, max_memory_mib, max_stored_gib * 1024**3)
-        tenant, key = _tenants(database, database_url).create(name, quota)
+        tenant, key = _tenants(database, database_url).create(name, quota, e2b_key=e2b_key)
         out.print(f"tenant {tenant.name} ({tenant.id}) created; its API key:", highlight=False)
         print(key)
 
@@ -139,11 +143,16 @@ def tenant_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption =
 
 @tenant_app.command("key-rotate")
 def tenant_key_rotate(
-    name: str, database: DatabaseOption = None, database_url: DatabaseUrlOption = None
+    name: str,
+    database: DatabaseOption = None,
+    database_url: DatabaseUrlOption = None,
+    e2b_key: Annotated[
+        bool, typer.Option("--e2b-key", help="The new key in E2B's shape (e2b_ and hex).")
+    ] = False,
 ) -> None:
     """Replace the tenant's keys with a new one (the last line); old keys stop at once."""
     with errors_reported():
-        key = _tenants(database, database_url).rotate_key(name)
+        key = _tenants(database, database_url).rotate_key(name, e2b_key=e2b_key)
         out.print(f"new API key of {name} (the old ones no longer work):")
         print(key)
 

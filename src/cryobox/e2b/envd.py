@@ -28,7 +28,7 @@ import stat as stats
 import uuid
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,9 @@ EVENT_TYPES = {
 HELPER_TIMEOUT = 30.0
 HELPER_OUTPUT = 64 * 1024
 MULTIPART_LIMIT = 256 * 1024 * 1024
+#: A multipart upload sent without a Content-Length is held whole before it is parsed:
+#: a smaller cap for it.
+MULTIPART_STREAMED_LIMIT = 64 * 1024 * 1024
 MAX_LIST_DEPTH = 32
 MAX_LIST_ENTRIES = 100_000
 MAX_PROCESSES = 1024
@@ -863,12 +866,22 @@ def envd_router(envd: Envd) -> APIRouter:
             xattrs = upload_metadata(request.headers)
             if kind.startswith("multipart/form-data"):
                 declared = request.headers.get("content-length", "")
-                if not declared.isdigit() or int(declared) > MULTIPART_LIMIT:
+                if declared.isdigit() and int(declared) > MULTIPART_LIMIT:
                     return envd_error(
                         413,
-                        f"a multipart upload needs a Content-Length of at most {MULTIPART_LIMIT}"
-                        " bytes (send larger files as application/octet-stream)",
+                        f"a multipart upload may be at most {MULTIPART_LIMIT} bytes (send "
+                        "larger files as application/octet-stream)",
                     )
+                if not declared.isdigit():  # streamed with no length (E2B's JS SDK)
+                    whole = await _bounded_body(request, MULTIPART_STREAMED_LIMIT)
+                    if whole is None:
+                        return envd_error(
+                            413,
+                            "a multipart upload without a Content-Length may be at most "
+                            f"{MULTIPART_STREAMED_LIMIT} bytes (send larger files as "
+                            "application/octet-stream)",
+                        )
+                    request = Request(request.scope, _replay(whole))
                 form = await request.form(max_files=1000, max_fields=1000)
                 parts = form.getlist("file")
                 for part in parts:
@@ -923,6 +936,31 @@ async def _write(
         "path": target,
         "metadata": metadata or None,
     }
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it passes ``limit`` bytes."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _replay(body: bytes) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI ``receive`` that hands over ``body`` once (a body already read, parsed
+    again as a form)."""
+    given = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal given
+        if given:
+            return {"type": "http.disconnect"}
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
 
 
 async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -1,8 +1,9 @@
 """Tenants, their API keys and what they own.
 
-A key is 32 random bytes shown once (``cbx_`` + URL-safe base64); the database keeps
-only its SHA-256 (a key has 256 bits of entropy, so a slow password hash would add
-nothing) and its first characters to tell keys apart. Ownership is a row per sandbox,
+A key is 32 random bytes shown once (``cbx_`` + URL-safe base64), or on request 20 in
+E2B's shape (``e2b_`` + hex, which E2B's JavaScript SDK insists on); the database keeps
+only its SHA-256 (a key has 160 or 256 bits of entropy, so a slow password hash would
+add nothing) and its first characters to tell keys apart. Ownership is a row per sandbox,
 snapshot or template a tenant made through the server: anything else is, to that
 tenant, not there at all.
 """
@@ -23,6 +24,9 @@ from .database import Database
 
 Kind = Literal["sandbox", "snapshot", "template"]
 KEY_PREFIX = "cbx_"
+#: A key in E2B's shape (``e2b_`` and 40 hex digits), which E2B's JavaScript SDK
+#: checks before it sends anything: issued on request (``--e2b-key``), accepted as any.
+E2B_KEY_PREFIX = "e2b_"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 
@@ -71,8 +75,11 @@ class Tenants:
 
     # ------------------------------------------------------------------ tenants and keys
 
-    def create(self, name: str, quota: Quota | None = None) -> tuple[Tenant, str]:
-        """A new tenant and its first API key (the only time the key is shown).
+    def create(
+        self, name: str, quota: Quota | None = None, *, e2b_key: bool = False
+    ) -> tuple[Tenant, str]:
+        """A new tenant and its first API key (the only time the key is shown), in
+        E2B's shape with ``e2b_key``.
 
         :raises InvalidArgument: for a bad or taken name, or a quota below 1.
         """
@@ -87,7 +94,7 @@ class Tenants:
         if self.db.row("SELECT id FROM tenants WHERE name = ?", (name,)):
             raise InvalidArgument(f"tenant {name!r} already exists")
         tenant = Tenant(f"tn-{uuid.uuid4().hex[:12]}", name, time.time(), quota)
-        key = new_key()
+        key = new_key(e2b_key)
         with self.db.transaction() as conn:
             conn.execute(
                 "INSERT INTO tenants VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -122,10 +129,10 @@ class Tenants:
         row = self.db.row("SELECT COUNT(*) AS n FROM api_keys WHERE tenant_id = ?", (tenant.id,))
         return int(row["n"]) if row else 0
 
-    def rotate_key(self, name_or_id: str) -> str:
+    def rotate_key(self, name_or_id: str, *, e2b_key: bool = False) -> str:
         """Replace every key of the tenant with one new key (old keys stop at once)."""
         tenant = self.get(name_or_id)
-        key = new_key()
+        key = new_key(e2b_key)
         with self.db.transaction() as conn:
             conn.execute("DELETE FROM api_keys WHERE tenant_id = ?", (tenant.id,))
             conn.execute(
@@ -160,7 +167,7 @@ class Tenants:
 
     def authenticate(self, key: str) -> Tenant | None:
         """The tenant a key belongs to, or None."""
-        if not key.startswith(KEY_PREFIX):
+        if not key.startswith((KEY_PREFIX, E2B_KEY_PREFIX)):
             return None
         row = self.db.row(
             "SELECT tenants.* FROM api_keys JOIN tenants ON tenants.id = api_keys.tenant_id "
@@ -207,5 +214,8 @@ def api_key(authorization: str | None, x_api_key: str | None) -> str | None:
     return x_api_key
 
 
-def new_key() -> str:
+def new_key(e2b: bool = False) -> str:
+    """A new key: ``cbx_`` and 256 random bits, or E2B's shape (160 bits in hex)."""
+    if e2b:
+        return E2B_KEY_PREFIX + secrets.token_hex(20)
     return KEY_PREFIX + secrets.token_urlsafe(32)
