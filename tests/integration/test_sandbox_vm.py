@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,42 @@ def test_env_cwd_user_and_timeout(shared_sandbox: Sandbox) -> None:
     started = time.monotonic()
     result = shared_sandbox.commands.run("sleep 60", timeout=1)
     assert result.timed_out and result.exit_code == 137 and time.monotonic() - started < 30
+
+
+def _wheel(folder: Path) -> Path:
+    """A pure-Python wheel made by hand (no index, no build backend needed offline)."""
+    name = "cbxdemo-1.0-py3-none-any.whl"
+    files = {
+        "cbxdemo.py": "ANSWER = 42\n",
+        "cbxdemo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: cbxdemo\nVersion: 1.0\n",
+        "cbxdemo-1.0.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = "".join(f"{path},,\n" for path in files) + "cbxdemo-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(folder / name, "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+        wheel.writestr("cbxdemo-1.0.dist-info/RECORD", record)
+    return folder / name
+
+
+def test_python_and_pip_work_as_scripts_expect(shared_sandbox: Sandbox, tmp_path: Path) -> None:
+    """``python`` is python3; ``pip install`` needs no --break-system-packages, as
+    root (system-wide) and as another user (under ~/.local)."""
+    assert shared_sandbox.commands.run("python -c 'print(6*7)'").stdout == "42\n"
+    shared_sandbox.files.upload(_wheel(tmp_path), "/tmp/cbxdemo-1.0-py3-none-any.whl")
+    for user in ("user", "root"):  # the user first: a root install would satisfy it
+        installed = shared_sandbox.commands.run(
+            "pip install --no-index /tmp/cbxdemo-1.0-py3-none-any.whl", user=user
+        )
+        assert installed.exit_code == 0, installed.stderr
+        imported = shared_sandbox.commands.run(
+            "python -c 'import cbxdemo; print(cbxdemo.ANSWER)'", user=user
+        )
+        assert imported.stdout == "42\n", imported.stderr
+    for user in ("root", "user"):
+        shared_sandbox.commands.run("pip uninstall -y cbxdemo", user=user)
 
 
 def test_bad_commands_and_paths(shared_sandbox: Sandbox) -> None:

@@ -45,7 +45,7 @@ from cryobox.models import Progress as Progress
 from cryobox.util import write_json_atomic
 
 #: Bump when the build steps change in a way the other inputs do not show.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 SUITE = "bookworm"
 KERNEL_METAPACKAGE = "linux-image-amd64"
 ROOTFS_PACKAGES = (
@@ -65,7 +65,13 @@ ROOTFS_PACKAGES = (
     "sudo",
     "python3-pip",
     "python3-venv",
+    # `python` is python3, as most scripts (and E2B's tests) expect.
+    "python-is-python3",
 )
+#: pip installs into the guest's Python without --break-system-packages (PEP 668's
+#: marker is for a machine whose Python the distribution manages; a sandbox is the
+#: user's): as root system-wide, as another user under ~/.local.
+PIP_CONF = "[global]\nbreak-system-packages = true\n"
 #: The unprivileged account E2B's SDK runs commands as by default (home /home/user).
 GUEST_USER = "user"
 #: Loaded by the initramfs with their dependencies, in dependency order.
@@ -475,6 +481,7 @@ def _rootfs(rootfs_key: str, packages: dict[str, str]) -> Path:
                 f'--customize-hook=chroot "$1" useradd -m -u 1000 -s /bin/bash {GUEST_USER}',
                 f"--customize-hook=echo '{GUEST_USER} ALL=(ALL) NOPASSWD:ALL' "
                 f'> "$1"/etc/sudoers.d/{GUEST_USER} && chmod 0440 "$1"/etc/sudoers.d/{GUEST_USER}',
+                f"--customize-hook=printf '{PIP_CONF}' > \"$1\"/etc/pip.conf",
                 SUITE,
                 str(tree),
             ]
