@@ -6,6 +6,7 @@ asserts what that user would check."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import sqlite3
 import subprocess
 import sys
@@ -233,9 +234,22 @@ def test_file_metadata_is_kept_as_envd_keeps_it(sbx: Any) -> None:
     assert sbx.files.get_info("meta/b.txt").metadata is None
 
 
+def test_metrics_are_sampled_in_the_guest_and_kept_as_a_series(sbx: Any) -> None:
+    first = sbx.get_metrics()
+    assert first, "no sample"
+    sample = first[-1]
+    assert sample.cpu_count == 2 and 0 <= sample.cpu_used_pct <= 100
+    assert 0 < sample.mem_used < sample.mem_total <= 1024 * 1024 * 1024
+    assert 0 < sample.disk_used < sample.disk_total
+    second = sbx.get_metrics()
+    assert len(second) == len(first) + 1  # one more sample, the earlier ones kept
+    long_ago = sample.timestamp - datetime.timedelta(hours=2)
+    assert sbx.get_metrics(start=long_ago, end=long_ago + datetime.timedelta(minutes=5)) == []
+
+
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
-    with pytest.raises(e2b.SandboxException, match="get_metrics"):
-        sbx.get_metrics()
+    with pytest.raises(e2b.SandboxException, match="network"):
+        sbx.update_network({"allow_out": ["203.0.113.9"]})
 
 
 def test_async_sandbox_the_same_way() -> None:

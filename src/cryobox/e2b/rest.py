@@ -29,12 +29,13 @@ from cryobox.errors import (
     SnapshotNotFound,
     StateError,
 )
-from cryobox.models import CreateRequest, SandboxInfo
+from cryobox.models import CommandRequest, CreateRequest, SandboxInfo
 from cryobox.server.forward import credentials
 from cryobox.server.hub import Hub
 from cryobox.server.tenants import Tenant
 from cryobox.snapshot.manifest import SnapshotPurpose
 
+from . import metrics
 from .records import E2bRecords, E2bSandbox
 
 #: The envd version cryobox answers as: the SDK enables every feature it knows from 0.6.4.
@@ -117,6 +118,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
     """E2B's REST paths; ``forget(sandbox_id)`` drops the in-sandbox API's tracking of a
     sandbox that is killed here."""
     router = APIRouter(prefix="/e2b", include_in_schema=False)
+    samples = metrics.Samples()
 
     def record(me: Tenant, sandbox_id: str) -> E2bSandbox:
         found = records.get(sandbox_id)
@@ -238,6 +240,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         await hub.kill(me, sandbox_id)
         records.remove(sandbox_id)
         forget(sandbox_id)
+        samples.forget(sandbox_id)
         return Response(status_code=204)
 
     @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
@@ -247,6 +250,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             await hub.kill(me, sandbox_id)
             records.remove(sandbox_id)
             forget(sandbox_id)
+            samples.forget(sandbox_id)
         else:
             await hub.set_timeout(me, sandbox_id, body.timeout)
         return Response(status_code=204)
@@ -326,9 +330,28 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         return Response(status_code=204)
 
     @router.get("/sandboxes/{sandbox_id}/metrics")
-    async def metrics(sandbox_id: str, me: Me) -> list[Any]:
+    async def sandbox_metrics(
+        sandbox_id: str, me: Me, start: int | None = None, end: int | None = None
+    ) -> list[Any]:
+        """CPU, memory and disk samples of the sandbox (one taken now when the range
+        reaches the present and the sandbox runs)."""
         record(me, sandbox_id)
-        raise Unsupported("get_metrics is not supported by cryobox (see GET /usage)")
+        info = await hub.get(me, sandbox_id)
+        if info.state == "running" and metrics.wanted_now(end):
+            output = bytearray()
+            try:
+                session = await hub.service.guest.start_command(
+                    sandbox_id,
+                    CommandRequest(argv=("sh", "-c", metrics.SCRIPT), user="root", timeout=10),
+                    lambda stream, data: output.extend(data[:4096] if stream == "stdout" else b""),
+                )
+                if (await session.wait()).exit_code == 0:
+                    samples.add(
+                        sandbox_id, metrics.parse(output.decode(errors="replace"), time.time())
+                    )
+            except (CryoboxError, ValueError):
+                pass  # a paused, busy or odd guest: the samples so far
+        return [s.to_e2b() for s in samples.between(sandbox_id, start, end)]
 
     @router.put("/sandboxes/{sandbox_id}/network")
     async def network(sandbox_id: str, me: Me) -> None:
