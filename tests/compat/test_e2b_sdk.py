@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from api_server import ApiServer
@@ -245,6 +246,26 @@ def test_metrics_are_sampled_in_the_guest_and_kept_as_a_series(sbx: Any) -> None
     assert len(second) == len(first) + 1  # one more sample, the earlier ones kept
     long_ago = sample.timestamp - datetime.timedelta(hours=2)
     assert sbx.get_metrics(start=long_ago, end=long_ago + datetime.timedelta(minutes=5)) == []
+
+
+def test_signed_file_urls_work_until_they_expire_or_are_altered(sbx: Any) -> None:
+    """``download_url``/``upload_url``: plain HTTP with no headers, the sandbox found by
+    the signature alone; an altered or expired URL is a 401."""
+    sbx.files.write("signed.txt", "signed content")
+    url = sbx.download_url("signed.txt", "user", 120)
+    assert httpx.get(url).text == "signed content"
+    altered = url.replace("signed.txt", "other.txt")
+    refused = httpx.get(altered)
+    assert refused.status_code == 401 and "not valid" in refused.json()["message"]
+    expired = httpx.get(sbx.download_url("signed.txt", "user", use_signature_expiration=-5))
+    assert expired.json() == {"code": 401, "message": "signature is already expired"}
+    upload = sbx.upload_url("uploaded.txt", "user")
+    sent = httpx.post(upload, files={"file": ("uploaded.txt", b"sent by url")})
+    assert sent.status_code == 200, sent.text
+    assert sbx.files.read("uploaded.txt") == "sent by url"
+    # A read signature does not write.
+    wrong = httpx.post(url, files={"file": ("signed.txt", b"overwritten")})
+    assert wrong.status_code == 401 and sbx.files.read("signed.txt") == "signed content"
 
 
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:

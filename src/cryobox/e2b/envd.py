@@ -21,10 +21,13 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import posixpath
 import re
 import signal as signals
 import stat as stats
+import time
 import uuid
 import zlib
 from collections import deque
@@ -834,23 +837,7 @@ def envd_router(envd: Envd) -> APIRouter:
             caller = await envd.caller(request.headers, username)
         except NotRunning:
             return not_running(request.headers.get("e2b-sandbox-id"))
-        target = caller.path(path)
-        chunks = envd.hub.service.guest.read_file(caller.sandbox_id, target)
-        try:
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            first = b""
-        except GuestFileNotFound:
-            return envd_error(404, f"path '{target}' does not exist")
-        except CryoboxError as exc:
-            return envd_error(400, str(exc))
-
-        async def body() -> AsyncIterator[bytes]:
-            yield first
-            async for chunk in chunks:
-                yield chunk
-
-        return StreamingResponse(body(), media_type="application/octet-stream")
+        return await serve_download(envd, caller, path)
 
     @router.post("/files")
     async def upload(
@@ -860,55 +847,154 @@ def envd_router(envd: Envd) -> APIRouter:
             caller = await envd.caller(request.headers, username)
         except NotRunning:
             return not_running(request.headers.get("e2b-sandbox-id"))
-        kind = request.headers.get("content-type", "")
-        written: list[dict[str, Any]] = []
-        try:
-            xattrs = upload_metadata(request.headers)
-            if kind.startswith("multipart/form-data"):
-                declared = request.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > MULTIPART_LIMIT:
-                    return envd_error(
-                        413,
-                        f"a multipart upload may be at most {MULTIPART_LIMIT} bytes (send "
-                        "larger files as application/octet-stream)",
-                    )
-                if not declared.isdigit():  # streamed with no length (E2B's JS SDK)
-                    whole = await _bounded_body(request, MULTIPART_STREAMED_LIMIT)
-                    if whole is None:
-                        return envd_error(
-                            413,
-                            "a multipart upload without a Content-Length may be at most "
-                            f"{MULTIPART_STREAMED_LIMIT} bytes (send larger files as "
-                            "application/octet-stream)",
-                        )
-                    request = Request(request.scope, _replay(whole))
-                form = await request.form(max_files=1000, max_fields=1000)
-                parts = form.getlist("file")
-                for part in parts:
-                    if isinstance(part, str):
-                        continue
-                    name = path if path and len(parts) == 1 else part.filename or ""
-                    written.append(await _write(envd, caller, name, _parts(part), xattrs))
-            else:
-                if not path:
-                    return envd_error(400, "path is required for an octet-stream upload")
-                stream: AsyncIterator[bytes] = request.stream()
-                if request.headers.get("content-encoding", "").lower() == "gzip":
-                    stream = _gunzip(stream)
-                written.append(await _write(envd, caller, path, stream, xattrs))
-        except GuestFileNotFound as exc:
-            return envd_error(404, str(exc))
-        except GuestPermissionError as exc:
-            return envd_error(403, str(exc))
-        except CryoboxError as exc:
-            return envd_error(400, str(exc))
-        except zlib.error as exc:
-            return envd_error(400, f"the body is not valid gzip: {exc}")
-        except ClientDisconnect:
-            return Response(status_code=400)  # nobody is left to read it
-        return JSONResponse(written)
+        return await serve_upload(envd, caller, request, path)
 
     return router
+
+
+def url_signature(
+    path: str, operation: str, user: str | None, token: str, expiration: int | None
+) -> str:
+    """E2B's v1 signature of a file URL: SHA-256 of path, operation, user, the sandbox's
+    access token (and expiry), base64 without padding."""
+    raw = f"{path}:{operation}:{user or ''}:{token}"
+    if expiration is not None:
+        raw += f":{expiration}"
+    digest = hashlib.sha256(raw.encode()).digest()
+    return "v1_" + base64.b64encode(digest).rstrip(b"=").decode("ascii")
+
+
+def signed_files_router(envd: Envd) -> APIRouter:
+    """E2B's signed file URLs (``download_url``/``upload_url``): the SDK builds them on
+    the sandbox URL's root (``/files``, not under ``/e2b``) with no sandbox named, so
+    the sandbox is the one whose access token the signature was made with (each
+    compared in constant time). An expired or altered URL is a 401, as envd's."""
+    router = APIRouter(include_in_schema=False)
+
+    async def signed(
+        path: str, username: str | None, signature: str, expiration: str | None, op: str
+    ) -> Caller | Response:
+        if not signature:
+            return envd_error(401, "a signature is required")
+        expires: int | None = None
+        if expiration is not None:
+            if not expiration.lstrip("-").isdigit():
+                return envd_error(400, "signature_expiration must be a Unix time")
+            expires = int(expiration)
+            if expires < time.time():
+                return envd_error(401, "signature is already expired")
+        found = None
+        for record in envd.records.all():
+            wanted = url_signature(path, op, username, record.access_token, expires)
+            if hmac.compare_digest(wanted.encode(), signature.encode()):
+                found = record
+        if found is None:
+            return envd_error(401, "the signature is not valid")
+        try:
+            tenant = envd.hub.tenants.get(found.tenant_id)
+            await envd.hub.use(tenant, found.sandbox_id)  # wakes an idle-paused one
+        except CryoboxError:
+            return not_running(found.sandbox_id)
+        return Caller(found, username or DEFAULT_USER)
+
+    @router.get("/files")
+    async def signed_download(
+        path: str,
+        username: str | None = None,
+        signature: str = "",
+        signature_expiration: str | None = None,
+    ) -> Response:
+        caller = await signed(path, username, signature, signature_expiration, "read")
+        if isinstance(caller, Response):
+            return caller
+        return await serve_download(envd, caller, path)
+
+    @router.post("/files")
+    async def signed_upload(
+        request: Request,
+        path: str,
+        username: str | None = None,
+        signature: str = "",
+        signature_expiration: str | None = None,
+    ) -> Response:
+        caller = await signed(path, username, signature, signature_expiration, "write")
+        if isinstance(caller, Response):
+            return caller
+        return await serve_upload(envd, caller, request, path)
+
+    return router
+
+
+async def serve_download(envd: Envd, caller: Caller, path: str) -> Response:
+    """A file of the caller's sandbox, streamed (envd's ``GET /files``)."""
+    target = caller.path(path)
+    chunks = envd.hub.service.guest.read_file(caller.sandbox_id, target)
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = b""
+    except GuestFileNotFound:
+        return envd_error(404, f"path '{target}' does not exist")
+    except CryoboxError as exc:
+        return envd_error(400, str(exc))
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+async def serve_upload(envd: Envd, caller: Caller, request: Request, path: str | None) -> Response:
+    """Write the request's files into the caller's sandbox (envd's ``POST /files``)."""
+    kind = request.headers.get("content-type", "")
+    written: list[dict[str, Any]] = []
+    try:
+        xattrs = upload_metadata(request.headers)
+        if kind.startswith("multipart/form-data"):
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MULTIPART_LIMIT:
+                return envd_error(
+                    413,
+                    f"a multipart upload may be at most {MULTIPART_LIMIT} bytes (send "
+                    "larger files as application/octet-stream)",
+                )
+            if not declared.isdigit():  # streamed with no length (E2B's JS SDK)
+                whole = await _bounded_body(request, MULTIPART_STREAMED_LIMIT)
+                if whole is None:
+                    return envd_error(
+                        413,
+                        "a multipart upload without a Content-Length may be at most "
+                        f"{MULTIPART_STREAMED_LIMIT} bytes (send larger files as "
+                        "application/octet-stream)",
+                    )
+                request = Request(request.scope, _replay(whole))
+            form = await request.form(max_files=1000, max_fields=1000)
+            parts = form.getlist("file")
+            for part in parts:
+                if isinstance(part, str):
+                    continue
+                name = path if path and len(parts) == 1 else part.filename or ""
+                written.append(await _write(envd, caller, name, _parts(part), xattrs))
+        else:
+            if not path:
+                return envd_error(400, "path is required for an octet-stream upload")
+            stream: AsyncIterator[bytes] = request.stream()
+            if request.headers.get("content-encoding", "").lower() == "gzip":
+                stream = _gunzip(stream)
+            written.append(await _write(envd, caller, path, stream, xattrs))
+    except GuestFileNotFound as exc:
+        return envd_error(404, str(exc))
+    except GuestPermissionError as exc:
+        return envd_error(403, str(exc))
+    except CryoboxError as exc:
+        return envd_error(400, str(exc))
+    except zlib.error as exc:
+        return envd_error(400, f"the body is not valid gzip: {exc}")
+    except ClientDisconnect:
+        return Response(status_code=400)  # nobody is left to read it
+    return JSONResponse(written)
 
 
 async def _write(

@@ -16,14 +16,16 @@ from cryobox.server.extensions import Extension
 from cryobox.server.hub import Hub
 
 from . import rest
-from .envd import Envd, EnvdRpc, envd_router
+from .envd import Envd, EnvdRpc, envd_router, signed_files_router
 from .records import E2bRecords
 
 PREFIX = "/e2b/"
 #: E2B's control-plane paths that name a sandbox.
 _SANDBOX_PATH = re.compile(r"^/e2b(?:/v2)?/sandboxes/([A-Za-z0-9_.-]+)(?:/|$)")
 #: Routes that read their bodies in bounded chunks: file uploads and envd's RPC streams.
-STREAMING = re.compile(r"^(/e2b/files$|/e2b/process\.Process/|/e2b/filesystem\.Filesystem/)")
+STREAMING = re.compile(
+    r"^(/e2b/files$|/files$|/e2b/process\.Process/|/e2b/filesystem\.Filesystem/)"
+)
 
 
 def install(app: FastAPI, hub: Hub) -> None:
@@ -32,6 +34,7 @@ def install(app: FastAPI, hub: Hub) -> None:
     envd = Envd(hub, records)
     app.include_router(rest.e2b_router(hub, records, envd.forget))
     app.include_router(envd_router(envd))
+    app.include_router(signed_files_router(envd))
     app.add_middleware(EnvdRpc, envd=envd)
 
 

@@ -83,6 +83,11 @@ class E2bRecords:
             envs=json.loads(row["envs"]),
         )
 
+    def all(self) -> list[E2bSandbox]:
+        """Every sandbox made through the E2B API, on any host."""
+        rows = self.db.rows("SELECT sandbox_id FROM e2b_sandboxes ORDER BY sandbox_id")
+        return [found for row in rows if (found := self.get(row["sandbox_id"])) is not None]
+
     def by_token(self, sandbox_id: str, token: str | None) -> E2bSandbox | None:
         """The sandbox when ``token`` is its access token (compared in constant time)."""
         record = self.get(sandbox_id)
