@@ -187,25 +187,33 @@ def test_watch_dir_reports_changes(sbx: Any) -> None:
 def test_a_pty_takes_keys_resizes_reconnects_and_dies_like_e2b(sbx: Any) -> None:
     """E2B's terminals map onto cryobox's: input typed in, a resize the shell sees,
     a second connection that gets the output, and kill."""
-    seen = bytearray()
+    seen, also = bytearray(), bytearray()
+    ended: list[BaseException] = []
+
+    def follow(handle: Any, into: bytearray) -> threading.Thread:
+        def wait() -> None:
+            try:
+                handle.wait(on_pty=into.extend)
+            except e2b.CommandExitException as exc:  # how a killed terminal ends
+                ended.append(exc)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        return thread
+
     terminal = sbx.pty.create(e2b.PtySize(rows=24, cols=80), envs={"WHO": "e2b"})
-    waiting = threading.Thread(
-        target=lambda: terminal.wait(on_pty=lambda data: seen.extend(data)), daemon=True
-    )
-    waiting.start()
+    waiting = follow(terminal, seen)
     sbx.pty.send_stdin(terminal.pid, b"stty size; echo hi-$WHO-$((2+3))\n")
     until(lambda: b"hi-e2b-5" in seen and b"24 80" in seen, "the terminal's answer")
     sbx.pty.resize(terminal.pid, e2b.PtySize(rows=30, cols=100))
-    again = sbx.pty.connect(terminal.pid)
-    also = bytearray()
-    threading.Thread(
-        target=lambda: again.wait(on_pty=lambda data: also.extend(data)), daemon=True
-    ).start()
+    again = follow(sbx.pty.connect(terminal.pid), also)
     sbx.pty.send_stdin(terminal.pid, b"stty size\n")
     until(lambda: b"30 100" in seen and b"30 100" in also, "the new size, on both connections")
     assert sbx.pty.kill(terminal.pid)
     waiting.join(30)
-    assert not waiting.is_alive()
+    again.join(30)
+    assert not waiting.is_alive() and not again.is_alive()
+    assert len(ended) == 2 and all(exc.exit_code == -1 for exc in ended)  # type: ignore[attr-defined]
     with pytest.raises(e2b.SandboxException, match="no terminal"):
         handle = sbx.commands.run("sleep 30", background=True)
         try:
