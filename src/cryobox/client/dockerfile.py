@@ -348,15 +348,19 @@ def read_copied(host: Path, context: Path) -> tuple[int, bytes | None]:
         return st.st_mode, file.read()
 
 
+def copied_digest(copied: list[tuple[str, int, bytes | None]]) -> str:
+    """The digest of what a COPY moves: (guest path, mode, bytes or None for a folder)."""
+    parts: list[str | bytes] = []
+    for guest, mode, data in copied:
+        parts += [guest, oct(mode), b"<dir>" if data is None else data]
+    return _digest(parts)
+
+
 def files_digest(
     files: list[tuple[Path, str]] | tuple[tuple[Path, str], ...], context: Path
 ) -> str:
-    """The digest of what a COPY moves: guest paths, modes and bytes."""
-    parts: list[str | bytes] = []
-    for host, guest in files:
-        mode, data = read_copied(host, context)
-        parts += [guest, oct(mode), b"<dir>" if data is None else data]
-    return _digest(parts)
+    """The digest of the context files a COPY moves, read now."""
+    return copied_digest([(guest, *read_copied(host, context)) for host, guest in files])
 
 
 def plan(text: str, context: Path, build_args: Mapping[str, str] | None = None) -> Plan:

@@ -32,7 +32,16 @@ from cryobox.errors import CryoboxError, InvalidArgument
 from cryobox.guest import protocol as p
 from cryobox.models import Progress, SnapshotInfo
 
-from .dockerfile import OWN_IMAGE, Plan, Step, defaults_json, files_digest, plan, read_copied
+from .dockerfile import (
+    OWN_IMAGE,
+    Plan,
+    Step,
+    copied_digest,
+    defaults_json,
+    files_digest,
+    plan,
+    read_copied,
+)
 
 if TYPE_CHECKING:
     from .async_sandbox import AsyncSandbox
@@ -59,7 +68,7 @@ def _archive(step: Step, context: Path) -> Path:
     """
     handle, name = tempfile.mkstemp(prefix="cryobox-copy-", suffix=".tar")
     os.close(handle)
-    parts: list[tuple[Path, str]] = []
+    copied: list[tuple[str, int, bytes | None]] = []
     try:
         with tarfile.open(name, "w") as tar:
             for host, guest in step.files:
@@ -73,8 +82,9 @@ def _archive(step: Step, context: Path) -> Path:
                 else:
                     member.size = len(data)
                     tar.addfile(member, io.BytesIO(data))
-                parts.append((host, guest))
-        if files_digest(parts, context) != step.digest:
+                copied.append((guest, mode, data))
+        # The digest of the very bytes archived, not of a second read.
+        if copied_digest(copied) != step.digest:
             raise InvalidArgument(
                 f"Dockerfile line {step.line}: {step.text}: its files changed during the build"
             )

@@ -544,7 +544,7 @@ def entry_info(entry: EntryInfo) -> fs.EntryInfo:
         group=entry.group,
         modified_time=Timestamp(seconds=seconds, nanos=int((entry.mtime - seconds) * 1e9)),
         symlink_target=entry.symlink_target,
-        metadata=file_metadata(entry),
+        metadata=file_metadata(entry.xattrs),
     )
 
 
@@ -556,11 +556,11 @@ _METADATA_KEY = re.compile(r"\A[A-Za-z0-9!#$%&'*+\-.^_`|~]+\Z")
 _METADATA_VALUE = re.compile(r"\A[\x20-\x7e]*\Z")
 
 
-def file_metadata(entry: EntryInfo) -> dict[str, str]:
+def file_metadata(xattrs: Mapping[str, str]) -> dict[str, str]:
     """A file's E2B metadata: its ``user.e2b.*`` extended attributes, prefix dropped."""
     return {
         name[len(METADATA_XATTR) :]: value
-        for name, value in entry.xattrs.items()
+        for name, value in xattrs.items()
         if name.startswith(METADATA_XATTR)
     }
 
@@ -1015,7 +1015,7 @@ async def _write(
         owner=caller.user,
         xattrs=xattrs,
     )
-    metadata = {k[len(METADATA_XATTR) :]: v for k, v in xattrs.items()}
+    metadata = file_metadata(xattrs)
     return {
         "name": posixpath.basename(target),
         "type": "file",

@@ -10,6 +10,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from cryobox.server.database import Database
 
@@ -71,22 +72,12 @@ class E2bRecords:
 
     def get(self, sandbox_id: str) -> E2bSandbox | None:
         row = self.db.row("SELECT * FROM e2b_sandboxes WHERE sandbox_id = ?", (sandbox_id,))
-        if row is None:
-            return None
-        return E2bSandbox(
-            sandbox_id=row["sandbox_id"],
-            tenant_id=row["tenant_id"],
-            template_id=row["template_id"],
-            access_token=row["access_token"],
-            started_at=row["started_at"],
-            metadata=json.loads(row["metadata"]),
-            envs=json.loads(row["envs"]),
-        )
+        return None if row is None else _record(row)
 
     def all(self) -> list[E2bSandbox]:
         """Every sandbox made through the E2B API, on any host."""
-        rows = self.db.rows("SELECT sandbox_id FROM e2b_sandboxes ORDER BY sandbox_id")
-        return [found for row in rows if (found := self.get(row["sandbox_id"])) is not None]
+        rows = self.db.rows("SELECT * FROM e2b_sandboxes ORDER BY sandbox_id")
+        return [_record(row) for row in rows]
 
     def by_token(self, sandbox_id: str, token: str | None) -> E2bSandbox | None:
         """The sandbox when ``token`` is its access token (compared in constant time)."""
@@ -99,3 +90,15 @@ class E2bRecords:
 
     def remove(self, sandbox_id: str) -> None:
         self.db.execute("DELETE FROM e2b_sandboxes WHERE sandbox_id = ?", (sandbox_id,))
+
+
+def _record(row: Any) -> E2bSandbox:
+    return E2bSandbox(
+        sandbox_id=row["sandbox_id"],
+        tenant_id=row["tenant_id"],
+        template_id=row["template_id"],
+        access_token=row["access_token"],
+        started_at=row["started_at"],
+        metadata=json.loads(row["metadata"]),
+        envs=json.loads(row["envs"]),
+    )

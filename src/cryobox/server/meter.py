@@ -40,6 +40,13 @@ class Prices:
             gb_month=env_number("CRYOBOX_PRICE_GB_MONTH", cls.gb_month),
         )
 
+    def cost(
+        self, vcpu_seconds: float, gib_seconds: float, gb_months: float
+    ) -> tuple[float, float]:
+        """Dollars of compute and of saved state for that use."""
+        compute = vcpu_seconds / 3600 * self.vcpu_hour + gib_seconds / 3600 * self.gib_hour
+        return compute, gb_months * self.gb_month
+
 
 @dataclass(frozen=True)
 class Tracked:
@@ -206,8 +213,7 @@ def usage_days(db: Database, tenant_id: str, prices: Prices, days: int) -> list[
     for r in rows:
         vcpu_s, gib_s = float(r["vcpu_seconds"]), float(r["gib_seconds"])
         gb_months = float(r["stored_byte_seconds"]) / GB_MONTH
-        compute = vcpu_s / 3600 * prices.vcpu_hour + gib_s / 3600 * prices.gib_hour
-        storage = gb_months * prices.gb_month
+        compute, storage = prices.cost(vcpu_s, gib_s, gb_months)
         found.append(
             UsageDay(
                 day=str(r["day"]),
@@ -241,8 +247,7 @@ def usage_report(db: Database, tenant_id: str, prices: Prices, stored_bytes: int
         )
         for r in db.rows("SELECT * FROM sandboxes WHERE tenant_id = ? ORDER BY id", (tenant_id,))
     ]
-    compute = vcpu_s / 3600 * prices.vcpu_hour + gib_s / 3600 * prices.gib_hour
-    storage = stored_bs / GB_MONTH * prices.gb_month
+    compute, storage = prices.cost(vcpu_s, gib_s, stored_bs / GB_MONTH)
     return UsageReport(
         tenant_id=tenant_id,
         vcpu_seconds=vcpu_s,
