@@ -8,12 +8,12 @@ PYTHON    := $(VENV)/bin/python
 CRYOBOX   := $(VENV)/bin/cryobox
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Host tools: QEMU (without its GUI), the image build chain (gcc and jansson compile the
-# guest agent's front, src/cryobox/guest/front.c).
+# guest agent's front, src/cryobox/guest/front.c; libfuse3 its volume mount, volume.c).
 # The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
 # PostgreSQL: the tests of the multi-host server start one in a temporary folder.
 # Chromium: the web console's browser test drives it (Playwright, from PyPI).
 APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates \
-                gcc libc6-dev libjansson-dev clang-format \
+                gcc libc6-dev libjansson-dev libfuse3-dev clang-format \
                 iproute2 util-linux nftables postgresql chromium
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done
@@ -72,7 +72,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check src tests examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
-	clang-format --dry-run --Werror src/cryobox/guest/front.c src/cryobox/guest/init.c
+	clang-format --dry-run --Werror src/cryobox/guest/front.c src/cryobox/guest/init.c src/cryobox/guest/volume.c
 
 unit: setup
 	$(VENV)/bin/pytest -q tests/unit

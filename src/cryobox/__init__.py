@@ -10,7 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cryobox.client import AsyncSandbox, CommandResult, EntryInfo, Sandbox, SandboxInfo
+    from cryobox.client import (
+        AsyncSandbox,
+        AsyncVolume,
+        CommandResult,
+        EntryInfo,
+        Sandbox,
+        SandboxInfo,
+        Volume,
+        VolumeInfo,
+    )
     from cryobox.errors import *  # noqa: F403
 
 #: Every error class is importable from here (``from cryobox import SandboxNotFound``).
@@ -43,6 +52,9 @@ ERRORS = (
     "GuestFileNotFound",
     "CommandNotFound",
     "GuestPermissionError",
+    "VolumeNotFound",
+    "VolumeExists",
+    "VolumeInUse",
 )
 _EXPORTS = {
     "AsyncSandbox": "cryobox.client",
@@ -50,9 +62,22 @@ _EXPORTS = {
     "EntryInfo": "cryobox.client",
     "Sandbox": "cryobox.client",
     "SandboxInfo": "cryobox.client",
+    "Volume": "cryobox.client",
+    "AsyncVolume": "cryobox.client",
+    "VolumeInfo": "cryobox.client",
     **dict.fromkeys(ERRORS, "cryobox.errors"),
 }
-__all__ = ["AsyncSandbox", "CommandResult", "EntryInfo", "Sandbox", "SandboxInfo", *ERRORS]
+__all__ = [
+    "AsyncSandbox",
+    "AsyncVolume",
+    "CommandResult",
+    "EntryInfo",
+    "Sandbox",
+    "SandboxInfo",
+    "Volume",
+    "VolumeInfo",
+    *ERRORS,
+]
 
 
 def __getattr__(name: str) -> Any:

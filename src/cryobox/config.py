@@ -36,6 +36,11 @@ MAX_MEMORY_MIB = 64 * 1024
 #: The image's filesystem is 2 GiB; a larger disk is grown into at boot.
 MIN_DISK_GIB = 2
 MAX_DISK_GIB = 1024
+#: A named volume's size limit, and how many volumes one sandbox mounts at most (the
+#: guest's volume ports: a fixed number, as a restore needs the devices it was saved with).
+DEFAULT_VOLUME_GIB = 10
+MAX_VOLUME_GIB = 16384
+MAX_MOUNTS = 4
 #: A rewindable history (``checkpoint_every``): its period's bounds in seconds (each
 #: automatic checkpoint stops the guest for a moment and stores its RAM), and how many
 #: checkpoints it keeps unless told.
@@ -61,6 +66,11 @@ def cache_dir() -> Path:
 
 def state_dir() -> Path:
     path = Path(os.environ.get("CRYOBOX_STATE_DIR") or platformdirs.user_data_dir("cryobox"))
+    return _private(path)
+
+
+def volumes_dir() -> Path:
+    path = state_dir() / "volumes"
     return _private(path)
 
 

@@ -97,6 +97,29 @@ class TemplateNotFound(InvalidArgument):
         super().__init__(f"template {name!r} does not exist{listed}")
 
 
+class VolumeNotFound(CryoboxError):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"no volume named {name!r}")
+
+
+class VolumeExists(CryoboxError):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"a volume named {name!r} exists already")
+
+
+class VolumeInUse(CryoboxError):
+    """A volume deleted while sandboxes mount it: refused, naming them."""
+
+    def __init__(self, name: str, sandboxes: Sequence[str]) -> None:
+        self.name = name
+        self.sandboxes = tuple(sandboxes)
+        super().__init__(
+            f"volume {name!r} is mounted by {', '.join(self.sandboxes)}; kill them first"
+        )
+
+
 class CapacityError(CryoboxError):
     """The host cannot hold what was asked; refused before anything started."""
 
@@ -260,6 +283,7 @@ _GUEST_ACTIONS = {
     "file.watch": "watching",
     "file.unwatch": "stopping a watch",
     "sys.refresh": "refreshing the guest's identity",
+    "volume.mount": "mounting a volume",
 }
 
 
@@ -294,6 +318,8 @@ class GuestPermissionError(GuestError, PermissionError):
 
 _CONTEXT_FIELDS = (
     "snapshot_id",
+    "name",
+    "sandboxes",
     "field",
     "saved",
     "host",
@@ -351,5 +377,5 @@ def error_from_detail(detail: dict[str, Any], message: str | None = None) -> Cry
     if isinstance(fields, dict):
         for name, value in fields.items():
             if name in _CONTEXT_FIELDS:
-                setattr(exc, name, tuple(value) if name == "required" else value)
+                setattr(exc, name, tuple(value) if name in ("required", "sandboxes") else value)
     return exc

@@ -225,6 +225,8 @@ class SandboxInfo:
     keep_checkpoints: int = 0
     #: The ``cryobox server`` host that runs it (its id; empty when embedded).
     host: str = ""
+    #: Its volume mounts: mount point to the volume's name (``"name:ro"`` read-only).
+    volumes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,19 @@ class SnapshotInfo:
             location=location,
             automatic=bool(value.get("automatic", False)),
         )
+
+
+@dataclass(frozen=True)
+class VolumeInfo:
+    """A named volume: a folder on the host that outlives the sandboxes mounting it."""
+
+    name: str
+    size_gib: int
+    created_at: float
+    #: Bytes its files take on the host's disk now.
+    used_bytes: int = 0
+    #: The sandboxes (not ended) that mount it.
+    mounted_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -370,6 +385,13 @@ class CreateRequest:
     #: (default ``config.DEFAULT_KEEP_CHECKPOINTS``); see ``AsyncSandbox.rewind``.
     checkpoint_every: Annotated[float, Ge(0), Le(config.MAX_CHECKPOINT_EVERY)] = 0.0
     keep_checkpoints: Annotated[int, Ge(1), Le(config.MAX_KEEP_CHECKPOINTS)] | None = None
+    #: Named volumes to mount: mount point to the volume's name, ``"name:ro"`` for a
+    #: read-only mount (see :class:`VolumeInfo`). From a snapshot, its mounts come too;
+    #: a mount point named again gets the volume named now.
+    volumes: Annotated[
+        Mapping[Annotated[str, MaxLen(1024)], Annotated[str, MaxLen(160)]],
+        MaxLen(config.MAX_MOUNTS),
+    ] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON body of ``POST /sandboxes``: the template and timeout always (a

@@ -108,6 +108,12 @@ class Signal(Body):
 
 
 @dataclass(frozen=True)
+class CreateVolume(Body):
+    name: Annotated[str, MinLen(1), MaxLen(100)]
+    size_gib: Annotated[int, Ge(1), Le(config.MAX_VOLUME_GIB)] = config.DEFAULT_VOLUME_GIB
+
+
+@dataclass(frozen=True)
 class MakeDir(Body):
     path: Text
     parents: bool = True

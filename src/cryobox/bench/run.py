@@ -38,6 +38,7 @@ from . import saved as bench_saved
 from . import steps as bench_steps
 from . import store as bench_store
 from . import translation as bench_translation
+from . import volumes as bench_volumes
 from .store import disk_bandwidth_mb_s, environment
 
 SCENARIOS = (
@@ -58,6 +59,7 @@ SCENARIOS = (
     "freed-memory",
     "history",
     "file-transfer",
+    "volumes",
     "guest-flood",
     "http-exec",
     "http-get",
@@ -997,6 +999,53 @@ async def file_transfer(ctx: Context) -> list[Figure]:
     return figures
 
 
+async def volumes(ctx: Context) -> list[Figure]:
+    """A named volume against the guest's own disk in the same guest, and what a mount
+    adds to a pause, its resume and a fork of 3 (against a sandbox without one)."""
+    measured = await bench_volumes.run(ctx.quick)
+    figures = []
+    for name, rates in (("write", measured.write), ("read", measured.read)):
+        figures.append(
+            summarize(
+                f"volume-{name}",
+                rates["volume"],
+                "MB/s",
+                baseline="the root disk, same guest",
+                base_value=statistics.median(rates["root"]),
+                note=f"{measured.mb} MB sequential (dd bs=1M, conv=fsync on write, caches "
+                f"dropped before the read); root disk median "
+                f"{statistics.median(rates['root']):.0f} MB/s",
+            )
+        )
+    figures.append(
+        summarize(
+            "volume-small-files",
+            measured.creates["volume"],
+            "files/s",
+            baseline="the root disk, same guest",
+            base_value=statistics.median(measured.creates["root"]),
+            note=f"{measured.files} files of a line each made by the shell, then sync",
+        )
+    )
+    for name, seconds in (
+        ("pause", measured.pause),
+        ("resume", measured.resume),
+        ("fork-3", measured.fork),
+    ):
+        figures.append(
+            summarize(
+                f"volume-{name}",
+                seconds["volume"],
+                "s",
+                baseline="the same without a volume",
+                base_value=statistics.median(seconds["none"]),
+                note=f"with one volume mounted; without: median "
+                f"{statistics.median(seconds['none']):.3f} s",
+            )
+        )
+    return figures
+
+
 async def guest_flood(ctx: Context) -> list[Figure]:
     before, peak, logs = await bench_bounds.flood(ctx.quick)
     streamed = bench_bounds.FLOOD_BYTES / (10 if ctx.quick else 1) / 2**20
@@ -1071,6 +1120,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await history(ctx)
     if "file-transfer" in names:
         figures += await file_transfer(ctx)
+    if "volumes" in names:
+        figures += await volumes(ctx)
     if "guest-flood" in names:
         figures += await guest_flood(ctx)
     if {"http-exec", "http-get"} & set(names):

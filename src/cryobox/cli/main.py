@@ -35,6 +35,7 @@ from .pool_commands import pool_app, print_members
 from .server_commands import server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
 from .terminal import run_on_terminal, stdin_fd
+from .volume_commands import volume_app
 
 app = typer.Typer(no_args_is_help=True, help="Real VM sandboxes for AI agents.")
 
@@ -65,6 +66,7 @@ app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(store_app, name="store")
 app.add_typer(key_app, name="key")
 app.add_typer(pool_app, name="pool")
+app.add_typer(volume_app, name="volume")
 
 CpusOption = Annotated[int, typer.Option("--cpus", help="vCPUs.")]
 MemoryOption = Annotated[int, typer.Option("--memory", help="RAM in MiB.")]
@@ -120,8 +122,10 @@ def create_sandbox(
     *,
     checkpoint_every: float = 0,
     keep_checkpoints: int | None = None,
+    volume: list[str] | None = None,
 ) -> Sandbox:
     envs, metadata = key_values("--env", env or []), key_values("--label", label or [])
+    volumes = key_values("--volume", volume or [])
     with console.status("starting sandbox (building the guest image first if needed)") as status:
         return Sandbox.create(
             template,
@@ -138,6 +142,7 @@ def create_sandbox(
             ca_bundle=ca_bundle,
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
+            volumes=volumes,
             progress=lambda step: status.update(step),
         )
 
@@ -175,6 +180,14 @@ def create(
         int | None,
         typer.Option(help="With --checkpoint-every: how many to keep, the newest (default 10)."),
     ] = None,
+    volume: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--volume",
+            "-v",
+            help="PATH=NAME: mount named volume NAME at PATH (NAME:ro read-only; repeatable).",
+        ),
+    ] = None,
 ) -> None:
     """Start a sandbox and print its id."""
     with errors_reported():
@@ -193,6 +206,7 @@ def create(
             ca_bundle,
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
+            volume=volume,
         )
         for guest, host in sbx.ports.items():
             console.print(f"port {guest} -> 127.0.0.1:{host}")

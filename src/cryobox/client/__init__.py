@@ -8,6 +8,7 @@ from cryobox.models import (
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
+    VolumeInfo,
 )
 
 from .async_sandbox import (
@@ -21,6 +22,7 @@ from .async_sandbox import (
     RunOptions,
 )
 from .sync_sandbox import CommandHandle, Commands, Files, Pty, PtyHandle, Sandbox, WatchHandle
+from .volume import AsyncVolume, Volume
 
 __all__ = [
     "AsyncCommandHandle",
@@ -29,6 +31,7 @@ __all__ = [
     "AsyncPty",
     "AsyncPtyHandle",
     "AsyncSandbox",
+    "AsyncVolume",
     "AsyncWatchHandle",
     "CommandHandle",
     "CommandResult",
@@ -44,5 +47,7 @@ __all__ = [
     "SandboxInfo",
     "SnapshotInfo",
     "TemplateInfo",
+    "Volume",
+    "VolumeInfo",
     "WatchHandle",
 ]

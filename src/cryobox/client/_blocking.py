@@ -31,6 +31,7 @@ def sync_name(annotation: str) -> str:
         "AsyncPtyHandle",
         "AsyncPty",
         "AsyncWatchHandle",
+        "AsyncVolume",
     ):
         annotation = annotation.replace(name, name.removeprefix("Async"))
     return annotation

@@ -55,6 +55,7 @@ from cryobox.models import (
 
 from .history import point_in_history
 from .transport import Transport, transport_for
+from .volume import Named, mount_sources
 
 T = TypeVar("T")
 
@@ -573,6 +574,7 @@ class AsyncSandbox:
         ca_bundle: str | os.PathLike[str] | None = None,
         checkpoint_every: float = 0,
         keep_checkpoints: int | None = None,
+        volumes: Mapping[str, str | Named] | None = None,
         progress: Progress | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
@@ -611,6 +613,11 @@ class AsyncSandbox:
         goes back to one, and any of them can start new sandboxes (``from_snapshot``).
         Each stops the guest for a moment and stores the RAM it uses (zero pages
         skipped) and the disk blocks it changed. Forks do not inherit it.
+
+        ``volumes`` mounts named volumes (:class:`Volume`): mount point to the volume or
+        its name, ``"name:ro"`` read-only, at most 4. Their files outlive the sandbox and
+        are shared live with every other sandbox mounting them; snapshots, pauses and
+        forks record the mounts, never the files (a rollback does not undo a volume).
 
         ``api_url`` and ``api_key`` (or ``CRYOBOX_API_URL`` and ``CRYOBOX_API_KEY``) run it
         on a ``cryobox server`` instead of this host; there ``idle_timeout`` seconds
@@ -659,6 +666,7 @@ class AsyncSandbox:
             **_egress(proxy, ca_bundle),
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
+            volumes=mount_sources(volumes),
         )
         return cls(await transport.create(request, progress), transport)
 

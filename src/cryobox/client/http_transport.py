@@ -40,6 +40,7 @@ from cryobox.models import (
     SnapshotInfo,
     SnapshotPurpose,
     TemplateInfo,
+    VolumeInfo,
     WatchSink,
 )
 from cryobox.util import each_chunk
@@ -70,6 +71,12 @@ def template_info(value: dict[str, Any]) -> TemplateInfo:
     fields = _fields(TemplateInfo, value)
     fields["setup"] = tuple(fields.get("setup") or ())
     return TemplateInfo(**fields)
+
+
+def volume_info(value: dict[str, Any]) -> VolumeInfo:
+    fields = _fields(VolumeInfo, value)
+    fields["mounted_by"] = tuple(fields.get("mounted_by") or ())
+    return VolumeInfo(**fields)
 
 
 def raise_for(response: httpx.Response) -> None:
@@ -388,10 +395,12 @@ class HttpTransport:
         await command.start(body)
         return command
 
-    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        request = self._client.build_request(
-            "GET", self._sbx(sandbox_id, "/files"), params={"path": path}, timeout=STREAM
-        )
+    def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        return self._download(self._sbx(sandbox_id, "/files"), path)
+
+    async def _download(self, url: str, path: str) -> AsyncIterator[bytes]:
+        """The body of a GET of ``url`` for ``path``, streamed."""
+        request = self._client.build_request("GET", url, params={"path": path}, timeout=STREAM)
         response = await open_stream(self._client, request, f"reading {path}")
         try:
             async for chunk in response.aiter_bytes():
@@ -484,6 +493,41 @@ class HttpTransport:
 
     async def disconnect(self, sandbox_id: str) -> None:
         """Nothing is held per sandbox over HTTP (each call is its own request)."""
+
+    @staticmethod
+    def _vol(name: str, rest: str = "") -> str:
+        return f"/volumes/{quote(name, safe='')}{rest}"
+
+    async def create_volume(self, name: str, size_gib: int) -> VolumeInfo:
+        body = wire.CreateVolume(name=name, size_gib=size_gib).to_wire()
+        return volume_info((await self._call("POST", "/volumes", json=body)).json())
+
+    async def get_volume(self, name: str) -> VolumeInfo:
+        return volume_info((await self._call("GET", self._vol(name))).json())
+
+    async def volumes(self) -> builtins.list[VolumeInfo]:
+        return [volume_info(item) for item in (await self._call("GET", "/volumes")).json()]
+
+    async def delete_volume(self, name: str) -> None:
+        await self._call("DELETE", self._vol(name))
+
+    def read_volume_file(self, name: str, path: str) -> AsyncIterator[bytes]:
+        return self._download(self._vol(name, "/files"), path)
+
+    async def write_volume_file(
+        self, name: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes]
+    ) -> None:
+        await self._call(
+            "PUT",
+            self._vol(name, "/files"),
+            params={"path": path},
+            content=each_chunk(chunks),
+            timeout=STREAM,
+        )
+
+    async def list_volume(self, name: str, path: str) -> builtins.list[EntryInfo]:
+        response = await self._call("GET", self._vol(name, "/files/list"), params={"path": path})
+        return [EntryInfo.from_json(item) for item in response.json()]
 
     async def usage(self, sandbox_id: str | None = None) -> wire.UsageReport | wire.SandboxUsage:
         """The tenant's usage so far, priced; or one sandbox's (``sandbox_id``)."""

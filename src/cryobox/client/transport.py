@@ -29,6 +29,7 @@ from cryobox.models import (
     SnapshotPurpose,
     StartedCommand,
     TemplateInfo,
+    VolumeInfo,
     WatchSink,
 )
 
@@ -99,6 +100,15 @@ class Transport(Protocol):
     async def delete_template(self, name: str) -> None: ...
     async def collect_garbage(self) -> builtins.list[str]: ...
     async def disconnect(self, sandbox_id: str) -> None: ...
+    async def create_volume(self, name: str, size_gib: int) -> VolumeInfo: ...
+    async def get_volume(self, name: str) -> VolumeInfo: ...
+    async def volumes(self) -> builtins.list[VolumeInfo]: ...
+    async def delete_volume(self, name: str) -> None: ...
+    def read_volume_file(self, name: str, path: str) -> AsyncIterator[bytes]: ...
+    async def write_volume_file(
+        self, name: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes]
+    ) -> None: ...
+    async def list_volume(self, name: str, path: str) -> builtins.list[EntryInfo]: ...
 
 
 class LocalTransport:
@@ -232,6 +242,29 @@ class LocalTransport:
 
     async def disconnect(self, sandbox_id: str) -> None:
         await self.service.connections.disconnect(sandbox_id)
+
+    async def create_volume(self, name: str, size_gib: int) -> VolumeInfo:
+        return await self.service.volumes.create(name, size_gib)
+
+    async def get_volume(self, name: str) -> VolumeInfo:
+        return await self.service.volumes.get(name)
+
+    async def volumes(self) -> builtins.list[VolumeInfo]:
+        return await self.service.volumes.list()
+
+    async def delete_volume(self, name: str) -> None:
+        await self.service.volumes.delete(name)
+
+    def read_volume_file(self, name: str, path: str) -> AsyncIterator[bytes]:
+        return self.service.volumes.read_file(name, path)
+
+    async def write_volume_file(
+        self, name: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes]
+    ) -> None:
+        await self.service.volumes.write_file(name, path, chunks)
+
+    async def list_volume(self, name: str, path: str) -> builtins.list[EntryInfo]:
+        return await self.service.volumes.list_dir(name, path)
 
 
 _local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LocalTransport] = (

@@ -265,6 +265,17 @@ def fork_env() -> dict[str, str]:
     }
 
 
+def volume_mounted(path: str) -> bool:
+    """Whether a volume's file system is mounted at ``path``."""
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields = line.split()
+            dash = fields.index("-")
+            if fields[4] == path and fields[dash + 1] == "fuse.cryobox":
+                return True
+    return False
+
+
 def find_port() -> str:
     for _ in range(500):
         link_virtio_ports()
@@ -687,6 +698,7 @@ class Agent:
             p.GuestOp.FILE_REMOVE: self.file_remove,
             p.GuestOp.FILE_WATCH: self.file_watch,
             p.GuestOp.FILE_UNWATCH: self.file_unwatch,
+            p.GuestOp.VOLUME_MOUNT: self.volume_mount,
         }
 
     # -- plumbing
@@ -1104,6 +1116,29 @@ class Agent:
                 os.rmdir(path)
         else:
             os.unlink(path)
+
+    async def volume_mount(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        """Mount volume port ``slot`` at ``path`` (``cryobox-volume``, which returns once
+        mounted and serves on in the background); nothing when it is mounted already (a
+        restored machine's mounts are in its RAM)."""
+        slot, path = int(args["slot"]), str(args["path"])
+        if volume_mounted(path):
+            return {"mounted": False}
+        link_virtio_ports()
+        port = Path("/dev/virtio-ports") / f"{p.VOLUME_PORT_PREFIX}{slot}"
+        if not port.exists():
+            raise OpError(p.UNSUPPORTED, f"this machine has no volume port {slot}")
+        os.makedirs(path, exist_ok=True)
+        argv = [str(RUN_DIR / "cryobox-volume"), str(port), path]
+        if args.get("read_only"):
+            argv.append("ro")
+        done = await asyncio.to_thread(
+            subprocess.run, argv, capture_output=True, timeout=60, check=False
+        )
+        if done.returncode != 0 or not volume_mounted(path):
+            said = (done.stderr or done.stdout).decode(errors="replace").strip()[-500:]
+            raise OpError(p.INTERNAL, f"cannot mount the volume at {path}: {said}")
+        return {"mounted": True}
 
     async def file_watch(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         """Send an ``fs`` event per change under ``path`` until unwatched; the first event,

@@ -78,6 +78,8 @@ class GuestOp(enum.StrEnum):
     FILE_WATCH = "file.watch"
     FILE_UNWATCH = "file.unwatch"
     SYS_REFRESH = "sys.refresh"
+    #: Mount a volume port's file system at a path (done already: nothing to do).
+    VOLUME_MOUNT = "volume.mount"
 
 
 # Error kinds: the one vocabulary both sides use for failures.
@@ -98,6 +100,10 @@ INTERNAL = "internal"
 UNSUPPORTED = "unsupported"
 #: The supervisor lost its channel to the agent (said by the supervisor, never the agent).
 CHANNEL = "channel"
+
+
+#: The guest's volume ports, by slot: ``org.cryobox.volume.N`` (see cryobox.volume).
+VOLUME_PORT_PREFIX = "org.cryobox.volume."
 
 
 class FrameError(Exception):

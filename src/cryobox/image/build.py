@@ -45,7 +45,7 @@ from cryobox.models import Progress as Progress
 from cryobox.util import write_json_atomic
 
 #: Bump when the build steps change in a way the other inputs do not show.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 SUITE = "bookworm"
 KERNEL_METAPACKAGE = "linux-image-amd64"
 ROOTFS_PACKAGES = (
@@ -82,6 +82,8 @@ INITRAMFS_MODULES = (
     "virtio_net",
     "virtio_rng",
     "ext4",
+    # Volume mounts (cryobox-volume, guest/volume.c).
+    "fuse",
 )
 ROOTFS_SIZE_GIB = 2
 HOST_TOOLS = (
@@ -112,10 +114,14 @@ FRONT_SOURCE = "guest/front.c"
 FRONT_FLAGS = ("-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror")
 FRONT_LIBS = ("-Wl,-Bstatic", "-ljansson", "-Wl,-Bdynamic")
 #: Debian packages the front's build uses: their versions are part of the key.
-FRONT_BUILD_PACKAGES = ("gcc", "libc6-dev", "libjansson-dev")
+FRONT_BUILD_PACKAGES = ("gcc", "libc6-dev", "libjansson-dev", "libfuse3-dev")
 IMAGE_FILES = ("initramfs-init.sh",)
 #: The guest's PID 1 (see its header), compiled like the front.
 INIT_SOURCE = "guest/init.c"
+#: A volume's mount in the guest (see its header), libfuse 3 linked in statically.
+VOLUME_SOURCE = "guest/volume.c"
+VOLUME_FLAGS = ("-I/usr/include/fuse3",)
+VOLUME_LIBS = ("-Wl,-Bstatic", "-lfuse3", "-Wl,-Bdynamic", "-lpthread", "-ldl")
 
 
 @dataclass(frozen=True)
@@ -262,7 +268,7 @@ def image_key() -> dict[str, Any]:
     }
     sources = {
         name: hashlib.sha256(_source_bytes(name)).hexdigest()
-        for name in (*GUEST_FILES, FRONT_SOURCE, INIT_SOURCE, *IMAGE_FILES)
+        for name in (*GUEST_FILES, FRONT_SOURCE, INIT_SOURCE, VOLUME_SOURCE, *IMAGE_FILES)
     }
     key: dict[str, Any] = {
         "rootfs": rootfs_inputs,
@@ -274,7 +280,10 @@ def image_key() -> dict[str, Any]:
         # How the kernel is booted and the agent loaded (see Image.kernel, _initramfs).
         "boot": "pvh-vmlinux",
         "agent_bytecode": "unchecked-hash",
-        "front_build": {"flags": [*FRONT_FLAGS, *FRONT_LIBS], **front_build_versions()},
+        "front_build": {
+            "flags": [*FRONT_FLAGS, *FRONT_LIBS, *VOLUME_FLAGS, *VOLUME_LIBS],
+            **front_build_versions(),
+        },
     }
     key["id"] = _digest(key)
     return key
@@ -348,6 +357,17 @@ def compile_init(output: Path) -> None:
         source = Path(temp) / "init.c"
         source.write_bytes(_source_bytes(INIT_SOURCE))
         run(["gcc", *FRONT_FLAGS, "-o", str(output), str(source)])
+
+
+def compile_volume(output: Path) -> None:
+    """Compile the guest's volume mount (``cryobox-volume``) to ``output``.
+
+    :raises ImageError: with the compiler's output when it fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="cryobox-volume-") as temp:
+        source = Path(temp) / "volume.c"
+        source.write_bytes(_source_bytes(VOLUME_SOURCE))
+        run(["gcc", *FRONT_FLAGS, *VOLUME_FLAGS, "-o", str(output), str(source), *VOLUME_LIBS])
 
 
 def _digest(value: Any) -> str:
@@ -426,8 +446,10 @@ def _build(key: dict[str, Any], progress: Progress) -> Image:
 
 
 def _kernel(package: str, version: str) -> Path:
-    """Download and unpack the kernel package once: bzImage plus the modules we load."""
-    target = config.cache_dir() / "kernel" / f"{package}_{version}"
+    """Download and unpack the kernel package once: bzImage plus the modules we load
+    (cached by both: another module list unpacks again)."""
+    modules = _digest(list(INITRAMFS_MODULES))[:8]
+    target = config.cache_dir() / "kernel" / f"{package}_{version}_{modules}"
     if (target / "order").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -568,6 +590,7 @@ def _initramfs(kernel_dir: Path, output: Path, work: Path) -> None:
     init.chmod(0o755)
     compile_front(work / "cryobox/cryobox-agent")
     compile_init(work / "cryobox/cryobox-init")
+    compile_volume(work / "cryobox/cryobox-volume")
     lib = work / "cryobox/lib/cryobox"
     (lib / "__init__.py").write_text('"""cryobox guest side: only the agent and its protocol."""\n')
     for name in GUEST_FILES:

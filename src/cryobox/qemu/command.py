@@ -14,6 +14,7 @@ from cryobox.config import env_number, tcg_threads
 from cryobox.guest.protocol import TRANSFER_SERIAL
 from cryobox.network.policy import NONE
 from cryobox.vmm.base import MachineSpec, PortForward
+from cryobox.volume.mounts import port_name
 
 MACHINE_TYPE = "q35"
 AGENT_PORT_NAME = "org.cryobox.agent.0"
@@ -113,6 +114,20 @@ def transfer_disk_args(path: Path | None) -> list[str]:
     ]
 
 
+def volume_port_args(sockets: tuple[Path, ...]) -> list[str]:
+    """A virtio-serial port per volume mount slot, each on a socket its host end
+    (:mod:`cryobox.volume.serve`) connects to."""
+    args: list[str] = []
+    for slot, path in enumerate(sockets):
+        args += [
+            "-chardev",
+            f"socket,id=volume{slot},path={path},server=on,wait=off",
+            "-device",
+            f"virtserialport,bus=vser0.0,chardev=volume{slot},name={port_name(slot)}",
+        ]
+    return args
+
+
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
     """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
     once it is set up)."""
@@ -178,6 +193,7 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
         f"socket,id=agent,path={spec.agent_socket},server=on,wait=off",
         "-device",
         f"virtserialport,bus=vser0.0,chardev=agent,name={AGENT_PORT_NAME}",
+        *volume_port_args(spec.volume_sockets),
         "-netdev",
         netdev(spec),
         "-device",

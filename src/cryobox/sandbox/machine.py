@@ -580,6 +580,7 @@ class Machine:
             isolated=self.isolated,
             tcg_threads=self._tcg_threads,
             transfer_disk=self.folder.transfer_disk,
+            volume_sockets=self.folder.volume_sockets(),
         )
 
     async def _start_vm(
@@ -832,6 +833,7 @@ class Machine:
             ports=tuple(self.record.ports),
             ram_in_stream=memory and not self.record.memory_shared,
             backend=self.backend_facts(),
+            volumes=self.spec.volumes,
         )
 
     async def pause(self, *, hold: float = 0.0) -> None:

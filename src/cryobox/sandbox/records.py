@@ -55,6 +55,8 @@ class SandboxSpec:
     #: runs (0: none), the newest ``keep_checkpoints`` kept (taken by its supervisor).
     checkpoint_every: float = 0.0
     keep_checkpoints: int = 0
+    #: Its volume mounts (:class:`cryobox.volume.mounts.VolumeMount` as JSON), by slot.
+    volumes: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:
@@ -63,7 +65,13 @@ class SandboxSpec:
             value = {**value, "envs": json.loads(keys.open_sealed("envs", sealed))}
         known = {f.name for f in fields(cls)}
         value = {k: v for k, v in value.items() if k in known}
-        return cls(**{**value, "ports": tuple(value.get("ports", ()))})
+        return cls(
+            **{
+                **value,
+                "ports": tuple(value.get("ports", ())),
+                "volumes": tuple(value.get("volumes", ())),
+            }
+        )
 
     def to_json(self) -> dict[str, Any]:
         """What spec.json holds: the variables sealed with the host key (they are often

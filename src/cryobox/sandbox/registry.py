@@ -31,6 +31,7 @@ from cryobox.sandbox.pause import PauseTransaction
 from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, check_transition
 from cryobox.util import write_json_atomic
+from cryobox.volume.mounts import socket_name
 
 __all__ = [
     "ADOPTABLE",
@@ -79,6 +80,10 @@ class SandboxDir:
         #: The pause snapshot, while the sandbox is paused.
         self.paused = path / "paused"
         self.pause = PauseTransaction(path)
+
+    def volume_sockets(self) -> tuple[Path, ...]:
+        """The sockets of its volume ports, by slot."""
+        return tuple(self.path / socket_name(slot) for slot in range(config.MAX_MOUNTS))
 
     @classmethod
     def for_id(cls, sandbox_id: str) -> SandboxDir:

@@ -82,6 +82,7 @@ from cryobox.sandbox.ending import vm_ended
 from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
+from cryobox.sandbox.volumes import VolumeEnds
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore
 from cryobox.util import mem_available_mib, without_huge_pages
@@ -336,6 +337,8 @@ class Supervisor:
         self._holding = False
         self._hold_task: asyncio.Task[None] | None = None
         self._kill_asked = False
+        #: The host ends of its volume mounts, for its life (they outlive its VMs).
+        self.volumes = VolumeEnds(folder)
 
     @property
     def record(self) -> SandboxRecord:
@@ -368,6 +371,7 @@ class Supervisor:
             return await self._run(resume, report, adopt=adopt)
         finally:
             _SERVING.discard(self)
+            self.volumes.stop()
 
     async def _run(self, resume: bool, report: ClientConnection | None, *, adopt: bool) -> int:
         if self.machine.spec.pool:
@@ -382,6 +386,16 @@ class Supervisor:
         except Exception as exc:
             if not adopt or not self._leave_as_is(exc):
                 await self._failed_start(exc, resume)
+            if report is not None:
+                report.send(error_reply(0, exc, "start"))
+            return 1
+        try:
+            self.volumes.start()
+            assert self.machine.agent is not None
+            await self.volumes.mount_in_guest(self.machine.agent)
+        except Exception as exc:
+            self.volumes.stop()
+            await self._failed_start(exc, resume)
             if report is not None:
                 report.send(error_reply(0, exc, "start"))
             return 1

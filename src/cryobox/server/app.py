@@ -44,6 +44,7 @@ from cryobox.models import (
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
+    VolumeInfo,
     matches,
 )
 from cryobox.snapshot.manifest import SnapshotPurpose
@@ -78,6 +79,9 @@ STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
     (e.GuestFileNotFound, 404),
     (e.CommandNotFound, 404),
     (e.TemplateNotFound, 404),
+    (e.VolumeNotFound, 404),
+    (e.VolumeExists, 409),
+    (e.VolumeInUse, 409),
     (e.GuestPermissionError, 403),
     (e.QuotaExceeded, 429),
     (e.StateError, 409),
@@ -629,6 +633,47 @@ def create_app(
         prices = dataclasses.asdict(hub.prices)
         return s.UsageDays(prices=prices, days=usage_days(hub.db, me.id, hub.prices, days))
 
+    # ------------------------------------------------------------------ volumes
+
+    @app.post("/volumes", status_code=201, tags=["volumes"])
+    async def create_volume(body: s.CreateVolume, me: Me) -> VolumeInfo:
+        return await hub.volumes.create(me, body.name, body.size_gib, hub.stored_bytes(me))
+
+    @app.get("/volumes", tags=["volumes"])
+    async def list_volumes(me: Me) -> list[VolumeInfo]:
+        return await hub.volumes.list(me)
+
+    @app.get("/volumes/{name}", tags=["volumes"])
+    async def get_volume(name: str, me: Me) -> VolumeInfo:
+        return await hub.volumes.get(me, name)
+
+    @app.delete("/volumes/{name}", status_code=204, tags=["volumes"])
+    async def delete_volume(name: str, me: Me) -> Response:
+        """Refused (409) while sandboxes mount it, naming them."""
+        await hub.volumes.delete(me, name)
+        return Response(status_code=204)
+
+    @app.get(
+        "/volumes/{name}/files",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+        tags=["volumes"],
+    )
+    async def read_volume_file(name: str, path: PathQ, me: Me) -> StreamingResponse:
+        chunks = hub.volumes.read_file(me, name, path)
+        first = await anext(chunks, b"")  # a missing file is a 404, not a broken stream
+        return StreamingResponse(_prepended(first, chunks), media_type="application/octet-stream")
+
+    @app.put("/volumes/{name}/files", status_code=204, tags=["volumes"])
+    async def write_volume_file(name: str, path: PathQ, me: Me, request: Request) -> Response:
+        """Write the streamed body to ``path`` in the volume (folders made as needed)."""
+        await hub.volumes.write_file(me, name, path, request.stream())
+        return Response(status_code=204)
+
+    @app.get("/volumes/{name}/files/list", tags=["volumes"])
+    async def list_volume(name: str, path: PathQ, me: Me) -> list[EntryInfo]:
+        return await hub.volumes.list_dir(me, name, path)
+
     # ------------------------------------------------------------------ the console
 
     @app.get("/events", tags=["sandboxes"])
@@ -642,6 +687,13 @@ def create_app(
     install_terminal(app, hub)
     install_console(app)
     return app
+
+
+async def _prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
 
 
 async def _event_stream(

@@ -131,6 +131,20 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (tenant_id, day)
     );
     """,
+    # 5: tenants own named volumes too (a CHECK cannot be altered: the table is rebuilt).
+    """
+    CREATE TABLE owned_new (
+        kind TEXT NOT NULL CHECK (kind IN ('sandbox', 'snapshot', 'template', 'volume')),
+        id TEXT NOT NULL,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (kind, id)
+    );
+    INSERT INTO owned_new (kind, id, tenant_id, created_at)
+        SELECT kind, id, tenant_id, created_at FROM owned;
+    DROP TABLE owned;
+    ALTER TABLE owned_new RENAME TO owned;
+    """,
 )
 
 

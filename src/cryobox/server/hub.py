@@ -67,6 +67,7 @@ from .hosts import Hosts, host_id, store_identity
 from .meter import Meter, Prices, bytes_on_disk, usage_report
 from .ports import PortProxy
 from .tenants import Quota, Tenant, Tenants, api_key
+from .volumes import TenantVolumes, tenant_view
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class Hub:
         self.hosts = Hosts(db, host_id(), advertise_url, store_identity())
         self.me = self.hosts.me
         self.tenants = Tenants(db)
+        #: The tenants' named volumes (on this host's service).
+        self.volumes = TenantVolumes(service.volumes, self.tenants)
         self.meter = Meter(db)
         self.events = EventBus()
         self.prices = prices or Prices()
@@ -277,7 +280,10 @@ class Hub:
             )
 
     def _present(self, info: SandboxInfo) -> SandboxInfo:
-        """A sandbox as a tenant sees it: the server's public ports, no host pids."""
+        """A sandbox as a tenant sees it: the server's public ports, no host pids, its
+        volumes by the tenant's names."""
+        if info.volumes:
+            info = dataclasses.replace(info, volumes=tenant_view(info.volumes))
         return dataclasses.replace(
             info,
             ports=self.ports.published(info.id),
@@ -402,6 +408,10 @@ class Hub:
                 ),
             )
 
+    def stored_bytes(self, tenant: Tenant) -> int:
+        """The saved state the tenant holds, as last measured (for its quota)."""
+        return self._stored.get(tenant.id, 0)
+
     def _check_storage(self, tenant: Tenant) -> None:
         stored = self._stored.get(tenant.id, 0)
         if stored >= tenant.quota.max_stored_bytes:
@@ -452,6 +462,7 @@ class Hub:
     ) -> SandboxInfo:
         request = dataclasses.replace(
             request,
+            volumes=self.volumes.mounts_inside(tenant, request.volumes),
             template=self._template(tenant, request.template),
             from_snapshot=(
                 self.find_snapshot(tenant, request.from_snapshot).id
@@ -914,8 +925,9 @@ class Hub:
                         local_only += self.service.store.stored_bytes(snapshot_id)
             unpaused = sum(v for k, v in by_sandbox.items() if k not in pauses)
             in_store_bytes = stored.stored_bytes if stored else 0
+            volumes = await self.volumes.used_bytes(tenant)  # this host's volumes
             self._stored[tenant.id] = in_store_bytes + unpaused + local_only  # for the quota
-            counted = (in_store_bytes if leads else 0) + unpaused + local_only
+            counted = (in_store_bytes if leads else 0) + unpaused + local_only + volumes
             self.meter.accrue_storage(tenant.id, by_sandbox, counted, seconds)
 
 

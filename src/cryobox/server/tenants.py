@@ -22,7 +22,7 @@ from cryobox.errors import InvalidArgument
 
 from .database import Database
 
-Kind = Literal["sandbox", "snapshot", "template"]
+Kind = Literal["sandbox", "snapshot", "template", "volume"]
 KEY_PREFIX = "cbx_"
 #: A key in E2B's shape (``e2b_`` and 40 hex digits), which E2B's JavaScript SDK
 #: checks before it sends anything: issued on request (``--e2b-key``), accepted as any.

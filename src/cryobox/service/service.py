@@ -80,11 +80,15 @@ from cryobox.service.commands import OutputSink
 from cryobox.service.connections import Connections
 from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence
+from cryobox.service.volumes import Volumes
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, mem_available_mib, new_id
 from cryobox.vmm import Vmm
+from cryobox.volume import catalog as volume_catalog
+from cryobox.volume.mounts import READ_ONLY_SUFFIX, VolumeMount
+from cryobox.volume.mounts import plan as volume_plan
 
 #: The owner a template build's sandbox records: it belongs to no tenant, and a server
 #: that finds one left by a crash ends it (``Hub.reconcile``).
@@ -126,6 +130,7 @@ def validate(request: CreateRequest) -> None:
     for port in request.ports:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise InvalidArgument(f"port {port!r}: must be a whole number between 1 and 65535")
+    volume_plan((), request.volumes)  # the mount points and their number
 
 
 #: How a cold-booted guest is set up, beyond the image: a default template (a cache of
@@ -222,7 +227,17 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         held_until=record.held_until if held else None,
         checkpoint_every=spec.checkpoint_every,
         keep_checkpoints=spec.keep_checkpoints,
+        volumes=mount_table(spec),
     )
+
+
+def mount_table(spec: SandboxSpec) -> dict[str, str]:
+    """A sandbox's mounts as its callers name them: mount point to ``"name[:ro]"``."""
+    table = {}
+    for value in spec.volumes:
+        mount = VolumeMount.from_json(value)
+        table[mount.path] = mount.volume + (READ_ONLY_SUFFIX if mount.read_only else "")
+    return table
 
 
 def _history_fields(request: CreateRequest) -> dict[str, Any]:
@@ -273,6 +288,8 @@ class SandboxService:
         self.guest = GuestOperations(self.connections)
         #: Snapshots, templates and lineage: what this host has saved.
         self.catalog = Catalog(self.store, self.persist)
+        #: Named volumes, which sandboxes mount (see :mod:`.volumes`).
+        self.volumes = Volumes()
         #: The last request for a warm pool refill (kept: a task nobody holds may vanish).
         self._refill: asyncio.Future[None] | None = None
         #: One capture of a given snapshot name at a time (names are unique).
@@ -404,8 +421,15 @@ class SandboxService:
                         source.id, name, getattr(source, name), asked, hint=RESHAPE_HINT
                     )
                 shape[name] = getattr(source, name)
+        mounts = volume_plan(
+            (VolumeMount.from_json(value) for value in source.volumes) if source else (),
+            request.volumes,
+        )
+        for mount in mounts:
+            volume_catalog.get(mount.volume)  # refused now, naming it, when it is gone
         pooled_template = (
             source is not None
+            and not request.volumes  # a pool member has none mounted
             and request.from_snapshot is None
             and start.forked_from is None
             and not start.pool_member
@@ -441,6 +465,7 @@ class SandboxService:
             metadata=dict(request.metadata),
             pool=request.template if start.pool_member else "",
             owner="" if start.pool_member else owner,
+            volumes=tuple(mount.to_json() for mount in mounts),
             **_history_fields(request),
         )
         folder = SandboxDir.create(spec)

@@ -86,10 +86,12 @@ class Manifest:
     #: A checkpoint the sandbox took by itself (``checkpoint_every``): expired beyond
     #: its ``keep_checkpoints``, unlike those asked for.
     automatic: bool = False
+    #: The volumes the guest had mounted, and where (their names, never their content).
+    volumes: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Manifest:
-        tuples = ("disk_chain", "ports")
+        tuples = ("disk_chain", "ports", "volumes")
         fields: dict[str, Any] = {k: (tuple(v) if k in tuples else v) for k, v in value.items()}
         fields["kind"] = SnapshotKind(fields["kind"])
         fields["purpose"] = SnapshotPurpose(fields["purpose"])

@@ -59,6 +59,9 @@ class MachineSpec:
     tcg_threads: str = ""
     #: A raw file of ``TRANSFER_BYTES`` for bulk file transfers; ``None``: no such disk.
     transfer_disk: Path | None = None
+    #: The sockets of the guest's volume ports, one per mount slot (every machine has
+    #: them all: a restore needs the devices it was saved with).
+    volume_sockets: tuple[Path, ...] = ()
 
 
 class Vm(Protocol):

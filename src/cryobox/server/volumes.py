@@ -1,0 +1,108 @@
+"""A tenant's named volumes on the server: names are the tenant's own (stored as
+``TENANT.NAME``), another tenant's volume does not exist for it (404), and the sizes
+its volumes may hold count against its stored-bytes quota when they are made."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+
+from cryobox.errors import QuotaExceeded, VolumeNotFound
+from cryobox.models import EntryInfo, VolumeInfo
+from cryobox.server.tenants import Tenant, Tenants
+from cryobox.service.volumes import Volumes
+from cryobox.volume.mounts import READ_ONLY_SUFFIX, parse_source
+
+GIB = 1 << 30
+#: The prefix of a tenant's volume on the host (its id, see ``Tenants.create``).
+_TENANT_PREFIX = re.compile(r"tn-[0-9a-f]{12}\.")
+
+
+def internal_name(tenant: Tenant, name: str) -> str:
+    return f"{tenant.id}.{name}"
+
+
+def tenant_view(mounts: Mapping[str, str]) -> dict[str, str]:
+    """A sandbox's mounts by its tenant's volume names."""
+    return {path: _TENANT_PREFIX.sub("", source, count=1) for path, source in mounts.items()}
+
+
+class TenantVolumes:
+    def __init__(self, volumes: Volumes, tenants: Tenants) -> None:
+        self.volumes = volumes
+        self.tenants = tenants
+
+    def _mine(self, tenant: Tenant, name: str) -> str:
+        """The volume's name on the host. :raises VolumeNotFound: unless the tenant owns it."""
+        internal = internal_name(tenant, name)
+        if not isinstance(name, str) or not self.tenants.owns(tenant.id, "volume", internal):
+            raise VolumeNotFound(str(name))
+        return internal
+
+    def _present(self, tenant: Tenant, info: VolumeInfo) -> VolumeInfo:
+        return dataclasses.replace(info, name=info.name.removeprefix(f"{tenant.id}."))
+
+    def mounts_inside(self, tenant: Tenant, asked: Mapping[str, str]) -> dict[str, str]:
+        """A create's ``volumes`` with the host's names. :raises VolumeNotFound:"""
+        inside = {}
+        for path, source in asked.items():
+            name, read_only = parse_source(source)
+            inside[path] = self._mine(tenant, name) + (READ_ONLY_SUFFIX if read_only else "")
+        return inside
+
+    async def create(
+        self, tenant: Tenant, name: str, size_gib: int, stored_bytes: int
+    ) -> VolumeInfo:
+        promised = sum(v.size_gib for v in await self.list(tenant)) * GIB
+        wanted = stored_bytes + promised + size_gib * GIB
+        if wanted > tenant.quota.max_stored_bytes:
+            raise QuotaExceeded("max_stored_bytes", tenant.quota.max_stored_bytes, wanted)
+        internal = internal_name(tenant, name)
+        already = self.tenants.owns(tenant.id, "volume", internal)
+        # Owned first: a crash between the two leaves a name owned with no volume, which
+        # reads as none and is made by the next create; never a volume nobody owns.
+        self.tenants.own(tenant.id, "volume", internal)
+        try:
+            info = await self.volumes.create(internal, size_gib)
+        except BaseException:
+            if not already:
+                self.tenants.disown("volume", internal)
+            raise
+        return self._present(tenant, info)
+
+    async def get(self, tenant: Tenant, name: str) -> VolumeInfo:
+        return self._present(tenant, await self.volumes.get(self._mine(tenant, name)))
+
+    async def list(self, tenant: Tenant) -> builtins.list[VolumeInfo]:
+        found = []
+        for internal in self.tenants.owned(tenant.id, "volume"):
+            try:
+                found.append(self._present(tenant, await self.volumes.get(internal)))
+            except VolumeNotFound:
+                continue
+        return found
+
+    async def used_bytes(self, tenant: Tenant) -> int:
+        return sum(v.used_bytes for v in await self.list(tenant))
+
+    async def delete(self, tenant: Tenant, name: str) -> None:
+        internal = self._mine(tenant, name)
+        await self.volumes.delete(internal)
+        self.tenants.disown("volume", internal)
+
+    def read_file(self, tenant: Tenant, name: str, path: str) -> AsyncIterator[bytes]:
+        return self.volumes.read_file(self._mine(tenant, name), path)
+
+    async def write_file(
+        self,
+        tenant: Tenant,
+        name: str,
+        path: str,
+        chunks: Iterable[bytes] | AsyncIterable[bytes],
+    ) -> None:
+        await self.volumes.write_file(self._mine(tenant, name), path, chunks)
+
+    async def list_dir(self, tenant: Tenant, name: str, path: str) -> builtins.list[EntryInfo]:
+        return await self.volumes.list_dir(self._mine(tenant, name), path)

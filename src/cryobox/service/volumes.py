@@ -1,0 +1,193 @@
+"""Named volumes as the service offers them: made, listed, deleted (never while a
+sandbox mounts one), and their files read and written from the host.
+
+The host reads and writes a volume's files through :class:`~cryobox.volume.files.VolumeFiles`,
+the very code that serves the guests' mounts, with the same path checks and size limit;
+nothing caches them on either side, so a file the host wrote is what every mounting
+sandbox reads next, and the other way round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import errno
+import os
+import posixpath
+import stat
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+
+from cryobox.errors import GuestError, GuestFileNotFound, InvalidArgument, VolumeInUse
+from cryobox.guest import protocol as p
+from cryobox.models import EntryInfo, VolumeInfo
+from cryobox.sandbox import registry
+from cryobox.util import each_chunk
+from cryobox.volume import catalog
+from cryobox.volume.catalog import VolumeRecord
+from cryobox.volume.files import VolumeFiles
+from cryobox.volume.mounts import VolumeMount
+from cryobox.volume.wire import ATTRIBUTES, DIRENT, MAX_DATA
+
+GIB = 1 << 30
+_KINDS = {stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
+
+
+def inside(path: str) -> str:
+    """A path in the volume (``/a/b`` or ``a/b``) as its folder's relative path."""
+    clean = posixpath.normpath("/" + path).lstrip("/")
+    if "\0" in path or clean.startswith(".."):
+        raise InvalidArgument(f"path {path!r} is not inside the volume")
+    return clean
+
+
+def _file_error(exc: OSError, path: str, doing: str) -> GuestError:
+    """A host error on a volume's file in the words the guest's files use."""
+    if exc.errno == errno.ENOENT:
+        return GuestFileNotFound(doing, p.NOT_FOUND, f"No such file or directory: {path!r}")
+    return GuestError(doing, p.INVALID, f"{exc.strerror or exc}: {path!r}")
+
+
+class Volumes:
+    """This host's named volumes."""
+
+    def mounted_by(self, name: str) -> builtins.list[str]:
+        """The sandboxes not ended whose mounts name ``name``, paused ones included."""
+        users = []
+        for spec, record in registry.list_sandboxes():
+            if record.state.finished:
+                continue
+            if any(VolumeMount.from_json(value).volume == name for value in spec.volumes):
+                users.append(spec.id)
+        return users
+
+    def _info(self, record: VolumeRecord) -> VolumeInfo:
+        return VolumeInfo(
+            name=record.name,
+            size_gib=record.size_gib,
+            created_at=record.created_at,
+            used_bytes=record.used_bytes(),
+            mounted_by=tuple(self.mounted_by(record.name)),
+        )
+
+    async def create(self, name: str, size_gib: int) -> VolumeInfo:
+        """:raises VolumeExists: :raises InvalidArgument:"""
+        record = await asyncio.to_thread(catalog.create, name, size_gib)
+        return await asyncio.to_thread(self._info, record)
+
+    async def get(self, name: str) -> VolumeInfo:
+        """:raises VolumeNotFound:"""
+        return await asyncio.to_thread(lambda: self._info(catalog.get(name)))
+
+    async def list(self) -> builtins.list[VolumeInfo]:
+        return await asyncio.to_thread(lambda: [self._info(r) for r in catalog.list_volumes()])
+
+    async def delete(self, name: str) -> None:
+        """Delete the volume and its files.
+
+        :raises VolumeInUse: naming the sandboxes that mount it (paused ones too).
+        :raises VolumeNotFound:
+        """
+
+        def delete() -> None:
+            catalog.get(name)
+            users = self.mounted_by(name)
+            if users:
+                raise VolumeInUse(name, users)
+            catalog.delete(name)
+
+        await asyncio.to_thread(delete)
+
+    # -- files, from the host
+
+    def _files(self, name: str) -> VolumeFiles:
+        record = catalog.get(name)
+        return VolumeFiles(record.data(), record.size_gib * GIB)
+
+    async def read_file(self, name: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes, in pieces of at most 1 MiB."""
+        relative = inside(path)
+        files = await asyncio.to_thread(self._files, name)
+        try:
+            offset = 0
+            while True:
+                try:
+                    piece = await asyncio.to_thread(files.read, relative, offset, MAX_DATA)
+                except OSError as exc:
+                    raise _file_error(exc, path, p.GuestOp.FILE_READ) from exc
+                if not piece:
+                    return
+                offset += len(piece)
+                yield piece
+        finally:
+            files.close()
+
+    async def write_file(
+        self, name: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes]
+    ) -> None:
+        """Write the file whole (its folders made as needed), replacing any."""
+        relative = inside(path)
+        if not relative:
+            raise InvalidArgument("a volume's root is a folder, not a file")
+        files = await asyncio.to_thread(self._files, name)
+        try:
+            await asyncio.to_thread(self._prepare, files, relative)
+            offset = 0
+            async for chunk in each_chunk(chunks):
+                for at in range(0, len(chunk), MAX_DATA):
+                    piece = chunk[at : at + MAX_DATA]
+                    try:
+                        await asyncio.to_thread(files.write, relative, offset, piece)
+                    except OSError as exc:
+                        raise _file_error(exc, path, p.GuestOp.FILE_WRITE_BEGIN) from exc
+                    offset += len(piece)
+        finally:
+            files.close()
+
+    @staticmethod
+    def _prepare(files: VolumeFiles, relative: str) -> None:
+        folder = ""
+        for part in relative.split("/")[:-1]:
+            folder = f"{folder}/{part}" if folder else part
+            with contextlib.suppress(FileExistsError):
+                files.mkdir(folder, 0o755)
+        files.create(relative, os.O_TRUNC, 0o644)
+
+    async def list_dir(self, name: str, path: str) -> builtins.list[EntryInfo]:
+        relative = inside(path)
+
+        def listing() -> builtins.list[EntryInfo]:
+            files = self._files(name)
+            try:
+                try:
+                    raw = files.readdir(relative)
+                except OSError as exc:
+                    raise _file_error(exc, path, p.GuestOp.FILE_LIST) from exc
+                entries = []
+                at = 0
+                while at < len(raw):
+                    _mode, length = DIRENT.unpack_from(raw, at)
+                    at += DIRENT.size
+                    entry = raw[at : at + length].decode(errors="surrogateescape")
+                    at += length
+                    child = f"{relative}/{entry}" if relative else entry
+                    try:
+                        fields = ATTRIBUTES.unpack(files.getattr(child))
+                    except OSError:
+                        continue  # gone meanwhile
+                    mode, _nlink, size, _blocks, _atime, mtime, _ctime = fields
+                    entries.append(
+                        EntryInfo(
+                            name=entry,
+                            path="/" + child,
+                            type=_KINDS.get(stat.S_IFMT(mode), "file"),
+                            size=size,
+                            mode=stat.S_IMODE(mode),
+                            mtime=mtime / 1e9,
+                        )
+                    )
+                return sorted(entries, key=lambda e: e.name)
+            finally:
+                files.close()
+
+        return await asyncio.to_thread(listing)

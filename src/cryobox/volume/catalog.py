@@ -1,0 +1,129 @@
+"""Named volumes on this host: one folder each under ``volumes/``, holding its record
+(``volume.json``) and its files (``data/``).
+
+A volume is created whole or not at all (its folder is made under a temporary name and
+renamed into place, which also makes two creates of one name race safely) and deleted
+by a rename out of sight first, so a crash never leaves half of one under its name.
+Whether sandboxes mount it is the caller's to check (it knows the sandboxes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cryobox import config
+from cryobox.errors import InvalidArgument, VolumeExists, VolumeNotFound
+from cryobox.util import fsync_dir, write_json_atomic
+from cryobox.volume.files import usage
+
+#: A volume's name: what a folder name may safely be, and what a server's tenant prefix
+#: (``tn-<tenant>-``) leaves room for.
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+RECORD = "volume.json"
+DATA = "data"
+
+
+@dataclass(frozen=True)
+class VolumeRecord:
+    name: str
+    size_gib: int
+    created_at: float
+
+    def folder(self) -> Path:
+        return config.volumes_dir() / self.name
+
+    def data(self) -> Path:
+        return self.folder() / DATA
+
+    def used_bytes(self) -> int:
+        return usage(self.data())
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
+        raise InvalidArgument(
+            f"volume name {name!r} is not allowed: lowercase letters, digits, '.', '_' and "
+            "'-', starting with a letter or digit, at most 128"
+        )
+    return name
+
+
+def create(name: str, size_gib: int) -> VolumeRecord:
+    """:raises VolumeExists: :raises InvalidArgument: for a bad name or size."""
+    check_name(name)
+    if isinstance(size_gib, bool) or not isinstance(size_gib, int):
+        raise InvalidArgument(f"size_gib must be a whole number, not {size_gib!r}")
+    if not 1 <= size_gib <= config.MAX_VOLUME_GIB:
+        raise InvalidArgument(f"size_gib must be within 1..{config.MAX_VOLUME_GIB}, not {size_gib}")
+    record = VolumeRecord(name=name, size_gib=size_gib, created_at=time.time())
+    root = config.volumes_dir()
+    temp = root / f".new-{name}-{os.urandom(4).hex()}"
+    temp.mkdir(mode=0o700)
+    (temp / DATA).mkdir(mode=0o755)  # as guests see their mount point (the parent is 0700)
+    try:
+        write_json_atomic(temp / RECORD, asdict(record))
+        fsync_dir(temp)
+        try:
+            os.rename(temp, root / name)  # refused when the name is taken (a non-empty folder)
+        except OSError as exc:
+            raise VolumeExists(name) from exc
+        fsync_dir(root)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return record
+
+
+def get(name: str) -> VolumeRecord:
+    """:raises VolumeNotFound:"""
+    if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
+        raise VolumeNotFound(str(name))
+    try:
+        value = json.loads((config.volumes_dir() / name / RECORD).read_text())
+    except (OSError, ValueError) as exc:
+        raise VolumeNotFound(name) from exc
+    return VolumeRecord(
+        name=name, size_gib=int(value["size_gib"]), created_at=float(value["created_at"])
+    )
+
+
+def list_volumes() -> list[VolumeRecord]:
+    found = []
+    for folder in sorted(config.volumes_dir().iterdir()):
+        if folder.name.startswith("."):
+            continue
+        try:
+            found.append(get(folder.name))
+        except VolumeNotFound:
+            continue
+    return found
+
+
+def delete(name: str) -> None:
+    """Remove the volume and its files. :raises VolumeNotFound:"""
+    record = get(name)
+    root = config.volumes_dir()
+    gone = root / f".gone-{name}-{os.urandom(4).hex()}"
+    try:
+        os.rename(record.folder(), gone)
+    except FileNotFoundError as exc:
+        raise VolumeNotFound(name) from exc
+    fsync_dir(root)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def sweep(older_than: float = 600.0) -> None:
+    """Remove what a crash left mid-create or mid-delete (folders starting with '.'),
+    once old enough not to be another process's create at work."""
+    for folder in config.volumes_dir().iterdir():
+        try:
+            old = time.time() - folder.stat().st_mtime > older_than
+        except OSError:
+            continue
+        if folder.name.startswith((".new-", ".gone-")) and old:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,297 @@
+"""A volume's folder, done to by path as a guest asks: the host end of every operation.
+
+Every path is the guest's and so hostile. Each is resolved under the volume's folder by
+``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV``: no ``..``
+out of it, no symbolic link followed (the guest's kernel resolves a volume's links
+itself; the host never does), no other file system. A last component is then used with
+the ``*at`` calls on its folder, never following a link either. Modes are kept but
+masked to permission bits (no set-uid file reaches the host), with the owner's read and
+write always on, so the host can always read what a guest stored.
+
+The size limit is checked per writer: against the bytes in use when it started, plus
+what it added since, measured again (a walk of the folder) only when that estimate
+comes near the limit. Two sandboxes writing at once can pass it by what each wrote
+since its last walk; it never blocks a write below it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from cryobox.volume.wire import ATTRIBUTES, BLOCK, DIRENT, OMIT_NS, STATFS
+
+_SYS_OPENAT2 = 437
+_SYS_RENAMEAT2 = 316
+_RESOLVE_NO_XDEV = 0x01
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_XDEV
+#: Open flags a guest may pass on (the rest are the host's business).
+_PASSED_FLAGS = os.O_EXCL | os.O_TRUNC | os.O_APPEND
+_RENAME_FLAGS = 0x1 | 0x2  # RENAME_NOREPLACE, RENAME_EXCHANGE
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    """``openat2(2)`` beneath ``dir_fd`` with :data:`RESOLVE`; raises OSError."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE)
+    fd = _libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(path), ctypes.byref(how), 24)
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    return int(fd)
+
+
+def _renameat2(old_fd: int, old: str, new_fd: int, new: str, flags: int) -> None:
+    done = _libc.syscall(_SYS_RENAMEAT2, old_fd, os.fsencode(old), new_fd, os.fsencode(new), flags)
+    if done < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), old)
+
+
+def _file_mode(mode: int) -> int:
+    return (mode & 0o777) | 0o600
+
+
+def _folder_mode(mode: int) -> int:
+    return (mode & 0o1777) | 0o700
+
+
+def usage(root: Path) -> int:
+    """Bytes the folder's files take on the host's disk (links never followed)."""
+    total = 0
+    for folder, subfolders, names in os.walk(root, followlinks=False):
+        for name in (*names, *subfolders):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return total
+
+
+class VolumeFiles:
+    """One volume's folder as its guests see it; thread-safe (one writer lock for the
+    size estimate only)."""
+
+    def __init__(self, root: Path, limit_bytes: int, *, read_only: bool = False) -> None:
+        self.root = root
+        self.limit = limit_bytes
+        self.read_only = read_only
+        self._root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._used = usage(root)
+
+    def close(self) -> None:
+        os.close(self._root_fd)
+
+    # -- resolution
+
+    def open(self, path: str, flags: int, mode: int = 0) -> int:
+        if path in ("", "."):
+            return (
+                os.dup(self._root_fd) if flags & os.O_PATH else openat2(self._root_fd, ".", flags)
+            )
+        return openat2(self._root_fd, path, flags, mode)
+
+    def _parent(self, path: str) -> tuple[int, str]:
+        """An O_PATH descriptor of the path's folder, and its last component."""
+        folder, _, name = path.rpartition("/")
+        if name in ("", ".", ".."):
+            raise OSError(errno.EINVAL, "not a name", path)
+        return self.open(folder, os.O_PATH | os.O_DIRECTORY), name
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise OSError(errno.EROFS, "read-only mount")
+
+    def _grow(self, added: int) -> None:
+        """Count ``added`` bytes in; ENOSPC when they would pass the limit."""
+        if added <= 0:
+            return
+        with self._lock:
+            if self._used + added > self.limit:
+                self._used = usage(self.root)  # the estimate only ever over-counts
+                if self._used + added > self.limit:
+                    raise OSError(errno.ENOSPC, "the volume is full")
+            self._used += added
+
+    @contextlib.contextmanager
+    def _opened(self, path: str, flags: int) -> Iterator[int]:
+        fd = self.open(path, flags)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _at(self, path: str) -> Iterator[tuple[int, str]]:
+        """The path's folder (an O_PATH descriptor) and last component, for ``*at`` calls."""
+        parent, name = self._parent(path)
+        try:
+            yield parent, name
+        finally:
+            os.close(parent)
+
+    # -- operations (each raises OSError, answered as -errno)
+
+    def getattr(self, path: str) -> bytes:
+        if path in ("", "."):
+            st = os.fstat(self._root_fd)
+        else:
+            with self._at(path) as (parent, name):
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        return ATTRIBUTES.pack(
+            st.st_mode,
+            st.st_nlink,
+            st.st_size,
+            st.st_blocks,
+            st.st_atime_ns,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+        )
+
+    def readdir(self, path: str) -> bytes:
+        parts: list[bytes] = []
+        with self._opened(path, os.O_RDONLY | os.O_DIRECTORY) as fd, os.scandir(fd) as entries:
+            for entry in entries:
+                name = os.fsencode(entry.name)
+                if entry.is_symlink():
+                    kind = stat.S_IFLNK
+                elif entry.is_dir(follow_symlinks=False):
+                    kind = stat.S_IFDIR
+                else:
+                    kind = stat.S_IFREG
+                parts.append(DIRENT.pack(kind, len(name)) + name)
+        return b"".join(parts)
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        with self._opened(path, os.O_RDONLY) as fd:
+            return os.pread(fd, size, offset)
+
+    def write(self, path: str, offset: int, data: bytes) -> int:
+        self._writable()
+        with self._opened(path, os.O_WRONLY) as fd:
+            self._grow(offset + len(data) - os.fstat(fd).st_size)
+            return os.pwrite(fd, data, offset)
+
+    def create(self, path: str, flags: int, mode: int) -> None:
+        self._writable()
+        with self._at(path) as (parent, name):
+            fd = os.open(
+                name,
+                os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (flags & _PASSED_FLAGS),
+                _file_mode(mode),
+                dir_fd=parent,
+            )
+            try:
+                os.fchmod(fd, _file_mode(mode))  # as asked: the host's umask is not the guest's
+            finally:
+                os.close(fd)
+
+    def open_check(self, path: str, flags: int) -> None:
+        """Whether the file opens as asked; a truncation asked for is done here."""
+        access = flags & os.O_ACCMODE
+        if access != os.O_RDONLY or flags & os.O_TRUNC:
+            self._writable()
+        with self._opened(path, os.O_PATH if access == os.O_RDONLY else os.O_WRONLY) as fd:
+            if flags & os.O_TRUNC and access != os.O_RDONLY:
+                os.ftruncate(fd, 0)
+
+    def truncate(self, path: str, size: int) -> None:
+        self._writable()
+        with self._opened(path, os.O_WRONLY) as fd:
+            self._grow(size - os.fstat(fd).st_size)
+            os.ftruncate(fd, size)
+
+    def unlink(self, path: str) -> None:
+        self._writable()
+        with self._at(path) as (parent, name):
+            os.unlink(name, dir_fd=parent)
+
+    def mkdir(self, path: str, mode: int) -> None:
+        self._writable()
+        with self._at(path) as (parent, name):
+            self._grow(BLOCK)
+            os.mkdir(name, _folder_mode(mode), dir_fd=parent)
+            made = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+            try:
+                os.fchmod(made, _folder_mode(mode))  # not the host's umask; never via a link
+            finally:
+                os.close(made)
+
+    def rmdir(self, path: str) -> None:
+        self._writable()
+        with self._at(path) as (parent, name):
+            os.rmdir(name, dir_fd=parent)
+
+    def rename(self, old: str, new: str, flags: int) -> None:
+        self._writable()
+        if flags & ~_RENAME_FLAGS:
+            raise OSError(errno.EINVAL, "unsupported rename flags")
+        with self._at(old) as (old_parent, old_name), self._at(new) as (new_parent, new_name):
+            _renameat2(old_parent, old_name, new_parent, new_name, flags)
+
+    def symlink(self, path: str, target: str) -> None:
+        self._writable()
+        with self._at(path) as (parent, name):
+            os.symlink(target, name, dir_fd=parent)
+
+    def link(self, old: str, new: str) -> None:
+        self._writable()
+        with self._at(old) as (old_parent, old_name), self._at(new) as (new_parent, new_name):
+            os.link(
+                old_name,
+                new_name,
+                src_dir_fd=old_parent,
+                dst_dir_fd=new_parent,
+                follow_symlinks=False,
+            )
+
+    def readlink(self, path: str) -> bytes:
+        with self._at(path) as (parent, name):
+            return os.fsencode(os.readlink(name, dir_fd=parent))
+
+    def chmod(self, path: str, mode: int) -> None:
+        """Through an O_PATH descriptor of the file itself (a link is refused by the
+        resolution), reached by its /proc name: chmod takes no descriptor of that kind."""
+        self._writable()
+        with self._opened(path, os.O_PATH) as fd:
+            kind = os.fstat(fd).st_mode
+            os.chmod(
+                f"/proc/self/fd/{fd}",
+                _folder_mode(mode) if stat.S_ISDIR(kind) else _file_mode(mode),
+            )
+
+    def utimens(self, path: str, atime_ns: int, mtime_ns: int) -> None:
+        self._writable()
+        with self._opened(path, os.O_PATH) as fd:
+            st = os.fstat(fd)
+            os.utime(
+                f"/proc/self/fd/{fd}",
+                ns=(
+                    st.st_atime_ns if atime_ns == OMIT_NS else atime_ns,
+                    st.st_mtime_ns if mtime_ns == OMIT_NS else mtime_ns,
+                ),
+            )
+
+    def statfs(self) -> bytes:
+        host = os.statvfs(self.root)
+        with self._lock:
+            free = max(0, min(self.limit - self._used, host.f_bavail * host.f_frsize))
+        return STATFS.pack(self.limit // BLOCK, free // BLOCK, host.f_files, host.f_ffree)
+
+    def fsync(self, path: str) -> None:
+        with self._opened(path, os.O_RDONLY) as fd:
+            os.fsync(fd)

@@ -1,0 +1,266 @@
+"""Named volumes on real VMs: files that outlive a sandbox, shared live between sandboxes,
+and mounts that survive pause, rollback and fork with the volume as it is now."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api_server import CLI, ApiServer
+from cryobox import Sandbox, Volume
+from cryobox.errors import (
+    GuestError,
+    InvalidArgument,
+    QuotaExceeded,
+    VolumeExists,
+    VolumeInUse,
+    VolumeNotFound,
+)
+
+from .test_fork_vm import COUNTER, counting
+
+pytestmark = pytest.mark.vm
+
+
+def new_volume(name: str, size_gib: int = 1) -> Volume:
+    with contextlib.suppress(VolumeNotFound):
+        Volume.delete(name)
+    return Volume.create(name, size_gib=size_gib)
+
+
+def seen_within(sbx: Sandbox, path: str, text: str, seconds: float) -> float | None:
+    """How long until ``path`` reads ``text`` in the guest (polled in the guest itself,
+    so the host round trip of each try is not counted); None if it never does."""
+    script = (
+        f"start=$(date +%s%N); end=$((start + {int(seconds * 1e9)})); "
+        f'while [ "$(cat {path} 2>/dev/null)" != "{text}" ]; do '
+        "[ $(date +%s%N) -gt $end ] && echo never && exit 0; done; "
+        "echo $(( ($(date +%s%N) - start) / 1000000 ))"
+    )
+    out = sbx.commands.run(script, timeout=seconds + 60).stdout.strip()
+    return None if out == "never" else int(out) / 1000
+
+
+def test_files_outlive_the_sandbox_and_reach_the_next(sandbox_factory: Any) -> None:
+    volume = new_volume("outlives")
+    a = sandbox_factory(volumes={"/data": volume})
+    assert a.info().volumes == {"/data": "outlives"}
+    a.commands.run("mkdir -p /data/out && seq 1 1000 > /data/out/numbers && sync")
+    a.kill()
+    b = sandbox_factory(volumes={"/results": "outlives"})
+    assert b.commands.run("tail -1 /results/out/numbers").stdout == "1000\n"
+    # And from the host, while mounted, through the same path the guests use.
+    assert volume.read_file("/out/numbers").endswith(b"999\n1000\n")
+    volume.write_file("/from-host.txt", "host wrote this")
+    assert b.files.read_text("/results/from-host.txt") == "host wrote this"
+    names = [entry.name for entry in volume.list_files("/")]
+    assert names == ["from-host.txt", "out"]
+    with pytest.raises(VolumeInUse, match=b.id):
+        Volume.delete("outlives")
+    info = volume.info()
+    assert info.mounted_by == (b.id,) and info.used_bytes > 0
+
+
+def test_two_sandboxes_share_one_volume_live(sandbox_factory: Any) -> None:
+    new_volume("shared")
+    a = sandbox_factory(volumes={"/shared": "shared"})
+    b = sandbox_factory(volumes={"/shared": "shared"})
+    b_waits = b.commands.run(
+        "sh -c 'while [ \"$(cat /shared/note 2>/dev/null)\" != hello ]; do :; done; date +%s%N'",
+        background=True,
+        timeout=120,
+    )
+    time.sleep(1)
+    written = a.commands.run("echo hello > /shared/note; date +%s%N").stdout
+    result = b_waits.wait()
+    # Both guests' clocks are the host's (stepped at every start): the gap is the delay.
+    delay = (int(result.stdout) - int(written)) / 1e9
+    assert delay < 1.0, f"seen after {delay:.2f} s"
+    # Two writers, 1,000 small files each, at once: none lost, none mixed up.
+    writer = "for i in $(seq 1 1000); do echo {who}-$i > /shared/{who}/$i; done; echo done"
+    a.commands.run("mkdir -p /shared/a /shared/b")
+    both = [
+        sbx.commands.run(writer.format(who=who), background=True, timeout=600)
+        for sbx, who in ((a, "a"), (b, "b"))
+    ]
+    assert [handle.wait().stdout for handle in both] == ["done\n", "done\n"]
+    for sbx in (a, b):
+        check = (
+            "for w in a b; do for i in $(seq 1 1000); do "
+            '[ "$(cat /shared/$w/$i)" = "$w-$i" ] || echo "bad $w $i"; done; done; '
+            "ls /shared/a | wc -l; ls /shared/b | wc -l"
+        )
+        assert sbx.commands.run(check, timeout=600).stdout == "1000\n1000\n"
+
+
+def test_pause_resume_sees_what_changed_meanwhile(sandbox_factory: Any) -> None:
+    new_volume("paused")
+    a = sandbox_factory(volumes={"/v": "paused"})
+    b = sandbox_factory(volumes={"/v": "paused"})
+    a.commands.run(COUNTER)
+    # A reader holding the file open, and a page cache that would keep the old bytes.
+    a.commands.run("echo old-content > /v/file && cat /v/file /v/file > /dev/null")
+    a.pause()
+    b.commands.run("echo new-content-longer > /v/file")
+    b.commands.run("echo made-while-paused > /v/other")
+    a = Sandbox.resume(a.id)
+    try:
+        assert a.commands.run("cat /v/file /v/other").stdout == (
+            "new-content-longer\nmade-while-paused\n"
+        )
+        assert counting(a)
+        assert "fuse.cryobox" in a.commands.run("grep ' /v ' /proc/mounts").stdout
+    finally:
+        a.kill()
+
+
+def test_checkpoint_rollback_and_fork_keep_the_mount(sandbox_factory: Any) -> None:
+    volume = new_volume("kept")
+    sbx = sandbox_factory(volumes={"/data": "kept", "/ref": "kept:ro"})
+    sbx.commands.run(COUNTER)
+    sbx.commands.run("echo before > /data/state")
+    checkpoint = sbx.checkpoint()
+    sbx.commands.run("echo after > /data/state && echo local > /root/local")
+    sbx.rollback(checkpoint)
+    # The guest's disk went back; the volume did not (it is not the sandbox's).
+    assert sbx.commands.run("cat /root/local").exit_code != 0
+    assert sbx.commands.run("cat /data/state").stdout == "after\n"
+    assert counting(sbx)
+    # Read-only where asked: the guest's write is refused, the host's file untouched.
+    refused = sbx.commands.run("echo x > /ref/state")
+    assert refused.exit_code != 0 and "Read-only file system" in refused.stderr
+    assert volume.read_file("/state") == b"after\n"
+    forks = sbx.fork(3)
+    try:
+        for index, fork in enumerate(forks):
+            assert counting(fork)
+            fork.commands.run(f"echo {index} > /data/fork-{index}")
+        for fork in forks:
+            listed = fork.commands.run("ls /data").stdout.split()
+            assert {"fork-0", "fork-1", "fork-2", "state"} <= set(listed)
+            assert fork.info().volumes == {"/data": "kept", "/ref": "kept:ro"}
+        random = {
+            fork.commands.run("head -c 8 /dev/urandom | od -An -tx1").stdout for fork in forks
+        }
+        assert len(random) == 3
+    finally:
+        for fork in forks:
+            fork.kill()
+
+
+def test_network_none_mounts_and_the_guest_cannot_escape(sandbox_factory: Any) -> None:
+    volume = new_volume("fenced")
+    sbx = sandbox_factory(volumes={"/data": "fenced"}, network="none")
+    # Links are the guest's to resolve: one that points out of the volume points into
+    # the guest's own files, never the host's.
+    sbx.commands.run("ln -s /etc/hostname /data/link && ln -s ../../../../etc /data/up")
+    assert sbx.commands.run("cat /data/link").stdout.strip() == sbx.id
+    assert volume.list_files("/")[0].type == "symlink"
+    with pytest.raises(GuestError, match="up/passwd"):
+        volume.read_file("/up/passwd")  # the host never follows a guest's link
+    # A special file cannot be made, a set-uid bit does not reach the host.
+    assert sbx.commands.run("mkfifo /data/fifo").exit_code != 0
+    sbx.commands.run("echo x > /data/suid && chmod 4755 /data/suid")
+    assert sbx.commands.run("stat -c %a /data/suid").stdout == "755\n"
+    # The size limit holds: a guest cannot fill the host's disk through a volume.
+    full = sbx.commands.run("dd if=/dev/zero of=/data/big bs=1M count=1100 2>&1", timeout=600)
+    assert full.exit_code != 0 and "No space left on device" in full.stdout
+
+
+def test_volume_names_and_errors() -> None:
+    new_volume("errors")
+    with pytest.raises(VolumeExists):
+        Volume.create("errors")
+    with pytest.raises(InvalidArgument, match="volume name"):
+        Volume.create("Bad/Name")
+    with pytest.raises(VolumeNotFound):
+        Volume.get("never-made")
+    with pytest.raises(VolumeNotFound):
+        Sandbox.create(volumes={"/data": "never-made"})
+    with pytest.raises(InvalidArgument, match="inside /etc"):
+        Sandbox.create(volumes={"/etc/x": "errors"})
+    with pytest.raises(InvalidArgument, match="at most 4"):
+        Sandbox.create(volumes={f"/v{i}": "errors" for i in range(5)})
+    assert "errors" in [v.name for v in Volume.list()]
+    Volume.delete("errors")
+    assert "errors" not in [v.name for v in Volume.list()]
+
+
+def test_over_http_volumes_are_the_tenants_own(api_server: ApiServer) -> None:
+    owner_key, intruder_key = api_server.key, api_server.tenant("volume-intruder")
+    mine: dict[str, Any] = {"api_url": api_server.url, "api_key": owner_key}
+    theirs: dict[str, Any] = {"api_url": api_server.url, "api_key": intruder_key}
+    volume = Volume.create("mine", size_gib=1, **mine)
+    sbx = Sandbox.create(volumes={"/data": "mine"}, **mine)
+    try:
+        assert sbx.info().volumes == {"/data": "mine"}
+        sbx.commands.run("echo owner > /data/secret")
+        assert volume.read_file("/secret") == b"owner\n"
+        with httpx.Client(base_url=api_server.url, headers={"X-API-Key": intruder_key}) as intruder:
+            tried = 0
+            for path, methods in intruder.get("/openapi.json").json()["paths"].items():
+                if not path.startswith("/volumes/{name}"):
+                    continue
+                for method in methods:
+                    answer = intruder.request(
+                        method.upper(),
+                        path.replace("{name}", "mine"),
+                        params={"path": "/secret"},
+                        content=b"intruder",
+                    )
+                    assert answer.status_code == 404, (method, path, answer.text)
+                    tried += 1
+            assert tried == 5
+            assert intruder.get("/volumes").json() == []
+        with pytest.raises(VolumeNotFound):
+            Sandbox.create(volumes={"/data": "mine"}, **theirs)
+        # The same name is another volume for another tenant.
+        other = Volume.create("mine", size_gib=1, **theirs)
+        assert other.list_files("/") == []
+        Volume.delete("mine", **theirs)
+        with pytest.raises(VolumeInUse, match=sbx.id):
+            Volume.delete("mine", **mine)
+        assert volume.read_file("/secret") == b"owner\n"
+        with pytest.raises(QuotaExceeded):
+            Volume.create("huge", size_gib=200, **mine)  # the default quota: 100 GiB stored
+    finally:
+        sbx.kill()
+    Volume.delete("mine", **mine)
+    assert [v.name for v in Volume.list(**mine)] == []
+
+
+def test_the_cli_makes_copies_and_lists(tmp_path: Path) -> None:
+    def cli(*args: str) -> str:
+        done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    with contextlib.suppress(VolumeNotFound):
+        Volume.delete("by-cli")
+    cli("volume", "create", "by-cli", "--size-gib", "2")
+    local = tmp_path / "report.csv"
+    local.write_bytes(b"a,b\n" * 100_000)
+    cli("volume", "cp", str(local), "by-cli:/in/")
+    sandbox_id = cli("create", "--volume", "/mnt/in=by-cli:ro", "--volume", "/out=by-cli").split()[
+        -1
+    ]
+    try:
+        assert cli("exec", sandbox_id, "--", "wc", "-l", "/mnt/in/in/report.csv").startswith(
+            "100000"
+        )
+        cli("exec", sandbox_id, "--", "sh", "-c", "sort -u /out/in/report.csv > /out/sorted")
+        cli("volume", "cp", "by-cli:/sorted", str(tmp_path))
+        assert (tmp_path / "sorted").read_bytes() == b"a,b\n"
+        listed = cli("volume", "ls")
+        assert "by-cli" in listed and sandbox_id in listed
+        assert "of 2 GiB" in cli("volume", "du", "by-cli")
+    finally:
+        cli("kill", sandbox_id)
+    cli("volume", "rm", "by-cli")
+    assert "by-cli" not in cli("volume", "ls")

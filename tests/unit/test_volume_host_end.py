@@ -1,0 +1,171 @@
+"""The host end of a volume mount, without a VM: what a hostile guest's paths reach, the
+size limit, and the HELLO/SYNC handshake that redoes a request cut short."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import InvalidArgument
+from cryobox.server.database import MIGRATIONS, SqliteDatabase
+from cryobox.volume.files import VolumeFiles
+from cryobox.volume.mounts import VolumeMount, plan
+from cryobox.volume.serve import VolumeEnd
+from cryobox.volume.wire import (
+    ANSWER,
+    ATTRIBUTES,
+    HELLO_SEQ,
+    NONCE_BYTES,
+    REQUEST,
+    VolumeOp,
+    sync_frame,
+)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Iterator[VolumeFiles]:
+    root = tmp_path / "volume"
+    root.mkdir()
+    (tmp_path / "secret").write_text("host only")
+    made = VolumeFiles(root, 1 << 20)
+    yield made
+    made.close()
+
+
+def test_paths_never_leave_the_volume(files: VolumeFiles, tmp_path: Path) -> None:
+    files.symlink("out", "../secret")  # the guest may store any link...
+    files.symlink("abs", "/etc")
+    files.mkdir("d", 0o755)
+    for path in ("../secret", "out", "abs/passwd", "d/../../secret", "/etc/passwd"):
+        with pytest.raises(OSError) as caught:
+            files.read(path, 0, 100)  # ...and the host never follows one
+        assert caught.value.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT), path
+    with pytest.raises(OSError):
+        files.create("abs/new", 0, 0o644)  # nor creates through one
+    with pytest.raises(OSError):
+        files.chmod("out", 0o777)
+    assert not (tmp_path / "new").exists()
+    assert files.readlink("out") == b"../secret"
+    assert (tmp_path / "secret").stat().st_mode & 0o777 != 0o777
+
+
+def test_modes_are_kept_without_set_uid_and_the_owner_can_always_read(
+    files: VolumeFiles,
+) -> None:
+    old = os.umask(0o077)  # a host umask never narrows what the guest asked for
+    try:
+        files.create("f", 0, 0o4755)
+        files.mkdir("d", 0o1777)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(files.root / "f").st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(files.root / "d").st_mode) == 0o1777
+    files.chmod("f", 0o000)
+    assert stat.S_IMODE(os.stat(files.root / "f").st_mode) == 0o600
+    mode = ATTRIBUTES.unpack(files.getattr("f"))[0]
+    assert stat.S_ISREG(mode)
+
+
+def test_the_size_limit_refuses_what_passes_it(files: VolumeFiles) -> None:
+    files.create("a", 0, 0o644)
+    files.write("a", 0, b"x" * (512 << 10))
+    with pytest.raises(OSError) as caught:
+        files.write("a", 512 << 10, b"y" * (600 << 10))
+    assert caught.value.errno == errno.ENOSPC
+    files.unlink("a")  # the estimate is measured again near the limit: space comes back
+    files.create("b", 0, 0o644)
+    assert files.write("b", 0, b"z" * (900 << 10)) == 900 << 10
+
+
+def _request(op: VolumeOp, seq: int, path: bytes, a: int = 0, b: int = 0) -> bytes:
+    head = REQUEST.pack(REQUEST.size - 4 + len(path), seq, op, 0, a, b, len(path), 0, 0)
+    return head + path
+
+
+def _answer(sock: socket.socket) -> tuple[int, int, bytes]:
+    def exactly(size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = sock.recv(size - len(data))
+            assert chunk, "the host end hung up"
+            data += chunk
+        return data
+
+    length, seq, error, _ = ANSWER.unpack(exactly(ANSWER.size))
+    return seq, error, exactly(length - (ANSWER.size - 4))
+
+
+def test_a_new_host_end_resynchronises_and_serves(files: VolumeFiles, tmp_path: Path) -> None:
+    (files.root / "hello.txt").write_bytes(b"volume bytes")
+    path = tmp_path / "port.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)
+    end = VolumeEnd(path, VolumeFiles(files.root, 1 << 20))
+    end.start()
+    try:
+        for _round in range(2):  # the VM replaced (a restore): the end connects again
+            guest, _ = listener.accept()
+            seq, error, nonce = _answer(guest)
+            assert seq == HELLO_SEQ and error == 0 and len(nonce) == NONCE_BYTES
+            # A request cut short before the SYNC, then garbage: both dropped.
+            guest.sendall(_request(VolumeOp.UNLINK, 7, b"hello.txt")[:20] + b"\xff" * 33)
+            guest.sendall(sync_frame(nonce))
+            guest.sendall(_request(VolumeOp.READ, 8, b"hello.txt", 0, 100))
+            assert _answer(guest) == (8, 0, b"volume bytes")
+            guest.sendall(_request(VolumeOp.GETATTR, 9, b"missing"))
+            assert _answer(guest)[:2] == (9, -errno.ENOENT)
+            guest.close()
+        # A frame too big ends the connection, never the host end.
+        guest, _ = listener.accept()
+        nonce = _answer(guest)[2]
+        guest.sendall(sync_frame(nonce) + REQUEST.pack(1 << 30, 1, 2, 0, 0, 0, 0, 0, 0))
+        guest.close()
+        guest, _ = listener.accept()
+        assert _answer(guest)[0] == HELLO_SEQ
+        guest.close()
+    finally:
+        stopper = threading.Thread(target=end.stop)
+        stopper.start()
+        stopper.join(10)
+        listener.close()
+    assert (files.root / "hello.txt").exists()
+
+
+def test_mount_plans_keep_slots_and_refuse_what_cannot_work() -> None:
+    recorded = (VolumeMount(1, "/data", "old"),)
+    table = plan(recorded, {"/data": "new:ro", "/cache": "c"})
+    assert table == (VolumeMount(0, "/cache", "c"), VolumeMount(1, "/data", "new", True))
+    for bad in ("/", "data", "/proc/x", "/a/../b", "/run"):
+        with pytest.raises(InvalidArgument):
+            plan((), {bad: "v"})
+    with pytest.raises(InvalidArgument, match="nest"):
+        plan((), {"/a": "v", "/a/b": "w"})
+    with pytest.raises(InvalidArgument, match="at most 4"):
+        plan((), {f"/v{i}": "v" for i in range(5)})
+
+
+def test_a_database_from_before_volumes_keeps_its_owners(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    raw = sqlite3.connect(path)
+    for script in MIGRATIONS[:4]:
+        raw.executescript(script)
+    raw.execute("PRAGMA user_version=4")
+    raw.execute("INSERT INTO tenants VALUES ('tn-1', 'a', 0, 1, 1, 1, 1)")
+    raw.execute("INSERT INTO owned VALUES ('template', 'tn-1.t', 'tn-1', 0)")
+    raw.commit()
+    raw.close()
+    db = SqliteDatabase(path)
+    assert db.version == len(MIGRATIONS)
+    db.execute("INSERT INTO owned VALUES ('volume', 'tn-1.v', 'tn-1', 0)")
+    kinds = {r["kind"] for r in db.rows("SELECT kind FROM owned", ())}
+    assert kinds == {"template", "volume"}
