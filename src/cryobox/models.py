@@ -54,6 +54,8 @@ class SnapshotPurpose(enum.StrEnum):
     SNAPSHOT = "snapshot"
     TEMPLATE = "template"
     FORK = "fork"
+    #: A named volume's files at one instant (never a machine: restored into a volume).
+    VOLUME = "volume"
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,15 @@ class Signal(Body):
 @dataclass(frozen=True)
 class CreateVolume(Body):
     name: Annotated[str, MinLen(1), MaxLen(100)]
-    size_gib: Annotated[int, Ge(1), Le(config.MAX_VOLUME_GIB)] = config.DEFAULT_VOLUME_GIB
+    #: None: 10 GiB, or the saved volume's size with ``from_snapshot``.
+    size_gib: Annotated[int, Ge(1), Le(config.MAX_VOLUME_GIB)] | None = None
+    #: A volume snapshot (id or name) whose files the new volume starts with.
+    from_snapshot: Annotated[str, MinLen(1), MaxLen(200)] | None = None
+
+
+@dataclass(frozen=True)
+class VolumeSnapshot(Body):
+    name: Annotated[str, MinLen(1), MaxLen(200)] | None = None
 
 
 @dataclass(frozen=True)

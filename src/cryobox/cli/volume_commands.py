@@ -16,7 +16,6 @@ from typing import Annotated
 
 import typer
 
-from cryobox import config
 from cryobox.client import Volume
 from cryobox.errors import InvalidArgument
 
@@ -43,13 +42,40 @@ def _size(value: int) -> str:
 def create(
     name: str,
     size_gib: Annotated[
-        int, typer.Option("--size-gib", help="The most its files may hold.")
-    ] = config.DEFAULT_VOLUME_GIB,
+        int | None, typer.Option("--size-gib", help="The most its files may hold (default 10).")
+    ] = None,
 ) -> None:
     """Make an empty volume."""
     with errors_reported():
         volume = Volume.create(name, size_gib=size_gib)
-        out.print(f"volume {volume.name}: {size_gib} GiB")
+        out.print(f"volume {volume.name}: {volume.info().size_gib} GiB")
+
+
+@volume_app.command("snapshot")
+def snapshot(
+    name: str,
+    snapshot_name: Annotated[
+        str | None, typer.Option("--name", help="A name to find the snapshot by.")
+    ] = None,
+) -> None:
+    """Save a volume's files at this instant (into the store too); prints the snapshot id."""
+    with errors_reported():
+        saved = Volume.get(name).snapshot(snapshot_name)
+        out.print(saved.id)
+
+
+@volume_app.command("restore")
+def restore(
+    snapshot: str,
+    name: str,
+    size_gib: Annotated[
+        int | None, typer.Option("--size-gib", help="Default: the saved volume's.")
+    ] = None,
+) -> None:
+    """Make volume NAME from a volume snapshot (its id or name)."""
+    with errors_reported():
+        Volume.create(name, size_gib=size_gib, from_snapshot=snapshot)
+        out.print(f"volume {name} restored from {snapshot}")
 
 
 @volume_app.command("ls")

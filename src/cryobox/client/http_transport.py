@@ -498,9 +498,17 @@ class HttpTransport:
     def _vol(name: str, rest: str = "") -> str:
         return f"/volumes/{quote(name, safe='')}{rest}"
 
-    async def create_volume(self, name: str, size_gib: int) -> VolumeInfo:
-        body = wire.CreateVolume(name=name, size_gib=size_gib).to_wire()
-        return volume_info((await self._call("POST", "/volumes", json=body)).json())
+    async def create_volume(
+        self, name: str, size_gib: int | None, from_snapshot: str | None = None
+    ) -> VolumeInfo:
+        body = wire.CreateVolume(name=name, size_gib=size_gib, from_snapshot=from_snapshot)
+        response = await self._call("POST", "/volumes", json=body.to_wire(), timeout=LONG)
+        return volume_info(response.json())
+
+    async def snapshot_volume(self, name: str, snapshot_name: str | None) -> SnapshotInfo:
+        body = wire.VolumeSnapshot(name=snapshot_name).to_wire()
+        response = await self._call("POST", self._vol(name, "/snapshots"), json=body, timeout=LONG)
+        return snapshot_info(response.json())
 
     async def get_volume(self, name: str) -> VolumeInfo:
         return volume_info((await self._call("GET", self._vol(name))).json())

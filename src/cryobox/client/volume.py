@@ -12,9 +12,8 @@ import builtins
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import Protocol
 
-from cryobox import config
 from cryobox.errors import InvalidArgument
-from cryobox.models import EntryInfo, VolumeInfo
+from cryobox.models import EntryInfo, SnapshotInfo, VolumeInfo
 
 from ._blocking import method, static
 from .transport import Transport, transport_for
@@ -64,17 +63,21 @@ class AsyncVolume:
         cls,
         name: str,
         *,
-        size_gib: int = config.DEFAULT_VOLUME_GIB,
+        size_gib: int | None = None,
+        from_snapshot: SnapshotInfo | str | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncVolume:
-        """Make an empty volume of at most ``size_gib`` GiB (a write past it fails with
-        "no space left" in the guest).
+        """Make a volume of at most ``size_gib`` GiB (default 10; a write past it fails
+        with "no space left" in the guest): empty, or holding what a volume snapshot
+        (:meth:`snapshot`, its id or name) saved, at the saved size unless given.
 
         :raises VolumeExists: when the name is taken. :raises InvalidArgument:
+        :raises SnapshotNotFound: :raises SnapshotVerificationFailed:
         """
         transport = transport_for(api_url, api_key)
-        return cls(await transport.create_volume(name, size_gib), transport)
+        ref = from_snapshot.id if isinstance(from_snapshot, SnapshotInfo) else from_snapshot
+        return cls(await transport.create_volume(name, size_gib, ref), transport)
 
     @classmethod
     async def get(
@@ -104,6 +107,13 @@ class AsyncVolume:
         """Its size in use now and the sandboxes that mount it."""
         self._info = await self._transport.get_volume(self.name)
         return self._info
+
+    async def snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Its files at this instant into the snapshots (writers wait while they are
+        copied) and the chunk store: deduplicated, encrypted, off the host with S3,
+        expired like disk snapshots. ``Volume.create(new, from_snapshot=...)`` restores it.
+        """
+        return await self._transport.snapshot_volume(self.name, name)
 
     async def read_file(self, path: str) -> bytes:
         """A file's bytes. :raises GuestFileNotFound:"""
@@ -152,3 +162,4 @@ class Volume:
     read_file = method(AsyncVolume.read_file)
     write_file = method(AsyncVolume.write_file)
     list_files = method(AsyncVolume.list_files)
+    snapshot = method(AsyncVolume.snapshot)

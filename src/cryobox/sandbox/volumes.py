@@ -11,11 +11,9 @@ from cryobox.guest.client import AgentClient
 from cryobox.guest.protocol import GuestOp
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.volume import catalog
-from cryobox.volume.files import VolumeFiles
 from cryobox.volume.mounts import VolumeMount, socket_name
 from cryobox.volume.serve import VolumeEnd
 
-GIB = 1 << 30
 #: How long the guest may take to mount one volume (a cold guest under TCG: ~1 s).
 MOUNT_TIMEOUT = 60.0
 
@@ -36,7 +34,7 @@ class VolumeEnds:
         """:raises VolumeNotFound: when a mounted volume is gone (nothing is started)."""
         records = [catalog.get(mount.volume) for mount in self.mounts]
         for mount, record in zip(self.mounts, records, strict=True):
-            files = VolumeFiles(record.data(), record.size_gib * GIB, read_only=mount.read_only)
+            files = record.files(read_only=mount.read_only)
             end = VolumeEnd(self.folder.path / socket_name(mount.slot), files)
             end.start()
             self._ends.append(end)

@@ -637,7 +637,16 @@ def create_app(
 
     @app.post("/volumes", status_code=201, tags=["volumes"])
     async def create_volume(body: s.CreateVolume, me: Me) -> VolumeInfo:
-        return await hub.volumes.create(me, body.name, body.size_gib, hub.stored_bytes(me))
+        """An empty volume, or one holding a volume snapshot's files (``from_snapshot``)."""
+        source = hub.find_snapshot(me, body.from_snapshot) if body.from_snapshot else None
+        return await hub.volumes.create(
+            me, body.name, body.size_gib, hub.stored_bytes(me), from_snapshot=source
+        )
+
+    @app.post("/volumes/{name}/snapshots", status_code=201, tags=["volumes"])
+    async def snapshot_volume(name: str, body: s.VolumeSnapshot, me: Me) -> SnapshotInfo:
+        """The volume's files at one instant, into the tenant's snapshots and the store."""
+        return await hub.volumes.snapshot(me, name, body.name)
 
     @app.get("/volumes", tags=["volumes"])
     async def list_volumes(me: Me) -> list[VolumeInfo]:

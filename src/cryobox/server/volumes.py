@@ -9,10 +9,12 @@ import dataclasses
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 
+from cryobox import config
 from cryobox.errors import QuotaExceeded, VolumeNotFound
-from cryobox.models import EntryInfo, VolumeInfo
+from cryobox.models import EntryInfo, SnapshotInfo, VolumeInfo
 from cryobox.server.tenants import Tenant, Tenants
 from cryobox.service.volumes import Volumes
+from cryobox.snapshot.manifest import Manifest
 from cryobox.volume.mounts import READ_ONLY_SUFFIX, parse_source
 
 GIB = 1 << 30
@@ -53,8 +55,17 @@ class TenantVolumes:
         return inside
 
     async def create(
-        self, tenant: Tenant, name: str, size_gib: int, stored_bytes: int
+        self,
+        tenant: Tenant,
+        name: str,
+        size_gib: int | None,
+        stored_bytes: int,
+        *,
+        from_snapshot: Manifest | None = None,
     ) -> VolumeInfo:
+        """:param from_snapshot: one of the tenant's snapshots (the caller found it)."""
+        if size_gib is None:
+            size_gib = from_snapshot.disk_gib if from_snapshot else config.DEFAULT_VOLUME_GIB
         promised = sum(v.size_gib for v in await self.list(tenant)) * GIB
         wanted = stored_bytes + promised + size_gib * GIB
         if wanted > tenant.quota.max_stored_bytes:
@@ -65,12 +76,24 @@ class TenantVolumes:
         # reads as none and is made by the next create; never a volume nobody owns.
         self.tenants.own(tenant.id, "volume", internal)
         try:
-            info = await self.volumes.create(internal, size_gib)
+            info = await self.volumes.create(
+                internal,
+                size_gib,
+                from_snapshot=from_snapshot.id if from_snapshot else None,
+                tenant=tenant.id,
+            )
         except BaseException:
             if not already:
                 self.tenants.disown("volume", internal)
             raise
         return self._present(tenant, info)
+
+    async def snapshot(self, tenant: Tenant, name: str, snapshot_name: str | None) -> SnapshotInfo:
+        info = await self.volumes.snapshot(
+            self._mine(tenant, name), snapshot_name, tenant=tenant.id
+        )
+        self.tenants.own(tenant.id, "snapshot", info.id)
+        return info
 
     async def get(self, tenant: Tenant, name: str) -> VolumeInfo:
         return self._present(tenant, await self.volumes.get(self._mine(tenant, name)))

@@ -44,7 +44,7 @@ from cryobox.store.transfer import LocalSources, Progress, local_sources
 from cryobox.util import new_id
 
 #: Purposes uploaded after they are taken (checkpoints and forks live with their sandbox).
-UPLOADED = (SnapshotPurpose.SNAPSHOT, SnapshotPurpose.TEMPLATE)
+UPLOADED = (SnapshotPurpose.SNAPSHOT, SnapshotPurpose.TEMPLATE, SnapshotPurpose.VOLUME)
 
 
 @dataclass

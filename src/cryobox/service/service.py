@@ -289,7 +289,7 @@ class SandboxService:
         #: Snapshots, templates and lineage: what this host has saved.
         self.catalog = Catalog(self.store, self.persist)
         #: Named volumes, which sandboxes mount (see :mod:`.volumes`).
-        self.volumes = Volumes()
+        self.volumes = Volumes(self.store, self.persist)
         #: The last request for a warm pool refill (kept: a task nobody holds may vanish).
         self._refill: asyncio.Future[None] | None = None
         #: One capture of a given snapshot name at a time (names are unique).
@@ -407,6 +407,11 @@ class SandboxService:
         template = shaped_template(request)
         if request.from_snapshot is not None:
             source = await self.persist.of(tenant).local_or_pulled(request.from_snapshot)
+            if source.purpose is SnapshotPurpose.VOLUME:
+                raise InvalidArgument(
+                    f"snapshot {request.from_snapshot!r} is a volume's: restore it with "
+                    "Volume.create(name, from_snapshot=...)"
+                )
         elif template != BASE_TEMPLATE:
             source = await self.template_snapshot(template, image, progress, tenant)
         shape = {

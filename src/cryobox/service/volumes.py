@@ -16,14 +16,27 @@ import errno
 import os
 import posixpath
 import stat
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 
-from cryobox.errors import GuestError, GuestFileNotFound, InvalidArgument, VolumeInUse
+from cryobox import arguments, config
+from cryobox.errors import (
+    GuestError,
+    GuestFileNotFound,
+    InvalidArgument,
+    StorageError,
+    VolumeInUse,
+)
 from cryobox.guest import protocol as p
-from cryobox.models import EntryInfo, VolumeInfo
+from cryobox.models import EntryInfo, SnapshotInfo, SnapshotPurpose, VolumeInfo
 from cryobox.sandbox import registry
-from cryobox.util import each_chunk
-from cryobox.volume import catalog
+from cryobox.service.persist import Persistence
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.manifest import Manifest, SnapshotKind
+from cryobox.snapshot.store import SnapshotStore
+from cryobox.store.keys import LOCAL_TENANT
+from cryobox.util import each_chunk, new_id
+from cryobox.volume import archive, catalog
 from cryobox.volume.catalog import VolumeRecord
 from cryobox.volume.files import VolumeFiles
 from cryobox.volume.mounts import VolumeMount
@@ -48,8 +61,16 @@ def _file_error(exc: OSError, path: str, doing: str) -> GuestError:
     return GuestError(doing, p.INVALID, f"{exc.strerror or exc}: {path!r}")
 
 
+#: The one file of a volume snapshot: the volume's tree (:mod:`cryobox.volume.archive`).
+VOLUME_ARCHIVE = "volume.tar"
+
+
 class Volumes:
     """This host's named volumes."""
+
+    def __init__(self, store: SnapshotStore, persist: Persistence) -> None:
+        self.store = store
+        self.persist = persist
 
     def mounted_by(self, name: str) -> builtins.list[str]:
         """The sandboxes not ended whose mounts name ``name``, paused ones included."""
@@ -70,10 +91,97 @@ class Volumes:
             mounted_by=tuple(self.mounted_by(record.name)),
         )
 
-    async def create(self, name: str, size_gib: int) -> VolumeInfo:
-        """:raises VolumeExists: :raises InvalidArgument:"""
-        record = await asyncio.to_thread(catalog.create, name, size_gib)
-        return await asyncio.to_thread(self._info, record)
+    async def create(
+        self,
+        name: str,
+        size_gib: int | None = None,
+        *,
+        from_snapshot: str | None = None,
+        tenant: str = LOCAL_TENANT,
+    ) -> VolumeInfo:
+        """A new empty volume; or one holding what a volume snapshot saved (its size the
+        saved volume's unless given), pulled from the store when it is not on this host.
+
+        :raises VolumeExists: :raises InvalidArgument: :raises SnapshotNotFound:
+        :raises SnapshotVerificationFailed: when the snapshot's files are not what it says.
+        """
+        if from_snapshot is None:
+            record = await asyncio.to_thread(
+                catalog.create, name, size_gib or config.DEFAULT_VOLUME_GIB
+            )
+            return await asyncio.to_thread(self._info, record)
+        manifest = await self.persist.of(tenant).local_or_pulled(from_snapshot)
+        if manifest.purpose is not SnapshotPurpose.VOLUME:
+            raise InvalidArgument(
+                f"snapshot {from_snapshot!r} is a sandbox's, not a volume's: "
+                "start a sandbox from it"
+            )
+        folder = self.store.folder(manifest.id)
+
+        def restore() -> VolumeRecord:
+            mf.verify(folder, manifest)  # every byte as saved, or refused naming the file
+            record = catalog.create(name, size_gib or manifest.disk_gib)
+            files = record.files()
+            try:
+                archive.unpack(folder / VOLUME_ARCHIVE, files)
+            except BaseException:
+                files.close()
+                catalog.delete(name)  # a restore is whole or not at all
+                raise
+            files.close()
+            return record
+
+        return self._info(await asyncio.to_thread(restore))
+
+    async def snapshot(
+        self, name: str, snapshot_name: str | None = None, *, tenant: str = LOCAL_TENANT
+    ) -> SnapshotInfo:
+        """The volume's files at one instant (writers wait while they are copied), into
+        this host's snapshots and, in the background, the chunk store: deduplicated,
+        encrypted for the tenant, off the host with S3, expired like disk snapshots.
+
+        :raises VolumeNotFound: :raises StorageError: when the host cannot hold the copy.
+        """
+        if snapshot_name is not None:
+            arguments.snapshot_name("name", snapshot_name)
+        record = await asyncio.to_thread(catalog.get, name)
+        snapshot_id = new_id("snap")
+
+        def take() -> Manifest:
+            temp = self.store.begin(snapshot_id)
+            try:
+                with archive.frozen(record.lock()):
+                    archive.pack(record.data(), temp / VOLUME_ARCHIVE)
+                manifest = Manifest(
+                    id=snapshot_id,
+                    kind=SnapshotKind.DISK,
+                    purpose=SnapshotPurpose.VOLUME,
+                    name=snapshot_name,
+                    created_at=time.time(),
+                    source_sandbox="",
+                    parent=None,
+                    image_id="",
+                    cpus=0,
+                    memory_mib=0,
+                    disk_gib=record.size_gib,
+                    disk_chain=(),
+                    ports=(),
+                    ram_in_stream=False,
+                    files=mf.describe_files(temp, [VOLUME_ARCHIVE]),
+                    volumes=({"volume": name},),
+                )
+                self.store.commit(temp, manifest)
+            except OSError as exc:
+                self.store.abandon(temp)
+                raise StorageError("saving a volume snapshot", str(temp), str(exc)) from exc
+            except BaseException:
+                self.store.abandon(temp)
+                raise
+            return manifest
+
+        manifest = await asyncio.to_thread(take)
+        self.persist.of(tenant).after_capture(manifest)
+        return SnapshotInfo.from_manifest(manifest.to_json())
 
     async def get(self, name: str) -> VolumeInfo:
         """:raises VolumeNotFound:"""
@@ -101,8 +209,7 @@ class Volumes:
     # -- files, from the host
 
     def _files(self, name: str) -> VolumeFiles:
-        record = catalog.get(name)
-        return VolumeFiles(record.data(), record.size_gib * GIB)
+        return catalog.get(name).files()
 
     async def read_file(self, name: str, path: str) -> AsyncIterator[bytes]:
         """The file's bytes, in pieces of at most 1 MiB."""

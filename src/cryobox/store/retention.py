@@ -37,12 +37,13 @@ class Policy:
 
 
 def expired(manifests: list[dict[str, Any]], policy: Policy, now: float) -> list[str]:
-    """Ids of saved snapshots (purpose ``snapshot``) past their lifetime and not among
-    the newest ``keep_last`` of their source sandbox. Callers still keep what is needed."""
-    mine = [m for m in manifests if m.get("purpose") == "snapshot"]
+    """Ids of saved snapshots (purpose ``snapshot``, and volume snapshots, as disk ones)
+    past their lifetime and not among the newest ``keep_last`` of their source sandbox
+    (or volume). Callers still keep what is needed."""
+    mine = [m for m in manifests if m.get("purpose") in ("snapshot", "volume")]
     newest: dict[str, list[dict[str, Any]]] = {}
     for manifest in sorted(mine, key=lambda m: float(m["created_at"]), reverse=True):
-        newest.setdefault(str(manifest["source_sandbox"]), []).append(manifest)
+        newest.setdefault(_source(manifest), []).append(manifest)
     kept = {str(m["id"]) for group in newest.values() for m in group[: max(policy.keep_last, 0)]}
     return [
         str(m["id"])
@@ -50,3 +51,11 @@ def expired(manifests: list[dict[str, Any]], policy: Policy, now: float) -> list
         if str(m["id"]) not in kept
         and now - float(m["created_at"]) > policy.lifetime(str(m["kind"]))
     ]
+
+
+def _source(manifest: dict[str, Any]) -> str:
+    """What a snapshot was taken of: its sandbox, or (a volume snapshot) its volume."""
+    volumes = manifest.get("volumes") or ()
+    if manifest.get("purpose") == "volume" and volumes:
+        return f"volume:{volumes[0].get('volume')}"
+    return str(manifest["source_sandbox"])

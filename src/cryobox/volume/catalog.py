@@ -20,13 +20,14 @@ from pathlib import Path
 from cryobox import config
 from cryobox.errors import InvalidArgument, VolumeExists, VolumeNotFound
 from cryobox.util import fsync_dir, write_json_atomic
-from cryobox.volume.files import usage
+from cryobox.volume.files import VolumeFiles, usage
 
 #: A volume's name: what a folder name may safely be, and what a server's tenant prefix
 #: (``tn-<tenant>-``) leaves room for.
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 RECORD = "volume.json"
 DATA = "data"
+LOCK = "lock"
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,14 @@ class VolumeRecord:
 
     def data(self) -> Path:
         return self.folder() / DATA
+
+    def lock(self) -> Path:
+        """Held shared by every change to its files, whole by a volume snapshot."""
+        return self.folder() / LOCK
+
+    def files(self, *, read_only: bool = False) -> VolumeFiles:
+        """Its files, as guests and the host change them (close it after use)."""
+        return VolumeFiles(self.data(), self.size_gib << 30, read_only=read_only, lock=self.lock())
 
     def used_bytes(self) -> int:
         return usage(self.data())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import stat
 import threading
@@ -85,16 +86,23 @@ class VolumeFiles:
     """One volume's folder as its guests see it; thread-safe (one writer lock for the
     size estimate only)."""
 
-    def __init__(self, root: Path, limit_bytes: int, *, read_only: bool = False) -> None:
+    def __init__(
+        self, root: Path, limit_bytes: int, *, read_only: bool = False, lock: Path | None = None
+    ) -> None:
         self.root = root
         self.limit = limit_bytes
         self.read_only = read_only
         self._root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._lock_fd = (
+            None if lock is None else os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        )
         self._lock = threading.Lock()
         self._used = usage(root)
 
     def close(self) -> None:
         os.close(self._root_fd)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
 
     # -- resolution
 
@@ -115,6 +123,20 @@ class VolumeFiles:
     def _writable(self) -> None:
         if self.read_only:
             raise OSError(errno.EROFS, "read-only mount")
+
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """Around every change: refused on a read-only mount, and made under the volume's
+        lock held shared (a volume snapshot holds it whole: writers wait meanwhile)."""
+        self._writable()
+        if self._lock_fd is None:
+            yield
+            return
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _grow(self, added: int) -> None:
         """Count ``added`` bytes in; ENOSPC when they would pass the limit."""
@@ -181,14 +203,12 @@ class VolumeFiles:
             return os.pread(fd, size, offset)
 
     def write(self, path: str, offset: int, data: bytes) -> int:
-        self._writable()
-        with self._opened(path, os.O_WRONLY) as fd:
+        with self._change(), self._opened(path, os.O_WRONLY) as fd:
             self._grow(offset + len(data) - os.fstat(fd).st_size)
             return os.pwrite(fd, data, offset)
 
     def create(self, path: str, flags: int, mode: int) -> None:
-        self._writable()
-        with self._at(path) as (parent, name):
+        with self._change(), self._at(path) as (parent, name):
             fd = os.open(
                 name,
                 os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (flags & _PASSED_FLAGS),
@@ -207,22 +227,20 @@ class VolumeFiles:
             self._writable()
         with self._opened(path, os.O_PATH if access == os.O_RDONLY else os.O_WRONLY) as fd:
             if flags & os.O_TRUNC and access != os.O_RDONLY:
-                os.ftruncate(fd, 0)
+                with self._change():
+                    os.ftruncate(fd, 0)
 
     def truncate(self, path: str, size: int) -> None:
-        self._writable()
-        with self._opened(path, os.O_WRONLY) as fd:
+        with self._change(), self._opened(path, os.O_WRONLY) as fd:
             self._grow(size - os.fstat(fd).st_size)
             os.ftruncate(fd, size)
 
     def unlink(self, path: str) -> None:
-        self._writable()
-        with self._at(path) as (parent, name):
+        with self._change(), self._at(path) as (parent, name):
             os.unlink(name, dir_fd=parent)
 
     def mkdir(self, path: str, mode: int) -> None:
-        self._writable()
-        with self._at(path) as (parent, name):
+        with self._change(), self._at(path) as (parent, name):
             self._grow(BLOCK)
             os.mkdir(name, _folder_mode(mode), dir_fd=parent)
             made = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
@@ -232,25 +250,26 @@ class VolumeFiles:
                 os.close(made)
 
     def rmdir(self, path: str) -> None:
-        self._writable()
-        with self._at(path) as (parent, name):
+        with self._change(), self._at(path) as (parent, name):
             os.rmdir(name, dir_fd=parent)
 
     def rename(self, old: str, new: str, flags: int) -> None:
-        self._writable()
-        if flags & ~_RENAME_FLAGS:
-            raise OSError(errno.EINVAL, "unsupported rename flags")
-        with self._at(old) as (old_parent, old_name), self._at(new) as (new_parent, new_name):
-            _renameat2(old_parent, old_name, new_parent, new_name, flags)
+        with self._change():
+            if flags & ~_RENAME_FLAGS:
+                raise OSError(errno.EINVAL, "unsupported rename flags")
+            with self._at(old) as (old_parent, old_name), self._at(new) as (new_parent, new_name):
+                _renameat2(old_parent, old_name, new_parent, new_name, flags)
 
     def symlink(self, path: str, target: str) -> None:
-        self._writable()
-        with self._at(path) as (parent, name):
+        with self._change(), self._at(path) as (parent, name):
             os.symlink(target, name, dir_fd=parent)
 
     def link(self, old: str, new: str) -> None:
-        self._writable()
-        with self._at(old) as (old_parent, old_name), self._at(new) as (new_parent, new_name):
+        with (
+            self._change(),
+            self._at(old) as (old_parent, old_name),
+            self._at(new) as (new_parent, new_name),
+        ):
             os.link(
                 old_name,
                 new_name,
@@ -266,8 +285,7 @@ class VolumeFiles:
     def chmod(self, path: str, mode: int) -> None:
         """Through an O_PATH descriptor of the file itself (a link is refused by the
         resolution), reached by its /proc name: chmod takes no descriptor of that kind."""
-        self._writable()
-        with self._opened(path, os.O_PATH) as fd:
+        with self._change(), self._opened(path, os.O_PATH) as fd:
             kind = os.fstat(fd).st_mode
             os.chmod(
                 f"/proc/self/fd/{fd}",
@@ -275,8 +293,7 @@ class VolumeFiles:
             )
 
     def utimens(self, path: str, atime_ns: int, mtime_ns: int) -> None:
-        self._writable()
-        with self._opened(path, os.O_PATH) as fd:
+        with self._change(), self._opened(path, os.O_PATH) as fd:
             st = os.fstat(fd)
             os.utime(
                 f"/proc/self/fd/{fd}",

@@ -1,0 +1,105 @@
+"""A volume's files as one tar file and back: what a volume snapshot stores.
+
+Packed while the volume is frozen (:func:`frozen`: every writer, guest or host, waits
+on the volume's lock meanwhile), so the copy is one instant of the volume. Folders,
+files and symbolic links only, in name order, owner 0, times kept.
+
+Unpacked through :class:`~.files.VolumeFiles`, the very checks a guest's requests get:
+a member that names a path out of the volume, or any other kind of file, is refused,
+and a link is stored as the link it is (never followed), whatever the archive holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import posixpath
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from cryobox.errors import InvalidArgument
+from cryobox.volume.files import VolumeFiles
+
+#: Bytes copied at once out of the archive.
+PIECE = 1 << 20
+
+
+@contextlib.contextmanager
+def frozen(lock: Path) -> Iterator[None]:
+    """No writer changes the volume meanwhile (they hold the lock shared per change)."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def _tree(root: Path, relative: str = "") -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """Every entry under ``root`` by its relative name, in name order, parents first;
+    links are entries, never followed."""
+    with os.scandir(root / relative if relative else root) as found:
+        entries = sorted(found, key=lambda entry: entry.name)
+    for entry in entries:
+        name = f"{relative}/{entry.name}" if relative else entry.name
+        yield name, entry
+        if entry.is_dir(follow_symlinks=False):
+            yield from _tree(root, name)
+
+
+def pack(root: Path, output: Path) -> None:
+    """Write the folder's tree to ``output`` (a tar, uncompressed: the store compresses)."""
+    with tarfile.open(output, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, entry in _tree(root):
+            info = _owned_by_nobody(tar.gettarinfo(entry.path, name))
+            if info.isreg():
+                with open(entry.path, "rb") as file:
+                    tar.addfile(info, file)
+            elif info.isdir() or info.issym():
+                tar.addfile(info)
+
+
+def unpack(archive: Path, files: VolumeFiles) -> None:
+    """Recreate the archive's tree in an empty volume.
+
+    :raises InvalidArgument: naming a member that is not a folder, file or link inside it.
+    """
+    with tarfile.open(archive, "r:") as tar:
+        members = tar.getmembers()
+        folders = sorted((m for m in members if m.isdir()), key=lambda m: m.name.count("/"))
+        for member in folders:
+            files.mkdir(_inside(member), 0o700)
+        for member in members:
+            path = _inside(member)
+            if member.isreg():
+                files.create(path, os.O_TRUNC, member.mode)
+                source = tar.extractfile(member)
+                assert source is not None
+                offset = 0
+                while piece := source.read(PIECE):
+                    files.write(path, offset, piece)
+                    offset += len(piece)
+            elif member.issym():
+                files.symlink(path, member.linkname)
+            elif not member.isdir():
+                raise InvalidArgument(f"volume archive member {member.name!r} is not a file")
+        for member in members:  # times and modes last: writing inside a folder changes it
+            path = _inside(member)
+            if not member.issym():
+                files.chmod(path, member.mode)
+                files.utimens(path, int(member.mtime * 1e9), int(member.mtime * 1e9))
+
+
+def _inside(member: tarfile.TarInfo) -> str:
+    name = posixpath.normpath(member.name)
+    if name.startswith(("/", "..")) or name == "." or "\0" in name:
+        raise InvalidArgument(f"volume archive member {member.name!r} is outside the volume")
+    return name
