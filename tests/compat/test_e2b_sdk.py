@@ -322,3 +322,51 @@ def test_the_unchanged_e2b_example_runs(api_server: ApiServer) -> None:
     assert "live: hello from sbx-" in done.stdout and "exit code 0" in done.stdout
     counted = next(line for line in done.stdout.splitlines() if line.startswith("still counting"))
     assert int(counted.split()[-1]) > 0 and "files: ['main.py']" in done.stdout
+
+
+def test_volumes_the_e2b_way(api_server: ApiServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2B's Volume API (control and content) and ``volume_mounts``, on named volumes."""
+    monkeypatch.setenv("E2B_VOLUME_API_URL", f"{api_server.url}/e2b")
+    volume = e2b.Volume.create("e2b-results")
+    try:
+        assert volume.volume_id == "e2b-results" and volume.token
+        assert "e2b-results" in [v.name for v in e2b.Volume.list()]
+        volume.write_file("/input.txt", "from the e2b sdk")
+        with pytest.raises(e2b.VolumeException):
+            volume.write_file("/input.txt", "again")  # no force: E2B's 409
+        volume.write_file("/input.txt", "replaced", force=True)
+        made = volume.make_dir("/deep/er", force=True)
+        assert made.type.value == "directory" and made.path == "/deep/er"
+        with pytest.raises(e2b.VolumePathNotFoundException):
+            volume.make_dir("/missing/parent")  # without force, as E2B: 404
+        sbx = e2b.Sandbox.create(volume_mounts={"/mnt/results": volume})
+        try:
+            out = sbx.commands.run(
+                "cat /mnt/results/input.txt; echo made in the sandbox > /mnt/results/deep/er/out"
+            )
+            assert out.stdout == "replaced"
+        finally:
+            sbx.kill()
+        assert volume.read_file("/deep/er/out", format="text") == "made in the sandbox\n"
+        names = sorted(e.path for e in volume.list("/", depth=3))
+        assert names == ["/deep", "/deep/er", "/deep/er/out", "/input.txt"]
+        info = volume.get_info("/input.txt")
+        assert info.size == len("replaced") and info.type.value == "file"
+        assert volume.update_metadata("/input.txt", mode=0o600).mode == 0o600
+        volume.remove("/deep")
+        assert not volume.exists("/deep/er/out")
+        with pytest.raises(e2b.VolumePathNotFoundException):
+            volume.read_file("/deep/er/out")
+        # The token opens this volume only, and another tenant's key sees no volume.
+        forged = httpx.get(
+            f"{api_server.url}/e2b/volumecontent/e2b-results/path",
+            params={"path": "/input.txt"},
+            headers={"Authorization": "Bearer " + volume.token[:-1] + "0"},
+        )
+        assert forged.status_code == 401
+        other = api_server.tenant("e2b-volume-other")
+        with pytest.raises(e2b.VolumeNotFoundException):
+            e2b.Volume.connect("e2b-results", api_key=other)
+    finally:
+        e2b.Volume.destroy("e2b-results")
+    assert "e2b-results" not in [v.name for v in e2b.Volume.list()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Callable
@@ -10,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from cryobox import Sandbox, config
+from cryobox import Sandbox, Volume, config
+from cryobox.errors import VolumeNotFound
 
 pytestmark = pytest.mark.vm
 
@@ -58,7 +60,11 @@ def test_qemu_gets_no_transparent_huge_pages(sandbox_factory: Callable[..., Any]
 
 
 def test_every_file_is_private_to_its_owner(sandbox_factory: Callable[..., Any]) -> None:
-    sbx = sandbox_factory(timeout=600)
+    with contextlib.suppress(VolumeNotFound):
+        Volume.delete("private")
+    Volume.create("private", size_gib=1)
+    sbx = sandbox_factory(timeout=600, volumes={"/data": "private"})
+    sbx.commands.run("echo shared > /data/readable && chmod 644 /data/readable")
     sbx.files.write("/root/secret", "hunter2")
     sbx.checkpoint()
     sbx.snapshot("modes-test")
@@ -66,10 +72,15 @@ def test_every_file_is_private_to_its_owner(sandbox_factory: Callable[..., Any])
     resumed = Sandbox.resume(sbx.id)
     assert resumed.commands.run("cat /root/secret").stdout == "hunter2"
     state = config.state_dir()
+    # A volume's files keep the modes its guests gave them (they see them): the volumes'
+    # folder is private instead, so no other host user reaches one.
+    volumes = config.volumes_dir()
+    assert stat.S_IMODE(volumes.stat().st_mode) == 0o700
+    assert (volumes / "private" / "data" / "readable").stat().st_mode & 0o044
     checked = 0
     for path in [state, *state.rglob("*")]:
         mode = path.lstat().st_mode
-        if stat.S_ISLNK(mode):
+        if stat.S_ISLNK(mode) or volumes in path.parents:
             continue
         checked += 1
         assert mode & 0o077 == 0, f"{path} is {stat.filemode(mode)}"

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 import tls_ca
-from cryobox import Sandbox
+from cryobox import Sandbox, Volume
+from cryobox.errors import VolumeNotFound
 
 from .guest_http import fetch_until_up
 
@@ -114,11 +115,17 @@ def test_guest_reaches_neither_host_nor_other_sandboxes(
     # the forward from the host into a guest works
     assert fetch_until_up(f"http://127.0.0.1:{other_port}/", within=30)[0] == 200
 
-    sbx = sandbox_factory(timeout=600)
+    # With a volume mounted: its port opens the guest no other way out.
+    with contextlib.suppress(VolumeNotFound):
+        Volume.delete("network-test")
+    Volume.create("network-test", size_gib=1)
+    sbx = sandbox_factory(timeout=600, volumes={"/data": "network-test"})
+    sbx.commands.run("echo mounted > /data/probe")
     assert not reach(sbx, "10.0.2.2", host_services["loopback"])  # host loopback
     assert not reach(sbx, "10.0.2.2", other_port)  # another sandbox's forwarded port
     assert not reach(sbx, HOST_SIDE, host_services["host_address"])  # a host address
     assert reach(sbx, OUTSIDE, 8080)  # ...while the outside is reachable
+    assert sbx.files.read_text("/data/probe") == "mounted\n"
     # the host itself reaches both services (so the refusals above are the policy's)
     for host, port in (("127.0.0.1", 18777), (HOST_SIDE, 18778)):
         with urllib.request.urlopen(f"http://{host}:{port}/", timeout=5) as r:

@@ -176,6 +176,65 @@ def test_network_none_mounts_and_the_guest_cannot_escape(sandbox_factory: Any) -
     assert full.exit_code != 0 and "No space left on device" in full.stdout
 
 
+#: Run as root in the guest: stop the volume's FUSE server and speak on its port directly,
+#: as a hostile guest would, asking for files outside the volume. Prints each answer's
+#: error and byte count.
+PORT_ATTACK = r"""
+import os, signal, struct, subprocess, time
+pid = int(subprocess.check_output(["pgrep", "-x", "cryobox-volume"]).split()[0])
+os.kill(pid, signal.SIGKILL)
+for _ in range(100):  # the port is free once the killed process is gone
+    try:
+        fd = os.open("/dev/virtio-ports/org.cryobox.volume.0", os.O_RDWR)
+        break
+    except OSError:
+        time.sleep(0.1)
+REQ = struct.Struct("<IIIIQQHHI")
+def ask(seq, op, path, path2=b"", a=0, b=0):
+    body = path + path2
+    head = REQ.pack(REQ.size - 4 + len(body), seq, op, 0, a, b, len(path), len(path2), 0)
+    os.write(fd, head + body)
+    head = b""
+    while len(head) < 16:
+        head += os.read(fd, 16 - len(head))
+    length, got, error, _ = struct.unpack("<IIiI", head)
+    data = b""
+    while len(data) < length - 12:
+        data += os.read(fd, length - 12 - len(data))
+    return error, len(data)
+print(ask(1, 4, b"../../../../etc/passwd", b=4096))  # READ
+print(ask(2, 4, b"/etc/passwd", b=4096))
+print(ask(3, 13, b"evil", b"/etc"))  # SYMLINK evil -> /etc (allowed: the guest's link)
+print(ask(4, 4, b"evil/passwd", b=4096))  # ...never followed by the host
+print(ask(5, 6, b"evil/new", a=0o644))  # CREATE through it
+print(ask(6, 15, b"evil", a=0o777))  # CHMOD of the link
+print(ask(7, 99, b"x"))  # an unknown operation
+"""
+
+
+def test_a_guest_speaking_on_its_volume_port_reaches_nothing_else(sandbox_factory: Any) -> None:
+    new_volume("attacked")
+    sbx = sandbox_factory(volumes={"/data": "attacked"})
+    sbx.commands.run("echo inside > /data/inside")
+    out = sbx.commands.run(["python3", "-c", PORT_ATTACK], timeout=120)
+    assert out.exit_code == 0, out.stderr
+    answers = [
+        tuple(int(x) for x in line.strip("()").split(","))
+        for line in out.stdout.split("\n")
+        if line
+    ]
+    errors = [error for error, _ in answers]
+    # EXDEV or ELOOP for every path out, ENOSYS for the unknown op; only the link is made.
+    assert errors[0] < 0 and errors[1] < 0 and errors[2] == 0
+    assert errors[3] < 0 and errors[4] < 0 and errors[5] < 0 and errors[6] == -38
+    assert all(size == 0 for _, size in answers)
+    assert Volume.get("attacked").read_file("/inside") == b"inside\n"
+    assert (Path("/etc") / "new").exists() is False
+    # The host end keeps serving: a new sandbox mounts the volume and reads it.
+    other = sandbox_factory(volumes={"/data": "attacked"})
+    assert other.files.read_text("/data/inside") == "inside\n"
+
+
 def test_volume_names_and_errors() -> None:
     new_volume("errors")
     with pytest.raises(VolumeExists):
@@ -211,15 +270,17 @@ def test_over_http_volumes_are_the_tenants_own(api_server: ApiServer) -> None:
                 if not path.startswith("/volumes/{name}"):
                     continue
                 for method in methods:
+                    snapshot = path.endswith("/snapshots")  # a JSON body, valid but for the key
                     answer = intruder.request(
                         method.upper(),
                         path.replace("{name}", "mine"),
                         params={"path": "/secret"},
-                        content=b"intruder",
+                        content=None if snapshot else b"intruder",
+                        json={"name": "theirs"} if snapshot else None,
                     )
                     assert answer.status_code == 404, (method, path, answer.text)
                     tried += 1
-            assert tried == 5
+            assert tried == 6
             assert intruder.get("/volumes").json() == []
         with pytest.raises(VolumeNotFound):
             Sandbox.create(volumes={"/data": "mine"}, **theirs)

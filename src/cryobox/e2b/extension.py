@@ -18,23 +18,27 @@ from cryobox.server.hub import Hub
 from . import rest
 from .envd import Envd, EnvdRpc, envd_router, signed_files_router
 from .records import E2bRecords
+from .volumes import volumes_router
 
 PREFIX = "/e2b/"
 #: E2B's control-plane paths that name a sandbox.
 _SANDBOX_PATH = re.compile(r"^/e2b(?:/v2)?/sandboxes/([A-Za-z0-9_.-]+)(?:/|$)")
 #: Routes that read their bodies in bounded chunks: file uploads and envd's RPC streams.
 STREAMING = re.compile(
-    r"^(/e2b/files$|/files$|/e2b/process\.Process/|/e2b/filesystem\.Filesystem/)"
+    r"^(/e2b/files$|/files$|/e2b/process\.Process/|/e2b/filesystem\.Filesystem/"
+    r"|/e2b/volumecontent/[^/]+/file$)"
 )
 
 
 def install(app: FastAPI, hub: Hub) -> None:
-    """E2B's control plane (:mod:`.rest`) and in-sandbox API (:mod:`.envd`)."""
+    """E2B's control plane (:mod:`.rest`), in-sandbox API (:mod:`.envd`) and volumes
+    (:mod:`.volumes`)."""
     records = E2bRecords(hub.db)
     envd = Envd(hub, records)
     app.include_router(rest.e2b_router(hub, records, envd.forget))
     app.include_router(envd_router(envd))
     app.include_router(signed_files_router(envd))
+    app.include_router(volumes_router(hub))
     app.add_middleware(EnvdRpc, envd=envd)
 
 

@@ -45,6 +45,14 @@ DEFAULT_TIMEOUT = 300
 PAGE_LIMIT = 100
 
 
+class ContentError(CryoboxError):
+    """An answer of E2B's volume content API other than 2xx: its status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
 class Unsupported(CryoboxError):
     """An E2B feature cryobox does not offer (answered 501 naming it)."""
 
@@ -60,7 +68,7 @@ class NewSandbox(BaseModel):
     allow_internet_access: bool | None = None
     mcp: Any = None
     network: dict[str, Any] | None = None
-    volume_mounts: list[Any] | None = Field(default=None, alias="volumeMounts")
+    volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
 
 
 class Timeout(BaseModel):
@@ -156,10 +164,13 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         metadata: dict[str, str],
         envs: dict[str, str],
         network: str | None,
+        volumes: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         # The variables go with the sandbox (sealed in its spec, given to every command),
         # never into the database.
-        request = CreateRequest(template="default", timeout=timeout, network=network, envs=envs)
+        request = CreateRequest(
+            template="default", timeout=timeout, network=network, envs=envs, volumes=volumes or {}
+        )
         if template != "base":
             try:
                 snapshot = hub.find_snapshot(me, template, prefix=False)
@@ -180,8 +191,6 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             )
         if body.mcp:
             raise Unsupported("mcp gateways are not supported by cryobox")
-        if body.volume_mounts:
-            raise Unsupported("volume mounts are not supported by cryobox")
         if body.network:
             raise Unsupported(
                 "network rules are not supported through the E2B API: use "
@@ -189,8 +198,15 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             )
         timeout = body.timeout or DEFAULT_TIMEOUT
         network = "none" if body.allow_internet_access is False else None
+        volumes = {str(m.get("path")): str(m.get("name")) for m in body.volume_mounts or ()}
         return await start(
-            me, body.template_id, timeout, body.metadata or {}, body.env_vars or {}, network
+            me,
+            body.template_id,
+            timeout,
+            body.metadata or {},
+            body.env_vars or {},
+            network,
+            volumes,
         )
 
     @router.get("/sandboxes/{sandbox_id}")
@@ -371,6 +387,8 @@ def error_body(status: int, exc: Exception) -> JSONResponse:
 def status_of_e2b(exc: CryoboxError, default: int) -> int:
     if isinstance(exc, Unsupported):
         return 501
+    if isinstance(exc, ContentError):
+        return exc.status
     if isinstance(exc, InvalidArgument) and default == 500:
         return 400
     return default

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 BODY_LIMIT = 1024 * 1024
-STREAMING = re.compile(r"^(/sandboxes/[^/]+/files$|/sandboxes/[^/]+/commands/[^/]+/stdin$)")
+STREAMING = re.compile(
+    r"^(/sandboxes/[^/]+/files$|/sandboxes/[^/]+/commands/[^/]+/stdin$|/volumes/[^/]+/files$)"
+)
 
 
 class BodyLimit:

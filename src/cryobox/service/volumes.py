@@ -40,7 +40,7 @@ from cryobox.volume import archive, catalog
 from cryobox.volume.catalog import VolumeRecord
 from cryobox.volume.files import VolumeFiles
 from cryobox.volume.mounts import VolumeMount
-from cryobox.volume.wire import ATTRIBUTES, DIRENT, MAX_DATA
+from cryobox.volume.wire import ATTRIBUTES, MAX_DATA, dir_entries
 
 GIB = 1 << 30
 _KINDS = {stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
@@ -208,13 +208,14 @@ class Volumes:
 
     # -- files, from the host
 
-    def _files(self, name: str) -> VolumeFiles:
+    def open_files(self, name: str) -> VolumeFiles:
+        """The volume's files for the host to change (close them after)."""
         return catalog.get(name).files()
 
     async def read_file(self, name: str, path: str) -> AsyncIterator[bytes]:
         """The file's bytes, in pieces of at most 1 MiB."""
         relative = inside(path)
-        files = await asyncio.to_thread(self._files, name)
+        files = await asyncio.to_thread(self.open_files, name)
         try:
             offset = 0
             while True:
@@ -236,7 +237,7 @@ class Volumes:
         relative = inside(path)
         if not relative:
             raise InvalidArgument("a volume's root is a folder, not a file")
-        files = await asyncio.to_thread(self._files, name)
+        files = await asyncio.to_thread(self.open_files, name)
         try:
             await asyncio.to_thread(self._prepare, files, relative)
             offset = 0
@@ -264,19 +265,14 @@ class Volumes:
         relative = inside(path)
 
         def listing() -> builtins.list[EntryInfo]:
-            files = self._files(name)
+            files = self.open_files(name)
             try:
                 try:
                     raw = files.readdir(relative)
                 except OSError as exc:
                     raise _file_error(exc, path, p.GuestOp.FILE_LIST) from exc
                 entries = []
-                at = 0
-                while at < len(raw):
-                    _mode, length = DIRENT.unpack_from(raw, at)
-                    at += DIRENT.size
-                    entry = raw[at : at + length].decode(errors="surrogateescape")
-                    at += length
+                for _mode, entry in dir_entries(raw):
                     child = f"{relative}/{entry}" if relative else entry
                     try:
                         fields = ATTRIBUTES.unpack(files.getattr(child))

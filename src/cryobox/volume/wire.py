@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Iterator
 
 
 class VolumeOp(enum.IntEnum):
@@ -67,3 +68,13 @@ def hello_frame(nonce: bytes) -> bytes:
 
 def answer_frame(seq: int, error: int, body: bytes = b"") -> bytes:
     return ANSWER.pack(ANSWER.size - 4 + len(body), seq, error, 0) + body
+
+
+def dir_entries(raw: bytes) -> Iterator[tuple[int, str]]:
+    """The (mode, name) pairs of a READDIR answer."""
+    at = 0
+    while at < len(raw):
+        mode, length = DIRENT.unpack_from(raw, at)
+        at += DIRENT.size
+        yield mode, raw[at : at + length].decode(errors="surrogateescape")
+        at += length
