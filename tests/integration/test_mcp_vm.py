@@ -20,6 +20,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp_types import TextContent
 
 from api_server import CLI, ApiServer
+from cryobox.client import AsyncVolume
 from cryobox.util import free_port
 from waiting import until
 
@@ -219,10 +220,17 @@ async def test_mcp_over_http_drives_a_server_tenant_and_wants_its_token(
         create_mcp_http_client(headers=headers) as http,
         Client(streamable_http_client(url, http_client=http)) as client,
     ):
-        sandbox = (await call(client, "create_sandbox"))["id"]
+        remote = {"api_url": api_server.url, "api_key": api_server.key}
+        volume = await AsyncVolume.create("mcp-results", size_gib=1, **remote)
+        made = await call(client, "create_sandbox", volumes={"/results": "mcp-results"})
+        sandbox = made["id"]
         try:
-            ran = await call(client, "run_command", sandbox_id=sandbox, command="hostname")
+            assert made["volumes"] == {"/results": "mcp-results"}
+            ran = await call(
+                client, "run_command", sandbox_id=sandbox, command="hostname | tee /results/who"
+            )
             assert ran["stdout"].strip() == sandbox
+            assert await volume.read_file("/who") == f"{sandbox}\n".encode()
             # It is the server's sandbox: the tenant's own key sees it over HTTP.
             listed = httpx.get(
                 f"{api_server.url}/sandboxes",
@@ -235,3 +243,4 @@ async def test_mcp_over_http_drives_a_server_tenant_and_wants_its_token(
             await call(client, "kill", sandbox_id=copy["id"])
         finally:
             await client.call_tool("kill", {"sandbox_id": sandbox})
+            await AsyncVolume.delete("mcp-results", **remote)

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from cryobox import config
 from cryobox.errors import InvalidArgument
 from cryobox.server.database import MIGRATIONS, SqliteDatabase
-from cryobox.volume.files import VolumeFiles
+from cryobox.volume import archive, catalog
+from cryobox.volume.files import VolumeFiles, usage
 from cryobox.volume.mounts import VolumeMount, plan
-from cryobox.volume.serve import VolumeEnd
+from cryobox.volume.serve import VolumeEnd, do
 from cryobox.volume.wire import (
     ANSWER,
     ATTRIBUTES,
@@ -169,3 +171,57 @@ def test_a_database_from_before_volumes_keeps_its_owners(tmp_path: Path) -> None
     db.execute("INSERT INTO owned VALUES ('volume', 'tn-1.v', 'tn-1', 0)")
     kinds = {r["kind"] for r in db.rows("SELECT kind FROM owned", ())}
     assert kinds == {"template", "volume"}
+
+
+def test_holes_names_and_links_count_against_the_limit(files: VolumeFiles) -> None:
+    """A guest cannot pass the limit by truncating files large then writing into the
+    holes, nor by making names, links and link targets (found by a review)."""
+    written = 0
+    with pytest.raises(OSError) as caught:
+        for i in range(20):
+            files.create(f"f{i}", 0, 0o644)
+            files.truncate(f"f{i}", (1 << 20) - 1)  # a hole: takes no block
+            files.write(f"f{i}", 0, b"x" * (256 << 10))
+            written += 256 << 10
+    assert caught.value.errno == errno.ENOSPC
+    assert written <= 1 << 20
+    with pytest.raises(OSError) as caught:
+        for i in range(1000):
+            files.symlink(f"link{i}", "t" * 4000)
+    assert caught.value.errno == errno.ENOSPC
+    assert usage(files.root) <= (1 << 20) + 64 * 4096
+
+
+def test_offsets_past_any_file_are_refused(files: VolumeFiles) -> None:
+    files.create("f", 0, 0o644)
+    header = (0, 1, VolumeOp.READ, 0, 1 << 63, 10, 1, 0, 0)
+    assert do(files, header, b"f") == (-errno.EINVAL, b"")
+
+
+def test_folders_nested_thousands_deep_are_walked_packed_and_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
+    record = catalog.create("deep", 1)
+    files = record.files()
+    try:
+        path = ""
+        for _ in range(1500):  # past Python's recursion limit
+            path = f"{path}/d" if path else "d"
+            files.mkdir(path, 0o755)
+        files.create(f"{path}/leaf", 0, 0o644)
+        files.write(f"{path}/leaf", 0, b"bottom")
+        files.create("a", 0, 0o644)
+        files.write("a", 0, b"twice")
+        files.link("a", "b")  # a second name: stored whole under each
+    finally:
+        files.close()
+    assert usage(record.data()) > 1500 * 4096
+    packed = tmp_path / "v.tar"
+    archive.pack(record.data(), packed)
+    restored = catalog.create("copy", 1, fill=lambda into: archive.unpack(packed, into))
+    leaf = restored.data() / Path(*(["d"] * 1500)) / "leaf"
+    assert leaf.read_bytes() == b"bottom"
+    assert (restored.data() / "b").read_bytes() == b"twice"
+    catalog.delete("deep")
+    assert not any(p.name.startswith((".gone", "deep")) for p in config.volumes_dir().iterdir())

@@ -217,18 +217,22 @@ def volumes_router(hub: Hub) -> APIRouter:
     ) -> dict[str, Any]:
         """``force``: an existing file is replaced (else 409)."""
         relative = _relative(path)
-        with opened(hub, volume, path) as files:
+
+        def begin() -> None:
             kind = _kind(files, relative) if relative else "directory"
             if kind not in (None, "file"):
                 raise ContentError(409, f"Path {path} is a directory")
             if kind == "file" and not force:
                 raise ContentError(409, f"Path {path} already exists")
             files.create(relative, os.O_TRUNC, 0o644 if mode is None else mode)
+
+        with opened(hub, volume, path) as files:  # file work in threads: never the loop's
+            await asyncio.to_thread(begin)
             offset = 0
             async for piece in rechunked(request.stream(), MAX_DATA):
                 await asyncio.to_thread(files.write, relative, offset, piece)
                 offset += len(piece)
-            return entry(files, relative)
+            return await asyncio.to_thread(entry, files, relative)
 
     return router
 

@@ -101,6 +101,7 @@ def _sandbox(info: SandboxInfo) -> dict[str, Any]:
         "deadline": info.deadline,
         "ports": {str(guest): host for guest, host in info.ports.items()},
         "labels": dict(info.metadata),
+        "volumes": dict(info.volumes),
         "error": info.error,
     }
 
@@ -183,6 +184,13 @@ def build_server(api_url: str | None = None, api_key: str | None = None) -> MCPS
         labels: Annotated[
             dict[str, str] | None, Field(description="Free-form labels kept with it.")
         ] = None,
+        volumes: Annotated[
+            dict[str, str] | None,
+            Field(
+                description="Named volumes to mount: mount point to volume name ('name:ro' "
+                "read-only). Their files outlive the sandbox and are shared live."
+            ),
+        ] = None,
     ) -> dict[str, Any]:
         """Start a new sandbox (a Debian VM) and return it once it runs commands."""
         sandbox = await AsyncSandbox.create(
@@ -194,6 +202,7 @@ def build_server(api_url: str | None = None, api_key: str | None = None) -> MCPS
             timeout=timeout_seconds,
             network=network,
             metadata=labels,
+            volumes=volumes,
             **remote,
         )
         return _sandbox(await sandbox.info())

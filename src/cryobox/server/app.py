@@ -646,7 +646,7 @@ def create_app(
     @app.post("/volumes/{name}/snapshots", status_code=201, tags=["volumes"])
     async def snapshot_volume(name: str, body: s.VolumeSnapshot, me: Me) -> SnapshotInfo:
         """The volume's files at one instant, into the tenant's snapshots and the store."""
-        return await hub.volumes.snapshot(me, name, body.name)
+        return await hub.volumes.snapshot(me, name, body.name, hub.stored_bytes(me))
 
     @app.get("/volumes", tags=["volumes"])
     async def list_volumes(me: Me) -> list[VolumeInfo]:

@@ -413,9 +413,8 @@ class Hub:
         return self._stored.get(tenant.id, 0)
 
     def _check_storage(self, tenant: Tenant) -> None:
-        stored = self._stored.get(tenant.id, 0)
-        if stored >= tenant.quota.max_stored_bytes:
-            raise QuotaExceeded("max_stored_bytes", tenant.quota.max_stored_bytes, stored)
+        """Saved state, with what the tenant's volumes may hold, within its quota."""
+        self.volumes.check_storage(tenant, self._stored.get(tenant.id, 0))
 
     def _shape(self, request: CreateRequest) -> tuple[int, int]:
         """The vCPUs and MiB a create will take (the source snapshot's when it has one)."""

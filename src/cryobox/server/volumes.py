@@ -5,6 +5,7 @@ its volumes may hold count against its stored-bytes quota when they are made."""
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
@@ -15,6 +16,7 @@ from cryobox.models import EntryInfo, SnapshotInfo, VolumeInfo
 from cryobox.server.tenants import Tenant, Tenants
 from cryobox.service.volumes import Volumes
 from cryobox.snapshot.manifest import Manifest
+from cryobox.volume import catalog
 from cryobox.volume.mounts import READ_ONLY_SUFFIX, parse_source
 
 GIB = 1 << 30
@@ -66,8 +68,7 @@ class TenantVolumes:
         """:param from_snapshot: one of the tenant's snapshots (the caller found it)."""
         if size_gib is None:
             size_gib = from_snapshot.disk_gib if from_snapshot else config.DEFAULT_VOLUME_GIB
-        promised = sum(v.size_gib for v in await self.list(tenant)) * GIB
-        wanted = stored_bytes + promised + size_gib * GIB
+        wanted = stored_bytes + self.promised_bytes(tenant) + size_gib * GIB
         if wanted > tenant.quota.max_stored_bytes:
             raise QuotaExceeded("max_stored_bytes", tenant.quota.max_stored_bytes, wanted)
         internal = internal_name(tenant, name)
@@ -88,7 +89,25 @@ class TenantVolumes:
             raise
         return self._present(tenant, info)
 
-    async def snapshot(self, tenant: Tenant, name: str, snapshot_name: str | None) -> SnapshotInfo:
+    def promised_bytes(self, tenant: Tenant) -> int:
+        """What the tenant's volumes may hold together (their sizes): part of its quota
+        of stored bytes from the moment they are made."""
+        total = 0
+        for internal in self.tenants.owned(tenant.id, "volume"):
+            with contextlib.suppress(VolumeNotFound):
+                total += catalog.get(internal).size_gib * GIB
+        return total
+
+    def check_storage(self, tenant: Tenant, stored_bytes: int) -> None:
+        """:raises QuotaExceeded: when saved state and volumes fill the tenant's quota."""
+        held = stored_bytes + self.promised_bytes(tenant)
+        if held >= tenant.quota.max_stored_bytes:
+            raise QuotaExceeded("max_stored_bytes", tenant.quota.max_stored_bytes, held)
+
+    async def snapshot(
+        self, tenant: Tenant, name: str, snapshot_name: str | None, stored_bytes: int
+    ) -> SnapshotInfo:
+        self.check_storage(tenant, stored_bytes)
         info = await self.volumes.snapshot(
             self._mine(tenant, name), snapshot_name, tenant=tenant.id
         )

@@ -71,6 +71,7 @@ class Volumes:
     def __init__(self, store: SnapshotStore, persist: Persistence) -> None:
         self.store = store
         self.persist = persist
+        catalog.sweep()  # what a crash left mid-create or mid-delete
 
     def mounted_by(self, name: str) -> builtins.list[str]:
         """The sandboxes not ended whose mounts name ``name``, paused ones included."""
@@ -120,16 +121,11 @@ class Volumes:
 
         def restore() -> VolumeRecord:
             mf.verify(folder, manifest)  # every byte as saved, or refused naming the file
-            record = catalog.create(name, size_gib or manifest.disk_gib)
-            files = record.files()
-            try:
-                archive.unpack(folder / VOLUME_ARCHIVE, files)
-            except BaseException:
-                files.close()
-                catalog.delete(name)  # a restore is whole or not at all
-                raise
-            files.close()
-            return record
+            return catalog.create(
+                name,
+                size_gib or manifest.disk_gib,
+                fill=lambda files: archive.unpack(folder / VOLUME_ARCHIVE, files),
+            )
 
         return self._info(await asyncio.to_thread(restore))
 

@@ -43,22 +43,30 @@ def _owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
     return info
 
 
-def _tree(root: Path, relative: str = "") -> Iterator[tuple[str, os.DirEntry[str]]]:
+def _tree(root: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """Every entry under ``root`` by its relative name, in name order, parents first;
-    links are entries, never followed."""
-    with os.scandir(root / relative if relative else root) as found:
-        entries = sorted(found, key=lambda entry: entry.name)
-    for entry in entries:
-        name = f"{relative}/{entry.name}" if relative else entry.name
-        yield name, entry
-        if entry.is_dir(follow_symlinks=False):
-            yield from _tree(root, name)
+    links are entries, never followed. Without recursion: folders may nest thousands
+    deep. (Packed under the volume's lock: nothing changes the tree meanwhile.)"""
+    pending = [""]
+    while pending:
+        relative = pending.pop()
+        with os.scandir(root / relative if relative else root) as found:
+            entries = sorted(found, key=lambda entry: entry.name)
+        folders = []
+        for entry in entries:
+            name = f"{relative}/{entry.name}" if relative else entry.name
+            yield name, entry
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(name)
+        pending.extend(reversed(folders))
 
 
 def pack(root: Path, output: Path) -> None:
-    """Write the folder's tree to ``output`` (a tar, uncompressed: the store compresses)."""
+    """Write the folder's tree to ``output`` (a tar, uncompressed: the store compresses).
+    A file with several names is stored whole under each (restored as separate files)."""
     with tarfile.open(output, "w", format=tarfile.PAX_FORMAT) as tar:
         for name, entry in _tree(root):
+            tar.inodes.clear()  # type: ignore[attr-defined]  # never a hard-link entry
             info = _owned_by_nobody(tar.gettarinfo(entry.path, name))
             if info.isreg():
                 with open(entry.path, "rb") as file:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,8 +64,14 @@ def check_name(name: str) -> str:
     return name
 
 
-def create(name: str, size_gib: int) -> VolumeRecord:
-    """:raises VolumeExists: :raises InvalidArgument: for a bad name or size."""
+def create(
+    name: str, size_gib: int, fill: Callable[[VolumeFiles], None] | None = None
+) -> VolumeRecord:
+    """A new volume; ``fill`` puts its first files in before it has its name (a restore:
+    a crash or a failure midway leaves no volume, only a temporary folder swept later).
+
+    :raises VolumeExists: :raises InvalidArgument: for a bad name or size.
+    """
     check_name(name)
     if isinstance(size_gib, bool) or not isinstance(size_gib, int):
         raise InvalidArgument(f"size_gib must be a whole number, not {size_gib!r}")
@@ -72,10 +79,18 @@ def create(name: str, size_gib: int) -> VolumeRecord:
         raise InvalidArgument(f"size_gib must be within 1..{config.MAX_VOLUME_GIB}, not {size_gib}")
     record = VolumeRecord(name=name, size_gib=size_gib, created_at=time.time())
     root = config.volumes_dir()
+    if (root / name).exists():
+        raise VolumeExists(name)
     temp = root / f".new-{name}-{os.urandom(4).hex()}"
     temp.mkdir(mode=0o700)
     (temp / DATA).mkdir(mode=0o755)  # as guests see their mount point (the parent is 0700)
     try:
+        if fill is not None:
+            files = VolumeFiles(temp / DATA, size_gib << 30, lock=temp / LOCK, shared_count=False)
+            try:
+                fill(files)
+            finally:
+                files.close()
         write_json_atomic(temp / RECORD, asdict(record))
         fsync_dir(temp)
         try:
@@ -84,7 +99,7 @@ def create(name: str, size_gib: int) -> VolumeRecord:
             raise VolumeExists(name) from exc
         fsync_dir(root)
     finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        remove_tree(temp)
     return record
 
 
@@ -123,7 +138,7 @@ def delete(name: str) -> None:
     except FileNotFoundError as exc:
         raise VolumeNotFound(name) from exc
     fsync_dir(root)
-    shutil.rmtree(gone, ignore_errors=True)
+    remove_tree(gone)
 
 
 def sweep(older_than: float = 600.0) -> None:
@@ -135,4 +150,14 @@ def sweep(older_than: float = 600.0) -> None:
         except OSError:
             continue
         if folder.name.startswith((".new-", ".gone-")) and old:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_tree(folder)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder whatever it holds: ``rm`` walks without recursion, so a guest's
+    folders nested thousands deep are removed too (Python's rmtree would stop at its
+    recursion limit and leave them, unlisted and unmetered)."""
+    if os.path.lexists(path):
+        subprocess.run(
+            ["rm", "-rf", "--one-file-system", "--", str(path)], check=False, capture_output=True
+        )

@@ -8,10 +8,11 @@ the ``*at`` calls on its folder, never following a link either. Modes are kept b
 masked to permission bits (no set-uid file reaches the host), with the owner's read and
 write always on, so the host can always read what a guest stored.
 
-The size limit is checked per writer: against the bytes in use when it started, plus
-what it added since, measured again (a walk of the folder) only when that estimate
-comes near the limit. Two sandboxes writing at once can pass it by what each wrote
-since its last walk; it never blocks a write below it.
+The size limit is checked per process (:class:`_Usage`): against the bytes in use when
+the volume was first opened here, plus every byte written and a block per new name
+since, measured again (a walk of the folder) only when that count comes near the limit.
+Two processes writing at once (two sandboxes' supervisors) can pass it by what each
+wrote since its last walk; it never refuses a write below it.
 """
 
 from __future__ import annotations
@@ -73,13 +74,74 @@ def _folder_mode(mode: int) -> int:
 
 
 def usage(root: Path) -> int:
-    """Bytes the folder's files take on the host's disk (links never followed)."""
+    """Bytes the folder and everything in it take on the host's disk.
+
+    Walked by descriptors, each folder opened beneath its parent with O_NOFOLLOW, and
+    without recursion: a guest that swaps a folder for a link meanwhile, or nests
+    folders thousands deep, never sends the walk out of the volume nor breaks it.
+    """
     total = 0
-    for folder, subfolders, names in os.walk(root, followlinks=False):
-        for name in (*names, *subfolders):
-            with contextlib.suppress(OSError):  # gone meanwhile
-                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    try:
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    total += os.fstat(top).st_blocks * 512
+    pending = [top]
+    while pending:
+        fd = pending.pop()
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                        if entry.is_dir(follow_symlinks=False):
+                            pending.append(
+                                os.open(
+                                    entry.name,
+                                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                    dir_fd=fd,
+                                )
+                            )
+        finally:
+            os.close(fd)
     return total
+
+
+class _Usage:
+    """A volume's bytes in use as this process counts them, shared by every
+    :class:`VolumeFiles` of it here (its guests' host ends, the host's own requests):
+    measured once, then counted up by each change, and measured again when the count
+    comes near the limit (the count only ever over-counts)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.lock = threading.Lock()
+        self.used: int | None = None
+
+    def grow(self, added: int, limit: int) -> None:
+        with self.lock:
+            if self.used is None:
+                self.used = usage(self.root)
+            if self.used + added > limit:
+                self.used = usage(self.root)
+                if self.used + added > limit:
+                    raise OSError(errno.ENOSPC, "the volume is full")
+            self.used += added
+
+    def free(self, limit: int) -> int:
+        with self.lock:
+            if self.used is None:
+                self.used = usage(self.root)
+            return max(0, limit - self.used)
+
+
+_usages: dict[Path, _Usage] = {}
+_usages_lock = threading.Lock()
+
+
+def _usage_of(root: Path) -> _Usage:
+    with _usages_lock:
+        return _usages.setdefault(root, _Usage(root))
 
 
 class VolumeFiles:
@@ -87,8 +149,16 @@ class VolumeFiles:
     size estimate only)."""
 
     def __init__(
-        self, root: Path, limit_bytes: int, *, read_only: bool = False, lock: Path | None = None
+        self,
+        root: Path,
+        limit_bytes: int,
+        *,
+        read_only: bool = False,
+        lock: Path | None = None,
+        shared_count: bool = True,
     ) -> None:
+        """``shared_count``: count the bytes in use with this process's other openings of
+        the same folder (False for a folder about to be renamed: a restore's)."""
         self.root = root
         self.limit = limit_bytes
         self.read_only = read_only
@@ -96,8 +166,7 @@ class VolumeFiles:
         self._lock_fd = (
             None if lock is None else os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         )
-        self._lock = threading.Lock()
-        self._used = usage(root)
+        self._usage = _usage_of(root) if shared_count else _Usage(root)
 
     def close(self) -> None:
         os.close(self._root_fd)
@@ -139,15 +208,11 @@ class VolumeFiles:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _grow(self, added: int) -> None:
-        """Count ``added`` bytes in; ENOSPC when they would pass the limit."""
-        if added <= 0:
-            return
-        with self._lock:
-            if self._used + added > self.limit:
-                self._used = usage(self.root)  # the estimate only ever over-counts
-                if self._used + added > self.limit:
-                    raise OSError(errno.ENOSPC, "the volume is full")
-            self._used += added
+        """Count ``added`` bytes in; ENOSPC when they would pass the limit. Every write
+        counts all its bytes (overwritten ones too: a write into a hole takes blocks its
+        file's size never showed), every new name a block."""
+        if added > 0:
+            self._usage.grow(added, self.limit)
 
     @contextlib.contextmanager
     def _opened(self, path: str, flags: int) -> Iterator[int]:
@@ -204,11 +269,12 @@ class VolumeFiles:
 
     def write(self, path: str, offset: int, data: bytes) -> int:
         with self._change(), self._opened(path, os.O_WRONLY) as fd:
-            self._grow(offset + len(data) - os.fstat(fd).st_size)
+            self._grow(len(data))
             return os.pwrite(fd, data, offset)
 
     def create(self, path: str, flags: int, mode: int) -> None:
         with self._change(), self._at(path) as (parent, name):
+            self._grow(BLOCK)
             fd = os.open(
                 name,
                 os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (flags & _PASSED_FLAGS),
@@ -232,8 +298,7 @@ class VolumeFiles:
 
     def truncate(self, path: str, size: int) -> None:
         with self._change(), self._opened(path, os.O_WRONLY) as fd:
-            self._grow(size - os.fstat(fd).st_size)
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, size)  # holes take no blocks: the writes into them count
 
     def unlink(self, path: str) -> None:
         with self._change(), self._at(path) as (parent, name):
@@ -262,6 +327,7 @@ class VolumeFiles:
 
     def symlink(self, path: str, target: str) -> None:
         with self._change(), self._at(path) as (parent, name):
+            self._grow(BLOCK + len(os.fsencode(target)))
             os.symlink(target, name, dir_fd=parent)
 
     def link(self, old: str, new: str) -> None:
@@ -270,6 +336,7 @@ class VolumeFiles:
             self._at(old) as (old_parent, old_name),
             self._at(new) as (new_parent, new_name),
         ):
+            self._grow(BLOCK)
             os.link(
                 old_name,
                 new_name,
@@ -305,8 +372,7 @@ class VolumeFiles:
 
     def statfs(self) -> bytes:
         host = os.statvfs(self.root)
-        with self._lock:
-            free = max(0, min(self.limit - self._used, host.f_bavail * host.f_frsize))
+        free = min(self._usage.free(self.limit), host.f_bavail * host.f_frsize)
         return STATFS.pack(self.limit // BLOCK, free // BLOCK, host.f_files, host.f_ffree)
 
     def fsync(self, path: str) -> None:

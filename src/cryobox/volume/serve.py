@@ -17,12 +17,13 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from cryobox.volume.files import VolumeFiles
 from cryobox.volume.wire import (
-    ANSWER,
+    MAX_ANSWER,
     MAX_DATA,
     MAX_PATH,
     MAX_REQUEST,
@@ -37,6 +38,8 @@ log = logging.getLogger("cryobox.volume")
 
 #: How often a thread tries to connect while its VM is not listening (starting, replaced).
 RETRY_SECONDS = 0.05
+#: A guest that makes requests fail is logged once per this many seconds, not each time.
+LOG_EVERY = 60.0
 
 
 class ProtocolError(Exception):
@@ -87,11 +90,16 @@ def do(files: VolumeFiles, header: tuple[int, ...], body: bytes) -> tuple[int, b
     path = _text(body[:path_length])
     path2 = _text(body[path_length : path_length + path2_length])
     data = body[path_length + path2_length :]
+    if op in (VolumeOp.READ, VolumeOp.WRITE, VolumeOp.TRUNCATE) and a >= 1 << 63:
+        return -errno.EINVAL, b""  # an offset or size no file has
     match op:
         case VolumeOp.GETATTR:
             return 0, files.getattr(path)
         case VolumeOp.READDIR:
-            return 0, files.readdir(path)
+            listing = files.readdir(path)
+            if len(listing) > MAX_ANSWER:  # what the guest can take in one answer
+                return -errno.E2BIG, b""
+            return 0, listing
         case VolumeOp.READ:
             return 0, files.read(path, a, min(b, MAX_DATA))
         case VolumeOp.WRITE:
@@ -148,6 +156,7 @@ class VolumeEnd:
         self.on_request = on_request
         self._stopped = threading.Event()
         self._sock: socket.socket | None = None
+        self._logged = -LOG_EVERY
         self._thread = threading.Thread(
             target=self._run, name=f"volume {socket_path.name}", daemon=True
         )
@@ -209,12 +218,12 @@ class VolumeEnd:
                 error, answer = do(self.files, header, body)
             except OSError as exc:
                 error, answer = -(exc.errno or errno.EIO), b""
-            except Exception:  # a bug: the guest gets EIO, the host a trace
-                log.exception("volume %s: request failed", self.files.root.name)
+            except Exception:  # a bug: the guest gets EIO, the host a trace (one a minute)
+                now = time.monotonic()
+                if now - self._logged > LOG_EVERY:
+                    self._logged = now
+                    log.exception("volume %s: request failed", self.files.root.name)
                 error, answer = -errno.EIO, b""
             if self.on_request is not None:
                 self.on_request()
             sock.sendall(answer_frame(header[1], error, answer))
-
-
-__all__ = ["ANSWER", "VolumeEnd", "do"]
