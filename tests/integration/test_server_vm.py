@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from api_server import ApiServer, make_server
-from cryobox import Sandbox
+from cryobox import Sandbox, Volume
 from cryobox.errors import SandboxNotFound
 from cryobox.sandbox import registry
 
@@ -41,6 +41,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("post", "/sandboxes/{sandbox_id}/commands/{command_id}/kill"): {"signal": 9},
     ("post", "/sandboxes/{sandbox_id}/commands/{command_id}/resize"): {"cols": 80, "rows": 24},
     ("post", "/sandboxes/{sandbox_id}/files/mkdir"): {"path": "/root/intruder"},
+    ("post", "/volumes/{name}/snapshots"): {"name": "theirs"},
 }
 
 
@@ -52,6 +53,8 @@ def test_another_tenants_key_is_answered_404_on_every_endpoint(api_server: ApiSe
     owner = http(api_server, api_server.key)
     intruder = http(api_server, api_server.tenant("intruder"))
     sbx = Sandbox.create(api_url=api_server.url, api_key=api_server.key)
+    # The owner's volume of the name the walk uses: the intruder must not reach it either.
+    Volume.create("mine", size_gib=1, api_url=api_server.url, api_key=api_server.key)
     try:
         sbx.files.write("/root/mine.txt", "owner's")
         checkpoint = sbx.checkpoint("mine")
@@ -84,6 +87,7 @@ def test_another_tenants_key_is_answered_404_on_every_endpoint(api_server: ApiSe
     finally:
         sbx.kill()
         Sandbox.delete_snapshot("mine-snap", api_url=api_server.url, api_key=api_server.key)
+        Volume.delete("mine", api_url=api_server.url, api_key=api_server.key)
 
 
 def _walk_as_intruder(
