@@ -218,10 +218,14 @@ def test_folders_nested_thousands_deep_are_walked_packed_and_removed(
         files.close()
     assert usage(record.data()) > 1500 * 4096
     packed = tmp_path / "v.tar"
-    archive.pack(record.data(), packed)
-    restored = catalog.create("copy", 1, fill=lambda into: archive.unpack(packed, into))
-    leaf = restored.data() / Path(*(["d"] * 1500)) / "leaf"
-    assert leaf.read_bytes() == b"bottom"
-    assert (restored.data() / "b").read_bytes() == b"twice"
-    catalog.delete("deep")
-    assert not any(p.name.startswith((".gone", "deep")) for p in config.volumes_dir().iterdir())
+    try:
+        archive.pack(record.data(), packed)
+        restored = catalog.create("copy", 1, fill=lambda into: archive.unpack(packed, into))
+        leaf = restored.data() / Path(*(["d"] * 1500)) / "leaf"
+        assert leaf.read_bytes() == b"bottom"
+        assert (restored.data() / "b").read_bytes() == b"twice"
+        catalog.delete("deep")
+        catalog.delete("copy")
+        assert list(config.volumes_dir().iterdir()) == []
+    finally:  # never left for pytest's own cleanup, whose rmtree recursion cannot remove it
+        catalog.remove_tree(config.volumes_dir())
