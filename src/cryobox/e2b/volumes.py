@@ -29,9 +29,10 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from cryobox.errors import AuthenticationError, VolumeNotFound
+from cryobox.errors import AuthenticationError, InvalidArgument, VolumeNotFound
 from cryobox.server.hub import Hub
 from cryobox.server.tenants import Tenant
+from cryobox.service.volumes import inside
 from cryobox.snapshot import keys
 from cryobox.util import rechunked
 from cryobox.volume.files import VolumeFiles
@@ -64,10 +65,11 @@ def _iso(ns: int) -> str:
 
 
 def _relative(path: str) -> str:
-    clean = posixpath.normpath("/" + path.strip()).lstrip("/")
-    if "\0" in path or clean.startswith(".."):
-        raise ContentError(400, f"path {path!r} is outside the volume")
-    return clean
+    """The service's reading of a volume path, refused in E2B's words."""
+    try:
+        return inside(path.strip())
+    except InvalidArgument as exc:
+        raise ContentError(400, str(exc)) from exc
 
 
 def entry(files: VolumeFiles, relative: str) -> dict[str, Any]:

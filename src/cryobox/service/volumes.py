@@ -42,7 +42,6 @@ from cryobox.volume.files import VolumeFiles
 from cryobox.volume.mounts import VolumeMount
 from cryobox.volume.wire import ATTRIBUTES, MAX_DATA, dir_entries
 
-GIB = 1 << 30
 _KINDS = {stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
 
 
