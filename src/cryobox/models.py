@@ -11,7 +11,7 @@ import enum
 import signal as signals
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Annotated, Any, ClassVar, Protocol
+from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 
@@ -229,6 +229,8 @@ class SandboxInfo:
     host: str = ""
     #: Its volume mounts: mount point to the volume's name (``"name:ro"`` read-only).
     volumes: dict[str, str] = field(default_factory=dict)
+    #: What its timeout does: "kill" or "pause" (see ``CreateRequest.on_timeout``).
+    on_timeout: str = "kill"
 
 
 @dataclass(frozen=True)
@@ -357,6 +359,10 @@ class CreateRequest:
     memory_mib: Annotated[int, Ge(config.MIN_MEMORY_MIB), Le(config.MAX_MEMORY_MIB)] | None = None
     disk_gib: Annotated[int, Ge(config.MIN_DISK_GIB), Le(config.MAX_DISK_GIB)] | None = None
     timeout: Seconds = config.DEFAULT_TIMEOUT
+    #: What happens when ``timeout`` runs out: "kill" ends it, "pause" saves the whole
+    #: machine as ``pause()`` does, "pause-disk" its disk only as ``pause(memory=False)``
+    #: does (its resume boots it again); ``resume`` continues it.
+    on_timeout: Literal["kill", "pause", "pause-disk"] = "kill"
     ports: Annotated[Sequence[Port], MaxLen(32)] = ()
     #: What the guest may connect to: "internet", "none" or a list of rules
     #: ("HOST:PORT", "HOST", "CIDR", "CIDR:PORT"); see :mod:`cryobox.network.policy`.

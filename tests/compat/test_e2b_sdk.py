@@ -158,6 +158,78 @@ def test_pause_then_connect_keeps_every_process_running() -> None:
     assert e2b.Sandbox.kill(sandbox.sandbox_id) is False  # already gone
 
 
+def _boot_id(sandbox: Any) -> str:
+    return str(sandbox.files.read("/proc/sys/kernel/random/boot_id")).strip()
+
+
+def test_lifecycle_on_timeout_pause_and_auto_resume() -> None:
+    """E2B's lifecycle: a timeout pauses the whole machine (the same boot, the same
+    process) when asked; ``auto_resume`` wakes it on its next envd request, without it
+    only ``connect`` does; a filesystem-only pause is refused by name."""
+    states = e2b.SandboxState
+    booted = {}
+    made = []
+    try:
+        for lifecycle in (
+            {"on_timeout": "pause"},
+            {"on_timeout": "pause", "auto_resume": True},
+            {"on_timeout": {"action": "pause", "keep_memory": None}},
+        ):
+            sandbox = e2b.Sandbox.create(timeout=20, lifecycle=lifecycle)
+            made.append(sandbox)
+            booted[sandbox.sandbox_id] = _boot_id(sandbox)
+        paused, waking, forced = made
+        paused.commands.run("sleep 4321", background=True, timeout=0)
+        forced.set_timeout(0)  # E2B's way to force the timeout's pause now
+        until(
+            lambda: all(s.get_info().state == states.PAUSED for s in made),
+            "three timeout pauses",
+            timeout=120,
+            every=0.5,
+        )
+        assert not paused.is_running()  # no auto_resume: the request does not wake it
+        assert paused.get_info().state == states.PAUSED
+        # auto_resume: its next envd request wakes it, the same machine.
+        assert _boot_id(waking) == booted[waking.sandbox_id]
+        assert waking.get_info().state == states.RUNNING
+        for sandbox in (paused, forced):
+            back = sandbox.connect()
+            assert back.get_info().state == states.RUNNING
+            assert _boot_id(back) == booted[sandbox.sandbox_id]  # restored, not rebooted
+        assert "4321" in paused.commands.run("pgrep -a sleep || true").stdout
+    finally:
+        for sandbox in made:
+            sandbox.kill()
+
+
+def test_filesystem_only_pauses_keep_files_and_boot_again() -> None:
+    """E2B's ``pause(keep_memory=False)`` and a filesystem-only timeout pause keep the
+    files and boot the sandbox again on ``connect`` (a new boot id)."""
+    asked = e2b.Sandbox.create(timeout=600)
+    timed = e2b.Sandbox.create(
+        timeout=15, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}}
+    )
+    try:
+        booted = {}
+        for sandbox in (asked, timed):
+            sandbox.files.write("/home/user/marker.txt", sandbox.sandbox_id)
+            booted[sandbox.sandbox_id] = _boot_id(sandbox)
+        assert asked.pause(keep_memory=False)
+        until(
+            lambda: timed.get_info().state == e2b.SandboxState.PAUSED,
+            "the filesystem-only timeout pause",
+            timeout=120,
+            every=0.5,
+        )
+        for sandbox in (asked, timed):
+            back = sandbox.connect()
+            assert back.files.read("/home/user/marker.txt") == sandbox.sandbox_id
+            assert _boot_id(back) != booted[sandbox.sandbox_id]  # booted again
+    finally:
+        asked.kill()
+        timed.kill()
+
+
 def test_another_tenants_key_cannot_reach_the_sandbox(sbx: Any, api_server: ApiServer) -> None:
     other = api_server.tenant("e2b-intruder")
     with pytest.raises(e2b.SandboxNotFoundException):

@@ -62,9 +62,10 @@ def test_qemu_gets_no_transparent_huge_pages(sandbox_factory: Callable[..., Any]
 def test_every_file_is_private_to_its_owner(sandbox_factory: Callable[..., Any]) -> None:
     with contextlib.suppress(VolumeNotFound):
         Volume.delete("private")
-    Volume.create("private", size_gib=1)
+    volume = Volume.create("private", size_gib=1)
     sbx = sandbox_factory(timeout=600, volumes={"/data": "private"})
     sbx.commands.run("echo shared > /data/readable && chmod 644 /data/readable")
+    volume.snapshot()  # its archive in the state folder is private too
     sbx.files.write("/root/secret", "hunter2")
     sbx.checkpoint()
     sbx.snapshot("modes-test")

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from api_server import CLI
 from cryobox import Sandbox
 from cryobox.bench.steps import cpu_seconds
 from cryobox.errors import ChannelError, CryoboxError, StateError
@@ -32,6 +34,7 @@ from cryobox.sandbox import registry
 from cryobox.sandbox.control import ControlOp
 from cryobox.service import discard_spare
 from cryobox.snapshot import manifest as mf
+from waiting import until
 
 from .guest_http import fetch_until_up
 
@@ -305,3 +308,89 @@ def test_two_resumes_at_once_wake_it_once_and_the_other_is_told(
     assert registry.find(sbx.id).record().qemu_pid == qemu  # woken, never restored
     assert _sleep_pid(woken[0]) == sleeping
     assert not registry.find(sbx.id).paused.exists()
+
+
+def test_a_timeout_pauses_when_asked_and_the_resume_continues(
+    sandbox_factory: Any, hold: None
+) -> None:
+    """``on_timeout="pause"``: the timeout pauses the whole machine (held, then saved),
+    and a resume continues every process with a new timeout; the CLI asks the same."""
+    sbx = sandbox_factory(timeout=6, on_timeout="pause")
+    assert sbx.info().on_timeout == "pause"
+    sbx.commands.run(START_WORK)
+    sleeping = _sleep_pid(sbx)
+    folder = registry.find(sbx.id)
+    until(lambda: folder.record().state.value == "paused", "the timeout's pause", timeout=120)
+    record = folder.record()
+    assert record.error is None and record.held_until  # a pause, not an ending
+    assert "paused: timed out after 6 s" in folder.supervisor_log.read_text()
+    assert (folder.paused / mf.MANIFEST).exists()  # saved, not only held
+    before = time.time()
+    sbx = Sandbox.resume(sbx.id)
+    assert _sleep_pid(sbx) == sleeping
+    assert sbx.commands.run("cat /root/mark").stdout == "before\n"
+    assert (sbx.info().deadline or 0) >= before + 5  # a new timeout from the resume
+    until(lambda: folder.record().state.value == "paused", "the second pause", timeout=120)
+    sbx.kill()
+
+    made = subprocess.run(
+        [*CLI, "create", "--timeout", "5", "--on-timeout", "pause"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    cli_id = made.stdout.strip().splitlines()[-1]
+    try:
+        until(
+            lambda: registry.find(cli_id).record().state.value == "paused",
+            "the CLI sandbox's timeout pause",
+            timeout=120,
+        )
+    finally:
+        subprocess.run([*CLI, "kill", cli_id], capture_output=True, timeout=120, check=False)
+    refused = subprocess.run(
+        [*CLI, "create", "--on-timeout", "sleep"], capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode != 0 and "--on-timeout 'sleep'" in refused.stderr
+
+
+def test_a_disk_only_pause_keeps_the_files_and_boots_again(sandbox_factory: Any) -> None:
+    """``pause(memory=False)``: the pause holds the disk only (no RAM file), flushed
+    first; the resume boots the machine again on it (a new boot, no old process, every
+    file kept). The CLI and ``on_timeout="pause-disk"`` ask for the same."""
+    sbx = sandbox_factory(timeout=600)
+    sbx.commands.run(START_WORK)
+    sbx.files.write("/root/unsynced", "written just before")  # flushed by the pause
+    boot = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+    sbx.pause(memory=False)
+    folder = registry.find(sbx.id)
+    record = folder.record()
+    assert record.state.value == "paused" and record.held_until is None
+    saved = mf.load(folder.paused)
+    assert saved.kind.value == "disk" and set(saved.files) == {mf.DISK}
+    assert not any(folder.path.glob("memory*")) and not (folder.paused / mf.MEMORY).exists()
+    sbx = Sandbox.resume(sbx.id)
+    assert sbx.commands.run("cat /root/mark /root/unsynced").stdout == (
+        "before\nwritten just before"
+    )
+    assert sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout != boot
+    assert sbx.commands.run("pgrep -x sleep").exit_code != 0  # processes do not survive
+    assert sbx.commands.run("hostname").stdout.strip() == sbx.id
+
+    paused = subprocess.run(
+        [*CLI, "pause", sbx.id, "--disk-only"], capture_output=True, text=True, timeout=600
+    )
+    assert paused.returncode == 0 and "disk only" in paused.stdout, paused.stderr
+    assert mf.load(registry.find(sbx.id).paused).kind.value == "disk"
+    sbx = Sandbox.resume(sbx.id)
+    assert sbx.commands.run("cat /root/mark").stdout == "before\n"
+    sbx.kill()
+
+    timed = sandbox_factory(timeout=5, on_timeout="pause-disk")
+    timed.commands.run("echo kept > /root/kept")
+    folder = registry.find(timed.id)
+    until(lambda: folder.record().state.value == "paused", "the timeout's pause", timeout=120)
+    assert mf.load(folder.paused).kind.value == "disk"
+    timed = Sandbox.resume(timed.id)
+    assert timed.commands.run("cat /root/kept").stdout == "kept\n"

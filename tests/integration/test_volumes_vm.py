@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import subprocess
 import time
 from pathlib import Path
@@ -152,6 +153,59 @@ def test_checkpoint_rollback_and_fork_keep_the_mount(sandbox_factory: Any) -> No
             fork.commands.run("head -c 8 /dev/urandom | od -An -tx1").stdout for fork in forks
         }
         assert len(random) == 3
+    finally:
+        for fork in forks:
+            fork.kill()
+
+
+#: The guest hashes the volume's file over and over (a read always in flight), one line
+#: per pass, into a file of the guest's own.
+READER = (
+    "nohup sh -c 'while true; do sha256sum /v/big | cut -c1-64 >> /root/sums; done' "
+    ">/dev/null 2>&1 &"
+)
+#: Sectors read from the guest's read disk (found by its serial), from /sys/block.
+READ_DISK_SECTORS = (
+    'for d in /sys/block/vd*; do [ "$(cat $d/serial)" = cryobox-volumes ] && '
+    "awk '{print $3}' $d/stat; done"
+)
+
+
+def _passes(sbx: Sandbox, at_least: int) -> list[str]:
+    """The reader's digests once it has done ``at_least`` passes."""
+    deadline = time.monotonic() + 300
+    while True:
+        sums = sbx.commands.run("cat /root/sums").stdout.split()
+        if len(sums) >= at_least or time.monotonic() > deadline:
+            return sums
+        time.sleep(0.5)
+
+
+def test_reads_in_flight_survive_pause_rollback_and_fork(sandbox_factory: Any) -> None:
+    """Reads come through the read disk; one cut short by a pause, a checkpoint taken
+    mid-read or a fork is redone and never yields bytes meant for another request."""
+    volume = new_volume("inflight")
+    content = bytes(range(256)) * (6 * 4096)  # 6 MiB, every 1 MiB read distinct
+    content = bytes(b ^ (i // 4096 & 0xFF) for i, b in enumerate(content))
+    volume.write_file("big", content)
+    digest = hashlib.sha256(content).hexdigest()
+    sbx = sandbox_factory(volumes={"/v": "inflight"})
+    sbx.commands.run(READER)
+    assert _passes(sbx, 1)
+    for _ in range(3):
+        sbx.pause()
+        sbx = Sandbox.resume(sbx.id)
+    checkpoint = sbx.checkpoint()
+    count = len(_passes(sbx, 1))
+    sbx.rollback(checkpoint)
+    forks = sbx.fork(2)
+    try:
+        for copy in (sbx, *forks):
+            sums = _passes(copy, count + 2)
+            assert len(sums) >= count + 2, "the reader stopped"
+            assert set(sums) == {digest}
+        sectors = int(sbx.commands.run(READ_DISK_SECTORS).stdout)
+        assert sectors * 512 >= len(content)  # the bytes came by the read disk
     finally:
         for fork in forks:
             fork.kill()

@@ -10,8 +10,8 @@ import pytest
 from cryobox.cli.main import when
 from cryobox.client.history import point_in_history
 from cryobox.errors import InvalidArgument, SnapshotNotFound
-from cryobox.models import SnapshotInfo
-from cryobox.service.service import history
+from cryobox.models import CreateRequest, SnapshotInfo
+from cryobox.service.service import history, validate
 
 NOW = 1_800_000_000.0
 
@@ -154,3 +154,10 @@ def test_any_shape_starts_from_a_default_template_of_that_shape(
             if asked.get(name) is not None:
                 assert shape[name] == asked[name]
     assert default_shape("app") is None and default_shape("default-x") is None
+
+
+def test_what_a_timeout_does_is_checked_at_the_door() -> None:
+    for fine in ("kill", "pause", "pause-disk"):
+        validate(CreateRequest(on_timeout=fine))
+    with pytest.raises(InvalidArgument, match="on_timeout='sleep'"):
+        validate(CreateRequest(on_timeout="sleep"))  # type: ignore[arg-type]

@@ -40,6 +40,11 @@ def test_a_pause_request_carries_its_hold_and_refuses_anything_else() -> None:
     for bad in (-1, True, "60", math.nan, math.inf, None, config.MAX_PAUSE_HOLD + 1):
         with pytest.raises(InvalidArgument, match=ControlOp.PAUSE.value):
             Pause.parse({"hold": bad})
+    assert Pause.parse({}).memory is True  # a whole machine unless asked otherwise
+    assert Pause.parse(Pause(0, memory=False).to_args()).memory is False
+    for bad in (0, "false", None):
+        with pytest.raises(InvalidArgument, match="memory"):
+            Pause.parse({"memory": bad})
 
 
 def test_a_stale_pause_folder_never_stands_for_a_sandbox_whose_files_are_not_in_it(

@@ -16,7 +16,7 @@ import pytest
 from cryobox import config
 from cryobox.errors import InvalidArgument
 from cryobox.server.database import MIGRATIONS, SqliteDatabase
-from cryobox.volume import archive, catalog
+from cryobox.volume import archive, catalog, read_disk
 from cryobox.volume.files import VolumeFiles, usage
 from cryobox.volume.mounts import VolumeMount, plan
 from cryobox.volume.serve import VolumeEnd, do
@@ -24,7 +24,14 @@ from cryobox.volume.wire import (
     ANSWER,
     ATTRIBUTES,
     HELLO_SEQ,
+    MAX_DATA,
     NONCE_BYTES,
+    ON_DISK,
+    READ_DATA_OFFSET,
+    READ_DISK_BYTES,
+    READ_HEADER,
+    READ_ON_DISK,
+    READ_SLOT_BYTES,
     REQUEST,
     VolumeOp,
     sync_frame,
@@ -86,8 +93,15 @@ def test_the_size_limit_refuses_what_passes_it(files: VolumeFiles) -> None:
     assert files.write("b", 0, b"z" * (900 << 10)) == 900 << 10
 
 
-def _request(op: VolumeOp, seq: int, path: bytes, a: int = 0, b: int = 0) -> bytes:
-    head = REQUEST.pack(REQUEST.size - 4 + len(path), seq, op, 0, a, b, len(path), 0, 0)
+def _stop(end: VolumeEnd) -> None:
+    """Stop a host end from another thread (it joins its own), waiting at most 10 s."""
+    stopper = threading.Thread(target=end.stop)
+    stopper.start()
+    stopper.join(10)
+
+
+def _request(op: VolumeOp, seq: int, path: bytes, a: int = 0, b: int = 0, flags: int = 0) -> bytes:
+    head = REQUEST.pack(REQUEST.size - 4 + len(path), seq, op, flags, a, b, len(path), 0, 0)
     return head + path
 
 
@@ -134,9 +148,7 @@ def test_a_new_host_end_resynchronises_and_serves(files: VolumeFiles, tmp_path: 
         assert _answer(guest)[0] == HELLO_SEQ
         guest.close()
     finally:
-        stopper = threading.Thread(target=end.stop)
-        stopper.start()
-        stopper.join(10)
+        _stop(end)
         listener.close()
     assert (files.root / "hello.txt").exists()
 
@@ -229,3 +241,78 @@ def test_folders_nested_thousands_deep_are_walked_packed_and_removed(
         assert list(config.volumes_dir().iterdir()) == []
     finally:  # never left for pytest's own cleanup, whose rmtree recursion cannot remove it
         catalog.remove_tree(config.volumes_dir())
+
+
+def _answer_with_pad(sock: socket.socket) -> tuple[int, int, int, bytes]:
+    head = b""
+    while len(head) < ANSWER.size:
+        chunk = sock.recv(ANSWER.size - len(head))
+        assert chunk, "the host end hung up"
+        head += chunk
+    length, seq, error, pad = ANSWER.unpack(head)
+    body = b""
+    while len(body) < length - (ANSWER.size - 4):
+        body += sock.recv(length - (ANSWER.size - 4) - len(body))
+    return seq, error, pad, body
+
+
+def test_reads_reach_the_guest_through_the_read_disk(files: VolumeFiles, tmp_path: Path) -> None:
+    """A READ asked on the disk lands in the mount's slot behind a header naming this
+    connection's nonce and the request's seq (what the guest checks); a new machine
+    start gets a new, empty disk; without a usable disk the bytes come in the frame."""
+    content = os.urandom(MAX_DATA + 5000)
+    (files.root / "big").write_bytes(content)
+    disk = tmp_path / "reads.raw"
+    read_disk.fresh(disk)
+    path = tmp_path / "port.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)
+    slot = 2
+    base = slot * READ_SLOT_BYTES
+    end = VolumeEnd(path, VolumeFiles(files.root, 10 << 20), read_disk=(disk, slot))
+    end.start()
+    try:
+        guest, _ = listener.accept()
+        nonce = _answer(guest)[2]
+        guest.sendall(sync_frame(nonce))
+        guest.sendall(_request(VolumeOp.READ, 5, b"big", 3, 1 << 30, flags=READ_ON_DISK))
+        seq, error, pad, body = _answer_with_pad(guest)
+        assert (seq, error, pad) == (5, 0, ON_DISK)
+        length = int.from_bytes(body, "little")
+        assert length == MAX_DATA  # at most what one READ carries
+        on_disk = disk.read_bytes()
+        assert len(on_disk) == READ_DISK_BYTES
+        assert READ_HEADER.unpack_from(on_disk, base) == (nonce, 5, 0, length)
+        start = base + READ_DATA_OFFSET
+        assert on_disk[start : start + length] == content[3 : 3 + length]
+        assert on_disk[:base] == bytes(base)  # other mounts' slots untouched
+        # An error is an error, in the frame.
+        guest.sendall(_request(VolumeOp.READ, 6, b"missing", 0, 10, flags=READ_ON_DISK))
+        assert _answer_with_pad(guest)[:3] == (6, -errno.ENOENT, 0)
+        # The machine restarted: a new, empty disk (a new inode, made before the new
+        # machine listens), a new nonce.
+        read_disk.fresh(disk)
+        guest.close()
+        assert disk.read_bytes() == bytes(READ_DISK_BYTES)
+        guest, _ = listener.accept()
+        nonce2 = _answer(guest)[2]
+        assert nonce2 != nonce
+        guest.sendall(sync_frame(nonce2))
+        guest.sendall(_request(VolumeOp.READ, 5, b"big", 0, 10, flags=READ_ON_DISK))
+        assert _answer_with_pad(guest)[:3] == (5, 0, ON_DISK)
+        assert READ_HEADER.unpack_from(disk.read_bytes(), base) == (nonce2, 5, 0, 10)
+        # A disk that is not one cryobox made (the wrong size): the frame carries it.
+        disk.unlink()
+        disk.write_bytes(b"\0" * 4096)
+        guest.close()
+        guest, _ = listener.accept()
+        nonce3 = _answer(guest)[2]
+        guest.sendall(sync_frame(nonce3))
+        guest.sendall(_request(VolumeOp.READ, 9, b"big", 0, 10, flags=READ_ON_DISK))
+        assert _answer_with_pad(guest) == (9, 0, 0, content[:10])
+        assert disk.read_bytes() == b"\0" * 4096
+        guest.close()
+    finally:
+        _stop(end)
+        listener.close()

@@ -123,9 +123,12 @@ def create_sandbox(
     checkpoint_every: float = 0,
     keep_checkpoints: int | None = None,
     volume: list[str] | None = None,
+    on_timeout: str = "kill",
 ) -> Sandbox:
     envs, metadata = key_values("--env", env or []), key_values("--label", label or [])
     volumes = key_values("--volume", volume or [])
+    if on_timeout not in ("kill", "pause"):
+        raise InvalidArgument(f"--on-timeout {on_timeout!r}: must be kill or pause")
     with console.status("starting sandbox (building the guest image first if needed)") as status:
         return Sandbox.create(
             template,
@@ -136,6 +139,7 @@ def create_sandbox(
             memory_mib=memory,
             disk_gib=disk,
             timeout=timeout,
+            on_timeout="pause" if on_timeout == "pause" else "kill",
             ports=ports or [],
             network=network if network in ("internet", "none") else network.split(","),
             proxy=proxy,
@@ -188,6 +192,13 @@ def create(
             help="PATH=NAME: mount named volume NAME at PATH (NAME:ro read-only; repeatable).",
         ),
     ] = None,
+    on_timeout: Annotated[
+        str,
+        typer.Option(
+            help="What --timeout does: kill it, or pause it (the whole machine kept, for "
+            "`cryobox resume`)."
+        ),
+    ] = "kill",
 ) -> None:
     """Start a sandbox and print its id."""
     with errors_reported():
@@ -207,6 +218,7 @@ def create(
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
             volume=volume,
+            on_timeout=on_timeout,
         )
         for guest, host in sbx.ports.items():
             console.print(f"port {guest} -> 127.0.0.1:{host}")
@@ -675,12 +687,21 @@ def image_info() -> None:
 
 
 @app.command()
-def pause(sandbox_id: str) -> None:
+def pause(
+    sandbox_id: str,
+    disk_only: Annotated[
+        bool,
+        typer.Option(
+            "--disk-only",
+            help="Keep its disk only (files flushed): no process survives; resume boots it.",
+        ),
+    ] = False,
+) -> None:
     """Save a sandbox's whole machine and stop it (no CPU, no RAM); resume continues it."""
     with errors_reported():
         sbx = Sandbox.connect(sandbox_id, resume=False)
-        sbx.pause()
-        out.print(f"paused {sbx.id}")
+        sbx.pause(memory=not disk_only)
+        out.print(f"paused {sbx.id}" + (" (disk only)" if disk_only else ""))
 
 
 @app.command()

@@ -565,6 +565,7 @@ class AsyncSandbox:
         memory_mib: int | None = None,
         disk_gib: int | None = None,
         timeout: float = config.DEFAULT_TIMEOUT,
+        on_timeout: Literal["kill", "pause", "pause-disk"] = "kill",
         ports: Sequence[int] = (),
         network: str | Sequence[str] = "internet",
         idle_timeout: float | None = None,
@@ -589,6 +590,11 @@ class AsyncSandbox:
         is built for each shape asked for, on first use (``default-4c-2048m-4g``); a
         named template or a snapshot keeps the shape it was saved with (another is
         refused with :class:`SnapshotIncompatible`, saying so).
+
+        ``timeout`` seconds after its start or last resume (or :meth:`set_timeout`), it
+        is killed; with ``on_timeout="pause"`` it is paused instead, the whole machine
+        saved as :meth:`pause` saves it, to continue on :meth:`resume` (or this handle's
+        next call, which resumes a paused sandbox first) with a new timeout.
 
         ``network`` is what the guest may connect to: ``"internet"`` (anywhere the host
         reaches, never the host itself nor other sandboxes), ``"none"``, or a list of
@@ -658,6 +664,7 @@ class AsyncSandbox:
             memory_mib=memory_mib,
             disk_gib=disk_gib,
             timeout=timeout,
+            on_timeout=on_timeout,
             ports=tuple(ports),
             network=network,
             idle_timeout=idle_timeout,
@@ -859,14 +866,18 @@ class AsyncSandbox:
         self._info = await self._transport.get(self.id)
         return self._info
 
-    async def pause(self) -> None:
+    async def pause(self, memory: bool = True) -> None:
         """Save the whole machine (RAM, devices, disk) and stop it: no CPU or RAM used.
 
         Connections are closed; :meth:`resume` continues every process where it was.
+        ``memory=False`` saves the disk only (files flushed first): cheaper to keep, but
+        no process survives, and :meth:`resume` boots the sandbox again on that disk.
 
         :raises StateError: when the sandbox is not running.
         """
-        await self._transport.pause(self.id)
+        if not isinstance(memory, bool):
+            raise InvalidArgument(f"memory={memory!r}: must be True or False")
+        await self._transport.pause(self.id, memory)
 
     async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
         """``count`` (1-100) new running sandboxes that continue from this instant.

@@ -301,8 +301,9 @@ class HttpTransport:
     async def kill(self, sandbox_id: str) -> None:
         await self._call("DELETE", self._sbx(sandbox_id), timeout=LONG)
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self._call("POST", self._sbx(sandbox_id, "/pause"), timeout=LONG)
+    async def pause(self, sandbox_id: str, memory: bool = True) -> None:
+        params = None if memory else {"memory": "false"}
+        await self._call("POST", self._sbx(sandbox_id, "/pause"), params=params, timeout=LONG)
 
     async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
         response = await self._call("POST", self._sbx(sandbox_id, "/resume"), timeout=LONG)

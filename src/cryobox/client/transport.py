@@ -48,7 +48,7 @@ class Transport(Protocol):
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
     async def list(self, *, all: bool = False) -> builtins.list[SandboxInfo]: ...
     async def kill(self, sandbox_id: str) -> None: ...
-    async def pause(self, sandbox_id: str) -> None: ...
+    async def pause(self, sandbox_id: str, memory: bool = True) -> None: ...
     async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo: ...
     async def capture(
         self,
@@ -140,8 +140,8 @@ class LocalTransport:
     async def kill(self, sandbox_id: str) -> None:
         await self.service.kill(sandbox_id)
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self.service.pause(sandbox_id)
+    async def pause(self, sandbox_id: str, memory: bool = True) -> None:
+        await self.service.pause(sandbox_id, memory=memory)
 
     async def resume(self, sandbox_id: str, progress: Progress | None = None) -> SandboxInfo:
         return await self.service.resume(sandbox_id, progress)

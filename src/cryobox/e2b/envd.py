@@ -63,6 +63,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.models import CommandRequest, EntryInfo, ExitStatus
 from cryobox.server.hub import Hub
+from cryobox.server.tenants import Tenant
 from cryobox.service.watches import FolderWatch
 from cryobox.util import rechunked
 
@@ -154,6 +155,14 @@ class Envd:
         for watcher_id in [i for i, w in self.watchers.items() if w.sandbox_id == sandbox_id]:
             self.watchers.pop(watcher_id, None)
 
+    async def wake(self, tenant: Tenant, record: E2bSandbox) -> None:
+        """Mark the sandbox used: an idle-paused one wakes, and so does any paused one
+        made with ``auto_resume`` (E2B's lifecycle); any other paused one stays paused
+        (E2B's edge answers it 502)."""
+        if record.auto_resume and (await self.hub.get(tenant, record.sandbox_id)).state == "paused":
+            await self.hub.resume(tenant, record.sandbox_id)
+        await self.hub.use(tenant, record.sandbox_id)
+
     async def caller(self, headers: Mapping[str, str], user: str | None = None) -> Caller:
         """:raises NotRunning: for an unknown sandbox, a wrong token, or one not running."""
         sandbox_id = headers.get("e2b-sandbox-id")
@@ -166,7 +175,7 @@ class Envd:
             raise NotRunning(sandbox_id)
         try:
             tenant = self.hub.tenants.get(record.tenant_id)
-            await self.hub.use(tenant, record.sandbox_id)  # wakes an idle-paused one
+            await self.wake(tenant, record)
             info = await self.hub.service.get(record.sandbox_id)
         except CryoboxError as exc:
             raise NotRunning(sandbox_id) from exc
@@ -892,7 +901,7 @@ def signed_files_router(envd: Envd) -> APIRouter:
             return envd_error(401, "the signature is not valid")
         try:
             tenant = envd.hub.tenants.get(found.tenant_id)
-            await envd.hub.use(tenant, found.sandbox_id)  # wakes an idle-paused one
+            await envd.wake(tenant, found)
         except CryoboxError:
             return not_running(found.sandbox_id)
         return Caller(found, username or DEFAULT_USER)

@@ -1,6 +1,7 @@
 """What the E2B API knows of a sandbox beyond cryobox's own record: the template name it
 was asked for, its metadata, the environment every command gets, and the envd access
-token that the E2B SDK sends with every in-sandbox call (``X-Access-Token``)."""
+token that the E2B SDK sends with every in-sandbox call (``X-Access-Token``), and whether
+its next request wakes it once its timeout paused it (``lifecycle.auto_resume``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class E2bSandbox:
     started_at: float
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)
+    auto_resume: bool = False
 
     @property
     def traffic_token(self) -> str:
@@ -43,6 +45,7 @@ class E2bRecords:
         template_id: str,
         metadata: dict[str, str],
         envs: dict[str, str],
+        auto_resume: bool = False,
     ) -> E2bSandbox:
         record = E2bSandbox(
             sandbox_id,
@@ -52,12 +55,16 @@ class E2bRecords:
             time.time(),
             dict(metadata),
             dict(envs),
+            auto_resume,
         )
         self.db.execute(
-            "INSERT INTO e2b_sandboxes VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (sandbox_id) "
+            "INSERT INTO e2b_sandboxes (sandbox_id, tenant_id, template_id, access_token, "
+            "started_at, metadata, envs, auto_resume) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (sandbox_id) "
             "DO UPDATE SET tenant_id = excluded.tenant_id, template_id = excluded.template_id, "
             "access_token = excluded.access_token, started_at = excluded.started_at, "
-            "metadata = excluded.metadata, envs = excluded.envs",
+            "metadata = excluded.metadata, envs = excluded.envs, "
+            "auto_resume = excluded.auto_resume",
             (
                 record.sandbox_id,
                 record.tenant_id,
@@ -66,6 +73,7 @@ class E2bRecords:
                 record.started_at,
                 json.dumps(record.metadata),
                 json.dumps(record.envs),
+                int(record.auto_resume),
             ),
         )
         return record
@@ -101,4 +109,5 @@ def _record(row: Any) -> E2bSandbox:
         started_at=row["started_at"],
         metadata=json.loads(row["metadata"]),
         envs=json.loads(row["envs"]),
+        auto_resume=bool(row["auto_resume"]),
     )

@@ -14,7 +14,7 @@ import dataclasses
 import datetime
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, unquote
 
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -65,6 +65,10 @@ class NewSandbox(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=64)
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars", max_length=256)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
+    #: With ``autoPause``: False for a filesystem-only pause (None: the whole machine).
+    auto_pause_memory: bool | None = Field(default=None, alias="autoPauseMemory")
+    #: ``{"enabled": bool}``: whether the next request wakes a sandbox its timeout paused.
+    auto_resume: dict[str, Any] | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
     mcp: Any = None
     network: dict[str, Any] | None = None
@@ -165,11 +169,19 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         envs: dict[str, str],
         network: str | None,
         volumes: dict[str, str] | None = None,
+        *,
+        on_timeout: Literal["kill", "pause", "pause-disk"] = "kill",
+        auto_resume: bool = False,
     ) -> dict[str, Any]:
         # The variables go with the sandbox (sealed in its spec, given to every command),
         # never into the database.
         request = CreateRequest(
-            template="default", timeout=timeout, network=network, envs=envs, volumes=volumes or {}
+            template="default",
+            timeout=timeout,
+            on_timeout=on_timeout,
+            network=network,
+            envs=envs,
+            volumes=volumes or {},
         )
         if template != "base":
             try:
@@ -178,16 +190,20 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             except SnapshotNotFound:
                 request = dataclasses.replace(request, template=template)
         info = await hub.create(me, request, idle_timeout=0)
-        rec = records.add(info.id, me.id, template, metadata, {})
+        rec = records.add(info.id, me.id, template, metadata, {}, auto_resume)
         return sandbox(info, rec)
 
     @router.post("/sandboxes", status_code=201)
     @router.post("/v2/sandboxes", status_code=201)
     async def create(body: NewSandbox, me: Me) -> dict[str, Any]:
-        if body.auto_pause:
-            raise Unsupported(
-                "lifecycle on_timeout='pause' (autoPause) is not supported by cryobox: "
-                "a sandbox that times out is killed; pause it yourself or extend its timeout"
+        auto_resume = bool((body.auto_resume or {}).get("enabled"))
+        if auto_resume and not body.auto_pause:
+            raise InvalidArgument("autoResume needs autoPause (lifecycle on_timeout='pause')")
+        files_only = bool(body.auto_pause) and body.auto_pause_memory is False
+        if auto_resume and files_only:
+            raise InvalidArgument(
+                "autoResume cannot be combined with a filesystem-only autoPause: its resume "
+                "boots the sandbox again, which only connect() asks for"
             )
         if body.mcp:
             raise Unsupported("mcp gateways are not supported by cryobox")
@@ -207,6 +223,8 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             body.env_vars or {},
             network,
             volumes,
+            on_timeout="pause-disk" if files_only else "pause" if body.auto_pause else "kill",
+            auto_resume=auto_resume,
         )
 
     @router.get("/sandboxes/{sandbox_id}")
@@ -262,7 +280,11 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
     @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
     async def set_timeout(sandbox_id: str, body: Timeout, me: Me) -> Response:
         record(me, sandbox_id)
-        if body.timeout == 0:
+        info = await hub.get(me, sandbox_id) if body.timeout == 0 else None
+        if info is not None and info.on_timeout in ("pause", "pause-disk"):
+            if info.state == "running":  # the timeout's pause, now (E2B's way to force it)
+                await hub.pause(me, sandbox_id, memory=info.on_timeout == "pause")
+        elif body.timeout == 0:
             await hub.kill(me, sandbox_id)
             records.remove(sandbox_id)
             forget(sandbox_id)
@@ -274,11 +296,10 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
     @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
     async def pause(sandbox_id: str, me: Me, body: Pause | None = None) -> Response:
         record(me, sandbox_id)
-        if body is not None and body.memory is False:
-            raise Unsupported("pause(mode='filesystem') is not supported: cryobox pauses all")
         if (await hub.get(me, sandbox_id)).state == "paused":
             raise StateError(sandbox_id, "paused", ["running"], "pause")
-        await hub.pause(me, sandbox_id)
+        # mode="filesystem" (memory false): the disk only, booted again on connect.
+        await hub.pause(me, sandbox_id, memory=body is None or body.memory is not False)
         return Response(status_code=204)
 
     @router.post("/sandboxes/{sandbox_id}/connect")
@@ -308,7 +329,9 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         made = []
         for info in forks:
             # A fork keeps its parent's variables in its own spec.
-            child = records.add(info.id, me.id, rec.template_id, rec.metadata, rec.envs)
+            child = records.add(
+                info.id, me.id, rec.template_id, rec.metadata, rec.envs, rec.auto_resume
+            )
             made.append({"sandbox": sandbox(info, child)})
         return made
 

@@ -15,6 +15,7 @@ from cryobox.guest.protocol import TRANSFER_SERIAL
 from cryobox.network.policy import NONE
 from cryobox.vmm.base import MachineSpec, PortForward
 from cryobox.volume.mounts import port_name
+from cryobox.volume.wire import READ_DISK_SERIAL
 
 MACHINE_TYPE = "q35"
 AGENT_PORT_NAME = "org.cryobox.agent.0"
@@ -128,6 +129,20 @@ def volume_port_args(sockets: tuple[Path, ...]) -> list[str]:
     return args
 
 
+def read_disk_args(path: Path | None) -> list[str]:
+    """The disk READs reach the guest's volume mounts through
+    (:mod:`cryobox.volume.read_disk`): raw, read-only for the guest, no state."""
+    if path is None:
+        return []
+    return [
+        "-blockdev",
+        f"driver=raw,node-name=reads,file.driver=file,file.filename={path},read-only=on",
+        "-device",
+        f"virtio-blk-pci,drive=reads,id=readdisk,serial={READ_DISK_SERIAL},"
+        "werror=report,rerror=report",
+    ]
+
+
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
     """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
     once it is set up)."""
@@ -194,6 +209,7 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
         "-device",
         f"virtserialport,bus=vser0.0,chardev=agent,name={AGENT_PORT_NAME}",
         *volume_port_args(spec.volume_sockets),
+        *read_disk_args(spec.read_disk),
         "-netdev",
         netdev(spec),
         "-device",

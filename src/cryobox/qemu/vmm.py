@@ -55,6 +55,7 @@ class QemuVmm:
                 agent_socket=path,
                 console_log=path,
                 transfer_disk=path,
+                read_disk=path,
             ),
         )
         return {

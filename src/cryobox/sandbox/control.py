@@ -206,9 +206,10 @@ class ExposePort:
 @dataclass(frozen=True)
 class Pause:
     """Save the whole machine; keep its stopped VM ``hold`` seconds for a quick wake (0:
-    end it at once)."""
+    end it at once). ``memory=False``: save its disk only (the resume boots it again)."""
 
     hold: float = 0.0
+    memory: bool = True
 
     op: ClassVar[ControlOp] = ControlOp.PAUSE
 
@@ -223,10 +224,13 @@ class Pause:
             raise InvalidArgument(
                 f"{ControlOp.PAUSE}: hold={hold!r} must be seconds from 0 to {MAX_PAUSE_HOLD:g}"
             )
-        return cls(float(hold))
+        memory = args.get("memory", True)
+        if not isinstance(memory, bool):
+            raise InvalidArgument(f"{ControlOp.PAUSE}: memory={memory!r} must be true or false")
+        return cls(float(hold), memory)
 
     def to_args(self) -> dict[str, Any]:
-        return {"hold": self.hold}
+        return {"hold": self.hold, "memory": self.memory}
 
     def read_reply(self, result: dict[str, Any]) -> None:
         _nothing(self.op, result)

@@ -83,6 +83,7 @@ from cryobox.util import (
     release_empty,
 )
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
+from cryobox.volume import read_disk
 
 log = logging.getLogger("cryobox.supervisor")
 
@@ -581,6 +582,7 @@ class Machine:
             tcg_threads=self._tcg_threads,
             transfer_disk=self.folder.transfer_disk,
             volume_sockets=self.folder.volume_sockets(),
+            read_disk=self.folder.read_disk,
         )
 
     async def _start_vm(
@@ -595,8 +597,11 @@ class Machine:
         forwards = tuple(PortForward(g, kept.get(g) or self._new_port()) for g in wanted)
         try:
             transfer_disk.fresh(self.folder.transfer_disk)
+            read_disk.fresh(self.folder.read_disk)
         except OSError as exc:
-            raise storage_error(exc, "creating the transfer disk", self.folder.path) from exc
+            raise storage_error(
+                exc, "creating the transfer and read disks", self.folder.path
+            ) from exc
         self.vm = await self.vmm.start(
             self._machine_spec(incoming, forwards, kernel_args),
             self.folder.qemu_stderr,
@@ -872,19 +877,9 @@ class Machine:
                 # Before the hash, which then skips what went back to the host.
                 await self._release_ram(memory)
                 timer("ram released")
-            described = await asyncio.to_thread(mf.describe, files)
-            manifest = replace(
-                self._manifest(
-                    new_id("pause"), SnapshotPurpose.PAUSE, None, True, self.record.disk_chain
-                ),
-                files=described,
-            )
-            transaction.write_pending(manifest)
+            manifest = await self._write_pending_pause(files, memory=True)
         except BaseException as exc:
-            transaction.discard()
-            await self.vm.continue_cpus()
-            if isinstance(exc, OSError):
-                raise storage_error(exc, "pausing", self.folder.path) from exc
+            await self._undo_pause(exc)
             raise
         crash_point("hashed")
         timer("hashed and flushed")
@@ -913,6 +908,71 @@ class Machine:
             self.update(
                 state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None, pause_id=manifest.id
             )
+
+    async def _write_pending_pause(self, files: dict[str, Path], *, memory: bool) -> Manifest:
+        """Hash the stopped machine's ``files`` and describe them in ``paused.tmp/`` as a
+        pause marked pending (a memory snapshot, or the disk alone)."""
+        described = await asyncio.to_thread(mf.describe, files)
+        manifest = replace(
+            self._manifest(
+                new_id("pause"), SnapshotPurpose.PAUSE, None, memory, self.record.disk_chain
+            ),
+            files=described,
+        )
+        self.folder.pause.write_pending(manifest)
+        return manifest
+
+    async def _undo_pause(self, exc: BaseException) -> None:
+        """A pause that failed before its commit: forgotten, the machine continues; a
+        host error is raised as a StorageError."""
+        assert self.vm is not None
+        self.folder.pause.discard()
+        await self.vm.continue_cpus()
+        if isinstance(exc, OSError):
+            raise storage_error(exc, "pausing", self.folder.path) from exc
+
+    async def pause_disk(self) -> None:
+        """Save the disk only into ``paused/`` and end the VM: its processes and RAM are
+        not kept, and :meth:`resume` boots the machine again on that disk (what E2B calls
+        a filesystem-only pause). Files are flushed first (``sync`` in the guest), and
+        the disk layer is hashed with the CPUs stopped (which drains and flushes it);
+        a failure up to there lets the machine continue. Only renames follow.
+
+        :raises StorageError: when the host cannot write the pause.
+        """
+        assert self.vm is not None and self.agent is not None and self.record.disk
+        check_space(DEVICE_STATE_ROOM, "pausing", self.folder.path)
+        timer = StepTimer("pause (disk only)")
+        await self.agent.request(GuestOp.EXEC, {"argv": ["sync"]}, timeout=60)
+        timer("guest sync")
+        transaction = self.folder.pause
+        transaction.begin()
+        await self.vm.stop_cpus()
+        try:
+            crash_point("stopped")
+            timer("stop")
+            disk = {mf.DISK: self.folder.path / self.record.disk}
+            manifest = await self._write_pending_pause(disk, memory=False)
+        except BaseException as exc:
+            await self._undo_pause(exc)
+            raise
+        crash_point("hashed")
+        timer("hashed")
+        await self.stop_vm()
+        timer("vm end")
+        # The RAM is not kept: its file goes first, so the pause takes the disk only.
+        memory = self._memory_path()
+        self.update(memory_file=None, memory_from=None)
+        memory.unlink(missing_ok=True)
+        transaction.move_in(self.record)
+        crash_point("moved")
+        transaction.commit()
+        crash_point("committed")
+        timer("commit")
+        timer.log()
+        self.update(
+            state=SandboxState.PAUSED, supervisor_pid=None, qemu_pid=None, pause_id=manifest.id
+        )
 
     async def _hold_vm(self) -> None:
         """What a held VM lets go of: its requests in flight fail as if it had ended (a
@@ -1005,6 +1065,9 @@ class Machine:
         paused = self.folder.paused
         manifest = self._trusted_pause(paused)
         timer("checked")
+        if manifest.kind is SnapshotKind.DISK:
+            await self._boot_paused_disk(timer)
+            return
         self._layers += 1
         disk = f"disk-{self._layers}.qcow2"
         moved = [(paused / mf.DISK, self.folder.path / disk)]
@@ -1048,6 +1111,45 @@ class Machine:
                 os.rename(target, source)
             raise
         try:  # the guest runs on: a pause folder left here is removed by the next pause
+            self.folder.pause.remove()
+        except OSError as exc:
+            log.error("the resumed pause could not be removed: %s", exc)
+        self.update(pause_id=None)
+
+    async def _boot_paused_disk(self, timer: StepTimer) -> None:
+        """Resume a pause that kept the disk only (:meth:`pause_disk`): boot the machine
+        again on it, with a new RAM file. A failure before the guest answers gives the
+        pause back intact."""
+        paused = self.folder.paused
+        self._layers += 1
+        disk = f"disk-{self._layers}.qcow2"
+        memory = self.folder.memory_file
+        memory.unlink(missing_ok=True)
+        self._maybe_reserve(memory, self.spec.memory_mib << 20)
+        # Recorded before the disk moves, as for any resume (the registry gives it back).
+        self.update(disk=disk, memory_file=memory.name, memory_from=None, memory_shared=True)
+        os.rename(paused / mf.DISK, self.folder.path / disk)
+        crash_point("resume-moved")
+        timer("files back")
+        kernel_args: tuple[str, ...] = (
+            f"cryobox.time_ns={time.time_ns()}",
+            f"cryobox.hostname={self.spec.id}",
+        )
+        if not config.guest_aslr(self.spec.accelerator):
+            kernel_args += ("norandmaps",)
+        try:
+            await self._start_vm(incoming=False, kernel_args=kernel_args)
+            timer("vm start")
+            self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
+            timer("booted")
+        except BaseException:
+            await self.stop_vm()
+            os.rename(self.folder.path / disk, paused / mf.DISK)  # the pause, intact
+            raise
+        await self._release_boot_zeros(memory)
+        timer.log()
+        self.update(deadline=time.time() + self.timeout)  # its time runs from the boot's end
+        try:
             self.folder.pause.remove()
         except OSError as exc:
             log.error("the resumed pause could not be removed: %s", exc)

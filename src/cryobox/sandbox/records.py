@@ -15,6 +15,11 @@ from cryobox.snapshot import keys
 SEALED_ENVS = "envs_sealed"
 
 
+#: What a sandbox's timeout may do (``CreateRequest.on_timeout``), and those that pause.
+ON_TIMEOUT = ("kill", "pause", "pause-disk")
+PAUSING_TIMEOUTS = ("pause", "pause-disk")
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     """What was asked for at creation; changes once at most, when a pooled sandbox is
@@ -57,6 +62,9 @@ class SandboxSpec:
     keep_checkpoints: int = 0
     #: Its volume mounts (:class:`cryobox.volume.mounts.VolumeMount` as JSON), by slot.
     volumes: tuple[dict[str, Any], ...] = ()
+    #: What its timeout does (:data:`ON_TIMEOUT`): "kill" it, "pause" it (its
+    #: supervisor pauses itself), or "pause-disk" (a pause that keeps the disk only).
+    on_timeout: str = "kill"
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SandboxSpec:

@@ -75,6 +75,8 @@ class SandboxDir:
         self.console_log = path / "console.log"
         #: The running machine's disk for bulk file transfers (:mod:`cryobox.service.bulk`).
         self.transfer_disk = path / "transfer.raw"
+        #: The running machine's disk for its volume mounts' reads.
+        self.read_disk = path / "reads.raw"
         self.qemu_stderr = path / "qemu.stderr"
         self.supervisor_log = path / "supervisor.log"
         #: The pause snapshot, while the sandbox is paused.

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from cryobox import config
 from cryobox.errors import (
     AlreadySupervised,
     ChannelError,
@@ -80,11 +81,14 @@ from cryobox.sandbox.control import (
 )
 from cryobox.sandbox.ending import vm_ended
 from cryobox.sandbox.machine import Machine
+from cryobox.sandbox.records import PAUSING_TIMEOUTS
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.sandbox.volumes import VolumeEnds
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore
+from cryobox.store import uploads
+from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import mem_available_mib, without_huge_pages
 from cryobox.vmm import Vmm
 
@@ -513,12 +517,37 @@ class Supervisor:
                 continue
             assert self.record.deadline is not None
             remaining = self.record.deadline - time.time()
+            if remaining <= 0 and self.machine.spec.on_timeout in PAUSING_TIMEOUTS:
+                await self._pause_for_timeout()
+                if self._stop.is_set():
+                    return
+                continue
             if remaining <= 0:
                 self.stop(SandboxState.KILLED, f"timed out after {self.machine.timeout:g} s")
                 return
             self._deadline_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._deadline_changed.wait(), remaining)
+
+    async def _pause_for_timeout(self) -> None:
+        """Pause as a caller's ``pause`` does (held, then saved), for a sandbox created
+        with ``on_timeout="pause"`` (its disk only for ``"pause-disk"``); its pause goes to
+        the chunk store as any other. One that fails (a full disk) kills it, as its
+        timeout would have."""
+        async with self._lifecycle:
+            if self.record.state is not SandboxState.RUNNING or self._holding:
+                return  # pausing or paused already (by a caller): nothing to do
+            if (self.record.deadline or 0) > time.time():
+                return  # its timeout was extended meanwhile
+            memory = self.machine.spec.on_timeout == "pause"
+            try:
+                await self._pause(Pause(config.pause_hold() if memory else 0.0, memory))
+            except Exception as exc:
+                log.error("pause on timeout failed, killed instead: %r", exc)
+                self.stop(SandboxState.KILLED, f"timed out after {self.machine.timeout:g} s")
+                return
+        log.info("paused: timed out after %g s", self.machine.timeout)
+        uploads.schedule(self.folder.paused, self.machine.spec.owner or LOCAL_TENANT)
 
     async def _watch_agent(self) -> None:
         """Fail requests in flight when the guest agent stops answering."""
@@ -746,6 +775,11 @@ class Supervisor:
         return self.record
 
     async def _pause(self, request: Pause) -> None:
+        if not request.memory:  # nothing to hold: the machine boots again on its resume
+            await self.machine.pause_disk()
+            self._exit_paused = True
+            self.stop(SandboxState.PAUSED, None)
+            return
         await self.machine.pause(hold=request.hold)
         if request.hold:
             self._holding = True

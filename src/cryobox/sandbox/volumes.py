@@ -35,7 +35,11 @@ class VolumeEnds:
         records = [catalog.get(mount.volume) for mount in self.mounts]
         for mount, record in zip(self.mounts, records, strict=True):
             files = record.files(read_only=mount.read_only)
-            end = VolumeEnd(self.folder.path / socket_name(mount.slot), files)
+            end = VolumeEnd(
+                self.folder.path / socket_name(mount.slot),
+                files,
+                read_disk=(self.folder.read_disk, mount.slot),
+            )
             end.start()
             self._ends.append(end)
 

@@ -272,8 +272,10 @@ def create_app(
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/pause", status_code=204, tags=["sandboxes"])
-    async def pause(sandbox_id: str, me: Me) -> Response:
-        await hub.pause(me, sandbox_id)
+    async def pause(sandbox_id: str, me: Me, memory: bool = True) -> Response:
+        """Pause it: the whole machine, or with ``memory=false`` its disk only (its
+        resume boots it again)."""
+        await hub.pause(me, sandbox_id, memory=memory)
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/resume", tags=["sandboxes"])

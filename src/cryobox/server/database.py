@@ -145,6 +145,10 @@ MIGRATIONS: tuple[str, ...] = (
     DROP TABLE owned;
     ALTER TABLE owned_new RENAME TO owned;
     """,
+    # 6: an E2B sandbox paused by its timeout may be woken by its next request.
+    """
+    ALTER TABLE e2b_sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 

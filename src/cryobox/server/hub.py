@@ -538,7 +538,9 @@ class Hub:
         if event is not None:
             self.events.publish(tenant_id, sandbox_id, event, **data)
 
-    async def pause(self, tenant: Tenant, sandbox_id: str, *, idle: bool = False) -> bool:
+    async def pause(
+        self, tenant: Tenant, sandbox_id: str, *, idle: bool = False, memory: bool = True
+    ) -> bool:
         """Pause the sandbox; for an idle pause, only if it is still idle once its lock is
         held (a call may have come in meanwhile). Whether it paused."""
         self._sandbox(tenant, sandbox_id)
@@ -552,7 +554,7 @@ class Hub:
                 or time.time() - tracked.last_activity <= tracked.idle_timeout
             ):
                 return False
-            await self.service.pause(sandbox_id, tenant=tenant.id)
+            await self.service.pause(sandbox_id, tenant=tenant.id, memory=memory)
             self.meter.set_idle_paused(sandbox_id, idle)
             self.meter.observe(sandbox_id, "paused")
         self.events.publish(tenant.id, sandbox_id, "paused", reason="idle" if idle else "asked")

@@ -25,7 +25,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from cryobox import config
 from cryobox.arguments import (
@@ -72,6 +72,7 @@ from cryobox.sandbox.control import (
     control,
 )
 from cryobox.sandbox.launcher import SupervisorGroup, SupervisorLauncher
+from cryobox.sandbox.records import ON_TIMEOUT
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import egress, pool
@@ -120,6 +121,10 @@ def validate(request: CreateRequest) -> None:
     if request.disk_gib is not None:
         whole_number("disk_gib", request.disk_gib, config.MIN_DISK_GIB, config.MAX_DISK_GIB)
     positive_seconds("timeout", request.timeout)
+    if request.on_timeout not in ON_TIMEOUT:
+        raise InvalidArgument(
+            f"on_timeout={request.on_timeout!r}: must be one of {', '.join(ON_TIMEOUT)}"
+        )
     history(request.checkpoint_every, request.keep_checkpoints)
     env_vars("envs", request.envs)
     labels("metadata", request.metadata)
@@ -228,7 +233,19 @@ def sandbox_info(spec: SandboxSpec, record: SandboxRecord, folder: SandboxDir) -
         checkpoint_every=spec.checkpoint_every,
         keep_checkpoints=spec.keep_checkpoints,
         volumes=mount_table(spec),
+        on_timeout=spec.on_timeout,
     )
+
+
+def on_timeout_of(spec: SandboxSpec) -> Literal["kill", "pause", "pause-disk"]:
+    """The spec's ``on_timeout`` as a request names it (a fork asks for its parent's)."""
+    match spec.on_timeout:
+        case "pause":
+            return "pause"
+        case "pause-disk":
+            return "pause-disk"
+        case _:
+            return "kill"
 
 
 def mount_table(spec: SandboxSpec) -> dict[str, str]:
@@ -241,8 +258,10 @@ def mount_table(spec: SandboxSpec) -> dict[str, str]:
 
 
 def _history_fields(request: CreateRequest) -> dict[str, Any]:
+    """The spec's fields for what the sandbox does by itself over time: its checkpoints,
+    and what its timeout does."""
     every, keep = history(request.checkpoint_every, request.keep_checkpoints)
-    return {"checkpoint_every": every, "keep_checkpoints": keep}
+    return {"checkpoint_every": every, "keep_checkpoints": keep, "on_timeout": request.on_timeout}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,18 +614,22 @@ class SandboxService:
             folder.remove()
         await self.catalog.collect_garbage()
 
-    async def pause(self, sandbox_id: str, *, tenant: str = LOCAL_TENANT) -> None:
+    async def pause(
+        self, sandbox_id: str, *, tenant: str = LOCAL_TENANT, memory: bool = True
+    ) -> None:
         """Save the whole machine and end its VM; :meth:`resume` continues it.
 
         The VM is kept, stopped, for ``config.pause_hold()`` seconds: a resume within
-        them continues it at once. The pause is saved either way.
+        them continues it at once. The pause is saved either way. ``memory=False``
+        saves its disk only (files flushed first): no process is kept, and the resume
+        boots it again on that disk.
 
         :raises StateError: when it is not running.
         :raises StorageError: when the host cannot hold the pause (it keeps running).
         """
         self.connections.require_running(sandbox_id, "pause")
-        hold = config.pause_hold()
-        await self.connections.control(sandbox_id, Pause(hold))
+        hold = config.pause_hold() if memory else 0.0
+        await self.connections.control(sandbox_id, Pause(hold, memory))
         await self.connections.disconnect(sandbox_id)
         self.persist.of(tenant).after_pause(registry.find(sandbox_id))
 
@@ -774,6 +797,7 @@ class SandboxService:
                     CreateRequest(
                         from_snapshot=saved.id,
                         timeout=timeout or spec.timeout,
+                        on_timeout=on_timeout_of(spec),
                         network=spec.network,
                         envs=spec.envs,
                         metadata=spec.metadata,

@@ -62,6 +62,9 @@ class MachineSpec:
     #: The sockets of the guest's volume ports, one per mount slot (every machine has
     #: them all: a restore needs the devices it was saved with).
     volume_sockets: tuple[Path, ...] = ()
+    #: The raw file READs reach its volume mounts through
+    #: (:mod:`cryobox.volume.read_disk`); ``None``: no such disk.
+    read_disk: Path | None = None
 
 
 class Vm(Protocol):

@@ -64,7 +64,13 @@ def _tree(root: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
 def pack(root: Path, output: Path) -> None:
     """Write the folder's tree to ``output`` (a tar, uncompressed: the store compresses).
     A file with several names is stored whole under each (restored as separate files)."""
-    with tarfile.open(output, "w", format=tarfile.PAX_FORMAT) as tar:
+    # Private like every file of the state folder (the volume's files keep their modes
+    # inside the archive).
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with (
+        os.fdopen(fd, "wb") as raw,
+        tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
         for name, entry in _tree(root):
             tar.inodes.clear()  # type: ignore[attr-defined]  # never a hard-link entry
             info = _owned_by_nobody(tar.gettarinfo(entry.path, name))

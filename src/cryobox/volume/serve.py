@@ -7,6 +7,10 @@ When the VM is replaced (a rollback, a restore) the connection ends and the thre
 connects to the new VM's socket at the same path: the guest resends what it was
 waiting for. The guest is hostile: a frame too big, or not one, ends the connection
 (and a new one starts with a new HELLO); a request it cannot do is answered -errno.
+
+A READ the guest asks to have on the read disk (:mod:`cryobox.volume.read_disk`) is
+put there, and its answer frame says so (its body: the length); without the machine's
+read disk it is answered in the frame.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cryobox.volume.files import VolumeFiles
+from cryobox.volume.read_disk import ReadSlot
 from cryobox.volume.wire import (
     MAX_ANSWER,
     MAX_DATA,
     MAX_PATH,
     MAX_REQUEST,
+    ON_DISK,
+    READ_ON_DISK,
     REQUEST,
     VolumeOp,
     answer_frame,
@@ -149,10 +156,13 @@ class VolumeEnd:
         socket_path: Path,
         files: VolumeFiles,
         *,
+        read_disk: tuple[Path, int] | None = None,
         on_request: Callable[[], None] | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.files = files
+        #: The machine's read disk and this mount's slot on it.
+        self.read_disk = read_disk
         self.on_request = on_request
         self._stopped = threading.Event()
         self._sock: socket.socket | None = None
@@ -190,8 +200,10 @@ class VolumeEnd:
             if sock is None:
                 return
             self._sock = sock
+            # Opened for each connection: each machine start makes a new file.
+            slot = ReadSlot.open(*self.read_disk) if self.read_disk else None
             try:
-                self._serve(sock)
+                self._serve(sock, slot)
             except (EOFError, OSError):
                 pass  # the VM went away (or was replaced): connect again
             except ProtocolError as exc:
@@ -199,8 +211,10 @@ class VolumeEnd:
             finally:
                 self._sock = None
                 sock.close()
+                if slot is not None:
+                    slot.close()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, slot: ReadSlot | None) -> None:
         nonce = os.urandom(16)
         sock.sendall(hello_frame(nonce))
         reader = _Reader(sock)
@@ -226,4 +240,15 @@ class VolumeEnd:
                 error, answer = -errno.EIO, b""
             if self.on_request is not None:
                 self.on_request()
-            sock.sendall(answer_frame(header[1], error, answer))
+            on_disk = (
+                slot is not None
+                and header[2] == VolumeOp.READ
+                and header[3] & READ_ON_DISK
+                and error == 0
+                and slot.put(nonce, header[1], answer)
+            )
+            if on_disk:
+                length = len(answer).to_bytes(8, "little")
+                sock.sendall(answer_frame(header[1], 0, length, pad=ON_DISK))
+            else:
+                sock.sendall(answer_frame(header[1], error, answer))

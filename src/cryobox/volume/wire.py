@@ -52,6 +52,23 @@ MAX_PATH = 4095
 MAX_REQUEST = REQUEST.size + 2 * MAX_PATH + MAX_DATA
 #: An answer's body at most (a READDIR of a big folder): the guest's buffer.
 MAX_ANSWER = 16 << 20
+#: A READ's flag: answer through the read disk (below) rather than in the answer frame.
+READ_ON_DISK = 1
+#: An answer's pad field when its bytes are on the read disk (its body: their length).
+ON_DISK = 1
+
+#: The read disk: a raw disk every machine has (read-only for the guest), a slot per
+#: mount, each a header then up to MAX_DATA bytes. The host writes a READ's bytes into
+#: its slot, then the header naming the connection's nonce, the request's seq and the
+#: length; the guest reads the slot with O_DIRECT and takes the bytes only when all
+#: three match (a restored machine's read disk is a new, empty file).
+READ_DISK_BYTES = 8 << 20
+READ_SLOT_BYTES = 2 << 20
+READ_DATA_OFFSET = 4096
+#: The serial number the guest finds it by (``/sys/block/*/serial``).
+READ_DISK_SERIAL = "cryobox-volumes"
+#: nonce, seq, pad, length.
+READ_HEADER = struct.Struct("<16sIIQ")
 #: Time values the guest sends for "leave as is" (UTIME_OMIT).
 OMIT_NS = -(1 << 63)
 BLOCK = 4096
@@ -66,8 +83,8 @@ def hello_frame(nonce: bytes) -> bytes:
     return ANSWER.pack(ANSWER.size - 4 + len(nonce), HELLO_SEQ, 0, 0) + nonce
 
 
-def answer_frame(seq: int, error: int, body: bytes = b"") -> bytes:
-    return ANSWER.pack(ANSWER.size - 4 + len(body), seq, error, 0) + body
+def answer_frame(seq: int, error: int, body: bytes = b"", pad: int = 0) -> bytes:
+    return ANSWER.pack(ANSWER.size - 4 + len(body), seq, error, pad) + body
 
 
 def dir_entries(raw: bytes) -> Iterator[tuple[int, str]]:
