@@ -45,6 +45,7 @@ ERRORS = (
     "StorageError",
     "StoreError",
     "HostUnavailable",
+    "NoHostAvailable",
     "NetworkError",
     "ChannelError",
     "ProtocolError",

@@ -239,6 +239,11 @@ class StoreError(CryoboxError):
         super().__init__(f"snapshot store {url}: {doing} failed: {reason}")
 
 
+class NoHostAvailable(CryoboxError):
+    """No host of the fleet can take a new sandbox now (each host and why is named):
+    all draining, gone, full, or none labelled for the tenant."""
+
+
 class HostUnavailable(CryoboxError):
     """The sandbox runs on another host of the same service, which could not be reached
     (several servers on one database)."""

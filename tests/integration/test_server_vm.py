@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from api_server import ApiServer, make_server
+from api_server import CLI, ApiServer, make_server
 from cryobox import Sandbox, Volume
-from cryobox.errors import SandboxNotFound
+from cryobox.errors import NoHostAvailable, SandboxNotFound
 from cryobox.sandbox import registry
 
 from .guest_http import fetch_until_up
@@ -254,6 +255,66 @@ def test_two_hosts_on_one_postgresql_serve_each_others_sandboxes(
             Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key, resume=False).kill()
         a.stop()
         b.stop()
+
+
+def test_creates_are_placed_by_host_state_labels_and_room(postgres: Any, tmp_path: Path) -> None:
+    """Two hosts on one PostgreSQL: a pool host and one labelled for tenant acme. A create
+    reaching either lands where the tenant belongs; a draining host takes none; when no
+    host can, the create is refused naming each host and why; `cryobox host ls` shows
+    them all."""
+    url = postgres.create_database("vm_placement")
+    pool = make_server(tmp_path / "pool", database_url=url)
+    acme_state = Path(os.environ["CRYOBOX_STATE_DIR"]) / "host-acme"
+    acme = make_server(
+        tmp_path / "acme",
+        {"CRYOBOX_STATE_DIR": str(acme_state), "CRYOBOX_HOST_LABELS": "acme"},
+        database_url=url,
+    )
+    shared_key = pool.tenant("shared")
+    acme_key = pool.tenant("acme", "--hosts", "acme")
+    pool.start()
+    acme.start()
+    made: list[Sandbox] = []
+    try:
+        pool_id = (Path(os.environ["CRYOBOX_STATE_DIR"]) / "host-id").read_text().strip()
+        acme_id = (acme_state / "host-id").read_text().strip()
+        # The pool tenant's create reaches acme's host and is made on the pool's.
+        shared = Sandbox.create(api_url=acme.url, api_key=shared_key)
+        made.append(shared)
+        assert shared.info().host == pool_id
+        assert shared.commands.run("echo placed").stdout == "placed\n"
+        # Acme's reaches the pool host and is made on its own.
+        owned = Sandbox.create(api_url=pool.url, api_key=acme_key)
+        made.append(owned)
+        assert owned.info().host == acme_id
+        assert (acme_state / "sandboxes" / owned.id).exists()
+
+        listed = run_cli("host", "ls", "--database-url", url)
+        line = next(row for row in listed.splitlines() if row.startswith(acme_id))
+        assert "active" in line and "acme" in line and "\t1\t" in line  # its sandbox
+        assert "draining" in run_cli("host", "drain", acme_id, "--database-url", url)
+        with pytest.raises(NoHostAvailable) as refused:
+            Sandbox.create(api_url=pool.url, api_key=acme_key)
+        said = str(refused.value)
+        assert f"{acme_id}: draining" in said and f"{pool_id}: not labelled 'acme'" in said
+        assert "draining" in run_cli("host", "ls", "--database-url", url)
+        assert owned.commands.run("echo still").stdout == "still\n"  # it runs on
+        run_cli("host", "activate", acme_id, "--database-url", url)
+        again = Sandbox.create(api_url=acme.url, api_key=acme_key)
+        made.append(again)
+        assert again.info().host == acme_id
+    finally:
+        for sandbox in made:
+            with contextlib.suppress(SandboxNotFound):
+                sandbox.kill()
+        pool.stop()
+        acme.stop()
+
+
+def run_cli(*args: str) -> str:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 COUNTER = (

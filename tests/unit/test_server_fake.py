@@ -339,7 +339,8 @@ def test_the_database_migrates_forward_and_refuses_a_newer_one(tmp_path: Path) -
     first = SqliteDatabase(path)
     assert first.version == len(MIGRATIONS)
     first.execute(
-        "INSERT INTO tenants VALUES ('tn-1', 'kept', 0, 1, 1, 1, 1)",
+        "INSERT INTO tenants (id, name, created_at, max_sandboxes, max_vcpus, max_memory_mib, "
+        "max_stored_bytes) VALUES ('tn-1', 'kept', 0, 1, 1, 1, 1)",
     )
     first.close()
     assert SqliteDatabase(path).row("SELECT name FROM tenants")["name"] == "kept"  # type: ignore[index]

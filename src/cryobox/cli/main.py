@@ -32,7 +32,7 @@ from cryobox.util import host_memory_mib
 from .mcp_command import mcp
 from .output import console, errors_reported, out, print_rows, say_error
 from .pool_commands import pool_app, print_members
-from .server_commands import server, tenant_app, usage
+from .server_commands import host_app, server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
 from .terminal import run_on_terminal, stdin_fd
 from .volume_commands import volume_app
@@ -1010,6 +1010,7 @@ def bench(
 
 app.command()(server)
 app.add_typer(tenant_app, name="tenant")
+app.add_typer(host_app, name="host")
 app.command()(usage)
 app.command()(gc)
 app.command()(mcp)

@@ -1,8 +1,9 @@
-"""``cryobox server``, ``cryobox tenant ...`` and ``cryobox usage``.
+"""``cryobox server``, ``cryobox tenant ...``, ``cryobox host ...`` and ``cryobox usage``.
 
-``server`` and ``tenant`` act on this host (the tenant commands edit the server's
-database directly: run them where the server runs); ``usage`` asks a server over HTTP
-(``CRYOBOX_API_URL`` and ``CRYOBOX_API_KEY``).
+``server``, ``tenant`` and ``host`` act on this host (the tenant and host commands edit
+the server's database directly: run them where a server runs, or anywhere that reaches
+the fleet's PostgreSQL); ``usage`` asks a server over HTTP (``CRYOBOX_API_URL`` and
+``CRYOBOX_API_KEY``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from cryobox.errors import AuthenticationError, InvalidArgument
 from .output import errors_reported, out, print_rows
 
 tenant_app = typer.Typer(no_args_is_help=True, help="Tenants of `cryobox server` and their keys.")
+host_app = typer.Typer(
+    no_args_is_help=True, help="The hosts of a fleet (servers on one database) and their state."
+)
 
 DatabaseOption = Annotated[
     str | None,
@@ -84,14 +88,19 @@ def server(
         )
 
 
-def _tenants(database: str | None, url: str | None):  # type: ignore[no-untyped-def]
+def _database(database: str | None, url: str | None):  # type: ignore[no-untyped-def]
     from cryobox.server import connect
-    from cryobox.server.tenants import Tenants
 
     os.umask(0o077)  # the database's journal files are as private as the database
     if database and (url or os.environ.get("CRYOBOX_DATABASE_URL")):
         raise InvalidArgument("give --database (SQLite) or --database-url, not both")
-    return Tenants(connect(database, url))
+    return connect(database, url)
+
+
+def _tenants(database: str | None, url: str | None):  # type: ignore[no-untyped-def]
+    from cryobox.server.tenants import Tenants
+
+    return Tenants(_database(database, url))
 
 
 @tenant_app.command("create")
@@ -107,13 +116,23 @@ def tenant_create(
         bool,
         typer.Option("--e2b-key", help="A key in E2B's shape (e2b_ and hex), as its JS SDK wants."),
     ] = False,
+    hosts: Annotated[
+        str,
+        typer.Option(
+            "--hosts",
+            help="Place its sandboxes only on hosts with this label (CRYOBOX_HOST_LABELS); "
+            "default: the shared pool of hosts without a label.",
+        ),
+    ] = "",
 ) -> None:
     """Create a tenant; its API key is the last line printed (shown only now)."""
     from cryobox.server.tenants import Quota
 
     with errors_reported():
         quota = Quota(max_sandboxes, max_vcpus, max_memory_mib, max_stored_gib * 1024**3)
-        tenant, key = _tenants(database, database_url).create(name, quota, e2b_key=e2b_key)
+        tenant, key = _tenants(database, database_url).create(
+            name, quota, e2b_key=e2b_key, hosts=hosts
+        )
         out.print(f"tenant {tenant.name} ({tenant.id}) created; its API key:", highlight=False)
         print(key)
 
@@ -132,13 +151,92 @@ def tenant_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption =
                 f"{t.quota.max_memory_mib}MiB",
                 f"{t.quota.max_stored_bytes / 1024**3:g}GiB",
                 str(tenants.key_count(t)),
+                t.hosts or "-",
             )
             for t in tenants.all()
         ]
         print_rows(
-            ("ID", "NAME", "MAX SANDBOXES", "MAX VCPUS", "MAX MEMORY", "MAX STORED", "KEYS"),
+            (
+                "ID",
+                "NAME",
+                "MAX SANDBOXES",
+                "MAX VCPUS",
+                "MAX MEMORY",
+                "MAX STORED",
+                "KEYS",
+                "HOSTS",
+            ),
             rows,
         )
+
+
+@host_app.command("ls")
+def host_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption = None) -> None:
+    """List the fleet's hosts: state, labels, what they run against their limits."""
+    import time
+
+    from cryobox.server.hosts import STALE_AFTER
+    from cryobox.server.placement import loads
+
+    with errors_reported():
+        now = time.time()
+        rows = []
+        for load in loads(_database(database, database_url), now - 900):
+            host = load.host
+            gone = now - host.seen_at >= STALE_AFTER
+            rows.append(
+                (
+                    host.id,
+                    host.url or "-",
+                    f"{host.state} (gone)" if gone else host.state,
+                    ",".join(host.labels) or "-",
+                    str(load.sandboxes),
+                    f"{load.vcpus}/{host.max_vcpus or '-'}",
+                    f"{load.memory_mib}/{host.max_memory_mib or '-'}MiB",
+                    f"{host.mem_available_mib}MiB",
+                    f"{host.disk_free_bytes / 1024**3:.1f}GiB",
+                    f"{now - host.seen_at:.0f}s ago",
+                )
+            )
+        print_rows(
+            (
+                "ID",
+                "URL",
+                "STATE",
+                "LABELS",
+                "SANDBOXES",
+                "VCPUS",
+                "MEMORY",
+                "RAM AVAILABLE",
+                "DISK FREE",
+                "SEEN",
+            ),
+            rows,
+        )
+
+
+@host_app.command("drain")
+def host_drain(
+    host: str, database: DatabaseOption = None, database_url: DatabaseUrlOption = None
+) -> None:
+    """Stop placing new sandboxes on HOST; those it runs go on (see `host activate`)."""
+    from cryobox.server.hosts import set_state
+
+    with errors_reported():
+        set_state(_database(database, database_url), host, "draining")
+        out.print(f"host {host} draining: new sandboxes go to other hosts")
+
+
+@host_app.command("activate")
+def host_activate(
+    host: str, database: DatabaseOption = None, database_url: DatabaseUrlOption = None
+) -> None:
+    """Place new sandboxes on HOST again."""
+    from cryobox.server.hosts import set_state
+
+    with errors_reported():
+        set_state(_database(database, database_url), host, "active")
+        out.print(f"host {host} active")
 
 
 @tenant_app.command("key-rotate")

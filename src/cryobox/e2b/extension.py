@@ -83,4 +83,5 @@ def extension() -> Extension:
         may_use=may_use,
         target=target,
         streaming=STREAMING,
+        creates=(f"{PREFIX}sandboxes", f"{PREFIX}v2/sandboxes"),
     )

@@ -94,6 +94,7 @@ STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
     (e.StorageError, 507),
     (e.StoreError, 503),
     (e.HostUnavailable, 503),
+    (e.NoHostAvailable, 503),
     (e.ChannelError, 502),
 )
 
@@ -216,12 +217,19 @@ def create_app(
 
     for extension in extensions:  # E2B's control plane and envd under /e2b, for one
         extension.install(app, hub)
+
     # Another host's sandbox: passed on whole, before any route or extension reads it.
+    def refusal(path: str, exc: e.CryoboxError) -> JSONResponse:
+        extension = next((x for x in extensions if x.owns(path)), None)
+        return extension.error_response(exc, status_of(exc)) if extension else error_response(exc)
+
     app.add_middleware(
         Forward,
         hub=hub,
         targets=[x.target for x in extensions],
         credentials=[functools.partial(x.may_use, hub) for x in extensions],
+        creates=["/sandboxes", *(path for x in extensions for path in x.creates)],
+        refusal=refusal,
     )
     app.add_middleware(  # before anything reads a body
         BodyLimit, streaming=[x.streaming for x in extensions if x.streaming is not None]

@@ -149,6 +149,17 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE e2b_sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;
     """,
+    # 7: placement (cryobox.server.placement): each host's state, labels, limits, free
+    # disk and RAM, and the label a tenant's sandboxes are placed on ("" for the pool).
+    """
+    ALTER TABLE hosts ADD COLUMN state TEXT NOT NULL DEFAULT 'active';
+    ALTER TABLE hosts ADD COLUMN labels TEXT NOT NULL DEFAULT '';
+    ALTER TABLE hosts ADD COLUMN max_vcpus INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE hosts ADD COLUMN max_memory_mib INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE hosts ADD COLUMN disk_free_bytes BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE hosts ADD COLUMN mem_available_mib INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE tenants ADD COLUMN hosts TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 

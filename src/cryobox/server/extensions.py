@@ -46,6 +46,8 @@ class Extension:
     #: Paths whose bodies its routes read in bounded chunks themselves (left alone by
     #: the body limit).
     streaming: re.Pattern[str] | None = None
+    #: Its paths that create a sandbox (a POST): placed on a host of the fleet first.
+    creates: tuple[str, ...] = ()
 
     def owns(self, path: str) -> bool:
         """Whether ``path`` is one of the extension's."""

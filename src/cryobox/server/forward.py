@@ -16,6 +16,10 @@ as any other), so a client cannot make a host act on a sandbox it does not run.
 
 Which requests name a sandbox: ``/sandboxes/ID...``, and those an extension says of
 its own (:attr:`.extensions.Extension.target`: E2B's, for one).
+
+A create (``POST /sandboxes``, and an extension's :attr:`~.extensions.Extension.creates`)
+is placed first (:mod:`.placement`): read whole (it is small), then made here, passed on
+whole to the host placement chose, or refused when no host can take it.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cryobox.errors import CryoboxError
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +73,20 @@ class Peers(Protocol):
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
         """Whether the request's credentials reach the sandbox (its tenant's API key)."""
 
+    def place(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        """The URL of the host a create goes to; None to make it here.
+
+        :raises NoHostAvailable: when no host can take it."""
+
 
 #: The sandbox a request names (path, lower-cased headers), if any.
 Target = Callable[[str, Mapping[str, str]], "str | None"]
 #: Whether a request's headers carry a credential that reaches a sandbox.
 Credential = Callable[[str, Mapping[str, str]], bool]
+#: The answer to a create refused by placement (path, the error), in its API's shape.
+Refusal = Callable[[str, CryoboxError], Response]
+#: A create's body is read whole for placement (the body limit, outside, bounds it).
+CREATE_BODY_CAP = 64 << 20
 
 
 def target(path: str, headers: Mapping[str, str]) -> str | None:
@@ -93,12 +109,17 @@ class Forward:
         hub: Peers,
         targets: Sequence[Target] = (),
         credentials: Sequence[Credential] = (),
+        creates: Sequence[str] = (),
+        refusal: Refusal | None = None,
     ) -> None:
-        """``targets`` and ``credentials`` are the extensions' own, beside cryobox's."""
+        """``targets`` and ``credentials`` are the extensions' own, beside cryobox's;
+        ``creates`` every API's create paths, ``refusal`` how a refused one is answered."""
         self.app = app
         self.hub = hub
         self.targets = (target, *targets)
         self.credentials = (hub.may_use, *credentials)
+        self.creates = frozenset(creates)
+        self.refusal = refusal
         self._client: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -106,6 +127,13 @@ class Forward:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if (
+            scope["method"] == "POST"
+            and scope["path"].rstrip("/") in self.creates
+            and not self._from_a_host(headers)
+        ):
+            await self._place(headers, scope, receive, send)
+            return
         sandbox_id = next(
             (found for named in self.targets if (found := named(scope["path"], headers))), None
         )
@@ -132,6 +160,39 @@ class Forward:
             f"sandbox {sandbox_id} runs on another host, which does not answer now; "
             "try again later",
         )
+
+    async def _place(
+        self, headers: Mapping[str, str], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """A create: made here, passed on to the host placement chose, or refused."""
+        body = _Replay(receive, cap=CREATE_BODY_CAP)
+        raw = bytearray()
+        while not body.overflow:
+            message = await body.next()
+            raw += message.get("body", b"")
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+        if body.overflow:  # (the body limit refuses such a body before it gets here)
+            await _answer(send, 413, "a create's body is too large")
+            return
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = None  # the route answers what it cannot read
+        url = None
+        if isinstance(payload, dict):
+            try:
+                url = await asyncio.to_thread(self.hub.place, headers, payload)
+            except CryoboxError as exc:
+                if self.refusal is None:
+                    raise
+                await self.refusal(scope["path"], exc)(scope, body.replay, send)
+                return
+        if url is None:
+            await self.app(scope, body.replay, send)
+            return
+        if not await self._forward(url, headers, scope, _Replay(body.replay), send):
+            await _answer(send, 503, f"the host placed for this sandbox ({url}) does not answer")
 
     def _may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
         return any(check(sandbox_id, headers) for check in self.credentials)
@@ -229,8 +290,9 @@ class _Replay:
 
     CAP = 1 << 20
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, cap: int = CAP) -> None:
         self._receive = receive
+        self._cap = cap
         self._kept: list[Message] = []
         self._size = 0
         self.overflow = False
@@ -239,7 +301,7 @@ class _Replay:
         message = await self._receive()
         if message["type"] == "http.request" and not self.overflow:
             self._size += len(message.get("body", b""))
-            if self._size > self.CAP:
+            if self._size > self._cap:
                 self.overflow, self._kept = True, []
             else:
                 self._kept.append(message)

@@ -7,11 +7,21 @@ restarted server is the same host and adopts its sandboxes again. Every server
 records itself in the ``hosts`` table with the URL other hosts reach it at
 (``--advertise-url``), and refreshes ``seen_at`` as it runs; a request that arrives at
 the wrong host is forwarded to the right one (:mod:`cryobox.server.forward`).
+
+Each host also records what placement (:mod:`cryobox.server.placement`) weighs: its
+state (``active``, or ``draining``: no new sandbox goes there), its labels
+(``CRYOBOX_HOST_LABELS``, comma-separated: tenants placed on a label go only to hosts
+carrying it), its limits on the vCPUs and MiB its running sandboxes ask for
+(``CRYOBOX_HOST_VCPUS``, ``CRYOBOX_HOST_MEMORY_MIB``; unset: none, as a guest's RAM is
+held only as it is touched), and the RAM available and disk free it measures, refreshed
+with ``seen_at``.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +31,7 @@ from typing import Any
 from cryobox import config
 from cryobox.errors import InvalidArgument
 from cryobox.store.objects import store_url
-from cryobox.util import write_atomic
+from cryobox.util import mem_available_mib, write_atomic
 
 from .database import Database
 
@@ -29,6 +39,10 @@ from .database import Database
 STALE_AFTER = 60.0
 #: Seconds between two refreshes of a host's ``seen_at``.
 HEARTBEAT = 10.0
+#: A host's states: taking new sandboxes, or not (``cryobox host drain``).
+STATES = ("active", "draining")
+#: A label: what a tenant is placed on (``cryobox tenant create --hosts``).
+LABEL = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 
 def host_id(state: Path | None = None) -> str:
@@ -55,6 +69,36 @@ def store_identity() -> str:
     return f"{os.uname().nodename}|{url}"
 
 
+def check_label(label: str, what: str) -> str:
+    """:raises InvalidArgument: unless ``label`` is a label (``what`` says whose)."""
+    if not LABEL.match(label):
+        raise InvalidArgument(
+            f"{what} {label!r}: a label is 1-63 lowercase letters, digits, '.', '_' or '-'"
+        )
+    return label
+
+
+def host_labels() -> tuple[str, ...]:
+    """This host's labels (``CRYOBOX_HOST_LABELS``)."""
+    raw = os.environ.get("CRYOBOX_HOST_LABELS", "")
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    return tuple(sorted({check_label(n, "CRYOBOX_HOST_LABELS") for n in names}))
+
+
+def host_limits() -> tuple[int, int]:
+    """The vCPUs and MiB its running sandboxes may ask for on this host (0: no limit)."""
+    vcpus = int(config.env_number("CRYOBOX_HOST_VCPUS", 0))
+    return vcpus, int(config.env_number("CRYOBOX_HOST_MEMORY_MIB", 0))
+
+
+def disk_free() -> int:
+    """Free bytes where this host keeps its sandboxes' files."""
+    try:
+        return shutil.disk_usage(config.state_dir()).free
+    except OSError:
+        return 0
+
+
 @dataclass(frozen=True)
 class Host:
     id: str
@@ -62,6 +106,12 @@ class Host:
     store: str
     started_at: float
     seen_at: float
+    state: str = "active"
+    labels: tuple[str, ...] = ()
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
+    disk_free_bytes: int = 0
+    mem_available_mib: int = 0
 
 
 class Hosts:
@@ -88,11 +138,29 @@ class Hosts:
                 f"{now - found.seen_at:.0f} s ago: one server per state folder; stop that one "
                 f"or give this server its own CRYOBOX_STATE_DIR"
             )
-        self.db.execute(
-            "INSERT INTO hosts (id, url, store, started_at, seen_at) VALUES (?, ?, ?, ?, ?) "
+        vcpus, memory = host_limits()
+        self.db.execute(  # a drained host stays drained across restarts
+            "INSERT INTO hosts (id, url, store, started_at, seen_at, labels, max_vcpus, "
+            "max_memory_mib, disk_free_bytes, mem_available_mib) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (id) DO UPDATE SET url = excluded.url, store = excluded.store, "
-            "started_at = excluded.started_at, seen_at = excluded.seen_at",
-            (self.me, self.url, self.store, now, now),
+            "started_at = excluded.started_at, seen_at = excluded.seen_at, "
+            "labels = excluded.labels, max_vcpus = excluded.max_vcpus, "
+            "max_memory_mib = excluded.max_memory_mib, "
+            "disk_free_bytes = excluded.disk_free_bytes, "
+            "mem_available_mib = excluded.mem_available_mib",
+            (
+                self.me,
+                self.url,
+                self.store,
+                now,
+                now,
+                ",".join(host_labels()),
+                vcpus,
+                memory,
+                disk_free(),
+                mem_available_mib(),
+            ),
         )
         self._beat = now
 
@@ -105,7 +173,11 @@ class Hosts:
         """Refresh ``seen_at`` (at most every :data:`HEARTBEAT` seconds)."""
         now = time.time()
         if now - self._beat >= HEARTBEAT:
-            self.db.execute("UPDATE hosts SET seen_at = ? WHERE id = ?", (now, self.me))
+            self.db.execute(
+                "UPDATE hosts SET seen_at = ?, disk_free_bytes = ?, mem_available_mib = ? "
+                "WHERE id = ?",
+                (now, disk_free(), mem_available_mib(), self.me),
+            )
             self._beat = now
 
     def get(self, host: str) -> Host | None:
@@ -128,5 +200,31 @@ class Hosts:
         return not sharing or min(sharing) == self.me
 
 
+def set_state(db: Database, host: str, state: str) -> Host:
+    """Mark a host ``active`` or ``draining`` (any host of the database may be named).
+
+    :raises InvalidArgument: for an unknown host or state.
+    """
+    if state not in STATES:
+        raise InvalidArgument(f"host state {state!r}: one of {', '.join(STATES)}")
+    found = Hosts(db, "", "", "").get(host)
+    if found is None:
+        raise InvalidArgument(f"no host {host!r} in this database (see `cryobox host ls`)")
+    db.execute("UPDATE hosts SET state = ? WHERE id = ?", (state, host))
+    return Hosts(db, "", "", "").get(host) or found
+
+
 def _host(row: Any) -> Host:
-    return Host(row["id"], row["url"], row["store"], row["started_at"], row["seen_at"])
+    return Host(
+        row["id"],
+        row["url"],
+        row["store"],
+        row["started_at"],
+        row["seen_at"],
+        state=row["state"],
+        labels=tuple(name for name in str(row["labels"]).split(",") if name),
+        max_vcpus=int(row["max_vcpus"]),
+        max_memory_mib=int(row["max_memory_mib"]),
+        disk_free_bytes=int(row["disk_free_bytes"]),
+        mem_available_mib=int(row["mem_available_mib"]),
+    )

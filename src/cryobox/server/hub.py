@@ -65,6 +65,7 @@ from .events import EventBus
 from .forward import FORWARDED
 from .hosts import Hosts, host_id, store_identity
 from .meter import Meter, Prices, bytes_on_disk, usage_report
+from .placement import choose, loads
 from .ports import PortProxy
 from .tenants import Quota, Tenant, Tenants, api_key
 from .volumes import TenantVolumes, tenant_view
@@ -237,6 +238,30 @@ class Hub:
         other = self._host_of(sandbox_id)
         host = self.hosts.get(other) if other is not None else None
         return host.url if host is not None and host.url else None
+
+    def place(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        """Where a create goes (:mod:`.placement`): the URL of another host, or None to
+        make it here. Made here whatever the fleet: a request this host cannot read (its
+        routes answer it), and one that mounts volumes (they live on this host).
+
+        :raises NoHostAvailable: when no host can take it, naming each and why.
+        """
+        key = api_key(headers.get("authorization"), headers.get("x-api-key"))
+        tenant = self.tenants.authenticate(key) if key else None
+        if tenant is None or body.get("volumes") or body.get("volumeMounts"):
+            return None
+        cpus, memory = body.get("cpus") or config.DEFAULT_CPUS, body.get("memory_mib")
+        memory = memory or config.DEFAULT_MEMORY_MIB
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (cpus, memory)):
+            return None
+        chosen = choose(
+            loads(self.db, time.time() - RESERVATION_STALE),
+            me=self.me,
+            vcpus=cpus,
+            memory_mib=memory,
+            label=tenant.hosts,
+        )
+        return None if chosen.id == self.me else chosen.url
 
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
         """Whether a request's credentials reach the sandbox: its tenant's API key (either

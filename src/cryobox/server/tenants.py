@@ -21,6 +21,7 @@ from typing import Literal
 from cryobox.errors import InvalidArgument
 
 from .database import Database
+from .hosts import check_label
 
 Kind = Literal["sandbox", "snapshot", "template", "volume"]
 KEY_PREFIX = "cbx_"
@@ -46,6 +47,9 @@ class Tenant:
     name: str
     created_at: float
     quota: Quota
+    #: The host label its sandboxes are placed on (a dedicated set of hosts); "" for the
+    #: shared pool of hosts without a label (see :mod:`cryobox.server.placement`).
+    hosts: str = ""
 
 
 def hash_key(key: str) -> str:
@@ -64,6 +68,7 @@ def _tenant(row: object) -> Tenant:
             max_memory_mib=r["max_memory_mib"],
             max_stored_bytes=r["max_stored_bytes"],
         ),
+        hosts=r.get("hosts") or "",
     )
 
 
@@ -76,13 +81,16 @@ class Tenants:
     # ------------------------------------------------------------------ tenants and keys
 
     def create(
-        self, name: str, quota: Quota | None = None, *, e2b_key: bool = False
+        self, name: str, quota: Quota | None = None, *, e2b_key: bool = False, hosts: str = ""
     ) -> tuple[Tenant, str]:
         """A new tenant and its first API key (the only time the key is shown), in
-        E2B's shape with ``e2b_key``.
+        E2B's shape with ``e2b_key``; its sandboxes go to hosts labelled ``hosts`` (its
+        own), or to the shared pool.
 
-        :raises InvalidArgument: for a bad or taken name, or a quota below 1.
+        :raises InvalidArgument: for a bad or taken name, a quota below 1, a bad label.
         """
+        if hosts:
+            check_label(hosts, "--hosts")
         if not _NAME.match(name):
             raise InvalidArgument(
                 f"tenant name {name!r}: use 1-63 lowercase letters, digits, '.', '_' or '-'"
@@ -93,11 +101,12 @@ class Tenants:
                 raise InvalidArgument(f"{field}={value!r}: must be a whole number >= 1")
         if self.db.row("SELECT id FROM tenants WHERE name = ?", (name,)):
             raise InvalidArgument(f"tenant {name!r} already exists")
-        tenant = Tenant(f"tn-{uuid.uuid4().hex[:12]}", name, time.time(), quota)
+        tenant = Tenant(f"tn-{uuid.uuid4().hex[:12]}", name, time.time(), quota, hosts)
         key = new_key(e2b_key)
         with self.db.transaction() as conn:
             conn.execute(
-                "INSERT INTO tenants VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO tenants (id, name, created_at, max_sandboxes, max_vcpus, "
+                "max_memory_mib, max_stored_bytes, hosts) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tenant.id,
                     name,
@@ -106,6 +115,7 @@ class Tenants:
                     quota.max_vcpus,
                     quota.max_memory_mib,
                     quota.max_stored_bytes,
+                    hosts,
                 ),
             )
             conn.execute(
