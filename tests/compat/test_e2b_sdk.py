@@ -167,16 +167,18 @@ def test_lifecycle_on_timeout_pause_and_auto_resume() -> None:
     process) when asked; ``auto_resume`` wakes it on its next envd request, without it
     only ``connect`` does; a filesystem-only pause is refused by name."""
     states = e2b.SandboxState
-    booted = {}
-    made = []
+    booted: dict[str, str] = {}
+    made: list[Any] = []
     try:
+        # Made last to first, the process started at once: each is paused by its own
+        # timeout (30 s) only after the test has read what it needs (TCG is slow).
         for lifecycle in (
-            {"on_timeout": "pause"},
-            {"on_timeout": "pause", "auto_resume": True},
             {"on_timeout": {"action": "pause", "keep_memory": None}},
+            {"on_timeout": "pause", "auto_resume": True},
+            {"on_timeout": "pause"},
         ):
-            sandbox = e2b.Sandbox.create(timeout=20, lifecycle=lifecycle)
-            made.append(sandbox)
+            sandbox = e2b.Sandbox.create(timeout=30, lifecycle=lifecycle, request_timeout=300)
+            made.insert(0, sandbox)
             booted[sandbox.sandbox_id] = _boot_id(sandbox)
         paused, waking, forced = made
         paused.commands.run("sleep 4321", background=True, timeout=0)
@@ -184,7 +186,7 @@ def test_lifecycle_on_timeout_pause_and_auto_resume() -> None:
         until(
             lambda: all(s.get_info().state == states.PAUSED for s in made),
             "three timeout pauses",
-            timeout=120,
+            timeout=240,
             every=0.5,
         )
         assert not paused.is_running()  # no auto_resume: the request does not wake it
@@ -205,9 +207,11 @@ def test_lifecycle_on_timeout_pause_and_auto_resume() -> None:
 def test_filesystem_only_pauses_keep_files_and_boot_again() -> None:
     """E2B's ``pause(keep_memory=False)`` and a filesystem-only timeout pause keep the
     files and boot the sandbox again on ``connect`` (a new boot id)."""
-    asked = e2b.Sandbox.create(timeout=600)
+    asked = e2b.Sandbox.create(timeout=600, request_timeout=300)
     timed = e2b.Sandbox.create(
-        timeout=15, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}}
+        timeout=30,
+        lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}},
+        request_timeout=300,
     )
     try:
         booted = {}

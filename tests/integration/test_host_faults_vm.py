@@ -17,6 +17,7 @@ import pytest
 
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import registry
+from cryobox.snapshot import manifest as mf
 
 from .guest_http import fetch_until_up
 
@@ -209,3 +210,50 @@ def test_a_network_that_cannot_be_made_fails_the_start_and_leaves_no_vm(
         monkeypatch.delenv("CRYOBOX_SANDBOX_SUBNET")
         discard_spare()
         Sandbox.create(timeout=60).kill()  # the host's table as it was; links free again
+
+
+@pytest.mark.parametrize("step", ["stopped", "hashed", "moved", "committed", "resume-moved"])
+def test_supervisor_killed_during_a_disk_only_pause_or_its_resume_loses_nothing(
+    step: str, default_template: None
+) -> None:
+    """``pause(memory=False)`` cut short by a supervisor killed with -9: before its VM
+    ended, the sandbox is adopted running; after, the pause completes. Its resume cut
+    short (the guest booting on a copy of the disk) leaves the pause whole. Either way
+    the next call finds the files as they were."""
+    from cryobox import Sandbox
+    from cryobox.service import discard_spare
+
+    resuming = step.startswith("resume")
+    sbx = None
+    try:
+        if resuming:
+            sbx = Sandbox.create(timeout=600)
+            sbx.commands.run("echo before > /root/mark")
+            sbx.pause(memory=False)
+        # The supervisor reads the step when it starts: the create's, or the resume's.
+        os.environ["CRYOBOX_TEST_CRASH_AT"] = step
+        discard_spare()
+        try:
+            if resuming:
+                with pytest.raises(CryoboxError):
+                    Sandbox.resume(sbx.id)  # type: ignore[union-attr]
+            else:
+                sbx = Sandbox.create(timeout=600)
+                sbx.commands.run("echo before > /root/mark")
+                with pytest.raises(CryoboxError):
+                    sbx.pause(memory=False)
+        finally:
+            del os.environ["CRYOBOX_TEST_CRASH_AT"]
+            discard_spare()
+        assert sbx is not None
+        state = Sandbox.connect(sbx.id, resume=False).info().state
+        assert state == ("running" if step in ("stopped", "hashed") else "paused")
+        if state == "paused":
+            assert mf.load(registry.find(sbx.id).paused).kind.value == "disk"
+        again = Sandbox.resume(sbx.id) if state == "paused" else Sandbox.connect(sbx.id)
+        assert again.commands.run("cat /root/mark").stdout == "before\n"
+        assert not registry.find(sbx.id).paused.exists()
+    finally:
+        if sbx is not None:
+            with contextlib.suppress(CryoboxError):
+                Sandbox.connect(sbx.id).kill()

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from api_server import CLI
-from cryobox import Sandbox
+from cryobox import Sandbox, config
 from cryobox.bench.steps import cpu_seconds
 from cryobox.errors import ChannelError, CryoboxError, StateError
 from cryobox.guest import protocol as p
@@ -385,6 +385,16 @@ def test_a_disk_only_pause_keeps_the_files_and_boots_again(sandbox_factory: Any)
     assert mf.load(registry.find(sbx.id).paused).kind.value == "disk"
     sbx = Sandbox.resume(sbx.id)
     assert sbx.commands.run("cat /root/mark").stdout == "before\n"
+    # A fork's RAM is its snapshot's file, shared with its siblings: its disk-only pause
+    # leaves that file alone (the snapshot still restores).
+    (fork,) = sbx.fork(1)
+    shared = registry.find(fork.id).record().memory_from
+    assert shared
+    fork.pause(memory=False)
+    assert (config.state_dir() / "snapshots" / shared / mf.MEMORY).exists()
+    fork = Sandbox.resume(fork.id)
+    assert fork.commands.run("cat /root/mark").stdout == "before\n"
+    fork.kill()
     sbx.kill()
 
     timed = sandbox_factory(timeout=5, on_timeout="pause-disk")

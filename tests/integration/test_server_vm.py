@@ -297,6 +297,20 @@ def test_creates_are_placed_by_host_state_labels_and_room(postgres: Any, tmp_pat
             Sandbox.create(api_url=pool.url, api_key=acme_key)
         said = str(refused.value)
         assert f"{acme_id}: draining" in said and f"{pool_id}: not labelled 'acme'" in said
+        # No way around it: a shape written as text, a volume, E2B's route with a second
+        # key header; each refused before anything starts (found by a review).
+        for path, body, headers in (
+            ("/sandboxes", {"cpus": "2"}, {"Authorization": f"Bearer {acme_key}"}),
+            ("/sandboxes", {"volumes": {"/v": "x"}}, {"Authorization": f"Bearer {acme_key}"}),
+            (
+                "/e2b/sandboxes",
+                {"templateID": "base"},
+                {"X-API-Key": acme_key, "Authorization": "Bearer cbx_not-a-key"},
+            ),
+        ):
+            answer = httpx.post(pool.url + path, json=body, headers=headers, timeout=60)
+            assert answer.status_code == 503, (path, answer.text)
+            assert "labelled 'acme'" in answer.text  # named: no host of acme's can take it
         assert "draining" in run_cli("host", "ls", "--database-url", url)
         assert owned.commands.run("echo still").stdout == "still\n"  # it runs on
         run_cli("host", "activate", acme_id, "--database-url", url)

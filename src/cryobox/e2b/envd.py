@@ -159,8 +159,8 @@ class Envd:
         """Mark the sandbox used: an idle-paused one wakes, and so does any paused one
         made with ``auto_resume`` (E2B's lifecycle); any other paused one stays paused
         (E2B's edge answers it 502)."""
-        if record.auto_resume and (await self.hub.get(tenant, record.sandbox_id)).state == "paused":
-            await self.hub.resume(tenant, record.sandbox_id)
+        if record.auto_resume:
+            await self.hub.wake(tenant, record.sandbox_id)
         await self.hub.use(tenant, record.sandbox_id)
 
     async def caller(self, headers: Mapping[str, str], user: str | None = None) -> Caller:

@@ -84,4 +84,5 @@ def extension() -> Extension:
         target=target,
         streaming=STREAMING,
         creates=(f"{PREFIX}sandboxes", f"{PREFIX}v2/sandboxes"),
+        create_key=lambda headers: headers.get("x-api-key"),  # E2B's only (rest.e2b_tenant)
     )

@@ -705,11 +705,12 @@ class Machine:
 
     def _trusted_pause(self, folder: Path) -> Manifest:
         manifest = mf.load(folder)
-        mf.check_compatible(
-            manifest,
-            self.backend_facts(),
-            {"cpus": self.spec.cpus, "memory_mib": self.spec.memory_mib},
-        )
+        if manifest.kind is SnapshotKind.MEMORY:  # a disk alone boots on any QEMU
+            mf.check_compatible(
+                manifest,
+                self.backend_facts(),
+                {"cpus": self.spec.cpus, "memory_mib": self.spec.memory_mib},
+            )
         mf.verify(folder, manifest)
         return manifest
 
@@ -960,10 +961,14 @@ class Machine:
         timer("hashed")
         await self.stop_vm()
         timer("vm end")
-        # The RAM is not kept: its file goes first, so the pause takes the disk only.
-        memory = self._memory_path()
+        # The RAM is not kept: its file goes first, so the pause takes the disk only. A
+        # fork's RAM is its snapshot's file, shared with its siblings: only forgotten.
+        own = self.folder.path / self.record.memory_file if self.record.memory_file else None
+        if self.record.memory_from:
+            own = None
         self.update(memory_file=None, memory_from=None)
-        memory.unlink(missing_ok=True)
+        if own is not None:
+            own.unlink(missing_ok=True)
         transaction.move_in(self.record)
         crash_point("moved")
         transaction.commit()
@@ -1118,19 +1123,25 @@ class Machine:
 
     async def _boot_paused_disk(self, timer: StepTimer) -> None:
         """Resume a pause that kept the disk only (:meth:`pause_disk`): boot the machine
-        again on it, with a new RAM file. A failure before the guest answers gives the
-        pause back intact."""
+        again on a copy of its disk (a booting guest writes to it at once), with a new
+        RAM file. The pause stays whole until the guest answers: a failure, or a
+        supervisor killed on the way, leaves it to be resumed again."""
         paused = self.folder.paused
         self._layers += 1
         disk = f"disk-{self._layers}.qcow2"
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
         self._maybe_reserve(memory, self.spec.memory_mib << 20)
-        # Recorded before the disk moves, as for any resume (the registry gives it back).
+        copy = self.folder.path / disk
+        try:
+            await asyncio.to_thread(copy_sparse, paused / mf.DISK, copy)
+        except OSError as exc:
+            copy.unlink(missing_ok=True)
+            raise storage_error(exc, "resuming", self.folder.path) from exc
+        # Recorded once the copy is whole: its layer is what the machine runs on.
         self.update(disk=disk, memory_file=memory.name, memory_from=None, memory_shared=True)
-        os.rename(paused / mf.DISK, self.folder.path / disk)
         crash_point("resume-moved")
-        timer("files back")
+        timer("disk copied")
         kernel_args: tuple[str, ...] = (
             f"cryobox.time_ns={time.time_ns()}",
             f"cryobox.hostname={self.spec.id}",
@@ -1144,7 +1155,7 @@ class Machine:
             timer("booted")
         except BaseException:
             await self.stop_vm()
-            os.rename(self.folder.path / disk, paused / mf.DISK)  # the pause, intact
+            copy.unlink(missing_ok=True)  # the pause was never touched
             raise
         await self._release_boot_zeros(memory)
         timer.log()

@@ -518,7 +518,9 @@ class Supervisor:
             assert self.record.deadline is not None
             remaining = self.record.deadline - time.time()
             if remaining <= 0 and self.machine.spec.on_timeout in PAUSING_TIMEOUTS:
-                await self._pause_for_timeout()
+                # Shielded: a stop that cancels this watcher lets the pause finish (as a
+                # caller's pause, which runs in its own task, does).
+                await asyncio.shield(self._pause_for_timeout())
                 if self._stop.is_set():
                     return
                 continue
@@ -543,11 +545,22 @@ class Supervisor:
             try:
                 await self._pause(Pause(config.pause_hold() if memory else 0.0, memory))
             except Exception as exc:
+                vm = self.machine.vm
+                if vm is not None and vm.returncode is not None:
+                    # Its VM ended after every file was written: completed later, as a
+                    # caller's pause is (never a kill that would remove its disk).
+                    log.error("pause on timeout failed after its VM ended: %r", exc)
+                    self._exit_paused = True
+                    self.stop(SandboxState.PAUSED, None)
+                    return
                 log.error("pause on timeout failed, killed instead: %r", exc)
                 self.stop(SandboxState.KILLED, f"timed out after {self.machine.timeout:g} s")
                 return
         log.info("paused: timed out after %g s", self.machine.timeout)
-        uploads.schedule(self.folder.paused, self.machine.spec.owner or LOCAL_TENANT)
+        try:
+            uploads.schedule(self.folder.paused, self.machine.spec.owner or LOCAL_TENANT)
+        except OSError as exc:  # stored by the next upload run, or kept here
+            log.error("the timeout's pause was not scheduled for upload: %r", exc)
 
     async def _watch_agent(self) -> None:
         """Fail requests in flight when the guest agent stops answering."""

@@ -20,7 +20,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Annotated, Any, cast
@@ -119,6 +119,10 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_safe(item) for item in value]
     return value
+
+
+def _no_key(_headers: Mapping[str, str]) -> str | None:
+    return None
 
 
 def error_response(exc: e.CryoboxError) -> JSONResponse:
@@ -228,7 +232,10 @@ def create_app(
         hub=hub,
         targets=[x.target for x in extensions],
         credentials=[functools.partial(x.may_use, hub) for x in extensions],
-        creates=["/sandboxes", *(path for x in extensions for path in x.creates)],
+        creates={
+            "/sandboxes": lambda h: api_key(h.get("authorization"), h.get("x-api-key")),
+            **{path: x.create_key or _no_key for x in extensions for path in x.creates},
+        },
         refusal=refusal,
     )
     app.add_middleware(  # before anything reads a body

@@ -46,8 +46,10 @@ class Extension:
     #: Paths whose bodies its routes read in bounded chunks themselves (left alone by
     #: the body limit).
     streaming: re.Pattern[str] | None = None
-    #: Its paths that create a sandbox (a POST): placed on a host of the fleet first.
+    #: Its paths that create a sandbox (a POST): placed on a host of the fleet first, for
+    #: the tenant of the key its routes read (``create_key``: from the headers).
     creates: tuple[str, ...] = ()
+    create_key: Callable[[Mapping[str, str]], str | None] | None = None
 
     def owns(self, path: str) -> bool:
         """Whether ``path`` is one of the extension's."""

@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cryobox.errors import CryoboxError
+from cryobox.errors import CryoboxError, NoHostAvailable
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class Peers(Protocol):
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
         """Whether the request's credentials reach the sandbox (its tenant's API key)."""
 
-    def place(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-        """The URL of the host a create goes to; None to make it here.
+    def place(self, key: str | None, body: Mapping[str, Any]) -> str | None:
+        """The URL of the host a create by ``key``'s tenant goes to; None to make it here.
 
         :raises NoHostAvailable: when no host can take it."""
 
@@ -85,6 +85,8 @@ Target = Callable[[str, Mapping[str, str]], "str | None"]
 Credential = Callable[[str, Mapping[str, str]], bool]
 #: The answer to a create refused by placement (path, the error), in its API's shape.
 Refusal = Callable[[str, CryoboxError], Response]
+#: The API key a create's route reads from its headers (each API reads its own way).
+CreateKey = Callable[[Mapping[str, str]], "str | None"]
 #: A create's body is read whole for placement (the body limit, outside, bounds it).
 CREATE_BODY_CAP = 64 << 20
 
@@ -109,16 +111,17 @@ class Forward:
         hub: Peers,
         targets: Sequence[Target] = (),
         credentials: Sequence[Credential] = (),
-        creates: Sequence[str] = (),
+        creates: Mapping[str, CreateKey] | None = None,
         refusal: Refusal | None = None,
     ) -> None:
         """``targets`` and ``credentials`` are the extensions' own, beside cryobox's;
-        ``creates`` every API's create paths, ``refusal`` how a refused one is answered."""
+        ``creates`` every API's create paths with how its route reads the key,
+        ``refusal`` how a refused one is answered."""
         self.app = app
         self.hub = hub
         self.targets = (target, *targets)
         self.credentials = (hub.may_use, *credentials)
-        self.creates = frozenset(creates)
+        self.creates = dict(creates or {})
         self.refusal = refusal
         self._client: httpx.AsyncClient | None = None
 
@@ -132,7 +135,9 @@ class Forward:
             and scope["path"].rstrip("/") in self.creates
             and not self._from_a_host(headers)
         ):
-            await self._place(headers, scope, receive, send)
+            await self._place(
+                self.creates[scope["path"].rstrip("/")](headers), scope, receive, send
+            )
             return
         sandbox_id = next(
             (found for named in self.targets if (found := named(scope["path"], headers))), None
@@ -161,10 +166,9 @@ class Forward:
             "try again later",
         )
 
-    async def _place(
-        self, headers: Mapping[str, str], scope: Scope, receive: Receive, send: Send
-    ) -> None:
-        """A create: made here, passed on to the host placement chose, or refused."""
+    async def _place(self, key: str | None, scope: Scope, receive: Receive, send: Send) -> None:
+        """A create by ``key``: made here, passed on to the host placement chose, or
+        refused (also when placement cannot read the database: never made blindly)."""
         body = _Replay(receive, cap=CREATE_BODY_CAP)
         raw = bytearray()
         while not body.overflow:
@@ -182,15 +186,20 @@ class Forward:
         url = None
         if isinstance(payload, dict):
             try:
-                url = await asyncio.to_thread(self.hub.place, headers, payload)
-            except CryoboxError as exc:
+                url = await asyncio.to_thread(self.hub.place, key, payload)
+            except Exception as exc:
+                refused = exc if isinstance(exc, CryoboxError) else None
+                if refused is None:
+                    log.exception("placement failed")
+                    refused = NoHostAvailable(f"placement failed on this host: {exc!r}")
                 if self.refusal is None:
-                    raise
-                await self.refusal(scope["path"], exc)(scope, body.replay, send)
+                    raise refused from exc
+                await self.refusal(scope["path"], refused)(scope, body.replay, send)
                 return
         if url is None:
             await self.app(scope, body.replay, send)
             return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if not await self._forward(url, headers, scope, _Replay(body.replay), send):
             await _answer(send, 503, f"the host placed for this sandbox ({url}) does not answer")
 

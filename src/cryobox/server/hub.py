@@ -239,28 +239,23 @@ class Hub:
         host = self.hosts.get(other) if other is not None else None
         return host.url if host is not None and host.url else None
 
-    def place(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-        """Where a create goes (:mod:`.placement`): the URL of another host, or None to
-        make it here. Made here whatever the fleet: a request this host cannot read (its
-        routes answer it), and one that mounts volumes (they live on this host).
+    def place(self, key: str | None, body: Mapping[str, Any]) -> str | None:
+        """Where a create by the tenant of ``key`` goes (:mod:`.placement`): the URL of
+        another host, or None to make it here. A key that is no tenant's is answered by
+        the route. A create that mounts volumes is made here (they live on this host),
+        if this host may take it at all (the tenant's label, not draining).
 
         :raises NoHostAvailable: when no host can take it, naming each and why.
         """
-        key = api_key(headers.get("authorization"), headers.get("x-api-key"))
         tenant = self.tenants.authenticate(key) if key else None
-        if tenant is None or body.get("volumes") or body.get("volumeMounts"):
+        if tenant is None:
             return None
-        cpus, memory = body.get("cpus") or config.DEFAULT_CPUS, body.get("memory_mib")
-        memory = memory or config.DEFAULT_MEMORY_MIB
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (cpus, memory)):
-            return None
-        chosen = choose(
-            loads(self.db, time.time() - RESERVATION_STALE),
-            me=self.me,
-            vcpus=cpus,
-            memory_mib=memory,
-            label=tenant.hosts,
-        )
+        cpus = _number(body.get("cpus"), config.DEFAULT_CPUS)
+        memory = _number(body.get("memory_mib"), config.DEFAULT_MEMORY_MIB)
+        everyone = loads(self.db, time.time() - RESERVATION_STALE)
+        if body.get("volumes") or body.get("volumeMounts"):
+            everyone = [load for load in everyone if load.host.id == self.me]
+        chosen = choose(everyone, me=self.me, vcpus=cpus, memory_mib=memory, label=tenant.hosts)
         return None if chosen.id == self.me else chosen.url
 
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
@@ -610,6 +605,14 @@ class Hub:
         async with self._locks[sandbox_id]:
             tracked = self.meter.get(sandbox_id)
             if tracked is not None and tracked.idle_paused:
+                await self._resume_locked(tenant, sandbox_id, "woken")
+
+    async def wake(self, tenant: Tenant, sandbox_id: str) -> None:
+        """Resume the sandbox if it is paused (however it was), once: the state is read
+        under its lock, so calls at once wake it one time and all find it running."""
+        self._sandbox(tenant, sandbox_id)
+        async with self._locks[sandbox_id]:
+            if (await self.service.get(sandbox_id)).state == "paused":
                 await self._resume_locked(tenant, sandbox_id, "woken")
 
     async def _host_port(self, sandbox_id: str, guest_port: int) -> int:
@@ -974,6 +977,17 @@ def _orphaned(spec: registry.SandboxSpec, tenants: Mapping[str, str]) -> str | N
 def _tenant_template(tenant: Tenant, name: str) -> str:
     """The store's name of a tenant's template: ``TENANT_ID.NAME``."""
     return f"{tenant.id}.{name}"
+
+
+def _number(value: Any, default: int) -> int:
+    """A shape field of a create's body as its route will read it (pydantic also takes
+    ``"2"`` and ``2.0``); the default when absent or unreadable (the route refuses it)."""
+    if value is None or isinstance(value, bool):
+        return default
+    try:
+        return max(1, int(float(value)))
+    except (TypeError, ValueError, OverflowError):
+        return default
 
 
 def _idle(value: float | None) -> float:

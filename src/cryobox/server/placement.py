@@ -105,7 +105,11 @@ def choose(
     :raises NoHostAvailable: naming each host and why it cannot take it.
     """
     now = time.time() if now is None else now
-    why = {load.host.id: refusal(load, vcpus, memory_mib, label, now) for load in loads}
+    why = {
+        load.host.id: refusal(load, vcpus, memory_mib, label, now)
+        or (None if load.host.url or load.host.id == me else "no address recorded")
+        for load in loads
+    }
     able = [load for load in loads if why[load.host.id] is None]
     for load in able:
         if load.host.id == me:
