@@ -181,7 +181,7 @@ class Forward:
             return
         try:
             payload = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             payload = None  # the route answers what it cannot read
         url = None
         if isinstance(payload, dict):
