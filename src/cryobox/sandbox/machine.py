@@ -382,15 +382,20 @@ class Machine:
             memory_from=None,
             memory_shared=True,
         )
+        await self._start_vm(incoming=False, kernel_args=self._boot_args())
+        self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
+        await self._release_boot_zeros(memory)
+
+    def _boot_args(self) -> tuple[str, ...]:
+        """The kernel arguments of a cold boot: the clock, the hostname (its id), and no
+        address randomisation where the guest should have none from the start."""
         kernel_args: tuple[str, ...] = (
             f"cryobox.time_ns={time.time_ns()}",
             f"cryobox.hostname={self.spec.id}",
         )
         if not config.guest_aslr(self.spec.accelerator):
             kernel_args += ("norandmaps",)  # kernel.randomize_va_space=0 from the start
-        await self._start_vm(incoming=False, kernel_args=kernel_args)
-        self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
-        await self._release_boot_zeros(memory)
+        return kernel_args
 
     async def _release_boot_zeros(self, memory: Path) -> None:
         """Give back the RAM file's zero blocks once the guest has booted.
@@ -1142,14 +1147,8 @@ class Machine:
         self.update(disk=disk, memory_file=memory.name, memory_from=None, memory_shared=True)
         crash_point("resume-moved")
         timer("disk copied")
-        kernel_args: tuple[str, ...] = (
-            f"cryobox.time_ns={time.time_ns()}",
-            f"cryobox.hostname={self.spec.id}",
-        )
-        if not config.guest_aslr(self.spec.accelerator):
-            kernel_args += ("norandmaps",)
         try:
-            await self._start_vm(incoming=False, kernel_args=kernel_args)
+            await self._start_vm(incoming=False, kernel_args=self._boot_args())
             timer("vm start")
             self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
             timer("booted")

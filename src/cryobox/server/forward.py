@@ -135,9 +135,7 @@ class Forward:
             and scope["path"].rstrip("/") in self.creates
             and not self._from_a_host(headers)
         ):
-            await self._place(
-                self.creates[scope["path"].rstrip("/")](headers), scope, receive, send
-            )
+            await self._place(headers, scope, receive, send)
             return
         sandbox_id = next(
             (found for named in self.targets if (found := named(scope["path"], headers))), None
@@ -166,9 +164,13 @@ class Forward:
             "try again later",
         )
 
-    async def _place(self, key: str | None, scope: Scope, receive: Receive, send: Send) -> None:
-        """A create by ``key``: made here, passed on to the host placement chose, or
-        refused (also when placement cannot read the database: never made blindly)."""
+    async def _place(
+        self, headers: Mapping[str, str], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """A create: made here, passed on to the host placement chose, or refused (also
+        when placement cannot read the database: never made blindly). Placed for the
+        tenant of the key its API's route reads."""
+        key = self.creates[scope["path"].rstrip("/")](headers)
         body = _Replay(receive, cap=CREATE_BODY_CAP)
         raw = bytearray()
         while not body.overflow:
@@ -199,7 +201,6 @@ class Forward:
         if url is None:
             await self.app(scope, body.replay, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if not await self._forward(url, headers, scope, _Replay(body.replay), send):
             await _answer(send, 503, f"the host placed for this sandbox ({url}) does not answer")
 
