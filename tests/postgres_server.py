@@ -79,3 +79,15 @@ class PostgresServer:
         while (self.data / "postmaster.pid").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def may_move(url: str, sandbox_id: str) -> bool:
+    """Whether a fleet database's row of the sandbox says another host may wake it (its
+    pause is stored: ``sandboxes.departure`` is written)."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT departure <> '' FROM sandboxes WHERE id = %s", (sandbox_id,)
+        ).fetchone()
+    return bool(row and row[0])

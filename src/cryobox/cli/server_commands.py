@@ -219,14 +219,19 @@ def host_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption = N
 def host_drain(
     host: str, database: DatabaseOption = None, database_url: DatabaseUrlOption = None
 ) -> None:
-    """Stop placing new sandboxes on HOST; those it runs go on (see `host activate`)."""
+    """Stop placing sandboxes on HOST, and pause each one it runs into the store: it wakes
+    on another host at its next use (see `host activate`)."""
     from cryobox.server.hosts import set_state
 
     with errors_reported():
         set_state(_database(database, database_url), host, "draining")
-        out.print(f"host {host} draining: new sandboxes go to other hosts")
+        out.print(
+            f"host {host} draining: new sandboxes go to other hosts; it pauses those it "
+            "runs, and each wakes elsewhere at its next use"
+        )
 
 
+@host_app.command("undrain")
 @host_app.command("activate")
 def host_activate(
     host: str, database: DatabaseOption = None, database_url: DatabaseUrlOption = None

@@ -105,6 +105,22 @@ class SandboxDir:
         folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING))
         return folder
 
+    @classmethod
+    def arrive(cls, spec: SandboxSpec, record: SandboxRecord) -> SandboxDir:
+        """The folder of a paused sandbox taken over from another host: its spec and
+        its record (paused; the pause itself is pulled from the store when it resumes).
+        Made under a hidden name and renamed into place: a crash leaves no half-made
+        sandbox. What an earlier stay here left under its id goes first (its VM too)."""
+        folder = cls.for_id(spec.id)
+        if folder.path.exists():
+            folder.remove()
+        arriving = cls(folder.path.with_name(f".{spec.id}.arriving"))
+        shutil.rmtree(arriving.path, ignore_errors=True)
+        arriving.write_spec(spec)
+        arriving.write_record(record)
+        os.rename(arriving.path, folder.path)
+        return folder
+
     def write_spec(self, spec: SandboxSpec) -> None:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_json_atomic(self.spec_file, spec.to_json())

@@ -160,6 +160,12 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE hosts ADD COLUMN mem_available_mib INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE tenants ADD COLUMN hosts TEXT NOT NULL DEFAULT '';
     """,
+    # 8: a paused sandbox may wake on another host (cryobox.server.moves): its fencing
+    # token, and what another host needs to take it over (sealed), written at each pause.
+    """
+    ALTER TABLE sandboxes ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN departure TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 

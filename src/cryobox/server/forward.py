@@ -30,7 +30,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -67,8 +67,19 @@ class Peers(Protocol):
     #: The hosts' shared secret: the value of the forwarded-request header.
     forward_secret: str
 
-    def locate(self, sandbox_id: str) -> str | None:
-        """The URL of the other host running the sandbox; None to serve it here."""
+    async def route(
+        self,
+        sandbox_id: str,
+        *,
+        forwarded: bool = False,
+        may_move: Callable[[], Awaitable[bool]] | None = None,
+    ) -> str | None:
+        """The URL of the host a request for the sandbox goes to; None to serve it here
+        (a paused sandbox whose host cannot resume it may be taken over here first).
+        ``forwarded``: another host sent it (served here whatever is answered);
+        ``may_move``: whether the caller may use the sandbox (only then does it move).
+
+        :raises CryoboxError: when the sandbox cannot be moved (said to its caller)."""
 
     def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
         """Whether the request's credentials reach the sandbox (its tenant's API key)."""
@@ -141,11 +152,23 @@ class Forward:
             (found for named in self.targets if (found := named(scope["path"], headers))), None
         )
         url = None
-        if sandbox_id is not None and not self._from_a_host(headers):
+        if sandbox_id is not None:
+            forwarded = self._from_a_host(headers)
+            found = sandbox_id
+
+            async def may_move() -> bool:
+                return await asyncio.to_thread(self._may_use, found, headers)
+
             try:
-                url = await asyncio.to_thread(self.hub.locate, sandbox_id)
+                url = await self.hub.route(sandbox_id, forwarded=forwarded, may_move=may_move)
+            except CryoboxError as exc:  # it cannot move: said to its caller only
+                if await asyncio.to_thread(self._may_use, sandbox_id, headers):
+                    await _answer(send, 503, str(exc))
+                    return
             except Exception as exc:  # a bad id, the database: the routes answer those
                 log.debug("no host for %r: %r", sandbox_id, exc)
+            if forwarded:
+                url = None
         if url is None or sandbox_id is None:
             await self.app(scope, receive, send)
             return

@@ -35,10 +35,23 @@ from cryobox.util import mem_available_mib, write_atomic
 
 from .database import Database
 
-#: A host not seen for this many seconds is taken as gone (its sandboxes are not).
-STALE_AFTER = 60.0
-#: Seconds between two refreshes of a host's ``seen_at``.
-HEARTBEAT = 10.0
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = -1.0
+    if not 0.1 <= value <= 86400:
+        raise InvalidArgument(f"{name}={raw!r}: give seconds between 0.1 and 86400")
+    return value
+
+
+#: Seconds between two refreshes of a host's ``seen_at`` (``CRYOBOX_HOST_HEARTBEAT``).
+HEARTBEAT = _seconds("CRYOBOX_HOST_HEARTBEAT", 10.0)
+#: A host not seen for this many seconds is taken as gone: its paused sandboxes wake on
+#: other hosts (``CRYOBOX_HOST_GONE_AFTER``; at least three heartbeats).
+STALE_AFTER = max(_seconds("CRYOBOX_HOST_GONE_AFTER", 60.0), 3 * HEARTBEAT)
 #: A host's states: taking new sandboxes, or not (``cryobox host drain``).
 STATES = ("active", "draining")
 #: A label: what a tenant is placed on (``cryobox tenant create --hosts``).

@@ -36,6 +36,7 @@ from cryobox.errors import (
     CryoboxError,
     HostUnavailable,
     InvalidArgument,
+    NoHostAvailable,
     QuotaExceeded,
     SandboxNotFound,
     SnapshotError,
@@ -63,9 +64,10 @@ from cryobox.wire import SandboxUsage, UsageReport
 from .database import Connection, Database
 from .events import EventBus
 from .forward import FORWARDED
-from .hosts import Hosts, host_id, store_identity
-from .meter import Meter, Prices, bytes_on_disk, usage_report
-from .placement import choose, loads
+from .hosts import HEARTBEAT, Hosts, host_id, store_identity
+from .meter import Meter, Prices, Tracked, bytes_on_disk, usage_report
+from .moves import Mover, fence
+from .placement import RESERVATION_STALE, choose, loads
 from .ports import PortProxy
 from .tenants import Quota, Tenant, Tenants, api_key
 from .volumes import TenantVolumes, tenant_view
@@ -77,10 +79,10 @@ ACTIVE = ("creating", "running", "resuming")
 #: States a sandbox only passes through (no event is sent for them).
 TRANSIENT = ("creating", "resuming")
 DEFAULT_IDLE_TIMEOUT = 600.0
+#: Seconds before a draining host pauses again a sandbox it paused that was woken here.
+DRAIN_RETRY = 60.0
 #: Seconds between two sweeps of the sandboxes that ended long enough ago to be forgotten.
 FINISHED_SWEEP = 60.0
-#: A reservation older than this was left by a host that stopped mid-create.
-RESERVATION_STALE = 900.0
 
 
 @dataclass
@@ -133,6 +135,13 @@ class Hub:
         self._stored: dict[str, int] = {}
         self._peers: httpx.AsyncClient | None = None
         self.forward_secret = ""
+        #: Paused sandboxes waking on another host (:mod:`.moves`).
+        self.mover = Mover(self)
+        #: Where a request for a sandbox goes (the forwarding middleware asks).
+        self.route = self.mover.route
+        self._dropped = 0.0
+        #: Sandboxes this draining host paused (one woken here again is left running).
+        self._drained: dict[str, float] = {}
 
     async def start(self) -> None:
         """Say where this host answers, and take over what a previous server on this host
@@ -148,6 +157,7 @@ class Hub:
             with contextlib.suppress(OSError):
                 await self._publish(row["sandbox_id"], row["guest_port"], row["public_port"])
         await self.reconcile()
+        await self.mover.start()
 
     async def reconcile(self) -> list[str]:
         """Settle the sandboxes of this host that a server killed mid-create, mid-fork or
@@ -559,13 +569,21 @@ class Hub:
             self.events.publish(tenant_id, sandbox_id, event, **data)
 
     async def pause(
-        self, tenant: Tenant, sandbox_id: str, *, idle: bool = False, memory: bool = True
+        self,
+        tenant: Tenant,
+        sandbox_id: str,
+        *,
+        idle: bool = False,
+        memory: bool = True,
+        drained: bool = False,
     ) -> bool:
         """Pause the sandbox; for an idle pause, only if it is still idle once its lock is
-        held (a call may have come in meanwhile). Whether it paused."""
+        held (a call may have come in meanwhile); ``drained``: its host is draining (no
+        quota stops that). Whether it paused."""
         self._sandbox(tenant, sandbox_id)
-        if not idle:
+        if not idle and not drained:
             self._check_storage(tenant)  # a pause writes the machine's RAM to disk
+        await self.mover.key_ready(tenant.id)
         async with self._locks[sandbox_id]:
             tracked = self.meter.get(sandbox_id)
             if idle and (
@@ -574,10 +592,12 @@ class Hub:
                 or time.time() - tracked.last_activity <= tracked.idle_timeout
             ):
                 return False
+            await asyncio.to_thread(self.mover.clear_departure, sandbox_id)
             await self.service.pause(sandbox_id, tenant=tenant.id, memory=memory)
-            self.meter.set_idle_paused(sandbox_id, idle)
+            self.meter.set_idle_paused(sandbox_id, idle or drained)  # its next use wakes it
             self.meter.observe(sandbox_id, "paused")
-        self.events.publish(tenant.id, sandbox_id, "paused", reason="idle" if idle else "asked")
+        reason = "idle" if idle else "drain" if drained else "asked"
+        self.events.publish(tenant.id, sandbox_id, "paused", reason=reason)
         return True
 
     async def resume(self, tenant: Tenant, sandbox_id: str) -> SandboxInfo:
@@ -588,9 +608,12 @@ class Hub:
     async def _resume_locked(self, tenant: Tenant, sandbox_id: str, reason: str) -> SandboxInfo:
         tracked = self.meter.get(sandbox_id)
         cpus, memory = (tracked.cpus, tracked.memory_mib) if tracked else (0, 0)
+        if not await asyncio.to_thread(fence, self.db, sandbox_id, self.me):
+            raise HostUnavailable(sandbox_id, "it moved to another host; retry the request")
         async with self._reserve(tenant, 1, cpus, memory):
             info = await self.service.resume(sandbox_id, tenant=tenant.id)
             crash_point("server-resumed")
+            await asyncio.to_thread(self.mover.clear_departure, sandbox_id)
             self.meter.observe(sandbox_id, info.state)  # counted as running before released
         self.meter.set_idle_paused(sandbox_id, False)
         self.meter.touch(sandbox_id)
@@ -643,6 +666,7 @@ class Hub:
         (E2B's habit)."""
         await self.use(tenant, sandbox_id)
         self._check_storage(tenant)
+        await self.mover.key_ready(tenant.id)
         named = purpose is SnapshotPurpose.SNAPSHOT and bool(name) and unique
         key = f"name:{tenant.id}:{name}"
         async with self._locks[key] if named else contextlib.nullcontext():
@@ -845,6 +869,13 @@ class Hub:
         meter compute, pause the idle ones."""
         now = time.time()
         self.hosts.heartbeat()
+        await asyncio.to_thread(self.mover.share_keys, HEARTBEAT)
+        if now - self._dropped > HEARTBEAT:
+            self._dropped = now
+            await self.mover.drop_moved()
+        here = await asyncio.to_thread(self.hosts.get, self.me)
+        if here is None or here.state != "draining":
+            self._drained.clear()
         keep = config.finished_keep()
         if now - self._swept > min(FINISHED_SWEEP, keep):  # ended ones kept long enough go
             self._swept = now
@@ -861,11 +892,25 @@ class Hub:
                     tracked.tenant_id, tracked.id, None if ended else "killed", reason="gone"
                 )
                 continue
+            if info.state == "running" and tracked.tenant_id not in self.mover.keyed:
+                await self.mover.key_ready(tracked.tenant_id)  # before its timeout pauses it
             previous = self.meter.observe(tracked.id, info.state, now)
             if previous is not None and info.state not in TRANSIENT:
                 self._state_event(tracked.tenant_id, info)
+            if info.state == "paused" and tracked.id not in self.mover.departed:
+                await asyncio.to_thread(self.mover.record_departure, tracked.id)
             if info.state in ("killed", "dead"):
                 await self.ports.unpublish(tracked.id)
+                continue
+            if (
+                info.state == "running"
+                and here is not None
+                and here.state == "draining"
+                and now - self._drained.get(tracked.id, 0.0) > DRAIN_RETRY
+                and not self._busy[tracked.id]
+                and await asyncio.to_thread(self._fits_elsewhere, tracked)
+            ):
+                await self._drain(tracked.tenant_id, tracked.id)
                 continue
             idle_for = now - tracked.last_activity
             if (
@@ -881,6 +926,34 @@ class Hub:
                         log.info("paused %s after %.0f s idle", tracked.id, idle_for)
                 except CryoboxError as exc:
                     log.warning("idle pause of %s failed: %s", tracked.id, exc)
+
+    def _fits_elsewhere(self, tracked: Tracked) -> bool:
+        """Whether another host could take this host's sandbox now (a drain pauses only
+        those: one no other host can take runs on here)."""
+        others = [
+            load
+            for load in loads(self.db, time.time() - RESERVATION_STALE)
+            if load.host.id != self.me
+        ]
+        label = self.tenants.get(tracked.tenant_id).hosts
+        try:
+            choose(
+                others, me=self.me, vcpus=tracked.cpus, memory_mib=tracked.memory_mib, label=label
+            )
+        except NoHostAvailable:
+            return False
+        return True
+
+    async def _drain(self, tenant_id: str, sandbox_id: str) -> None:
+        """Pause a sandbox of this draining host into the store: it wakes on another host
+        at its next use. One woken here again (used before its pause reached the store)
+        is paused again after :data:`DRAIN_RETRY` seconds."""
+        self._drained[sandbox_id] = time.time()
+        try:
+            if await self.pause(self.tenants.get(tenant_id), sandbox_id, drained=True):
+                log.info("paused %s: this host is draining", sandbox_id)
+        except CryoboxError as exc:
+            log.warning("drain: the pause of %s failed: %s", sandbox_id, exc)
 
     def _state_event(self, tenant_id: str, info: SandboxInfo) -> None:
         if info.state == "killed" and (info.error or "").startswith("timed out"):

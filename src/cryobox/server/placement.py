@@ -32,6 +32,8 @@ from .hosts import STALE_AFTER, Host, Hosts
 IDLE_STATES = ("paused", "killed", "dead")
 #: Host RAM a new VM needs beyond an eighth of its guest's: QEMU itself (as for forks).
 VM_OVERHEAD_MIB = 160
+#: A reservation older than this was left by a host that stopped mid-create.
+RESERVATION_STALE = 900.0
 
 
 @dataclass(frozen=True)

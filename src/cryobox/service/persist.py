@@ -184,7 +184,15 @@ class Persistence:
         local_ids = {m.id for m in self.local.all()}
         for layer in reversed([str(s) for s in stored.manifest.get("disk_chain", [])]):
             if layer not in local_ids:
-                self._pull_one(store, store.find(layer), None, None, sources)
+                try:
+                    below = store.find(layer)
+                except SnapshotNotFound:
+                    # A host's own template (stored as the host's, the ``local`` tenant:
+                    # every tenant starts from it), as another host of the fleet made it.
+                    host = ChunkStore(LOCAL_TENANT, store.objects)
+                    self._pull_one(host, host.find(layer), None, None, sources)
+                    continue
+                self._pull_one(store, below, None, None, sources)
         return sources
 
     def _pull_one(

@@ -222,3 +222,38 @@ def rotate(objects: ObjectStore, tenant: str) -> str:
         objects.put(record_key(tenant), json.dumps(new).encode())
         write_json_atomic(_kek_file(tenant), {"current": kek_id, "keys": {kek_id: _b64(kek)}})
         return kek_id
+
+
+# ---------------------------------------------------------------------- a fleet's keys
+
+
+def host_keks() -> dict[str, dict[str, str]]:
+    """Every tenant's KEKs on this host, by tenant: ``{kek id: key}`` (what a fleet's
+    hosts share through their database, so that any of them opens what another stored)."""
+    found: dict[str, dict[str, str]] = {}
+    for path in sorted(_folder().glob("*.json")):
+        tenant = path.stem
+        if not _TENANT.fullmatch(tenant):
+            continue
+        keys = _keks(tenant).get("keys")
+        if isinstance(keys, dict) and keys:
+            found[tenant] = {str(k): str(v) for k, v in keys.items()}
+    return found
+
+
+def add_keks(tenant: str, keys: dict[str, str]) -> bool:
+    """Add another host's KEKs of ``tenant`` to this host's (its own current one stays
+    current; a tenant new here takes one of them as current). Whether any was new."""
+    check_tenant(tenant)
+    with _locked():
+        held = _keks(tenant)
+        mine = dict(held.get("keys") or {})  # type: ignore[call-overload]
+        new = {k: v for k, v in keys.items() if k not in mine}
+        if not new:
+            return False
+        for kek in new.values():
+            if len(base64.b64decode(kek)) != 32:
+                raise StoreError(str(_kek_file(tenant)), "adding a shared key", "not 32 bytes")
+        current = held.get("current") or sorted(new)[0]
+        write_json_atomic(_kek_file(tenant), {"current": current, "keys": {**mine, **new}})
+        return True

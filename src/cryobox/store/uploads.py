@@ -63,12 +63,13 @@ def set_state(folder: Path, *, durable: bool = True, **fields: Any) -> None:
         write_json_atomic(folder / SIDECAR, value, durable=durable)
 
 
-def mark(folder: Path, tenant: str) -> None:
-    """Mark for upload by ``tenant`` into the store configured now (``CRYOBOX_STORE``)."""
+def mark(folder: Path, tenant: str, store: str | None = None) -> None:
+    """Mark for upload by ``tenant`` into ``store`` (by default the one configured now,
+    ``CRYOBOX_STORE``)."""
     set_state(
         folder,
         tenant=tenant,
-        store=store_url(),
+        store=store or store_url(),
         state="pending",
         done=0,
         total=0,
@@ -140,6 +141,7 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
                 if _stat(folder / name) != key:
                     raise StoreError(str(folder), "uploading", f"{name} changed meanwhile")
 
+        _store_layers_below(manifest, tenant, str(current.get("store") or store_url()))
         store = ChunkStore(tenant, open_objects(current.get("store") or None))
         stored = store.push(
             folder, manifest, sandbox=sandbox, progress=progress, before_commit=unchanged
@@ -158,6 +160,31 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
         stored_at=stored.stored_at,
     )
     return True
+
+
+def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str) -> None:
+    """Store first, into the same store, the disk layers ``manifest`` builds on that are
+    on this host and not stored there yet (a template's, a checkpoint a rollback went
+    back to): whatever is stored can be restored on any host that reaches the store. A
+    layer never marked is stored as ``tenant``'s.
+
+    :raises StoreError: when one of them cannot be stored (this upload is retried).
+    """
+    for layer in manifest.disk_chain:
+        below = config.state_dir() / "snapshots" / layer
+        if not (below / mf.MANIFEST).exists():
+            continue  # pulled from the store (so stored), or not on this host
+        marked = state(below)
+        if marked.get("state") == "stored" and str(marked.get("store") or "") == url:
+            continue
+        if str(marked.get("store") or "") != url or marked.get("state") not in (
+            "pending",
+            "uploading",
+            "failed",
+        ):
+            mark(below, str(marked.get("tenant") or tenant), url)
+        if not upload(below):
+            raise StoreError(url, f"storing layer {layer} first", str(state(below).get("error")))
 
 
 def _stat(path: Path) -> list[int] | None:

@@ -1,0 +1,202 @@
+"""Several ``cryobox server`` hosts on one PostgreSQL and one chunk store: a paused
+sandbox wakes on another host when its own is gone, with every process alive, and two
+hosts racing to wake it end with exactly one running copy."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api_server import CLI, make_server
+from cryobox import Sandbox
+from cryobox.errors import SandboxDead
+from postgres_server import may_move
+from waiting import until
+
+from .guest_http import fetch_until_up
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/count.new; "
+    "mv /root/count.new /root/count; sleep 0.2; done' >/dev/null 2>&1 &"
+)
+
+
+def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """Hosts a, b and c share a database and a store. A sandbox paused on a (a counter
+    running, a file written, a web server on a published port, a secret variable); a's
+    server and VMs are killed with -9 and its state folder deleted; b and c are asked
+    for it at the same moment. One of them takes it over: it runs there only, counting
+    on from where it was, its file, variable and port served."""
+    url = postgres.create_database("vm_wake_anywhere")
+    root = Path(os.environ["CRYOBOX_STATE_DIR"])
+    states = {name: root / f"fleet-{name}" for name in "abc"}
+    fleet = {
+        "CRYOBOX_STORE": str(tmp_path / "store"),
+        "CRYOBOX_HOST_HEARTBEAT": "1",
+        "CRYOBOX_HOST_GONE_AFTER": "4",
+    }
+    servers = {
+        name: make_server(
+            tmp_path / name, {**fleet, "CRYOBOX_STATE_DIR": str(states[name])}, database_url=url
+        )
+        for name in "abc"
+    }
+    a = servers["a"]
+    key = a.tenant("fleet")
+    for server in servers.values():
+        server.key = key
+        server.start()
+    sandbox_id = ""
+    try:
+        sbx = Sandbox.create(
+            api_url=a.url, api_key=key, ports=[8000], envs={"NOTE": "it travels"}, timeout=3600
+        )
+        sandbox_id = sbx.id
+        assert (states["a"] / "sandboxes" / sbx.id).exists()  # made where it was asked
+        sbx.commands.run(COUNTER)
+        assert (
+            sbx.commands.run(
+                "for i in $(seq 100); do [ -f /root/count ] && exit; sleep 0.1; done; exit 1"
+            ).exit_code
+            == 0
+        )
+        sbx.files.write("/srv/index.html", "served from the same machine")
+        sbx.commands.run("cd /srv && nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+        assert fetch_until_up(f"http://127.0.0.1:{sbx.info().ports[8000]}/index.html")[0] == 200
+        sbx.pause()
+        # Stored, and recorded as such in its row (a's next monitor tick): from now on
+        # another host may wake it.
+        until(lambda: may_move(url, sbx.id), "a's pause is stored", timeout=600, every=0.5)
+
+        # a is lost: its server and VMs killed, its state folder gone.
+        a_id = (states["a"] / "host-id").read_text().strip()
+        assert a.process is not None
+        a.process.kill()
+        a.process.wait()
+        kill_processes_under(states["a"])
+        shutil.rmtree(states["a"])
+        until(lambda: "(gone)" in host_line(url, a_id), "a is seen as gone", timeout=60, every=0.5)
+
+        woken: dict[str, Any] = {}
+
+        def wake(name: str, server_url: str) -> None:
+            try:
+                woken[name] = Sandbox.connect(sandbox_id, api_url=server_url, api_key=key)
+            except Exception as exc:  # kept for the assertion below
+                woken[name] = exc
+
+        racers = [threading.Thread(target=wake, args=(n, servers[n].url)) for n in "bc"]
+        for racer in racers:
+            racer.start()
+        for racer in racers:
+            racer.join(600)
+        assert all(isinstance(w, Sandbox) for w in woken.values()), woken
+        running = [
+            name
+            for name in "bc"
+            if (states[name] / "sandboxes" / sandbox_id / "state.json").exists()
+            and json.loads((states[name] / "sandboxes" / sandbox_id / "state.json").read_text())[
+                "state"
+            ]
+            == "running"
+        ]
+        assert len(running) == 1, running  # one copy, on one host
+        loser = "c" if running == ["b"] else "b"
+        assert not (states[loser] / "sandboxes" / sandbox_id).exists()
+        host_ids = {n: (states[n] / "host-id").read_text().strip() for n in "bc"}
+        for moved in woken.values():  # both handles reach the one copy
+            assert moved.info().state == "running"
+            assert moved.info().host == host_ids[running[0]]
+
+        moved = woken[loser]  # through the host that lost the race: forwarded
+        first = int(moved.files.read("/root/count"))
+        until(
+            lambda: int(moved.files.read("/root/count")) > first,
+            "the counter goes on",
+            timeout=60,
+        )
+        assert moved.files.read("/srv/index.html") == b"served from the same machine"
+        assert moved.commands.run("echo $NOTE").stdout == "it travels\n"
+        public = moved.info().ports[8000]
+        assert fetch_until_up(f"http://127.0.0.1:{public}/index.html") == (
+            200,
+            b"served from the same machine",
+        )
+
+        # The host it runs on is drained: it pauses it into the store, and the next use
+        # through the other host wakes it there, still counting; the drained host drops
+        # its copy.
+        drained, other = running[0], loser
+        last = int(moved.files.read("/root/count"))
+        assert "draining" in run_cli("host", "drain", host_ids[drained], "--database-url", url)
+        until(lambda: moved.info().state == "paused", "the drain pauses it", timeout=300)
+        until(lambda: may_move(url, sandbox_id), "its pause reaches the store", timeout=300)
+        assert int(moved.files.read("/root/count")) >= last  # this call woke it
+        assert moved.info().state == "running"
+        assert moved.info().host == host_ids[other]
+        until(
+            lambda: int(moved.files.read("/root/count")) > last + 2,
+            "the counter goes on after the drain",
+            timeout=60,
+        )
+        until(
+            lambda: not (states[drained] / "sandboxes" / sandbox_id).exists(),
+            "the drained host drops its copy",
+            timeout=60,
+        )
+        assert "active" in run_cli("host", "undrain", host_ids[drained], "--database-url", url)
+        moved.kill()
+        with pytest.raises(SandboxDead, match="killed"):  # through either host
+            Sandbox.connect(sandbox_id, api_url=servers[loser].url, api_key=key)
+    finally:
+        for name in "bc":
+            if sandbox_id:
+                with contextlib.suppress(Exception):
+                    httpx.delete(
+                        f"{servers[name].url}/sandboxes/{sandbox_id}",
+                        headers={"X-API-Key": key},
+                        timeout=60,
+                    )
+        for server in servers.values():
+            server.stop()
+        for state in states.values():
+            kill_processes_under(state)
+
+
+def run_cli(*args: str) -> str:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def host_line(url: str, host: str) -> str:
+    """Host ``host``'s line in ``cryobox host ls``."""
+    listed = run_cli("host", "ls", "--database-url", url)
+    return next((row for row in listed.splitlines() if row.startswith(host)), "")
+
+
+def kill_processes_under(state: Path) -> None:
+    """SIGKILL every process whose command line names ``state`` (VMs, supervisors,
+    uploaders of that host)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if (
+                str(state).encode() in (proc / "cmdline").read_bytes()
+                or str(state).encode() in (proc / "environ").read_bytes()
+            ):
+                os.kill(int(proc.name), 9)
