@@ -78,7 +78,7 @@ unit: setup
 	$(VENV)/bin/pytest -q tests/unit
 
 test: image lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
 
 bench: image
 	$(PYTHON) -m pip install -q -e ".[dev,bench]"

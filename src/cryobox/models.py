@@ -231,6 +231,9 @@ class SandboxInfo:
     volumes: dict[str, str] = field(default_factory=dict)
     #: What its timeout does: "kill" or "pause" (see ``CreateRequest.on_timeout``).
     on_timeout: str = "kill"
+    #: For a sandbox whose host was lost (``state`` "lost"): the stored state it can be
+    #: started again from, None when none was stored.
+    recoverable_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Several ``cryobox server`` hosts on one PostgreSQL and one chunk store: a paused
-sandbox wakes on another host when its own is gone, with every process alive, and two
-hosts racing to wake it end with exactly one running copy."""
+sandbox wakes on another host when its own is gone, with every process alive; two
+hosts racing to wake it end with exactly one running copy; a drained host's sandbox
+wakes on another; a sandbox that ran on the lost host reads as lost."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from api_server import CLI, make_server
 from cryobox import Sandbox
-from cryobox.errors import SandboxDead
+from cryobox.errors import HostUnavailable, SandboxDead
 from postgres_server import may_move
 from waiting import until
 
@@ -77,6 +78,8 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         sbx.commands.run("cd /srv && nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
         assert fetch_until_up(f"http://127.0.0.1:{sbx.info().ports[8000]}/index.html")[0] == 200
         sbx.pause()
+        running_on_a = Sandbox.create(api_url=a.url, api_key=key, timeout=3600)
+        assert running_on_a.commands.run("echo up").stdout == "up\n"
         # Stored, and recorded as such in its row (a's next monitor tick): from now on
         # another host may wake it.
         until(lambda: may_move(url, sbx.id), "a's pause is stored", timeout=600, every=0.5)
@@ -89,6 +92,16 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         kill_processes_under(states["a"])
         shutil.rmtree(states["a"])
         until(lambda: "(gone)" in host_line(url, a_id), "a is seen as gone", timeout=60, every=0.5)
+
+        # The sandbox that ran on a cannot move (nothing of it is stored): it says so.
+        lost = Sandbox.connect(running_on_a.id, api_url=servers["b"].url, api_key=key)
+        info = lost.info()
+        assert (info.state, info.host, info.recoverable_from) == ("lost", a_id, None)
+        assert a_id in (info.error or "") and "cannot be recovered" in (info.error or "")
+        listed = {s.id: s.state for s in Sandbox.list(api_url=servers["c"].url, api_key=key)}
+        assert listed[running_on_a.id] == "lost"
+        with pytest.raises(HostUnavailable, match="has not been seen since"):
+            lost.commands.run("true")
 
         woken: dict[str, Any] = {}
 

@@ -305,8 +305,12 @@ class Hub:
         if not self.tenants.owns(tenant.id, "sandbox", sandbox_id):
             raise SandboxNotFound(sandbox_id)
         if not self._here(sandbox_id):
+            lost = self.mover.lost(sandbox_id)
             raise HostUnavailable(
-                sandbox_id, "this request reached a host that does not run it; retry it"
+                sandbox_id,
+                lost.error or "lost"
+                if lost is not None
+                else "this request reached a host that does not run it; retry it",
             )
 
     def _present(self, info: SandboxInfo) -> SandboxInfo:
@@ -508,6 +512,10 @@ class Hub:
         return self._present(info)
 
     async def get(self, tenant: Tenant, sandbox_id: str) -> SandboxInfo:
+        if self.tenants.owns(tenant.id, "sandbox", sandbox_id):
+            lost = await asyncio.to_thread(self.mover.lost, sandbox_id)
+            if lost is not None:
+                return lost
         self._sandbox(tenant, sandbox_id)
         return self._present(await self.service.get(sandbox_id))
 
@@ -524,6 +532,9 @@ class Hub:
 
         async def one(sandbox_id: str) -> SandboxInfo | None:
             if not self._here(sandbox_id):
+                lost = await asyncio.to_thread(self.mover.lost, sandbox_id)
+                if lost is not None:
+                    return lost
                 return await self._remote_info(sandbox_id, credentials or {})
             try:
                 return self._present(await self.service.get(sandbox_id))

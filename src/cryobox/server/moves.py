@@ -42,6 +42,7 @@ from cryobox.errors import (
     SnapshotError,
     StoreError,
 )
+from cryobox.models import SandboxInfo
 from cryobox.sandbox import registry
 from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.registry import SandboxDir
@@ -49,6 +50,7 @@ from cryobox.sandbox.state import SandboxState
 from cryobox.store import keys, uploads
 
 from .database import Database
+from .hosts import STALE_AFTER
 from .placement import RESERVATION_STALE, choose, loads, refusal
 
 if TYPE_CHECKING:
@@ -248,7 +250,11 @@ class Mover:
         home = str(row["host_id"]) or hub.me
         movable = row["last_state"] == "paused" and bool(row["departure"])
         if not movable:
-            return None if forwarded or home == hub.me else await self._locate(sandbox_id)
+            if forwarded or home == hub.me:
+                return None
+            if await asyncio.to_thread(self.lost, sandbox_id) is not None:
+                return None  # (a lost one's info is answered here)
+            return await self._locate(sandbox_id)
         everyone = await asyncio.to_thread(loads, hub.db, time.time() - RESERVATION_STALE)
         now = time.time()
         at_home = next((load for load in everyone if load.host.id == home), None)
@@ -275,6 +281,47 @@ class Mover:
         if await self.take_over(sandbox_id, home, int(row["epoch"]), str(row["departure"])):
             return None
         return None if forwarded else await self._locate(sandbox_id)  # another was first
+
+    def lost(self, sandbox_id: str) -> SandboxInfo | None:
+        """The sandbox as a host can tell of it when its own host is gone and it could
+        not move (it ran there, or its pause never reached the store): ``state`` "lost",
+        since when, and what it can be recovered from (nothing is stored of a running
+        sandbox yet). None when its host is this one, live, or unknown."""
+        row = self.hub.db.row(
+            "SELECT host_id, cpus, memory_mib, last_state, running_since, departure "
+            "FROM sandboxes WHERE id = ?",
+            (sandbox_id,),
+        )
+        if row is None or row["host_id"] in ("", self.hub.me):
+            return None
+        host = self.hub.hosts.get(str(row["host_id"]))
+        if host is None or time.time() - host.seen_at < STALE_AFTER:
+            return None
+        if row["last_state"] in ("killed", "dead") or (
+            row["last_state"] == "paused" and row["departure"]
+        ):
+            return None  # ended, or it wakes elsewhere
+        seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(host.seen_at))
+        return SandboxInfo(
+            id=sandbox_id,
+            state="lost",
+            template="",
+            cpus=int(row["cpus"]),
+            memory_mib=int(row["memory_mib"]),
+            disk_gib=0,
+            accelerator="",
+            image_id="",
+            created_at=float(row["running_since"] or 0.0),
+            deadline=None,
+            ports={},
+            error=(
+                f"its host {host.id} has not been seen since {seen}, with the sandbox "
+                f"{row['last_state']} there and nothing of it stored: it cannot be "
+                "recovered elsewhere"
+            ),
+            host=host.id,
+            recoverable_from=None,
+        )
 
     async def _locate(self, sandbox_id: str) -> str | None:
         return await asyncio.to_thread(self.hub.locate, sandbox_id)
