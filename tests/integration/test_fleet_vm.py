@@ -1,7 +1,8 @@
 """Several ``cryobox server`` hosts on one PostgreSQL and one chunk store: a paused
 sandbox wakes on another host when its own is gone, with every process alive; two
-hosts racing to wake it end with exactly one running copy; a drained host's sandbox
-wakes on another; a sandbox that ran on the lost host reads as lost."""
+hosts racing to wake it end with exactly one running copy; a template saved on one
+host is used from another; a drained host's sandbox wakes on another; a sandbox that
+ran on the lost host reads as lost."""
 
 from __future__ import annotations
 
@@ -148,6 +149,25 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
             200,
             b"served from the same machine",
         )
+
+        # A template saved there is usable from the other host: pulled from the store.
+        moved.files.write("/root/template-marker", "from the fleet")
+        saved = moved.save_template("fleet-made")
+        upload = states[running[0]] / "snapshots" / saved.id / "upload.json"
+        until(
+            lambda: upload.exists() and json.loads(upload.read_text())["state"] == "stored",
+            "the template is stored",
+            timeout=300,
+            every=0.5,
+        )
+        other_url = servers[loser].url
+        assert "fleet-made" in [t.name for t in Sandbox.templates(api_url=other_url, api_key=key)]
+        made = Sandbox.create(template="fleet-made", api_url=other_url, api_key=key)
+        try:
+            assert made.info().host == host_ids[loser]
+            assert made.files.read("/root/template-marker") == b"from the fleet"
+        finally:
+            made.kill()
 
         # The host it runs on is drained: it pauses it into the store, and the next use
         # through the other host wakes it there, still counting; the drained host drops

@@ -166,6 +166,15 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE sandboxes ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE sandboxes ADD COLUMN departure TEXT NOT NULL DEFAULT '';
     """,
+    # 9: a tenant's templates, usable from every host: what the host that made one
+    # registered (its snapshot id, image, ports...), for another host to pull it.
+    """
+    CREATE TABLE templates (
+        name TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+        info TEXT NOT NULL
+    );
+    """,
 )
 
 

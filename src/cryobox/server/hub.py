@@ -19,6 +19,7 @@ import builtins
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import secrets
 import time
@@ -370,6 +371,49 @@ class Hub:
             return name
         raise TemplateNotFound(name)
 
+    def _share_template(self, tenant: Tenant, internal: str) -> None:
+        """Record a tenant's template as this host registered it, for the other hosts
+        (:meth:`_template_here`)."""
+        entry = self.service.store.template(internal)
+        if entry is not None:
+            self.db.execute(
+                "INSERT INTO templates (name, tenant_id, info) VALUES (?, ?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET tenant_id = excluded.tenant_id, "
+                "info = excluded.info",
+                (internal, tenant.id, json.dumps(entry)),
+            )
+
+    async def _template_here(self, tenant: Tenant, internal: str) -> None:
+        """Make a tenant's template made on another host usable here: its snapshot
+        pulled from the store (with the layers below it), registered as that host did.
+
+        :raises HostUnavailable: when it is not in the store yet (its upload is under
+            way on the host that made it).
+        """
+        if self.service.store.template(internal) is not None:
+            return
+        row = self.db.row(
+            "SELECT info FROM templates WHERE name = ? AND tenant_id = ?", (internal, tenant.id)
+        )
+        if row is None:
+            return  # the host's own, or unknown: the service says so
+        entry = dict(json.loads(row["info"]))
+        async with self._locks[f"template:{internal}"]:
+            if self.service.store.template(internal) is not None:
+                return  # pulled by a create at the same time
+            await self.mover.key_ready(tenant.id)
+            try:
+                await self.service.persist.of(tenant.id).pull(str(entry["snapshot"]))
+            except SnapshotNotFound:
+                raise HostUnavailable(
+                    internal.partition(".")[2],
+                    "this template was made on another host and is not in the store yet; "
+                    "retry in a moment",
+                ) from None
+            info = {k: v for k, v in entry.items() if k not in ("name", "snapshot")}
+            self.service.store.set_template(internal, str(entry["snapshot"]), info)
+            log.info("template %s pulled from the store", internal)
+
     # ------------------------------------------------------------------ quotas
 
     def _in_use(self, tenant: Tenant, conn: Connection) -> _Use:
@@ -493,10 +537,12 @@ class Hub:
     async def create(
         self, tenant: Tenant, request: CreateRequest, idle_timeout: float | None
     ) -> SandboxInfo:
+        template = self._template(tenant, request.template)
+        await self._template_here(tenant, template)
         request = dataclasses.replace(
             request,
             volumes=self.volumes.mounts_inside(tenant, request.volumes),
-            template=self._template(tenant, request.template),
+            template=template,
             from_snapshot=(
                 self.find_snapshot(tenant, request.from_snapshot).id
                 if request.from_snapshot
@@ -801,11 +847,27 @@ class Hub:
     async def templates(self, tenant: Tenant) -> builtins.list[TemplateInfo]:
         prefix = _tenant_template(tenant, "")
         found = []
+        here = set()
         for template in await self.service.catalog.templates():
+            here.add(template.name)
             if template.name.startswith(prefix):
                 found.append(dataclasses.replace(template, name=template.name[len(prefix) :]))
             elif not template.name.startswith("tn-"):
                 found.append(template)
+        for row in self.db.rows(  # the tenant's templates made on other hosts
+            "SELECT name, info FROM templates WHERE tenant_id = ?", (tenant.id,)
+        ):
+            if row["name"] not in here:
+                entry = json.loads(row["info"])
+                found.append(
+                    TemplateInfo(
+                        name=str(row["name"])[len(prefix) :],
+                        snapshot_id=str(entry["snapshot"]),
+                        image_id=str(entry.get("image_id", "")),
+                        setup=tuple(entry.get("setup") or ()),
+                        created_at=float(entry.get("created_at", 0)),
+                    )
+                )
         return found
 
     async def build_template(
@@ -832,6 +894,7 @@ class Hub:
             )
         self.tenants.own(tenant.id, "template", internal)
         self.tenants.own(tenant.id, "snapshot", info.id)
+        self._share_template(tenant, internal)
         return info
 
     async def save_template(
@@ -848,6 +911,7 @@ class Hub:
             )
         self.tenants.own(tenant.id, "template", internal)
         self.tenants.own(tenant.id, "snapshot", info.id)
+        self._share_template(tenant, internal)
         self.events.publish(
             tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
         )
@@ -857,7 +921,9 @@ class Hub:
         internal = _tenant_template(tenant, name)
         if not self.tenants.owns(tenant.id, "template", internal):
             raise TemplateNotFound(name)
-        await self.service.delete_template(internal, tenant=tenant.id)
+        self.db.execute("DELETE FROM templates WHERE name = ?", (internal,))
+        if self.service.store.template(internal) is not None:
+            await self.service.delete_template(internal, tenant=tenant.id)
         self.tenants.disown("template", internal)
 
     # ------------------------------------------------------------------ usage
