@@ -37,7 +37,7 @@ def _paused_row(path: Path) -> SqliteDatabase:
     db = SqliteDatabase(path)
     tenant, _ = Tenants(db).create("fleet")
     Meter(db).track("sbx-1", tenant.id, 1, 1024, 600, "host-a")
-    db.execute("UPDATE sandboxes SET last_state = 'paused' WHERE id = 'sbx-1'")
+    db.execute("UPDATE sandboxes SET last_state = 'paused', departure = 'D' WHERE id = 'sbx-1'")
     db.execute(
         "INSERT INTO ports (sandbox_id, guest_port, public_port, host_id) "
         "VALUES ('sbx-1', 8000, 40000, 'host-a')"
@@ -55,7 +55,7 @@ RACER = textwrap.dedent(
     go = Path(sys.argv[3])
     while not go.exists():
         time.sleep(0.001)
-    print(claim(db, "sbx-1", sys.argv[2], "host-a", 0))
+    print(claim(db, "sbx-1", sys.argv[2], "host-a", 0, "D"))
     """
 )
 
@@ -87,13 +87,16 @@ def test_hosts_racing_to_claim_one_sandbox_from_separate_processes_one_wins(
 
 def test_a_local_resume_and_a_move_fence_each_other(tmp_path: Path) -> None:
     db = _paused_row(tmp_path / "server.db")
-    assert fence(db, "sbx-1", "host-a")  # its host resumes it: epoch 0 -> 1
-    assert not claim(db, "sbx-1", "host-b", "host-a", 0)  # read before: too late
-    assert claim(db, "sbx-1", "host-b", "host-a", 1)
+    assert not claim(db, "sbx-1", "host-b", "host-a", 0, "other")  # not the departure read
+    assert fence(db, "sbx-1", "host-a")  # its host resumes it: epoch 0 -> 1, departure taken
+    assert not claim(db, "sbx-1", "host-b", "host-a", 0, "D")  # read before: too late
+    assert not claim(db, "sbx-1", "host-b", "host-a", 1, "D")  # its departure is gone
+    db.execute("UPDATE sandboxes SET departure = 'D2' WHERE id = 'sbx-1'")  # paused again
+    assert claim(db, "sbx-1", "host-b", "host-a", 1, "D2")
     assert not fence(db, "sbx-1", "host-a")  # a comes back: it moved, never runs there
     assert fence(db, "sbx-1", "host-b")
-    db.execute("UPDATE sandboxes SET last_state = 'running' WHERE id = 'sbx-1'")
-    assert not claim(db, "sbx-1", "host-c", "host-b", 2)  # only a paused one moves
+    db.execute("UPDATE sandboxes SET last_state = 'running', departure = 'D3' WHERE id = 'sbx-1'")
+    assert not claim(db, "sbx-1", "host-c", "host-b", 3, "D3")  # only a paused one moves
     assert fence(db, "sbx-unknown", "host-a")  # not the server's: nothing to fence
 
 

@@ -162,9 +162,10 @@ class Forward:
             try:
                 url = await self.hub.route(sandbox_id, forwarded=forwarded, may_move=may_move)
             except CryoboxError as exc:  # it cannot move: said to its caller only
-                if await asyncio.to_thread(self._may_use, sandbox_id, headers):
-                    await _answer(send, 503, str(exc))
-                    return
+                with contextlib.suppress(Exception):  # (the database: the route answers)
+                    if await asyncio.to_thread(self._may_use, sandbox_id, headers):
+                        await _answer(send, 503, str(exc))
+                        return
             except Exception as exc:  # a bad id, the database: the routes answer those
                 log.debug("no host for %r: %r", sandbox_id, exc)
             if forwarded:

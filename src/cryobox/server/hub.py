@@ -667,6 +667,7 @@ class Hub:
         cpus, memory = (tracked.cpus, tracked.memory_mib) if tracked else (0, 0)
         if not await asyncio.to_thread(fence, self.db, sandbox_id, self.me):
             raise HostUnavailable(sandbox_id, "it moved to another host; retry the request")
+        self.mover.departed.pop(sandbox_id, None)  # (the fence took it back)
         async with self._reserve(tenant, 1, cpus, memory):
             info = await self.service.resume(sandbox_id, tenant=tenant.id)
             crash_point("server-resumed")
@@ -883,6 +884,7 @@ class Hub:
             raise InvalidArgument(f"template name {name!r} is not allowed")
         internal = _tenant_template(tenant, name)
         self._check_storage(tenant)
+        await self.mover.key_ready(tenant.id)
         async with self._reserve(tenant, 1, cpus, memory_mib):
             info = await self.service.build_template(
                 internal,
@@ -904,6 +906,7 @@ class Hub:
             raise InvalidArgument(f"template name {name!r} is not allowed")
         await self.use(tenant, sandbox_id)
         self._check_storage(tenant)
+        await self.mover.key_ready(tenant.id)
         internal = _tenant_template(tenant, name)
         async with self._locks[sandbox_id]:
             info = await self.service.save_template(
@@ -963,6 +966,8 @@ class Hub:
             try:
                 info = await self.service.get(tracked.id)
             except SandboxNotFound:
+                if await self._restore_paused(tracked.id):
+                    continue
                 # One that had ended was only forgotten; others vanished unasked.
                 ended = tracked.last_state in ("killed", "dead")
                 await self._forget(
@@ -1004,6 +1009,33 @@ class Hub:
                 except CryoboxError as exc:
                     log.warning("idle pause of %s failed: %s", tracked.id, exc)
 
+    async def _restore_paused(self, sandbox_id: str) -> bool:
+        """A paused sandbox of this host whose folder is gone (its state folder lost or
+        restored from an old backup) comes back from the store, as a move to this very
+        host would bring it; a row another host claimed meanwhile is left to it. Whether
+        it is handled (not to be forgotten)."""
+        row = self.db.row(
+            "SELECT host_id, last_state, epoch, departure FROM sandboxes WHERE id = ?",
+            (sandbox_id,),
+        )
+        if row is None:
+            return True
+        if row["host_id"] not in ("", self.me):
+            return True  # it moved: its new host follows it
+        if row["last_state"] != "paused" or not row["departure"]:
+            return False
+        try:
+            await self.mover.take_over(
+                sandbox_id, str(row["host_id"]), int(row["epoch"]), str(row["departure"])
+            )
+        except CryoboxError as exc:
+            log.error(
+                "%s: its folder is gone and its pause cannot be restored: %s", sandbox_id, exc
+            )
+            return True
+        log.warning("%s: its folder was gone: restored from its stored pause", sandbox_id)
+        return True
+
     def _fits_elsewhere(self, tracked: Tracked) -> bool:
         """Whether another host could take this host's sandbox now (a drain pauses only
         those: one no other host can take runs on here)."""
@@ -1013,6 +1045,9 @@ class Hub:
             if load.host.id != self.me
         ]
         label = self.tenants.get(tracked.tenant_id).hosts
+        with contextlib.suppress(CryoboxError, OSError, ValueError):
+            if registry.find(tracked.id).spec().volumes:
+                return False  # its volumes live here
         try:
             choose(
                 others, me=self.me, vcpus=tracked.cpus, memory_mib=tracked.memory_mib, label=label

@@ -48,6 +48,8 @@ from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
 from cryobox.store import keys, uploads
+from cryobox.store.catalog import StoredSnapshot
+from cryobox.store.chunkstore import ChunkStore
 
 from .database import Database
 from .hosts import STALE_AFTER
@@ -95,15 +97,16 @@ def unseal(secret: str, sandbox_id: str, text: str) -> Departure:
         raise ValueError(f"the saved state of {sandbox_id} does not open: {exc!r}") from exc
 
 
-def claim(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> bool:
-    """Make ``me`` the home of a paused sandbox that ``host`` had at ``epoch``; whether
-    this call did (False: another host moved or resumed it meanwhile). Its published
-    ports follow it in the same transaction."""
+def claim(db: Database, sandbox_id: str, me: str, host: str, epoch: int, departure: str) -> bool:
+    """Make ``me`` the home of a paused sandbox that ``host`` had at ``epoch`` with
+    ``departure`` recorded; whether this call did (False: another host moved it, or its
+    host began to resume it, meanwhile). Its published ports follow it in the same
+    transaction."""
     with db.transaction() as conn:
         moved: int = conn.execute(
-            "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1 "
-            "WHERE id = ? AND host_id = ? AND epoch = ? AND last_state = 'paused'",
-            (me, sandbox_id, host, epoch),
+            "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1 WHERE id = ? AND host_id = ? "
+            "AND epoch = ? AND last_state = 'paused' AND departure = ? AND departure <> ''",
+            (me, sandbox_id, host, epoch, departure),
         ).rowcount
         if moved == 1:
             conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", (me, sandbox_id))
@@ -112,12 +115,15 @@ def claim(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> bool
 
 def fence(db: Database, sandbox_id: str, me: str) -> bool:
     """Bump the epoch of a sandbox this host is about to resume, if it is still this
-    host's; whether it is (False: it moved, and must not run here)."""
+    host's, and take back its departure (no host may claim it from now: a claim matches
+    the departure it read); whether it is still this host's (False: it moved, and must
+    not run here). Its host records the departure again at its next pause."""
     if db.row("SELECT 1 FROM sandboxes WHERE id = ?", (sandbox_id,)) is None:
         return True  # not the server's (yet): nothing to fence
     return (
         db.execute(
-            "UPDATE sandboxes SET epoch = epoch + 1 WHERE id = ? AND host_id IN (?, '')",
+            "UPDATE sandboxes SET epoch = epoch + 1, departure = '' "
+            "WHERE id = ? AND host_id IN (?, '')",
             (sandbox_id, me),
         )
         == 1
@@ -151,10 +157,17 @@ class Mover:
         if tenant in self.keyed or not self.fleet:
             return
         chunks = self.hub.service.persist.of(tenant).chunks()
+
+        def make() -> None:
+            # One host at a time makes a tenant's first key (the store has no
+            # compare-and-set: two at once would each encrypt with its own).
+            with self.hub.db.transaction(lock="store-key-made"):
+                self.share_keys()  # another host's, if it made it
+                chunks.key  # noqa: B018 (made here when the store has none)
+            self.share_keys()
+
         try:
-            await asyncio.to_thread(self.share_keys)  # another host's, if it made it
-            await asyncio.to_thread(lambda: chunks.key)
-            await asyncio.to_thread(self.share_keys)
+            await asyncio.to_thread(make)
         except (CryoboxError, OSError) as exc:
             log.warning("the store key of %s is not ready: %s", tenant, exc)
             return
@@ -175,7 +188,12 @@ class Mover:
             rows = conn.execute(
                 "SELECT name, value FROM secrets WHERE name LIKE ?", (f"{_KEKS}%",)
             ).fetchall()
-            shared = {str(r["name"])[len(_KEKS) :]: dict(json.loads(r["value"])) for r in rows}
+            shared: dict[str, dict[str, str]] = {}
+            for r in rows:
+                try:
+                    shared[str(r["name"])[len(_KEKS) :]] = dict(json.loads(r["value"]))
+                except (ValueError, TypeError) as exc:
+                    log.error("secrets row %s is not a key record: %s", r["name"], exc)
             for tenant, held in mine.items():
                 union = {**shared.get(tenant, {}), **held}
                 if union != shared.get(tenant):
@@ -280,6 +298,8 @@ class Mover:
             return None if forwarded else chosen.url
         if await self.take_over(sandbox_id, home, int(row["epoch"]), str(row["departure"])):
             return None
+        if home == hub.me:
+            return None
         return None if forwarded else await self._locate(sandbox_id)  # another was first
 
     def lost(self, sandbox_id: str) -> SandboxInfo | None:
@@ -295,8 +315,8 @@ class Mover:
         if row is None or row["host_id"] in ("", self.hub.me):
             return None
         host = self.hub.hosts.get(str(row["host_id"]))
-        if host is None or time.time() - host.seen_at < STALE_AFTER:
-            return None
+        if host is None or host.seen_at == 0 or time.time() - host.seen_at < STALE_AFTER:
+            return None  # live, or stopped by its operator (its sandboxes run on)
         if row["last_state"] in ("killed", "dead") or (
             row["last_state"] == "paused" and row["departure"]
         ):
@@ -327,31 +347,37 @@ class Mover:
         return await asyncio.to_thread(self.hub.locate, sandbox_id)
 
     async def take_over(self, sandbox_id: str, home: str, epoch: int, sealed: str) -> bool:
-        """Make this host the home of a paused sandbox of host ``home``: check the store
-        holds its latest pause, write its folder, claim it (:func:`claim`), publish its
-        ports here. Whether it is this host's now (False: another host was first).
+        """Make this host the home of a paused sandbox of host ``home`` (this host's own
+        too, when its folder is gone): check the store holds its latest pause and every
+        layer below it, write its folder, claim it (:func:`claim`), publish its ports
+        here. Whether it is this host's now (False: another host was first).
 
-        :raises HostUnavailable: when it cannot move (its pause never reached the store).
+        :raises HostUnavailable: when it cannot move (named: what is not in the store).
         """
         hub = self.hub
         async with hub._locks[sandbox_id]:
-            departure = unseal(self.secret, sandbox_id, sealed)
-            spec = SandboxSpec.from_json(departure.spec)
-            await asyncio.to_thread(self.share_keys)
-            chunks = hub.service.persist.of(spec.owner).chunks()
+            row = await asyncio.to_thread(
+                hub.db.row,
+                "SELECT host_id, epoch, departure FROM sandboxes WHERE id = ?",
+                (sandbox_id,),
+            )
+            if row is None or (str(row["host_id"]), int(row["epoch"]), str(row["departure"])) != (
+                home,
+                epoch,
+                sealed,
+            ):
+                # moved or resumed meanwhile (by a request before this one, maybe here)
+                return row is not None and row["host_id"] == hub.me and home != hub.me
             try:
-                stored = await asyncio.to_thread(chunks.pause_of, sandbox_id)
-            except (SnapshotError, StoreError) as exc:
+                departure = unseal(self.secret, sandbox_id, sealed)
+                spec = SandboxSpec.from_json(departure.spec)
+            except (ValueError, TypeError) as exc:
+                log.error("%s: its recorded departure is unreadable: %s", sandbox_id, exc)
                 raise HostUnavailable(
-                    sandbox_id,
-                    f"its host {home} cannot resume it and its pause is not in the store ({exc})",
+                    sandbox_id, f"its host {home} cannot resume it and its record is unreadable"
                 ) from exc
-            if stored.id != departure.pause_id:
-                raise HostUnavailable(
-                    sandbox_id,
-                    f"its host {home} cannot resume it and its latest pause "
-                    f"({departure.pause_id}) never reached the store",
-                )
+            await asyncio.to_thread(self.share_keys)
+            stored = await asyncio.to_thread(self._stored_pause, spec, home, departure.pause_id)
             record = SandboxRecord(
                 id=sandbox_id,
                 state=SandboxState.PAUSED,
@@ -360,7 +386,10 @@ class Mover:
                 timeout=departure.timeout,
             )
             folder = await asyncio.to_thread(SandboxDir.arrive, spec, record)
-            if not await asyncio.to_thread(claim, hub.db, sandbox_id, hub.me, home, epoch):
+            claimed = await asyncio.to_thread(
+                claim, hub.db, sandbox_id, hub.me, home, epoch, sealed
+            )
+            if not claimed:
                 await asyncio.to_thread(folder.remove)
                 return False
             for port in hub.db.rows(
@@ -371,6 +400,43 @@ class Mover:
         log.info("%s moved here from host %s (pause %s)", sandbox_id, home, stored.id)
         hub.events.publish(spec.owner, sandbox_id, "moved", from_host=home)
         return True
+
+    def _stored_pause(self, spec: SandboxSpec, home: str, pause_id: str) -> StoredSnapshot:
+        """The stored pause ``pause_id`` of the sandbox, once every disk layer it builds
+        on is found (here, in its tenant's store, or as a host's template).
+
+        :raises HostUnavailable: naming what is missing.
+        """
+        persist = self.hub.service.persist.of(spec.owner)
+        chunks = persist.chunks()
+        try:
+            stored = chunks.pause_of(spec.id)
+        except (SnapshotError, StoreError) as exc:
+            raise HostUnavailable(
+                spec.id,
+                f"its host {home} cannot resume it and its pause is not in the store ({exc})",
+            ) from exc
+        if stored.id != pause_id:
+            raise HostUnavailable(
+                spec.id,
+                f"its host {home} cannot resume it and its latest pause ({pause_id}) never "
+                "reached the store",
+            )
+        host_templates = ChunkStore(keys.LOCAL_TENANT, chunks.objects)
+        for layer in (str(s) for s in stored.manifest.get("disk_chain", ())):
+            if persist.holds(layer):
+                continue
+            for store in (chunks, host_templates):
+                with contextlib.suppress(SnapshotError, StoreError):
+                    store.find(layer)
+                    break
+            else:
+                raise HostUnavailable(
+                    spec.id,
+                    f"its host {home} cannot resume it and the layer {layer} its pause builds "
+                    "on is not in the store",
+                )
+        return stored
 
     # -- what moved away
 
@@ -391,15 +457,21 @@ class Mover:
         for spec, record in await asyncio.to_thread(registry.list_sandboxes):
             if spec.id not in homes or record.state.finished or hub._locks[spec.id].locked():
                 continue
-            log.warning(
-                "%s moved to host %s: this host's copy (%s) is stopped and removed",
-                spec.id,
-                homes[spec.id],
-                record.state.value,
-            )
-            await hub.ports.unpublish(spec.id)
-            with contextlib.suppress(SandboxNotFound):
-                await hub.service.kill(spec.id, keep_record=False)
+            async with hub._locks[spec.id]:
+                row = await asyncio.to_thread(
+                    hub.db.row, "SELECT host_id FROM sandboxes WHERE id = ?", (spec.id,)
+                )
+                if row is None or row["host_id"] in ("", hub.me):
+                    continue  # it came back here meanwhile
+                log.warning(
+                    "%s moved to host %s: this host's copy (%s) is stopped and removed",
+                    spec.id,
+                    row["host_id"],
+                    record.state.value,
+                )
+                await hub.ports.unpublish(spec.id)
+                with contextlib.suppress(SandboxNotFound):
+                    await hub.service.kill(spec.id, keep_record=False)
             dropped.append(spec.id)
         return dropped
 

@@ -152,6 +152,10 @@ class Persistence:
         self._refuse_if_here(stored.id)
         return await asyncio.to_thread(self._pull_chain, store, stored, rename, progress)
 
+    def holds(self, snapshot_id: str) -> bool:
+        """Whether the snapshot's files are on this host."""
+        return self._is_here(snapshot_id)
+
     def _is_here(self, snapshot_id: str) -> bool:
         try:
             self.local.get(snapshot_id)

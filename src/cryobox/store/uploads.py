@@ -166,7 +166,7 @@ def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str) -> None:
     """Store first, into the same store, the disk layers ``manifest`` builds on that are
     on this host and not stored there yet (a template's, a checkpoint a rollback went
     back to): whatever is stored can be restored on any host that reaches the store. A
-    layer never marked is stored as ``tenant``'s.
+    layer never marked is stored as its owner's (:func:`_owner_of`).
 
     :raises StoreError: when one of them cannot be stored (this upload is retried).
     """
@@ -180,11 +180,25 @@ def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str) -> None:
         if str(marked.get("store") or "") != url or marked.get("state") not in (
             "pending",
             "uploading",
-            "failed",
-        ):
-            mark(below, str(marked.get("tenant") or tenant), url)
+        ):  # (a failed one is tried again, whatever its attempts)
+            owner = marked.get("tenant") or _owner_of(below, tenant)
+            mark(below, str(owner), url)
         if not upload(below):
             raise StoreError(url, f"storing layer {layer} first", str(state(below).get("error")))
+
+
+def _owner_of(folder: Path, tenant: str) -> str:
+    """Whose a layer never marked for upload is: a host template's is the host's (every
+    tenant builds on it: stored once, as ``local``), anything else ``tenant``'s."""
+    try:
+        manifest = mf.load(folder)
+    except (CryoboxError, OSError, ValueError):
+        return tenant
+    name = manifest.name or ""
+    host_template = manifest.purpose is mf.SnapshotPurpose.TEMPLATE and not name.startswith(
+        "template:tn-"
+    )
+    return config.LOCAL_TENANT if host_template else tenant
 
 
 def _stat(path: Path) -> list[int] | None:
