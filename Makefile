@@ -23,7 +23,7 @@ XTERM := console/node_modules/@xterm
 # E2B's JavaScript SDK for tests/compat/test_e2b_js.py, pinned by its lock file.
 JS_E2B := tests/compat/js
 
-.PHONY: setup image demo test lint unit bench bench-fleet torture soak clean
+.PHONY: setup image demo test lint unit bench bench-fleet bench-processes torture soak clean
 
 setup: $(APT_STAMP) $(PIP_STAMP) $(CONSOLE_VENDOR)/.done $(JS_E2B)/node_modules/.done
 	@# Bytecode for our own modules (an editable install has none, and a shell with
@@ -88,6 +88,11 @@ bench: image
 # the same host, and placement (docs/BENCHMARKS.md).
 bench-fleet: image
 	$(PYTHON) tests/run_fleet_bench.py
+
+# A process checkpoint (CRIU in the guest) of a Python process holding 200 MB, against a
+# whole-machine checkpoint of the same sandbox (docs/BENCHMARKS.md).
+bench-processes: image
+	$(PYTHON) tests/run_process_bench.py
 
 # Several processes on one store and on the server's database (SQLite, PostgreSQL), killed
 # at random with -9, for minutes; nothing acknowledged may be lost (docs/BENCHMARKS.md).

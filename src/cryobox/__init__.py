@@ -15,6 +15,7 @@ if TYPE_CHECKING:
         AsyncVolume,
         CommandResult,
         EntryInfo,
+        ProcessCheckpointInfo,
         Sandbox,
         SandboxInfo,
         Volume,
@@ -42,6 +43,7 @@ ERRORS = (
     "SnapshotNotFound",
     "SnapshotIncompatible",
     "SnapshotVerificationFailed",
+    "ProcessCheckpointFailed",
     "StorageError",
     "StoreError",
     "HostUnavailable",
@@ -66,6 +68,7 @@ _EXPORTS = {
     "Volume": "cryobox.client",
     "AsyncVolume": "cryobox.client",
     "VolumeInfo": "cryobox.client",
+    "ProcessCheckpointInfo": "cryobox.client",
     **dict.fromkeys(ERRORS, "cryobox.errors"),
 }
 __all__ = [
@@ -77,6 +80,7 @@ __all__ = [
     "SandboxInfo",
     "Volume",
     "VolumeInfo",
+    "ProcessCheckpointInfo",
     *ERRORS,
 ]
 

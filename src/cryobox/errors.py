@@ -219,6 +219,17 @@ class SnapshotVerificationFailed(SnapshotError):
         super().__init__(f"snapshot {snapshot_id} refused: {file}: {reason}")
 
 
+class ProcessCheckpointFailed(SnapshotError):
+    """CRIU, in the guest, could not checkpoint or restore a process (its words); the
+    sandbox runs on as before."""
+
+    def __init__(self, action: str, sandbox_id: str, reason: str) -> None:
+        self.action = action
+        self.sandbox_id = sandbox_id
+        self.reason = reason
+        super().__init__(f"process {action} in {sandbox_id} failed: {reason}")
+
+
 class StorageError(CryoboxError):
     """The host's file system failed us (full, read-only...); nothing was half-written."""
 

@@ -56,6 +56,8 @@ class SnapshotPurpose(enum.StrEnum):
     FORK = "fork"
     #: A named volume's files at one instant (never a machine: restored into a volume).
     VOLUME = "volume"
+    #: Chosen processes of a sandbox (CRIU, in the guest): restored into a running one.
+    PROCESS = "process"
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,54 @@ class SnapshotInfo:
             stored_bytes=stored_bytes,
             location=location,
             automatic=bool(value.get("automatic", False)),
+        )
+
+
+@dataclass(frozen=True)
+class ProcessCheckpointInfo:
+    """A process tree saved by CRIU inside a sandbox (``sbx.processes.checkpoint``): what
+    :meth:`restore <cryobox.client.async_sandbox.AsyncProcesses.restore>` brings back, into
+    this sandbox or another started from the same template."""
+
+    id: str
+    name: str | None
+    #: The sandbox it was taken in, and the pid it was asked for (the tree's root).
+    sandbox_id: str
+    pid: int
+    #: Every process of the tree (the root first): a restore gives them these pids again.
+    pids: tuple[int, ...]
+    #: The root's command line, as ``/proc/PID/cmdline`` said.
+    command: str
+    #: Resident memory of the tree when taken, and the bytes the checkpoint holds.
+    rss_bytes: int
+    size_bytes: int
+    created_at: float
+    #: ``close`` or ``established``: what its TCP connections are after a restore.
+    tcp: str
+    #: Whether the processes went on running after the checkpoint.
+    leave_running: bool
+    #: Files carried with it (``with_files``), written back before a restore.
+    files: tuple[str, ...] = ()
+    #: Where the copy is kept: ``local``, or its upload to the chunk store.
+    location: str = "local"
+
+    @classmethod
+    def from_manifest(cls, value: dict[str, Any], location: str = "local") -> ProcessCheckpointInfo:
+        process = value.get("process") or {}
+        return cls(
+            id=value["id"],
+            name=value.get("name"),
+            sandbox_id=value["source_sandbox"],
+            pid=int(process.get("pid", 0)),
+            pids=tuple(int(p) for p in process.get("pids", ())),
+            command=str(process.get("command", "")),
+            rss_bytes=int(process.get("rss_bytes", 0)),
+            size_bytes=sum(int(f.get("size", 0)) for f in (value.get("files") or {}).values()),
+            created_at=float(value["created_at"]),
+            tcp=str(process.get("tcp", "close")),
+            leave_running=bool(process.get("leave_running", True)),
+            files=tuple(process.get("with_files", ())),
+            location=location,
         )
 
 

@@ -117,6 +117,31 @@ class CreateVolume(Body):
 
 
 @dataclass(frozen=True)
+class ProcessCheckpoint(Body):
+    """``sbx.processes.checkpoint``: see :mod:`cryobox.service.processes`."""
+
+    pid: Annotated[int, Ge(2)]
+    name: Name | None = None
+    leave_running: bool = True
+    tcp: Annotated[str, Predicate(lambda mode: mode in ("close", "established"))] = "close"
+    with_files: Annotated[list[Annotated[str, MinLen(1), MaxLen(4096)]], MaxLen(1000)] = field(
+        default_factory=list
+    )
+
+
+@dataclass(frozen=True)
+class ProcessRestore(Body):
+    checkpoint: Name
+
+
+@dataclass(frozen=True)
+class RestoredProcess:
+    """The pid of the restored tree's root (the pid it had when checkpointed)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
 class VolumeSnapshot(Body):
     name: Annotated[str, MinLen(1), MaxLen(200)] | None = None
 

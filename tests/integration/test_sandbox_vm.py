@@ -222,6 +222,8 @@ def _wheel(folder: Path) -> Path:
 def test_python_and_pip_work_as_scripts_expect(shared_sandbox: Sandbox, tmp_path: Path) -> None:
     """``python`` is python3; ``pip install`` needs no --break-system-packages, as
     root (system-wide) and as another user (under ~/.local)."""
+    if getattr(shared_sandbox._async._transport, "api_url", None) is not None:
+        pytest.skip("the guest image's Python is the same whatever the transport: checked once")
     assert shared_sandbox.commands.run("python -c 'print(6*7)'").stdout == "42\n"
     shared_sandbox.files.upload(_wheel(tmp_path), "/tmp/cbxdemo-1.0-py3-none-any.whl")
     for user in ("user", "root"):  # the user first: a root install would satisfy it
@@ -280,6 +282,10 @@ def test_files_round_trip_and_are_seen_by_commands(shared_sandbox: Sandbox, tmp_
     assert (tmp_path / "down.txt").read_text() == "uploaded"
     names = [(e.name, e.type) for e in shared_sandbox.files.list("/root/work")]
     assert names == [("deep", "dir"), ("up.txt", "file")]
+    # A folder whose listing is longer than one frame's header (hundreds of entries).
+    listed = sorted(e.name for e in shared_sandbox.files.list("/usr/bin"))
+    assert len(listed) > 300
+    assert listed == sorted(shared_sandbox.commands.run("ls -A /usr/bin").stdout.split())
     assert shared_sandbox.files.stat("/root/work/deep/blob.bin").size == len(data)
     shared_sandbox.files.remove("/root/work", recursive=True)
     assert not shared_sandbox.files.exists("/root/work")

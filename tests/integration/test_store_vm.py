@@ -149,7 +149,18 @@ def test_an_altered_chunk_in_s3_is_refused_and_nothing_starts(
     cli("snapshot", "evict", "store-tampered")
     store = ChunkStore()
     stored = store.find(snap.id)
-    offset, name, _ = stored.files["memory"]["chunks"][len(stored.files["memory"]["chunks"]) // 2]
+    # A chunk only this snapshot has: one that another local snapshot holds too is
+    # read (and checked) from that local file instead of fetched, as it should be.
+    elsewhere = {
+        entry[1]
+        for other in store.all()
+        if other.id != snap.id
+        for file in other.files.values()
+        for entry in file["chunks"]
+    }
+    own = [c for c in stored.files["memory"]["chunks"] if c[1] not in elsewhere]
+    assert own, "the snapshot's memory has no chunk of its own"
+    offset, name, _ = own[len(own) // 2]
     key = catalog.chunk_key(store.tenant, name)
     blob = bytearray(store.objects.get(key))
     blob[100] ^= 1
@@ -197,3 +208,25 @@ def test_deleting_a_snapshot_others_build_on_needs_cascade(sandbox_factory: Any)
     deleted = cli("snapshots", "--delete", "cascade-base", "--cascade").stdout.split("\n")
     assert deleted[:2] == [f"deleted {child.id}", f"deleted {base.id}"]
     assert not {base.id, child.id} & {s.id for s in Sandbox.snapshots()}
+
+
+def test_a_process_checkpoint_goes_to_s3_and_comes_back_from_it(
+    sandbox_factory: Any, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_s3(s3_server, monkeypatch, f"vm-process-{os.getpid()}")
+    source = sandbox_factory(timeout=900)
+    source.commands.run(
+        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.2; done'"
+        " > /dev/null 2>&1 < /dev/null & echo $! > /root/pid"
+    )
+    pid = int(source.files.read_text("/root/pid"))
+    saved = source.processes.checkpoint(pid, "store-process", leave_running=False)
+    assert wait_stored("store-process").purpose == "process"
+    cli("snapshot", "evict", "store-process")
+    assert not (cryobox_config.state_dir() / "snapshots" / saved.id).exists()
+    source.kill()
+    target = sandbox_factory(timeout=900)
+    assert target.processes.restore("store-process") == pid  # pulled, checked, restored
+    assert (cryobox_config.state_dir() / "snapshots" / saved.id).exists()
+    first = target.commands.run("sleep 1; cat /root/n").stdout
+    assert int(target.commands.run("sleep 1; cat /root/n").stdout) > int(first)

@@ -86,8 +86,9 @@ def test_two_sandboxes_share_one_volume_live(sandbox_factory: Any) -> None:
     # Both guests' clocks are the host's (stepped at every start): the gap is the delay.
     delay = (int(result.stdout) - int(written)) / 1e9
     assert delay < 1.0, f"seen after {delay:.2f} s"
-    # Two writers, 1,000 small files each, at once: none lost, none mixed up.
-    writer = "for i in $(seq 1 1000); do echo {who}-$i > /shared/{who}/$i; done; echo done"
+    # Two writers, 400 small files each, at once: none lost, none mixed up (each file is
+    # a few round trips to the host: the bench times small files, docs/BENCHMARKS.md).
+    writer = "for i in $(seq 1 400); do echo {who}-$i > /shared/{who}/$i; done; echo done"
     a.commands.run("mkdir -p /shared/a /shared/b")
     both = [
         sbx.commands.run(writer.format(who=who), background=True, timeout=600)
@@ -95,12 +96,13 @@ def test_two_sandboxes_share_one_volume_live(sandbox_factory: Any) -> None:
     ]
     assert [handle.wait().stdout for handle in both] == ["done\n", "done\n"]
     for sbx in (a, b):
+        # One awk reads every file (a cat per file is 800 processes under TCG).
         check = (
-            "for w in a b; do for i in $(seq 1 1000); do "
-            '[ "$(cat /shared/$w/$i)" = "$w-$i" ] || echo "bad $w $i"; done; done; '
+            'awk \'FNR == 1 { n = split(FILENAME, p, "/"); '
+            'if ($0 != p[n - 1] "-" p[n]) print "bad", FILENAME }\' /shared/a/* /shared/b/*; '
             "ls /shared/a | wc -l; ls /shared/b | wc -l"
         )
-        assert sbx.commands.run(check, timeout=600).stdout == "1000\n1000\n"
+        assert sbx.commands.run(check, timeout=600).stdout == "400\n400\n"
 
 
 def test_pause_resume_sees_what_changed_meanwhile(sandbox_factory: Any) -> None:

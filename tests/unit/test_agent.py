@@ -180,6 +180,23 @@ async def test_files_list_stat_mkdir_remove(client: AgentClient, tmp_path: Path)
     assert not (tmp_path / "a").exists()
 
 
+async def test_a_listing_longer_than_a_header_comes_whole_and_one_too_long_says_so(
+    client: AgentClient, tmp_path: Path
+) -> None:
+    big = tmp_path / "big"
+    big.mkdir()
+    names = sorted(f"file-{i:05d}-{'x' * 40}" for i in range(1500))  # ~200 KiB of JSON
+    for name in names:
+        (big / name).touch()
+    listing = await client.request("file.list", {"path": str(big)})
+    assert [e["name"] for e in listing["entries"]] == names
+    for i in range(1500, 12000):  # more than 1 MiB of JSON: refused, in words, at once
+        (big / f"file-{i:05d}-{'x' * 40}").touch()
+    with pytest.raises(GuestError) as info:
+        await asyncio.wait_for(client.request("file.list", {"path": str(big)}), 30)
+    assert info.value.kind == p.TOO_LARGE and "more than" in str(info.value)
+
+
 async def test_missing_paths_are_not_found(client: AgentClient, tmp_path: Path) -> None:
     for op in ("file.read", "file.stat", "file.list", "file.remove"):
         with pytest.raises(GuestFileNotFound):

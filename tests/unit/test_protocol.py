@@ -77,3 +77,15 @@ def test_every_operation_has_words_for_its_errors() -> None:
     assert set(_GUEST_ACTIONS) == {op.value for op in p.GuestOp}
     missing = GuestError(p.GuestOp.FILE_READ_DISK, p.NOT_FOUND, "No such file: /x")
     assert str(missing) == "reading: No such file: /x"
+
+
+def test_an_answer_too_long_for_a_header_travels_in_the_payload() -> None:
+    small = p.answer(3, {"entries": []})
+    assert small == ({"id": 3, "ok": True, "result": {"entries": []}}, b"")
+    result = {"entries": [{"name": "n" * 100}] * 1000}
+    header, payload = p.answer(4, result)
+    assert header == {"id": 4, "ok": True, "result_in_payload": True}
+    (frame,) = p.Decoder().feed(p.encode(header, payload))
+    assert isinstance(frame, p.Frame) and p.result_of(frame) == result
+    with pytest.raises(p.FrameError, match="more than"):
+        p.answer(5, {"entries": [{"name": "n" * 100}] * 20000})

@@ -32,6 +32,7 @@ from cryobox.util import host_memory_mib
 from .mcp_command import mcp
 from .output import console, errors_reported, out, print_rows, say_error
 from .pool_commands import pool_app, print_members
+from .process_commands import process_app
 from .server_commands import host_app, server, tenant_app, usage
 from .store_commands import gc, key_app, snapshot_app, store_app
 from .terminal import run_on_terminal, stdin_fd
@@ -67,6 +68,7 @@ app.add_typer(store_app, name="store")
 app.add_typer(key_app, name="key")
 app.add_typer(pool_app, name="pool")
 app.add_typer(volume_app, name="volume")
+app.add_typer(process_app, name="proc")
 
 CpusOption = Annotated[int, typer.Option("--cpus", help="vCPUs.")]
 MemoryOption = Annotated[int, typer.Option("--memory", help="RAM in MiB.")]
@@ -683,6 +685,11 @@ def image_info() -> None:
             for name, size in image.manifest["sizes"].items():
                 table.add_row(name, f"{size / 1e6:.1f} MB")
             table.add_row("created", image.manifest["created"])
+            criu = image.manifest.get("criu") or {}
+            table.add_row(
+                "process checkpoints",
+                f"criu {criu['version']}, kernel {criu['kernel']}" if criu else "no criu",
+            )
         out.print(table)
 
 

@@ -5,6 +5,7 @@ from cryobox.models import (
     EntryInfo,
     FileEvent,
     LineageNode,
+    ProcessCheckpointInfo,
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
@@ -15,19 +16,30 @@ from .async_sandbox import (
     AsyncCommandHandle,
     AsyncCommands,
     AsyncFiles,
+    AsyncProcesses,
     AsyncPty,
     AsyncPtyHandle,
     AsyncSandbox,
     AsyncWatchHandle,
     RunOptions,
 )
-from .sync_sandbox import CommandHandle, Commands, Files, Pty, PtyHandle, Sandbox, WatchHandle
+from .sync_sandbox import (
+    CommandHandle,
+    Commands,
+    Files,
+    Processes,
+    Pty,
+    PtyHandle,
+    Sandbox,
+    WatchHandle,
+)
 from .volume import AsyncVolume, Volume
 
 __all__ = [
     "AsyncCommandHandle",
     "AsyncCommands",
     "AsyncFiles",
+    "AsyncProcesses",
     "AsyncPty",
     "AsyncPtyHandle",
     "AsyncSandbox",
@@ -40,6 +52,8 @@ __all__ = [
     "FileEvent",
     "Files",
     "LineageNode",
+    "ProcessCheckpointInfo",
+    "Processes",
     "Pty",
     "PtyHandle",
     "RunOptions",

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
-from cryobox import config
+from cryobox import config, wire
 from cryobox.arguments import env_vars, labels, read_bundle, text
 from cryobox.errors import (
     CryoboxError,
@@ -43,6 +43,7 @@ from cryobox.models import (
     EntryInfo,
     FileEvent,
     LineageNode,
+    ProcessCheckpointInfo,
     Progress,
     SandboxInfo,
     SandboxState,
@@ -351,6 +352,75 @@ class AsyncCommands:
         return handle if background else await handle.wait()
 
 
+class AsyncProcesses:
+    """Checkpoint chosen processes and restore them, here or in another sandbox of the
+    same template: ``await sbx.processes.checkpoint(pid)`` (CRIU, in the guest)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def checkpoint(
+        self,
+        pid: int,
+        name: str | None = None,
+        *,
+        leave_running: bool = True,
+        tcp: Literal["close", "established"] = "close",
+        with_files: Sequence[str] = (),
+    ) -> ProcessCheckpointInfo:
+        """Save process ``pid`` and every process below it: memory, open files and
+        their offsets, working folder, sockets. Stored like a snapshot (verified,
+        deduplicated and encrypted in the chunk store, expired by policy).
+
+        ``leave_running=False`` ends them once saved. ``tcp="established"``: their TCP
+        connections are restored too when restored into this very sandbox (else they
+        come back closed). ``with_files``: guest paths (files or folders) carried with
+        it and written back before a restore (say, what the process has open).
+
+        :raises InvalidArgument: no such process, or one of the sandbox's own.
+        :raises ProcessCheckpointFailed: CRIU's reason (the process runs on).
+        """
+        request = wire.ProcessCheckpoint(pid, name, leave_running, tcp, list(with_files))
+        transport, sandbox_id = self._sandbox._transport, self._sandbox.id
+        return await self._sandbox._awake(lambda: transport.checkpoint_process(sandbox_id, request))
+
+    async def restore(
+        self, checkpoint: ProcessCheckpointInfo | str, into: AsyncSandbox | str | None = None
+    ) -> int:
+        """Restore a process checkpoint (record, id or name) into this sandbox, or
+        ``into`` another (handle or id) started from the same template; the pid of its
+        root process (CRIU gives each process the pid it had).
+
+        Refused, before anything starts, when the target lacks a file the processes had
+        open, maps other files (another image), or uses one of their pids. Output that
+        went to a reader outside the tree goes to
+        ``/var/log/cryobox/process-<checkpoint id>.log`` in the target.
+
+        :raises SnapshotIncompatible: :raises InvalidArgument: naming what differs.
+        :raises SnapshotVerificationFailed: when its stored files were altered.
+        """
+        ref = checkpoint if isinstance(checkpoint, str) else checkpoint.id
+        target: Any = self._sandbox if into is None else into
+        if isinstance(target, str):
+            transport = self._sandbox._transport
+            target = AsyncSandbox(await transport.get(await whole_id(transport, target)), transport)
+        target = getattr(target, "_async", target)  # a handle of the blocking SDK
+        assert isinstance(target, AsyncSandbox)
+        sandbox_id, transport = target.id, target._transport
+        return await target._awake(lambda: transport.restore_process(ref, sandbox_id))
+
+    async def checkpoints(self, *, all: bool = False) -> builtins.list[ProcessCheckpointInfo]:
+        """The process checkpoints taken in this sandbox (``all``: every one of yours),
+        oldest first."""
+        found = await self._sandbox._transport.process_checkpoints()
+        return [c for c in found if all or c.sandbox_id == self._sandbox.id]
+
+    async def delete(self, checkpoint: ProcessCheckpointInfo | str) -> None:
+        """Delete a process checkpoint (record, id or name), here and in the store."""
+        ref = checkpoint if isinstance(checkpoint, str) else checkpoint.id
+        await self._sandbox._transport.delete_process_checkpoint(ref)
+
+
 class AsyncFiles:
     """Move files in and out of the sandbox: ``await sbx.files.write("/app/x", data)``."""
 
@@ -544,6 +614,7 @@ class AsyncSandbox:
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.pty = AsyncPty(self)
+        self.processes = AsyncProcesses(self)
 
     @property
     def id(self) -> str:
@@ -804,6 +875,13 @@ class AsyncSandbox:
     ) -> builtins.list[SnapshotInfo]:
         """Every saved snapshot, checkpoint and template snapshot on this host."""
         return await transport_for(api_url, api_key).snapshots()
+
+    @staticmethod
+    async def process_checkpoints(
+        *, api_url: str | None = None, api_key: str | None = None
+    ) -> builtins.list[ProcessCheckpointInfo]:
+        """Every process checkpoint (``sbx.processes.checkpoint``) you have, oldest first."""
+        return await transport_for(api_url, api_key).process_checkpoints()
 
     @staticmethod
     async def delete_snapshot(

@@ -35,6 +35,7 @@ from cryobox.models import (
     ExitStatus,
     LineageNode,
     OutputSink,
+    ProcessCheckpointInfo,
     Progress,
     SandboxInfo,
     SnapshotInfo,
@@ -71,6 +72,13 @@ def template_info(value: dict[str, Any]) -> TemplateInfo:
     fields = _fields(TemplateInfo, value)
     fields["setup"] = tuple(fields.get("setup") or ())
     return TemplateInfo(**fields)
+
+
+def process_checkpoint_info(value: dict[str, Any]) -> ProcessCheckpointInfo:
+    fields = _fields(ProcessCheckpointInfo, value)
+    fields["pids"] = tuple(int(pid) for pid in fields.get("pids") or ())
+    fields["files"] = tuple(fields.get("files") or ())
+    return ProcessCheckpointInfo(**fields)
 
 
 def volume_info(value: dict[str, Any]) -> VolumeInfo:
@@ -537,6 +545,33 @@ class HttpTransport:
     async def list_volume(self, name: str, path: str) -> builtins.list[EntryInfo]:
         response = await self._call("GET", self._vol(name, "/files/list"), params={"path": path})
         return [EntryInfo.from_json(item) for item in response.json()]
+
+    async def checkpoint_process(
+        self, sandbox_id: str, request: wire.ProcessCheckpoint
+    ) -> ProcessCheckpointInfo:
+        response = await self._call(
+            "POST",
+            self._sbx(sandbox_id, "/processes/checkpoints"),
+            json=request.to_wire(),
+            timeout=LONG,
+        )
+        return process_checkpoint_info(response.json())
+
+    async def restore_process(self, ref: str, sandbox_id: str) -> int:
+        response = await self._call(
+            "POST",
+            self._sbx(sandbox_id, "/processes/restore"),
+            json=wire.ProcessRestore(ref).to_wire(),
+            timeout=LONG,
+        )
+        return int(response.json()["pid"])
+
+    async def process_checkpoints(self) -> builtins.list[ProcessCheckpointInfo]:
+        response = await self._call("GET", "/process-checkpoints")
+        return [process_checkpoint_info(item) for item in response.json()]
+
+    async def delete_process_checkpoint(self, ref: str) -> None:
+        await self._call("DELETE", f"/process-checkpoints/{quote(ref, safe='')}")
 
     async def usage(self, sandbox_id: str | None = None) -> wire.UsageReport | wire.SandboxUsage:
         """The tenant's usage so far, priced; or one sandbox's (``sandbox_id``)."""

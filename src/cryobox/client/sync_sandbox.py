@@ -19,6 +19,7 @@ from .async_sandbox import (
     AsyncCommandHandle,
     AsyncCommands,
     AsyncFiles,
+    AsyncProcesses,
     AsyncPty,
     AsyncPtyHandle,
     AsyncSandbox,
@@ -129,6 +130,19 @@ class Files:
     watch = method(AsyncFiles.watch, WatchHandle)
 
 
+class Processes:
+    """Checkpoint chosen processes and restore them, here or in another sandbox of the
+    same template: ``sbx.processes.checkpoint(pid)`` (CRIU, in the guest)."""
+
+    def __init__(self, processes: AsyncProcesses) -> None:
+        self._async = processes
+
+    checkpoint = method(AsyncProcesses.checkpoint)
+    restore = method(AsyncProcesses.restore)
+    checkpoints = method(AsyncProcesses.checkpoints)
+    delete = method(AsyncProcesses.delete)
+
+
 def _sandbox(value: AsyncSandbox) -> Sandbox:
     return Sandbox(value)
 
@@ -145,6 +159,7 @@ class Sandbox:
         self.commands = Commands(sandbox.commands)
         self.files = Files(sandbox.files)
         self.pty = Pty(sandbox.pty)
+        self.processes = Processes(sandbox.processes)
 
     @property
     def id(self) -> str:
@@ -164,6 +179,7 @@ class Sandbox:
     delete_template = static(AsyncSandbox.delete_template)
     snapshots = static(AsyncSandbox.snapshots)
     delete_snapshot = static(AsyncSandbox.delete_snapshot)
+    process_checkpoints = static(AsyncSandbox.process_checkpoints)
     list = static(AsyncSandbox.list)
     lineage = static(AsyncSandbox.lineage)
 

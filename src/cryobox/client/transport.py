@@ -23,6 +23,7 @@ from cryobox.models import (
     EntryInfo,
     LineageNode,
     OutputSink,
+    ProcessCheckpointInfo,
     Progress,
     SandboxInfo,
     SnapshotInfo,
@@ -35,6 +36,7 @@ from cryobox.models import (
 
 if TYPE_CHECKING:
     from cryobox.service import SandboxService
+    from cryobox.wire import ProcessCheckpoint
 
     from .http_transport import HttpTransport
 
@@ -112,6 +114,12 @@ class Transport(Protocol):
         self, name: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes]
     ) -> None: ...
     async def list_volume(self, name: str, path: str) -> builtins.list[EntryInfo]: ...
+    async def checkpoint_process(
+        self, sandbox_id: str, request: ProcessCheckpoint
+    ) -> ProcessCheckpointInfo: ...
+    async def restore_process(self, ref: str, sandbox_id: str) -> int: ...
+    async def process_checkpoints(self) -> builtins.list[ProcessCheckpointInfo]: ...
+    async def delete_process_checkpoint(self, ref: str) -> None: ...
 
 
 class LocalTransport:
@@ -273,6 +281,28 @@ class LocalTransport:
 
     async def list_volume(self, name: str, path: str) -> builtins.list[EntryInfo]:
         return await self.service.volumes.list_dir(name, path)
+
+    async def checkpoint_process(
+        self, sandbox_id: str, request: ProcessCheckpoint
+    ) -> ProcessCheckpointInfo:
+        return await self.service.processes.checkpoint(
+            sandbox_id,
+            request.pid,
+            request.name,
+            leave_running=request.leave_running,
+            tcp=request.tcp,
+            with_files=tuple(request.with_files),
+        )
+
+    async def restore_process(self, ref: str, sandbox_id: str) -> int:
+        return await self.service.processes.restore(ref, sandbox_id)
+
+    async def process_checkpoints(self) -> builtins.list[ProcessCheckpointInfo]:
+        return await self.service.processes.list()
+
+    async def delete_process_checkpoint(self, ref: str) -> None:
+        manifest = self.service.processes.find(ref)
+        await self.service.catalog.delete_snapshot(manifest.id)
 
 
 _local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LocalTransport] = (

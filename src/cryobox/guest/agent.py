@@ -732,7 +732,7 @@ class Agent:
             except Exception as exc:  # the agent must outlive any one request
                 self._fail(request_id, exc)
             else:
-                self.send({"id": request_id, "ok": True, "result": result})
+                self._answer(request_id, result)
             return
         assert handler is not None
         task = asyncio.ensure_future(self._run(handler, request_id, args, frame.payload))
@@ -747,7 +747,17 @@ class Agent:
         except Exception as exc:  # the agent must outlive any one request
             self._fail(request_id, exc)
         else:
-            self.send({"id": request_id, "ok": True, "result": result or {}})
+            self._answer(request_id, result or {})
+
+    def _answer(self, request_id: int, result: dict[str, Any]) -> None:
+        """Send a result (in the payload when the header cannot hold it); one too long for
+        a frame is answered as an error that says so, never left unanswered."""
+        try:
+            header, payload = p.answer(request_id, result)
+        except p.FrameError as exc:
+            self.send(p.error_header(request_id, p.TOO_LARGE, str(exc)))
+        else:
+            self.send(header, payload)
 
     def _fail(self, request_id: int, exc: Exception) -> None:
         """Answer a request whose handler raised, with the error kind it names."""

@@ -229,8 +229,10 @@ class AgentClient:
         if pending.future.done():
             return
         if header.get("ok"):
-            result = header.get("result")
-            pending.future.set_result(result if isinstance(result, dict) else {})
+            try:
+                pending.future.set_result(p.result_of(frame))
+            except p.FrameError as exc:
+                pending.future.set_exception(guest_error(pending.op, {"message": str(exc)}))
         else:
             detail = header.get("detail") if self._trusted else None
             rebuilt = None

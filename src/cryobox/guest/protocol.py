@@ -100,6 +100,8 @@ INTERNAL = "internal"
 UNSUPPORTED = "unsupported"
 #: The supervisor lost its channel to the agent (said by the supervisor, never the agent).
 CHANNEL = "channel"
+#: An answer too long for one frame (more than MAX_PAYLOAD bytes of JSON).
+TOO_LARGE = "too_large"
 
 
 #: The guest's volume ports, by slot: ``org.cryobox.volume.N`` (see cryobox.volume).
@@ -135,6 +137,35 @@ def encode(header: dict[str, Any], payload: bytes = b"") -> bytes:
     if len(payload) > MAX_PAYLOAD:
         raise FrameError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
     return PREFIX.pack(MAGIC, len(raw), len(payload)) + raw + payload
+
+
+def answer(request_id: int, result: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The frame of a successful answer: the result in the header, or, when it is longer
+    than a header may be (a listing of a big folder), as JSON in the payload with
+    ``result_in_payload`` set.
+
+    :raises FrameError: when it does not fit the payload either.
+    """
+    header = {"id": request_id, "ok": True, "result": result}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(raw) <= MAX_HEADER:
+        return header, b""
+    body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(body) > MAX_PAYLOAD:
+        raise FrameError(f"the answer is {len(body)} bytes of JSON, more than {MAX_PAYLOAD}")
+    return {"id": request_id, "ok": True, "result_in_payload": True}, body
+
+
+def result_of(frame: Frame) -> dict[str, Any]:
+    """The result of a successful answer, wherever :func:`answer` put it."""
+    if frame.header.get("result_in_payload"):
+        try:
+            result = json.loads(frame.payload)
+        except ValueError as exc:
+            raise FrameError(f"the answer's payload is not JSON: {exc}") from exc
+    else:
+        result = frame.header.get("result")
+    return result if isinstance(result, dict) else {}
 
 
 def error_header(request_id: int | None, kind: str, message: str) -> dict[str, Any]:

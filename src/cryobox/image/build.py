@@ -67,6 +67,8 @@ ROOTFS_PACKAGES = (
     "python3-venv",
     # `python` is python3, as most scripts (and E2B's tests) expect.
     "python-is-python3",
+    # Process checkpoints (cryobox.service.processes): Debian's CRIU, run in the guest.
+    "criu",
 )
 #: pip installs into the guest's Python without --break-system-packages (PEP 668's
 #: marker is for a machine whose Python the distribution manages; a sandbox is the
@@ -84,6 +86,35 @@ INITRAMFS_MODULES = (
     "ext4",
     # Volume mounts (cryobox-volume, guest/volume.c).
     "fuse",
+    # CRIU finds a process's sockets through the socket diagnostics (sock_diag).
+    "unix_diag",
+    "inet_diag",
+    "tcp_diag",
+    "udp_diag",
+    "netlink_diag",
+    "af_packet_diag",
+    # CRIU's start asks the kernel for nftables' features (netlink netfilter).
+    "nf_tables",
+)
+#: What CRIU needs of the guest kernel (``criu check``'s list, as build options): checked
+#: in the kernel package's config at build, the answer in image.json and `image info`.
+CRIU_KERNEL_OPTIONS = (
+    "CHECKPOINT_RESTORE",
+    "NAMESPACES",
+    "PID_NS",
+    "FHANDLE",
+    "EVENTFD",
+    "EPOLL",
+    "INOTIFY_USER",
+    "FANOTIFY",
+    "KCMP",
+    "MEM_SOFT_DIRTY",
+    "UNIX_DIAG",
+    "INET_DIAG",
+    "INET_TCP_DIAG",
+    "INET_UDP_DIAG",
+    "NETLINK_DIAG",
+    "PACKET_DIAG",
 )
 ROOTFS_SIZE_GIB = 2
 HOST_TOOLS = (
@@ -431,6 +462,7 @@ def _build(key: dict[str, Any], progress: Progress) -> Image:
         os.link(rootfs, out / "rootfs.qcow2")
         manifest = {
             **key,
+            "criu": criu_support(kernel_dir / "config", key["rootfs"]["packages"]["criu"]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_seconds": round(time.monotonic() - started, 1),
             "sizes": {
@@ -445,13 +477,31 @@ def _build(key: dict[str, Any], progress: Progress) -> Image:
     return Image.load(final)
 
 
+def criu_support(kernel_config: Path, version: str) -> dict[str, Any]:
+    """Whether the guest kernel has what CRIU needs: ``{"version", "kernel": "ok"}`` or
+    ``"kernel": "missing CONFIG_..."`` (then process checkpoints are refused, saying so)."""
+    options = {}
+    for line in kernel_config.read_text().splitlines():
+        name, _, value = line.partition("=")
+        if name.startswith("CONFIG_"):
+            options[name.removeprefix("CONFIG_")] = value
+    missing = [f"CONFIG_{o}" for o in CRIU_KERNEL_OPTIONS if options.get(o) not in ("y", "m")]
+    modules = [o for o in CRIU_KERNEL_OPTIONS if options.get(o) == "m"]
+    return {
+        "version": version,
+        "kernel": "ok" if not missing else "missing " + " ".join(missing),
+        "modules": modules,
+    }
+
+
 def _kernel(package: str, version: str) -> Path:
     """Download and unpack the kernel package once: bzImage plus the modules we load
     (cached by both: another module list unpacks again)."""
     modules = _digest(list(INITRAMFS_MODULES))[:8]
     target = config.cache_dir() / "kernel" / f"{package}_{version}_{modules}"
-    if (target / "order").exists():
+    if (target / "order").exists() and (target / "config").exists():
         return target
+    shutil.rmtree(target, ignore_errors=True)  # one unpacked before the config was kept
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".kernel-") as temp:
         work = Path(temp)
@@ -464,6 +514,7 @@ def _kernel(package: str, version: str) -> Path:
         out = work / "out"
         (out / "modules").mkdir(parents=True)
         shutil.copyfile(next((tree / "boot").glob("vmlinuz-*")), out / "vmlinuz")
+        shutil.copyfile(next((tree / "boot").glob("config-*")), out / "config")
         order: list[str] = []
         for module in INITRAMFS_MODULES:
             listing = run(["modprobe", "-d", str(tree), "-S", release, "--show-depends", module])

@@ -690,7 +690,12 @@ class Supervisor:
         except Exception as exc:
             client.send(error_reply(rid, exc, op))
         else:
-            client.send({"id": rid, "ok": True, "result": result})
+            try:
+                header, payload = p.answer(rid, result)
+            except p.FrameError as exc:
+                client.send(p.error_header(rid, p.TOO_LARGE, f"{op}: {exc}"))
+            else:
+                client.send(header, payload)
 
     async def _forward(
         self, client: ClientConnection, rid: int, op: str, args: dict[str, Any], payload: bytes

@@ -41,6 +41,7 @@ from cryobox.models import (
     CreateRequest,
     EntryInfo,
     LineageNode,
+    ProcessCheckpointInfo,
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
@@ -617,6 +618,27 @@ def create_app(
     async def delete_snapshot(ref: str, me: Me, cascade: bool = False) -> s.Deleted:
         """Delete a snapshot; ``cascade`` deletes the snapshots built on it first."""
         return s.Deleted(deleted=await hub.delete_snapshot(me, ref, cascade=cascade))
+
+    @app.post("/sandboxes/{sandbox_id}/processes/checkpoints", status_code=201, tags=["processes"])
+    async def checkpoint_process(
+        sandbox_id: str, body: s.ProcessCheckpoint, me: Me
+    ) -> ProcessCheckpointInfo:
+        """Checkpoint a process tree in the sandbox (CRIU in the guest)."""
+        return await hub.checkpoint_process(me, sandbox_id, body)
+
+    @app.post("/sandboxes/{sandbox_id}/processes/restore", tags=["processes"])
+    async def restore_process(sandbox_id: str, body: s.ProcessRestore, me: Me) -> s.RestoredProcess:
+        """Restore a process checkpoint into the sandbox; the pid of its root."""
+        return s.RestoredProcess(await hub.restore_process(me, sandbox_id, body.checkpoint))
+
+    @app.get("/process-checkpoints", tags=["processes"])
+    async def process_checkpoints(me: Me) -> list[ProcessCheckpointInfo]:
+        return await hub.process_checkpoints(me)
+
+    @app.delete("/process-checkpoints/{ref}", status_code=204, tags=["processes"])
+    async def delete_process_checkpoint(ref: str, me: Me) -> Response:
+        await hub.delete_process_checkpoint(me, ref)
+        return Response(status_code=204)
 
     @app.get("/templates", tags=["templates"])
     async def templates(me: Me) -> list[TemplateInfo]:

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from cryobox import config
+from cryobox import wire as s
 from cryobox.errors import (
     CryoboxError,
     HostUnavailable,
@@ -45,7 +46,14 @@ from cryobox.errors import (
     StoreError,
     TemplateNotFound,
 )
-from cryobox.models import CreateRequest, LineageNode, SandboxInfo, SnapshotInfo, TemplateInfo
+from cryobox.models import (
+    CreateRequest,
+    LineageNode,
+    ProcessCheckpointInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
 from cryobox.sandbox import registry
 from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.registry import SandboxDir, forget_finished
@@ -755,6 +763,51 @@ class Hub:
             tenant.id, sandbox_id, "snapshot stored", snapshot_id=info.id, purpose=info.purpose
         )
         return info
+
+    async def checkpoint_process(
+        self, tenant: Tenant, sandbox_id: str, body: s.ProcessCheckpoint
+    ) -> ProcessCheckpointInfo:
+        """A process checkpoint (:mod:`cryobox.service.processes`), the tenant's."""
+        await self.use(tenant, sandbox_id)
+        self._check_storage(tenant)
+        await self.mover.key_ready(tenant.id)
+        async with self._locks[sandbox_id]:
+            info = await self.service.processes.checkpoint(
+                sandbox_id,
+                body.pid,
+                body.name,
+                leave_running=body.leave_running,
+                tcp=body.tcp,
+                with_files=tuple(body.with_files),
+                tenant=tenant.id,
+            )
+            self.tenants.own(tenant.id, "snapshot", info.id)
+        self.events.publish(
+            tenant.id, sandbox_id, "process checkpoint stored", snapshot_id=info.id, pid=info.pid
+        )
+        return info
+
+    async def restore_process(self, tenant: Tenant, sandbox_id: str, ref: str) -> int:
+        """Restore one of the tenant's process checkpoints into its sandbox; the pid."""
+        await self.use(tenant, sandbox_id)
+        manifest = self.find_snapshot(tenant, ref)
+        async with self._locks[sandbox_id]:
+            pid = await self.service.processes.restore(manifest.id, sandbox_id, tenant=tenant.id)
+        self.events.publish(
+            tenant.id, sandbox_id, "process restored", snapshot_id=manifest.id, pid=pid
+        )
+        return pid
+
+    async def process_checkpoints(self, tenant: Tenant) -> builtins.list[ProcessCheckpointInfo]:
+        return await self.service.processes.list(set(self._snapshots_of(tenant)))
+
+    async def delete_process_checkpoint(self, tenant: Tenant, ref: str) -> None:
+        manifest = self.find_snapshot(tenant, ref)
+        if manifest.purpose is not SnapshotPurpose.PROCESS:
+            raise InvalidArgument(
+                f"{ref!r} is a {manifest.purpose.value}, not a process checkpoint"
+            )
+        await self.delete_snapshot(tenant, manifest.id)
 
     async def rollback(self, tenant: Tenant, sandbox_id: str, ref: str) -> None:
         await self.use(tenant, sandbox_id)

@@ -44,7 +44,12 @@ from cryobox.store.transfer import LocalSources, Progress, local_sources
 from cryobox.util import new_id
 
 #: Purposes uploaded after they are taken (checkpoints and forks live with their sandbox).
-UPLOADED = (SnapshotPurpose.SNAPSHOT, SnapshotPurpose.TEMPLATE, SnapshotPurpose.VOLUME)
+UPLOADED = (
+    SnapshotPurpose.SNAPSHOT,
+    SnapshotPurpose.TEMPLATE,
+    SnapshotPurpose.VOLUME,
+    SnapshotPurpose.PROCESS,
+)
 
 
 @dataclass

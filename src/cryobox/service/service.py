@@ -81,6 +81,7 @@ from cryobox.service.commands import OutputSink
 from cryobox.service.connections import Connections
 from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence
+from cryobox.service.processes import Processes
 from cryobox.service.volumes import Volumes
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
@@ -309,6 +310,8 @@ class SandboxService:
         self.catalog = Catalog(self.store, self.persist)
         #: Named volumes, which sandboxes mount (see :mod:`.volumes`).
         self.volumes = Volumes(self.store, self.persist)
+        #: Process checkpoints (CRIU in the guest; see :mod:`.processes`).
+        self.processes = Processes(self.store, self.persist, self.guest)
         #: The last request for a warm pool refill (kept: a task nobody holds may vanish).
         self._refill: asyncio.Future[None] | None = None
         #: One capture of a given snapshot name at a time (names are unique).

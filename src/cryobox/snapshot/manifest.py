@@ -88,6 +88,9 @@ class Manifest:
     automatic: bool = False
     #: The volumes the guest had mounted, and where (their names, never their content).
     volumes: tuple[dict[str, Any], ...] = ()
+    #: A process checkpoint's facts (purpose ``process``): its pids, the files it had
+    #: open and maps, the guest kernel (see :mod:`cryobox.service.processes`).
+    process: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Manifest:

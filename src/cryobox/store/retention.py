@@ -37,10 +37,11 @@ class Policy:
 
 
 def expired(manifests: list[dict[str, Any]], policy: Policy, now: float) -> list[str]:
-    """Ids of saved snapshots (purpose ``snapshot``, and volume snapshots, as disk ones)
-    past their lifetime and not among the newest ``keep_last`` of their source sandbox
-    (or volume). Callers still keep what is needed."""
-    mine = [m for m in manifests if m.get("purpose") in ("snapshot", "volume")]
+    """Ids of saved snapshots (purpose ``snapshot``; volume snapshots as disk ones,
+    process checkpoints as memory ones) past their lifetime and not among the newest
+    ``keep_last`` of their source (sandbox, volume, or a sandbox's process checkpoints).
+    Callers still keep what is needed."""
+    mine = [m for m in manifests if m.get("purpose") in ("snapshot", "volume", "process")]
     newest: dict[str, list[dict[str, Any]]] = {}
     for manifest in sorted(mine, key=lambda m: float(m["created_at"]), reverse=True):
         newest.setdefault(_source(manifest), []).append(manifest)
@@ -48,8 +49,7 @@ def expired(manifests: list[dict[str, Any]], policy: Policy, now: float) -> list
     return [
         str(m["id"])
         for m in mine
-        if str(m["id"]) not in kept
-        and now - float(m["created_at"]) > policy.lifetime(str(m["kind"]))
+        if str(m["id"]) not in kept and now - float(m["created_at"]) > policy.lifetime(_kind(m))
     ]
 
 
@@ -58,4 +58,11 @@ def _source(manifest: dict[str, Any]) -> str:
     volumes = manifest.get("volumes") or ()
     if manifest.get("purpose") == "volume" and volumes:
         return f"volume:{volumes[0].get('volume')}"
+    if manifest.get("purpose") == "process":
+        return f"process:{manifest['source_sandbox']}"
     return str(manifest["source_sandbox"])
+
+
+def _kind(manifest: dict[str, Any]) -> str:
+    """A process checkpoint is a process's memory: it lives as long as memory snapshots."""
+    return "memory" if manifest.get("purpose") == "process" else str(manifest["kind"])
