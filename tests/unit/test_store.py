@@ -507,6 +507,17 @@ def test_retention_expires_by_kind_and_keeps_the_newest() -> None:
     # The newest two of sandbox "a" (6 and 8 days old) stay whatever their age.
     short = Policy(memory_days=1, disk_days=1, keep_last=2)
     assert sorted(expired(manifests, short, now)) == ["old-disk", "young-disk"]
+    # A process checkpoint lives as long as memory snapshots (its kind says disk), and
+    # the newest of a sandbox's process checkpoints are kept apart from its snapshots.
+    processes = [
+        {**_m("old-process", 8, kind="disk"), "purpose": "process"},
+        {**_m("young-process", 6, kind="disk"), "purpose": "process"},
+    ]
+    assert expired(processes, Policy(), now) == ["old-process"]
+    assert expired([*manifests, *processes], Policy(keep_last=1), now).count("old-process") == 1
+    assert "young-process" not in expired(
+        [*manifests, *processes], Policy(memory_days=1, keep_last=1), now
+    )
     with pytest.raises(InvalidArgument, match="CRYOBOX_RETAIN_MEMORY_DAYS"):
         os.environ["CRYOBOX_RETAIN_MEMORY_DAYS"] = "soon"
         try:

@@ -35,7 +35,9 @@ Start one with create_sandbox, work in it with run_command, read_file and write_
 Save a point with checkpoint and go back to it with rollback (files, processes and
 memory as they were). fork makes running copies of a sandbox (best-of-N: try several
 approaches from one state, keep the best, kill the rest). pause stops a sandbox without
-losing anything; resume or any command continues it. Kill sandboxes you no longer need.
+losing anything; resume or any command continues it. checkpoint_process saves one
+process (CRIU) and restore_process brings it back, in this sandbox or another started
+from the same template. Kill sandboxes you no longer need.
 """
 
 #: The largest file read_file returns and write_file takes (the whole content travels
@@ -338,6 +340,33 @@ def build_server(api_url: str | None = None, api_key: str | None = None) -> MCPS
         sandbox = await attach(sandbox_id)
         await sandbox.rollback(checkpoint)
         return {"sandbox": sandbox.id, "checkpoint": checkpoint}
+
+    @server.tool()
+    @_reported
+    async def checkpoint_process(
+        sandbox_id: SandboxId,
+        pid: Annotated[int, Field(ge=2, description="The process to save (with its children).")],
+        name: Annotated[str | None, Field(min_length=1, max_length=100)] = None,
+        leave_running: bool = True,
+    ) -> dict[str, Any]:
+        """Save one process of the sandbox, and those it started (CRIU in the guest):
+        smaller than a whole-sandbox checkpoint. restore_process brings it back."""
+        sandbox = await attach(sandbox_id)
+        saved = await sandbox.processes.checkpoint(pid, name, leave_running=leave_running)
+        return dataclasses.asdict(saved)
+
+    @server.tool()
+    @_reported
+    async def restore_process(
+        sandbox_id: SandboxId,
+        checkpoint: Annotated[
+            str, Field(min_length=1, description="The process checkpoint's id or name.")
+        ],
+    ) -> dict[str, Any]:
+        """Restore a process checkpoint into the sandbox (this one, or another started
+        from the same template); the pid it runs as (the one it had)."""
+        sandbox = await attach(sandbox_id)
+        return {"sandbox": sandbox.id, "pid": await sandbox.processes.restore(checkpoint)}
 
     @server.tool()
     @_reported
