@@ -23,7 +23,7 @@ XTERM := console/node_modules/@xterm
 # E2B's JavaScript SDK for tests/compat/test_e2b_js.py, pinned by its lock file.
 JS_E2B := tests/compat/js
 
-.PHONY: setup image demo test lint unit bench bench-fleet bench-processes torture soak clean
+.PHONY: setup image demo test lint unit bench bench-smoke bench-fleet bench-processes torture soak clean
 
 setup: $(APT_STAMP) $(PIP_STAMP) $(CONSOLE_VENDOR)/.done $(JS_E2B)/node_modules/.done
 	@# Bytecode for our own modules (an editable install has none, and a shell with
@@ -83,6 +83,11 @@ test: image lint
 bench: image
 	$(PYTHON) -m pip install -q -e ".[dev,bench]"
 	$(CRYOBOX) bench --json bench.json --plot docs/bench.png --markdown docs/BENCHMARKS.md
+
+# Every benchmark scenario once, with small counts (never judged on timing): that they run.
+bench-smoke: image
+	$(PYTHON) -m pip install -q -e ".[dev,bench]"
+	$(CRYOBOX) bench --quick
 
 # Three servers on one PostgreSQL and one store: a resume on another host against one on
 # the same host, and placement (docs/BENCHMARKS.md).

@@ -137,7 +137,7 @@ def test_what_a_restore_cannot_cross_is_refused_by_name_and_nothing_starts(
     # Carried with the checkpoint, the file is written back first: the restore works.
     carried = source.processes.checkpoint(pid, with_files=["/root/held.txt"])
     assert carried.files == ("/root/held.txt",)
-    assert source.processes.restore(carried, into=target.id) == pid
+    assert Sandbox.processes.restore(carried, into=target) == pid  # on the class, too
     target.commands.run(f"kill -USR1 {pid}")
     until(lambda: target.files.exists("/root/read.now"), "the restored reader", timeout=60)
     assert target.files.read_text("/root/read.now") == "kept in the file\n"
@@ -157,7 +157,7 @@ def test_what_a_restore_cannot_cross_is_refused_by_name_and_nothing_starts(
 
     # An altered copy on the host is refused by its digest.
     folder = cryobox_config.state_dir() / "snapshots" / plain.id
-    pages = max(folder.glob("pages-*.img"), key=lambda path: path.stat().st_size)
+    pages = max(folder.glob("criu-pages-*.img"), key=lambda path: path.stat().st_size)
     data = bytearray(pages.read_bytes())
     data[len(data) // 2] ^= 1
     pages.write_bytes(bytes(data))
@@ -196,6 +196,10 @@ def test_process_checkpoints_over_http_and_the_cli(
     assert source.commands.run(f"kill -0 {pid}").exit_code != 0
     listed = json.loads(cli("ls", "--json"))
     assert [(c["id"], c["name"], c["pid"]) for c in listed] == [(checkpoint_id, "looper", pid)]
+    with pytest.raises(InvalidArgument, match="is a process checkpoint"):
+        Sandbox.create(  # a process's, not a machine's
+            from_snapshot="looper", api_url=api_server.url, api_key=api_server.key
+        )
     target = sandbox_factory(timeout=900, **remote)
     assert cli("restore", "looper", target.id) == str(pid)
     until(lambda: count(target) > 0, "the restored loop's first write", timeout=60)

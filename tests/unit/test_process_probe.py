@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cryobox.errors import InvalidArgument, SnapshotIncompatible
+from cryobox.errors import InvalidArgument, ProcessCheckpointFailed, SnapshotIncompatible
 from cryobox.service import process_probe
-from cryobox.service.processes import Processes
+from cryobox.service.processes import Processes, _description
 from cryobox.snapshot.manifest import Manifest
 
 CHILD = """
@@ -106,3 +106,34 @@ def test_a_restore_onto_another_kernel_or_a_taken_pid_is_refused_in_words() -> N
     taken = {**found, "kernel": saved["kernel"], "pids_in_use": [{"pid": 140, "comm": "vim"}]}
     with pytest.raises(InvalidArgument, match="pid 140 is in use in sbx-other by 'vim'"):
         processes._refuse_what_differs(manifest, "sbx-other", taken)
+
+
+def test_a_hostile_probe_answer_is_refused_field_by_field() -> None:
+    good = {
+        "pids": [140, 141],
+        "comms": {"140": "python3", "141": "sleep"},
+        "command": "python3 x.py",
+        "cwd": "/root",
+        "rss_bytes": 1 << 20,
+        "open_files": ["/root/x"],
+        "maps": {"/usr/bin/python3.11": [100, 5]},
+        "outside_pipes": [{"pipe": "pipe:[1323]", "end": "out"}],
+        "sockets": 0,
+        "kernel": "6.1.0-57-amd64",
+    }
+    assert _description(good, 140) == good
+    assert _description({"error": "no process 7"}, 7) is None
+    hostile = [
+        {**good, "pids": [141, 140]},  # not the tree asked for
+        {**good, "pids": ["140"]},
+        {**good, "rss_bytes": -1},
+        {**good, "maps": {"/x": "big"}},
+        {**good, "outside_pipes": [{"pipe": "pipe:[1]; rm -rf /", "end": "out"}]},
+        {**good, "outside_pipes": [{"pipe": "pipe:[1]", "end": "sideways"}]},
+        {key: value for key, value in good.items() if key != "kernel"},
+    ]
+    for answer in hostile:
+        with pytest.raises(ProcessCheckpointFailed, match="malformed"):
+            _description(answer, 140)
+    long = _description({**good, "command": "x" * 100_000, "pids": list(range(140, 9000))}, 140)
+    assert long is not None and len(long["command"]) == 4096 and len(long["pids"]) == 4096

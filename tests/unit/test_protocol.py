@@ -89,3 +89,6 @@ def test_an_answer_too_long_for_a_header_travels_in_the_payload() -> None:
     assert isinstance(frame, p.Frame) and p.result_of(frame) == result
     with pytest.raises(p.FrameError, match="more than"):
         p.answer(5, {"entries": [{"name": "n" * 100}] * 20000})
+    nested = p.Frame({"id": 6, "ok": True, "result_in_payload": True}, b"[" * 200_000)
+    with pytest.raises(p.FrameError, match="not JSON"):
+        p.result_of(nested)

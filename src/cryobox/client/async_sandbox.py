@@ -354,10 +354,23 @@ class AsyncCommands:
 
 class AsyncProcesses:
     """Checkpoint chosen processes and restore them, here or in another sandbox of the
-    same template: ``await sbx.processes.checkpoint(pid)`` (CRIU, in the guest)."""
+    same template: ``await sbx.processes.checkpoint(pid)`` (CRIU, in the guest).
 
-    def __init__(self, sandbox: AsyncSandbox) -> None:
+    On the class, ``AsyncSandbox.processes`` belongs to no sandbox: ``restore(ref,
+    into=sandbox)``, ``checkpoints()`` (every one of yours) and ``delete`` work there."""
+
+    def __init__(self, sandbox: AsyncSandbox | None) -> None:
         self._sandbox = sandbox
+
+    def _transport(self) -> Transport:
+        if self._sandbox is not None:
+            return self._sandbox._transport
+        return transport_for(None, None)
+
+    def _bound(self, doing: str) -> AsyncSandbox:
+        if self._sandbox is None:
+            raise InvalidArgument(f"{doing} needs a sandbox: call it on a handle's .processes")
+        return self._sandbox
 
     async def checkpoint(
         self,
@@ -380,9 +393,10 @@ class AsyncProcesses:
         :raises InvalidArgument: no such process, or one of the sandbox's own.
         :raises ProcessCheckpointFailed: CRIU's reason (the process runs on).
         """
+        sandbox = self._bound("a process checkpoint")
         request = wire.ProcessCheckpoint(pid, name, leave_running, tcp, list(with_files))
-        transport, sandbox_id = self._sandbox._transport, self._sandbox.id
-        return await self._sandbox._awake(lambda: transport.checkpoint_process(sandbox_id, request))
+        transport, sandbox_id = sandbox._transport, sandbox.id
+        return await sandbox._awake(lambda: transport.checkpoint_process(sandbox_id, request))
 
     async def restore(
         self, checkpoint: ProcessCheckpointInfo | str, into: AsyncSandbox | str | None = None
@@ -400,25 +414,36 @@ class AsyncProcesses:
         :raises SnapshotVerificationFailed: when its stored files were altered.
         """
         ref = checkpoint if isinstance(checkpoint, str) else checkpoint.id
-        target: Any = self._sandbox if into is None else into
+        target: Any = self._bound("a restore without into=") if into is None else into
         if isinstance(target, str):
-            transport = self._sandbox._transport
+            transport = self._transport()
             target = AsyncSandbox(await transport.get(await whole_id(transport, target)), transport)
         target = getattr(target, "_async", target)  # a handle of the blocking SDK
-        assert isinstance(target, AsyncSandbox)
+        if not isinstance(target, AsyncSandbox):
+            raise InvalidArgument(f"into={into!r}: a sandbox handle or id")
         sandbox_id, transport = target.id, target._transport
         return await target._awake(lambda: transport.restore_process(ref, sandbox_id))
 
     async def checkpoints(self, *, all: bool = False) -> builtins.list[ProcessCheckpointInfo]:
-        """The process checkpoints taken in this sandbox (``all``: every one of yours),
-        oldest first."""
-        found = await self._sandbox._transport.process_checkpoints()
-        return [c for c in found if all or c.sandbox_id == self._sandbox.id]
+        """The process checkpoints taken in this sandbox (``all``, or on the class: every
+        one of yours), oldest first."""
+        found = await self._transport().process_checkpoints()
+        if self._sandbox is None or all:
+            return found
+        return [c for c in found if c.sandbox_id == self._sandbox.id]
 
     async def delete(self, checkpoint: ProcessCheckpointInfo | str) -> None:
         """Delete a process checkpoint (record, id or name), here and in the store."""
         ref = checkpoint if isinstance(checkpoint, str) else checkpoint.id
-        await self._sandbox._transport.delete_process_checkpoint(ref)
+        await self._transport().delete_process_checkpoint(ref)
+
+
+class _ProcessesOf:
+    """``sbx.processes``: the handle's; ``AsyncSandbox.processes``: no sandbox's (see
+    :class:`AsyncProcesses`)."""
+
+    def __get__(self, sandbox: AsyncSandbox | None, owner: type) -> AsyncProcesses:
+        return AsyncProcesses(sandbox)
 
 
 class AsyncFiles:
@@ -608,13 +633,15 @@ async def whole_id(transport: Transport, given: str) -> str:
 class AsyncSandbox:
     """A running VM sandbox. ``async with await AsyncSandbox.create() as sbx: ...``"""
 
+    #: Process checkpoints (CRIU in the guest): this sandbox's, or on the class, yours.
+    processes = _ProcessesOf()
+
     def __init__(self, info: SandboxInfo, transport: Transport) -> None:
         self._info = info
         self._transport = transport
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.pty = AsyncPty(self)
-        self.processes = AsyncProcesses(self)
 
     @property
     def id(self) -> str:

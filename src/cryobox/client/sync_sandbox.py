@@ -132,7 +132,9 @@ class Files:
 
 class Processes:
     """Checkpoint chosen processes and restore them, here or in another sandbox of the
-    same template: ``sbx.processes.checkpoint(pid)`` (CRIU, in the guest)."""
+    same template: ``sbx.processes.checkpoint(pid)`` (CRIU, in the guest). On the class,
+    ``Sandbox.processes`` belongs to no sandbox: ``restore(ref, into=sandbox)``,
+    ``checkpoints()`` and ``delete`` work there."""
 
     def __init__(self, processes: AsyncProcesses) -> None:
         self._async = processes
@@ -141,6 +143,13 @@ class Processes:
     restore = method(AsyncProcesses.restore)
     checkpoints = method(AsyncProcesses.checkpoints)
     delete = method(AsyncProcesses.delete)
+
+
+class _ProcessesOf:
+    """``sbx.processes``: the handle's; ``Sandbox.processes``: no sandbox's."""
+
+    def __get__(self, sandbox: Sandbox | None, owner: type) -> Processes:
+        return Processes(AsyncProcesses(None if sandbox is None else sandbox._async))
 
 
 def _sandbox(value: AsyncSandbox) -> Sandbox:
@@ -154,12 +163,14 @@ def _sandboxes(values: list[AsyncSandbox]) -> list[Sandbox]:
 class Sandbox:
     """A running VM sandbox. ``with Sandbox.create() as sbx: sbx.commands.run("ls")``"""
 
+    #: Process checkpoints (CRIU in the guest): this sandbox's, or on the class, yours.
+    processes = _ProcessesOf()
+
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._async = sandbox
         self.commands = Commands(sandbox.commands)
         self.files = Files(sandbox.files)
         self.pty = Pty(sandbox.pty)
-        self.processes = Processes(sandbox.processes)
 
     @property
     def id(self) -> str:

@@ -161,8 +161,8 @@ def result_of(frame: Frame) -> dict[str, Any]:
     if frame.header.get("result_in_payload"):
         try:
             result = json.loads(frame.payload)
-        except ValueError as exc:
-            raise FrameError(f"the answer's payload is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise FrameError(f"the answer's payload is not JSON: {exc!r}"[:500]) from exc
     else:
         result = frame.header.get("result")
     return result if isinstance(result, dict) else {}

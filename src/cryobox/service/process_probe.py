@@ -8,8 +8,8 @@ files it maps (size and mtime: a restore needs the very same ones), its pipes to
 processes outside the tree (CRIU recreates the pipe; the restore gives the process a file
 in place of the missing end) and the kernel release.
 
-``python3 -c SOURCE check JSON`` takes what ``describe`` said and prints what differs
-here: the kernel, mapped files, open files that are missing, pids in use.
+``python3 -c SOURCE check FILE`` takes what ``describe`` said (a JSON file) and prints
+what differs here: the kernel, mapped files, open files that are missing, pids in use.
 
 Importable on the host for its tests: nothing here runs on import.
 """
@@ -75,7 +75,13 @@ def describe(root: int) -> dict[str, Any]:
             with open(f"/proc/{pid}/comm") as handle:
                 comms[pid] = handle.read().strip()
             rss += _rss(pid)
-            for fd in os.listdir(f"/proc/{pid}/fd"):
+            fds = os.listdir(f"/proc/{pid}/fd")
+            with open(f"/proc/{pid}/maps") as handle:
+                lines = handle.readlines()
+        except OSError:
+            continue  # a process of the tree ended meanwhile
+        for fd in fds:
+            try:  # one at a time: an fd closed meanwhile spares the others
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith("/") and not target.endswith(DELETED):
                     if os.path.isfile(target):
@@ -84,15 +90,17 @@ def describe(root: int) -> dict[str, Any]:
                     pipes.setdefault(target, set()).add(_access(pid, fd))
                 elif target.startswith("socket:["):
                     sockets += 1
-            with open(f"/proc/{pid}/maps") as handle:
-                for line in handle:
-                    parts = line.split(None, 5)
-                    path = parts[5].strip() if len(parts) == 6 else ""
-                    if path.startswith("/") and not path.endswith(DELETED) and path not in maps:
-                        with_stat = os.stat(path)
-                        maps[path] = [with_stat.st_size, with_stat.st_mtime_ns]
-        except OSError:
-            continue  # a process of the tree ended meanwhile
+            except OSError:
+                continue
+        for line in lines:
+            parts = line.split(None, 5)
+            path = parts[5].strip() if len(parts) == 6 else ""
+            if path.startswith("/") and not path.endswith(DELETED) and path not in maps:
+                try:
+                    with_stat = os.stat(path)
+                except OSError:
+                    continue
+                maps[path] = [with_stat.st_size, with_stat.st_mtime_ns]
     with open(f"/proc/{root}/cmdline", "rb") as handle:
         command = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
     outside = []
@@ -158,7 +166,8 @@ def main(argv: list[str]) -> None:
     if argv[0] == "describe":
         print(json.dumps(describe(int(argv[1]))))
     elif argv[0] == "check":
-        print(json.dumps(check(json.loads(argv[1]))))
+        with open(argv[1]) as handle:
+            print(json.dumps(check(json.load(handle))))
     else:
         raise SystemExit(f"unknown action {argv[0]!r}")
 

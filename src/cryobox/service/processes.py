@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import re
 import shlex
 import time
+from collections.abc import AsyncIterator
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from cryobox import arguments
@@ -48,14 +49,14 @@ from cryobox.errors import (
     SnapshotIncompatible,
     StorageError,
 )
-from cryobox.guest.protocol import CHUNK
+from cryobox.guest.protocol import CHUNK, DEFAULT_PATH
 from cryobox.models import CommandRequest, ProcessCheckpointInfo, SnapshotPurpose
 from cryobox.sandbox import registry
 from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind
-from cryobox.snapshot.store import SnapshotStore
+from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import new_id
 
@@ -63,8 +64,10 @@ from cryobox.util import new_id
 #: CRIU's images (kept under CRIU's own names: no archive to pack and unpack under
 #: emulation, which cost more than the dump itself).
 CARRIED = "files.tar"
-#: What a CRIU image's name may be (a hostile guest names the files the host keeps).
+#: What a CRIU image's name may be (a hostile guest names the files the host keeps),
+#: and the prefix it is kept under (never one of the snapshot folder's own names).
 IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,120}")
+IMAGE_PREFIX = "criu-"
 MAX_IMAGES = 10_000
 #: Where the guest keeps a checkpoint's files while it is taken or restored.
 GUEST_DIR = "/var/lib/cryobox/criu"
@@ -75,6 +78,20 @@ TCP_MODES = ("close", "established")
 CRIU_TIMEOUT = 900.0
 #: The first fd a restore hands CRIU in place of an outside pipe's end.
 FIRST_INHERITED_FD = 10
+#: What the host keeps of a guest command's output (its end), and waits past its timeout.
+MAX_OUTPUT = 1 << 20
+HOST_GRACE = 30.0
+#: Internal commands run with these, never the sandbox's own variables (PYTHONPATH,
+#: LD_PRELOAD...), and by absolute path.
+PLAIN_ENV = {"PATH": DEFAULT_PATH, "PYTHONPATH": "", "LD_PRELOAD": "", "LANG": "C.UTF-8"}
+GUEST_PYTHON = "/usr/bin/python3"
+CRIU = "/usr/sbin/criu"
+#: Bounds on what the guest's probe may say (it is stored in the manifest).
+MAX_PIDS = 4096
+MAX_MAPS = 4096
+MAX_TEXT = 4096
+MAX_WITH_FILES = 256
+PIPE_KEY = re.compile(r"pipe:\[[0-9]{1,20}\]")
 
 
 def _probe_source() -> str:
@@ -97,6 +114,119 @@ def _criu_errors(log: str) -> str:
     return "\n".join((lines or log.splitlines())[-8:]).strip() or "no output"
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _check_paths(paths: tuple[str, ...]) -> None:
+    """``with_files``: absolute guest paths, not too many nor too long.
+
+    :raises InvalidArgument: naming the first that is not.
+    """
+    if len(paths) > MAX_WITH_FILES:
+        raise InvalidArgument(f"with_files: at most {MAX_WITH_FILES} paths")
+    for path in paths:
+        if (
+            not isinstance(path, str)
+            or not path.startswith("/")
+            or path.strip("/") == ""
+            or "\0" in path
+            or len(path) > MAX_TEXT
+        ):
+            raise InvalidArgument(f"with_files: {path!r} is not a guest path below /")
+
+
+def _text(value: object, most: int = MAX_TEXT) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not text")
+    return value[:most]
+
+
+def _number(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{value!r} is not a count")
+    return value
+
+
+def _description(answer: dict[str, Any], pid: int) -> dict[str, Any] | None:
+    """What the guest's probe said of ``pid``'s tree, checked and bounded field by field
+    (it goes into the manifest, which every listing reads); None: no such process.
+
+    :raises ProcessCheckpointFailed: when the answer is not what the probe says.
+    """
+    if "error" in answer:
+        return None
+    try:
+        pids = [_number(p) for p in answer["pids"]][:MAX_PIDS]
+        if not pids or pids[0] != pid:
+            raise ValueError("the tree does not start at the pid asked for")
+        maps = {
+            _text(path): [_number(size), _number(mtime)]
+            for path, (size, mtime) in list(dict(answer["maps"]).items())[:MAX_MAPS]
+        }
+        pipes = []
+        for outside in list(answer["outside_pipes"])[:MAX_PIDS]:
+            key, end = _text(outside["pipe"]), outside["end"]
+            if not PIPE_KEY.fullmatch(key) or end not in ("in", "out"):
+                raise ValueError(f"bad pipe {outside!r}")
+            pipes.append({"pipe": key, "end": end})
+        return {
+            "pids": pids,
+            "comms": {str(_number(int(p))): _text(c, 64) for p, c in dict(answer["comms"]).items()},
+            "command": _text(answer["command"]),
+            "cwd": _text(answer["cwd"]),
+            "rss_bytes": _number(answer["rss_bytes"]),
+            "open_files": [_text(f) for f in list(answer["open_files"])[:MAX_MAPS]],
+            "maps": maps,
+            "outside_pipes": pipes,
+            "sockets": _number(answer["sockets"]),
+            "kernel": _text(answer["kernel"], 200),
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProcessCheckpointFailed(
+            "inspection", "the guest", f"the probe's answer is malformed: {exc}"
+        ) from exc
+
+
+async def _chunks(path: Path) -> AsyncIterator[bytes]:
+    """A file's bytes in the agent protocol's chunks, read off the event loop."""
+    with open(path, "rb") as handle:
+        while data := await asyncio.to_thread(handle.read, CHUNK * 16):
+            for start in range(0, len(data), CHUNK):
+                yield data[start : start + CHUNK]
+
+
+def _found(answer: dict[str, Any]) -> dict[str, Any]:
+    """The target's probe answer (see :func:`.process_probe.check`), checked.
+
+    :raises ProcessCheckpointFailed: when it is not what the probe says.
+    """
+    try:
+        return {
+            "kernel": _text(answer["kernel"], 200),
+            "maps_changed": [
+                {
+                    "path": _text(c["path"]),
+                    "saved": _number(c["saved"]),
+                    "here": None if c["here"] is None else _number(c["here"]),
+                }
+                for c in list(answer["maps_changed"])[:MAX_MAPS]
+            ],
+            "missing": [_text(path) for path in list(answer["missing"])[:MAX_MAPS]],
+            "pids_in_use": [
+                {"pid": _number(u["pid"]), "comm": _text(u["comm"], 64)}
+                for u in list(answer["pids_in_use"])[:MAX_PIDS]
+            ],
+            "last_pid": _number(answer["last_pid"]),
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProcessCheckpointFailed(
+            "restore", "the guest", f"the probe's answer is malformed: {exc}"
+        ) from exc
+
+
 class Processes:
     """Process checkpoints of this host's sandboxes (see the module)."""
 
@@ -108,21 +238,38 @@ class Processes:
     async def _run(
         self, sandbox_id: str, argv: list[str], timeout: float = 300.0
     ) -> tuple[int, str]:
-        """Run ``argv`` as root in the guest: its exit code and its output (both streams)."""
+        """Run ``argv`` as root in the guest, with a plain environment (not the
+        sandbox's variables): its exit code and the end of its output (both streams, at
+        most MAX_OUTPUT bytes: a hostile guest may print without end).
+
+        :raises ProcessCheckpointFailed: when it runs past ``timeout`` by the host's clock.
+        """
         output = bytearray()
-        session = await self.guest.start_command(
-            sandbox_id,
-            CommandRequest(argv=tuple(argv), user="root", timeout=timeout),
-            lambda _stream, data: output.extend(data),
-        )
-        status = await session.wait()
+
+        def keep(_stream: str, data: bytes) -> None:
+            output.extend(data)
+            if len(output) > MAX_OUTPUT:
+                del output[: len(output) - MAX_OUTPUT]
+
+        request = CommandRequest(argv=tuple(argv), user="root", timeout=timeout, env=PLAIN_ENV)
+        session = await self.guest.start_command(sandbox_id, request, keep)
+        try:
+            status = await asyncio.wait_for(session.wait(), timeout + HOST_GRACE)
+        except TimeoutError:
+            with contextlib.suppress(CryoboxError):
+                await session.kill()
+            raise ProcessCheckpointFailed(
+                "inspection", sandbox_id, f"{argv[0]} did not end within {timeout:.0f} s"
+            ) from None
         return status.exit_code, output.decode(errors="replace")
 
     async def _probe(self, sandbox_id: str, *args: str) -> dict[str, Any]:
-        code, output = await self._run(sandbox_id, ["python3", "-c", _probe_source(), *args])
+        code, output = await self._run(
+            sandbox_id, [GUEST_PYTHON, "-I", "-c", _probe_source(), *args]
+        )
         try:
             answer = json.loads(output.strip().splitlines()[-1]) if code == 0 else None
-        except (ValueError, IndexError):
+        except (ValueError, IndexError, RecursionError):
             answer = None
         if not isinstance(answer, dict):
             raise ProcessCheckpointFailed(
@@ -149,7 +296,9 @@ class Processes:
         with_files: tuple[str, ...] = (),
         tenant: str = LOCAL_TENANT,
     ) -> ProcessCheckpointInfo:
-        """Save process ``pid`` and the processes below it (see the module).
+        """Save process ``pid`` and the processes below it (see the module). With
+        ``leave_running=False`` CRIU leaves them stopped, and they end only once the
+        checkpoint is committed: on any failure they go on running.
 
         :raises InvalidArgument: a bad pid (missing, the guest's own), tcp mode or path.
         :raises ProcessCheckpointFailed: CRIU's reason, when it cannot dump the tree.
@@ -161,12 +310,12 @@ class Processes:
             raise InvalidArgument(f"tcp={tcp!r}: one of {', '.join(TCP_MODES)}")
         if name is not None:
             arguments.snapshot_name("name", name)
-        for path in with_files:
-            if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
-                raise InvalidArgument(f"with_files: {path!r} is not an absolute guest path")
+            if looks_like_id(name):
+                raise InvalidArgument(f"name={name!r} looks like a snapshot id: choose another")
+        _check_paths(with_files)
         spec = registry.find(sandbox_id).spec()
-        described = await self._probe(sandbox_id, "describe", str(pid))
-        if "error" in described:
+        described = _description(await self._probe(sandbox_id, "describe", str(pid)), pid)
+        if described is None:
             raise InvalidArgument(f"no process {pid} in sandbox {sandbox_id}")
         comms = described["comms"]
         guest_own = [p for p, comm in comms.items() if comm.startswith("cryobox-")]
@@ -177,48 +326,61 @@ class Processes:
             )
         checkpoint_id = new_id("snap")
         guest = f"{GUEST_DIR}/{checkpoint_id}"
-        await self._dump(sandbox_id, pid, guest, leave_running=leave_running, tcp=tcp)
+        pids = [str(p) for p in described["pids"]]
         try:
-            if with_files:
+            await self._run(sandbox_id, ["mkdir", "-p", f"{guest}/images"])
+            if with_files:  # first: a path that cannot be carried fails before the dump
                 relative = [path.lstrip("/") for path in with_files]
                 code, output = await self._run(
-                    sandbox_id, ["tar", "-C", "/", "-cpf", f"{guest}/{CARRIED}", "--", *relative]
+                    sandbox_id,
+                    ["tar", "-C", "/", "-cpf", f"{guest}/{CARRIED}", "--", *relative],
                 )
                 if code != 0:
                     raise InvalidArgument(f"with_files: cannot carry them: {output[-500:]}")
-            images = await self._images(sandbox_id, f"{guest}/images", spec.memory_mib)
-            sources = {name: f"{guest}/images/{name}" for name in images}
-            if with_files:
-                sources[CARRIED] = f"{guest}/{CARRIED}"
-            manifest = await self._keep(
-                sandbox_id,
-                sources,
-                Manifest(
-                    id=checkpoint_id,
-                    kind=SnapshotKind.DISK,
-                    purpose=SnapshotPurpose.PROCESS,
-                    name=name,
-                    created_at=time.time(),
-                    source_sandbox=sandbox_id,
-                    parent=None,
-                    image_id=spec.image_id,
-                    cpus=0,
-                    memory_mib=0,
-                    disk_gib=0,
-                    disk_chain=(),
-                    ports=(),
-                    ram_in_stream=False,
-                    process={
-                        **described,
-                        "pid": pid,
-                        "tcp": tcp,
-                        "leave_running": leave_running,
-                        "with_files": list(with_files),
-                        "template": spec.template,
-                        "images": images,
-                    },
-                ),
-            )
+            await self._dump(sandbox_id, pid, guest, leave_running=leave_running, tcp=tcp)
+            try:
+                images = await self._images(sandbox_id, f"{guest}/images", spec.memory_mib)
+                sources = {
+                    f"{IMAGE_PREFIX}{image}": (f"{guest}/images/{image}", size)
+                    for image, size in images.items()
+                }
+                if with_files:
+                    sources[CARRIED] = (f"{guest}/{CARRIED}", spec.disk_gib << 30)
+                manifest = await self._keep(
+                    sandbox_id,
+                    sources,
+                    Manifest(
+                        id=checkpoint_id,
+                        kind=SnapshotKind.DISK,
+                        purpose=SnapshotPurpose.PROCESS,
+                        name=name,
+                        created_at=time.time(),
+                        source_sandbox=sandbox_id,
+                        parent=None,
+                        image_id=spec.image_id,
+                        cpus=0,
+                        memory_mib=0,
+                        disk_gib=0,
+                        disk_chain=(),
+                        ports=(),
+                        ram_in_stream=False,
+                        process={
+                            **described,
+                            "pid": pid,
+                            "tcp": tcp,
+                            "leave_running": leave_running,
+                            "with_files": list(with_files),
+                            "template": spec.template,
+                        },
+                    ),
+                )
+            except BaseException:
+                if not leave_running:  # stopped by CRIU, not saved: they go on
+                    with contextlib.suppress(CryoboxError):
+                        await self._run(sandbox_id, ["kill", "-CONT", "--", *pids])
+                raise
+            if not leave_running:
+                await self._run(sandbox_id, ["kill", "-KILL", "--", *pids])
         finally:
             with contextlib.suppress(CryoboxError):
                 await self._run(sandbox_id, ["rm", "-rf", guest])
@@ -229,54 +391,62 @@ class Processes:
         self, sandbox_id: str, pid: int, guest: str, *, leave_running: bool, tcp: str
     ) -> None:
         options = ["--shell-job", "--file-locks", "-v2"]
-        if leave_running:
-            options.append("--leave-running")
+        options.append("--leave-running" if leave_running else "--leave-stopped")
         if tcp == "established":
             options += ["--tcp-established", "--network-lock", "nftables"]
         else:
             options.append("--tcp-close")
         script = (
             f"mkdir -p {guest}/images && cd {guest} && "
-            f"criu dump -t {pid} -D images -o ../dump.log {' '.join(options)}; code=$?; "
+            f"{CRIU} dump -t {pid} -D images -o ../dump.log {' '.join(options)}; code=$?; "
             "if [ $code -ne 0 ]; then cat dump.log; exit $code; fi"
         )
         code, output = await self._run(sandbox_id, ["sh", "-c", script], CRIU_TIMEOUT)
         if code != 0:
-            with contextlib.suppress(CryoboxError):
-                await self._run(sandbox_id, ["rm", "-rf", guest])
+            if not leave_running:  # a dump that failed late may have left them stopped
+                with contextlib.suppress(CryoboxError):
+                    await self._run(sandbox_id, ["kill", "-CONT", "--", str(pid)])
             raise ProcessCheckpointFailed("checkpoint", sandbox_id, _criu_errors(output))
 
-    async def _images(self, sandbox_id: str, folder: str, memory_mib: int) -> list[str]:
-        """The names of CRIU's image files in the guest's ``folder``, checked: plain
+    async def _images(self, sandbox_id: str, folder: str, memory_mib: int) -> dict[str, int]:
+        """CRIU's image files in the guest's ``folder`` and their sizes, checked: plain
         names, not too many, and together no larger than the guest's RAM could make them
         (the guest is not trusted to say what the host keeps)."""
         entries = await self.guest.list_dir(sandbox_id, folder)
-        names = sorted(e.name for e in entries)
-        bad = [n for n in names if not IMAGE_NAME.fullmatch(n) or n == CARRIED]
-        total = sum(e.size for e in entries)
-        if bad or len(names) > MAX_IMAGES or any(e.type != "file" for e in entries):
+        bad = [e.name for e in entries if not IMAGE_NAME.fullmatch(e.name) or e.type != "file"]
+        if bad or len(entries) > MAX_IMAGES:
             raise ProcessCheckpointFailed(
                 "checkpoint", sandbox_id, f"unexpected files among CRIU's images: {bad[:3]}"
             )
+        total = sum(e.size for e in entries)
         if total > (memory_mib << 20) * 2:
             raise ProcessCheckpointFailed(
                 "checkpoint",
                 sandbox_id,
                 f"CRIU's images hold {total} bytes, more than the guest's RAM could make",
             )
-        return names
+        return {e.name: e.size for e in sorted(entries, key=lambda e: e.name)}
 
-    async def _keep(self, sandbox_id: str, sources: dict[str, str], manifest: Manifest) -> Manifest:
-        """Copy the guest's files (name in the snapshot -> guest path) into a new snapshot
-        folder and commit it."""
+    async def _keep(
+        self, sandbox_id: str, sources: dict[str, tuple[str, int]], manifest: Manifest
+    ) -> Manifest:
+        """Copy the guest's files (name in the snapshot -> guest path, most bytes) into a
+        new snapshot folder and commit it; a file that grows past its bound is refused
+        (the guest may keep writing to it, or swap in a device that never ends)."""
         temp = await asyncio.to_thread(self.store.begin, manifest.id)
         try:
-            for name, path in sources.items():
+            for name, (path, most) in sources.items():
                 fd = os.open(temp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
+                    written = 0
                     async for data in self.guest.read_file(sandbox_id, path):
-                        await asyncio.to_thread(os.write, fd, data)
-                    os.fsync(fd)
+                        written += len(data)
+                        if written > most:
+                            raise ProcessCheckpointFailed(
+                                "checkpoint", sandbox_id, f"{path} grew past {most} bytes"
+                            )
+                        await asyncio.to_thread(_write_all, fd, data)
+                    await asyncio.to_thread(os.fsync, fd)
                 finally:
                     os.close(fd)
             described = await asyncio.to_thread(mf.describe_files, temp, list(sources))
@@ -309,20 +479,30 @@ class Processes:
         folder = self.store.folder(manifest.id)
         await asyncio.to_thread(mf.verify, folder, manifest)
         saved = manifest.process
-        found = await self._probe(sandbox_id, "check", json.dumps(saved))
-        self._refuse_what_differs(manifest, sandbox_id, found)
-        guest = f"{GUEST_DIR}/{manifest.id}"
-        top = max(int(pid) for pid in saved["pids"])
-        if int(found["last_pid"]) < top:
-            # What the restore starts in the guest must not take the tree's pids: the
-            # guest's next pids are moved past them first.
-            await self._run(sandbox_id, ["sh", "-c", f"echo {top} > /proc/sys/kernel/ns_last_pid"])
+        guest = f"{GUEST_DIR}/{new_id('restore')}"  # one folder per restore
         try:
+            # What the check needs travels as a file (a big tree's would not fit argv).
+            wanted = {k: saved.get(k) for k in ("maps", "open_files", "cwd", "pids")}
+            wanted["with_files"] = saved.get("with_files", [])
+            await self.guest.write_file(
+                sandbox_id, f"{guest}/check.json", [json.dumps(wanted).encode()], 0o600
+            )
+            found = _found(await self._probe(sandbox_id, "check", f"{guest}/check.json"))
+            self._refuse_what_differs(manifest, sandbox_id, found)
+            top = max(int(pid) for pid in saved["pids"])
+            if found["last_pid"] < top:
+                # What the restore starts in the guest must not take the tree's pids:
+                # the guest's next pids are moved past them first.
+                await self._run(
+                    sandbox_id, ["sh", "-c", f"echo {top} > /proc/sys/kernel/ns_last_pid"]
+                )
             for name in manifest.files:
-                with open(folder / name, "rb") as handle:
-                    chunks = iter(functools.partial(handle.read, CHUNK), b"")
-                    path = f"{guest}/{name}" if name == CARRIED else f"{guest}/images/{name}"
-                    await self.guest.write_file(sandbox_id, path, chunks, 0o600)
+                path = (
+                    f"{guest}/{CARRIED}"
+                    if name == CARRIED
+                    else f"{guest}/images/{name.removeprefix(IMAGE_PREFIX)}"
+                )
+                await self.guest.write_file(sandbox_id, path, _chunks(folder / name), 0o600)
             return await self._restore(manifest, sandbox_id, guest)
         finally:
             with contextlib.suppress(CryoboxError):
@@ -388,11 +568,14 @@ class Processes:
             else:
                 opens.append(f"exec {fd}</dev/null")
             options += ["--inherit-fd", shlex.quote(f"fd[{fd}]:{outside['pipe']}")]
-        carried = f"tar -C / -xpf {CARRIED} && " if CARRIED in manifest.files else ""
+        carried = ""
+        if CARRIED in manifest.files:  # only the paths asked for, whatever the archive holds
+            members = " ".join(shlex.quote(p.lstrip("/")) for p in saved.get("with_files", ()))
+            carried = f"tar -C / -xpf {CARRIED} -- {members} && "
         script = (
             f"cd {guest} && {carried}"
             f"{' && '.join(opens)} && "
-            f"criu restore -D images -o ../restore.log --pidfile ../pid {' '.join(options)}; "
+            f"{CRIU} restore -D images -o ../restore.log --pidfile ../pid {' '.join(options)}; "
             "code=$?; if [ $code -ne 0 ]; then cat restore.log; exit $code; fi; cat pid"
         )
         code, output = await self._run(sandbox_id, ["bash", "-c", script], CRIU_TIMEOUT)

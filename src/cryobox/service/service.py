@@ -434,6 +434,11 @@ class SandboxService:
                     f"snapshot {request.from_snapshot!r} is a volume's: restore it with "
                     "Volume.create(name, from_snapshot=...)"
                 )
+            if source.purpose is SnapshotPurpose.PROCESS:
+                raise InvalidArgument(
+                    f"snapshot {request.from_snapshot!r} is a process checkpoint: restore it "
+                    "into a running sandbox with sbx.processes.restore(...)"
+                )
         elif template != BASE_TEMPLATE:
             source = await self.template_snapshot(template, image, progress, tenant)
         shape = {
