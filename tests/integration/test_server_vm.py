@@ -43,6 +43,8 @@ BODIES: dict[tuple[str, str], Any] = {
     ("post", "/sandboxes/{sandbox_id}/commands/{command_id}/resize"): {"cols": 80, "rows": 24},
     ("post", "/sandboxes/{sandbox_id}/files/mkdir"): {"path": "/root/intruder"},
     ("post", "/volumes/{name}/snapshots"): {"name": "theirs"},
+    ("post", "/sandboxes/{sandbox_id}/processes/checkpoints"): {"pid": 2},
+    ("post", "/sandboxes/{sandbox_id}/processes/restore"): {"checkpoint": "PLACEHOLDER"},
 }
 
 
@@ -73,7 +75,12 @@ def test_another_tenants_key_is_answered_404_on_every_endpoint(api_server: ApiSe
             }
             tried = _walk_as_intruder(owner, intruder, ids, checkpoint.id)
             assert tried >= 20
-            for listing in ("/sandboxes?all=true", "/snapshots", "/lineage"):
+            for listing in (
+                "/sandboxes?all=true",
+                "/snapshots",
+                "/lineage",
+                "/process-checkpoints",
+            ):
                 assert sbx.id not in intruder.get(listing).text
                 assert saved.id not in intruder.get(listing).text
             # No template was made of the owner's sandbox for anyone.
