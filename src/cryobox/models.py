@@ -21,6 +21,12 @@ from cryobox import config
 Seconds = Annotated[float, Gt(0), Le(30 * 86400)]
 Port = Annotated[int, Ge(1), Le(65535)]
 Text = Annotated[str, MinLen(1), MaxLen(4096)]
+#: A network policy as records keep it: "internet", "none", an allow list, or
+#: ``{"allow": [...], "deny": [...]}`` (see :mod:`cryobox.network.policy`).
+NetworkJson = str | list[str] | dict[str, list[str]]
+_Rules = Annotated[list[Text], MaxLen(256)]
+#: The same as a request may send it (bounded).
+NetworkRequest = str | _Rules | Annotated[dict[str, _Rules], MaxLen(2)]
 
 #: Called with a line saying what a long step is doing (an image build, a template).
 Progress = Callable[[str], None]
@@ -208,8 +214,9 @@ class SandboxInfo:
     #: of guest RAM written to its RAM file (whose blocks are all reserved on the host).
     vmm_pid: int | None = None
     ram_file_bytes: int = 0
-    #: The network policy's JSON form: "internet", "none" or the allowed rules.
-    network: str | list[str] = "internet"
+    #: The network policy's JSON form: "internet", "none", the allowed rules, or
+    #: ``{"allow": [...], "deny": [...]}`` (see :mod:`cryobox.network.policy`).
+    network: NetworkJson = "internet"
     #: The supervisor process while one serves the sandbox (for measuring it), and the
     #: bytes its logs hold on the host (console and supervisor, rotations included).
     supervisor_pid: int | None = None
@@ -417,10 +424,11 @@ class CreateRequest:
     #: does (its resume boots it again); ``resume`` continues it.
     on_timeout: Literal["kill", "pause", "pause-disk"] = "kill"
     ports: Annotated[Sequence[Port], MaxLen(32)] = ()
-    #: What the guest may connect to: "internet", "none" or a list of rules
-    #: ("HOST:PORT", "HOST", "CIDR", "CIDR:PORT"); see :mod:`cryobox.network.policy`.
+    #: What the guest may connect to: "internet", "none", a list of rules
+    #: ("HOST:PORT", "HOST", "CIDR", "CIDR:PORT"), or ``{"allow": [...], "deny":
+    #: [...]}``; see :mod:`cryobox.network.policy`.
     #: ``None``: the snapshot's or parent's policy for a fork, else "internet".
-    network: str | Annotated[list[Text], MaxLen(256)] | None = None
+    network: NetworkRequest | None = None
     #: Seconds without use after which ``cryobox server`` pauses the sandbox, to be woken
     #: by the next call or connection (0: never; None: the server's default, 600). Only a
     #: server watches for idleness: embedded, nothing runs between calls to notice it.

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, cast
 from annotated_types import Ge, Le, MaxLen, MinLen, Predicate
 
 from cryobox import config
-from cryobox.models import Port, Seconds, Text
+from cryobox.models import NetworkJson, NetworkRequest, Port, Seconds, Text
 
 #: What refuses an unknown field (FastAPI builds its validator with this configuration).
 STRICT: dict[str, Any] = {"extra": "forbid"}
@@ -73,6 +73,20 @@ class Fork(Body):
 @dataclass(frozen=True)
 class ExposePort(Body):
     guest_port: Port
+
+
+@dataclass(frozen=True)
+class UpdateNetwork(Body):
+    """A running sandbox's new network policy (see :mod:`cryobox.network.policy`)."""
+
+    network: NetworkRequest
+
+
+@dataclass(frozen=True)
+class NetworkSet:
+    """The policy in force, as kept (host names resolved)."""
+
+    network: NetworkJson
 
 
 @dataclass(frozen=True)

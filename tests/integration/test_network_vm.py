@@ -10,6 +10,7 @@ aims at any address outside this machine.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 import tls_ca
+from api_server import CLI, ApiServer
 from cryobox import Sandbox, Volume
 from cryobox.errors import VolumeNotFound
 
@@ -139,6 +141,11 @@ def test_network_none_and_allow_lists(sandbox_factory: Callable[..., Any], outsi
     port = closed.expose_port(8000)
     # forwarded ports still work with network="none"
     assert fetch_until_up(f"http://127.0.0.1:{port}/", within=30)[0] == 200
+    # A sandbox made with no way out is given one while it runs: its server goes on.
+    assert closed.update_network([f"{OUTSIDE}:8081"]) == [f"{OUTSIDE}/32:8081"]
+    assert reach(closed, OUTSIDE, 8081)
+    assert not reach(closed, OUTSIDE, 8080)
+    assert fetch_until_up(f"http://127.0.0.1:{port}/", within=30)[0] == 200
 
     listed = sandbox_factory(timeout=600, network=[f"{OUTSIDE}:8080"])
     assert listed.info().network == [f"{OUTSIDE}/32:8080"]
@@ -153,6 +160,112 @@ def test_network_none_and_allow_lists(sandbox_factory: Callable[..., Any], outsi
     finally:
         for fork in forks:
             fork.kill()
+
+
+def test_a_running_sandbox_network_changes_at_once_and_is_kept(
+    sandbox_factory: Callable[..., Any], outside: None
+) -> None:
+    from cryobox.errors import InvalidArgument
+
+    sbx = sandbox_factory(timeout=600, network={"deny": [f"{OUTSIDE}:8080"]})
+    assert sbx.info().network == {"allow": [], "deny": [f"{OUTSIDE}/32:8080"]}
+    assert not reach(sbx, OUTSIDE, 8080)
+    assert reach(sbx, OUTSIDE, 8081)
+    job = sbx.commands.run("sleep 900", background=True)
+
+    # E2B's allow list: everything denied, one destination allowed (allowed wins).
+    kept = sbx.update_network({"deny": ["0.0.0.0/0"], "allow": [f"{OUTSIDE}:8080"]})
+    assert kept == {"allow": [f"{OUTSIDE}/32:8080"], "deny": ["0.0.0.0/0"]}
+    assert reach(sbx, OUTSIDE, 8080)
+    assert not reach(sbx, OUTSIDE, 8081)
+
+    sbx.update_network("none")
+    assert not reach(sbx, OUTSIDE, 8080)
+    assert not reach(sbx, OUTSIDE, 8081)
+
+    # Refused by name, and the policy in force stays.
+    for bad, named in (
+        ({"allw": [OUTSIDE]}, "allw"),
+        ({"deny": "0.0.0.0/0"}, "deny"),
+        (["127.0.0.1"], "127.0.0.1"),
+        ({"allow": ["*.example.com"]}, "wildcard"),
+    ):
+        with pytest.raises(InvalidArgument, match=named):
+            sbx.update_network(bad)
+    assert sbx.info().network == "none"
+    assert not reach(sbx, OUTSIDE, 8081)
+
+    # The machine was never restarted for any of it.
+    assert sbx.commands.run(f"kill -0 {job.pid}").exit_code == 0
+
+    # Kept across a pause and resume, and by a fork.
+    sbx.update_network({"deny": [f"{OUTSIDE}:8081"]})
+    sbx.pause()
+    sbx = Sandbox.resume(sbx.id)
+    assert sbx.info().network == {"allow": [], "deny": [f"{OUTSIDE}/32:8081"]}
+    assert reach(sbx, OUTSIDE, 8080)
+    assert not reach(sbx, OUTSIDE, 8081)
+    assert sbx.commands.run(f"kill -0 {job.pid}").exit_code == 0
+    fork = sbx.fork(1)[0]
+    try:
+        assert fork.info().network == {"allow": [], "deny": [f"{OUTSIDE}/32:8081"]}
+        assert not reach(fork, OUTSIDE, 8081)
+        fork.update_network("internet")  # its own: the parent's stays
+        assert reach(fork, OUTSIDE, 8081)
+        assert not reach(sbx, OUTSIDE, 8081)
+    finally:
+        fork.kill()
+
+
+def test_e2b_network_rules_and_update_network_over_http(
+    api_server: ApiServer, outside: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E2B's SDK, unchanged: ``network=`` at create and ``update_network``; cryobox's CLI
+    on the same sandbox through the same server."""
+    e2b = pytest.importorskip("e2b")
+    monkeypatch.setenv("E2B_API_URL", f"{api_server.url}/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", f"{api_server.url}/e2b")
+    monkeypatch.setenv("E2B_API_KEY", api_server.key)
+    curl = f"curl -s --connect-timeout 3 --max-time 5 -o /dev/null -w '%{{http_code}}' http://{OUTSIDE}:8080/"
+
+    def reaches(sbx: Any) -> bool:
+        try:
+            return bool(sbx.commands.run(curl).stdout == "200")
+        except e2b.CommandExitException:
+            return False
+
+    sbx = e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(deny_out=[OUTSIDE]), timeout=600)
+    try:
+        assert not reaches(sbx)
+        sbx.update_network({"deny_out": [e2b.ALL_TRAFFIC], "allow_out": [OUTSIDE]})
+        assert reaches(sbx)
+        sbx.update_network({})  # every rule cleared: the internet
+        assert reaches(sbx)
+        sbx.update_network({"deny_out": [e2b.ALL_TRAFFIC]})
+        assert not reaches(sbx)
+        with pytest.raises(e2b.SandboxException, match="maskRequestHost"):
+            e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(mask_request_host="x.example"))
+
+        cli = subprocess.run(
+            [*CLI, "network", sbx.sandbox_id, "--deny", f"{OUTSIDE}:8081"],
+            capture_output=True,
+            text=True,
+            env=api_server.client_env(),
+            timeout=120,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout) == {"allow": [], "deny": [f"{OUTSIDE}/32:8081"]}
+        assert reaches(sbx)
+        refused = subprocess.run(
+            [*CLI, "network", sbx.sandbox_id, "internet", "--deny", OUTSIDE],
+            capture_output=True,
+            text=True,
+            env=api_server.client_env(),
+            timeout=120,
+        )
+        assert refused.returncode != 0 and "not both" in refused.stderr
+    finally:
+        sbx.kill()
 
 
 def test_bad_network_argument_is_refused_naming_it() -> None:

@@ -15,7 +15,7 @@ import pytest
 from cryobox.errors import NetworkError, QemuError
 from cryobox.network import namespace
 from cryobox.network.namespace import Link
-from cryobox.network.policy import NetworkPolicy
+from cryobox.network.policy import NetworkPolicy, parse_policy
 from cryobox.qemu import process
 from cryobox.vmm.base import MachineSpec
 
@@ -103,3 +103,45 @@ def test_the_hosts_resolvers_are_reached_on_port_53_only_in_every_mode(
             rules = namespace._sandbox_rules(policy, link, [])
             checked = subprocess.run(["nft", "-c", "-f", "-"], input=rules, text=True)
             assert checked.returncode == 0
+
+
+def test_allowed_entries_win_over_denied_ones_and_the_rest_follows_the_mode() -> None:
+    """The filter's order is the policy's meaning: allowed, then denied, then the mode."""
+    link = Link("cbx1", "10.213.0.5", "10.213.0.6")
+    policy = parse_policy({"allow": ["198.51.100.7:443"], "deny": ["198.51.100.0/24"]})
+    lines = [line.strip() for line in namespace._sandbox_rules(policy, link, []).splitlines()]
+    allowed = lines.index("ip daddr 198.51.100.7/32 tcp dport 443 accept")
+    denied = lines.index("ip daddr 198.51.100.0/24 reject")
+    assert allowed < denied < lines.index("accept")
+    # One transaction that replaces the table in force (a change while it runs).
+    assert lines[1:3] == ["table inet sandbox", "delete table inet sandbox"]
+    closed = namespace._sandbox_rules(NetworkPolicy(mode="none"), link, [])
+    assert "dport 53" not in closed and closed.split()[-3:] == ["reject", "}", "}"]
+    if shutil.which("nft") and os.geteuid() == 0:
+        for rules in (namespace._sandbox_rules(policy, link, []), closed):
+            checked = subprocess.run(["nft", "-c", "-f", "-"], input=rules, text=True)
+            assert checked.returncode == 0
+
+
+async def test_a_policy_change_without_a_link_makes_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox made with "none" has no link; given a way out, it gets one (and a
+    namespace that has one keeps it, only its filter replaced)."""
+    made: list[NetworkPolicy] = []
+
+    async def fake_attach(pid: int, policy: NetworkPolicy) -> Link:
+        made.append(policy)
+        return Link("cbx9", "10.213.0.37", "10.213.0.38")
+
+    applied: list[str] = []
+
+    async def fake_run(argv: list[str], stdin: str = "") -> str:
+        applied.append(stdin)
+        return "[]" if argv[-1] == "show" else ""
+
+    monkeypatch.setattr(namespace, "attach", fake_attach)
+    monkeypatch.setattr(namespace, "_run", fake_run)
+    link = await namespace.change(1234, None, NetworkPolicy())
+    assert link == Link("cbx9", "10.213.0.37", "10.213.0.38") and made == [NetworkPolicy()]
+    again = await namespace.change(1234, link, NetworkPolicy(mode="none"))
+    assert again is link and made == [NetworkPolicy()]
+    assert any("delete table inet sandbox" in text for text in applied)

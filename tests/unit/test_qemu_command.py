@@ -107,13 +107,17 @@ def test_missing_qemu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         qemu_binary()
 
 
-def test_isolated_forwards_listen_inside_the_namespace_and_none_is_restricted() -> None:
+def test_isolated_forwards_listen_inside_the_namespace_and_none_is_restricted_bare() -> None:
     forward = (PortForward(80, 41000),)
     argv = build_command("qemu", spec(ports=forward, isolated=True))
     # inside the sandbox's own namespace; the supervisor joins host port 41000 to it
     assert option(argv, "-netdev") == ["user,id=net0,ipv6=off,hostfwd=tcp:127.0.0.1:80-:80"]
+    # "none" isolated: no link in the namespace (update_network may add one later)
     closed = build_command("qemu", spec(network=parse_policy("none"), isolated=True))
-    assert option(closed, "-netdev") == ["user,id=net0,ipv6=off,restrict=on"]
+    assert option(closed, "-netdev") == ["user,id=net0,ipv6=off"]
+    # not isolated: slirp's own restriction is what there is
+    bare = build_command("qemu", spec(network=parse_policy("none"), isolated=False))
+    assert option(bare, "-netdev") == ["user,id=net0,ipv6=off,restrict=on"]
 
 
 def test_qemu_is_confined_by_seccomp_and_runs_unprivileged() -> None:
@@ -137,6 +141,14 @@ def test_qemu_is_confined_by_seccomp_and_runs_unprivileged() -> None:
         ),
         (("203.0.113.7:80", "203.0.113.7:80"), ["203.0.113.7/32:80"]),
         (["0.0.0.0/0:443"], ["0.0.0.0/0:443"]),  # wider than what is blocked: kept
+        ({"deny": ["10.1.2.3"]}, {"allow": [], "deny": ["10.1.2.3/32"]}),
+        (
+            {"deny": ["0.0.0.0/0"], "allow": ["10.1.2.3:443"]},
+            {"allow": ["10.1.2.3/32:443"], "deny": ["0.0.0.0/0"]},
+        ),
+        ({"allow": [], "deny": []}, "internet"),  # nothing listed: the default
+        ({}, "internet"),
+        ({"deny": ["127.0.0.1"]}, {"allow": [], "deny": ["127.0.0.1/32"]}),  # blocked anyway
     ],
 )
 def test_network_policy_parses_modes_rules_and_names(value: object, json: object) -> None:
@@ -159,6 +171,10 @@ def test_network_policy_parses_modes_rules_and_names(value: object, json: object
         ["fd00::/8"],
         [None],
         ["no-such-host.invalid"],
+        {"allowed": ["1.2.3.4"]},
+        {"deny": "1.2.3.4"},
+        {"allow": ["*.example.com"]},
+        {"deny": ["1.2.3.4"] * 300},
     ],
 )
 def test_network_policy_refuses_bad_entries_naming_them(bad: object) -> None:

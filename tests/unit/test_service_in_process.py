@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cryobox.errors import StateError
-from cryobox.models import CommandRequest, CreateRequest, SnapshotPurpose
+from cryobox.errors import InvalidArgument, StateError
+from cryobox.models import CommandRequest, CreateRequest, NetworkJson, SnapshotPurpose
 from cryobox.sandbox import registry
 from cryobox.sandbox.in_process import InProcessLauncher
 from cryobox.service import SandboxService
@@ -29,7 +29,7 @@ class NoPools:
     def sizes(self) -> dict[str, int]:
         return {}
 
-    def claims(self, template: str, snapshot_id: str, network: str | list[str]) -> Iterator[str]:
+    def claims(self, template: str, snapshot_id: str, network: NetworkJson) -> Iterator[str]:
         return iter(())
 
     def members(self, template: str | None = None) -> list[Member]:
@@ -99,3 +99,26 @@ async def test_a_lifecycle_with_every_part_injected(parts: SandboxService) -> No
     for each in (info, *copies):
         await service.kill(each.id)
         assert (await service.get(each.id)).state == "killed"
+
+
+async def test_a_network_change_is_kept_in_the_spec_and_needs_a_running_sandbox(
+    parts: SandboxService,
+) -> None:
+    """The layer under the real test (tests/integration/test_network_vm.py): the policy
+    reaches the VM and the spec, which later starts and forks read."""
+    service = parts
+    info = await service.create(CreateRequest(template="base", network="none"))
+    kept = await service.update_network(info.id, {"deny": ["192.0.2.0/24"]})
+    assert kept == {"allow": [], "deny": ["192.0.2.0/24"]}
+    assert (await service.get(info.id)).network == kept
+    assert registry.find(info.id).spec().network == kept
+    with pytest.raises(InvalidArgument, match="'nope'"):
+        await service.update_network(info.id, {"nope": []})
+    assert registry.find(info.id).spec().network == kept  # a refusal changes nothing
+    await service.pause(info.id)
+    with pytest.raises(StateError, match="paused"):
+        await service.update_network(info.id, "internet")
+    resumed = await service.resume(info.id)
+    assert resumed.network == kept
+    (copy,) = await service.fork(info.id, 1)
+    assert copy.network == kept

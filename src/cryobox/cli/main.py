@@ -648,6 +648,41 @@ def set_timeout(sandbox_id: str, seconds: float) -> None:
         Sandbox.connect(sandbox_id).set_timeout(seconds)  # (a paused one is resumed)
 
 
+@app.command("network")
+def network_(
+    sandbox_id: str,
+    policy: Annotated[
+        str | None,
+        typer.Argument(
+            help="internet, none, or comma-separated HOST:PORT / HOST / CIDR / CIDR:PORT "
+            "entries (only those)."
+        ),
+    ] = None,
+    allow: Annotated[
+        list[str] | None,
+        typer.Option("--allow", help="An entry that gets out whatever is denied (repeatable)."),
+    ] = None,
+    deny: Annotated[
+        list[str] | None,
+        typer.Option("--deny", help="An entry that does not get out (repeatable)."),
+    ] = None,
+) -> None:
+    """Change what a running sandbox's guest may reach, at once (no restart); print the
+    policy kept. `--deny 0.0.0.0/0 --allow HOST` lets only HOST out."""
+    with errors_reported():
+        if (policy is None) == (not allow and not deny):
+            raise InvalidArgument("give a POLICY, or --allow/--deny entries (not both)")
+        wanted: str | list[str] | dict[str, list[str]] = (
+            {"allow": allow or [], "deny": deny or []}
+            if policy is None
+            else policy
+            if policy in ("internet", "none")
+            else policy.split(",")
+        )
+        kept = Sandbox.connect(sandbox_id).update_network(wanted)
+        out.print(kept if isinstance(kept, str) else json.dumps(kept), soft_wrap=True)
+
+
 @app.command()
 def port(sandbox_id: str, guest_port: int) -> None:
     """Forward a guest TCP port to 127.0.0.1 and print the host port."""

@@ -43,6 +43,7 @@ from cryobox.models import (
     EntryInfo,
     FileEvent,
     LineageNode,
+    NetworkJson,
     ProcessCheckpointInfo,
     Progress,
     SandboxInfo,
@@ -591,6 +592,28 @@ async def _resume(transport: Transport, sandbox_id: str) -> SandboxInfo:
         return info
 
 
+def _network_argument(network: Any) -> NetworkJson:
+    """``network=`` as the wire carries it, or an error naming it."""
+    if isinstance(network, str):
+        return network
+    if isinstance(network, Mapping):
+        lists = {key: _rules_argument(network, rules) for key, rules in network.items()}
+        if not all(isinstance(key, str) for key in lists):
+            raise InvalidArgument(f"network={network!r}: its keys are 'allow' and 'deny'")
+        return lists
+    return _rules_argument(network, network)
+
+
+def _rules_argument(network: Any, rules: Any) -> list[str]:
+    found = list(rules) if isinstance(rules, Iterable) and not isinstance(rules, str) else None
+    if found is None or not all(isinstance(rule, str) for rule in found):
+        raise InvalidArgument(
+            f"network={network!r}: must be 'internet', 'none', a list of rules, or "
+            '{"allow": [rules], "deny": [rules]}'
+        )
+    return found
+
+
 def _egress(proxy: str | None, ca_bundle: str | os.PathLike[str] | None) -> dict[str, Any]:
     """``create``'s proxy and CA arguments as the service takes them (and checks): None
     for the defaults of the host the sandbox runs on, ``""`` for none, a bundle file read
@@ -665,7 +688,7 @@ class AsyncSandbox:
         timeout: float = config.DEFAULT_TIMEOUT,
         on_timeout: Literal["kill", "pause", "pause-disk"] = "kill",
         ports: Sequence[int] = (),
-        network: str | Sequence[str] = "internet",
+        network: str | Sequence[str] | Mapping[str, Sequence[str]] = "internet",
         idle_timeout: float | None = None,
         envs: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
@@ -695,9 +718,11 @@ class AsyncSandbox:
         next call, which resumes a paused sandbox first) with a new timeout.
 
         ``network`` is what the guest may connect to: ``"internet"`` (anywhere the host
-        reaches, never the host itself nor other sandboxes), ``"none"``, or a list of
-        ``"HOST:PORT"``, ``"HOST"``, ``"CIDR"``, ``"CIDR:PORT"`` entries. Ports forwarded
-        from the host into the guest work whatever the policy.
+        reaches, never the host itself nor other sandboxes), ``"none"``, a list of
+        ``"HOST:PORT"``, ``"HOST"``, ``"CIDR"``, ``"CIDR:PORT"`` entries (only those), or
+        ``{"allow": [...], "deny": [...]}`` (the internet but the denied entries; an
+        allowed entry wins). Ports forwarded from the host into the guest work whatever
+        the policy. :meth:`update_network` changes it while the sandbox runs.
 
         ``envs`` are environment variables every command gets (a command's own ``envs``
         win), kept with the sandbox and its forks but never shown by :meth:`info`.
@@ -745,13 +770,7 @@ class AsyncSandbox:
             )
         if isinstance(ports, str | bytes) or not isinstance(ports, Iterable):
             raise InvalidArgument(f"ports={ports!r}: must be a list of guest port numbers")
-        if not isinstance(network, str):
-            rules = list(network) if isinstance(network, Iterable) else None
-            if rules is None or not all(isinstance(rule, str) for rule in rules):
-                raise InvalidArgument(
-                    f"network={network!r}: must be 'internet', 'none' or a list of rules"
-                )
-            network = rules
+        network = _network_argument(network)
         transport = transport_for(api_url, api_key)
         request = CreateRequest(
             template=template,
@@ -1089,6 +1108,24 @@ class AsyncSandbox:
     async def set_timeout(self, seconds: float) -> None:
         """Kill the sandbox ``seconds`` from now unless extended again."""
         await self._awake(lambda: self._transport.set_timeout(self.id, seconds))
+
+    async def update_network(
+        self, network: str | Sequence[str] | Mapping[str, Sequence[str]]
+    ) -> NetworkJson:
+        """Replace what the guest may connect to, in force at once (no restart; the
+        sandbox's rollbacks, resumes and forks keep it). The same forms as
+        :meth:`create`'s ``network=``, and ``{"allow": [...], "deny": [...]}``: the
+        internet but the denied entries, the allowed ones winning. Host names are
+        resolved once, now. Connections already open stay open.
+
+        Returns the policy as kept (names as addresses).
+
+        :raises InvalidArgument: naming the entry that is not a mode or a rule.
+        """
+        wanted = _network_argument(network)
+        kept = await self._awake(lambda: self._transport.update_network(self.id, wanted))
+        await self.info()
+        return kept
 
     async def logs(self) -> str:
         """The guest's serial console so far."""

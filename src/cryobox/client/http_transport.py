@@ -34,6 +34,7 @@ from cryobox.models import (
     EntryInfo,
     ExitStatus,
     LineageNode,
+    NetworkJson,
     OutputSink,
     ProcessCheckpointInfo,
     Progress,
@@ -374,6 +375,15 @@ class HttpTransport:
             "POST", self._sbx(sandbox_id, "/ports"), json=wire.ExposePort(guest_port).to_wire()
         )
         return int(response.json()["host_port"])
+
+    async def update_network(self, sandbox_id: str, network: NetworkJson) -> NetworkJson:
+        response = await self._call(
+            "PUT",
+            self._sbx(sandbox_id, "/network"),
+            json=wire.UpdateNetwork(network).to_wire(),
+        )
+        kept: NetworkJson = response.json()["network"]
+        return kept
 
     async def logs(self, sandbox_id: str) -> str:
         return (await self._call("GET", self._sbx(sandbox_id, "/logs"))).text

@@ -206,6 +206,7 @@ class Sandbox:
     rewind = method(AsyncSandbox.rewind)
     expose_port = method(AsyncSandbox.expose_port)
     set_timeout = method(AsyncSandbox.set_timeout)
+    update_network = method(AsyncSandbox.update_network)
     logs = method(AsyncSandbox.logs)
     kill = method(AsyncSandbox.kill)
     close = method(AsyncSandbox.close)

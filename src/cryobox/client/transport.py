@@ -22,6 +22,7 @@ from cryobox.models import (
     CreateRequest,
     EntryInfo,
     LineageNode,
+    NetworkJson,
     OutputSink,
     ProcessCheckpointInfo,
     Progress,
@@ -69,6 +70,7 @@ class Transport(Protocol):
     ) -> builtins.list[SandboxInfo]: ...
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None: ...
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int: ...
+    async def update_network(self, sandbox_id: str, network: NetworkJson) -> NetworkJson: ...
     async def logs(self, sandbox_id: str) -> str: ...
     async def ping(self, sandbox_id: str) -> None: ...
     async def lineage(self) -> builtins.list[LineageNode]: ...
@@ -182,6 +184,9 @@ class LocalTransport:
 
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
         return await self.service.expose_port(sandbox_id, guest_port)
+
+    async def update_network(self, sandbox_id: str, network: NetworkJson) -> NetworkJson:
+        return await self.service.update_network(sandbox_id, network)
 
     async def logs(self, sandbox_id: str) -> str:
         return await self.service.logs(sandbox_id)

@@ -29,7 +29,7 @@ from cryobox.errors import (
     SnapshotNotFound,
     StateError,
 )
-from cryobox.models import CommandRequest, CreateRequest, SandboxInfo
+from cryobox.models import CommandRequest, CreateRequest, NetworkJson, SandboxInfo
 from cryobox.server.forward import credentials
 from cryobox.server.hub import Hub
 from cryobox.server.tenants import Tenant
@@ -73,6 +73,51 @@ class NewSandbox(BaseModel):
     mcp: Any = None
     network: dict[str, Any] | None = None
     volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
+
+
+class NetworkUpdate(BaseModel):
+    """E2B's ``update_network`` body (``SandboxNetworkUpdateConfig``)."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    allow_out: list[str] | None = Field(default=None, alias="allowOut", max_length=256)
+    deny_out: list[str] | None = Field(default=None, alias="denyOut", max_length=256)
+    allow_internet_access: bool | None = Field(default=None, alias="allowInternetAccess")
+    rules: dict[str, Any] | None = None
+    egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
+
+
+#: E2B's name for every IPv4 destination (its SDK's ``ALL_TRAFFIC``).
+ALL_TRAFFIC = "0.0.0.0/0"
+
+
+def egress_policy(network: dict[str, Any], internet: bool | None) -> NetworkJson | None:
+    """E2B's network options as a cryobox policy (None: the default, the internet).
+
+    ``allowOut`` and ``denyOut`` become the policy's allowed and denied entries (an
+    allowed one wins, as in E2B); ``allowInternetAccess=False`` denies everything not
+    allowed. Domains in ``allowOut`` are resolved once, when the policy is set, rather
+    than matched per connection by a proxy as E2B's are. Per-domain transforms, egress
+    proxies, host masking and private traffic URLs have no cryobox counterpart and are
+    refused by name.
+    """
+    for name in ("rules", "egressProxy", "maskRequestHost"):
+        if network.get(name):
+            raise Unsupported(f"network.{name} is not supported by cryobox")
+    if network.get("allowPublicTraffic") is False:
+        raise Unsupported(
+            "network.allowPublicTraffic=false is not supported by cryobox: a sandbox's "
+            "ports are published on the server's host only, through its own API"
+        )
+    allow = [str(entry) for entry in network.get("allowOut") or ()]
+    deny = [str(entry) for entry in network.get("denyOut") or ()]
+    if internet is False and ALL_TRAFFIC not in deny:
+        deny.append(ALL_TRAFFIC)
+    if not allow and not deny:
+        return None
+    if not allow and ALL_TRAFFIC in deny:
+        return "none"
+    return {"allow": allow, "deny": deny}
 
 
 class Timeout(BaseModel):
@@ -167,7 +212,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         timeout: int,
         metadata: dict[str, str],
         envs: dict[str, str],
-        network: str | None,
+        network: NetworkJson | None,
         volumes: dict[str, str] | None = None,
         *,
         on_timeout: Literal["kill", "pause", "pause-disk"] = "kill",
@@ -207,13 +252,8 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             )
         if body.mcp:
             raise Unsupported("mcp gateways are not supported by cryobox")
-        if body.network:
-            raise Unsupported(
-                "network rules are not supported through the E2B API: use "
-                "allow_internet_access, or cryobox's own API for an allow-list"
-            )
         timeout = body.timeout or DEFAULT_TIMEOUT
-        network = "none" if body.allow_internet_access is False else None
+        network = egress_policy(body.network or {}, body.allow_internet_access)
         volumes = {str(m.get("path")): str(m.get("name")) for m in body.volume_mounts or ()}
         return await start(
             me,
@@ -392,12 +432,14 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
                 pass  # a paused, busy or odd guest: the samples so far
         return [s.to_e2b() for s in samples.between(sandbox_id, start, end)]
 
-    @router.put("/sandboxes/{sandbox_id}/network")
-    async def network(sandbox_id: str, me: Me) -> None:
+    @router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+    async def network(sandbox_id: str, body: NetworkUpdate, me: Me) -> Response:
+        """Replace the sandbox's egress rules; a field left out is cleared, as E2B does."""
         record(me, sandbox_id)
-        raise Unsupported(
-            "update_network is not supported: cryobox fixes the network policy at create"
-        )
+        rules = body.model_dump(by_alias=True, exclude={"allow_internet_access"})
+        policy = egress_policy(rules, body.allow_internet_access) or "internet"
+        await hub.update_network(me, sandbox_id, policy)
+        return Response(status_code=204)
 
     return router
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from cryobox.errors import NetworkError
 from cryobox.network.addresses import LINK_LOCAL, PREFIX, SUBNET, addresses_of
-from cryobox.network.policy import ALLOW, NONE, NetworkPolicy
+from cryobox.network.policy import INTERNET, NONE, NetworkPolicy
 
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS = 0x8913
@@ -174,13 +174,17 @@ async def ensure_host_rules() -> None:
 
 
 def _sandbox_rules(policy: NetworkPolicy, link: Link, host_addresses: list[str]) -> str:
-    """The output filter inside the namespace, where slirp opens the guest's sockets.
+    """The output filter inside the namespace, where slirp opens the guest's sockets, as
+    one nftables transaction that replaces the one before (a policy changed while the
+    sandbox runs is in force all at once, never half).
 
     Always: nothing to the host (its gateway here, every address the host has), to any
     sandbox link or to link-local addresses, and no IPv6. This repeats the host table's
     rules where a host firewall reload (``flush ruleset``) or a host DNAT cannot reach.
-    For a list of rules: only the listed destinations, and DNS to the host's resolvers
-    (which slirp's 10.0.2.3 relays to), get out.
+    Then the policy's allowed rules, its denied ones, and what is not listed: out for
+    ``"internet"``, refused otherwise. DNS to the host's resolvers (which slirp's
+    10.0.2.3 relays to) gets out but for ``"none"`` (a policy set to none while the
+    sandbox runs keeps its link, and lets nothing through it).
     """
     never = sorted({link.host_address, str(SUBNET), LINK_LOCAL, *host_addresses})
     lines = [
@@ -189,7 +193,7 @@ def _sandbox_rules(policy: NetworkPolicy, link: Link, host_addresses: list[str])
         "meta nfproto ipv6 reject",
         f"ip daddr {{ {', '.join(never)} }} reject",
     ]
-    resolvers = _resolvers()
+    resolvers = _resolvers() if policy.mode != NONE else []
     for resolver in resolvers:
         lines += [
             f"ip daddr {resolver} udp dport 53 accept",
@@ -201,19 +205,20 @@ def _sandbox_rules(policy: NetworkPolicy, link: Link, host_addresses: list[str])
     private = [r for r in resolvers if not ipaddress.ip_address(r).is_global]
     if private:
         lines.append(f"ip daddr {{ {', '.join(private)} }} reject")
-    if policy.mode != ALLOW:
-        lines.append("accept")
-    for rule in policy.rules:
-        if rule.port is None:
-            lines.append(f"ip daddr {rule.network} accept")
-        else:
-            lines += [
-                f"ip daddr {rule.network} tcp dport {rule.port} accept",
-                f"ip daddr {rule.network} udp dport {rule.port} accept",
-            ]
-    lines.append("reject")
+    for verdict, rules in (("accept", policy.rules), ("reject", policy.deny)):
+        for rule in rules:
+            if rule.port is None:
+                lines.append(f"ip daddr {rule.network} {verdict}")
+            else:
+                lines += [
+                    f"ip daddr {rule.network} tcp dport {rule.port} {verdict}",
+                    f"ip daddr {rule.network} udp dport {rule.port} {verdict}",
+                ]
+    lines.append("accept" if policy.mode == INTERNET else "reject")
     body = "\n        ".join(lines)
     return f"""
+table inet sandbox
+delete table inet sandbox
 table inet sandbox {{
     chain output {{
         type filter hook output priority filter; policy drop;
@@ -262,6 +267,24 @@ async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
         f"addr add {link.sandbox_address}/{PREFIX} dev eth0\nlink set eth0 up\n"
         f"route add default via {link.host_address}\n",
     )
+    return link
+
+
+async def change(pid: int, link: Link | None, policy: NetworkPolicy) -> Link | None:
+    """Put ``policy`` in force in the namespace of process ``pid`` (a running VM's),
+    whose way out is ``link`` (None: it has none yet, its policy was ``"none"``).
+
+    The filter is replaced in one transaction; connections already open stay open (the
+    filter lets established flows through, as a stateful firewall does). A namespace
+    with no link gets one; one with a link keeps it whatever the policy (``"none"``
+    then refuses everything through it). Returns the link.
+
+    :raises NetworkError: when the rules cannot be applied (the old ones stay).
+    """
+    if link is None:
+        return await attach(pid, policy)
+    enter = ["nsenter", f"--net={namespace_path(pid)}", "--"]
+    await _run([*enter, "nft", "-f", "-"], _sandbox_rules(policy, link, await _host_addresses()))
     return link
 
 

@@ -4,7 +4,11 @@
 sandboxes and link-local addresses (cloud metadata services). ``"none"``: nothing at
 all; ports forwarded from the host into the guest still work. A list of rules:
 only those, each ``"HOST:PORT"``, ``"HOST"`` (every port), ``"CIDR"`` or
-``"CIDR:PORT"``; host names are resolved once, on the host, when the sandbox is created.
+``"CIDR:PORT"``. ``{"allow": [...], "deny": [...]}``: the internet but what ``deny``
+lists, and what ``allow`` lists in any case (an allowed destination wins over a denied
+one, as E2B's ``allow_out``/``deny_out`` do; ``"deny": ["0.0.0.0/0"]`` with an allow
+list is an allow list). Host names are resolved once, on the host, when the policy is
+set (at create, or by :meth:`~cryobox.Sandbox.update_network`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryobox.errors import InvalidArgument
+from cryobox.models import NetworkJson
 from cryobox.network.addresses import SUBNET, host_addresses
 
 INTERNET = "internet"
@@ -34,18 +39,36 @@ class Rule:
         return self.network if self.port is None else f"{self.network}:{self.port}"
 
 
+#: The most rules one policy holds (each is a line of the sandbox's filter).
+MAX_RULES = 256
+
+
 @dataclass(frozen=True)
 class NetworkPolicy:
+    """``mode`` says what is not listed: ``INTERNET`` goes out, ``ALLOW`` and ``NONE``
+    do not. ``rules`` go out in any mode but ``NONE``; ``deny`` (of ``INTERNET`` only)
+    does not, unless a rule allows it."""
+
     mode: str = INTERNET
     rules: tuple[Rule, ...] = ()
+    deny: tuple[Rule, ...] = ()
 
-    def to_json(self) -> str | list[str]:
+    def to_json(self) -> NetworkJson:
+        if self.mode == INTERNET and (self.rules or self.deny):
+            return {"allow": [str(r) for r in self.rules], "deny": [str(r) for r in self.deny]}
         return self.mode if self.mode != ALLOW else [str(r) for r in self.rules]
 
     @classmethod
     def from_json(cls, value: Any) -> NetworkPolicy:
         """Read back what :meth:`to_json` wrote (names are already addresses)."""
         return parse_policy(value if value is not None else INTERNET, resolve=False)
+
+
+FORMS = (
+    "must be 'internet', 'none', a list of 'HOST:PORT', 'HOST', 'CIDR' or 'CIDR:PORT' "
+    'entries (only those), or {"allow": [...], "deny": [...]} (the internet but the '
+    "denied entries; allowed ones win)"
+)
 
 
 def parse_policy(value: Any, *, resolve: bool = True) -> NetworkPolicy:
@@ -55,18 +78,36 @@ def parse_policy(value: Any, *, resolve: bool = True) -> NetworkPolicy:
     """
     if isinstance(value, str) and value in (INTERNET, NONE):
         return NetworkPolicy(mode=value)
+    if isinstance(value, dict):
+        return _parse_allow_deny(value, resolve)
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise InvalidArgument(
-            f"network {value!r}: must be 'internet', 'none' or a list of "
-            "'HOST:PORT', 'HOST', 'CIDR' or 'CIDR:PORT' entries"
-        )
+        raise InvalidArgument(f"network {value!r}: {FORMS}")
+    return NetworkPolicy(mode=ALLOW, rules=_parse_rules(value, resolve, allowed=True))
+
+
+def _parse_allow_deny(value: dict[Any, Any], resolve: bool) -> NetworkPolicy:
+    unknown = sorted(str(k) for k in value if k not in ("allow", "deny"))
+    if unknown:
+        raise InvalidArgument(f"network: unknown key {unknown[0]!r}; {FORMS}")
+    lists = {}
+    for key in ("allow", "deny"):
+        entries = value.get(key) or []
+        if isinstance(entries, str) or not isinstance(entries, Sequence):
+            raise InvalidArgument(f"network[{key!r}] {entries!r}: must be a list of entries")
+        lists[key] = _parse_rules(entries, resolve, allowed=key == "allow")
+    return NetworkPolicy(mode=INTERNET, rules=lists["allow"], deny=lists["deny"])
+
+
+def _parse_rules(entries: Sequence[Any], resolve: bool, *, allowed: bool) -> tuple[Rule, ...]:
+    if len(entries) > MAX_RULES:
+        raise InvalidArgument(f"network: {len(entries)} entries, at most {MAX_RULES}")
     rules: list[Rule] = []
-    for entry in value:
-        rules += _parse_rule(entry, resolve)
-    return NetworkPolicy(mode=ALLOW, rules=tuple(dict.fromkeys(rules)))
+    for entry in entries:
+        rules += _parse_rule(entry, resolve, allowed)
+    return tuple(dict.fromkeys(rules))
 
 
-def _parse_rule(entry: Any, resolve: bool) -> list[Rule]:
+def _parse_rule(entry: Any, resolve: bool, allowed: bool = True) -> list[Rule]:
     if not isinstance(entry, str) or not entry or entry.strip() != entry:
         raise InvalidArgument(f"network entry {entry!r}: must be a non-empty string")
     host, port = entry, None
@@ -85,6 +126,11 @@ def _parse_rule(entry: Any, resolve: bool) -> list[Rule]:
         rules = [Rule(str(net), port)]
     elif not resolve:
         raise InvalidArgument(f"network entry {entry!r}: not an address")
+    elif "*" in host:
+        raise InvalidArgument(
+            f"network entry {entry!r}: wildcard names are not supported (names are "
+            "resolved once, on the host, when the policy is set); list the addresses"
+        )
     else:
         try:
             infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
@@ -93,7 +139,9 @@ def _parse_rule(entry: Any, resolve: bool) -> list[Rule]:
                 f"network entry {entry!r}: cannot resolve {host!r} ({exc})"
             ) from exc
         rules = [Rule(f"{info[4][0]}/32", port) for info in infos]
-    if resolve:  # a policy read back was checked when it was made
+    # A policy read back was checked when it was made; denying what is blocked anyway
+    # misleads nobody.
+    if resolve and allowed:
         for rule in rules:
             _refuse_unreachable(entry, ipaddress.IPv4Network(rule.network))
     return rules

@@ -60,9 +60,13 @@ def hostfwd(forward: PortForward, isolated: bool) -> str:
 
 
 def netdev(spec: MachineSpec) -> str:
-    """User-mode networking (slirp); ``restrict=on`` when the policy is "none"."""
+    """User-mode networking (slirp); ``restrict=on`` when the policy is "none" and the
+    guest is not isolated (then slirp's own restriction is all there is). An isolated
+    guest's namespace has no way out at all for "none", and slirp stays unrestricted so
+    that ``update_network`` can give the running guest one (a link added to its
+    namespace; slirp's restriction cannot be lifted while QEMU runs)."""
     options = ["user", "id=net0", "ipv6=off"]
-    if spec.network.mode == NONE:
+    if spec.network.mode == NONE and not spec.isolated:
         options.append("restrict=on")
     options += [f"hostfwd={hostfwd(p, spec.isolated)}" for p in spec.ports]
     return ",".join(options)

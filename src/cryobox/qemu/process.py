@@ -19,7 +19,8 @@ from typing import Any
 from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
 from cryobox.errors import NetworkError, QemuError, QemuNotInstalled
-from cryobox.network.namespace import Link, attach, isolate_this_process
+from cryobox.network.namespace import Link, attach, change, isolate_this_process
+from cryobox.network.policy import NetworkPolicy
 from cryobox.qemu.command import build_command, hostfwd
 from cryobox.vmm.base import MachineSpec, PortForward
 
@@ -340,6 +341,15 @@ class QemuProcess:
         )
         if answer.strip():
             raise QemuError(f"hostfwd_add refused: {answer.strip()}", command=self.command)
+
+    async def set_network(self, policy: NetworkPolicy) -> None:
+        if not self.spec.isolated or self._process is None:
+            raise NetworkError(
+                "this sandbox's network is not isolated (CRYOBOX_NETWORK_ISOLATION=off): "
+                "no policy can be put in force"
+            )
+        await self.network_ready()
+        self.link = await change(self._process.pid, self.link, policy)
 
     # -- snapshots: the device state travels by migration, RAM stays in its file
 

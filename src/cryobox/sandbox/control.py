@@ -28,6 +28,8 @@ from cryobox.arguments import positive_seconds, whole_number
 from cryobox.config import MAX_PAUSE_HOLD
 from cryobox.errors import InvalidArgument, ProtocolError
 from cryobox.guest.client import AgentClient
+from cryobox.models import NetworkJson
+from cryobox.network.policy import NetworkPolicy
 from cryobox.sandbox.registry import SandboxRecord
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 
@@ -37,6 +39,7 @@ class ControlOp(enum.StrEnum):
     SET_TIMEOUT = "sandbox.set_timeout"
     KILL = "sandbox.kill"
     EXPOSE_PORT = "sandbox.expose_port"
+    SET_NETWORK = "sandbox.update_network"
     PAUSE = "sandbox.pause"
     #: Continue a pause whose VM the supervisor still holds (see :class:`Pause`).
     WAKE = "sandbox.wake"
@@ -62,6 +65,7 @@ TIMEOUTS: dict[ControlOp, float] = {
     ControlOp.SET_TIMEOUT: 10.0,
     ControlOp.KILL: 30.0,
     ControlOp.EXPOSE_PORT: 30.0,
+    ControlOp.SET_NETWORK: 30.0,
     ControlOp.PAUSE: 900.0,
     ControlOp.WAKE: 120.0,
     ControlOp.SNAPSHOT: 900.0,
@@ -201,6 +205,36 @@ class ExposePort:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ProtocolError(f"{self.op}: host_port={port!r} is not a port")
         return PortExposed(port)
+
+
+@dataclass(frozen=True)
+class NetworkSet:
+    """The policy now in force (its JSON form)."""
+
+    network: NetworkJson
+
+
+@dataclass(frozen=True)
+class SetNetwork:
+    """Put a network policy in force for the running sandbox and keep it (its JSON
+    form, host names already resolved by the service)."""
+
+    network: NetworkJson
+
+    op: ClassVar[ControlOp] = ControlOp.SET_NETWORK
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> SetNetwork:
+        return cls(NetworkPolicy.from_json(args.get("network")).to_json())
+
+    def to_args(self) -> dict[str, Any]:
+        return {"network": self.network}
+
+    def read_reply(self, result: dict[str, Any]) -> NetworkSet:
+        try:
+            return NetworkSet(NetworkPolicy.from_json(result.get("network")).to_json())
+        except InvalidArgument as exc:
+            raise ProtocolError(f"{self.op}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -344,6 +378,7 @@ REQUESTS: dict[ControlOp, type[Any]] = {
         Claim,
         SetTimeout,
         ExposePort,
+        SetNetwork,
         Pause,
         TakeSnapshot,
         Rollback,

@@ -1218,6 +1218,17 @@ class Machine:
         self.update(ports={**self.record.ports, guest_port: forward.host_port})
         return forward.host_port
 
+    async def set_network(self, policy: NetworkPolicy) -> None:
+        """Put ``policy`` in force for the running guest, then keep it in the spec: the
+        sandbox's rollbacks, resumes, forks and moves to another host start with it.
+
+        :raises NetworkError: when it cannot be applied (nothing changed)."""
+        assert self.vm is not None
+        await self.vm.set_network(policy)
+        self.network = policy
+        self.spec = replace(self.spec, network=policy.to_json())
+        self.folder.write_spec(self.spec)
+
     # -- end
 
     async def stop_vm(self) -> None:

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from cryobox.models import NetworkJson
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import keys
 
@@ -22,8 +23,9 @@ PAUSING_TIMEOUTS = ("pause", "pause-disk")
 
 @dataclass(frozen=True)
 class SandboxSpec:
-    """What was asked for at creation; changes once at most, when a pooled sandbox is
-    claimed (see :mod:`cryobox.service.pool`): it then takes its caller's settings."""
+    """What was asked for at creation. Changes when a pooled sandbox is claimed (see
+    :mod:`cryobox.service.pool`: it then takes its caller's settings) and when its
+    network policy is changed while it runs (``update_network``)."""
 
     id: str
     image_id: str
@@ -44,7 +46,7 @@ class SandboxSpec:
     tcg_threads: str = ""
     created_at: float = field(default_factory=time.time)
     #: The network policy's JSON form (see :class:`cryobox.network.NetworkPolicy`).
-    network: str | list[str] = "internet"
+    network: NetworkJson = "internet"
     #: Variables every command gets, and free-form labels (see ``CreateRequest``).
     envs: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)

@@ -62,6 +62,7 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
+from cryobox.network.policy import NetworkPolicy
 from cryobox.sandbox import priority
 from cryobox.sandbox.backend import backend
 from cryobox.sandbox.control import (
@@ -69,9 +70,11 @@ from cryobox.sandbox.control import (
     ControlOp,
     ExposePort,
     Kill,
+    NetworkSet,
     Pause,
     PortExposed,
     Rollback,
+    SetNetwork,
     SetTimeout,
     StartRequest,
     Status,
@@ -735,6 +738,7 @@ class Supervisor:
             ControlOp.WAKE: Handler(Wake.parse, self._wake, None, locked=True),
             ControlOp.SET_TIMEOUT: Handler(SetTimeout.parse, self._set_timeout, running),
             ControlOp.EXPOSE_PORT: Handler(ExposePort.parse, self._expose_port, running),
+            ControlOp.SET_NETWORK: Handler(SetNetwork.parse, self._set_network, running, True),
             ControlOp.CLAIM: Handler(Claim.parse, self._claim, running, True, True),
             ControlOp.PAUSE: Handler(Pause.parse, self._pause, running, True, True),
             ControlOp.SNAPSHOT: Handler(TakeSnapshot.parse, self._snapshot, running, True, True),
@@ -786,6 +790,11 @@ class Supervisor:
 
     async def _expose_port(self, request: ExposePort) -> PortExposed:
         return PortExposed(await self.machine.expose_port(request.guest_port))
+
+    async def _set_network(self, request: SetNetwork) -> NetworkSet:
+        policy = NetworkPolicy.from_json(request.network)
+        await self.machine.set_network(policy)
+        return NetworkSet(policy.to_json())
 
     async def _claim(self, _request: Claim) -> SandboxRecord:
         await self.machine.claim()

@@ -344,6 +344,11 @@ def create_app(
         host_port = await hub.expose_port(me, sandbox_id, body.guest_port)
         return s.HostPort(guest_port=body.guest_port, host_port=host_port)
 
+    @app.put("/sandboxes/{sandbox_id}/network", tags=["sandboxes"])
+    async def update_network(sandbox_id: str, body: s.UpdateNetwork, me: Me) -> s.NetworkSet:
+        """Replace a running sandbox's network policy, in force at once (no restart)."""
+        return s.NetworkSet(await hub.update_network(me, sandbox_id, body.network))
+
     @app.get("/sandboxes/{sandbox_id}/logs", response_class=PlainTextResponse, tags=["sandboxes"])
     async def logs(sandbox_id: str, me: Me) -> str:
         return await hub.logs(me, sandbox_id)

@@ -49,6 +49,7 @@ from cryobox.errors import (
 from cryobox.models import (
     CreateRequest,
     LineageNode,
+    NetworkJson,
     ProcessCheckpointInfo,
     SandboxInfo,
     SnapshotInfo,
@@ -842,6 +843,14 @@ class Hub:
         await self.use(tenant, sandbox_id)
         await self.service.expose_port(sandbox_id, guest_port)
         return await self._publish(sandbox_id, guest_port)
+
+    async def update_network(
+        self, tenant: Tenant, sandbox_id: str, network: NetworkJson
+    ) -> NetworkJson:
+        await self.use(tenant, sandbox_id)
+        kept = await self.service.update_network(sandbox_id, network)
+        self.events.publish(tenant.id, sandbox_id, "network", network=kept)
+        return kept
 
     async def logs(self, tenant: Tenant, sandbox_id: str) -> str:
         self._sandbox(tenant, sandbox_id)

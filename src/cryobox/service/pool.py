@@ -43,6 +43,7 @@ from typing import Protocol
 
 from cryobox import config
 from cryobox.arguments import whole_number
+from cryobox.models import NetworkJson
 from cryobox.sandbox import priority
 from cryobox.sandbox.launcher import relevant_env
 from cryobox.util import open_log, write_json_atomic
@@ -71,7 +72,7 @@ class Member:
     snapshot_id: str
     ready_at: float
     #: Its network policy's JSON form: a claim asks for the same.
-    network: str | list[str] = "internet"
+    network: NetworkJson = "internet"
     #: :func:`env_digest` of the refill that made it: a claim asks for the same.
     env: str = ""
 
@@ -163,7 +164,7 @@ def withdraw(member: Member) -> bool:
     return True
 
 
-def claims(template: str, snapshot_id: str, network: str | list[str]) -> Iterator[str]:
+def claims(template: str, snapshot_id: str, network: NetworkJson) -> Iterator[str]:
     """Ids of members restored from ``snapshot_id`` with the ``network`` policy under
     this process's settings, each withdrawn for the caller."""
     env = env_digest()
@@ -278,9 +279,7 @@ class WarmPools(Protocol):
 
     def sizes(self) -> dict[str, int]: ...
 
-    def claims(
-        self, template: str, snapshot_id: str, network: str | list[str]
-    ) -> Iterator[str]: ...
+    def claims(self, template: str, snapshot_id: str, network: NetworkJson) -> Iterator[str]: ...
 
     def members(self, template: str | None = None) -> list[Member]: ...
 
@@ -297,7 +296,7 @@ class HostPools:
     def sizes(self) -> dict[str, int]:
         return sizes()
 
-    def claims(self, template: str, snapshot_id: str, network: str | list[str]) -> Iterator[str]:
+    def claims(self, template: str, snapshot_id: str, network: NetworkJson) -> Iterator[str]:
         return claims(template, snapshot_id, network)
 
     def members(self, template: str | None = None) -> list[Member]:

@@ -54,6 +54,7 @@ from cryobox.image.build import Image, Progress
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
+    NetworkJson,
     SandboxInfo,
     SnapshotInfo,
 )
@@ -66,6 +67,7 @@ from cryobox.sandbox.control import (
     Kill,
     Pause,
     Rollback,
+    SetNetwork,
     SetTimeout,
     TakeSnapshot,
     Wake,
@@ -511,7 +513,7 @@ class SandboxService:
         return sandbox_info(spec, record, folder)
 
     async def _claim_pooled(
-        self, request: CreateRequest, source: Manifest, network: str | list[str], owner: str
+        self, request: CreateRequest, source: Manifest, network: NetworkJson, owner: str
     ) -> SandboxInfo | None:
         """A waiting member of the template's pool, given the request's settings and a
         fresh identity; None when none is ready (or none that fits).
@@ -752,6 +754,20 @@ class SandboxService:
     async def expose_port(self, sandbox_id: str, guest_port: int) -> int:
         whole_number("guest_port", guest_port, 1, 65535)
         return (await self.connections.control(sandbox_id, ExposePort(guest_port))).host_port
+
+    async def update_network(self, sandbox_id: str, network: Any) -> NetworkJson:
+        """Replace a running sandbox's network policy (the same forms as ``create``'s
+        ``network=``), in force at once without a restart and kept for its rollbacks,
+        resumes and forks. Host names are resolved now. Connections already open stay
+        open. Returns the policy's JSON form as kept.
+
+        :raises InvalidArgument: naming the entry that is not a mode or a rule.
+        :raises StateError: when the sandbox is not running (resume it first).
+        :raises NetworkError: when the policy cannot be applied (the old one stays).
+        """
+        policy = await asyncio.to_thread(parse_policy, network)
+        reply = await self.connections.control(sandbox_id, SetNetwork(policy.to_json()))
+        return reply.network
 
     async def logs(self, sandbox_id: str) -> str:
         """The guest's serial console so far."""

@@ -96,6 +96,13 @@ class Vm(Protocol):
 
     async def add_port_forward(self, forward: PortForward) -> None: ...
 
+    async def set_network(self, policy: NetworkPolicy) -> None:
+        """Put ``policy`` in force for the running guest (no restart; connections
+        already open stay open). A VMM that does not isolate its guests refuses it.
+
+        :raises NetworkError: when it cannot be applied (the old policy stays)."""
+        ...
+
     async def run_state(self) -> str:
         """The machine's own state: "running", "paused", or "inmigrate" while it still
         waits for the device state of a restore."""

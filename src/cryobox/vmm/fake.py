@@ -29,6 +29,7 @@ from cryobox.errors import CryoboxError, QemuError
 from cryobox.guest import agent as guest_agent
 from cryobox.guest import protocol as p
 from cryobox.image.build import Image
+from cryobox.network.policy import NetworkPolicy
 from cryobox.vmm.base import MachineSpec, PortForward, Progress
 
 FAKE_IMAGE_ID = "fake-image-1"
@@ -86,6 +87,8 @@ class FakeVm:
         self.guest: dict[str, Any] = {"boots": 0}
         self.running = False
         self.ports: list[PortForward] = list(spec.ports)
+        #: The policy in force (the fake enforces nothing; a unit test reads it).
+        self.network: NetworkPolicy = spec.network
         self._server: asyncio.AbstractServer | None = None
         self._waiter = asyncio.ensure_future(asyncio.to_thread(process.wait))
 
@@ -142,6 +145,10 @@ class FakeVm:
 
     async def add_port_forward(self, forward: PortForward) -> None:
         self.ports.append(forward)
+
+    async def set_network(self, policy: NetworkPolicy) -> None:
+        self._alive()
+        self.network = policy
 
     async def kill(self) -> None:
         if self._server is not None:
