@@ -353,8 +353,13 @@ def test_signed_file_urls_work_until_they_expire_or_are_altered(sbx: Any) -> Non
 
 
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
-    with pytest.raises(e2b.SandboxException, match="network"):
-        sbx.update_network({"allow_out": ["203.0.113.9"]})
+    """Per-domain header transforms need an egress proxy cryobox does not run: refused,
+    and the policy in force stays (allow_out/deny_out work: test_network_vm.py)."""
+    transform = {"example.com": [{"transform": {"headers": {"X-Token": "secret"}}}]}
+    with pytest.raises(e2b.SandboxException, match=r"network\.rules"):
+        sbx.update_network({"allow_out": ["203.0.113.9"], "rules": transform})
+    assert sbx.get_info().sandbox_id == sbx.sandbox_id
+    assert registry.find(sbx.sandbox_id).spec().network == "internet"
 
 
 def test_async_sandbox_the_same_way() -> None:

@@ -165,6 +165,13 @@ async def test_an_agent_works_checkpoints_rolls_back_and_forks_over_stdio() -> N
             for copy in copies:
                 assert (await call(client, "kill", sandbox_id=copy["id"]))["killed"] == copy["id"]
 
+            # Its network policy changes while it runs (the effect: test_network_vm.py).
+            opened = await call(
+                client, "update_network", sandbox_id=sandbox, network={"deny": ["192.0.2.0/24"]}
+            )
+            assert opened["network"] == {"allow": [], "deny": ["192.0.2.0/24"]}
+            assert opened["state"] == "running"
+
             # Pause keeps the process; a command resumes the sandbox.
             paused = await call(client, "pause", sandbox_id=sandbox)
             assert paused["state"] == "paused"

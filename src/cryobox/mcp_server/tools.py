@@ -46,6 +46,10 @@ MAX_FILE_BYTES = 8 << 20
 #: What run_command returns of each stream at most (its end: what a failure prints last).
 MAX_OUTPUT_CHARS = 100_000
 
+NETWORK_HELP = (
+    "'internet', 'none', a list of HOST:PORT / HOST / CIDR rules (only those), or "
+    '{"allow": [...], "deny": [...]} (the internet but the denied; allowed ones win).'
+)
 SandboxId = Annotated[
     str,
     Field(
@@ -102,6 +106,7 @@ def _sandbox(info: SandboxInfo) -> dict[str, Any]:
         "created_at": info.created_at,
         "deadline": info.deadline,
         "ports": {str(guest): host for guest, host in info.ports.items()},
+        "network": info.network,
         "labels": dict(info.metadata),
         "volumes": dict(info.volumes),
         "error": info.error,
@@ -180,8 +185,8 @@ def build_server(api_url: str | None = None, api_key: str | None = None) -> MCPS
             float, Field(gt=0, le=30 * 86400, description="Killed after this, unless extended.")
         ] = config.DEFAULT_TIMEOUT,
         network: Annotated[
-            str | list[str],
-            Field(description="'internet', 'none', or a list of HOST:PORT / CIDR rules."),
+            str | list[str] | dict[str, list[str]],
+            Field(description=NETWORK_HELP),
         ] = "internet",
         labels: Annotated[
             dict[str, str] | None, Field(description="Free-form labels kept with it.")
@@ -386,6 +391,17 @@ def build_server(api_url: str | None = None, api_key: str | None = None) -> MCPS
         The sandbox itself goes on running."""
         sandbox = await attach(sandbox_id)
         return [_sandbox(await copy.info()) for copy in await sandbox.fork(count)]
+
+    @server.tool()
+    @_reported
+    async def update_network(
+        sandbox_id: SandboxId,
+        network: Annotated[str | list[str] | dict[str, list[str]], Field(description=NETWORK_HELP)],
+    ) -> dict[str, Any]:
+        """Change what the running sandbox may connect to, at once (no restart)."""
+        sandbox = await attach(sandbox_id)
+        await sandbox.update_network(network)
+        return _sandbox(await sandbox.info())
 
     @server.tool()
     @_reported
