@@ -124,6 +124,8 @@ def shared_sandbox(request: pytest.FixtureRequest) -> Iterator[Any]:
 def api_server() -> Iterator[ApiServer]:
     """A real server over the real VMM and this session's state folder, with a tenant."""
     server = make_server(STATE / "server")
+    # Sandboxes' ports by host name too (PORT-ID.localhost:PORT, sent as a Host header).
+    server.env["CRYOBOX_DOMAIN"] = f"localhost:{server.port}"
     server.key = server.tenant("tests")
     server.start()
     yield server

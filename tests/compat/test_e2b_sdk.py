@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -350,6 +352,113 @@ def test_signed_file_urls_work_until_they_expire_or_are_altered(sbx: Any) -> Non
     # A read signature does not write.
     wrong = httpx.post(url, files={"file": ("signed.txt", b"overwritten")})
     assert wrong.status_code == 401 and sbx.files.read("signed.txt") == "signed content"
+
+
+#: A web server for the guest, with the standard library only: a 5 MB answer, a digest
+#: of what is posted, and a WebSocket that echoes text frames (handshake by hand).
+GUEST_SERVER = r"""
+import base64, hashlib, http.server, sys
+
+BIG = bytes(range(256)) * 20480
+MAGIC = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def answer(self, status, body):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.headers.get("Upgrade", "").lower() == "websocket":
+            return self.websocket()
+        self.answer(200, BIG if self.path.startswith("/big") else self.headers["Host"].encode())
+
+    def do_POST(self):
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(200, hashlib.sha256(data).hexdigest().encode())
+
+    def websocket(self):
+        key = self.headers["Sec-WebSocket-Key"] + MAGIC
+        accept = base64.b64encode(hashlib.sha1(key.encode()).digest()).decode()
+        self.send_response(101)
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", accept)
+        self.end_headers()
+        self.wfile.flush()
+        while True:
+            head = self.rfile.read(2)
+            if len(head) < 2 or head[0] & 0x0F == 8:
+                return
+            size = head[1] & 0x7F
+            if size == 126:
+                size = int.from_bytes(self.rfile.read(2), "big")
+            mask = self.rfile.read(4)
+            data = bytes(b ^ mask[i % 4] for i, b in enumerate(self.rfile.read(size)))
+            reply = b"echo " + data
+            self.wfile.write(bytes([0x81, len(reply)]) + reply)
+            self.wfile.flush()
+
+http.server.ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_ports_by_host_name_wake_a_sandbox_like_e2b(api_server: ApiServer) -> None:
+    """``get_host(port)``: ``PORT-ID.DOMAIN`` (the server's ``--domain``, here
+    ``localhost:PORT``, reached with a Host header as a wildcard DNS name would): the
+    guest's server answers, bodies stream both ways past the API's body limit, a
+    WebSocket is relayed, and a request wakes an ``auto_resume`` sandbox its pause
+    stopped; one without it is refused (502, as E2B's edge answers)."""
+    from websockets.sync.client import connect
+
+    waking = e2b.Sandbox.create(timeout=600, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    plain = e2b.Sandbox.create(timeout=600)
+    try:
+        for sandbox in (waking, plain):
+            sandbox.files.write("/tmp/serve.py", GUEST_SERVER)
+            sandbox.commands.run("python3 /tmp/serve.py 8000", background=True, timeout=0)
+        host = waking.get_host(8000)
+        assert host == f"8000-{waking.sandbox_id}.localhost:{api_server.port}"
+        url = api_server.url
+
+        def get(path: str, to: str = host) -> httpx.Response:
+            return httpx.get(f"{url}{path}", headers={"Host": to}, timeout=60)
+
+        until(lambda: get("/").status_code == 200, "the guest's server", timeout=60)
+        assert get("/").text == host  # the Host header it was asked with
+        big = get("/big?part=1")
+        assert big.status_code == 200
+        assert big.content == bytes(range(256)) * 20480
+        posted = bytes(range(256)) * 12288  # 3 MB, over the API's 1 MiB body limit
+        echoed = httpx.post(f"{url}/echo", content=posted, headers={"Host": host}, timeout=60)
+        assert echoed.text == hashlib.sha256(posted).hexdigest()
+        with connect(
+            f"ws://{host}/ws", sock=socket.create_connection(("127.0.0.1", api_server.port))
+        ) as ws:
+            ws.send("hello")
+            assert ws.recv(timeout=30) == "echo hello"
+
+        # Paused: a request by host name wakes the auto_resume one, the same server on.
+        assert waking.pause() is True
+        assert waking.get_info().state == e2b.SandboxState.PAUSED
+        woken = get("/")
+        assert woken.status_code == 200 and woken.text == host
+        assert waking.get_info().state == e2b.SandboxState.RUNNING
+
+        other = plain.get_host(8000)
+        until(lambda: get("/", other).status_code == 200, "the other guest's server", timeout=60)
+        assert plain.pause() is True
+        refused = get("/", other)
+        assert refused.status_code == 502 and "paused" in refused.text
+        assert plain.get_info().state == e2b.SandboxState.PAUSED
+        unknown = get("/", f"8000-sbx-000000000000.localhost:{api_server.port}")
+        assert unknown.status_code == 404
+    finally:
+        waking.kill()
+        plain.kill()
 
 
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:

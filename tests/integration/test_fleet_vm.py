@@ -49,6 +49,7 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         "CRYOBOX_STORE": str(tmp_path / "store"),
         "CRYOBOX_HOST_HEARTBEAT": "1",
         "CRYOBOX_HOST_GONE_AFTER": "4",
+        "CRYOBOX_DOMAIN": "fleet.localhost",  # ports by host name on every host
     }
     servers = {
         name: make_server(
@@ -149,6 +150,13 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
             200,
             b"served from the same machine",
         )
+        # By host name through the other host: passed on, Host header and all.
+        by_name = httpx.get(
+            f"{servers[loser].url}/index.html",
+            headers={"Host": f"8000-{sandbox_id}.fleet.localhost"},
+            timeout=60,
+        )
+        assert (by_name.status_code, by_name.text) == (200, "served from the same machine")
 
         # A template saved there is usable from the other host: pulled from the store.
         moved.files.write("/root/template-marker", "from the fleet")

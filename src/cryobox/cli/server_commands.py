@@ -69,6 +69,22 @@ def server(
             help="Seconds between retention and chunk-store collections (0: never).",
         ),
     ] = 3600.0,
+    domain: Annotated[
+        str | None,
+        typer.Option(
+            "--domain",
+            envvar="CRYOBOX_DOMAIN",
+            help="Serve each sandbox's ports by host name, PORT-ID.DOMAIN (point a "
+            "wildcard DNS name here; 'localhost:PORT' on one machine). Anyone who reaches "
+            "the server and knows a sandbox's id reaches its ports.",
+        ),
+    ] = None,
+    ssl_certfile: Annotated[
+        str | None, typer.Option("--ssl-certfile", help="Serve over TLS with this certificate.")
+    ] = None,
+    ssl_keyfile: Annotated[
+        str | None, typer.Option("--ssl-keyfile", help="The certificate's private key.")
+    ] = None,
 ) -> None:
     """Serve the HTTP API (docs at /docs). Stopping it leaves every sandbox running."""
     from cryobox.e2b.extension import extension as e2b
@@ -85,6 +101,9 @@ def server(
             storage_interval=storage_interval,
             collect_interval=collect_interval,
             extensions=[e2b()],  # the official e2b SDK's API, under /e2b
+            domain=domain,
+            ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
         )
 
 

@@ -41,6 +41,12 @@ def install(app: FastAPI, hub: Hub) -> None:
     app.include_router(volumes_router(hub))
     app.add_middleware(EnvdRpc, envd=envd)
 
+    def auto_resumes(sandbox_id: str) -> bool:  # a request to its port wakes it, as E2B's
+        record = records.get(sandbox_id)
+        return record is not None and record.auto_resume
+
+    hub.traffic_wakes.append(auto_resumes)
+
 
 def error_response(exc: CryoboxError, status: int) -> JSONResponse:
     return rest.error_body(rest.status_of_e2b(exc, status), exc)

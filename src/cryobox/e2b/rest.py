@@ -191,7 +191,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             "envdVersion": ENVD_VERSION,
             "envdAccessToken": rec.access_token,
             "trafficAccessToken": rec.traffic_token,
-            "domain": None,
+            "domain": hub.domain,  # get_host(port): PORT-ID.DOMAIN (None: not served)
         }
 
     def detail(info: SandboxInfo, rec: E2bSandbox) -> dict[str, Any]:

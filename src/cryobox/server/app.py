@@ -51,10 +51,12 @@ from cryobox.models import (
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
 
+from . import host_routes
 from .backlog import Backlog
 from .console import install_console
 from .extensions import Extension
 from .forward import Forward, credentials
+from .host_routes import HostRoutes
 from .hub import Hub
 from .limits import BodyLimit
 from .meter import usage_days
@@ -160,6 +162,12 @@ Me = Annotated[Tenant, Depends(current_tenant)]
 PathQ = Annotated[str, Query(min_length=1, max_length=4096)]
 
 
+def _host(scope: dict[str, Any]) -> str | None:
+    """A request's Host header."""
+    value = dict(scope.get("headers") or []).get(b"host")
+    return value.decode("latin-1") if value is not None else None
+
+
 def create_app(
     hub: Hub,
     *,
@@ -228,19 +236,29 @@ def create_app(
         extension = next((x for x in extensions if x.owns(path)), None)
         return extension.error_response(exc, status_of(exc)) if extension else error_response(exc)
 
+    # Ports by host name (PORT-ID.DOMAIN), inside forwarding: on a fleet, the request
+    # reaches the host that runs the sandbox first.
+    app.add_middleware(HostRoutes, domain=hub.domain, port_of=hub.traffic_port)
+
+    def by_host(sandbox_id: str, headers: Mapping[str, str]) -> bool:
+        """A request by host name is anyone's (a public URL) and may wake the sandbox."""
+        return host_routes.target(hub.domain)("", headers) == sandbox_id
+
     app.add_middleware(
         Forward,
         hub=hub,
-        targets=[x.target for x in extensions],
-        credentials=[functools.partial(x.may_use, hub) for x in extensions],
+        targets=[host_routes.target(hub.domain), *(x.target for x in extensions)],
+        credentials=[by_host, *(functools.partial(x.may_use, hub) for x in extensions)],
         creates={
             "/sandboxes": lambda h: api_key(h.get("authorization"), h.get("x-api-key")),
             **{path: x.create_key or _no_key for x in extensions for path in x.creates},
         },
         refusal=refusal,
     )
-    app.add_middleware(  # before anything reads a body
-        BodyLimit, streaming=[x.streaming for x in extensions if x.streaming is not None]
+    app.add_middleware(  # before anything reads a body (a port's traffic is the guest's)
+        BodyLimit,
+        streaming=[x.streaming for x in extensions if x.streaming is not None],
+        passes=lambda scope: host_routes.route_of(_host(scope), hub.domain) is not None,
     )
     app.add_middleware(SendDeadline)  # outermost: a response's writes, when it arms one
 

@@ -30,7 +30,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -40,21 +40,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cryobox.errors import CryoboxError, NoHostAvailable
 
+from . import relay
+
 log = logging.getLogger(__name__)
 
 FORWARDED = "x-cryobox-forwarded"
 _SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_.-]+)(?:/|$)")
-#: Headers that describe one connection, not the request (RFC 9110 section 7.6.1).
-_HOP = {
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-}
 #: Connect 5 s; a stream may be quiet for as long as its command is.
 _TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0)
 #: No cap on connections to a peer: one tenant's open streams must not starve others.
@@ -248,73 +239,19 @@ class Forward:
         answered yet)."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, limits=_LIMITS)
-        query = scope.get("query_string", b"").decode("latin-1")
-        raw = scope.get("raw_path") or scope["path"].encode()  # as sent: %2F stays %2F
-        url = base.rstrip("/") + raw.decode("latin-1") + (f"?{query}" if query else "")
-        named = {name.strip().lower() for name in headers.get("connection", "").split(",") if name}
-        sent = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in scope["headers"]
-            if k.decode("latin-1").lower() not in _HOP | named | {FORWARDED}
-        ]
+        url = base.rstrip("/") + relay.target_of(scope)
+        sent = relay.passed_headers(scope, drop=frozenset({FORWARDED}))
         sent.append((FORWARDED, self.hub.forward_secret))
         gone = asyncio.Event()
-
-        async def body() -> AsyncIterator[bytes]:
-            while True:
-                message = await receive.next()
-                if message["type"] == "http.disconnect":
-                    gone.set()
-                    return
-                yield message.get("body", b"")
-                if not message.get("more_body", False):
-                    return
-
         method = scope["method"]
-        has_body = "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
-        request = self._client.build_request(
-            method, url, headers=sent, content=body() if has_body else None
-        )
+        body = relay.request_body(receive.next, gone) if relay.has_body(headers) else None
+        request = self._client.build_request(method, url, headers=sent, content=body)
         try:
             response = await self._client.send(request, stream=True)
         except Exception as exc:  # refused, timed out, or a protocol error on the way
             log.warning("forwarding %s %s to %s failed: %r", method, scope["path"], base, exc)
             return False
-        try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": [
-                        (k.encode("latin-1"), v.encode("latin-1"))
-                        for k, v in response.headers.multi_items()
-                        if k.lower() not in _HOP
-                    ],
-                }
-            )
-
-            async def pump() -> None:
-                async for chunk in response.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-            # Whichever ends first: the answer, or the client (leaving mid-stream closes
-            # the upstream stream, so the other host frees the command's resources).
-            tasks = {
-                asyncio.create_task(pump()),
-                asyncio.create_task(_until_gone(receive.next, gone)),
-            }
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            for task in pending:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for task in done:
-                if task.exception() is not None:
-                    log.warning("forwarded stream from %s ended: %s", base, task.exception())
-        finally:
-            await response.aclose()
+        await relay.stream_answer(response, send, receive.next, gone, base)
         return True
 
 
@@ -346,17 +283,6 @@ class _Replay:
         if self._kept:
             return self._kept.pop(0)
         return await self._receive()
-
-
-async def _until_gone(receive: Receive, gone: asyncio.Event) -> None:
-    """Wait for the client to disconnect (the request body is read by then)."""
-    if gone.is_set():
-        return
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            gone.set()
-            return
 
 
 async def _answer(send: Send, status: int, detail: str) -> None:

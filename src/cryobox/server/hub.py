@@ -25,7 +25,7 @@ import secrets
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +138,12 @@ class Hub:
         self.prices = prices or Prices()
         self.ports = PortProxy(host, self._host_port, self.meter.touch)
         self.commands: dict[str, RunningCommand] = {}
+        #: The name under which sandboxes' ports are reached by host name
+        #: (``PORT-ID.DOMAIN``, :mod:`.host_routes`); None: not offered.
+        self.domain: str | None = None
+        #: Rules by which a request for a paused sandbox's port wakes it (an extension's:
+        #: E2B's ``auto_resume``); an idle-paused one always wakes.
+        self.traffic_wakes: list[Callable[[str], bool]] = []
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._quota_lock = asyncio.Lock()
         self._busy: Counter[str] = Counter()
@@ -704,6 +710,24 @@ class Hub:
         async with self._locks[sandbox_id]:
             if (await self.service.get(sandbox_id)).state == "paused":
                 await self._resume_locked(tenant, sandbox_id, "woken")
+
+    async def traffic_port(self, sandbox_id: str, guest_port: int) -> int:
+        """Where a request by host name for the sandbox's ``guest_port`` goes on this
+        host (:mod:`.host_routes`): the sandbox woken first when it was paused for being
+        idle, or paused in any way when a ``traffic_wakes`` rule says traffic wakes it
+        (E2B's ``auto_resume``); the port forwarded on first use.
+
+        :raises SandboxNotFound: for an id no tenant has.
+        :raises StateError: when it is paused and traffic does not wake it, or ended.
+        """
+        owner = self.tenants.owner("sandbox", sandbox_id)
+        if owner is None:
+            raise SandboxNotFound(sandbox_id)
+        tenant = self.tenants.get(owner)
+        if any(wakes(sandbox_id) for wakes in self.traffic_wakes):
+            await self.wake(tenant, sandbox_id)
+        await self.use(tenant, sandbox_id)
+        return await self.service.expose_port(sandbox_id, guest_port)
 
     async def _host_port(self, sandbox_id: str, guest_port: int) -> int:
         """Where a published port's connection goes now (waking the sandbox first)."""

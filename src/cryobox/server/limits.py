@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 BODY_LIMIT = 1024 * 1024
@@ -22,16 +22,26 @@ STREAMING = re.compile(
 
 class BodyLimit:
     def __init__(
-        self, app: Any, limit: int = BODY_LIMIT, streaming: Sequence[re.Pattern[str]] = ()
+        self,
+        app: Any,
+        limit: int = BODY_LIMIT,
+        streaming: Sequence[re.Pattern[str]] = (),
+        passes: Callable[[dict[str, Any]], bool] = lambda _scope: False,
     ) -> None:
-        """``streaming``: more paths whose routes read their bodies themselves."""
+        """``streaming``: more paths whose routes read their bodies themselves;
+        ``passes``: requests left alone otherwise (a sandbox port's, by host name)."""
         self.app = app
         self.limit = limit
         self.streaming = (STREAMING, *streaming)
+        self.passes = passes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope.get("type") != "http" or any(p.match(path) for p in self.streaming):
+        if (
+            scope.get("type") != "http"
+            or any(p.match(path) for p in self.streaming)
+            or self.passes(scope)
+        ):
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")

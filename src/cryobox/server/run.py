@@ -13,7 +13,7 @@ import uvicorn
 from cryobox import config
 from cryobox.service import open_service
 
-from . import slow_clients
+from . import host_routes, slow_clients
 from .app import create_app
 from .databases import connect
 from .extensions import Extension
@@ -36,6 +36,9 @@ def serve(
     storage_interval: float = 60.0,
     collect_interval: float = 3600.0,
     extensions: Sequence[Extension] = (),
+    domain: str | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM. Stopping pauses and kills nothing: the sandboxes
     run on under their supervisors, and the next server takes them over.
@@ -43,7 +46,9 @@ def serve(
     With a PostgreSQL ``url`` shared by several hosts, ``advertise_url`` is where the
     other hosts reach this one (default ``http://HOST:PORT``; give it when listening on
     all addresses or behind NAT). ``extensions`` are served beside cryobox's own API
-    (``cryobox server`` passes the E2B-compatible one)."""
+    (``cryobox server`` passes the E2B-compatible one). With ``domain``, sandboxes'
+    ports are served by host name, ``PORT-ID.DOMAIN`` (:mod:`.host_routes`); with a
+    certificate and its key, everything is served over TLS."""
     os.umask(0o077)  # its database and everything it writes hold tenants' secrets
     config.check_settings()  # a bad host setting stops the server here, not each create
     slow_clients.check_settings()
@@ -69,6 +74,7 @@ def serve(
         prices=Prices.from_env(),
         advertise_url=advertised,
     )
+    hub.domain = host_routes.check_domain(domain or os.environ.get("CRYOBOX_DOMAIN") or None)
     hub.hosts.register()  # refused here, before listening, if another server is this host
     app = create_app(
         hub,
@@ -84,4 +90,6 @@ def serve(
         log_level="info",
         timeout_graceful_shutdown=5,
         http=HeaderDeadlineProtocol,  # closes connections whose headers are late
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )

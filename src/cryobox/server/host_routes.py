@@ -1,0 +1,225 @@
+"""A sandbox's ports by host name: ``PORT-SANDBOXID.DOMAIN`` (what E2B's ``get_host``
+builds).
+
+``cryobox server --domain DOMAIN`` takes requests whose ``Host`` header names a sandbox
+and a port under ``DOMAIN`` and passes them to that port of the sandbox's guest: the
+operator points a wildcard DNS name at the server (``*.sandboxes.example.com``), or, on
+one machine, uses ``localhost`` (``8000-sbx-0123456789ab.localhost`` resolves to the
+loopback in browsers and systemd-resolved; other clients send the ``Host`` header to the
+server's address). The server's own port may be part of ``DOMAIN``
+(``localhost:8080``): it is what clients append, and it is ignored when matching.
+
+A request is passed on as it came (method, path, query, headers, body streamed both
+ways), and a WebSocket upgrade is relayed frame by frame. A sandbox paused for being
+idle, or one whose creator asked it to wake on traffic (E2B's ``auto_resume``), is
+woken first; on a fleet, :class:`~cryobox.server.forward.Forward` has already passed the
+request to the host that runs it. Plain HTTP; TLS when ``cryobox server`` is given a
+certificate (``--ssl-certfile``/``--ssl-keyfile``).
+
+Who may reach a port this way: anyone who reaches the server and knows the sandbox's
+id, as with E2B's public sandbox URLs (its default, ``allowPublicTraffic``). That is
+why it is off unless the operator gives ``--domain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from cryobox.errors import CryoboxError, InvalidArgument, SandboxNotFound
+
+from . import relay
+
+log = logging.getLogger(__name__)
+
+#: Where a sandbox's guest port is reached on this host now (waking it if it may be).
+PortFinder = Callable[[str, int], Awaitable[int]]
+
+_LABEL = re.compile(r"([0-9]{1,5})-(sbx-[0-9a-f]{12})")
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+#: Connect 10 s; a guest's server may take as long as it likes to answer.
+_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=30.0)
+#: A WebSocket's handshake headers, which the relay's own connection makes anew.
+WEBSOCKET_OWN = frozenset(
+    {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions"}
+)
+
+
+def _name(host: str) -> str:
+    """A host header's name, its port (if any) dropped, lower-cased."""
+    host = host.strip().lower()
+    if host.startswith("["):  # an IPv6 literal never names a sandbox
+        return host
+    return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+def check_domain(domain: str | None) -> str | None:
+    """``--domain`` as given, lower-cased, or an error naming what is wrong with it.
+
+    :raises InvalidArgument: for anything but a host name, with an optional port.
+    """
+    if domain is None:
+        return None
+    name = _name(domain)
+    port = domain.strip().lower()[len(name) + 1 :]
+    labels = name.split(".")
+    if not all(_DNS_LABEL.fullmatch(label) for label in labels) or (
+        port and not (port.isdigit() and 1 <= int(port) <= 65535)
+    ):
+        raise InvalidArgument(
+            f"--domain {domain!r}: must be a host name (sandboxes.example.com, localhost), "
+            "with an optional :PORT"
+        )
+    return domain.strip().lower()
+
+
+def route_of(host: str | None, domain: str | None) -> tuple[str, int] | None:
+    """(sandbox id, guest port) that ``host`` names under ``domain``, or None."""
+    if not host or not domain:
+        return None
+    label, dot, rest = _name(host).partition(".")
+    if not dot or rest != _name(domain):
+        return None
+    found = _LABEL.fullmatch(label)
+    if found is None or not 1 <= int(found.group(1)) <= 65535:
+        return None
+    return found.group(2), int(found.group(1))
+
+
+def target(domain: str | None) -> Callable[[str, Mapping[str, str]], str | None]:
+    """For :class:`~cryobox.server.forward.Forward`: the sandbox a request names by its
+    host (so that it is passed to the host that runs it)."""
+
+    def named(_path: str, headers: Mapping[str, str]) -> str | None:
+        route = route_of(headers.get("host"), domain)
+        return route[0] if route else None
+
+    return named
+
+
+class HostRoutes:
+    """ASGI middleware: requests for ``PORT-ID.DOMAIN`` go to that guest port; anything
+    else to the app."""
+
+    def __init__(self, app: Any, *, domain: str | None, port_of: PortFinder) -> None:
+        self.app = app
+        self.domain = domain
+        self.port_of = port_of
+        self._client: httpx.AsyncClient | None = None
+
+    def routed(self, scope: Scope) -> tuple[str, int] | None:
+        if scope.get("type") not in ("http", "websocket") or not self.domain:
+            return None
+        headers = dict(scope.get("headers") or [])
+        host = headers.get(b"host", b"").decode("latin-1")
+        return route_of(host, self.domain)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.routed(scope)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        sandbox_id, guest_port = route
+        try:
+            port = await self.port_of(sandbox_id, guest_port)
+        except SandboxNotFound as exc:
+            await _refuse(scope, send, 404, str(exc))
+            return
+        except CryoboxError as exc:  # paused and not woken by traffic, ended, ...
+            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}")
+            return
+        if scope["type"] == "websocket":
+            await _relay_websocket(scope, receive, send, port)
+        else:
+            await self._proxy_http(scope, receive, send, port, route)
+
+    async def _proxy_http(
+        self, scope: Scope, receive: Receive, send: Send, port: int, route: tuple[str, int]
+    ) -> None:
+        if self._client is None:  # one pool of connections for every routed request
+            self._client = httpx.AsyncClient(timeout=_TIMEOUT)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        gone = asyncio.Event()
+        body = relay.request_body(receive, gone) if relay.has_body(headers) else None
+        request = self._client.build_request(
+            scope["method"],
+            f"http://127.0.0.1:{port}{relay.target_of(scope)}",
+            headers=relay.passed_headers(scope),  # its Host too: what the guest was asked
+            content=body,
+        )
+        where = f"{route[0]} port {route[1]}"
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            await _refuse(scope, send, 502, f"{where}: nothing answers ({exc})")
+            return
+        await relay.stream_answer(response, send, receive, gone, where)
+
+
+async def _refuse(scope: Scope, send: Send, status: int, detail: str) -> None:
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1011, "reason": detail[:120]})
+        return
+    body = detail.encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain; charset=utf-8")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _relay_websocket(scope: Scope, receive: Receive, send: Send, port: int) -> None:
+    """Relay a WebSocket to the guest's server, frame by frame, until either side ends."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import WebSocketException
+
+    url = f"ws://127.0.0.1:{port}{relay.target_of(scope)}"
+    passed = dict(relay.passed_headers(scope, drop=WEBSOCKET_OWN | {"host"}))
+    if (await receive())["type"] != "websocket.connect":
+        return
+    try:
+        guest = await connect(
+            url,
+            additional_headers=passed,
+            subprotocols=list(scope.get("subprotocols") or []) or None,
+            open_timeout=10,
+        )
+    except (OSError, WebSocketException, TimeoutError) as exc:
+        await send({"type": "websocket.close", "code": 1011, "reason": str(exc)[:120]})
+        return
+    await send({"type": "websocket.accept", "subprotocol": guest.subprotocol})
+
+    async def inward() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            data = message.get("bytes")
+            await guest.send(data if data is not None else message.get("text") or "")
+
+    async def outward() -> None:
+        async for data in guest:
+            if isinstance(data, bytes):
+                await send({"type": "websocket.send", "bytes": data})
+            else:
+                await send({"type": "websocket.send", "text": data})
+
+    tasks = [asyncio.ensure_future(inward()), asyncio.ensure_future(outward())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await guest.close()
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": 1000})

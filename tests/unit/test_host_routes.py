@@ -1,0 +1,121 @@
+"""Ports by host name (``PORT-ID.DOMAIN``): which hosts name a sandbox, and the proxy
+itself against a real HTTP server on loopback standing for the guest's (the whole path
+through real VMs and E2B's SDK: tests/compat/test_e2b_sdk.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import Any, cast
+
+import httpx
+import pytest
+
+from cryobox.errors import InvalidArgument, SandboxNotFound, StateError
+from cryobox.server.host_routes import HostRoutes, check_domain, route_of
+
+ID = "sbx-0123456789ab"
+
+
+@pytest.mark.parametrize(
+    ("host", "domain", "route"),
+    [
+        (f"8000-{ID}.localhost:8080", "localhost:8080", (ID, 8000)),
+        (f"8000-{ID}.localhost", "localhost:8080", (ID, 8000)),  # the port is not matched
+        (f"443-{ID}.Sandboxes.Example.com", "sandboxes.example.com", (ID, 443)),
+        (f"8000-{ID}.other.example.com", "sandboxes.example.com", None),
+        (f"8000-{ID}.evil.localhost", "localhost", None),
+        (f"70000-{ID}.localhost", "localhost", None),
+        ("8000-sbx-XYZ.localhost", "localhost", None),
+        ("localhost:8080", "localhost:8080", None),  # the API itself
+        ("127.0.0.1:8080", "localhost:8080", None),
+        (f"8000-{ID}.localhost", None, None),  # no domain: nothing is routed
+        (None, "localhost", None),
+    ],
+)
+def test_which_hosts_name_a_sandbox_port(
+    host: str | None, domain: str | None, route: tuple[str, int] | None
+) -> None:
+    assert route_of(host, domain) == route
+
+
+def test_a_domain_is_a_host_name_with_an_optional_port() -> None:
+    assert check_domain("Sandboxes.Example.com") == "sandboxes.example.com"
+    assert check_domain("localhost:18080") == "localhost:18080"
+    assert check_domain(None) is None
+    for bad in ("http://x.example", "x..example", "x.example:0", "x.example:http", "*.example"):
+        with pytest.raises(InvalidArgument, match="--domain"):
+            check_domain(bad)
+
+
+class _Guest(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = f"{self.path} for {self.headers['Host']}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Guest", "yes")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        body = hashlib.sha256(data).hexdigest().encode()
+        self.send_response(201)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def guest() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Guest)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The API, reached when the host names no sandbox."""
+    await send({"type": "http.response.start", "status": 299, "headers": []})
+    await send({"type": "http.response.body", "body": b"the api"})
+
+
+async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(guest: int) -> None:
+    asked: list[tuple[str, int]] = []
+
+    async def port_of(sandbox_id: str, port: int) -> int:
+        asked.append((sandbox_id, port))
+        if sandbox_id != ID:
+            raise SandboxNotFound(sandbox_id)
+        if port == 9000:
+            raise StateError(sandbox_id, "paused", ["running"], "expose_port")
+        return guest if port == 8000 else 1  # port 1: nothing listens
+
+    routes = HostRoutes(_app, domain="localhost:8080", port_of=port_of)
+    transport = httpx.ASGITransport(app=cast(Any, routes))
+    async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+        host = f"8000-{ID}.localhost:8080"
+        got = await client.get("/a/b?c=d&e=%20", headers={"Host": host})
+        assert got.status_code == 200 and got.headers["x-guest"] == "yes"
+        assert got.text == f"/a/b?c=d&e=%20 for {host}"  # path, query and host as sent
+        data = bytes(range(256)) * 12_000  # 3 MB: more than the API's body limit
+        posted = await client.post("/up", content=data, headers={"Host": host})
+        assert posted.status_code == 201 and posted.text == hashlib.sha256(data).hexdigest()
+
+        api = await client.get("/sandboxes", headers={"Host": "localhost:8080"})
+        assert api.status_code == 299 and api.text == "the api"
+
+        missing = await client.get("/", headers={"Host": "8000-sbx-000000000000.localhost"})
+        assert missing.status_code == 404 and "sbx-000000000000" in missing.text
+        paused = await client.get("/", headers={"Host": f"9000-{ID}.localhost"})
+        assert paused.status_code == 502 and "paused" in paused.text
+        silent = await client.get("/", headers={"Host": f"8001-{ID}.localhost"})
+        assert silent.status_code == 502 and "nothing answers" in silent.text
+    assert asked[:2] == [(ID, 8000), (ID, 8000)]
