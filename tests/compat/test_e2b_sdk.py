@@ -411,11 +411,19 @@ def test_ports_by_host_name_wake_a_sandbox_like_e2b(api_server: ApiServer) -> No
     ``localhost:PORT``, reached with a Host header as a wildcard DNS name would): the
     guest's server answers, bodies stream both ways past the API's body limit, a
     WebSocket is relayed, and a request wakes an ``auto_resume`` sandbox its pause
-    stopped; one without it is refused (502, as E2B's edge answers)."""
+    stopped; one without it is refused (502, as E2B's edge answers). A private one
+    (``allow_public_traffic=False``) needs its traffic token, and its guest sees the
+    masked host name."""
     from websockets.sync.client import connect
 
     waking = e2b.Sandbox.create(timeout=600, lifecycle={"on_timeout": "pause", "auto_resume": True})
-    plain = e2b.Sandbox.create(timeout=600)
+    plain = e2b.Sandbox.create(
+        timeout=600,
+        secure=True,
+        network=e2b.SandboxNetworkOpts(
+            allow_public_traffic=False, mask_request_host="custom-host.example.com:${PORT}"
+        ),
+    )
     try:
         for sandbox in (waking, plain):
             sandbox.files.write("/tmp/serve.py", GUEST_SERVER)
@@ -424,8 +432,9 @@ def test_ports_by_host_name_wake_a_sandbox_like_e2b(api_server: ApiServer) -> No
         assert host == f"8000-{waking.sandbox_id}.localhost:{api_server.port}"
         url = api_server.url
 
-        def get(path: str, to: str = host) -> httpx.Response:
-            return httpx.get(f"{url}{path}", headers={"Host": to}, timeout=60)
+        def get(path: str, to: str = host, token: str = "") -> httpx.Response:
+            sent = {"Host": to, **({"e2b-traffic-access-token": token} if token else {})}
+            return httpx.get(f"{url}{path}", headers=sent, timeout=60)
 
         until(lambda: get("/").status_code == 200, "the guest's server", timeout=60)
         assert get("/").text == host  # the Host header it was asked with
@@ -448,10 +457,20 @@ def test_ports_by_host_name_wake_a_sandbox_like_e2b(api_server: ApiServer) -> No
         assert woken.status_code == 200 and woken.text == host
         assert waking.get_info().state == e2b.SandboxState.RUNNING
 
-        other = plain.get_host(8000)
-        until(lambda: get("/", other).status_code == 200, "the other guest's server", timeout=60)
+        other, token = plain.get_host(8000), plain.traffic_access_token
+        assert token
+        until(
+            lambda: get("/", other, token).status_code == 200,
+            "the other guest's server",
+            timeout=60,
+        )
+        assert get("/", other, token).text == "custom-host.example.com:8000"  # masked
+        for wrong in ("", token[:-1] + ("0" if token[-1] != "0" else "1")):
+            denied = get("/", other, wrong)
+            assert denied.status_code == 403 and "traffic token" in denied.text
         assert plain.pause() is True
-        refused = get("/", other)
+        assert get("/", other).status_code == 403  # refused before anything wakes
+        refused = get("/", other, token)
         assert refused.status_code == 502 and "paused" in refused.text
         assert plain.get_info().state == e2b.SandboxState.PAUSED
         unknown = get("/", f"8000-sbx-000000000000.localhost:{api_server.port}")

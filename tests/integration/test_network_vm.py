@@ -243,8 +243,9 @@ def test_e2b_network_rules_and_update_network_over_http(
         assert reaches(sbx)
         sbx.update_network({"deny_out": [e2b.ALL_TRAFFIC]})
         assert not reaches(sbx)
-        with pytest.raises(e2b.SandboxException, match="maskRequestHost"):
-            e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(mask_request_host="x.example"))
+        transform = {"example.com": [{"transform": {"headers": {"X-Token": "secret"}}}]}
+        with pytest.raises(e2b.SandboxException, match=r"network\.rules"):
+            e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(rules=transform))
 
         cli = subprocess.run(
             [*CLI, "network", sbx.sandbox_id, "--deny", f"{OUTSIDE}:8081"],

@@ -7,14 +7,14 @@ from __future__ import annotations
 import hashlib
 import http.server
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import httpx
 import pytest
 
 from cryobox.errors import InvalidArgument, SandboxNotFound, StateError
-from cryobox.server.host_routes import HostRoutes, check_domain, route_of
+from cryobox.server.host_routes import Admission, HostRoutes, check_domain, route_of
 
 ID = "sbx-0123456789ab"
 
@@ -119,3 +119,29 @@ async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(gues
         silent = await client.get("/", headers={"Host": f"8001-{ID}.localhost"})
         assert silent.status_code == 502 and "nothing answers" in silent.text
     assert asked[:2] == [(ID, 8000), (ID, 8000)]
+
+
+async def test_a_rule_refuses_before_anything_wakes_or_sets_the_host_the_guest_sees(
+    guest: int,
+) -> None:
+    woken: list[str] = []
+
+    async def port_of(sandbox_id: str, port: int) -> int:
+        woken.append(sandbox_id)
+        return guest
+
+    def admit(sandbox_id: str, port: int, headers: Mapping[str, str]) -> Admission:
+        if headers.get("token") != "right":
+            return Admission(allowed=False, reason="private: send its token")
+        return Admission(host=f"masked.example:{port}")
+
+    routes = HostRoutes(_app, domain="localhost", port_of=port_of, admit=admit)
+    transport = httpx.ASGITransport(app=cast(Any, routes))
+    async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+        host = f"8000-{ID}.localhost"
+        refused = await client.get("/", headers={"Host": host, "Token": "wrong"})
+        assert refused.status_code == 403 and refused.text == "private: send its token"
+        assert woken == []
+        let_in = await client.get("/p", headers={"Host": host, "Token": "right"})
+        assert let_in.status_code == 200 and let_in.text == "/p for masked.example:8000"
+        assert woken == [ID]

@@ -4,6 +4,8 @@ shape, its per-sandbox access tokens, and which of its requests name a sandbox."
 
 from __future__ import annotations
 
+import functools
+import hmac
 import re
 from collections.abc import Mapping
 
@@ -13,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from cryobox.errors import CryoboxError
 from cryobox.server.extensions import Extension
+from cryobox.server.host_routes import Admission
 from cryobox.server.hub import Hub
 
 from . import rest
@@ -46,6 +49,30 @@ def install(app: FastAPI, hub: Hub) -> None:
         return record is not None and record.auto_resume
 
     hub.traffic_wakes.append(auto_resumes)
+    hub.traffic_rules.append(functools.partial(traffic_rule, records))
+
+
+#: The header E2B's private sandbox URLs need (``allowPublicTraffic=false``).
+TRAFFIC_TOKEN = "e2b-traffic-access-token"
+
+
+def traffic_rule(
+    records: E2bRecords, sandbox_id: str, port: int, headers: Mapping[str, str]
+) -> Admission | None:
+    """E2B's rules for a request by host name to one of its sandboxes: its traffic token
+    when it was made private (compared in constant time), its host mask."""
+    record = records.get(sandbox_id)
+    if record is None:
+        return None  # not made through E2B's API: cryobox's own rules
+    if record.private_traffic:
+        given = headers.get(TRAFFIC_TOKEN, "")
+        if not hmac.compare_digest(given.encode(), record.traffic_token.encode()):
+            return Admission(
+                allowed=False,
+                reason=f"{sandbox_id} is private: send its traffic token in {TRAFFIC_TOKEN}",
+            )
+    mask = record.mask_request_host.replace("${PORT}", str(port))
+    return Admission(host=mask or None)
 
 
 def error_response(exc: CryoboxError, status: int) -> JSONResponse:

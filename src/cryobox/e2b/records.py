@@ -1,7 +1,9 @@
 """What the E2B API knows of a sandbox beyond cryobox's own record: the template name it
 was asked for, its metadata, the environment every command gets, and the envd access
-token that the E2B SDK sends with every in-sandbox call (``X-Access-Token``), and whether
-its next request wakes it once its timeout paused it (``lifecycle.auto_resume``)."""
+token that the E2B SDK sends with every in-sandbox call (``X-Access-Token``), whether
+its next request wakes it once its timeout paused it (``lifecycle.auto_resume``), and
+what requests to its ports by host name need and carry (``network.allowPublicTraffic``,
+``network.maskRequestHost``)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,15 @@ class E2bSandbox:
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)
     auto_resume: bool = False
+    #: Requests by host name to its ports need its traffic token (``allowPublicTraffic``
+    #: false), and what its guest's servers see as their Host ("" as asked).
+    private_traffic: bool = False
+    mask_request_host: str = ""
 
     @property
     def traffic_token(self) -> str:
-        """E2B's token for a sandbox's public ports; cryobox publishes ports without one,
-        so this is only a stable value derived from the access token."""
+        """E2B's token for a sandbox's ports by host name (``e2b-traffic-access-token``),
+        derived from its access token."""
         return hashlib.sha256(b"traffic:" + self.access_token.encode()).hexdigest()[:32]
 
 
@@ -46,6 +52,9 @@ class E2bRecords:
         metadata: dict[str, str],
         envs: dict[str, str],
         auto_resume: bool = False,
+        *,
+        private_traffic: bool = False,
+        mask_request_host: str = "",
     ) -> E2bSandbox:
         record = E2bSandbox(
             sandbox_id,
@@ -56,15 +65,18 @@ class E2bRecords:
             dict(metadata),
             dict(envs),
             auto_resume,
+            private_traffic,
+            mask_request_host,
         )
         self.db.execute(
             "INSERT INTO e2b_sandboxes (sandbox_id, tenant_id, template_id, access_token, "
-            "started_at, metadata, envs, auto_resume) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (sandbox_id) "
+            "started_at, metadata, envs, auto_resume, private_traffic, mask_request_host) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (sandbox_id) "
             "DO UPDATE SET tenant_id = excluded.tenant_id, template_id = excluded.template_id, "
             "access_token = excluded.access_token, started_at = excluded.started_at, "
             "metadata = excluded.metadata, envs = excluded.envs, "
-            "auto_resume = excluded.auto_resume",
+            "auto_resume = excluded.auto_resume, private_traffic = excluded.private_traffic, "
+            "mask_request_host = excluded.mask_request_host",
             (
                 record.sandbox_id,
                 record.tenant_id,
@@ -74,6 +86,8 @@ class E2bRecords:
                 json.dumps(record.metadata),
                 json.dumps(record.envs),
                 int(record.auto_resume),
+                int(record.private_traffic),
+                record.mask_request_host,
             ),
         )
         return record
@@ -110,4 +124,6 @@ def _record(row: Any) -> E2bSandbox:
         metadata=json.loads(row["metadata"]),
         envs=json.loads(row["envs"]),
         auto_resume=bool(row["auto_resume"]),
+        private_traffic=bool(row["private_traffic"]),
+        mask_request_host=str(row["mask_request_host"]),
     )

@@ -97,18 +97,14 @@ def egress_policy(network: dict[str, Any], internet: bool | None) -> NetworkJson
     ``allowOut`` and ``denyOut`` become the policy's allowed and denied entries (an
     allowed one wins, as in E2B); ``allowInternetAccess=False`` denies everything not
     allowed. Domains in ``allowOut`` are resolved once, when the policy is set, rather
-    than matched per connection by a proxy as E2B's are. Per-domain transforms, egress
-    proxies, host masking and private traffic URLs have no cryobox counterpart and are
-    refused by name.
+    than matched per connection by a proxy as E2B's are. Per-domain transforms and
+    egress proxies have no cryobox counterpart and are refused by name. (Its options for
+    requests by host name, ``allowPublicTraffic`` and ``maskRequestHost``, are
+    :func:`traffic_options`'.)
     """
-    for name in ("rules", "egressProxy", "maskRequestHost"):
+    for name in ("rules", "egressProxy"):
         if network.get(name):
             raise Unsupported(f"network.{name} is not supported by cryobox")
-    if network.get("allowPublicTraffic") is False:
-        raise Unsupported(
-            "network.allowPublicTraffic=false is not supported by cryobox: a sandbox's "
-            "ports are published on the server's host only, through its own API"
-        )
     allow = [str(entry) for entry in network.get("allowOut") or ()]
     deny = [str(entry) for entry in network.get("denyOut") or ()]
     if internet is False and ALL_TRAFFIC not in deny:
@@ -118,6 +114,18 @@ def egress_policy(network: dict[str, Any], internet: bool | None) -> NetworkJson
     if not allow and ALL_TRAFFIC in deny:
         return "none"
     return {"allow": allow, "deny": deny}
+
+
+def traffic_options(network: dict[str, Any]) -> dict[str, Any]:
+    """E2B's rules for requests to the sandbox's ports by host name (``get_host``): its
+    traffic token required (``allowPublicTraffic=false``; cryobox's envd calls always
+    need the access token, as E2B's ``secure`` sandboxes do), and the Host header the
+    guest's servers see (``maskRequestHost``, its ``${PORT}`` replaced by the port)."""
+    private = network.get("allowPublicTraffic") is False
+    mask = network.get("maskRequestHost") or ""
+    if not isinstance(mask, str) or len(mask) > 253 or any(c in mask for c in " \r\n/"):
+        raise InvalidArgument(f"network.maskRequestHost {mask!r}: must be a host name")
+    return {"private_traffic": private, "mask_request_host": mask}
 
 
 class Timeout(BaseModel):
@@ -217,6 +225,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         *,
         on_timeout: Literal["kill", "pause", "pause-disk"] = "kill",
         auto_resume: bool = False,
+        traffic: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         # The variables go with the sandbox (sealed in its spec, given to every command),
         # never into the database.
@@ -235,7 +244,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             except SnapshotNotFound:
                 request = dataclasses.replace(request, template=template)
         info = await hub.create(me, request, idle_timeout=0)
-        rec = records.add(info.id, me.id, template, metadata, {}, auto_resume)
+        rec = records.add(info.id, me.id, template, metadata, {}, auto_resume, **(traffic or {}))
         return sandbox(info, rec)
 
     @router.post("/sandboxes", status_code=201)
@@ -254,6 +263,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             raise Unsupported("mcp gateways are not supported by cryobox")
         timeout = body.timeout or DEFAULT_TIMEOUT
         network = egress_policy(body.network or {}, body.allow_internet_access)
+        traffic = traffic_options(body.network or {})
         volumes = {str(m.get("path")): str(m.get("name")) for m in body.volume_mounts or ()}
         return await start(
             me,
@@ -265,6 +275,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             volumes,
             on_timeout="pause-disk" if files_only else "pause" if body.auto_pause else "kill",
             auto_resume=auto_resume,
+            traffic=traffic,
         )
 
     @router.get("/sandboxes/{sandbox_id}")
@@ -370,7 +381,14 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         for info in forks:
             # A fork keeps its parent's variables in its own spec.
             child = records.add(
-                info.id, me.id, rec.template_id, rec.metadata, rec.envs, rec.auto_resume
+                info.id,
+                me.id,
+                rec.template_id,
+                rec.metadata,
+                rec.envs,
+                rec.auto_resume,
+                private_traffic=rec.private_traffic,
+                mask_request_host=rec.mask_request_host,
             )
             made.append({"sandbox": sandbox(info, child)})
         return made

@@ -238,11 +238,19 @@ def create_app(
 
     # Ports by host name (PORT-ID.DOMAIN), inside forwarding: on a fleet, the request
     # reaches the host that runs the sandbox first.
-    app.add_middleware(HostRoutes, domain=hub.domain, port_of=hub.traffic_port)
+    app.add_middleware(
+        HostRoutes, domain=hub.domain, port_of=hub.traffic_port, admit=hub.admit_traffic
+    )
 
     def by_host(sandbox_id: str, headers: Mapping[str, str]) -> bool:
-        """A request by host name is anyone's (a public URL) and may wake the sandbox."""
-        return host_routes.target(hub.domain)("", headers) == sandbox_id
+        """A request by host name that its rules admit (a public URL is anyone's) may
+        wake the sandbox, on another host if it must."""
+        route = host_routes.route_of(headers.get("host"), hub.domain)
+        return (
+            route is not None
+            and route[0] == sandbox_id
+            and hub.admit_traffic(sandbox_id, route[1], headers).allowed
+        )
 
     app.add_middleware(
         Forward,

@@ -175,6 +175,12 @@ MIGRATIONS: tuple[str, ...] = (
         info TEXT NOT NULL
     );
     """,
+    # 10: E2B's per-sandbox rules for requests by host name: a traffic token required
+    # (allowPublicTraffic=false), and the Host header the guest sees (maskRequestHost).
+    """
+    ALTER TABLE e2b_sandboxes ADD COLUMN private_traffic INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE e2b_sandboxes ADD COLUMN mask_request_host TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -41,6 +42,20 @@ log = logging.getLogger(__name__)
 
 #: Where a sandbox's guest port is reached on this host now (waking it if it may be).
 PortFinder = Callable[[str, int], Awaitable[int]]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Whether a request by host name may reach a sandbox's port (an extension's rule:
+    E2B's traffic token), and the Host header its guest sees (None: as asked)."""
+
+    allowed: bool = True
+    reason: str = ""
+    host: str | None = None
+
+
+#: The rule for (sandbox id, guest port, lower-cased headers).
+Admit = Callable[[str, int, Mapping[str, str]], Admission]
 
 _LABEL = re.compile(r"([0-9]{1,5})-(sbx-[0-9a-f]{12})")
 _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -108,10 +123,18 @@ class HostRoutes:
     """ASGI middleware: requests for ``PORT-ID.DOMAIN`` go to that guest port; anything
     else to the app."""
 
-    def __init__(self, app: Any, *, domain: str | None, port_of: PortFinder) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        domain: str | None,
+        port_of: PortFinder,
+        admit: Admit = lambda _id, _port, _headers: Admission(),
+    ) -> None:
         self.app = app
         self.domain = domain
         self.port_of = port_of
+        self.admit = admit
         self._client: httpx.AsyncClient | None = None
 
     def routed(self, scope: Scope) -> tuple[str, int] | None:
@@ -127,6 +150,23 @@ class HostRoutes:
             await self.app(scope, receive, send)
             return
         sandbox_id, guest_port = route
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:  # before anything wakes: a refused request changes nothing
+            admission = await asyncio.to_thread(self.admit, sandbox_id, guest_port, headers)
+        except CryoboxError as exc:
+            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}")
+            return
+        if not admission.allowed:
+            await _refuse(scope, send, 403, admission.reason)
+            return
+        if admission.host is not None:  # what the guest's server sees as its name
+            scope = {
+                **scope,
+                "headers": [
+                    *((k, v) for k, v in scope["headers"] if k.lower() != b"host"),
+                    (b"host", admission.host.encode("latin-1")),
+                ],
+            }
         try:
             port = await self.port_of(sandbox_id, guest_port)
         except SandboxNotFound as exc:

@@ -74,6 +74,7 @@ from cryobox.wire import SandboxUsage, UsageReport
 from .database import Connection, Database
 from .events import EventBus
 from .forward import FORWARDED
+from .host_routes import Admission
 from .hosts import HEARTBEAT, Hosts, host_id, store_identity
 from .meter import Meter, Prices, Tracked, bytes_on_disk, usage_report
 from .moves import Mover, fence
@@ -144,6 +145,9 @@ class Hub:
         #: Rules by which a request for a paused sandbox's port wakes it (an extension's:
         #: E2B's ``auto_resume``); an idle-paused one always wakes.
         self.traffic_wakes: list[Callable[[str], bool]] = []
+        #: Rules that may refuse such a request or set the Host its guest sees (an
+        #: extension's: E2B's traffic token and host mask); the first that answers.
+        self.traffic_rules: list[Callable[[str, int, Mapping[str, str]], Admission | None]] = []
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._quota_lock = asyncio.Lock()
         self._busy: Counter[str] = Counter()
@@ -710,6 +714,17 @@ class Hub:
         async with self._locks[sandbox_id]:
             if (await self.service.get(sandbox_id)).state == "paused":
                 await self._resume_locked(tenant, sandbox_id, "woken")
+
+    def admit_traffic(
+        self, sandbox_id: str, guest_port: int, headers: Mapping[str, str]
+    ) -> Admission:
+        """Whether a request by host name may reach the port (the first rule that
+        answers; none: anyone may, as E2B's public URLs)."""
+        for rule in self.traffic_rules:
+            said = rule(sandbox_id, guest_port, headers)
+            if said is not None:
+                return said
+        return Admission()
 
     async def traffic_port(self, sandbox_id: str, guest_port: int) -> int:
         """Where a request by host name for the sandbox's ``guest_port`` goes on this
