@@ -262,7 +262,9 @@ class SnapshotInfo:
     #: Bytes its files take on the store's disk (holes and shared blocks not counted).
     stored_bytes: int = 0
     #: Where it is kept: ``local`` only, or its upload to the chunk store: ``pending``,
-    #: ``uploading``, ``stored`` (``failed`` is retried).
+    #: ``uploading``, ``stored`` (``failed`` is retried); ``store``: in the chunk store
+    #: only (taken on another host of the fleet, or evicted from this one), pulled when
+    #: a sandbox starts from it.
     location: str = "local"
     #: A checkpoint taken by the sandbox itself (``checkpoint_every``), expired by its
     #: ``keep_checkpoints``; False for one asked for.

@@ -170,6 +170,29 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         )
         other_url = servers[loser].url
         assert "fleet-made" in [t.name for t in Sandbox.templates(api_url=other_url, api_key=key)]
+        # Snapshots and lineage of every host, from any host: a snapshot taken where the
+        # sandbox runs is listed by the other host once stored, and starts sandboxes there.
+        snap = moved.snapshot("fleet-snap")
+        snap_upload = states[running[0]] / "snapshots" / snap.id / "upload.json"
+        until(
+            lambda: (
+                snap_upload.exists() and json.loads(snap_upload.read_text())["state"] == "stored"
+            ),
+            "the snapshot is stored",
+            timeout=300,
+            every=0.5,
+        )
+        snaps = {s.id: s for s in Sandbox.snapshots(api_url=other_url, api_key=key)}
+        assert snaps[snap.id].name == "fleet-snap" and snaps[snap.id].location == "store"
+        nodes = {n.id: n for n in Sandbox.lineage(api_url=other_url, api_key=key)}
+        assert nodes[snap.id].parent == sandbox_id and nodes[sandbox_id].kind == "sandbox"
+        assert nodes[running_on_a.id].state == "lost"
+        from_snap = Sandbox.create(from_snapshot="fleet-snap", api_url=other_url, api_key=key)
+        try:
+            assert from_snap.info().host == host_ids[loser]
+            assert from_snap.files.read("/root/template-marker") == b"from the fleet"
+        finally:
+            from_snap.kill()
         made = Sandbox.create(template="fleet-made", api_url=other_url, api_key=key)
         try:
             assert made.info().host == host_ids[loser]

@@ -919,7 +919,9 @@ class AsyncSandbox:
     async def snapshots(
         *, api_url: str | None = None, api_key: str | None = None
     ) -> builtins.list[SnapshotInfo]:
-        """Every saved snapshot, checkpoint and template snapshot on this host."""
+        """Every saved snapshot, checkpoint and template snapshot: this host's when
+        embedded; through a server, the tenant's on every host of its fleet (those of
+        other hosts as the chunk store has them, ``location="store"``)."""
         return await transport_for(api_url, api_key).snapshots()
 
     @staticmethod
@@ -967,7 +969,8 @@ class AsyncSandbox:
     async def lineage(
         *, api_url: str | None = None, api_key: str | None = None
     ) -> builtins.list[LineageNode]:
-        """Sandboxes and snapshots of this host as nodes naming their parent."""
+        """Sandboxes and snapshots as nodes naming their parent: this host's when
+        embedded; through a server, the tenant's on every host of its fleet."""
         return await transport_for(api_url, api_key).lineage()
 
     async def _awake(self, call: Callable[[], Awaitable[T]]) -> T:

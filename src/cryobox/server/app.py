@@ -386,10 +386,10 @@ def create_app(
         return Response(status_code=204)
 
     @app.get("/sandboxes/{sandbox_id}/lineage", tags=["sandboxes"])
-    async def sandbox_lineage(sandbox_id: str, me: Me) -> list[LineageNode]:
+    async def sandbox_lineage(sandbox_id: str, me: Me, request: Request) -> list[LineageNode]:
         """The sandbox and its ancestors: the snapshots and sandboxes it came from."""
         await hub.get(me, sandbox_id)
-        nodes = {node.id: node for node in await hub.lineage(me)}
+        nodes = {node.id: node for node in await hub.lineage(me, credentials(request))}
         chain, current = [], nodes.get(sandbox_id)
         while current is not None and current not in chain:
             chain.append(current)
@@ -397,8 +397,8 @@ def create_app(
         return chain
 
     @app.get("/lineage", tags=["sandboxes"])
-    async def lineage(me: Me) -> list[LineageNode]:
-        return await hub.lineage(me)
+    async def lineage(me: Me, request: Request) -> list[LineageNode]:
+        return await hub.lineage(me, credentials(request))
 
     @app.get("/sandboxes/{sandbox_id}/events", tags=["sandboxes"])
     async def events(sandbox_id: str, me: Me, request: Request) -> StreamingResponse:

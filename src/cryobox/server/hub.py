@@ -895,9 +895,42 @@ class Hub:
         self._sandbox(tenant, sandbox_id)
         return await self.service.logs(sandbox_id)
 
-    async def lineage(self, tenant: Tenant) -> builtins.list[LineageNode]:
+    async def lineage(
+        self, tenant: Tenant, credentials: Mapping[str, str] | None = None
+    ) -> builtins.list[LineageNode]:
+        """The tenant's sandboxes and snapshots as nodes naming their parent, on every
+        host: this host's from its records, other hosts' sandboxes as those hosts show
+        them (asked with the caller's ``credentials``), snapshots this host does not
+        hold as the chunk store has them."""
         mine = set(self.tenants.owned(tenant.id, "sandbox")) | set(self._snapshots_of(tenant))
-        return [node for node in await self.service.catalog.lineage() if node.id in mine]
+        nodes = [node for node in await self.service.catalog.lineage() if node.id in mine]
+        known = {node.id for node in nodes}
+        for info in await self.list(tenant, all=True, credentials=credentials):
+            if info.id not in known:
+                nodes.append(
+                    LineageNode(
+                        id=info.id,
+                        kind="sandbox",
+                        parent=info.origin,
+                        state=info.state,
+                        forked_from=info.forked_from,
+                        label=info.template,
+                    )
+                )
+        for snap in await self.snapshots(tenant):
+            if snap.id not in known:
+                name = f" {snap.name}" if snap.name else ""
+                nodes.append(
+                    LineageNode(
+                        id=snap.id,
+                        kind="snapshot",
+                        parent=snap.source_sandbox,
+                        state=snap.kind,
+                        forked_from=None,
+                        label=snap.purpose + name,
+                    )
+                )
+        return nodes
 
     # ------------------------------------------------------------------ commands
 
@@ -925,8 +958,33 @@ class Hub:
     # ------------------------------------------------------------------ snapshots, templates
 
     async def snapshots(self, tenant: Tenant) -> builtins.list[SnapshotInfo]:
+        """The tenant's snapshots, checkpoints and templates' snapshots on every host:
+        this host's as it holds them, the others (taken on another host, or evicted from
+        this one) as the chunk store has them (``location`` "store")."""
         mine = set(self._snapshots_of(tenant))
-        return [s for s in await self.service.catalog.snapshots() if s.id in mine]
+        here = [s for s in await self.service.catalog.snapshots() if s.id in mine]
+        held = {s.id for s in here}
+        away = [i for i in self.tenants.owned(tenant.id, "snapshot") if i not in held]
+        return here + await asyncio.to_thread(self._stored_only, tenant, away)
+
+    def _stored_only(self, tenant: Tenant, ids: builtins.list[str]) -> builtins.list[SnapshotInfo]:
+        """Those of ``ids`` the chunk store holds (one not stored yet, on a host that has
+        not uploaded it, is left out; so is everything when the store does not answer)."""
+        if not ids:
+            return []
+        try:
+            chunks = self.service.persist.chunks(tenant.id)
+        except (CryoboxError, OSError) as exc:
+            log.warning("the store cannot list %s's snapshots: %s", tenant.id, exc)
+            return []
+        found = []
+        for snapshot_id in ids:
+            try:
+                stored = chunks.find(snapshot_id)
+            except (SnapshotError, StoreError):
+                continue
+            found.append(SnapshotInfo.from_manifest(stored.manifest, 0, location="store"))
+        return found
 
     async def snapshot(self, tenant: Tenant, ref: str) -> SnapshotInfo:
         manifest = self.find_snapshot(tenant, ref)
