@@ -382,6 +382,20 @@ class LineageNode:
     label: str
 
     @classmethod
+    def of_snapshot(
+        cls, snapshot_id: str, source_sandbox: str, kind: str, purpose: str, name: str | None
+    ) -> LineageNode:
+        """A snapshot's node: its parent the sandbox it was taken of."""
+        return cls(
+            id=snapshot_id,
+            kind="snapshot",
+            parent=source_sandbox,
+            state=kind,
+            forked_from=None,
+            label=purpose + (f" {name}" if name else ""),
+        )
+
+    @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> LineageNode:
         """:raises ValueError: when a field is missing or of the wrong type."""
         try:

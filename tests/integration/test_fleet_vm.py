@@ -187,18 +187,13 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         nodes = {n.id: n for n in Sandbox.lineage(api_url=other_url, api_key=key)}
         assert nodes[snap.id].parent == sandbox_id and nodes[sandbox_id].kind == "sandbox"
         assert nodes[running_on_a.id].state == "lost"
-        from_snap = Sandbox.create(from_snapshot="fleet-snap", api_url=other_url, api_key=key)
-        try:
-            assert from_snap.info().host == host_ids[loser]
-            assert from_snap.files.read("/root/template-marker") == b"from the fleet"
-        finally:
-            from_snap.kill()
-        made = Sandbox.create(template="fleet-made", api_url=other_url, api_key=key)
-        try:
-            assert made.info().host == host_ids[loser]
-            assert made.files.read("/root/template-marker") == b"from the fleet"
-        finally:
-            made.kill()
+        for source in ({"from_snapshot": "fleet-snap"}, {"template": "fleet-made"}):
+            made = Sandbox.create(**source, api_url=other_url, api_key=key)  # type: ignore[arg-type]
+            try:
+                assert made.info().host == host_ids[loser]
+                assert made.files.read("/root/template-marker") == b"from the fleet"
+            finally:
+                made.kill()
 
         # The host it runs on is drained: it pauses it into the store, and the next use
         # through the other host wakes it there, still counting; the drained host drops

@@ -917,19 +917,11 @@ class Hub:
                         label=info.template,
                     )
                 )
-        for snap in await self.snapshots(tenant):
-            if snap.id not in known:
-                name = f" {snap.name}" if snap.name else ""
-                nodes.append(
-                    LineageNode(
-                        id=snap.id,
-                        kind="snapshot",
-                        parent=snap.source_sandbox,
-                        state=snap.kind,
-                        forked_from=None,
-                        label=snap.purpose + name,
-                    )
-                )
+        nodes += [
+            LineageNode.of_snapshot(s.id, s.source_sandbox, s.kind, s.purpose, s.name)
+            for s in await self.snapshots(tenant)
+            if s.id not in known
+        ]
         return nodes
 
     # ------------------------------------------------------------------ commands

@@ -152,16 +152,8 @@ class Catalog:
             for spec, record in registry.list_sandboxes()
             if not spec.pool  # a warm pool's member is nobody's sandbox yet
         ]
-        for manifest in self.store.all():
-            name = f" {manifest.name}" if manifest.name else ""
-            nodes.append(
-                LineageNode(
-                    id=manifest.id,
-                    kind="snapshot",
-                    parent=manifest.source_sandbox,
-                    state=manifest.kind.value,
-                    forked_from=None,
-                    label=manifest.purpose + name,
-                )
-            )
+        nodes += [
+            LineageNode.of_snapshot(m.id, m.source_sandbox, m.kind.value, m.purpose, m.name)
+            for m in self.store.all()
+        ]
         return nodes
