@@ -12,7 +12,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
 # PostgreSQL: the tests of the multi-host server start one in a temporary folder.
 # Chromium: the web console's browser test drives it (Playwright, from PyPI).
-APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates \
+APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates conntrack \
                 gcc libc6-dev libjansson-dev libfuse3-dev clang-format \
                 iproute2 util-linux nftables postgresql chromium
 APT_STAMP := $(VENV)/.apt-done

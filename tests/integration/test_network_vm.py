@@ -26,6 +26,7 @@ import tls_ca
 from api_server import CLI, ApiServer
 from cryobox import Sandbox, Volume
 from cryobox.errors import VolumeNotFound
+from waiting import until
 
 from .guest_http import fetch_until_up
 
@@ -42,6 +43,22 @@ try:
     print("open")
 except OSError as exc:
     print("closed", type(exc).__name__)
+"""
+
+
+#: A connection opened now and used once /tmp/go exists: did an answer come back?
+HELD_CONNECTION = """
+import os, socket, sys, time
+sock = socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)
+open("/tmp/held-open", "w").close()
+while not os.path.exists("/tmp/go"):
+    time.sleep(0.1)
+try:
+    sock.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+    sock.settimeout(10)
+    print("answered" if sock.recv(100) else "closed")
+except OSError as exc:
+    print("cut", type(exc).__name__)
 """
 
 
@@ -76,6 +93,8 @@ def outside() -> Iterator[None]:
         subprocess.run(["ip", *args], check=True, capture_output=True)
 
     subprocess.run(["ip", "netns", "del", TEST_NS], capture_output=True, check=False)
+    # A namespace's links go some time after it (a run just before may have left it).
+    subprocess.run(["ip", "link", "del", "cbtest0"], capture_output=True, check=False)
     ip("netns", "add", TEST_NS)
     ip("link", "add", "cbtest0", "type", "veth", "peer", "name", "eth0", "netns", TEST_NS)
     ip("addr", "add", f"{HOST_SIDE}/24", "dev", "cbtest0")
@@ -172,12 +191,20 @@ def test_a_running_sandbox_network_changes_at_once_and_is_kept(
     assert not reach(sbx, OUTSIDE, 8080)
     assert reach(sbx, OUTSIDE, 8081)
     job = sbx.commands.run("sleep 900", background=True)
+    # A connection opened while 8081 is allowed, used only after it is denied.
+    sbx.files.write("/tmp/held.py", HELD_CONNECTION)
+    sbx.commands.run(f"python3 /tmp/held.py {OUTSIDE} 8081 > /tmp/held.out 2>&1 &")
+    until(lambda: sbx.files.exists("/tmp/held-open"), "the held connection", timeout=30)
 
     # E2B's allow list: everything denied, one destination allowed (allowed wins).
     kept = sbx.update_network({"deny": ["0.0.0.0/0"], "allow": [f"{OUTSIDE}:8080"]})
     assert kept == {"allow": [f"{OUTSIDE}/32:8080"], "deny": ["0.0.0.0/0"]}
     assert reach(sbx, OUTSIDE, 8080)
     assert not reach(sbx, OUTSIDE, 8081)
+    # ...and the connection opened before is cut, not let through as established.
+    sbx.files.write("/tmp/go", "")
+    until(lambda: sbx.files.read("/tmp/held.out").strip() != b"", "the held answer", timeout=30)
+    assert sbx.files.read("/tmp/held.out").split()[0] in (b"cut", b"closed")
 
     sbx.update_network("none")
     assert not reach(sbx, OUTSIDE, 8080)

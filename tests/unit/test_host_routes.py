@@ -4,6 +4,7 @@ through real VMs and E2B's SDK: tests/compat/test_e2b_sdk.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import http.server
 import threading
@@ -14,7 +15,9 @@ import httpx
 import pytest
 
 from cryobox.errors import InvalidArgument, SandboxNotFound, StateError
-from cryobox.server.host_routes import Admission, HostRoutes, check_domain, route_of
+from cryobox.server import relay
+from cryobox.server.forward import FORWARDED, Forward
+from cryobox.server.host_routes import Admission, HostRoutes, check_domain, route_of, target
 
 ID = "sbx-0123456789ab"
 
@@ -145,3 +148,119 @@ async def test_a_rule_refuses_before_anything_wakes_or_sets_the_host_the_guest_s
         let_in = await client.get("/p", headers={"Host": host, "Token": "right"})
         assert let_in.status_code == 200 and let_in.text == "/p for masked.example:8000"
         assert woken == [ID]
+
+
+async def _call(app: Any, scope: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run an ASGI app on a hand-made request (an empty body); what it sent."""
+    sent: list[dict[str, Any]] = []
+    asked = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client stays until the answer ends
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+def _scope(raw_path: bytes, host: bytes, method: str = "GET", **headers: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": method,
+        "path": raw_path.decode(),
+        "raw_path": raw_path,
+        "query_string": b"",
+        "headers": [(b"host", host), *((k.encode(), v.encode()) for k, v in headers.items())],
+    }
+
+
+@pytest.mark.parametrize("raw", [b"@127.0.0.1:1/secret", b"//evil.example/x", b"http://x/"])
+async def test_a_target_that_is_not_a_path_never_leaves_for_another_address(
+    guest: int, raw: bytes
+) -> None:
+    """``GET @127.0.0.1:PORT/`` appended to ``http://127.0.0.1:GUEST`` would have gone to
+    PORT (any service of the host): refused before anything is sent."""
+
+    async def port_of(sandbox_id: str, port: int) -> int:
+        return guest
+
+    routes = HostRoutes(_app, domain="localhost", port_of=port_of)
+    sent = await _call(routes, _scope(raw, f"8000-{ID}.localhost".encode()))
+    assert sent[0]["status"] == 400
+    assert relay.target_of(_scope(raw, b"x")) is None
+    assert relay.target_of(_scope(b"/a%2Fb", b"x")) == "/a%2Fb"
+
+
+async def test_the_fleets_secret_never_reaches_a_guest_and_connection_keeps_host(
+    guest: int,
+) -> None:
+    seen: list[str] = []
+
+    class Echo(_Guest):
+        def do_GET(self) -> None:
+            seen.append(str(self.headers))
+            super().do_GET()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+
+        async def port_of(sandbox_id: str, port: int) -> int:
+            return server.server_address[1]
+
+        routes = HostRoutes(_app, domain="localhost", port_of=port_of)
+        host = f"8000-{ID}.localhost"
+        scope = _scope(
+            b"/", host.encode(), **{FORWARDED: "the-secret", "connection": "host, x-drop"}
+        )
+        scope["headers"].append((b"x-drop", b"1"))
+        sent = await _call(routes, scope)
+        assert sent[0]["status"] == 200
+        assert b"".join(m.get("body", b"") for m in sent[1:]).decode() == f"/ for {host}"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "the-secret" not in seen[0] and "x-drop" not in seen[0].lower()
+
+
+async def test_a_request_by_host_name_is_the_guests_never_a_create_of_the_api() -> None:
+    """``POST /sandboxes`` by host name goes to the guest's port: never read whole for
+    placement (a 64 MiB buffer anyone could fill), never the API's create."""
+
+    class Peers:
+        forward_secret = "s"
+        routed: list[str] = []
+
+        async def route(self, sandbox_id: str, **_: Any) -> str | None:
+            self.routed.append(sandbox_id)
+            return None  # served here
+
+        def may_use(self, sandbox_id: str, headers: Mapping[str, str]) -> bool:
+            return False
+
+        def place(self, key: str | None, body: Mapping[str, Any]) -> str | None:
+            raise AssertionError("a guest's request was placed as a create")
+
+    reached: list[str] = []
+
+    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+        await _app(scope, receive, send)
+
+    peers = Peers()
+    forward = Forward(
+        cast(Any, inner),
+        cast(Any, peers),
+        creates={"/sandboxes": lambda _h: "key"},
+        by_host=target("localhost"),
+    )
+    sent = await _call(forward, _scope(b"/sandboxes", f"80-{ID}.localhost".encode(), "POST"))
+    assert sent[0]["status"] == 299 and reached == ["/sandboxes"] and peers.routed == [ID]

@@ -35,6 +35,7 @@ import fcntl
 import ipaddress
 import os
 import random
+import shutil
 import socket
 import struct
 from dataclasses import dataclass
@@ -274,17 +275,25 @@ async def change(pid: int, link: Link | None, policy: NetworkPolicy) -> Link | N
     """Put ``policy`` in force in the namespace of process ``pid`` (a running VM's),
     whose way out is ``link`` (None: it has none yet, its policy was ``"none"``).
 
-    The filter is replaced in one transaction; connections already open stay open (the
-    filter lets established flows through, as a stateful firewall does). A namespace
-    with no link gets one; one with a link keeps it whatever the policy (``"none"``
-    then refuses everything through it). Returns the link.
+    The filter is replaced in one transaction, then the namespace's connection tracking
+    is emptied: a connection opened under the old policy is judged again by the new one
+    at its next packet (one it no longer allows is cut, not let through as established).
+    A namespace with no link gets one; one with a link keeps it whatever the policy
+    (``"none"`` then refuses everything through it). Returns the link.
 
     :raises NetworkError: when the rules cannot be applied (the old ones stay).
     """
     if link is None:
         return await attach(pid, policy)
+    if shutil.which("conntrack") is None:  # checked first: nothing changes without it
+        raise NetworkError(
+            "conntrack not found: a policy changed while the sandbox runs must also cut "
+            "the connections it no longer allows; install Debian's conntrack "
+            "(`make setup` does)"
+        )
     enter = ["nsenter", f"--net={namespace_path(pid)}", "--"]
     await _run([*enter, "nft", "-f", "-"], _sandbox_rules(policy, link, await _host_addresses()))
+    await _run([*enter, "conntrack", "-F"])
     return link
 
 

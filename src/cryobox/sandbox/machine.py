@@ -74,7 +74,7 @@ from cryobox.sandbox.registry import (
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
-from cryobox.snapshot.store import SnapshotStore
+from cryobox.snapshot.store import SnapshotStore, new_snapshot
 from cryobox.util import (
     copy_sparse,
     data_bytes,
@@ -736,8 +736,11 @@ class Machine:
             needed += data_bytes(self._memory_path()) if self.record.memory_shared else ram
         snapshot_id = new_id("snap")
         timer = StepTimer(f"capture of {snapshot_id} ({purpose})")
-        temp = self.store.begin(snapshot_id)
-        try:
+
+        def failed(exc: OSError, temp: Path) -> CryoboxError:
+            return storage_error(exc, f"saving {purpose} {snapshot_id}", temp.parent)
+
+        with new_snapshot(self.store, snapshot_id, failed) as temp:
             check_space(needed, f"saving a {purpose}", temp)
             if not memory:
                 await self.agent.request(GuestOp.EXEC, {"argv": ["sync"]}, timeout=60)
@@ -751,12 +754,6 @@ class Machine:
             crash_point("hashed")
             self.store.commit(temp, manifest)
             timer("committed")
-        except OSError as exc:
-            self.store.abandon(temp)
-            raise storage_error(exc, f"saving {purpose} {snapshot_id}", temp.parent) from exc
-        except BaseException:
-            self.store.abandon(temp)
-            raise
         if memory:
             try:
                 await self._refresh_guest(new_identity=False)
@@ -1225,9 +1222,13 @@ class Machine:
         :raises NetworkError: when it cannot be applied (nothing changed)."""
         assert self.vm is not None
         await self.vm.set_network(policy)
-        self.network = policy
-        self.spec = replace(self.spec, network=policy.to_json())
-        self.folder.write_spec(self.spec)
+        spec = replace(self.spec, network=policy.to_json())
+        try:
+            self.folder.write_spec(spec)
+        except OSError as exc:  # kept nowhere: the policy in force goes back to the kept one
+            await self.vm.set_network(self.network)
+            raise storage_error(exc, "keeping the network policy", self.folder.path) from exc
+        self.spec, self.network = spec, policy
 
     # -- end
 

@@ -239,23 +239,29 @@ def create_app(
     # Ports by host name (PORT-ID.DOMAIN), inside forwarding: on a fleet, the request
     # reaches the host that runs the sandbox first.
     app.add_middleware(
-        HostRoutes, domain=hub.domain, port_of=hub.traffic_port, admit=hub.admit_traffic
+        HostRoutes,
+        domain=hub.domain,
+        port_of=hub.traffic_port,
+        admit=hub.admit_traffic,
+        busy=hub.busy,
     )
 
     def by_host(sandbox_id: str, headers: Mapping[str, str]) -> bool:
-        """A request by host name that its rules admit (a public URL is anyone's) may
-        wake the sandbox, on another host if it must."""
+        """A request by host name may move the sandbox to another host when its rules
+        admit it (a public URL is anyone's) and traffic wakes it here too."""
         route = host_routes.route_of(headers.get("host"), hub.domain)
         return (
             route is not None
             and route[0] == sandbox_id
+            and hub.traffic_wakes_it(sandbox_id)
             and hub.admit_traffic(sandbox_id, route[1], headers).allowed
         )
 
     app.add_middleware(
         Forward,
         hub=hub,
-        targets=[host_routes.target(hub.domain), *(x.target for x in extensions)],
+        targets=[x.target for x in extensions],
+        by_host=host_routes.target(hub.domain),
         credentials=[by_host, *(functools.partial(x.may_use, hub) for x in extensions)],
         creates={
             "/sandboxes": lambda h: api_key(h.get("authorization"), h.get("x-api-key")),

@@ -115,12 +115,16 @@ class Forward:
         credentials: Sequence[Credential] = (),
         creates: Mapping[str, CreateKey] | None = None,
         refusal: Refusal | None = None,
+        by_host: Target | None = None,
     ) -> None:
         """``targets`` and ``credentials`` are the extensions' own, beside cryobox's;
         ``creates`` every API's create paths with how its route reads the key,
-        ``refusal`` how a refused one is answered."""
+        ``refusal`` how a refused one is answered; ``by_host`` the sandbox a request
+        names by its Host header (a guest's port: then its path is the guest's, never
+        read as the API's)."""
         self.app = app
         self.hub = hub
+        self.by_host = by_host
         self.targets = (target, *targets)
         self.credentials = (hub.may_use, *credentials)
         self.creates = dict(creates or {})
@@ -132,14 +136,16 @@ class Forward:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        guest = self.by_host(scope["path"], headers) if self.by_host is not None else None
         if (
-            scope["method"] == "POST"
+            guest is None
+            and scope["method"] == "POST"
             and scope["path"].rstrip("/") in self.creates
             and not self._from_a_host(headers)
         ):
             await self._place(headers, scope, receive, send)
             return
-        sandbox_id = next(
+        sandbox_id = guest or next(
             (found for named in self.targets if (found := named(scope["path"], headers))), None
         )
         url = None
@@ -239,7 +245,11 @@ class Forward:
         answered yet)."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, limits=_LIMITS)
-        url = base.rstrip("/") + relay.target_of(scope)
+        path = relay.target_of(scope)
+        if path is None:
+            await _answer(send, 400, "the request's target must be a path (/...)")
+            return True
+        url = base.rstrip("/") + path
         sent = relay.passed_headers(scope, drop=frozenset({FORWARDED}))
         sent.append((FORWARDED, self.hub.forward_secret))
         gone = asyncio.Event()

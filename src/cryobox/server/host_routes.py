@@ -28,6 +28,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from cryobox.errors import CryoboxError, InvalidArgument, SandboxNotFound
 
 from . import relay
+from .forward import FORWARDED
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +58,24 @@ class Admission:
 
 #: The rule for (sandbox id, guest port, lower-cased headers).
 Admit = Callable[[str, int, Mapping[str, str]], Admission]
+#: What marks a sandbox busy while one of its requests streams.
+Busy = Callable[[str], AbstractAsyncContextManager[None]]
 
 _LABEL = re.compile(r"([0-9]{1,5})-(sbx-[0-9a-f]{12})")
 _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 #: Connect 10 s; a guest's server may take as long as it likes to answer.
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=30.0)
+_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+#: Never passed to a guest: the fleet's secret that marks a request between hosts.
+INTERNAL = frozenset({FORWARDED})
 #: A WebSocket's handshake headers, which the relay's own connection makes anew.
 WEBSOCKET_OWN = frozenset(
-    {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions"}
+    {
+        "sec-websocket-key",
+        "sec-websocket-version",
+        "sec-websocket-extensions",
+        "sec-websocket-protocol",  # asked again as the relay's own subprotocols
+    }
 )
 
 
@@ -130,11 +142,14 @@ class HostRoutes:
         domain: str | None,
         port_of: PortFinder,
         admit: Admit = lambda _id, _port, _headers: Admission(),
+        busy: Busy = lambda _id: contextlib.nullcontext(),
     ) -> None:
+        """``busy``: held while a request streams (the sandbox is not idle meanwhile)."""
         self.app = app
         self.domain = domain
         self.port_of = port_of
         self.admit = admit
+        self.busy = busy
         self._client: httpx.AsyncClient | None = None
 
     def routed(self, scope: Scope) -> tuple[str, int] | None:
@@ -175,23 +190,29 @@ class HostRoutes:
         except CryoboxError as exc:  # paused and not woken by traffic, ended, ...
             await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}")
             return
-        if scope["type"] == "websocket":
-            await _relay_websocket(scope, receive, send, port)
-        else:
-            await self._proxy_http(scope, receive, send, port, route)
+        async with self.busy(sandbox_id):
+            if scope["type"] == "websocket":
+                await _relay_websocket(scope, receive, send, port)
+            else:
+                await self._proxy_http(scope, receive, send, port, route)
 
     async def _proxy_http(
         self, scope: Scope, receive: Receive, send: Send, port: int, route: tuple[str, int]
     ) -> None:
         if self._client is None:  # one pool of connections for every routed request
-            self._client = httpx.AsyncClient(timeout=_TIMEOUT)
+            # No cap on connections: one sandbox's slow server must not starve the others.
+            self._client = httpx.AsyncClient(timeout=_TIMEOUT, limits=_LIMITS)
+        path = relay.target_of(scope)
+        if path is None:
+            await _refuse(scope, send, 400, "the request's target must be a path (/...)")
+            return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         gone = asyncio.Event()
         body = relay.request_body(receive, gone) if relay.has_body(headers) else None
         request = self._client.build_request(
             scope["method"],
-            f"http://127.0.0.1:{port}{relay.target_of(scope)}",
-            headers=relay.passed_headers(scope),  # its Host too: what the guest was asked
+            f"http://127.0.0.1:{port}{path}",
+            headers=relay.passed_headers(scope, drop=INTERNAL),  # Host too: as it was asked
             content=body,
         )
         where = f"{route[0]} port {route[1]}"
@@ -223,10 +244,14 @@ async def _relay_websocket(scope: Scope, receive: Receive, send: Send, port: int
     from websockets.asyncio.client import connect
     from websockets.exceptions import WebSocketException
 
-    url = f"ws://127.0.0.1:{port}{relay.target_of(scope)}"
-    passed = dict(relay.passed_headers(scope, drop=WEBSOCKET_OWN | {"host"}))
+    path = relay.target_of(scope)
     if (await receive())["type"] != "websocket.connect":
         return
+    if path is None:
+        await send({"type": "websocket.close", "code": 1008, "reason": "not a path"})
+        return
+    url = f"ws://127.0.0.1:{port}{path}"
+    passed = dict(relay.passed_headers(scope, drop=WEBSOCKET_OWN | INTERNAL | {"host"}))
     try:
         guest = await connect(
             url,
@@ -235,7 +260,8 @@ async def _relay_websocket(scope: Scope, receive: Receive, send: Send, port: int
             open_timeout=10,
         )
     except (OSError, WebSocketException, TimeoutError) as exc:
-        await send({"type": "websocket.close", "code": 1011, "reason": str(exc)[:120]})
+        log.info("a WebSocket to guest port %s was not opened: %r", port, exc)
+        await send({"type": "websocket.close", "code": 1011, "reason": "the guest refused"})
         return
     await send({"type": "websocket.accept", "subprotocol": guest.subprotocol})
 
@@ -260,6 +286,9 @@ async def _relay_websocket(scope: Scope, receive: Receive, send: Send, port: int
     finally:
         for task in tasks:
             task.cancel()
+        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(outcome, Exception) and not isinstance(outcome, WebSocketException):
+                log.info("a WebSocket relay ended: %r", outcome)
         await guest.close()
         with contextlib.suppress(Exception):
             await send({"type": "websocket.close", "code": 1000})

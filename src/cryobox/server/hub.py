@@ -117,6 +117,12 @@ class _Use:
         self.memory_mib += sign * other.memory_mib
 
 
+#: The most guest ports of one sandbox that requests by host name forward (each is a
+#: listening socket on the host, kept while the sandbox lives): anyone who knows its id
+#: may ask for any port.
+MAX_TRAFFIC_PORTS = 64
+
+
 class Hub:
     def __init__(
         self,
@@ -742,7 +748,21 @@ class Hub:
         if any(wakes(sandbox_id) for wakes in self.traffic_wakes):
             await self.wake(tenant, sandbox_id)
         await self.use(tenant, sandbox_id)
+        ports = (await self.service.get(sandbox_id)).ports
+        if guest_port not in ports and len(ports) >= MAX_TRAFFIC_PORTS:
+            raise InvalidArgument(
+                f"{sandbox_id} has {len(ports)} ports forwarded already, the most requests "
+                f"by host name open ({MAX_TRAFFIC_PORTS}); port {guest_port} is not one"
+            )
         return await self.service.expose_port(sandbox_id, guest_port)
+
+    def traffic_wakes_it(self, sandbox_id: str) -> bool:
+        """Whether a request by host name wakes the sandbox when it is paused: paused
+        for being idle, or a ``traffic_wakes`` rule says so."""
+        tracked = self.meter.get(sandbox_id)
+        if tracked is not None and tracked.idle_paused:
+            return True
+        return any(wakes(sandbox_id) for wakes in self.traffic_wakes)
 
     async def _host_port(self, sandbox_id: str, guest_port: int) -> int:
         """Where a published port's connection goes now (waking the sandbox first)."""

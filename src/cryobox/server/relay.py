@@ -32,9 +32,13 @@ HOP = frozenset(
 NextMessage = Callable[[], Awaitable[Message]]
 
 
-def target_of(scope: Scope) -> str:
-    """The request's path and query as sent (``%2F`` stays ``%2F``)."""
+def target_of(scope: Scope) -> str | None:
+    """The request's path and query as sent (``%2F`` stays ``%2F``); None unless its
+    target is a path (``/...``): anything else (``@host:port/``, a full URL) would
+    change where the request goes once appended to a base URL."""
     raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    if not raw.startswith(b"/") or raw.startswith(b"//"):
+        return None
     query: str = scope.get("query_string", b"").decode("latin-1")
     return raw.decode("latin-1") + (f"?{query}" if query else "")
 
@@ -50,6 +54,7 @@ def passed_headers(scope: Scope, drop: frozenset[str] = frozenset()) -> list[tup
         for name in value.split(",")
         if name.strip()
     }
+    named -= {"host", "content-length"}  # the request's own, whatever Connection says
     return [(k, v) for k, v in headers if k.lower() not in HOP | named | drop]
 
 

@@ -56,7 +56,7 @@ from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind
-from cryobox.snapshot.store import SnapshotStore, looks_like_id
+from cryobox.snapshot.store import SnapshotStore, looks_like_id, new_snapshot
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import new_id
 
@@ -433,8 +433,11 @@ class Processes:
         """Copy the guest's files (name in the snapshot -> guest path, most bytes) into a
         new snapshot folder and commit it; a file that grows past its bound is refused
         (the guest may keep writing to it, or swap in a device that never ends)."""
-        temp = await asyncio.to_thread(self.store.begin, manifest.id)
-        try:
+
+        def failed(exc: OSError, temp: Path) -> StorageError:
+            return StorageError("saving a process checkpoint", str(temp), str(exc))
+
+        with new_snapshot(self.store, manifest.id, failed) as temp:
             for name, (path, most) in sources.items():
                 fd = os.open(temp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
@@ -452,12 +455,6 @@ class Processes:
             described = await asyncio.to_thread(mf.describe_files, temp, list(sources))
             manifest = Manifest.from_json({**manifest.to_json(), "files": described})
             await asyncio.to_thread(self.store.commit, temp, manifest)
-        except OSError as exc:
-            self.store.abandon(temp)
-            raise StorageError("saving a process checkpoint", str(temp), str(exc)) from exc
-        except BaseException:
-            self.store.abandon(temp)
-            raise
         return manifest
 
     # ------------------------------------------------------------------ restore

@@ -18,6 +18,7 @@ import posixpath
 import stat
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from pathlib import Path
 
 from cryobox import arguments, config
 from cryobox.errors import (
@@ -33,7 +34,7 @@ from cryobox.sandbox import registry
 from cryobox.service.persist import Persistence
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind
-from cryobox.snapshot.store import SnapshotStore
+from cryobox.snapshot.store import SnapshotStore, new_snapshot
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import each_chunk, new_id
 from cryobox.volume import archive, catalog
@@ -142,9 +143,11 @@ class Volumes:
         record = await asyncio.to_thread(catalog.get, name)
         snapshot_id = new_id("snap")
 
+        def failed(exc: OSError, temp: Path) -> StorageError:
+            return StorageError("saving a volume snapshot", str(temp), str(exc))
+
         def take() -> Manifest:
-            temp = self.store.begin(snapshot_id)
-            try:
+            with new_snapshot(self.store, snapshot_id, failed) as temp:
                 with archive.frozen(record.lock()):
                     archive.pack(record.data(), temp / VOLUME_ARCHIVE)
                 manifest = Manifest(
@@ -166,12 +169,6 @@ class Volumes:
                     volumes=({"volume": name},),
                 )
                 self.store.commit(temp, manifest)
-            except OSError as exc:
-                self.store.abandon(temp)
-                raise StorageError("saving a volume snapshot", str(temp), str(exc)) from exc
-            except BaseException:
-                self.store.abandon(temp)
-                raise
             return manifest
 
         manifest = await asyncio.to_thread(take)

@@ -19,6 +19,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,6 +69,25 @@ def one_by_id_prefix(ref: str, manifests: list[Manifest]) -> Manifest | None:
         names = ", ".join(m.id for m in found[:5])
         raise InvalidArgument(f"{ref!r} begins several snapshot ids ({names}): give more of it")
     return found[0] if found else None
+
+
+@contextlib.contextmanager
+def new_snapshot(
+    store: SnapshotStore, snapshot_id: str, failed: Callable[[OSError, Path], Exception]
+) -> Iterator[Path]:
+    """A new folder for a snapshot's files (:meth:`SnapshotStore.begin`), abandoned when
+    the block raises: nothing half-written stays. The block commits it. An ``OSError``
+    becomes ``failed(error, folder)`` (a :class:`~cryobox.errors.StorageError` naming
+    what was being saved)."""
+    temp = store.begin(snapshot_id)
+    try:
+        yield temp
+    except OSError as exc:
+        store.abandon(temp)
+        raise failed(exc, temp) from exc
+    except BaseException:
+        store.abandon(temp)
+        raise
 
 
 class SnapshotStore(Protocol):
