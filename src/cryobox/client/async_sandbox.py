@@ -1119,7 +1119,7 @@ class AsyncSandbox:
         sandbox's rollbacks, resumes and forks keep it). The same forms as
         :meth:`create`'s ``network=``, and ``{"allow": [...], "deny": [...]}``: the
         internet but the denied entries, the allowed ones winning. Host names are
-        resolved once, now. Connections already open stay open.
+        resolved once, now. Connections already open that it refuses are cut.
 
         Returns the policy as kept (names as addresses).
 

@@ -758,8 +758,9 @@ class SandboxService:
     async def update_network(self, sandbox_id: str, network: Any) -> NetworkJson:
         """Replace a running sandbox's network policy (the same forms as ``create``'s
         ``network=``), in force at once without a restart and kept for its rollbacks,
-        resumes and forks. Host names are resolved now. Connections already open stay
-        open. Returns the policy's JSON form as kept.
+        resumes and forks. Host names are resolved now. Connections already open are
+        judged again: those the new policy refuses are cut. Returns the policy's JSON form
+        as kept.
 
         :raises InvalidArgument: naming the entry that is not a mode or a rule.
         :raises StateError: when the sandbox is not running (resume it first).

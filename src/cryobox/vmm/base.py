@@ -98,7 +98,8 @@ class Vm(Protocol):
 
     async def set_network(self, policy: NetworkPolicy) -> None:
         """Put ``policy`` in force for the running guest (no restart; connections
-        already open stay open). A VMM that does not isolate its guests refuses it.
+        already open that it refuses are cut). A VMM that does not isolate its guests
+        refuses it.
 
         :raises NetworkError: when it cannot be applied (the old policy stays)."""
         ...
