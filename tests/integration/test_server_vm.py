@@ -45,6 +45,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("post", "/volumes/{name}/snapshots"): {"name": "theirs"},
     ("post", "/sandboxes/{sandbox_id}/processes/checkpoints"): {"pid": 2},
     ("post", "/sandboxes/{sandbox_id}/processes/restore"): {"checkpoint": "PLACEHOLDER"},
+    ("put", "/sandboxes/{sandbox_id}/network"): {"network": "none"},
 }
 
 
@@ -75,6 +76,7 @@ def test_another_tenants_key_is_answered_404_on_every_endpoint(api_server: ApiSe
             }
             tried = _walk_as_intruder(owner, intruder, ids, checkpoint.id)
             assert tried >= 20
+            assert sbx.info().network == "internet"  # the intruder's "none" changed nothing
             for listing in (
                 "/sandboxes?all=true",
                 "/snapshots",
