@@ -264,3 +264,55 @@ async def test_a_request_by_host_name_is_the_guests_never_a_create_of_the_api() 
     )
     sent = await _call(forward, _scope(b"/sandboxes", f"80-{ID}.localhost".encode(), "POST"))
     assert sent[0]["status"] == 299 and reached == ["/sandboxes"] and peers.routed == [ID]
+
+
+def _masked(mask: str | None) -> Any:
+    def admit(sandbox_id: str, port: int, headers: Mapping[str, str]) -> Admission:
+        return Admission(host=mask)
+
+    return admit
+
+
+async def test_a_websocket_is_relayed_to_the_guest_by_the_name_asked_or_its_mask() -> None:
+    """Frames both ways; the guest's server sees the Host the client used, or the mask
+    the rules set, and never the fleet's secret."""
+    from websockets.asyncio.server import ServerConnection, serve
+
+    seen: list[dict[str, str]] = []
+
+    async def echo(connection: ServerConnection) -> None:
+        assert connection.request is not None
+        seen.append({k.lower(): v for k, v in connection.request.headers.raw_items()})
+        async for message in connection:
+            text = message if isinstance(message, str) else message.decode()
+            await connection.send(f"echo {text}")
+
+    async with serve(echo, "127.0.0.1", 0) as server:
+        guest_port = next(iter(server.sockets)).getsockname()[1]
+
+        async def port_of(sandbox_id: str, port: int) -> int:
+            return int(guest_port)
+
+        for mask, expected in ((None, f"8000-{ID}.localhost:9"), ("m.example:8000", None)):
+            routes = HostRoutes(_app, domain="localhost", port_of=port_of, admit=_masked(mask))
+            inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+            outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+            for message in (
+                {"type": "websocket.connect"},
+                {"type": "websocket.receive", "text": "hello"},
+            ):
+                inbox.put_nowait(message)
+            scope = {
+                **_scope(b"/ws", f"8000-{ID}.localhost:9".encode(), **{FORWARDED: "secret"}),
+                "type": "websocket",
+                "subprotocols": [],
+            }
+            relayed = asyncio.ensure_future(cast(Any, routes)(scope, inbox.get, outbox.put))
+            accepted = await asyncio.wait_for(outbox.get(), 10)
+            assert accepted["type"] == "websocket.accept", accepted
+            answer = await asyncio.wait_for(outbox.get(), 10)
+            assert answer == {"type": "websocket.send", "text": "echo hello"}
+            inbox.put_nowait({"type": "websocket.disconnect", "code": 1000})
+            await asyncio.wait_for(relayed, 10)
+            assert seen[-1]["host"] == (expected or mask)
+            assert FORWARDED not in seen[-1]

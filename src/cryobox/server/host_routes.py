@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=30.0)
 _LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=32)
 #: Never passed to a guest: the fleet's secret that marks a request between hosts.
 INTERNAL = frozenset({FORWARDED})
+#: The largest message a guest may send through the relay (held whole while relayed).
+WEBSOCKET_MESSAGE_LIMIT = 16 << 20
 #: A WebSocket's handshake headers, which the relay's own connection makes anew.
 WEBSOCKET_OWN = frozenset(
     {
@@ -250,14 +253,21 @@ async def _relay_websocket(scope: Scope, receive: Receive, send: Send, port: int
     if path is None:
         await send({"type": "websocket.close", "code": 1008, "reason": "not a path"})
         return
-    url = f"ws://127.0.0.1:{port}{path}"
+    host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
     passed = dict(relay.passed_headers(scope, drop=WEBSOCKET_OWN | INTERNAL | {"host"}))
     try:
+        # Connected to the guest's port, asked by the name the client used (or its mask):
+        # the handshake's Host comes from the URI.
+        sock = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 10)
         guest = await connect(
-            url,
+            f"ws://{host}{path}",
+            sock=sock,
             additional_headers=passed,
+            user_agent_header=None,  # the client's own, if it sent one
             subprotocols=list(scope.get("subprotocols") or []) or None,
             open_timeout=10,
+            proxy=None,  # never the host's proxy: the guest's port is on this host
+            max_size=WEBSOCKET_MESSAGE_LIMIT,
         )
     except (OSError, WebSocketException, TimeoutError) as exc:
         log.info("a WebSocket to guest port %s was not opened: %r", port, exc)
