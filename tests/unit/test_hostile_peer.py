@@ -228,10 +228,13 @@ async def test_a_paused_command_waits_on_its_full_pipe_and_loses_nothing() -> No
     received = bytearray()
     try:
         total = 8 << 20
+        # One byte first, then a pause in which the test pauses the flow: the bulk comes
+        # only once the flow is paused, however fast this host streams it.
+        shell = f"printf x; sleep 1; head -c {total} /dev/zero"
         command = asyncio.ensure_future(
             client.request(
                 "exec",
-                {"argv": ["head", "-c", str(total), "/dev/zero"]},
+                {"argv": ["sh", "-c", shell]},
                 on_event=lambda h, data: (
                     received.extend(data) if h.get("event") == "stdout" else None
                 ),
@@ -245,13 +248,13 @@ async def test_a_paused_command_waits_on_its_full_pipe_and_loses_nothing() -> No
         while len(received) != held and time.monotonic() < settled_by:
             held = len(received)
             await asyncio.sleep(0.3)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.5)  # past the command's sleep: its bulk is written by now
         assert len(received) - held <= 2 * guest_agent.READ_SIZE  # it stopped
         assert not command.done()  # ...and the command waits, it is not dropped
         await client.request(p.GuestOp.FLOW, {"target": 1, "paused": False}, timeout=5)
         result = await asyncio.wait_for(command, 30)
         assert result["exit_code"] == 0
-        assert len(received) == total  # nothing lost
+        assert len(received) == 1 + total  # nothing lost
     finally:
         await client.close()
 
