@@ -382,6 +382,20 @@ class LineageNode:
     label: str
 
     @classmethod
+    def of_sandbox(
+        cls, sandbox_id: str, origin: str | None, state: str, forked_from: str | None, template: str
+    ) -> LineageNode:
+        """A sandbox's node: its parent the snapshot it was restored from last."""
+        return cls(
+            id=sandbox_id,
+            kind="sandbox",
+            parent=origin,
+            state=state,
+            forked_from=forked_from,
+            label=template or "",
+        )
+
+    @classmethod
     def of_snapshot(
         cls, snapshot_id: str, source_sandbox: str, kind: str, purpose: str, name: str | None
     ) -> LineageNode:

@@ -108,6 +108,11 @@ SandboxEnvOption = Annotated[
 ]
 
 
+def network_text(text: str) -> str | list[str]:
+    """A policy as the CLI takes it: ``internet``, ``none``, or comma-separated entries."""
+    return text if text in ("internet", "none") else text.split(",")
+
+
 def create_sandbox(
     cpus: int | None,
     memory: int | None,
@@ -143,7 +148,7 @@ def create_sandbox(
             timeout=timeout,
             on_timeout="pause" if on_timeout == "pause" else "kill",
             ports=ports or [],
-            network=network if network in ("internet", "none") else network.split(","),
+            network=network_text(network),
             proxy=proxy,
             ca_bundle=ca_bundle,
             checkpoint_every=checkpoint_every,
@@ -673,11 +678,7 @@ def network_(
         if (policy is None) == (not allow and not deny):
             raise InvalidArgument("give a POLICY, or --allow/--deny entries (not both)")
         wanted: str | list[str] | dict[str, list[str]] = (
-            {"allow": allow or [], "deny": deny or []}
-            if policy is None
-            else policy
-            if policy in ("internet", "none")
-            else policy.split(",")
+            {"allow": allow or [], "deny": deny or []} if policy is None else network_text(policy)
         )
         kept = Sandbox.connect(sandbox_id).update_network(wanted)
         out.print(kept if isinstance(kept, str) else json.dumps(kept), soft_wrap=True)

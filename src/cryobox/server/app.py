@@ -162,12 +162,6 @@ Me = Annotated[Tenant, Depends(current_tenant)]
 PathQ = Annotated[str, Query(min_length=1, max_length=4096)]
 
 
-def _host(scope: dict[str, Any]) -> str | None:
-    """A request's Host header."""
-    value = dict(scope.get("headers") or []).get(b"host")
-    return value.decode("latin-1") if value is not None else None
-
-
 def create_app(
     hub: Hub,
     *,
@@ -272,7 +266,7 @@ def create_app(
     app.add_middleware(  # before anything reads a body (a port's traffic is the guest's)
         BodyLimit,
         streaming=[x.streaming for x in extensions if x.streaming is not None],
-        passes=lambda scope: host_routes.route_of(_host(scope), hub.domain) is not None,
+        passes=lambda scope: host_routes.route_in(scope, hub.domain) is not None,
     )
     app.add_middleware(SendDeadline)  # outermost: a response's writes, when it arms one
 

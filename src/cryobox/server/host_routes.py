@@ -123,6 +123,14 @@ def route_of(host: str | None, domain: str | None) -> tuple[str, int] | None:
     return found.group(2), int(found.group(1))
 
 
+def route_in(scope: Scope, domain: str | None) -> tuple[str, int] | None:
+    """(sandbox id, guest port) that an ASGI request names by its Host, or None."""
+    if scope.get("type") not in ("http", "websocket") or not domain:
+        return None
+    host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+    return route_of(host, domain)
+
+
 def target(domain: str | None) -> Callable[[str, Mapping[str, str]], str | None]:
     """For :class:`~cryobox.server.forward.Forward`: the sandbox a request names by its
     host (so that it is passed to the host that runs it)."""
@@ -155,15 +163,8 @@ class HostRoutes:
         self.busy = busy
         self._client: httpx.AsyncClient | None = None
 
-    def routed(self, scope: Scope) -> tuple[str, int] | None:
-        if scope.get("type") not in ("http", "websocket") or not self.domain:
-            return None
-        headers = dict(scope.get("headers") or [])
-        host = headers.get(b"host", b"").decode("latin-1")
-        return route_of(host, self.domain)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routed(scope)
+        route = route_in(scope, self.domain)
         if route is None:
             await self.app(scope, receive, send)
             return
@@ -197,11 +198,18 @@ class HostRoutes:
             if scope["type"] == "websocket":
                 await _relay_websocket(scope, receive, send, port)
             else:
-                await self._proxy_http(scope, receive, send, port, route)
+                await self._proxy_http(scope, receive, send, port, route, headers)
 
     async def _proxy_http(
-        self, scope: Scope, receive: Receive, send: Send, port: int, route: tuple[str, int]
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        port: int,
+        route: tuple[str, int],
+        headers: Mapping[str, str],
     ) -> None:
+        """``headers``: the request's, lower-cased (read once by the caller)."""
         if self._client is None:  # one pool of connections for every routed request
             # No cap on connections: one sandbox's slow server must not starve the others.
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, limits=_LIMITS)
@@ -209,7 +217,6 @@ class HostRoutes:
         if path is None:
             await _refuse(scope, send, 400, "the request's target must be a path (/...)")
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         gone = asyncio.Event()
         body = relay.request_body(receive, gone) if relay.has_body(headers) else None
         request = self._client.build_request(

@@ -741,11 +741,8 @@ class Hub:
         :raises SandboxNotFound: for an id no tenant has.
         :raises StateError: when it is paused and traffic does not wake it, or ended.
         """
-        owner = self.tenants.owner("sandbox", sandbox_id)
-        if owner is None:
-            raise SandboxNotFound(sandbox_id)
-        tenant = self.tenants.get(owner)
-        if any(wakes(sandbox_id) for wakes in self.traffic_wakes):
+        tenant = self._owner_of(sandbox_id)
+        if self._rule_wakes(sandbox_id):
             await self.wake(tenant, sandbox_id)
         await self.use(tenant, sandbox_id)
         ports = (await self.service.get(sandbox_id)).ports
@@ -762,14 +759,24 @@ class Hub:
         tracked = self.meter.get(sandbox_id)
         if tracked is not None and tracked.idle_paused:
             return True
+        return self._rule_wakes(sandbox_id)
+
+    def _rule_wakes(self, sandbox_id: str) -> bool:
+        """Whether a ``traffic_wakes`` rule wakes the sandbox however it was paused."""
         return any(wakes(sandbox_id) for wakes in self.traffic_wakes)
 
-    async def _host_port(self, sandbox_id: str, guest_port: int) -> int:
-        """Where a published port's connection goes now (waking the sandbox first)."""
+    def _owner_of(self, sandbox_id: str) -> Tenant:
+        """The tenant that owns the sandbox, for traffic that carries no key (its ports).
+
+        :raises SandboxNotFound: for an id no tenant has."""
         owner = self.tenants.owner("sandbox", sandbox_id)
         if owner is None:
             raise SandboxNotFound(sandbox_id)
-        await self.use(self.tenants.get(owner), sandbox_id)
+        return self.tenants.get(owner)
+
+    async def _host_port(self, sandbox_id: str, guest_port: int) -> int:
+        """Where a published port's connection goes now (waking the sandbox first)."""
+        await self.use(self._owner_of(sandbox_id), sandbox_id)
         info = await self.service.get(sandbox_id)
         if guest_port not in info.ports:
             raise InvalidArgument(f"port {guest_port} of {sandbox_id} is not forwarded")
@@ -928,13 +935,8 @@ class Hub:
         for info in await self.list(tenant, all=True, credentials=credentials):
             if info.id not in known:
                 nodes.append(
-                    LineageNode(
-                        id=info.id,
-                        kind="sandbox",
-                        parent=info.origin,
-                        state=info.state,
-                        forked_from=info.forked_from,
-                        label=info.template,
+                    LineageNode.of_sandbox(
+                        info.id, info.origin, info.state, info.forked_from, info.template
                     )
                 )
         nodes += [

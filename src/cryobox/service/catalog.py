@@ -141,13 +141,8 @@ class Catalog:
         snapshot's parent is the sandbox it was taken of.
         """
         nodes = [
-            LineageNode(
-                id=spec.id,
-                kind="sandbox",
-                parent=record.origin,
-                state=record.state.value,
-                forked_from=spec.forked_from,
-                label=spec.template or "",
+            LineageNode.of_sandbox(
+                spec.id, record.origin, record.state.value, spec.forked_from, spec.template
             )
             for spec, record in registry.list_sandboxes()
             if not spec.pool  # a warm pool's member is nobody's sandbox yet
