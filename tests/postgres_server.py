@@ -91,3 +91,15 @@ def may_move(url: str, sandbox_id: str) -> bool:
             "SELECT departure <> '' FROM sandboxes WHERE id = %s", (sandbox_id,)
         ).fetchone()
     return bool(row and row[0])
+
+
+def recovery_at(url: str, sandbox_id: str) -> float:
+    """When the fleet database's recorded recovery point of a running sandbox was taken
+    (its newest stored automatic checkpoint: ``sandboxes.recovery``); 0 when none is."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT recovery_at FROM sandboxes WHERE id = %s AND recovery <> ''", (sandbox_id,)
+        ).fetchone()
+    return float(row[0]) if row else 0.0

@@ -241,8 +241,11 @@ class SandboxInfo:
     #: What its timeout does: "kill" or "pause" (see ``CreateRequest.on_timeout``).
     on_timeout: str = "kill"
     #: For a sandbox whose host was lost (``state`` "lost"): the stored state it can be
-    #: started again from, None when none was stored.
+    #: started again from (its newest stored automatic checkpoint, see
+    #: ``checkpoint_every``: ``resume`` starts it there), None when none was stored.
     recoverable_from: str | None = None
+    #: When that state was taken (seconds since the epoch).
+    recoverable_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 sandbox wakes on another host when its own is gone, with every process alive; two
 hosts racing to wake it end with exactly one running copy; a template saved on one
 host is used from another; a drained host's sandbox wakes on another; a sandbox that
-ran on the lost host reads as lost."""
+ran on the lost host reads as lost, and one that kept a history is recovered from its
+stored checkpoint on another host."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 from api_server import CLI, make_server
 from cryobox import Sandbox
 from cryobox.errors import HostUnavailable, SandboxDead
-from postgres_server import may_move
+from postgres_server import may_move, recovery_at
 from waiting import until
 
 from .guest_http import fetch_until_up
@@ -82,9 +83,21 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         sbx.pause()
         running_on_a = Sandbox.create(api_url=a.url, api_key=key, timeout=3600)
         assert running_on_a.commands.run("echo up").stdout == "up\n"
+        # One with a history: its newest automatic checkpoint is stored as it runs.
+        with_history = Sandbox.create(
+            api_url=a.url, api_key=key, timeout=3600, checkpoint_every=10, keep_checkpoints=3
+        )
+        with_history.files.write("/root/kept", "written before the checkpoint")
+        with_history.commands.run(COUNTER)
         # Stored, and recorded as such in its row (a's next monitor tick): from now on
         # another host may wake it.
         until(lambda: may_move(url, sbx.id), "a's pause is stored", timeout=600, every=0.5)
+        until(
+            lambda: recovery_at(url, with_history.id) > 0,
+            "a checkpoint of the running one is stored",
+            timeout=600,
+            every=0.5,
+        )
 
         # a is lost: its server and VMs killed, its state folder gone.
         a_id = (states["a"] / "host-id").read_text().strip()
@@ -105,6 +118,42 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         with pytest.raises(HostUnavailable, match="has not been seen since"):
             lost.commands.run("true")
 
+        # The one with a history is lost too, recoverable from its stored checkpoint: a
+        # resume through any host starts it there from it, the same sandbox (its file,
+        # its counter going on from the checkpoint's count); two hosts asked at once end
+        # with one copy.
+        recoverable = Sandbox.connect(with_history.id, api_url=servers["c"].url, api_key=key)
+        info = recoverable.info()
+        assert info.state == "lost" and info.recoverable_from and info.recoverable_at
+        assert "resume it" in (info.error or "")
+        with pytest.raises(HostUnavailable, match="resume it"):
+            recoverable.commands.run("true")
+        recovered: dict[str, Any] = {}
+
+        def recover(name: str) -> None:
+            try:
+                recovered[name] = Sandbox.resume(
+                    with_history.id, api_url=servers[name].url, api_key=key
+                )
+            except Exception as exc:  # kept for the assertion below
+                recovered[name] = exc
+
+        racers = [threading.Thread(target=recover, args=(n,)) for n in "bc"]
+        for racer in racers:
+            racer.start()
+        for racer in racers:
+            racer.join(600)
+        copies = [n for n in "bc" if running_here(states[n], with_history.id)]
+        assert len(copies) == 1, (copies, recovered)
+        for outcome in recovered.values():  # the other was told to retry, or forwarded
+            assert isinstance(outcome, Sandbox) or "retry" in str(outcome), recovered
+        again = Sandbox.connect(with_history.id, api_url=servers["b"].url, api_key=key)
+        assert again.info().state == "running"
+        assert again.files.read("/root/kept") == b"written before the checkpoint"
+        counts_on(again)
+        assert info.recoverable_from in [s.id for s in again.history()]
+        again.kill()
+
         woken: dict[str, Any] = {}
 
         def wake(name: str, server_url: str) -> None:
@@ -119,15 +168,7 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         for racer in racers:
             racer.join(600)
         assert all(isinstance(w, Sandbox) for w in woken.values()), woken
-        running = [
-            name
-            for name in "bc"
-            if (states[name] / "sandboxes" / sandbox_id / "state.json").exists()
-            and json.loads((states[name] / "sandboxes" / sandbox_id / "state.json").read_text())[
-                "state"
-            ]
-            == "running"
-        ]
+        running = [name for name in "bc" if running_here(states[name], sandbox_id)]
         assert len(running) == 1, running  # one copy, on one host
         loser = "c" if running == ["b"] else "b"
         assert not (states[loser] / "sandboxes" / sandbox_id).exists()
@@ -137,12 +178,7 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
             assert moved.info().host == host_ids[running[0]]
 
         moved = woken[loser]  # through the host that lost the race: forwarded
-        first = int(moved.files.read("/root/count"))
-        until(
-            lambda: int(moved.files.read("/root/count")) > first,
-            "the counter goes on",
-            timeout=60,
-        )
+        counts_on(moved)
         assert moved.files.read("/srv/index.html") == b"served from the same machine"
         assert moved.commands.run("echo $NOTE").stdout == "it travels\n"
         public = moved.info().ports[8000]
@@ -235,6 +271,18 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
             kill_processes_under(state)
 
 
+def counts_on(sbx: Sandbox) -> None:
+    """Wait until the sandbox's counter (:data:`COUNTER`) passes what it reads now."""
+    first = int(sbx.files.read("/root/count"))
+    until(lambda: int(sbx.files.read("/root/count")) > first, "the counter goes on", timeout=60)
+
+
+def running_here(state: Path, sandbox_id: str) -> bool:
+    """Whether the host of state folder ``state`` runs the sandbox."""
+    record = state / "sandboxes" / sandbox_id / "state.json"
+    return record.exists() and json.loads(record.read_text())["state"] == "running"
+
+
 def run_cli(*args: str) -> str:
     done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -259,3 +307,58 @@ def kill_processes_under(state: Path) -> None:
                 or str(state).encode() in (proc / "environ").read_bytes()
             ):
                 os.kill(int(proc.name), 9)
+
+
+def test_forks_that_do_not_fit_their_parents_host_are_made_on_another(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """Host small may run 2 vCPUs: a 2-vCPU sandbox fills it. Its 2 forks asked through
+    small are made on host big from a snapshot of it that goes through the store: each
+    copy has the parent's file and variable, its counter going on, and an identity of
+    its own; the parent runs on, on small."""
+    url = postgres.create_database("vm_fork_away")
+    root = Path(os.environ["CRYOBOX_STATE_DIR"])
+    states = {name: root / f"forks-{name}" for name in ("small", "big")}
+    fleet = {"CRYOBOX_STORE": str(tmp_path / "store"), "CRYOBOX_HOST_HEARTBEAT": "1"}
+    servers = {
+        name: make_server(
+            tmp_path / name,
+            {
+                **fleet,
+                "CRYOBOX_STATE_DIR": str(states[name]),
+                "CRYOBOX_HOST_VCPUS": "2" if name == "small" else "0",
+            },
+            database_url=url,
+        )
+        for name in states
+    }
+    key = servers["small"].tenant("fork-away")
+    for server in servers.values():
+        server.key = key
+        server.start()
+    try:
+        small = servers["small"]
+        parent = Sandbox.create(api_url=small.url, api_key=key, cpus=2, envs={"NOTE": "same"})
+        parent.files.write("/root/who", "the parent's")
+        parent.commands.run(COUNTER)
+        until(lambda: parent.files.exists("/root/count"), "the counter starts", timeout=60)
+        forks = parent.fork(2)
+        big_id = (states["big"] / "host-id").read_text().strip()
+        assert [f.info().host for f in forks] == [big_id, big_id]
+        seen = set()
+        for copy in forks:
+            assert copy.files.read("/root/who") == b"the parent's"
+            assert copy.commands.run("echo $NOTE").stdout == "same\n"
+            counts_on(copy)
+            seen.add(copy.commands.run("cat /proc/sys/kernel/random/boot_id").stdout)
+        seen.add(parent.commands.run("cat /proc/sys/kernel/random/boot_id").stdout)
+        assert len(seen) == 3  # three machines, each its own
+        assert parent.info().state == "running" and parent.info().host != big_id
+        for copy in forks:
+            copy.kill()
+        parent.kill()
+    finally:
+        for server in servers.values():
+            server.stop()
+        for state in states.values():
+            kill_processes_under(state)

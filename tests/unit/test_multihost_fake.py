@@ -10,23 +10,25 @@ own sandboxes. The same forwarding over real VMs is in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from api_server import CLI, ApiServer, make_server
+from api_server import CLI, ApiServer, kill_vms, make_server
 from cryobox import Sandbox
-from cryobox.errors import InvalidArgument, QuotaExceeded, SandboxNotFound
+from cryobox.errors import InvalidArgument, NoHostAvailable, QuotaExceeded, SandboxNotFound
 from cryobox.server.database import MIGRATIONS
 from cryobox.server.databases import open_database
+from postgres_server import recovery_at
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +300,169 @@ def test_a_second_server_on_the_same_state_folder_is_refused(
     )
     assert done.returncode == 1
     assert "already served at" in done.stderr and a.url in done.stderr
+
+
+@contextlib.contextmanager
+def lossy_pair(
+    postgres: Any, folder: Path, name: str, vcpus: Mapping[str, int] | None = None
+) -> Iterator[tuple[ApiServer, ApiServer]]:
+    """Hosts a and b on a database of their own and one chunk store, declared lost 3 s
+    after their last heartbeat (``vcpus``: a host's limit, by name); both started, one
+    tenant's key each. Every sandbox is killed and both servers stopped afterwards."""
+    fleet = {
+        "CRYOBOX_VMM": "fake",
+        "CRYOBOX_HOST_HEARTBEAT": "1",
+        "CRYOBOX_HOST_GONE_AFTER": "3",
+        "CRYOBOX_STORE": str(folder / "store"),
+    }
+    url = postgres.create_database(name)
+    a, b = (
+        make_server(
+            folder / host / "server",
+            {
+                **fleet,
+                "CRYOBOX_STATE_DIR": str(folder / host),
+                "CRYOBOX_HOST_VCPUS": str((vcpus or {}).get(host, 0)),
+            },
+            database_url=url,
+        )
+        for host in "ab"
+    )
+    a.key = b.key = a.tenant(name.replace("_", "-"))
+    a.start()
+    b.start()
+    try:
+        yield a, b
+    finally:
+        for server in (a, b):
+            if server.process is not None and server.process.poll() is None:
+                for listed in http(server).get("/sandboxes", params={"all": "true"}).json():
+                    http(server).delete(f"/sandboxes/{listed['id']}")
+            server.stop()
+        for host in "ab":
+            kill_vms(folder / host)
+
+
+def wait_for_state(server: ApiServer, sandbox_id: str, state: str, what: str) -> dict[str, Any]:
+    """The sandbox's info through ``server`` once it reads ``state`` (at most 120 s)."""
+    deadline = time.monotonic() + 120
+    while (info := http(server).get(f"/sandboxes/{sandbox_id}").json()).get("state") != state:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+    return dict(info)
+
+
+def test_a_sandbox_killed_while_its_host_is_lost_never_runs_there_again(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """Host b stops answering (its server killed with -9, its sandboxes running on); once
+    a sees it lost, one of its sandboxes is killed through a: it reads as killed from a
+    at once. When b comes back, it stops its copy of that one (never adopts it again),
+    and its other sandbox, not killed, is its own as before."""
+    with lossy_pair(postgres, tmp_path, "hosts_tombstones") as (a, b):
+        doomed, kept = (Sandbox.create(api_url=b.url, api_key=b.key) for _ in range(2))
+        assert b.process is not None
+        b.process.kill()
+        b.process.wait()
+        wait_for_state(a, doomed.id, "lost", "b is never seen as lost")
+        lost = http(a).get(f"/sandboxes/{kept.id}").json()
+        assert lost["state"] == "lost" and lost["recoverable_from"] is None
+        assert "cannot be recovered" in lost["error"]
+        refused = http(a).post(f"/sandboxes/{kept.id}/resume")
+        assert refused.status_code == 503 and "cannot be recovered" in refused.text
+
+        assert http(a).delete(f"/sandboxes/{doomed.id}").status_code == 204
+        killed = http(a).get(f"/sandboxes/{doomed.id}").json()
+        assert killed["state"] == "killed" and "was lost" in killed["error"]
+        copy = tmp_path / "b" / "sandboxes" / doomed.id
+        assert json.loads((copy / "state.json").read_text())["state"] == "running"  # still
+        # Killed again, it is forgotten (its row and ownership gone): b, back, has only
+        # the tombstone to go by, and must neither adopt its copy nor let it run.
+        assert http(a).delete(f"/sandboxes/{doomed.id}").status_code == 204
+        assert http(a).get(f"/sandboxes/{doomed.id}").status_code == 404
+
+        b.start()  # back: its copy of the killed one stops; the other is its own again
+        deadline = time.monotonic() + 60
+        while copy.exists():
+            assert time.monotonic() < deadline, "b keeps its copy of the killed sandbox"
+            time.sleep(0.5)
+        assert http(b).get(f"/sandboxes/{doomed.id}").status_code == 404
+        assert http(a).get(f"/sandboxes/{kept.id}").json()["state"] == "running"
+        back = Sandbox.connect(kept.id, api_url=a.url, api_key=a.key)
+        assert back.commands.run("echo still here").stdout == "still here\n"
+        listed = {i["id"]: i["state"] for i in http(a).get("/sandboxes?all=true").json()}
+        assert listed == {kept.id: "running"}
+        # Told once: b's tombstone is gone, and a restart of b changes nothing.
+        import psycopg
+
+        assert a.database_url is not None
+        with psycopg.connect(a.database_url) as conn:
+            assert conn.execute("SELECT count(*) FROM tombstones").fetchone() == (0,)
+        b.stop()
+        b.start()
+        assert http(a).get(f"/sandboxes/{kept.id}").json()["state"] == "running"
+
+
+def test_a_recovery_cut_short_by_a_crash_finishes_when_the_server_starts_again(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """A sandbox with a history on host b; b is lost (its server and sandboxes killed
+    with -9). A resume through a claims it, and a's server dies right then (before the
+    sandbox starts there): started again, a finishes the recovery instead of forgetting
+    the sandbox. (The same recovery over real VMs, with its processes and files, is in
+    ``tests/integration/test_fleet_vm.py``.)"""
+    with lossy_pair(postgres, tmp_path, "hosts_recovery_crash") as (a, b):
+        url = a.database_url
+        assert url is not None
+        sbx = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
+        deadline = time.monotonic() + 120
+        while not recovery_at(url, sbx.id):
+            assert time.monotonic() < deadline, "no checkpoint of it is ever stored"
+            time.sleep(0.5)
+        assert b.process is not None
+        b.process.kill()
+        b.process.wait()
+        kill_vms(tmp_path / "b")
+        info = wait_for_state(a, sbx.id, "lost", "b is never seen as lost")
+        assert info["recoverable_from"] and "resume it" in info["error"]
+
+        a.stop()
+        a.env["CRYOBOX_TEST_CRASH_AT"] = "server-recovery-claimed"
+        a.start()
+        with pytest.raises(httpx.TransportError):  # the server dies mid-request
+            http(a).post(f"/sandboxes/{sbx.id}/resume")
+        assert a.process is not None
+        assert a.process.wait(30) == -9
+        del a.env["CRYOBOX_TEST_CRASH_AT"]
+        a.start()
+        wait_for_state(a, sbx.id, "running", "the recovery is never finished")
+        back = Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key)
+        assert back.commands.run("echo recovered").stdout == "recovered\n"
+        assert (tmp_path / "a" / "sandboxes" / sbx.id).exists()
+
+
+def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_the_store(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """Host b may run 2 vCPUs, a 4. A 2-vCPU sandbox on b fills b: its 2 forks asked
+    through b are made on a, from a snapshot of it pushed to the store (the parent runs
+    on, on b); one more fork fits neither host and is refused, naming both. Over real
+    VMs, with the copies' files and processes: ``tests/integration/test_fleet_vm.py``."""
+    with lossy_pair(postgres, tmp_path, "hosts_fork_away", vcpus={"a": 4, "b": 2}) as (_, b):
+        parent = Sandbox.create(api_url=b.url, api_key=b.key, cpus=2, envs={"NOTE": "kept"})
+        a_id = (tmp_path / "a" / "host-id").read_text().strip()
+        forks = parent.fork(2)
+        assert [f.info().host for f in forks] == [a_id, a_id]
+        assert {f.id for f in forks} == {
+            p.name for p in (tmp_path / "a" / "sandboxes").iterdir() if p.name != parent.id
+        }
+        for copy in forks:
+            assert copy.commands.run("echo $NOTE").stdout == "kept\n"
+        assert parent.info().state == "running" and parent.info().host != a_id
+        origin = forks[0].info().origin
+        assert origin is not None
+        snapshots = {s.id: s for s in Sandbox.snapshots(api_url=b.url, api_key=b.key)}
+        assert snapshots[origin].source_sandbox == parent.id
+        with pytest.raises(NoHostAvailable, match="fit neither this host") as refused:
+            parent.fork(1)
+        assert "vCPUs in use" in str(refused.value) and a_id in str(refused.value)

@@ -1045,11 +1045,7 @@ class AsyncSandbox:
 
     async def checkpoints(self) -> builtins.list[SnapshotInfo]:
         """This sandbox's checkpoints, oldest first."""
-        return [
-            s
-            for s in await self._transport.snapshots()
-            if s.source_sandbox == self.id and s.purpose == SnapshotPurpose.CHECKPOINT
-        ]
+        return await self._transport.checkpoints(self.id)
 
     async def save_template(self, name: str, *, ports: Sequence[int] = ()) -> SnapshotInfo:
         """Save this running sandbox as template ``name`` (replacing one of that name):

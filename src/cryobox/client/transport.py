@@ -89,6 +89,7 @@ class Transport(Protocol):
         self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
     ) -> ActiveWatch: ...
     async def snapshots(self) -> builtins.list[SnapshotInfo]: ...
+    async def checkpoints(self, sandbox_id: str) -> builtins.list[SnapshotInfo]: ...
     async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> builtins.list[str]: ...
     async def build_template(
         self,
@@ -229,6 +230,13 @@ class LocalTransport:
 
     async def snapshots(self) -> builtins.list[SnapshotInfo]:
         return await self.service.catalog.snapshots()
+
+    async def checkpoints(self, sandbox_id: str) -> builtins.list[SnapshotInfo]:
+        return [
+            s
+            for s in await self.service.catalog.snapshots()
+            if s.source_sandbox == sandbox_id and s.purpose == SnapshotPurpose.CHECKPOINT
+        ]
 
     async def delete_snapshot(self, ref: str, *, cascade: bool = False) -> builtins.list[str]:
         return await self.service.catalog.delete_snapshot(ref, cascade=cascade)

@@ -303,7 +303,11 @@ class Machine:
             if manifest.kind is SnapshotKind.DISK:
                 await self._cold_boot((manifest.id, *manifest.disk_chain))
             else:
-                await self._restore(manifest, new_identity=True)
+                # A sandbox started from its own checkpoint (recovered on another host
+                # after its own was lost) is that sandbox again, as after a rollback;
+                # anything else started from a snapshot is a new machine.
+                again = manifest.source_sandbox == self.spec.id
+                await self._restore(manifest, new_identity=not again)
         finally:
             self._tcg_threads = ""
         self.update(origin=manifest.id)

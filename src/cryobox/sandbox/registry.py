@@ -107,8 +107,9 @@ class SandboxDir:
 
     @classmethod
     def arrive(cls, spec: SandboxSpec, record: SandboxRecord) -> SandboxDir:
-        """The folder of a paused sandbox taken over from another host: its spec and
-        its record (paused; the pause itself is pulled from the store when it resumes).
+        """The folder of a sandbox that comes from another host: its spec and its
+        record (paused, taken over: the pause itself is pulled from the store when it
+        resumes; creating, recovered from a checkpoint; killed while its host was lost).
         Made under a hidden name and renamed into place: a crash leaves no half-made
         sandbox. What an earlier stay here left under its id goes first (its VM too)."""
         folder = cls.for_id(spec.id)

@@ -362,8 +362,8 @@ def create_app(
         return await hub.save_template(me, sandbox_id, body.name, body.ports)
 
     @app.post("/sandboxes/{sandbox_id}/forks", status_code=201, tags=["sandboxes"])
-    async def fork(sandbox_id: str, body: s.Fork, me: Me) -> list[SandboxInfo]:
-        return await hub.fork(me, sandbox_id, body.count, body.timeout)
+    async def fork(sandbox_id: str, body: s.Fork, request: Request, me: Me) -> list[SandboxInfo]:
+        return await hub.fork(me, sandbox_id, body.count, body.timeout, credentials(request))
 
     @app.post("/sandboxes/{sandbox_id}/ports", tags=["sandboxes"])
     async def expose_port(sandbox_id: str, body: s.ExposePort, me: Me) -> s.HostPort:

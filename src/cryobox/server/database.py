@@ -181,6 +181,19 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE e2b_sandboxes ADD COLUMN private_traffic INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE e2b_sandboxes ADD COLUMN mask_request_host TEXT NOT NULL DEFAULT '';
     """,
+    # 11: a running sandbox's newest stored automatic checkpoint (sealed like a
+    # departure, and when it was taken), to recover it elsewhere when its host is lost;
+    # and the sandboxes killed while their host was lost, which that host must never
+    # run again when it comes back.
+    """
+    ALTER TABLE sandboxes ADD COLUMN recovery TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sandboxes ADD COLUMN recovery_at REAL NOT NULL DEFAULT 0;
+    CREATE TABLE tombstones (
+        id TEXT PRIMARY KEY,
+        host_id TEXT NOT NULL,
+        killed_at REAL NOT NULL
+    );
+    """,
 )
 
 

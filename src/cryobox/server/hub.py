@@ -71,13 +71,14 @@ from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
 from cryobox.wire import SandboxUsage, UsageReport
 
+from . import fork_away
 from .database import Connection, Database
 from .events import EventBus
 from .forward import FORWARDED
 from .host_routes import Admission
 from .hosts import HEARTBEAT, Hosts, host_id, store_identity
 from .meter import Meter, Prices, Tracked, bytes_on_disk, usage_report
-from .moves import Mover, fence
+from .moves import Mover, fence, tombstoned
 from .placement import RESERVATION_STALE, choose, loads
 from .ports import PortProxy
 from .tenants import Quota, Tenant, Tenants, api_key
@@ -92,6 +93,9 @@ TRANSIENT = ("creating", "resuming")
 DEFAULT_IDLE_TIMEOUT = 600.0
 #: Seconds before a draining host pauses again a sandbox it paused that was woken here.
 DRAIN_RETRY = 60.0
+#: Seconds between two tries to start again a sandbox whose folder is gone (its store
+#: may be down a while).
+RESTART_RETRY = 60.0
 #: Seconds between two sweeps of the sandboxes that ended long enough ago to be forgotten.
 FINISHED_SWEEP = 60.0
 
@@ -168,6 +172,7 @@ class Hub:
         self._dropped = 0.0
         #: Sandboxes this draining host paused (one woken here again is left running).
         self._drained: dict[str, float] = {}
+        self._restarts: dict[str, float] = {}
 
     async def start(self) -> None:
         """Say where this host answers, and take over what a previous server on this host
@@ -202,9 +207,10 @@ class Hub:
             )
         }
         tenants = {row["id"]: row["name"] for row in self.db.rows("SELECT id, name FROM tenants")}
+        buried = tombstoned(self.db, self.me)  # killed while this host was lost: stopped next
         done: list[str] = []
         for spec, record in registry.list_sandboxes(reconciled=True):
-            if spec.id in owned or spec.pool or record.state.finished:
+            if spec.id in owned or spec.id in buried or spec.pool or record.state.finished:
                 continue  # the server's already, waiting in a pool, or ended
             why = _orphaned(spec, tenants)
             if why is None:
@@ -339,6 +345,14 @@ class Hub:
                 else "this request reached a host that does not run it; retry it",
             )
 
+    async def _lost(self, tenant: Tenant, sandbox_id: str) -> bool:
+        """Whether it is the tenant's and its host is lost (:meth:`Mover.lost`)."""
+        return (
+            self.tenants.owns(tenant.id, "sandbox", sandbox_id)
+            and not self._here(sandbox_id)
+            and await asyncio.to_thread(self.mover.lost, sandbox_id) is not None
+        )
+
     def _present(self, info: SandboxInfo) -> SandboxInfo:
         """A sandbox as a tenant sees it: the server's public ports, no host pids, its
         volumes by the tenant's names."""
@@ -366,6 +380,7 @@ class Hub:
         """One of the tenant's snapshots by id or name (the newest of that name), or by
         a unique id prefix (unless ``prefix`` is False: E2B's template names)."""
         mine: list[Manifest] = []
+        unread: list[str] = []
         for snapshot_id in self._snapshots_of(tenant):
             try:
                 manifest = self.service.store.get(snapshot_id)
@@ -373,10 +388,18 @@ class Hub:
                 try:  # evicted from this host, still in the store
                     stored = self.service.persist.chunks(tenant.id).find(snapshot_id)
                 except (SnapshotError, StoreError):
+                    unread.append(snapshot_id)
                     continue
                 manifest = Manifest.from_json(stored.manifest)
             mine.append(manifest)
         found = [m for m in mine if ref in (m.id, m.name)]
+        if not found and ref in unread and self.mover.fleet:
+            # Stored by another host a moment ago, maybe under the tenant's first key,
+            # which this host takes at its next heartbeat: take it now.
+            self.mover.share_keys()
+            with contextlib.suppress(SnapshotError, StoreError):
+                stored = self.service.persist.chunks(tenant.id).find(ref)
+                found = [Manifest.from_json(stored.manifest)]
         if not found:
             prefixed = one_by_id_prefix(ref, mine) if prefix else None
             if prefixed is None:
@@ -619,8 +642,15 @@ class Hub:
     async def kill(self, tenant: Tenant, sandbox_id: str) -> None:
         """Kill it. Its record stays listed (``all``) as killed for
         ``config.finished_keep()`` seconds, as a timed-out or dead one's does, then is
-        forgotten (the monitor's sweep); killing one that has ended forgets it now."""
+        forgotten (the monitor's sweep); killing one that has ended forgets it now.
+        One whose host is lost is killed from here (:meth:`Mover.kill_lost`)."""
+        if await self._lost(tenant, sandbox_id) and await self.mover.kill_lost(
+            sandbox_id, tenant.id
+        ):
+            self.events.publish(tenant.id, sandbox_id, "killed")
+            return
         self._sandbox(tenant, sandbox_id)
+        await asyncio.to_thread(self.mover.drop_recovery, sandbox_id)
         async with self._locks[sandbox_id]:
             try:
                 ended = (await self.service.get(sandbox_id)).state in ("killed", "dead")
@@ -640,6 +670,7 @@ class Hub:
         self, tenant_id: str, sandbox_id: str, event: str | None, **data: Any
     ) -> None:
         """Drop every trace of a sandbox that is gone; ``event`` tells subscribers."""
+        await asyncio.to_thread(self.mover.drop_recovery, sandbox_id)
         await self.ports.unpublish(sandbox_id)
         self.db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
         self.meter.forget(sandbox_id)
@@ -683,6 +714,13 @@ class Hub:
         return True
 
     async def resume(self, tenant: Tenant, sandbox_id: str) -> SandboxInfo:
+        """Resume it; one whose host is lost is started here from its recovery point
+        (:meth:`Mover.recover`) when one was stored, else refused naming why."""
+        if await self._lost(tenant, sandbox_id):
+            if not await self.mover.recover(sandbox_id):
+                raise HostUnavailable(sandbox_id, "another host recovered it meanwhile; retry")
+            self.meter.touch(sandbox_id)
+            return self._present(await self.service.get(sandbox_id))
         self._sandbox(tenant, sandbox_id)
         async with self._locks[sandbox_id]:
             return await self._resume_locked(tenant, sandbox_id, "asked")
@@ -884,12 +922,27 @@ class Hub:
         self.events.publish(tenant.id, sandbox_id, "rolled back", snapshot_id=manifest.id)
 
     async def fork(
-        self, tenant: Tenant, sandbox_id: str, count: int, timeout: float | None
+        self,
+        tenant: Tenant,
+        sandbox_id: str,
+        count: int,
+        timeout: float | None,
+        credentials: Mapping[str, str] | None = None,
     ) -> builtins.list[SandboxInfo]:
+        """``count`` copies of the running sandbox, here (sharing its memory); on another
+        host, through the store, when this one has no room for them
+        (:mod:`.fork_away`: asked there with the caller's ``credentials``)."""
         await self.use(tenant, sandbox_id)
         tracked = self.meter.get(sandbox_id)
         info = await self.service.get(sandbox_id)
         idle = tracked.idle_timeout if tracked else DEFAULT_IDLE_TIMEOUT
+        host = await asyncio.to_thread(
+            fork_away.elsewhere, self, tenant, count, info.cpus, info.memory_mib
+        )
+        if host is not None:
+            return await fork_away.fork_through_store(
+                self, tenant, sandbox_id, count, timeout, host, credentials or {}
+            )
         async with (
             self._reserve(tenant, count, info.cpus, info.memory_mib),
             self._locks[sandbox_id],
@@ -1154,6 +1207,8 @@ class Hub:
                 self._state_event(tracked.tenant_id, info)
             if info.state == "paused" and tracked.id not in self.mover.departed:
                 await asyncio.to_thread(self.mover.record_departure, tracked.id)
+            if info.state == "running" and info.checkpoint_every and self.mover.fleet:
+                await asyncio.to_thread(self.mover.record_recovery, tracked.id)
             if info.state in ("killed", "dead"):
                 await self.ports.unpublish(tracked.id)
                 continue
@@ -1188,13 +1243,22 @@ class Hub:
         host would bring it; a row another host claimed meanwhile is left to it. Whether
         it is handled (not to be forgotten)."""
         row = self.db.row(
-            "SELECT host_id, last_state, epoch, departure FROM sandboxes WHERE id = ?",
+            "SELECT host_id, last_state, epoch, departure, recovery FROM sandboxes WHERE id = ?",
             (sandbox_id,),
         )
         if row is None:
             return True
         if row["host_id"] not in ("", self.me):
             return True  # it moved: its new host follows it
+        if row["last_state"] == "running" and row["recovery"]:
+            if time.monotonic() - self._restarts.get(sandbox_id, -RESTART_RETRY) < RESTART_RETRY:
+                return True
+            self._restarts[sandbox_id] = time.monotonic()
+            try:
+                await self.mover.restart_recovered(sandbox_id)
+            except CryoboxError as exc:
+                log.error("%s: its folder is gone and it cannot start again: %s", sandbox_id, exc)
+            return True
         if row["last_state"] != "paused" or not row["departure"]:
             return False
         try:

@@ -14,6 +14,15 @@ the row still names its host (:func:`fence`), a move only from the epoch it read
 (:func:`claim`). Two hosts racing for one sandbox both try one of these single-row
 updates; the database orders them, one matches, the other changes nothing and forwards
 the request to the winner.
+
+A running sandbox is not lost with its host either when it keeps a history
+(``checkpoint_every``): its host stores its newest automatic checkpoint and records it in
+the row, sealed the same way (:meth:`Mover.record_recovery`). When the host stops renewing
+its heartbeat the sandbox reads as ``lost``, ``recoverable_from`` that checkpoint; a
+``resume`` sent to any host starts it there from it (:meth:`Mover.recover`, claimed by
+the same epoch), as that same sandbox (what it did after the checkpoint is gone, and
+said). A lost sandbox killed meanwhile leaves a tombstone: its host, back, stops its copy
+(:meth:`Mover.drop_moved`) and never adopts it again.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,9 +54,11 @@ from cryobox.errors import (
 )
 from cryobox.models import SandboxInfo
 from cryobox.sandbox import registry
+from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
+from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.store import keys, uploads
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
@@ -130,6 +142,65 @@ def fence(db: Database, sandbox_id: str, me: str) -> bool:
     )
 
 
+def claim_recovery(
+    db: Database, sandbox_id: str, me: str, host: str, epoch: int, recovery: str
+) -> bool:
+    """Make ``me`` the home of a sandbox lost with ``host`` at ``epoch``, to be started
+    from the recovery point ``recovery`` recorded then; whether this call did (False:
+    another host recovered or killed it, or its host came back and acted on it). Its
+    published ports follow it, and its compute counts from now (not the time lost)."""
+    with db.transaction() as conn:
+        moved: int = conn.execute(
+            "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1, departure = '', "
+            "last_state = 'running', running_since = ? WHERE id = ? AND host_id = ? "
+            "AND epoch = ? AND recovery = ? AND recovery <> ''",
+            (me, time.time(), sandbox_id, host, epoch, recovery),
+        ).rowcount
+        if moved == 1:
+            conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", (me, sandbox_id))
+    return moved == 1
+
+
+def give_back(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> None:
+    """Undo :func:`claim_recovery` (the start failed): the sandbox is its lost host's
+    again, still lost and recoverable (one epoch on, so no claim of before matches)."""
+    with db.transaction() as conn:
+        given: int = conn.execute(
+            "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1 "
+            "WHERE id = ? AND host_id = ? AND epoch = ?",
+            (host, sandbox_id, me, epoch + 1),
+        ).rowcount
+        if given == 1:
+            conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", (host, sandbox_id))
+
+
+def bury(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> bool:
+    """Record as killed (by ``me``) a sandbox lost with ``host`` at ``epoch``, with a
+    tombstone that outlives its row: ``host``, when it comes back, stops its copy and
+    never adopts it. Whether this call did (False: it was recovered, or its host acted
+    on it, meanwhile)."""
+    with db.transaction() as conn:
+        done: int = conn.execute(
+            "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1, last_state = 'killed', "
+            "departure = '', recovery = '' WHERE id = ? AND host_id = ? AND epoch = ?",
+            (me, sandbox_id, host, epoch),
+        ).rowcount
+        if done == 1:
+            conn.execute(
+                "INSERT INTO tombstones (id, host_id, killed_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET host_id = excluded.host_id, "
+                "killed_at = excluded.killed_at",
+                (sandbox_id, host, time.time()),
+            )
+            conn.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
+    return done == 1
+
+
+def tombstoned(db: Database, host: str) -> set[str]:
+    """The sandboxes of ``host`` killed while it was lost (it must never run them)."""
+    return {str(r["id"]) for r in db.rows("SELECT id FROM tombstones WHERE host_id = ?", (host,))}
+
+
 class Mover:
     """The hub's side of moves: what it records at a pause, where a request for a
     sandbox goes (here, its host, or the host taking it over), the takeover itself, and
@@ -144,6 +215,9 @@ class Mover:
         self.keyed: set[str] = set()
         #: The pause recorded as each sandbox's departure (see :meth:`record_departure`).
         self.departed: dict[str, str] = {}
+        #: The checkpoint recorded as each running sandbox's recovery point (see
+        #: :meth:`record_recovery`).
+        self.recovered: dict[str, str] = {}
 
     async def start(self) -> None:
         self.secret = self.hub._shared_secret("departures")
@@ -240,6 +314,95 @@ class Mover:
             "UPDATE sandboxes SET departure = '' WHERE id = ? AND departure <> ''", (sandbox_id,)
         )
 
+    # -- a running sandbox's recovery point
+
+    def record_recovery(self, sandbox_id: str) -> None:
+        """Keep a running sandbox's newest automatic checkpoint (``checkpoint_every``) in
+        the store and recorded in its row, sealed as a departure is: when this host is
+        lost, another host starts the sandbox again from it (:meth:`recover`).
+
+        The newest checkpoint is uploaded when none of the sandbox's is on its way (a
+        history every few seconds stores what it can, newest first, each upload only the
+        chunks the store lacks); once stored it is recorded, and the one it replaces
+        leaves the store (one per sandbox). Called at each monitor tick for the running
+        ones; a sandbox with volumes stays with them (it is never recovered elsewhere)."""
+        if not self.fleet:
+            return
+        try:
+            folder = registry.find(sandbox_id)
+            spec, record = folder.spec(), folder.record()
+        except (CryoboxError, OSError, ValueError):
+            return
+        if not spec.checkpoint_every or spec.volumes or record.state is not SandboxState.RUNNING:
+            return
+        store = self.hub.service.store
+        history = sorted(
+            (
+                m
+                for m in store.all()
+                if m.automatic
+                and m.source_sandbox == sandbox_id
+                and m.purpose is SnapshotPurpose.CHECKPOINT
+            ),
+            key=lambda m: m.created_at,
+        )
+        marks = {m.id: uploads.state(store.folder(m.id)).get("state") for m in history}
+        if (
+            history
+            and marks[history[-1].id] == "local"
+            and not any(mark in ("pending", "uploading") for mark in marks.values())
+        ):
+            uploads.schedule(store.folder(history[-1].id), spec.owner)
+        stored = [m for m in history if marks[m.id] == "stored"]
+        if not stored or self.recovered.get(sandbox_id) == stored[-1].id:
+            return
+        newest = stored[-1]
+        previous = self._recovery_point(sandbox_id)
+        plain = {**spec.to_json(), "envs": dict(spec.envs)}
+        plain.pop(SEALED_ENVS, None)
+        sealed = seal(self.secret, sandbox_id, Departure(plain, newest.id, record.timeout))
+        self.hub.db.execute(
+            "UPDATE sandboxes SET recovery = ?, recovery_at = ? "
+            "WHERE id = ? AND host_id IN (?, '')",
+            (sealed, newest.created_at, sandbox_id, self.hub.me),
+        )
+        self.recovered[sandbox_id] = newest.id
+        if previous is not None and previous[1] != newest.id:
+            self._unstore(spec.owner, previous[1], keep_below=newest.disk_chain)
+
+    def drop_recovery(self, sandbox_id: str) -> None:
+        """The sandbox ended: its recovery point leaves the store and its row."""
+        self.recovered.pop(sandbox_id, None)
+        point = self._recovery_point(sandbox_id)
+        if point is None:
+            return
+        self.hub.db.execute("UPDATE sandboxes SET recovery = '' WHERE id = ?", (sandbox_id,))
+        self._unstore(point[0].owner, point[1])
+
+    def _recovery_point(self, sandbox_id: str) -> tuple[SandboxSpec, str, float] | None:
+        """The sandbox's recorded recovery point: its spec, the checkpoint, when taken."""
+        row = self.hub.db.row(
+            "SELECT recovery, recovery_at FROM sandboxes WHERE id = ?", (sandbox_id,)
+        )
+        if row is None or not row["recovery"]:
+            return None
+        try:
+            departure = unseal(self.secret, sandbox_id, str(row["recovery"]))
+            return SandboxSpec.from_json(departure.spec), departure.pause_id, row["recovery_at"]
+        except (ValueError, TypeError) as exc:
+            log.error("%s: its recorded recovery point is unreadable: %s", sandbox_id, exc)
+            return None
+
+    def _unstore(self, tenant: str, checkpoint: str, keep_below: tuple[str, ...] = ()) -> None:
+        """Delete an automatic checkpoint from the store, unless the one that replaces it
+        builds its disk on it (a later checkpoint after a rewind to it)."""
+        if checkpoint in keep_below:
+            return
+        try:
+            self.hub.service.persist.of(tenant).chunks().delete(checkpoint)
+        except (CryoboxError, OSError) as exc:
+            log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
+
     # -- where a request goes
 
     async def route(
@@ -305,11 +468,11 @@ class Mover:
     def lost(self, sandbox_id: str) -> SandboxInfo | None:
         """The sandbox as a host can tell of it when its own host is gone and it could
         not move (it ran there, or its pause never reached the store): ``state`` "lost",
-        since when, and what it can be recovered from (nothing is stored of a running
-        sandbox yet). None when its host is this one, live, or unknown."""
+        since when, and what it can be recovered from (its recorded recovery point, see
+        :meth:`record_recovery`). None when its host is this one, live, or unknown."""
         row = self.hub.db.row(
-            "SELECT host_id, cpus, memory_mib, last_state, running_since, departure "
-            "FROM sandboxes WHERE id = ?",
+            "SELECT host_id, cpus, memory_mib, last_state, running_since, departure, "
+            "recovery FROM sandboxes WHERE id = ?",
             (sandbox_id,),
         )
         if row is None or row["host_id"] in ("", self.hub.me):
@@ -321,7 +484,21 @@ class Mover:
             row["last_state"] == "paused" and row["departure"]
         ):
             return None  # ended, or it wakes elsewhere
-        seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(host.seen_at))
+        seen = _when(host.seen_at)
+        point = self._recovery_point(sandbox_id) if row["recovery"] else None
+        if point is None:
+            error = (
+                f"its host {host.id} has not been seen since {seen}, with the sandbox "
+                f"{row['last_state']} there and nothing of it stored: it cannot be "
+                "recovered elsewhere"
+            )
+        else:
+            error = (
+                f"its host {host.id} has not been seen since {seen}, with the sandbox "
+                f"{row['last_state']} there; its newest stored state is checkpoint "
+                f"{point[1]}, taken at {_when(point[2])}: resume it to start it again "
+                "from there (what it did since is lost)"
+            )
         return SandboxInfo(
             id=sandbox_id,
             state="lost",
@@ -334,14 +511,164 @@ class Mover:
             created_at=float(row["running_since"] or 0.0),
             deadline=None,
             ports={},
-            error=(
-                f"its host {host.id} has not been seen since {seen}, with the sandbox "
-                f"{row['last_state']} there and nothing of it stored: it cannot be "
-                "recovered elsewhere"
-            ),
+            error=error,
             host=host.id,
-            recoverable_from=None,
+            recoverable_from=point[1] if point else None,
+            recoverable_at=point[2] if point else None,
         )
+
+    async def recover(self, sandbox_id: str) -> bool:
+        """Start here, from its recovery point, a sandbox whose host is lost: the
+        checkpoint is pulled (verified) first, then the row claimed by its epoch
+        (:func:`claim_recovery`: two hosts recovering it at once end with one copy),
+        then the sandbox started from it as itself, its ports published here. A start
+        that fails gives the row back: it stays lost and recoverable. Whether it runs
+        here now (False: another host recovered or killed it meanwhile).
+
+        :raises HostUnavailable: when it cannot be recovered (nothing stored, or the
+            checkpoint cannot be read), naming why.
+        """
+        hub = self.hub
+        async with hub._locks[sandbox_id]:
+            row = await asyncio.to_thread(
+                hub.db.row,
+                "SELECT host_id, epoch, recovery FROM sandboxes WHERE id = ?",
+                (sandbox_id,),
+            )
+            lost = await asyncio.to_thread(self.lost, sandbox_id)
+            if row is None or lost is None:
+                return row is not None and row["host_id"] == hub.me
+            point = await asyncio.to_thread(self._recovery_point, sandbox_id)
+            if point is None:
+                raise HostUnavailable(sandbox_id, lost.error or "lost")
+            spec, checkpoint, _ = point
+            home, epoch, recovery = str(row["host_id"]), int(row["epoch"]), str(row["recovery"])
+            await asyncio.to_thread(self.share_keys)
+            persist = hub.service.persist.of(spec.owner)
+            had = persist.holds(checkpoint)
+            try:  # before the claim: a checkpoint that cannot be read leaves it as it was
+                await persist.local_or_pulled(checkpoint)
+            except (SnapshotError, StoreError) as exc:
+                raise HostUnavailable(
+                    sandbox_id,
+                    f"its host {home} is lost and its checkpoint {checkpoint} cannot be "
+                    f"read from the store: {exc}",
+                ) from exc
+            if not await asyncio.to_thread(
+                claim_recovery, hub.db, sandbox_id, hub.me, home, epoch, recovery
+            ):
+                if not had:  # another host runs it: its checkpoint is not this host's
+                    with contextlib.suppress(CryoboxError, OSError):
+                        await asyncio.to_thread(hub.service.store.delete, checkpoint)
+                return False
+            crash_point("server-recovery-claimed")
+            try:
+                await self._start_recovered(spec, checkpoint, recovery)
+            except BaseException:
+                await asyncio.to_thread(give_back, hub.db, sandbox_id, hub.me, home, epoch)
+                raise
+        log.warning(
+            "%s recovered here from checkpoint %s: its host %s is lost",
+            sandbox_id,
+            checkpoint,
+            home,
+        )
+        hub.events.publish(
+            spec.owner, sandbox_id, "recovered", from_host=home, checkpoint=checkpoint
+        )
+        return True
+
+    async def restart_recovered(self, sandbox_id: str) -> None:
+        """Start from its recovery point a sandbox this host runs by its row but has
+        no folder of: a recovery claimed here by a server killed before the start, or a
+        running sandbox whose folder was deleted under it (said in the log and to its
+        tenant: what it did after the checkpoint is gone).
+
+        :raises HostUnavailable: when nothing is recorded to start it from.
+        """
+        row = await asyncio.to_thread(
+            self.hub.db.row, "SELECT recovery FROM sandboxes WHERE id = ?", (sandbox_id,)
+        )
+        point = await asyncio.to_thread(self._recovery_point, sandbox_id)
+        if row is None or point is None:
+            raise HostUnavailable(sandbox_id, "its folder is gone and no checkpoint is stored")
+        spec, checkpoint, _ = point
+        async with self.hub._locks[sandbox_id]:
+            await self._start_recovered(spec, checkpoint, str(row["recovery"]))
+        log.warning(
+            "%s: its folder was gone: started again from checkpoint %s", sandbox_id, checkpoint
+        )
+        self.hub.events.publish(spec.owner, sandbox_id, "recovered", checkpoint=checkpoint)
+
+    async def _start_recovered(self, spec: SandboxSpec, checkpoint: str, recovery: str) -> None:
+        """Start a sandbox whose row is this host's from its recovery point (the sealed
+        ``recovery``: its timeout as set at the time), and publish its ports here."""
+        hub = self.hub
+        departure = unseal(self.secret, spec.id, recovery)
+        if departure.timeout:
+            spec = dataclasses.replace(spec, timeout=departure.timeout)
+        await hub.service.recover(spec, checkpoint, tenant=spec.owner)
+        self.recovered[spec.id] = checkpoint
+        hub.meter.observe(spec.id, "running")
+        for port in await asyncio.to_thread(
+            hub.db.rows,
+            "SELECT guest_port, public_port FROM ports WHERE sandbox_id = ?",
+            (spec.id,),
+        ):
+            with contextlib.suppress(OSError):
+                await hub._publish(spec.id, port["guest_port"], port["public_port"])
+
+    async def kill_lost(self, sandbox_id: str, tenant: str) -> bool:
+        """Kill a sandbox whose host is lost (:func:`bury`): it reads as killed from
+        every host (its record kept here, as a kill keeps one), its stored state leaves
+        the store, and its host, back, stops its copy. Whether it was lost (False: the
+        caller kills it the usual way)."""
+        hub = self.hub
+        async with hub._locks[sandbox_id]:
+            row = await asyncio.to_thread(
+                hub.db.row,
+                "SELECT host_id, epoch, cpus, memory_mib, running_since FROM sandboxes "
+                "WHERE id = ?",
+                (sandbox_id,),
+            )
+            lost = await asyncio.to_thread(self.lost, sandbox_id)
+            if row is None or lost is None:
+                return False
+            point = await asyncio.to_thread(self._recovery_point, sandbox_id)
+            home = str(row["host_id"])
+            if not await asyncio.to_thread(
+                bury, hub.db, sandbox_id, hub.me, home, int(row["epoch"])
+            ):
+                return False
+            spec = (
+                point[0]
+                if point is not None
+                else SandboxSpec(
+                    id=sandbox_id,
+                    image_id="",
+                    accelerator="",
+                    cpus=int(row["cpus"]),
+                    memory_mib=int(row["memory_mib"]),
+                    disk_gib=0,
+                    timeout=0.0,
+                    template="",
+                    created_at=float(row["running_since"] or 0.0),
+                    owner=tenant,
+                )
+            )
+            record = SandboxRecord(
+                id=sandbox_id,
+                state=SandboxState.KILLED,
+                error=f"killed while its host {home} was lost",
+            )
+            await asyncio.to_thread(SandboxDir.arrive, spec, record)
+            persist = hub.service.persist.of(tenant)
+            if point is not None:
+                await asyncio.to_thread(self._unstore, tenant, point[1])
+            with contextlib.suppress(CryoboxError, OSError):
+                await asyncio.to_thread(persist.chunks().delete_pause, sandbox_id)
+        log.warning("%s killed while its host %s is lost", sandbox_id, home)
+        return True
 
     async def _locate(self, sandbox_id: str) -> str | None:
         return await asyncio.to_thread(self.hub.locate, sandbox_id)
@@ -453,27 +780,41 @@ class Mover:
                 (hub.me,),
             )
         }
-        dropped = []
+        buried = await asyncio.to_thread(tombstoned, hub.db, hub.me)
+        dropped, waiting = [], set()
         for spec, record in await asyncio.to_thread(registry.list_sandboxes):
-            if spec.id not in homes or record.state.finished or hub._locks[spec.id].locked():
+            if (spec.id not in homes and spec.id not in buried) or record.state.finished:
+                continue
+            if hub._locks[spec.id].locked():
+                waiting.add(spec.id)  # at the next tick
                 continue
             async with hub._locks[spec.id]:
                 row = await asyncio.to_thread(
                     hub.db.row, "SELECT host_id FROM sandboxes WHERE id = ?", (spec.id,)
                 )
-                if row is None or row["host_id"] in ("", hub.me):
+                if spec.id not in buried and (row is None or row["host_id"] in ("", hub.me)):
                     continue  # it came back here meanwhile
                 log.warning(
-                    "%s moved to host %s: this host's copy (%s) is stopped and removed",
+                    "%s %s: this host's copy (%s) is stopped and removed",
                     spec.id,
-                    row["host_id"],
+                    "was killed while this host was lost"
+                    if spec.id in buried
+                    else f"moved to host {row['host_id'] if row else '?'}",
                     record.state.value,
                 )
                 await hub.ports.unpublish(spec.id)
                 with contextlib.suppress(SandboxNotFound):
                     await hub.service.kill(spec.id, keep_record=False)
             dropped.append(spec.id)
+        for sandbox_id in buried - waiting:  # handled: stopped now, or not here
+            await asyncio.to_thread(
+                hub.db.execute, "DELETE FROM tombstones WHERE id = ?", (sandbox_id,)
+            )
         return dropped
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
 #: The ``secrets`` rows holding each tenant's store KEKs (by id), shared by the hosts.

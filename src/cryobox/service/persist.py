@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -72,15 +73,22 @@ class Persistence:
         local: SnapshotStore,
         tenant: str = LOCAL_TENANT,
         clients: dict[tuple[str, str], ChunkStore] | None = None,
+        pulling: threading.Lock | None = None,
     ) -> None:
         self.local = local
         self.tenant = tenant
         #: Chunk store clients by (store URL, tenant), shared by every tenant's view.
         self._stores: dict[tuple[str, str], ChunkStore] = {} if clients is None else clients
+        #: Held by a pull (shared by every tenant's view): two pulls of one snapshot, or
+        #: of two built on one layer, would write the same folders (several creates from
+        #: one stored snapshot at once); the second finds what the first pulled.
+        self._pulling = threading.Lock() if pulling is None else pulling
 
     def of(self, tenant: str) -> Persistence:
         """The same, on behalf of ``tenant`` (the store clients are shared)."""
-        return self if tenant == self.tenant else Persistence(self.local, tenant, self._stores)
+        if tenant == self.tenant:
+            return self
+        return Persistence(self.local, tenant, self._stores, self._pulling)
 
     def chunks(self, tenant: str | None = None) -> ChunkStore:
         """A tenant's (by default this one's) chunk store at ``CRYOBOX_STORE`` as set
@@ -151,10 +159,6 @@ class Persistence:
         """
         store = self.chunks()
         stored = await asyncio.to_thread(store.find, ref)
-        if rename is None:
-            with contextlib.suppress(SnapshotNotFound):
-                return self.local.get(stored.id)
-        self._refuse_if_here(stored.id)
         return await asyncio.to_thread(self._pull_chain, store, stored, rename, progress)
 
     def holds(self, snapshot_id: str) -> bool:
@@ -183,8 +187,13 @@ class Persistence:
         rename: str | None,
         progress: Progress | None,
     ) -> Manifest:
-        sources = self._pull_layers_below(store, stored)
-        return self._pull_one(store, stored, rename, progress, sources)
+        with self._pulling:
+            if rename is None:
+                with contextlib.suppress(SnapshotNotFound):
+                    return self.local.get(stored.id)  # (pulled meanwhile)
+            self._refuse_if_here(stored.id)
+            sources = self._pull_layers_below(store, stored)
+            return self._pull_one(store, stored, rename, progress, sources)
 
     def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> LocalSources:
         """Pull the disk layers ``stored`` builds on that are not here, bottom first;
@@ -257,7 +266,8 @@ class Persistence:
         folder: SandboxDir,
         progress: Progress | None,
     ) -> None:
-        sources = self._pull_layers_below(store, stored)
+        with self._pulling:  # (its layers may be another pull's)
+            sources = self._pull_layers_below(store, stored)
         aside = folder.path / "paused.incomplete"
         if folder.paused.exists():
             folder.paused.rename(aside)

@@ -85,7 +85,7 @@ from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence
 from cryobox.service.processes import Processes
 from cryobox.service.volumes import Volumes
-from cryobox.snapshot.manifest import Manifest, SnapshotPurpose, check_compatible
+from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, mem_available_mib, new_id
@@ -510,6 +510,36 @@ class SandboxService:
         except BaseException:
             folder.remove()  # a failed create leaves nothing behind
             raise
+        return sandbox_info(spec, record, folder)
+
+    async def recover(
+        self, spec: SandboxSpec, snapshot_id: str, *, tenant: str = LOCAL_TENANT
+    ) -> SandboxInfo:
+        """Start sandbox ``spec.id`` on this host from ``snapshot_id``, one of its own
+        memory checkpoints (pulled from ``tenant``'s store first when it is not here),
+        as that same sandbox: its identity kept, as a rollback keeps it. For a sandbox
+        whose host was lost (``cryobox server``). What an earlier stay here left under
+        its id goes first; a start that fails leaves nothing.
+
+        :raises SnapshotError: when the checkpoint is missing, fails verification or is
+            not one of the sandbox's (never started from anything else).
+        """
+        source = await self.persist.of(tenant).local_or_pulled(snapshot_id)
+        if source.source_sandbox != spec.id or source.kind is not SnapshotKind.MEMORY:
+            raise SnapshotIncompatible(
+                source.id, "source_sandbox", source.source_sandbox or "", spec.id
+            )
+        await asyncio.to_thread(self.vmm.ensure_image, None)
+        spec = dataclasses.replace(spec, restore_from=source.id, tcg_threads="", pool="")
+        folder = await asyncio.to_thread(
+            SandboxDir.arrive, spec, SandboxRecord(id=spec.id, state=SandboxState.CREATING)
+        )
+        try:
+            record = await self.launcher.start(folder, backend=self.vmm.name, resume=False)
+        except BaseException:
+            folder.remove()
+            raise
+        self.connections.envs[spec.id] = spec.envs
         return sandbox_info(spec, record, folder)
 
     async def _claim_pooled(
