@@ -30,11 +30,15 @@ class ApiServer:
     key: str = ""
     #: PostgreSQL shared with other servers, instead of the SQLite file ``database``.
     database_url: str | None = None
+    #: The address it listens on and is reached at (another host's, in ``netns``).
+    address: str = "127.0.0.1"
+    #: The network namespace it runs in (``tests/fleet_net.py``); None: this one's.
+    netns: str | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     def client_env(self, key: str | None = None) -> dict[str, str]:
         """The environment of a process that uses this server (the CLI, say)."""
@@ -62,8 +66,11 @@ class ApiServer:
         with open(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             self.process = subprocess.Popen(
                 [
+                    *(["ip", "netns", "exec", self.netns] if self.netns else []),
                     *CLI,
                     "server",
+                    "--host",
+                    self.address,
                     "--port",
                     str(self.port),
                     *self.database_options,
@@ -80,7 +87,7 @@ class ApiServer:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                with socket.create_connection((self.address, self.port), timeout=1):
                     return
             except OSError:
                 time.sleep(0.1)
@@ -98,7 +105,12 @@ class ApiServer:
 
 
 def make_server(
-    folder: Path, env: dict[str, str] | None = None, database_url: str | None = None
+    folder: Path,
+    env: dict[str, str] | None = None,
+    database_url: str | None = None,
+    *,
+    address: str = "127.0.0.1",
+    netns: str | None = None,
 ) -> ApiServer:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as cryobox's own
     server = ApiServer(
@@ -107,6 +119,8 @@ def make_server(
         env={**os.environ, **(env or {})},
         log=folder / "server.log",
         database_url=database_url,
+        address=address,
+        netns=netns,
     )
     for name in ("CRYOBOX_API_URL", "CRYOBOX_API_KEY"):
         server.env.pop(name, None)

@@ -8,6 +8,11 @@ placing a create costs. Prints a block for docs/BENCHMARKS.md.
 - **resume, other host**: the same sandbox paused again, its host drained, resumed
   through another host: the claim, the pause pulled from the store, the resume, the
   first command. The two alternate, ``ROUNDS`` times, on one sandbox;
+- **recovery, other host**: a running sandbox with a history (``checkpoint_every=10``)
+  whose host is killed (its server and VMs with -9) once its newest checkpoint is
+  stored; once the others see that host lost, a resume through another host: the pull
+  of the checkpoint, the claim, the start from it, the first command. The killed host
+  is started again between rounds (it drops its dead copy);
 - **placement**: 20 creates sent round-robin to the three hosts, each placed, made and
   answered; and the placement decision alone (the database read and the choice), 200
   times against the same database.
@@ -15,6 +20,7 @@ placing a create costs. Prints a block for docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -23,13 +29,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from api_server import CLI, kill_vms, make_server
 from cryobox import Sandbox
-from postgres_server import PostgresServer, may_move
+from postgres_server import PostgresServer, may_move, recovery_at
 
 ROUNDS = int(os.environ.get("FLEET_ROUNDS", "3"))
 CREATES = int(os.environ.get("FLEET_CREATES", "20"))
@@ -77,6 +84,7 @@ def main() -> int:
     same: list[float] = []
     other: list[float] = []
     creates: list[float] = []
+    recoveries: list[float] = []
     spread: dict[str, int] = {}
     try:
         by_id = {
@@ -120,6 +128,43 @@ def main() -> int:
         for one in made:
             one.kill()
 
+        import httpx
+
+        def state_through(server_url: str, sandbox_id: str) -> str:
+            answer = httpx.get(
+                f"{server_url}/sandboxes/{sandbox_id}", headers={"X-API-Key": key}, timeout=60
+            )
+            return str(json.loads(answer.text).get("state"))
+
+        def stored_since(moment: float) -> bool:
+            return recovery_at(url, sandbox_id) > moment
+
+        def lost_through(server_url: str) -> bool:
+            return state_through(server_url, sandbox_id) == "lost"
+
+        sbx = Sandbox.create(api_url=servers[0].url, api_key=key, timeout=3600, checkpoint_every=10)
+        sbx.commands.run("true")
+        sandbox_id = sbx.id
+        for _ in range(ROUNDS):
+            home = sbx.info().host
+            victim = next(s for s in servers if s.url == by_id[home])
+            before = time.time()
+            wait(partial(stored_since, before), "a checkpoint is stored")
+            assert victim.process is not None
+            victim.process.kill()
+            victim.process.wait()
+            kill_vms(folder / names[servers.index(victim)])
+            away = next(s.url for s in servers if s is not victim)
+            wait(partial(lost_through, away), "its host is seen lost")
+            started = time.perf_counter()
+            there = Sandbox.resume(sandbox_id, api_url=away, api_key=key)
+            there.commands.run("true")
+            recoveries.append(time.perf_counter() - started)
+            assert there.info().host != home
+            victim.start()
+            sbx = there
+        sbx.kill()
+
         from cryobox.server.databases import open_database
         from cryobox.server.placement import choose, loads
 
@@ -142,6 +187,10 @@ def main() -> int:
     for title, values in (
         ("resume on its own host, to first command", same),
         ("resume on another host (claim, pull, resume), to first command", other),
+        (
+            "recovery of a running one on another host (pull, claim, start), to first command",
+            recoveries,
+        ),
         (f"create sent round-robin to 3 hosts ({CREATES})", creates),
     ):
         print(

@@ -89,6 +89,9 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         )
         with_history.files.write("/root/kept", "written before the checkpoint")
         with_history.commands.run(COUNTER)
+        identity = "cat /etc/machine-id /proc/sys/kernel/random/boot_id; hostname"
+        itself = with_history.commands.run(identity).stdout
+        assert with_history.id in itself
         # Stored, and recorded as such in its row (a's next monitor tick): from now on
         # another host may wake it.
         until(lambda: may_move(url, sbx.id), "a's pause is stored", timeout=600, every=0.5)
@@ -150,6 +153,7 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         again = Sandbox.connect(with_history.id, api_url=servers["b"].url, api_key=key)
         assert again.info().state == "running"
         assert again.files.read("/root/kept") == b"written before the checkpoint"
+        assert again.commands.run(identity).stdout == itself  # itself, not a fork of it
         counts_on(again)
         assert info.recoverable_from in [s.id for s in again.history()]
         again.kill()

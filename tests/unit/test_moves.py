@@ -7,13 +7,24 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from cryobox.server.database import SqliteDatabase
+from cryobox.server.hosts import STALE_AFTER
 from cryobox.server.meter import Meter
-from cryobox.server.moves import Departure, claim, fence, seal, unseal
+from cryobox.server.moves import (
+    Departure,
+    bury,
+    claim,
+    claim_recovery,
+    fence,
+    seal,
+    tombstoned,
+    unseal,
+)
 from cryobox.server.tenants import Tenants
 
 SPEC = {"id": "sbx-1", "envs": {"TOKEN": "s3cret"}, "cpus": 1}
@@ -98,6 +109,73 @@ def test_a_local_resume_and_a_move_fence_each_other(tmp_path: Path) -> None:
     db.execute("UPDATE sandboxes SET last_state = 'running', departure = 'D3' WHERE id = 'sbx-1'")
     assert not claim(db, "sbx-1", "host-c", "host-b", 3, "D3")  # only a paused one moves
     assert fence(db, "sbx-unknown", "host-a")  # not the server's: nothing to fence
+
+
+def _host(db: SqliteDatabase, host: str, seen_at: float) -> None:
+    db.execute(
+        "INSERT INTO hosts (id, url, store, started_at, seen_at) VALUES (?, '', '', 0, ?) "
+        "ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at",
+        (host, seen_at),
+    )
+
+
+def test_a_sandbox_is_recovered_or_buried_only_while_its_host_is_silent(tmp_path: Path) -> None:
+    """A host whose heartbeat is late but renewed before the claim is slow, not lost:
+    the claim read when it looked lost matches nothing (else two copies would run);
+    one stopped by its operator (seen_at 0) is not lost either."""
+    db = _paused_row(tmp_path / "server.db")
+    db.execute("UPDATE sandboxes SET last_state = 'running', recovery = 'R' WHERE id = 'sbx-1'")
+    _host(db, "host-a", time.time())  # it answered again just before the claim
+    assert not claim_recovery(db, "sbx-1", "host-b", "host-a", 0, "R")
+    assert not bury(db, "sbx-1", "host-b", "host-a", 0)
+    _host(db, "host-a", 0.0)  # stopped by its operator: its sandboxes run on
+    assert not claim_recovery(db, "sbx-1", "host-b", "host-a", 0, "R")
+    _host(db, "host-a", time.time() - STALE_AFTER - 1)  # silent: lost
+    assert claim_recovery(db, "sbx-1", "host-b", "host-a", 0, "R")
+    row = db.row("SELECT host_id, epoch, last_state FROM sandboxes WHERE id = 'sbx-1'")
+    assert row is not None and (row["host_id"], row["epoch"]) == ("host-b", 1)
+    assert tombstoned(db, "host-a") == {"sbx-1"}  # back, a stops its copy
+
+
+def test_every_host_a_sandbox_left_keeps_a_tombstone_until_it_comes_back(tmp_path: Path) -> None:
+    """A paused sandbox moves a -> b, then b is lost and it is recovered on a: a's
+    tombstone goes (it is a's own again), b gets one; killed while a is lost, a's
+    comes back and the bill stops at the kill."""
+    db = _paused_row(tmp_path / "server.db")
+    assert claim(db, "sbx-1", "host-b", "host-a", 0, "D")
+    assert tombstoned(db, "host-a") == {"sbx-1"} and tombstoned(db, "host-b") == set()
+    db.execute(
+        "UPDATE sandboxes SET last_state = 'running', recovery = 'R', running_since = 1 "
+        "WHERE id = 'sbx-1'"
+    )
+    _host(db, "host-b", time.time() - STALE_AFTER - 1)
+    assert claim_recovery(db, "sbx-1", "host-a", "host-b", 1, "R")
+    assert tombstoned(db, "host-a") == set() and tombstoned(db, "host-b") == {"sbx-1"}
+    _host(db, "host-a", time.time() - STALE_AFTER - 1)
+    assert not bury(db, "sbx-1", "host-c", "host-a", 1)  # an epoch read before: too late
+    assert bury(db, "sbx-1", "host-c", "host-a", 2)
+    row = db.row("SELECT host_id, last_state, running_since FROM sandboxes WHERE id = 'sbx-1'")
+    assert row is not None
+    assert (row["host_id"], row["last_state"], row["running_since"]) == ("host-c", "killed", None)
+    assert tombstoned(db, "host-a") == {"sbx-1"} and tombstoned(db, "host-b") == {"sbx-1"}
+    assert db.row("SELECT 1 FROM ports WHERE sandbox_id = 'sbx-1'") is None
+
+
+def test_tombstones_of_schema_11_survive_the_upgrade(tmp_path: Path) -> None:
+    import sqlite3
+
+    from cryobox.server.database import MIGRATIONS
+
+    raw = sqlite3.connect(tmp_path / "server.db")
+    for script in MIGRATIONS[:11]:
+        raw.executescript(script)
+    raw.execute("INSERT INTO tombstones VALUES ('sbx-1', 'host-a', 5.0)")
+    raw.execute("PRAGMA user_version=11")
+    raw.commit()
+    raw.close()
+    db = SqliteDatabase(tmp_path / "server.db")
+    assert db.version == len(MIGRATIONS)
+    assert tombstoned(db, "host-a") == {"sbx-1"}
 
 
 def test_a_tenants_store_key_made_on_one_host_opens_on_another_once_shared(

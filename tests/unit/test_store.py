@@ -706,3 +706,47 @@ def test_import_refuses_every_truncation_and_mutation_of_a_real_export(tmp_path:
 
     check()
     assert refused > 50
+
+
+def test_many_pulls_of_one_stored_snapshot_at_once_make_one_copy_and_leave_threads_free(
+    local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty creates from one snapshot only in the store (forks made on another host):
+    one pull writes it, the others find it pulled; while the first is held, the event
+    loop's worker threads still take other work (the others wait their turn on the
+    loop, not in those threads: else every thread the server has would be waiting)."""
+    import asyncio
+
+    from cryobox.service.persist import Persistence
+
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    persist = Persistence(local, f"t{uuid.uuid4().hex[:10]}")
+    snap = make_snapshot(local, random_windows(8))
+    persist.chunks().push(local.folder(snap.id), snap)
+    local.delete(snap.id)
+    release = threading.Event()
+    pull = ChunkStore.pull
+
+    def held(self: ChunkStore, *args: Any, **kwargs: Any) -> Manifest:
+        release.wait(60)
+        return pull(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkStore, "pull", held)
+
+    async def main() -> tuple[list[Manifest], bool]:
+        pulls = asyncio.gather(*(persist.local_or_pulled(snap.id) for _ in range(20)))
+        await asyncio.sleep(0.5)  # the first pull is under way, held there
+        try:
+            await asyncio.wait_for(asyncio.to_thread(lambda: None), 10)
+            free = True
+        except TimeoutError:
+            free = False
+        finally:
+            release.set()
+        return await pulls, free
+
+    pulled, free = asyncio.run(main())
+    assert free, "pulls waiting for their turn took every worker thread"
+    assert {m.id for m in pulled} == {snap.id}
+    assert [m.id for m in local.all()] == [snap.id]  # one copy
+    assert mf.load(local.folder(snap.id)).id == snap.id

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Annotated, Any, cast
@@ -57,6 +58,7 @@ from .console import install_console
 from .extensions import Extension
 from .forward import Forward, credentials
 from .host_routes import HostRoutes
+from .hosts import HEARTBEAT
 from .hub import Hub
 from .limits import BodyLimit
 from .meter import usage_days
@@ -178,13 +180,17 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await hub.start()
-        monitor = asyncio.create_task(_monitor(hub, tick, storage_interval, collect_interval))
+        tasks = (
+            asyncio.create_task(_monitor(hub, tick, storage_interval, collect_interval)),
+            asyncio.create_task(_heartbeat(hub)),
+        )
         try:
             yield
         finally:
-            monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await monitor
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await hub.close()
 
     app = FastAPI(
@@ -806,6 +812,25 @@ async def _monitor(hub: Hub, tick: float, storage_interval: float, collect_inter
         if collect_interval > 0 and now - last_collect >= collect_interval:
             await _guarded(hub.collect)
             last_collect = now
+
+
+async def _heartbeat(hub: Hub) -> None:
+    """This host's heartbeat, on a clock of its own: a monitor tick that takes long (a
+    pause of a big machine, a drain, the store's collection) must not make the other
+    hosts take this one for lost and start its sandboxes again elsewhere."""
+    loop = asyncio.get_running_loop()
+    # a thread of its own: busy worker threads (pulls, captures) never delay it
+    own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cryobox-heartbeat")
+
+    async def beat() -> None:
+        await loop.run_in_executor(own, hub.hosts.heartbeat)
+
+    try:
+        while True:
+            await _guarded(beat)
+            await asyncio.sleep(HEARTBEAT / 4)
+    finally:
+        own.shutdown(wait=False)  # (a beat stuck on an unreachable database is not waited for)
 
 
 async def _guarded(step: Callable[..., Awaitable[None]], *args: Any) -> None:

@@ -194,6 +194,20 @@ MIGRATIONS: tuple[str, ...] = (
         killed_at REAL NOT NULL
     );
     """,
+    # 12: a tombstone per sandbox and host (a sandbox moved twice leaves one for each
+    # host it left, each host removing its own once it has stopped its copy).
+    """
+    CREATE TABLE host_tombstones (
+        id TEXT NOT NULL,
+        host_id TEXT NOT NULL,
+        killed_at REAL NOT NULL,
+        PRIMARY KEY (id, host_id)
+    );
+    INSERT INTO host_tombstones (id, host_id, killed_at)
+        SELECT id, host_id, killed_at FROM tombstones;
+    DROP TABLE tombstones;
+    ALTER TABLE host_tombstones RENAME TO tombstones;
+    """,
 )
 
 

@@ -6,7 +6,7 @@ the parent's memory copy-on-write there: nothing to copy). When it cannot (its R
 disk or the limits its operator set, as placement judges a create), the copies are
 placed on another host the tenant may use (:func:`elsewhere`), and made there from a
 snapshot of the parent (:func:`fork_through_store`): taken as any snapshot is (the
-tenant's own, named "forks of ID at TIME", listed and lineage-linked to the parent;
+tenant's own, named "forks of ID at TIME (RANDOM)", listed and lineage-linked to the parent;
 deleted as any other once no sandbox builds on it), pushed to the shared store at
 once, then ``count`` creates from it sent to that host as the caller. Each copy starts
 with the parent's processes, files, variables, network policy, ports and labels, and a
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from cryobox.client.http_transport import raise_for, sandbox_info
 from cryobox.errors import CryoboxError, HostUnavailable, NoHostAvailable
 from cryobox.models import SandboxInfo
 from cryobox.sandbox import registry
+from cryobox.service.service import on_timeout_of
 from cryobox.snapshot.manifest import SnapshotPurpose
 
 from .forward import FORWARDED
@@ -93,12 +95,16 @@ async def fork_through_store(
     tracked = hub.meter.get(sandbox_id)
     when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     snapshot = await hub.capture(
-        tenant, sandbox_id, SnapshotPurpose.SNAPSHOT, f"forks of {sandbox_id} at {when}"
+        tenant,
+        sandbox_id,
+        SnapshotPurpose.SNAPSHOT,
+        f"forks of {sandbox_id} at {when} ({secrets.token_hex(3)})",  # two in one second
     )
     await hub.service.persist.of(tenant.id).push(snapshot.id)
     body: dict[str, Any] = {
         "from_snapshot": snapshot.id,
         "timeout": timeout or spec.timeout,
+        "on_timeout": on_timeout_of(spec),
         "envs": dict(spec.envs),
         "metadata": dict(spec.metadata),
         "network": spec.network,

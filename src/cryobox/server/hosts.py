@@ -136,6 +136,7 @@ class Hosts:
         self.url = url
         self.store = store
         self._beat = 0.0
+        self._left = False
 
     def register(self) -> None:
         """Say where this host answers (at start: a host may move to another address).
@@ -179,16 +180,18 @@ class Hosts:
 
     def leave(self) -> None:
         """Mark this host stopped (a server started again at once is not taken for a
-        second one)."""
+        second one). A heartbeat in flight meanwhile (it runs in a thread of its own)
+        cannot undo it: a beat only renews a host that has not left."""
+        self._left = True
         self.db.execute("UPDATE hosts SET seen_at = 0 WHERE id = ?", (self.me,))
 
     def heartbeat(self) -> None:
         """Refresh ``seen_at`` (at most every :data:`HEARTBEAT` seconds)."""
         now = time.time()
-        if now - self._beat >= HEARTBEAT:
+        if now - self._beat >= HEARTBEAT and not self._left:
             self.db.execute(
                 "UPDATE hosts SET seen_at = ?, disk_free_bytes = ?, mem_available_mib = ? "
-                "WHERE id = ?",
+                "WHERE id = ? AND seen_at > 0",
                 (now, disk_free(), mem_available_mib(), self.me),
             )
             self._beat = now

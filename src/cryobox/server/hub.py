@@ -650,8 +650,8 @@ class Hub:
             self.events.publish(tenant.id, sandbox_id, "killed")
             return
         self._sandbox(tenant, sandbox_id)
-        await asyncio.to_thread(self.mover.drop_recovery, sandbox_id)
         async with self._locks[sandbox_id]:
+            await asyncio.to_thread(self.mover.drop_recovery, sandbox_id)
             try:
                 ended = (await self.service.get(sandbox_id)).state in ("killed", "dead")
             except SandboxNotFound:
@@ -1185,7 +1185,9 @@ class Hub:
         keep = config.finished_keep()
         if now - self._swept > min(FINISHED_SWEEP, keep):  # ended ones kept long enough go
             self._swept = now
-            await asyncio.to_thread(forget_finished, keep)
+            for gone in await asyncio.to_thread(forget_finished, keep):
+                # ended: not to be started again from its recovery point
+                await asyncio.to_thread(self.mover.drop_recovery, gone)
         for tracked in self.meter.tracked(host_id=self.me):
             if self._locks[tracked.id].locked():
                 continue  # a lifecycle call is under way; it records what it did
@@ -1211,6 +1213,8 @@ class Hub:
                 await asyncio.to_thread(self.mover.record_recovery, tracked.id)
             if info.state in ("killed", "dead"):
                 await self.ports.unpublish(tracked.id)
+                if info.checkpoint_every:
+                    await asyncio.to_thread(self.mover.drop_recovery, tracked.id)
                 continue
             if (
                 info.state == "running"
@@ -1256,7 +1260,7 @@ class Hub:
             self._restarts[sandbox_id] = time.monotonic()
             try:
                 await self.mover.restart_recovered(sandbox_id)
-            except CryoboxError as exc:
+            except (CryoboxError, OSError, ValueError) as exc:
                 log.error("%s: its folder is gone and it cannot start again: %s", sandbox_id, exc)
             return True
         if row["last_state"] != "paused" or not row["departure"]:

@@ -63,7 +63,7 @@ from cryobox.store import keys, uploads
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 
-from .database import Database
+from .database import Connection, Database
 from .hosts import STALE_AFTER
 from .placement import RESERVATION_STALE, choose, loads, refusal
 
@@ -122,7 +122,31 @@ def claim(db: Database, sandbox_id: str, me: str, host: str, epoch: int, departu
         ).rowcount
         if moved == 1:
             conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", (me, sandbox_id))
+            _leave_tombstone(conn, sandbox_id, host)
+            _welcome_back(conn, sandbox_id, me)
     return moved == 1
+
+
+def _leave_tombstone(conn: Connection, sandbox_id: str, host: str) -> None:
+    """Record that ``host`` must never run ``sandbox_id`` again (it moved away, or was
+    killed while that host was lost): a row of its own, which outlives the sandbox's,
+    so that host, back after the sandbox is long forgotten, stops its copy rather than
+    adopting it; that host removes it once its copy is stopped (:meth:`Mover.drop_moved`)."""
+    conn.execute(
+        "INSERT INTO tombstones (id, host_id, killed_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (id, host_id) DO UPDATE SET killed_at = excluded.killed_at",
+        (sandbox_id, host, time.time()),
+    )
+
+
+def _welcome_back(conn: Connection, sandbox_id: str, me: str) -> None:
+    """A sandbox that comes back to a host it left: that host's tombstone goes."""
+    conn.execute("DELETE FROM tombstones WHERE id = ? AND host_id = ?", (sandbox_id, me))
+
+
+def _stale_cutoff() -> float:
+    """Heartbeats older than this say their host is lost (:data:`STALE_AFTER`)."""
+    return time.time() - STALE_AFTER
 
 
 def fence(db: Database, sandbox_id: str, me: str) -> bool:
@@ -147,17 +171,22 @@ def claim_recovery(
 ) -> bool:
     """Make ``me`` the home of a sandbox lost with ``host`` at ``epoch``, to be started
     from the recovery point ``recovery`` recorded then; whether this call did (False:
-    another host recovered or killed it, or its host came back and acted on it). Its
-    published ports follow it, and its compute counts from now (not the time lost)."""
+    another host recovered or killed it, or its host came back and acted on it, or
+    renewed its heartbeat: a slow host is not a lost one). Its published ports follow
+    it, its compute counts from now (not the time lost), and ``host`` gets a tombstone:
+    back, it stops its copy."""
     with db.transaction() as conn:
         moved: int = conn.execute(
             "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1, departure = '', "
             "last_state = 'running', running_since = ? WHERE id = ? AND host_id = ? "
-            "AND epoch = ? AND recovery = ? AND recovery <> ''",
-            (me, time.time(), sandbox_id, host, epoch, recovery),
+            "AND epoch = ? AND recovery = ? AND recovery <> '' AND EXISTS (SELECT 1 FROM "
+            "hosts WHERE hosts.id = ? AND hosts.seen_at > 0 AND hosts.seen_at < ?)",
+            (me, time.time(), sandbox_id, host, epoch, recovery, host, _stale_cutoff()),
         ).rowcount
         if moved == 1:
             conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", (me, sandbox_id))
+            _leave_tombstone(conn, sandbox_id, host)
+            _welcome_back(conn, sandbox_id, me)
     return moved == 1
 
 
@@ -177,21 +206,18 @@ def give_back(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> 
 def bury(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> bool:
     """Record as killed (by ``me``) a sandbox lost with ``host`` at ``epoch``, with a
     tombstone that outlives its row: ``host``, when it comes back, stops its copy and
-    never adopts it. Whether this call did (False: it was recovered, or its host acted
-    on it, meanwhile)."""
+    never adopts it; its compute stops (the time lost is not billed). Whether this call
+    did (False: it was recovered, or its host came back or acted on it, meanwhile)."""
     with db.transaction() as conn:
         done: int = conn.execute(
             "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1, last_state = 'killed', "
-            "departure = '', recovery = '' WHERE id = ? AND host_id = ? AND epoch = ?",
-            (me, sandbox_id, host, epoch),
+            "running_since = NULL, departure = '', recovery = '' WHERE id = ? "
+            "AND host_id = ? AND epoch = ? AND EXISTS (SELECT 1 FROM hosts "
+            "WHERE hosts.id = ? AND hosts.seen_at > 0 AND hosts.seen_at < ?)",
+            (me, sandbox_id, host, epoch, host, _stale_cutoff()),
         ).rowcount
         if done == 1:
-            conn.execute(
-                "INSERT INTO tombstones (id, host_id, killed_at) VALUES (?, ?, ?) "
-                "ON CONFLICT (id) DO UPDATE SET host_id = excluded.host_id, "
-                "killed_at = excluded.killed_at",
-                (sandbox_id, host, time.time()),
-            )
+            _leave_tombstone(conn, sandbox_id, host)
             conn.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
     return done == 1
 
@@ -361,23 +387,36 @@ class Mover:
         plain = {**spec.to_json(), "envs": dict(spec.envs)}
         plain.pop(SEALED_ENVS, None)
         sealed = seal(self.secret, sandbox_id, Departure(plain, newest.id, record.timeout))
-        self.hub.db.execute(
-            "UPDATE sandboxes SET recovery = ?, recovery_at = ? "
-            "WHERE id = ? AND host_id IN (?, '')",
-            (sealed, newest.created_at, sandbox_id, self.hub.me),
-        )
+        if (
+            self.hub.db.execute(
+                "UPDATE sandboxes SET recovery = ?, recovery_at = ? "
+                "WHERE id = ? AND host_id IN (?, '')",
+                (sealed, newest.created_at, sandbox_id, self.hub.me),
+            )
+            != 1
+        ):
+            return  # another host's now (recovered while this one was slow): not ours
         self.recovered[sandbox_id] = newest.id
         if previous is not None and previous[1] != newest.id:
-            self._unstore(spec.owner, previous[1], keep_below=newest.disk_chain)
+            self._unstore(spec.owner, previous[1])
 
     def drop_recovery(self, sandbox_id: str) -> None:
-        """The sandbox ended: its recovery point leaves the store and its row."""
+        """The sandbox ended here: its recovery point leaves the store and its row (one
+        another host runs now is that host's to drop)."""
         self.recovered.pop(sandbox_id, None)
-        point = self._recovery_point(sandbox_id)
-        if point is None:
+        row = self.hub.db.row("SELECT recovery FROM sandboxes WHERE id = ?", (sandbox_id,))
+        point = self._recovery_point(sandbox_id) if row is not None and row["recovery"] else None
+        if row is None or point is None:
             return
-        self.hub.db.execute("UPDATE sandboxes SET recovery = '' WHERE id = ?", (sandbox_id,))
-        self._unstore(point[0].owner, point[1])
+        if (
+            self.hub.db.execute(
+                "UPDATE sandboxes SET recovery = '' WHERE id = ? AND host_id IN (?, '') "
+                "AND recovery = ?",
+                (sandbox_id, self.hub.me, row["recovery"]),
+            )
+            == 1
+        ):
+            self._unstore(point[0].owner, point[1])
 
     def _recovery_point(self, sandbox_id: str) -> tuple[SandboxSpec, str, float] | None:
         """The sandbox's recorded recovery point: its spec, the checkpoint, when taken."""
@@ -393,15 +432,25 @@ class Mover:
             log.error("%s: its recorded recovery point is unreadable: %s", sandbox_id, exc)
             return None
 
-    def _unstore(self, tenant: str, checkpoint: str, keep_below: tuple[str, ...] = ()) -> None:
-        """Delete an automatic checkpoint from the store, unless the one that replaces it
-        builds its disk on it (a later checkpoint after a rewind to it)."""
-        if checkpoint in keep_below:
-            return
+    def _unstore(self, tenant: str, checkpoint: str) -> None:
+        """Delete a former recovery point (an automatic checkpoint) from the store, unless
+        another stored snapshot builds its disk on it (a later checkpoint after a rewind
+        to it, a pause, a fork's snapshot); its local copy, if any, reads as local again
+        (it would be uploaded anew if it became the recovery point once more)."""
         try:
-            self.hub.service.persist.of(tenant).chunks().delete(checkpoint)
+            chunks = self.hub.service.persist.of(tenant).chunks()
+            if any(
+                checkpoint in s.manifest.get("disk_chain", ())
+                for s in chunks.all()
+                if s.id != checkpoint
+            ):
+                return
+            chunks.delete(checkpoint)
         except (CryoboxError, OSError) as exc:
             log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
+            return
+        with contextlib.suppress(CryoboxError, OSError):
+            uploads.set_state(self.hub.service.store.folder(checkpoint), state="local")
 
     # -- where a request goes
 
@@ -434,7 +483,8 @@ class Mover:
             if forwarded or home == hub.me:
                 return None
             if await asyncio.to_thread(self.lost, sandbox_id) is not None:
-                return None  # (a lost one's info is answered here)
+                # answered here; recovered on the host placement chooses (here if it may)
+                return await asyncio.to_thread(self._recovery_host, row)
             return await self._locate(sandbox_id)
         everyone = await asyncio.to_thread(loads, hub.db, time.time() - RESERVATION_STALE)
         now = time.time()
@@ -464,6 +514,44 @@ class Mover:
         if home == hub.me:
             return None
         return None if forwarded else await self._locate(sandbox_id)  # another was first
+
+    def _recovery_host(self, row: Any) -> str | None:
+        """Where a lost sandbox would be recovered: None for this host (when it may take
+        it, or when no host may: the refusal is said here), else the URL of the host
+        placement chooses."""
+        hub = self.hub
+        now = time.time()
+        everyone = loads(hub.db, now - RESERVATION_STALE)
+        mine = next((load for load in everyone if load.host.id == hub.me), None)
+        label = hub.tenants.get(str(row["tenant_id"])).hosts
+        shape = (int(row["cpus"]), int(row["memory_mib"]))
+        if mine is None or refusal(mine, *shape, label, now) is None:
+            return None
+        others = [load for load in everyone if load.host.id not in (hub.me, row["host_id"])]
+        try:
+            chosen = choose(others, me=hub.me, vcpus=shape[0], memory_mib=shape[1], label=label)
+        except NoHostAvailable:
+            return None
+        return chosen.url
+
+    def _may_recover_here(self, sandbox_id: str, row: Any) -> None:
+        """:raises NoHostAvailable: when placement keeps it off this host (draining, not
+        its tenant's label, limits, room), naming why (a request for it goes to a host
+        that may take it, :meth:`_recovery_host`, when there is one)."""
+        hub = self.hub
+        now = time.time()
+        mine = next(
+            (load for load in loads(hub.db, now - RESERVATION_STALE) if load.host.id == hub.me),
+            None,
+        )
+        label = hub.tenants.get(str(row["tenant_id"])).hosts
+        why = (
+            refusal(mine, int(row["cpus"]), int(row["memory_mib"]), label, now)
+            if mine is not None
+            else None
+        )
+        if why is not None:
+            raise NoHostAvailable(f"{sandbox_id} cannot be recovered on host {hub.me}: {why}")
 
     def lost(self, sandbox_id: str) -> SandboxInfo | None:
         """The sandbox as a host can tell of it when its own host is gone and it could
@@ -532,7 +620,8 @@ class Mover:
         async with hub._locks[sandbox_id]:
             row = await asyncio.to_thread(
                 hub.db.row,
-                "SELECT host_id, epoch, recovery FROM sandboxes WHERE id = ?",
+                "SELECT host_id, epoch, recovery, tenant_id, cpus, memory_mib FROM sandboxes "
+                "WHERE id = ?",
                 (sandbox_id,),
             )
             lost = await asyncio.to_thread(self.lost, sandbox_id)
@@ -541,6 +630,7 @@ class Mover:
             point = await asyncio.to_thread(self._recovery_point, sandbox_id)
             if point is None:
                 raise HostUnavailable(sandbox_id, lost.error or "lost")
+            await asyncio.to_thread(self._may_recover_here, sandbox_id, row)
             spec, checkpoint, _ = point
             home, epoch, recovery = str(row["host_id"]), int(row["epoch"]), str(row["recovery"])
             await asyncio.to_thread(self.share_keys)
@@ -790,16 +880,18 @@ class Mover:
                 continue
             async with hub._locks[spec.id]:
                 row = await asyncio.to_thread(
-                    hub.db.row, "SELECT host_id FROM sandboxes WHERE id = ?", (spec.id,)
+                    hub.db.row,
+                    "SELECT host_id, last_state FROM sandboxes WHERE id = ?",
+                    (spec.id,),
                 )
-                if spec.id not in buried and (row is None or row["host_id"] in ("", hub.me)):
-                    continue  # it came back here meanwhile
+                if row is not None and row["host_id"] in ("", hub.me):
+                    continue  # it came back here meanwhile (its tombstone goes below)
                 log.warning(
                     "%s %s: this host's copy (%s) is stopped and removed",
                     spec.id,
-                    "was killed while this host was lost"
-                    if spec.id in buried
-                    else f"moved to host {row['host_id'] if row else '?'}",
+                    f"moved to host {row['host_id']}"
+                    if row is not None and row["last_state"] != "killed"
+                    else "was killed, or moved and ended, while this host was away",
                     record.state.value,
                 )
                 await hub.ports.unpublish(spec.id)
@@ -808,7 +900,9 @@ class Mover:
             dropped.append(spec.id)
         for sandbox_id in buried - waiting:  # handled: stopped now, or not here
             await asyncio.to_thread(
-                hub.db.execute, "DELETE FROM tombstones WHERE id = ?", (sandbox_id,)
+                hub.db.execute,
+                "DELETE FROM tombstones WHERE id = ? AND host_id = ?",
+                (sandbox_id, hub.me),
             )
         return dropped
 

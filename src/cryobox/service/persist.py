@@ -17,9 +17,10 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cryobox.errors import (
     InvalidArgument,
@@ -52,6 +53,14 @@ UPLOADED = (
     SnapshotPurpose.PROCESS,
 )
 
+T = TypeVar("T")
+
+#: Seconds between two looks at whether another pull has finished.
+PULL_TURN_POLL = 0.05
+#: The thread pulls run in, one at a time (the lock allows no more), apart from the
+#: event loop's default threads so that waiting pulls never starve other work.
+_PULLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cryobox-pull")
+
 
 @dataclass
 class CollectReport:
@@ -81,7 +90,9 @@ class Persistence:
         self._stores: dict[tuple[str, str], ChunkStore] = {} if clients is None else clients
         #: Held by a pull (shared by every tenant's view): two pulls of one snapshot, or
         #: of two built on one layer, would write the same folders (several creates from
-        #: one stored snapshot at once); the second finds what the first pulled.
+        #: one stored snapshot at once); the second finds what the first pulled. Waited
+        #: for on the event loop (:meth:`_in_turn`), never in a worker thread: a hundred
+        #: creates waiting for one pull must not take every thread the server has.
         self._pulling = threading.Lock() if pulling is None else pulling
 
     def of(self, tenant: str) -> Persistence:
@@ -159,7 +170,21 @@ class Persistence:
         """
         store = self.chunks()
         stored = await asyncio.to_thread(store.find, ref)
-        return await asyncio.to_thread(self._pull_chain, store, stored, rename, progress)
+        return await self._in_turn(lambda: self._pull_chain(store, stored, rename, progress))
+
+    async def _in_turn(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (a pull) in a worker thread once no other pull runs; the lock is
+        given back when the thread is done, even if the caller was cancelled meanwhile
+        (a cancelled wait must not let a second pull write the same folders)."""
+        while not self._pulling.acquire(blocking=False):
+            await asyncio.sleep(PULL_TURN_POLL)
+        try:
+            running = _PULLS.submit(work)
+        except BaseException:
+            self._pulling.release()
+            raise
+        running.add_done_callback(lambda _: self._pulling.release())
+        return await asyncio.wrap_future(running)
 
     def holds(self, snapshot_id: str) -> bool:
         """Whether the snapshot's files are on this host."""
@@ -187,13 +212,13 @@ class Persistence:
         rename: str | None,
         progress: Progress | None,
     ) -> Manifest:
-        with self._pulling:
-            if rename is None:
-                with contextlib.suppress(SnapshotNotFound):
-                    return self.local.get(stored.id)  # (pulled meanwhile)
-            self._refuse_if_here(stored.id)
-            sources = self._pull_layers_below(store, stored)
-            return self._pull_one(store, stored, rename, progress, sources)
+        """Called in its turn (:meth:`_in_turn`)."""
+        if rename is None:
+            with contextlib.suppress(SnapshotNotFound):
+                return self.local.get(stored.id)  # (pulled meanwhile)
+        self._refuse_if_here(stored.id)
+        sources = self._pull_layers_below(store, stored)
+        return self._pull_one(store, stored, rename, progress, sources)
 
     def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> LocalSources:
         """Pull the disk layers ``stored`` builds on that are not here, bottom first;
@@ -257,7 +282,9 @@ class Persistence:
             return  # the resume refuses the incomplete pause, naming what is missing
         if stored.id != expected:
             return  # an older pause (its upload outlived a resume): not this machine
-        await asyncio.to_thread(self._pull_pause, store, stored, folder, progress)
+        # its layers in its turn (they may be another pull's), then the pause itself
+        sources = await self._in_turn(lambda: self._pull_layers_below(store, stored))
+        await asyncio.to_thread(self._pull_pause, store, stored, folder, progress, sources)
 
     def _pull_pause(
         self,
@@ -265,9 +292,8 @@ class Persistence:
         stored: StoredSnapshot,
         folder: SandboxDir,
         progress: Progress | None,
+        sources: LocalSources,
     ) -> None:
-        with self._pulling:  # (its layers may be another pull's)
-            sources = self._pull_layers_below(store, stored)
         aside = folder.path / "paused.incomplete"
         if folder.paused.exists():
             folder.paused.rename(aside)
@@ -352,7 +378,7 @@ class Persistence:
             await asyncio.to_thread(
                 store.objects.put, top.object_key, catalog.encode(store.key, top)
             )
-        return await asyncio.to_thread(self._pull_chain, store, top, name, None)
+        return await self._in_turn(lambda: self._pull_chain(store, top, name, None))
 
     # ------------------------------------------------------------------ collection
 
