@@ -466,3 +466,35 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_th
         with pytest.raises(NoHostAvailable, match="fit neither this host") as refused:
             parent.fork(1)
         assert "vCPUs in use" in str(refused.value) and a_id in str(refused.value)
+
+
+def test_a_recovery_is_placed_as_a_create_is(postgres: Any, tmp_path: Path) -> None:
+    """b is lost with a sandbox whose checkpoint is stored; a is draining: a resume
+    through a is refused naming why (nothing is claimed: it stays lost and
+    recoverable); a undrained, the same resume recovers it there."""
+    with lossy_pair(postgres, tmp_path, "hosts_recovery_placed") as (a, b):
+        url = a.database_url
+        assert url is not None
+        sbx = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
+        deadline = time.monotonic() + 120
+        while not recovery_at(url, sbx.id):
+            assert time.monotonic() < deadline, "no checkpoint of it is ever stored"
+            time.sleep(0.5)
+        assert b.process is not None
+        b.process.kill()
+        b.process.wait()
+        kill_vms(tmp_path / "b")
+        wait_for_state(a, sbx.id, "lost", "b is never seen as lost")
+        a_id = (tmp_path / "a" / "host-id").read_text().strip()
+        drain = [*CLI, "host", "drain", a_id, "--database-url", url]
+        subprocess.run(drain, check=True, capture_output=True, timeout=60)
+        refused = http(a).post(f"/sandboxes/{sbx.id}/resume")
+        assert refused.status_code == 503 and "draining" in refused.text, refused.text
+        info = http(a).get(f"/sandboxes/{sbx.id}").json()
+        assert info["state"] == "lost" and info["recoverable_from"]
+        undrain = [*CLI, "host", "undrain", a_id, "--database-url", url]
+        subprocess.run(undrain, check=True, capture_output=True, timeout=60)
+        assert http(a).post(f"/sandboxes/{sbx.id}/resume").status_code == 200
+        back = Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key)
+        assert back.info().host == a_id
+        assert back.commands.run("echo placed").stdout == "placed\n"

@@ -34,12 +34,18 @@ async def test_attach_answers_only_once_every_step_ended(monkeypatch: pytest.Mon
     async def no_addresses() -> list[str]:
         return []
 
+    async def drop_link(link: Link) -> None:
+        ended.append(f"dropped {link.name}")
+
     monkeypatch.setattr(namespace, "ensure_host_rules", host_rules_fail)
     monkeypatch.setattr(namespace, "_new_link", slow_link)
     monkeypatch.setattr(namespace, "_host_addresses", no_addresses)
+    monkeypatch.setattr(namespace, "_drop_link", drop_link)
     with pytest.raises(NetworkError, match="no table"):
         await namespace.attach(os.getpid(), NetworkPolicy())
-    assert ended == ["link"]  # the link step was not left running
+    # the link step was not left running, and the link it made does not stay behind (a
+    # running VM given its first policy keeps its namespace: the slot would stay taken)
+    assert ended == ["link", "dropped cbx9"]
 
 
 def _running(pid: int) -> bool:

@@ -374,9 +374,12 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         return JSONResponse(sandbox(info, rec), status_code=status)
 
     @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-    async def fork(sandbox_id: str, body: Fork, me: Me) -> list[dict[str, Any]]:
+    async def fork(sandbox_id: str, body: Fork, me: Me, request: Request) -> list[dict[str, Any]]:
         rec = record(me, sandbox_id)
-        forks = await hub.fork(me, sandbox_id, body.count or 1, body.timeout)
+        # (as the caller: forks that do not fit this host are asked of another)
+        forks = await hub.fork(
+            me, sandbox_id, body.count or 1, body.timeout, credentials=credentials(request)
+        )
         made = []
         for info in forks:
             # A fork keeps its parent's variables in its own spec.

@@ -244,8 +244,10 @@ def _resolvers() -> list[str]:
 async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
     """Give the namespace of process ``pid`` its way out, as ``policy`` allows.
 
-    :raises NetworkError: when the link or the rules cannot be made; the caller ends
-        the VM (which removes whatever was made with its namespace).
+    :raises NetworkError: when the link or the rules cannot be made; a link made
+        before the failure is deleted (a running VM given a policy by :func:`change`
+        keeps its namespace: its slot must not stay taken), and a caller starting the
+        VM ends it.
     """
     if policy.mode == NONE:
         return None
@@ -255,20 +257,31 @@ async def attach(pid: int, policy: NetworkPolicy) -> Link | None:
     done = await asyncio.gather(
         ensure_host_rules(), _new_link(pid), _host_addresses(), return_exceptions=True
     )
-    for outcome in done:
-        if isinstance(outcome, BaseException):
-            raise outcome
     _, link, host_addresses = done
-    assert isinstance(link, Link) and isinstance(host_addresses, list)
-    enter = ["nsenter", f"--net={namespace_path(pid)}", "--"]
-    # The filters first, the route last: nothing leaves before the rules are in place.
-    await _run([*enter, "nft", "-f", "-"], _sandbox_rules(policy, link, host_addresses))
-    await _run(
-        [*enter, "ip", "-batch", "-"],
-        f"addr add {link.sandbox_address}/{PREFIX} dev eth0\nlink set eth0 up\n"
-        f"route add default via {link.host_address}\n",
-    )
+    try:
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        assert isinstance(link, Link) and isinstance(host_addresses, list)
+        enter = ["nsenter", f"--net={namespace_path(pid)}", "--"]
+        # The filters first, the route last: nothing leaves before the rules are in place.
+        await _run([*enter, "nft", "-f", "-"], _sandbox_rules(policy, link, host_addresses))
+        await _run(
+            [*enter, "ip", "-batch", "-"],
+            f"addr add {link.sandbox_address}/{PREFIX} dev eth0\nlink set eth0 up\n"
+            f"route add default via {link.host_address}\n",
+        )
+    except BaseException:
+        if isinstance(link, Link):
+            await _drop_link(link)
+        raise
     return link
+
+
+async def _drop_link(link: Link) -> None:
+    """Delete a link made for a setup that failed (its pair goes with it)."""
+    with contextlib.suppress(NetworkError):
+        await _run(["ip", "link", "del", link.name])
 
 
 async def change(pid: int, link: Link | None, policy: NetworkPolicy) -> Link | None:
