@@ -155,6 +155,15 @@ def test_pause_then_connect_keeps_every_process_running() -> None:
         time.sleep(1)
         assert int(back.files.read("/tmp/count")) > first  # the same loop, still counting
         assert counter.pid in [p.pid for p in back.commands.list()]
+        # A command started before the pause can be connected to (E2B's suite does):
+        # its output stayed with the channel the pause ended, so the handle gets its
+        # end once it is gone, saying its exit status was not kept.
+        handle = back.commands.connect(counter.pid)
+        assert handle.pid == counter.pid
+        back.commands.kill(counter.pid)
+        with pytest.raises(e2b.CommandExitException) as ended:
+            handle.wait()
+        assert "not kept across the pause" in (ended.value.error or "")
     finally:
         sandbox.kill()
     assert e2b.Sandbox.kill(sandbox.sandbox_id) is False  # already gone
@@ -349,6 +358,11 @@ def test_signed_file_urls_work_until_they_expire_or_are_altered(sbx: Any) -> Non
     sent = httpx.post(upload, files={"file": ("uploaded.txt", b"sent by url")})
     assert sent.status_code == 200, sent.text
     assert sbx.files.read("uploaded.txt") == "sent by url"
+    # A form field with no file name is the file's text, as envd takes it (E2B's JS
+    # suite posts one); the answer is envd's entry, with no metadata when there is none.
+    field = httpx.post(sbx.upload_url("field.txt", "user"), files={"file": (None, b"a text field")})
+    assert field.json() == [{"name": "field.txt", "path": "/home/user/field.txt", "type": "file"}]
+    assert sbx.files.read("field.txt") == "a text field"
     # A read signature does not write.
     wrong = httpx.post(url, files={"file": ("signed.txt", b"overwritten")})
     assert wrong.status_code == 401 and sbx.files.read("signed.txt") == "signed content"

@@ -73,6 +73,8 @@ from .records import E2bRecords, E2bSandbox
 DEFAULT_USER = "user"
 NOT_RUNNING = "The sandbox was not found"
 KEEPALIVE_SECONDS = 50.0
+#: Seconds between two looks at whether a process started before a pause has ended.
+DETACHED_POLL = 1.0
 SIGNALS = {"SIGKILL": signals.SIGKILL, "SIGTERM": signals.SIGTERM}
 #: Watch events held per watch for a reader that lags, and polled watchers per sandbox.
 WATCH_BACKLOG = 10_000
@@ -412,6 +414,31 @@ class ProcessService:
             )
         return process
 
+    async def _detached_events(
+        self, caller: Caller, process: Process
+    ) -> AsyncIterator[pr.ProcessEvent]:
+        """A connect to a process started before a pause: its output went to the channel
+        the pause ended, so the caller gets its start now and its end once it is gone
+        (looked for every :data:`DETACHED_POLL` seconds, keep-alives meanwhile), with no
+        exit status: it was not kept across the pause, and the end says so."""
+        yield pr.ProcessEvent(event=one("start", pr.ProcessEvent.StartEvent(pid=process.pid)))
+        quiet = 0.0
+        while True:
+            await self._alive(caller)
+            if (caller.sandbox_id, process.pid) not in self.envd.processes:
+                break
+            await asyncio.sleep(DETACHED_POLL)
+            quiet += DETACHED_POLL
+            if quiet >= KEEPALIVE_SECONDS:
+                quiet = 0.0
+                yield pr.ProcessEvent(event=one("keepalive", pr.ProcessEvent.KeepAlive()))
+        why = (
+            f"process {process.pid} ended after its sandbox was paused and resumed: its "
+            "exit status and output were not kept across the pause"
+        )
+        end = pr.ProcessEvent.EndEvent(exit_code=-1, exited=True, status="unknown", error=why)
+        yield pr.ProcessEvent(event=one("end", end))
+
     async def _alive(self, caller: Caller) -> None:
         """Forget detached processes of the sandbox that have exited since."""
         detached = [
@@ -434,7 +461,11 @@ class ProcessService:
         self, request: pr.ConnectRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[pr.ConnectResponse]:
         caller = await self.envd.rpc_caller(ctx)
-        process = self._attached(self._find(caller, request.process))
+        process = self._find(caller, request.process)
+        if process.detached:
+            async for event in self._detached_events(caller, process):
+                yield pr.ConnectResponse(event=event)
+            return
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         process.subscribers.add(queue)
         try:
@@ -496,7 +527,9 @@ class ProcessService:
         try:
             if process.detached:  # its group, as the agent would signal it
                 await self.envd.run(
-                    Caller(caller.record, "root"), ["kill", f"-{int(number)}", f"-{process.pid}"]
+                    # ("--": without it, kill may read the group as an option)
+                    Caller(caller.record, "root"),
+                    ["kill", f"-{int(number)}", "--", f"-{process.pid}"],
                 )
                 self.envd.processes.pop((caller.sandbox_id, process.pid), None)
             else:
@@ -982,9 +1015,11 @@ async def serve_upload(envd: Envd, caller: Caller, request: Request, path: str |
             form = await request.form(max_files=1000, max_fields=1000)
             parts = form.getlist("file")
             for part in parts:
-                if isinstance(part, str):
+                only = path if path and len(parts) == 1 else ""
+                if isinstance(part, str):  # a field with no file name (as envd, its text)
+                    written.append(await _write(envd, caller, only, _text(part), xattrs))
                     continue
-                name = path if path and len(parts) == 1 else part.filename or ""
+                name = only or part.filename or ""
                 written.append(await _write(envd, caller, name, _parts(part), xattrs))
         else:
             if not path:
@@ -1006,6 +1041,11 @@ async def serve_upload(envd: Envd, caller: Caller, request: Request, path: str |
     return JSONResponse(written)
 
 
+async def _text(text: str) -> AsyncIterator[bytes]:
+    """A multipart field's text as the file's bytes (UTF-8)."""
+    yield text.encode()
+
+
 async def _write(
     envd: Envd,
     caller: Caller,
@@ -1025,12 +1065,8 @@ async def _write(
         xattrs=xattrs,
     )
     metadata = file_metadata(xattrs)
-    return {
-        "name": posixpath.basename(target),
-        "type": "file",
-        "path": target,
-        "metadata": metadata or None,
-    }
+    written = {"name": posixpath.basename(target), "type": "file", "path": target}
+    return {**written, "metadata": metadata} if metadata else written  # (envd: omitempty)
 
 
 async def _bounded_body(request: Request, limit: int) -> bytes | None:
