@@ -28,7 +28,7 @@ from cryobox import Sandbox
 from cryobox.errors import InvalidArgument, NoHostAvailable, QuotaExceeded, SandboxNotFound
 from cryobox.server.database import MIGRATIONS
 from cryobox.server.databases import open_database
-from postgres_server import recovery_at
+from postgres_server import may_move, recovery_at
 
 
 @pytest.fixture(scope="module")
@@ -304,11 +304,16 @@ def test_a_second_server_on_the_same_state_folder_is_refused(
 
 @contextlib.contextmanager
 def lossy_pair(
-    postgres: Any, folder: Path, name: str, vcpus: Mapping[str, int] | None = None
+    postgres: Any,
+    folder: Path,
+    name: str,
+    vcpus: Mapping[str, int] | None = None,
+    env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Iterator[tuple[ApiServer, ApiServer]]:
     """Hosts a and b on a database of their own and one chunk store, declared lost 3 s
-    after their last heartbeat (``vcpus``: a host's limit, by name); both started, one
-    tenant's key each. Every sandbox is killed and both servers stopped afterwards."""
+    after their last heartbeat (``vcpus``: a host's limit, ``env`` more variables, by
+    host name); both started, one tenant's key each. Every sandbox is killed and both
+    servers stopped afterwards."""
     fleet = {
         "CRYOBOX_VMM": "fake",
         "CRYOBOX_HOST_HEARTBEAT": "1",
@@ -323,6 +328,7 @@ def lossy_pair(
                 **fleet,
                 "CRYOBOX_STATE_DIR": str(folder / host),
                 "CRYOBOX_HOST_VCPUS": str((vcpus or {}).get(host, 0)),
+                **(env or {}).get(host, {}),
             },
             database_url=url,
         )
@@ -498,3 +504,40 @@ def test_a_recovery_is_placed_as_a_create_is(postgres: Any, tmp_path: Path) -> N
         back = Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key)
         assert back.info().host == a_id
         assert back.commands.run("echo placed").stdout == "placed\n"
+
+
+def test_a_host_that_cannot_continue_a_saved_machine_is_never_tried(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """a runs another VMM version than b (as after an upgrade of QEMU on one host).
+    A sandbox paused on b, its pause stored; b is lost. Through a, it does not wake:
+    placement names the version (a is never tried: nothing of it lands there), where a
+    restore on a would have refused it only after pulling it. `host ls` shows each
+    host's VMM. A running sandbox with a history on b is not recovered on a either."""
+    versions = {"a": {"CRYOBOX_FAKE_VERSION": "2"}, "b": {"CRYOBOX_FAKE_VERSION": "1"}}
+    with lossy_pair(postgres, tmp_path, "hosts_platform", env=versions) as (a, b):
+        url = a.database_url
+        assert url is not None
+        paused = Sandbox.create(api_url=b.url, api_key=b.key)
+        paused.pause()
+        kept = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
+        deadline = time.monotonic() + 120
+        while not (may_move(url, paused.id) and recovery_at(url, kept.id)):
+            assert time.monotonic() < deadline, "b's pause and checkpoint are never stored"
+            time.sleep(0.5)
+        listed = subprocess.run(
+            [*CLI, "host", "ls", "--database-url", url], capture_output=True, text=True
+        ).stdout
+        assert "fake 2 fake" in listed and "fake 1 fake" in listed
+        assert b.process is not None
+        b.process.kill()
+        b.process.wait()
+        kill_vms(tmp_path / "b")
+        wait_for_state(a, kept.id, "lost", "b is never seen as lost")
+        refused = http(a).get(f"/sandboxes/{paused.id}")
+        assert refused.status_code == 503, refused.text
+        assert "version is '2', the saved machine's '1'" in refused.text
+        recovery = http(a).post(f"/sandboxes/{kept.id}/resume")
+        assert recovery.status_code == 503 and "version" in recovery.text, recovery.text
+        assert not (tmp_path / "a" / "sandboxes" / paused.id).exists()
+        assert not (tmp_path / "a" / "sandboxes" / kept.id).exists()

@@ -214,6 +214,12 @@ def host_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption = N
                     f"{load.memory_mib}/{host.max_memory_mib or '-'}MiB",
                     f"{host.mem_available_mib}MiB",
                     f"{host.disk_free_bytes / 1024**3:.1f}GiB",
+                    " ".join(
+                        host.platform[key]
+                        for key in ("name", "version", "accelerator")
+                        if key in host.platform
+                    )
+                    or "-",
                     f"{now - host.seen_at:.0f}s ago",
                 )
             )
@@ -228,6 +234,7 @@ def host_ls(database: DatabaseOption = None, database_url: DatabaseUrlOption = N
                 "MEMORY",
                 "RAM AVAILABLE",
                 "DISK FREE",
+                "VMM",
                 "SEEN",
             ),
             rows,

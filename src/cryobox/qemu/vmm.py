@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 from cryobox.errors import ImageError, QemuError
 from cryobox.image.build import Image, ensure_image, find_image
-from cryobox.qemu.accel import detect_accelerator
+from cryobox.qemu.accel import cpu_has_virtualization, detect_accelerator
 from cryobox.qemu.command import MACHINE_TYPE, build_command, cpu_model, device_drivers
 from cryobox.qemu.process import QemuProcess, qemu_version
 from cryobox.vmm.base import MachineSpec, Progress
@@ -37,6 +38,15 @@ class QemuVmm:
 
     def accelerator(self, image: Image) -> str:
         return detect_accelerator(image.kernel, image.initrd)
+
+    def platform(self) -> dict[str, str]:
+        known = {"name": self.name, "version": qemu_version(), "machine_type": MACHINE_TYPE}
+        accelerator = os.environ.get("CRYOBOX_ACCEL") or (
+            "" if cpu_has_virtualization() and os.access("/dev/kvm", os.R_OK | os.W_OK) else "tcg"
+        )
+        if accelerator:  # (KVM that may work is known only by a probe boot: not said)
+            known.update(accelerator=accelerator, cpu_model=cpu_model(accelerator))
+        return known
 
     def facts(self, cpus: int, memory_mib: int, accelerator: str, image: Image) -> dict[str, Any]:
         path = Path("/")

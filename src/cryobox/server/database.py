@@ -208,6 +208,13 @@ MIGRATIONS: tuple[str, ...] = (
     DROP TABLE tombstones;
     ALTER TABLE host_tombstones RENAME TO tombstones;
     """,
+    # 13: what a host's VMM is (version, machine type...: placement.platform_refusal) and
+    # what a sandbox's saved machine needs, so a wake or a recovery never tries a host
+    # that cannot continue it.
+    """
+    ALTER TABLE hosts ADD COLUMN platform TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sandboxes ADD COLUMN platform TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 

@@ -64,8 +64,15 @@ def elsewhere(hub: Hub, tenant: Tenant, count: int, cpus: int, memory_mib: int) 
     if why is None:
         return None
     others = [load for load in everyone if load.host.id != hub.me]
-    try:
-        return choose(others, me=hub.me, vcpus=vcpus, memory_mib=memory, label=tenant.hosts)
+    try:  # (a host that cannot continue this host's snapshot is never asked)
+        return choose(
+            others,
+            me=hub.me,
+            vcpus=vcpus,
+            memory_mib=memory,
+            label=tenant.hosts,
+            platform=hub.hosts.platform,
+        )
     except NoHostAvailable as exc:
         raise NoHostAvailable(f"{count} fork(s) fit neither this host ({why}) nor: {exc}") from exc
 

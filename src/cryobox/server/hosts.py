@@ -19,12 +19,13 @@ with ``seen_at``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,8 @@ class Host:
     max_memory_mib: int = 0
     disk_free_bytes: int = 0
     mem_available_mib: int = 0
+    #: Its VMM as placement compares it with a saved machine's (``Vmm.platform``).
+    platform: dict[str, str] = field(default_factory=dict)
 
 
 class Hosts:
@@ -137,6 +140,8 @@ class Hosts:
         self.store = store
         self._beat = 0.0
         self._left = False
+        #: This host's VMM (``Vmm.platform``), recorded at :meth:`register`.
+        self.platform: dict[str, str] = {}
 
     def register(self) -> None:
         """Say where this host answers (at start: a host may move to another address).
@@ -155,14 +160,14 @@ class Hosts:
         vcpus, memory = host_limits()
         self.db.execute(  # a drained host stays drained across restarts
             "INSERT INTO hosts (id, url, store, started_at, seen_at, labels, max_vcpus, "
-            "max_memory_mib, disk_free_bytes, mem_available_mib) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "max_memory_mib, disk_free_bytes, mem_available_mib, platform) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (id) DO UPDATE SET url = excluded.url, store = excluded.store, "
             "started_at = excluded.started_at, seen_at = excluded.seen_at, "
             "labels = excluded.labels, max_vcpus = excluded.max_vcpus, "
             "max_memory_mib = excluded.max_memory_mib, "
             "disk_free_bytes = excluded.disk_free_bytes, "
-            "mem_available_mib = excluded.mem_available_mib",
+            "mem_available_mib = excluded.mem_available_mib, platform = excluded.platform",
             (
                 self.me,
                 self.url,
@@ -174,6 +179,7 @@ class Hosts:
                 memory,
                 disk_free(),
                 mem_available_mib(),
+                json.dumps(self.platform, sort_keys=True),
             ),
         )
         self._beat = now
@@ -243,4 +249,14 @@ def _host(row: Any) -> Host:
         max_memory_mib=int(row["max_memory_mib"]),
         disk_free_bytes=int(row["disk_free_bytes"]),
         mem_available_mib=int(row["mem_available_mib"]),
+        platform=platform_of(str(row["platform"])),
     )
+
+
+def platform_of(text: str) -> dict[str, str]:
+    """A recorded platform (JSON); empty when none was recorded or it is unreadable."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}

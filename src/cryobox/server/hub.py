@@ -140,6 +140,7 @@ class Hub:
         self.service = service
         self.db = db
         self.hosts = Hosts(db, host_id(), advertise_url, store_identity())
+        self.hosts.platform = service.vmm.platform()
         self.me = self.hosts.me
         self.tenants = Tenants(db)
         #: The tenants' named volumes (on this host's service).

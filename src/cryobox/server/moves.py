@@ -58,14 +58,15 @@ from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
+from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.store import keys, uploads
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 
 from .database import Connection, Database
-from .hosts import STALE_AFTER
-from .placement import RESERVATION_STALE, choose, loads, refusal
+from .hosts import STALE_AFTER, platform_of
+from .placement import RESERVATION_STALE, choose, loads, needed_platform, refusal
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -327,9 +328,13 @@ class Mover:
         plain = {**spec.to_json(), "envs": dict(spec.envs)}
         plain.pop(SEALED_ENVS, None)
         sealed = seal(self.secret, sandbox_id, Departure(plain, record.pause_id, record.timeout))
+        try:
+            needs = needed_platform(mf.load(folder.paused).backend)
+        except (CryoboxError, OSError, ValueError):
+            needs = {}
         self.hub.db.execute(
-            "UPDATE sandboxes SET departure = ? WHERE id = ? AND host_id IN (?, '')",
-            (sealed, sandbox_id, self.hub.me),
+            "UPDATE sandboxes SET departure = ?, platform = ? WHERE id = ? AND host_id IN (?, '')",
+            (sealed, json.dumps(needs, sort_keys=True), sandbox_id, self.hub.me),
         )
         self.departed[sandbox_id] = record.pause_id
 
@@ -389,9 +394,15 @@ class Mover:
         sealed = seal(self.secret, sandbox_id, Departure(plain, newest.id, record.timeout))
         if (
             self.hub.db.execute(
-                "UPDATE sandboxes SET recovery = ?, recovery_at = ? "
+                "UPDATE sandboxes SET recovery = ?, recovery_at = ?, platform = ? "
                 "WHERE id = ? AND host_id IN (?, '')",
-                (sealed, newest.created_at, sandbox_id, self.hub.me),
+                (
+                    sealed,
+                    newest.created_at,
+                    json.dumps(needed_platform(newest.backend), sort_keys=True),
+                    sandbox_id,
+                    self.hub.me,
+                ),
             )
             != 1
         ):
@@ -471,8 +482,8 @@ class Mover:
         hub = self.hub
         row = await asyncio.to_thread(
             hub.db.row,
-            "SELECT host_id, tenant_id, cpus, memory_mib, last_state, epoch, departure "
-            "FROM sandboxes WHERE id = ?",
+            "SELECT host_id, tenant_id, cpus, memory_mib, last_state, epoch, departure, "
+            "platform FROM sandboxes WHERE id = ?",
             (sandbox_id,),
         )
         if row is None:
@@ -491,6 +502,7 @@ class Mover:
         at_home = next((load for load in everyone if load.host.id == home), None)
         tenant = hub.tenants.get(str(row["tenant_id"]))
         shape = (int(row["cpus"]), int(row["memory_mib"]))
+        needs = platform_of(str(row["platform"]))
         stays = at_home is not None and refusal(at_home, *shape, tenant.hosts, now) is None
         if stays and home != hub.me and hub.hosts.get(home) is not None:
             # its host can resume it (a full host is one that cannot take it again)
@@ -502,10 +514,19 @@ class Mover:
         others = [load for load in everyone if load.host.id != home]
         try:
             chosen = choose(
-                others, me=hub.me, vcpus=shape[0], memory_mib=shape[1], label=tenant.hosts
+                others,
+                me=hub.me,
+                vcpus=shape[0],
+                memory_mib=shape[1],
+                label=tenant.hosts,
+                platform=needs,
             )
         except NoHostAvailable as exc:
             log.warning("%s cannot move from host %s: %s", sandbox_id, home, exc)
+            if at_home is None or now - at_home.host.seen_at >= STALE_AFTER:
+                raise HostUnavailable(
+                    sandbox_id, f"its host {home} is gone and no other host can wake it: {exc}"
+                ) from exc
             return None if forwarded or home == hub.me else await self._locate(sandbox_id)
         if chosen.id != hub.me:
             return None if forwarded else chosen.url
@@ -525,11 +546,14 @@ class Mover:
         mine = next((load for load in everyone if load.host.id == hub.me), None)
         label = hub.tenants.get(str(row["tenant_id"])).hosts
         shape = (int(row["cpus"]), int(row["memory_mib"]))
-        if mine is None or refusal(mine, *shape, label, now) is None:
+        needs = platform_of(str(row["platform"]))
+        if mine is None or refusal(mine, *shape, label, now, needs) is None:
             return None
         others = [load for load in everyone if load.host.id not in (hub.me, row["host_id"])]
         try:
-            chosen = choose(others, me=hub.me, vcpus=shape[0], memory_mib=shape[1], label=label)
+            chosen = choose(
+                others, me=hub.me, vcpus=shape[0], memory_mib=shape[1], label=label, platform=needs
+            )
         except NoHostAvailable:
             return None
         return chosen.url
@@ -545,8 +569,9 @@ class Mover:
             None,
         )
         label = hub.tenants.get(str(row["tenant_id"])).hosts
+        needs = platform_of(str(row["platform"]))
         why = (
-            refusal(mine, int(row["cpus"]), int(row["memory_mib"]), label, now)
+            refusal(mine, int(row["cpus"]), int(row["memory_mib"]), label, now, needs)
             if mine is not None
             else None
         )
@@ -620,8 +645,8 @@ class Mover:
         async with hub._locks[sandbox_id]:
             row = await asyncio.to_thread(
                 hub.db.row,
-                "SELECT host_id, epoch, recovery, tenant_id, cpus, memory_mib FROM sandboxes "
-                "WHERE id = ?",
+                "SELECT host_id, epoch, recovery, tenant_id, cpus, memory_mib, platform "
+                "FROM sandboxes WHERE id = ?",
                 (sandbox_id,),
             )
             lost = await asyncio.to_thread(self.lost, sandbox_id)

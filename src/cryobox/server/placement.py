@@ -21,6 +21,7 @@ available. None can: the create is refused, naming each host and why.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cryobox.errors import NoHostAvailable
@@ -69,10 +70,39 @@ def loads(db: Database, reserved_since: float) -> list[HostLoad]:
     return [HostLoad(host, *held.get(host.id, [0, 0, 0])) for host in Hosts(db, "", "", "").all()]
 
 
-def refusal(load: HostLoad, vcpus: int, memory_mib: int, label: str, now: float) -> str | None:
+#: The keys of a saved machine's ``backend`` a host's platform is compared on.
+PLATFORM_KEYS = ("name", "version", "machine_type", "accelerator", "cpu_model")
+
+
+def needed_platform(backend: Mapping[str, object]) -> dict[str, str]:
+    """What a saved machine (its manifest's ``backend``) needs of a host's VMM."""
+    return {key: str(backend[key]) for key in PLATFORM_KEYS if key in backend}
+
+
+def platform_refusal(host: Mapping[str, str], needed: Mapping[str, str]) -> str | None:
+    """Why a host whose VMM is ``host`` cannot continue a saved machine that needs
+    ``needed`` (both ``Vmm.platform``-shaped; a key either side lacks is not judged);
+    None when it can."""
+    for key in sorted(needed.keys() & host.keys()):
+        if host[key] != needed[key]:
+            return f"its VMM's {key} is {host[key]!r}, the saved machine's {needed[key]!r}"
+    return None
+
+
+def refusal(
+    load: HostLoad,
+    vcpus: int,
+    memory_mib: int,
+    label: str,
+    now: float,
+    platform: Mapping[str, str] | None = None,
+) -> str | None:
     """Why this host cannot take a sandbox of this shape for a tenant placed on
-    ``label`` ("" for the pool); None when it can."""
+    ``label`` ("" for the pool), whose saved machine (a pause or a checkpoint to start
+    from) needs ``platform``; None when it can."""
     host = load.host
+    if platform and (why := platform_refusal(host.platform, platform)):
+        return why
     if now - host.seen_at >= STALE_AFTER:
         return f"not seen for {now - host.seen_at:.0f} s"
     if host.state != "active":
@@ -100,15 +130,16 @@ def choose(
     memory_mib: int,
     label: str = "",
     now: float | None = None,
+    platform: Mapping[str, str] | None = None,
 ) -> Host:
     """The host a sandbox of ``vcpus`` and ``memory_mib`` goes to (``me``: the host the
-    request reached).
+    request reached; ``platform``: what its saved machine needs, see :func:`refusal`).
 
     :raises NoHostAvailable: naming each host and why it cannot take it.
     """
     now = time.time() if now is None else now
     why = {
-        load.host.id: refusal(load, vcpus, memory_mib, label, now)
+        load.host.id: refusal(load, vcpus, memory_mib, label, now, platform)
         or (None if load.host.url or load.host.id == me else "no address recorded")
         for load in loads
     }

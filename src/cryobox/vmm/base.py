@@ -148,6 +148,13 @@ class Vmm(Protocol):
         """What a memory snapshot taken under this backend must match to continue here."""
         ...
 
+    def platform(self) -> dict[str, str]:
+        """The part of :meth:`facts` that is the host's, whatever the sandbox (its VMM,
+        version, machine type; the accelerator and CPU model when they are known
+        without a probe): what placement compares with a saved machine's, so that a
+        host that cannot continue it is never tried."""
+        ...
+
     def create_layer(self, path: Path, backing: Path, size_gib: int) -> None:
         """A new writable disk layer at ``path`` over the frozen ``backing`` layer."""
         ...

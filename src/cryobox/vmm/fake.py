@@ -195,6 +195,10 @@ class FakeVmm:
     def accelerator(self, image: Image) -> str:
         return "fake"
 
+    def platform(self) -> dict[str, str]:
+        version = os.environ.get("CRYOBOX_FAKE_VERSION", "1")
+        return {"name": self.name, "version": version, "accelerator": "fake"}
+
     def facts(self, cpus: int, memory_mib: int, accelerator: str, image: Image) -> dict[str, Any]:
         # CRYOBOX_FAKE_VERSION: another VMM version, as after an upgrade of QEMU.
         version = os.environ.get("CRYOBOX_FAKE_VERSION", "1")
