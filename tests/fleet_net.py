@@ -5,7 +5,8 @@ down: it reaches neither the database, the store, nor the other hosts, and nobod
 reaches it).
 
 The addresses are TEST-NET-2's (198.51.100.0/24, RFC 5737: never routed anywhere);
-nothing leaves the bridge. The bridge lives in a namespace of its own (``cbfleet-net``),
+the hosts have no default route (only their /24), so nothing of theirs or of their
+sandboxes leaves the bridge. The bridge lives in a namespace of its own (``cbfleet-PID-net``),
 which this namespace joins as one more port (at :data:`GATEWAY`): bridged in this
 namespace, the hosts' traffic to each other would pass this host's forward filters
 (with ``br_netfilter`` loaded, every bridged packet does), and cryobox's own table
@@ -17,6 +18,7 @@ listening on :data:`GATEWAY` (:meth:`FleetNet.relay`). Everything is removed on 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import threading
@@ -24,9 +26,6 @@ from types import TracebackType
 
 #: This namespace's address on the fleet's network, where the relays listen.
 GATEWAY = "198.51.100.1"
-#: The namespace holding the bridge, and this namespace's link to it.
-FABRIC = "cbfleet-net"
-UPLINK = "cfgw0"
 
 
 def ip(*args: str) -> None:
@@ -36,45 +35,58 @@ def ip(*args: str) -> None:
 
 
 class FleetNet:
-    """Namespaces ``cbfleet-NAME`` for hosts ``names``, each with a veth pair whose
-    outer end (``cfNAME0``) is on the bridge in :data:`FABRIC`; host N gets
+    """Namespaces ``cbfleet-PID-NAME`` for hosts ``names`` (PID: this run's, so two
+    runs on one machine keep apart), each with a veth pair whose outer end
+    (``cfNAMEPID``) is on the bridge in namespace ``cbfleet-PID-net``; host N gets
     ``198.51.100.(11+N)``."""
 
     def __init__(self, names: str) -> None:
         self.names = names
         self._relays: list[_Relay] = []
+        # Names of this run's own (a link's name: at most 15 characters).
+        tag = f"{os.getpid() % 100000:05d}"
+        self.fabric = f"cbfleet-{tag}-net"
+        self.uplink = f"cfgw{tag}"
+        self._tag = tag
 
     def namespace(self, name: str) -> str:
-        return f"cbfleet-{name}"
+        return f"cbfleet-{self._tag}-{name}"
 
     def address(self, name: str) -> str:
         return f"198.51.100.{11 + self.names.index(name)}"
 
     def _link(self, name: str) -> str:
-        return f"cf{name}0"
+        return f"cf{name}{self._tag}"
 
     def __enter__(self) -> FleetNet:
-        self._remove()  # what a run killed before its end may have left
-        ip("netns", "add", FABRIC)
-        ip("-n", FABRIC, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
-        ip("-n", FABRIC, "link", "set", "br0", "up")
-        ip("link", "add", UPLINK, "type", "veth", "peer", "name", "up0", "netns", FABRIC)
-        ip("-n", FABRIC, "link", "set", "up0", "master", "br0")
-        ip("-n", FABRIC, "link", "set", "up0", "up")
-        ip("addr", "add", f"{GATEWAY}/24", "dev", UPLINK)
-        ip("link", "set", UPLINK, "up")
+        self._remove()  # what a run of this pid killed before its end may have left
+        try:
+            self._make()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def _make(self) -> None:
+        fabric, uplink = self.fabric, self.uplink
+        ip("netns", "add", fabric)
+        ip("-n", fabric, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
+        ip("-n", fabric, "link", "set", "br0", "up")
+        ip("link", "add", uplink, "type", "veth", "peer", "name", "up0", "netns", fabric)
+        ip("-n", fabric, "link", "set", "up0", "master", "br0")
+        ip("-n", fabric, "link", "set", "up0", "up")
+        ip("addr", "add", f"{GATEWAY}/24", "dev", uplink)
+        ip("link", "set", uplink, "up")
         for name in self.names:
             ns, link = self.namespace(name), self._link(name)
             ip("netns", "add", ns)
-            ip("-n", FABRIC, "link", "add", link, "type", "veth", "peer", "name", "eth0")
-            ip("-n", FABRIC, "link", "set", "eth0", "netns", ns)
-            ip("-n", FABRIC, "link", "set", link, "master", "br0")
-            ip("-n", FABRIC, "link", "set", link, "up")
+            ip("-n", fabric, "link", "add", link, "type", "veth", "peer", "name", "eth0")
+            ip("-n", fabric, "link", "set", "eth0", "netns", ns)
+            ip("-n", fabric, "link", "set", link, "master", "br0")
+            ip("-n", fabric, "link", "set", link, "up")
             ip("-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("-n", ns, "route", "add", "default", "via", GATEWAY)
-        return self
+            ip("-n", ns, "link", "set", "lo", "up")  # (no default route: see above)
 
     def __exit__(
         self,
@@ -87,9 +99,9 @@ class FleetNet:
         self._remove()
 
     def _remove(self) -> None:
-        for ns in (FABRIC, *(self.namespace(name) for name in self.names)):
+        for ns in (self.fabric, *(self.namespace(name) for name in self.names)):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", UPLINK], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.uplink], capture_output=True)
 
     def relay(self, port: int) -> int:
         """Relay the bridge's address, at a port of its own, to ``127.0.0.1:port`` (a
@@ -100,10 +112,10 @@ class FleetNet:
 
     def cut(self, name: str) -> None:
         """Partition host ``name``: its link down (its processes run on, alone)."""
-        ip("-n", FABRIC, "link", "set", self._link(name), "down")
+        ip("-n", self.fabric, "link", "set", self._link(name), "down")
 
     def heal(self, name: str) -> None:
-        ip("-n", FABRIC, "link", "set", self._link(name), "up")
+        ip("-n", self.fabric, "link", "set", self._link(name), "up")
 
 
 class _Relay:

@@ -1042,7 +1042,10 @@ async def serve_upload(envd: Envd, caller: Caller, request: Request, path: str |
 
 
 async def _text(text: str) -> AsyncIterator[bytes]:
-    """A multipart field's text as the file's bytes (UTF-8)."""
+    """A multipart field's text as the file's bytes, in UTF-8. A field is text: the
+    form parser takes at most 1 MiB of it, and bytes that are not UTF-8 come out
+    altered (it reads those as Latin-1); files, binary ones included, come as file
+    parts (with a file name), as every SDK sends them."""
     yield text.encode()
 
 

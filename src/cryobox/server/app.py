@@ -20,8 +20,8 @@ import functools
 import json
 import logging
 import math
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Annotated, Any, cast
@@ -180,17 +180,18 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await hub.start()
-        tasks = (
-            asyncio.create_task(_monitor(hub, tick, storage_interval, collect_interval)),
-            asyncio.create_task(_heartbeat(hub)),
-        )
+        monitor = asyncio.create_task(_monitor(hub, tick, storage_interval, collect_interval))
+        stop = threading.Event()
+        threading.Thread(
+            target=_heartbeat, args=(hub, stop), name="cryobox-heartbeat", daemon=True
+        ).start()
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            stop.set()
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
             await hub.close()
 
     app = FastAPI(
@@ -814,23 +815,17 @@ async def _monitor(hub: Hub, tick: float, storage_interval: float, collect_inter
             last_collect = now
 
 
-async def _heartbeat(hub: Hub) -> None:
-    """This host's heartbeat, on a clock of its own: a monitor tick that takes long (a
-    pause of a big machine, a drain, the store's collection) must not make the other
-    hosts take this one for lost and start its sandboxes again elsewhere."""
-    loop = asyncio.get_running_loop()
-    # a thread of its own: busy worker threads (pulls, captures) never delay it
-    own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cryobox-heartbeat")
-
-    async def beat() -> None:
-        await loop.run_in_executor(own, hub.hosts.heartbeat)
-
-    try:
-        while True:
-            await _guarded(beat)
-            await asyncio.sleep(HEARTBEAT / 4)
-    finally:
-        own.shutdown(wait=False)  # (a beat stuck on an unreachable database is not waited for)
+def _heartbeat(hub: Hub, stop: threading.Event) -> None:
+    """This host's heartbeat, in a thread of its own until ``stop``: neither a monitor
+    tick that takes long (a pause of a big machine, a drain, the store's collection),
+    nor busy worker threads, nor a blocked event loop may make the other hosts take this
+    one for lost and start its sandboxes again elsewhere. (A beat in flight when the
+    server stops cannot undo its stop: see ``Hosts.leave``.)"""
+    while not stop.wait(HEARTBEAT / 4):
+        try:
+            hub.hosts.heartbeat()
+        except Exception:  # the database, for now: the next beat tries again
+            log.exception("heartbeat failed")
 
 
 async def _guarded(step: Callable[..., Awaitable[None]], *args: Any) -> None:

@@ -202,6 +202,7 @@ def give_back(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> 
         ).rowcount
         if given == 1:
             conn.execute("UPDATE ports SET host_id = ? WHERE sandbox_id = ?", (host, sandbox_id))
+            _welcome_back(conn, sandbox_id, host)  # (the claim's tombstone for it goes)
 
 
 def bury(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> bool:
@@ -224,8 +225,16 @@ def bury(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> bool:
 
 
 def tombstoned(db: Database, host: str) -> set[str]:
-    """The sandboxes of ``host`` killed while it was lost (it must never run them)."""
-    return {str(r["id"]) for r in db.rows("SELECT id FROM tombstones WHERE host_id = ?", (host,))}
+    """The sandboxes ``host`` must never run again (they left it, or were killed while
+    it was lost)."""
+    return set(tombstones(db, host))
+
+
+def tombstones(db: Database, host: str) -> dict[str, float]:
+    """:func:`tombstoned`, with when each tombstone was written (it is removed only as
+    read: one written again meanwhile stays)."""
+    rows = db.rows("SELECT id, killed_at FROM tombstones WHERE host_id = ?", (host,))
+    return {str(r["id"]): float(r["killed_at"]) for r in rows}
 
 
 class Mover:
@@ -895,7 +904,7 @@ class Mover:
                 (hub.me,),
             )
         }
-        buried = await asyncio.to_thread(tombstoned, hub.db, hub.me)
+        buried = await asyncio.to_thread(tombstones, hub.db, hub.me)
         dropped, waiting = [], set()
         for spec, record in await asyncio.to_thread(registry.list_sandboxes):
             if (spec.id not in homes and spec.id not in buried) or record.state.finished:
@@ -923,11 +932,11 @@ class Mover:
                 with contextlib.suppress(SandboxNotFound):
                     await hub.service.kill(spec.id, keep_record=False)
             dropped.append(spec.id)
-        for sandbox_id in buried - waiting:  # handled: stopped now, or not here
+        for sandbox_id in buried.keys() - waiting:  # handled: stopped now, or not here
             await asyncio.to_thread(
                 hub.db.execute,
-                "DELETE FROM tombstones WHERE id = ? AND host_id = ?",
-                (sandbox_id, hub.me),
+                "DELETE FROM tombstones WHERE id = ? AND host_id = ? AND killed_at = ?",
+                (sandbox_id, hub.me, buried[sandbox_id]),
             )
         return dropped
 

@@ -28,6 +28,8 @@ from .database import MIGRATIONS, Connection, Cursor, Database, redact
 CONNECT_TIMEOUT = 15.0
 #: The advisory lock every migration runs under (any constant shared by all hosts).
 _MIGRATION_LOCK = 0x63727962  # "cryb"
+#: Milliseconds a session may sit in a transaction without a statement (a host cut off).
+IDLE_IN_TRANSACTION_MS = 60_000
 
 
 class PostgresDatabase(Database):
@@ -39,7 +41,19 @@ class PostgresDatabase(Database):
             url,
             min_size=1,
             max_size=8,
-            kwargs={"autocommit": True, "row_factory": dict_row},
+            kwargs={
+                "autocommit": True,
+                "row_factory": dict_row,
+                # A host cut off in the middle of a transaction must not hold its row
+                # locks (a claim of its sandboxes by the other hosts waits on them) until
+                # it is back: the server ends a session idle in a transaction for a
+                # minute, and TCP keepalives find a peer that is gone.
+                "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}",
+                "keepalives": 1,
+                "keepalives_idle": 15,
+                "keepalives_interval": 5,
+                "keepalives_count": 3,
+            },
             timeout=CONNECT_TIMEOUT,
             open=False,
             name="cryobox",
