@@ -216,7 +216,9 @@ def test_a_process_checkpoint_goes_to_s3_and_comes_back_from_it(
     use_s3(s3_server, monkeypatch, f"vm-process-{os.getpid()}")
     source = sandbox_factory(timeout=900)
     source.commands.run(
-        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.2; done'"
+        # (written to a new name and renamed: a read never sees the file half-written)
+        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/n.new; "
+        "mv /root/n.new /root/n; sleep 0.2; done'"
         " > /dev/null 2>&1 < /dev/null & echo $! > /root/pid"
     )
     pid = int(source.files.read_text("/root/pid"))
