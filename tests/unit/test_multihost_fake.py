@@ -358,6 +358,29 @@ def wait_for_state(server: ApiServer, sandbox_id: str, state: str, what: str) ->
     return dict(info)
 
 
+def lose(server: ApiServer, state: Path) -> None:
+    """The host of ``server`` (state folder ``state``) is lost: its server and its VMs
+    killed with -9."""
+    assert server.process is not None
+    server.process.kill()
+    server.process.wait()
+    kill_vms(state)
+
+
+def recoverable_on_lost_b(a: ApiServer, b: ApiServer, folder: Path) -> tuple[str, Sandbox]:
+    """A sandbox with a history on b, once its checkpoint is recorded as its recovery
+    point; then b is lost (:func:`lose`). The fleet's database URL, and the sandbox."""
+    url = a.database_url
+    assert url is not None
+    sbx = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
+    deadline = time.monotonic() + 120
+    while not recovery_at(url, sbx.id):
+        assert time.monotonic() < deadline, "no checkpoint of it is ever stored"
+        time.sleep(0.5)
+    lose(b, folder / "b")
+    return url, sbx
+
+
 def test_a_sandbox_killed_while_its_host_is_lost_never_runs_there_again(
     postgres: Any, tmp_path: Path
 ) -> None:
@@ -418,17 +441,7 @@ def test_a_recovery_cut_short_by_a_crash_finishes_when_the_server_starts_again(
     the sandbox. (The same recovery over real VMs, with its processes and files, is in
     ``tests/integration/test_fleet_vm.py``.)"""
     with lossy_pair(postgres, tmp_path, "hosts_recovery_crash") as (a, b):
-        url = a.database_url
-        assert url is not None
-        sbx = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
-        deadline = time.monotonic() + 120
-        while not recovery_at(url, sbx.id):
-            assert time.monotonic() < deadline, "no checkpoint of it is ever stored"
-            time.sleep(0.5)
-        assert b.process is not None
-        b.process.kill()
-        b.process.wait()
-        kill_vms(tmp_path / "b")
+        _, sbx = recoverable_on_lost_b(a, b, tmp_path)
         info = wait_for_state(a, sbx.id, "lost", "b is never seen as lost")
         assert info["recoverable_from"] and "resume it" in info["error"]
 
@@ -479,17 +492,7 @@ def test_a_recovery_is_placed_as_a_create_is(postgres: Any, tmp_path: Path) -> N
     through a is refused naming why (nothing is claimed: it stays lost and
     recoverable); a undrained, the same resume recovers it there."""
     with lossy_pair(postgres, tmp_path, "hosts_recovery_placed") as (a, b):
-        url = a.database_url
-        assert url is not None
-        sbx = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
-        deadline = time.monotonic() + 120
-        while not recovery_at(url, sbx.id):
-            assert time.monotonic() < deadline, "no checkpoint of it is ever stored"
-            time.sleep(0.5)
-        assert b.process is not None
-        b.process.kill()
-        b.process.wait()
-        kill_vms(tmp_path / "b")
+        url, sbx = recoverable_on_lost_b(a, b, tmp_path)
         wait_for_state(a, sbx.id, "lost", "b is never seen as lost")
         a_id = (tmp_path / "a" / "host-id").read_text().strip()
         drain = [*CLI, "host", "drain", a_id, "--database-url", url]
@@ -529,10 +532,7 @@ def test_a_host_that_cannot_continue_a_saved_machine_is_never_tried(
             [*CLI, "host", "ls", "--database-url", url], capture_output=True, text=True
         ).stdout
         assert "fake 2 fake" in listed and "fake 1 fake" in listed
-        assert b.process is not None
-        b.process.kill()
-        b.process.wait()
-        kill_vms(tmp_path / "b")
+        lose(b, tmp_path / "b")
         wait_for_state(a, kept.id, "lost", "b is never seen as lost")
         refused = http(a).get(f"/sandboxes/{paused.id}")
         assert refused.status_code == 503, refused.text

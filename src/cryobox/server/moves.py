@@ -66,7 +66,7 @@ from cryobox.store.chunkstore import ChunkStore
 
 from .database import Connection, Database
 from .hosts import STALE_AFTER, platform_of
-from .placement import RESERVATION_STALE, choose, loads, needed_platform, refusal
+from .placement import RESERVATION_STALE, HostLoad, choose, loads, needed_platform, refusal
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -145,6 +145,14 @@ def _welcome_back(conn: Connection, sandbox_id: str, me: str) -> None:
     conn.execute("DELETE FROM tombstones WHERE id = ? AND host_id = ?", (sandbox_id, me))
 
 
+#: The condition, in a claim's statement, that the host it takes from is silent (its
+#: heartbeat older than the cutoff, :data:`STALE_AFTER`; 0: stopped by its operator,
+#: whose sandboxes run on). Parameters: the host, :func:`_stale_cutoff`.
+_SILENT = (
+    "EXISTS (SELECT 1 FROM hosts WHERE hosts.id = ? AND hosts.seen_at > 0 AND hosts.seen_at < ?)"
+)
+
+
 def _stale_cutoff() -> float:
     """Heartbeats older than this say their host is lost (:data:`STALE_AFTER`)."""
     return time.time() - STALE_AFTER
@@ -180,8 +188,7 @@ def claim_recovery(
         moved: int = conn.execute(
             "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1, departure = '', "
             "last_state = 'running', running_since = ? WHERE id = ? AND host_id = ? "
-            "AND epoch = ? AND recovery = ? AND recovery <> '' AND EXISTS (SELECT 1 FROM "
-            "hosts WHERE hosts.id = ? AND hosts.seen_at > 0 AND hosts.seen_at < ?)",
+            f"AND epoch = ? AND recovery = ? AND recovery <> '' AND {_SILENT}",
             (me, time.time(), sandbox_id, host, epoch, recovery, host, _stale_cutoff()),
         ).rowcount
         if moved == 1:
@@ -214,8 +221,7 @@ def bury(db: Database, sandbox_id: str, me: str, host: str, epoch: int) -> bool:
         done: int = conn.execute(
             "UPDATE sandboxes SET host_id = ?, epoch = epoch + 1, last_state = 'killed', "
             "running_since = NULL, departure = '', recovery = '' WHERE id = ? "
-            "AND host_id = ? AND epoch = ? AND EXISTS (SELECT 1 FROM hosts "
-            "WHERE hosts.id = ? AND hosts.seen_at > 0 AND hosts.seen_at < ?)",
+            f"AND host_id = ? AND epoch = ? AND {_SILENT}",
             (me, sandbox_id, host, epoch, host, _stale_cutoff()),
         ).rowcount
         if done == 1:
@@ -424,8 +430,10 @@ class Mover:
         """The sandbox ended here: its recovery point leaves the store and its row (one
         another host runs now is that host's to drop)."""
         self.recovered.pop(sandbox_id, None)
-        row = self.hub.db.row("SELECT recovery FROM sandboxes WHERE id = ?", (sandbox_id,))
-        point = self._recovery_point(sandbox_id) if row is not None and row["recovery"] else None
+        row = self.hub.db.row(
+            "SELECT recovery, recovery_at FROM sandboxes WHERE id = ?", (sandbox_id,)
+        )
+        point = self._opened_point(sandbox_id, row)
         if row is None or point is None:
             return
         if (
@@ -443,6 +451,11 @@ class Mover:
         row = self.hub.db.row(
             "SELECT recovery, recovery_at FROM sandboxes WHERE id = ?", (sandbox_id,)
         )
+        return self._opened_point(sandbox_id, row)
+
+    def _opened_point(self, sandbox_id: str, row: Any) -> tuple[SandboxSpec, str, float] | None:
+        """:meth:`_recovery_point` of a row read already (its ``recovery`` and
+        ``recovery_at``)."""
         if row is None or not row["recovery"]:
             return None
         try:
@@ -550,42 +563,46 @@ class Mover:
         it, or when no host may: the refusal is said here), else the URL of the host
         placement chooses."""
         hub = self.hub
-        now = time.time()
-        everyone = loads(hub.db, now - RESERVATION_STALE)
-        mine = next((load for load in everyone if load.host.id == hub.me), None)
-        label = hub.tenants.get(str(row["tenant_id"])).hosts
-        shape = (int(row["cpus"]), int(row["memory_mib"]))
-        needs = platform_of(str(row["platform"]))
-        if mine is None or refusal(mine, *shape, label, now, needs) is None:
+        everyone = loads(hub.db, time.time() - RESERVATION_STALE)
+        if self._refused_here(row, everyone) is None:
             return None
         others = [load for load in everyone if load.host.id not in (hub.me, row["host_id"])]
         try:
             chosen = choose(
-                others, me=hub.me, vcpus=shape[0], memory_mib=shape[1], label=label, platform=needs
+                others,
+                me=hub.me,
+                vcpus=int(row["cpus"]),
+                memory_mib=int(row["memory_mib"]),
+                label=hub.tenants.get(str(row["tenant_id"])).hosts,
+                platform=platform_of(str(row["platform"])),
             )
         except NoHostAvailable:
             return None
         return chosen.url
 
+    def _refused_here(self, row: Any, everyone: list[HostLoad]) -> str | None:
+        """Why placement keeps the sandbox of ``row`` (its tenant, shape and platform)
+        off this host, among the hosts' loads ``everyone``; None when it may take it (or
+        this host is not recorded: nothing to judge by)."""
+        mine = next((load for load in everyone if load.host.id == self.hub.me), None)
+        if mine is None:
+            return None
+        return refusal(
+            mine,
+            int(row["cpus"]),
+            int(row["memory_mib"]),
+            self.hub.tenants.get(str(row["tenant_id"])).hosts,
+            time.time(),
+            platform_of(str(row["platform"])),
+        )
+
     def _may_recover_here(self, sandbox_id: str, row: Any) -> None:
         """:raises NoHostAvailable: when placement keeps it off this host (draining, not
         its tenant's label, limits, room), naming why (a request for it goes to a host
         that may take it, :meth:`_recovery_host`, when there is one)."""
-        hub = self.hub
-        now = time.time()
-        mine = next(
-            (load for load in loads(hub.db, now - RESERVATION_STALE) if load.host.id == hub.me),
-            None,
-        )
-        label = hub.tenants.get(str(row["tenant_id"])).hosts
-        needs = platform_of(str(row["platform"]))
-        why = (
-            refusal(mine, int(row["cpus"]), int(row["memory_mib"]), label, now, needs)
-            if mine is not None
-            else None
-        )
+        why = self._refused_here(row, loads(self.hub.db, time.time() - RESERVATION_STALE))
         if why is not None:
-            raise NoHostAvailable(f"{sandbox_id} cannot be recovered on host {hub.me}: {why}")
+            raise NoHostAvailable(f"{sandbox_id} cannot be recovered on host {self.hub.me}: {why}")
 
     def lost(self, sandbox_id: str) -> SandboxInfo | None:
         """The sandbox as a host can tell of it when its own host is gone and it could
