@@ -12,8 +12,10 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
 # PostgreSQL: the tests of the multi-host server start one in a temporary folder.
 # Chromium: the web console's browser test drives it (Playwright, from PyPI).
+# Templates from container images (cryobox.image.oci): skopeo reads the archive, umoci
+# unpacks its layers, patchelf points the runtime cryobox carries into them at its own libraries.
 APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates conntrack \
-                gcc libc6-dev libjansson-dev libfuse3-dev clang-format \
+                gcc libc6-dev libjansson-dev libfuse3-dev clang-format skopeo umoci patchelf \
                 iproute2 util-linux nftables postgresql chromium
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done

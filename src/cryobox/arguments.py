@@ -171,3 +171,29 @@ def snapshot_name(what: str, value: object) -> str:
             "characters or a leading '.'"
         )
     return name
+
+
+#: skopeo's transports for a container image on this machine, as ``image=`` takes them
+#: (:mod:`cryobox.image.oci`).
+IMAGE_TRANSPORTS = ("oci-archive", "docker-archive", "oci")
+
+
+def container_image(reference: object) -> tuple[str, Path]:
+    """``TRANSPORT:PATH`` as ``image=`` takes it.
+
+    :raises InvalidArgument: for another form or transport, or a path that is not there.
+    """
+    if not isinstance(reference, str):
+        raise InvalidArgument(f"image={reference!r}: must be a string such as oci-archive:FILE")
+    transport, sep, path = reference.partition(":")
+    if not sep or transport not in IMAGE_TRANSPORTS or not path:
+        raise InvalidArgument(
+            f"image={reference!r}: give oci-archive:FILE, docker-archive:FILE or oci:FOLDER "
+            "(an image on this machine; for one in a registry, copy it first, e.g. "
+            "`skopeo copy docker://NAME oci-archive:FILE`)"
+        )
+    where = Path(path).expanduser()
+    if not where.exists():
+        kind = "folder" if transport == "oci" else "file"
+        raise InvalidArgument(f"image={reference!r}: no such {kind}")
+    return transport, where.resolve()

@@ -941,18 +941,27 @@ def template_build(
         list[str] | None,
         typer.Option("--build-arg", help="With -f: NAME=VALUE for an ARG (repeatable)."),
     ] = None,
+    image: Annotated[
+        str | None,
+        typer.Option(
+            "--image",
+            help="Boot this container image: oci-archive:FILE, docker-archive:FILE or "
+            "oci:FOLDER (its ENV, USER, WORKDIR, CMD and ports kept; --setup runs in it).",
+        ),
+    ] = None,
     cpus: CpusOption = config.DEFAULT_CPUS,
     memory: MemoryOption = config.DEFAULT_MEMORY_MIB,
     disk: DiskOption = config.DEFAULT_DISK_GIB,
 ) -> None:
     """Boot the image, run the setup commands, save the machine as template NAME; or
-    build it from a Dockerfile (-f) with files from CONTEXT, each step cached."""
+    build it from a Dockerfile (-f) with files from CONTEXT, each step cached; or from a
+    container image (--image oci-archive:FILE)."""
     with errors_reported(), console.status(f"building template {name}") as status:
         if dockerfile is None and (context is not None or build_arg):
             raise InvalidArgument("CONTEXT and --build-arg go with -f Dockerfile")
 
         def show(step: str) -> None:
-            if dockerfile is not None and not step.startswith(" "):
+            if (dockerfile or image) is not None and not step.startswith(" "):
                 out.print(step)  # a Dockerfile's steps stay on screen, as docker's do
             status.update(f"building template {name}: {step.strip()}")
 
@@ -962,6 +971,7 @@ def template_build(
             dockerfile=dockerfile,
             context=(context or Path(".")) if dockerfile is not None else None,
             build_args=key_values("--build-arg", build_arg or []) or None,
+            image=image,
             cpus=cpus,
             memory_mib=memory,
             disk_gib=disk,

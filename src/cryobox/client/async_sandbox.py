@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
 from cryobox import config, wire
-from cryobox.arguments import env_vars, labels, read_bundle, text
+from cryobox.arguments import container_image, env_vars, labels, read_bundle, text
 from cryobox.errors import (
     CryoboxError,
     GuestFileNotFound,
@@ -847,6 +847,7 @@ class AsyncSandbox:
         dockerfile: str | os.PathLike[str] | None = None,
         context: str | os.PathLike[str] | None = None,
         build_args: Mapping[str, str] | None = None,
+        image: str | None = None,
         cpus: int = config.DEFAULT_CPUS,
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
@@ -867,12 +868,24 @@ class AsyncSandbox:
         the build's end, and saved running). Each step is cached by its content: a
         rebuild runs again only what follows the first change.
 
+        Or boot a container ``image`` of this machine: ``oci-archive:FILE`` (``podman
+        save``, ``skopeo copy``, ``buildah push``), ``docker-archive:FILE`` (``docker
+        save``) or ``oci:FOLDER``. Its layers are its root file system, with cryobox's
+        kernel and agent; its environment, user and working folder become every
+        command's defaults, ``setup`` runs next, then its entrypoint and command are
+        started and saved running, and its exposed ports are forwarded in each sandbox.
+        Over HTTP the archive is uploaded; the image lives on the server's host.
+
         :raises InvalidArgument: for a bad name or a setup command that fails (with its
             output); for a Dockerfile instruction cryobox does not support (by name and
             line), or a step that fails.
         """
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"name={name!r}: must be a template's name")
+        if image is not None:
+            if dockerfile is not None or context is not None or build_args:
+                raise InvalidArgument("image= and dockerfile=: give one")
+            container_image(image)  # refused here, naming it, before anything is sent
         if dockerfile is not None:
             if setup:
                 raise InvalidArgument("setup= and dockerfile=: give one (RUN steps go in it)")
@@ -895,7 +908,13 @@ class AsyncSandbox:
         if context is not None or build_args:
             raise InvalidArgument("context= and build_args= go with dockerfile=")
         return await transport_for(api_url, api_key).build_template(
-            name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib, progress=progress
+            name,
+            setup,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            disk_gib=disk_gib,
+            progress=progress,
+            image=image,
         )
 
     @staticmethod

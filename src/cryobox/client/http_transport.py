@@ -20,6 +20,7 @@ from urllib.parse import quote
 import httpx
 
 from cryobox import config, streams, wire
+from cryobox.arguments import container_image
 from cryobox.errors import (
     AuthenticationError,
     ChannelError,
@@ -500,11 +501,58 @@ class HttpTransport:
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
         progress: Progress | None = None,
+        image: str | None = None,
     ) -> SnapshotInfo:
         if progress:
             progress(f"building template {name} on {self.api_url}")
+        if image is not None:
+            return await self._build_from_image(
+                name, setup, image, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib
+            )
         body = wire.BuildTemplate(name, list(setup), cpus, memory_mib, disk_gib)
         response = await self._call("POST", "/templates", json=body.to_wire(), timeout=LONG)
+        return snapshot_info(response.json())
+
+    async def _build_from_image(
+        self,
+        name: str,
+        setup: Sequence[str],
+        image: str,
+        *,
+        cpus: int,
+        memory_mib: int,
+        disk_gib: int,
+    ) -> SnapshotInfo:
+        """Upload the image archive as the request's body; the server imports it."""
+        transport, path = container_image(image)
+        if path.is_dir():
+            raise InvalidArgument(
+                f"image={image!r}: a folder cannot be sent to a server: make an archive of "
+                f"it first (skopeo copy {transport}:{path} oci-archive:FILE)"
+            )
+
+        async def body() -> AsyncIterator[bytes]:
+            with open(path, "rb") as handle:
+                while block := await asyncio.to_thread(handle.read, 1 << 20):
+                    yield block
+
+        response = await self._call(
+            "POST",
+            f"/templates/{quote(name, safe='')}/image",
+            params={
+                "transport": transport,
+                "cpus": cpus,
+                "memory_mib": memory_mib,
+                "disk_gib": disk_gib,
+                "setup": list(setup),
+            },
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(path.stat().st_size),
+            },
+            content=body(),
+            timeout=LONG,
+        )
         return snapshot_info(response.json())
 
     async def templates(self) -> builtins.list[TemplateInfo]:

@@ -100,6 +100,7 @@ class Transport(Protocol):
         memory_mib: int = ...,
         disk_gib: int = ...,
         progress: Progress | None = ...,
+        image: str | None = ...,
     ) -> SnapshotInfo: ...
     async def templates(self) -> builtins.list[TemplateInfo]: ...
     async def delete_template(self, name: str) -> None: ...
@@ -250,9 +251,16 @@ class LocalTransport:
         memory_mib: int = config.DEFAULT_MEMORY_MIB,
         disk_gib: int = config.DEFAULT_DISK_GIB,
         progress: Progress | None = None,
+        image: str | None = None,
     ) -> SnapshotInfo:
         return await self.service.build_template(
-            name, setup, cpus=cpus, memory_mib=memory_mib, disk_gib=disk_gib, progress=progress
+            name,
+            setup,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            disk_gib=disk_gib,
+            progress=progress,
+            image=image,
         )
 
     async def templates(self) -> builtins.list[TemplateInfo]:

@@ -52,8 +52,12 @@ MAX_WATCHES = 256
 READ_SIZE = 64 * 1024
 #: Seconds the transfer disk's copy buffers are kept after the last copy.
 BUFFERS_KEPT = 2.0
-#: util-linux's setsid, which gives a command its terminal as controlling terminal.
-SETSID = "/usr/bin/setsid"
+#: util-linux's setsid, which gives a command its terminal as controlling terminal: the
+#: image's, or the one cryobox carries into a root file system made from a container image.
+SETSID = next(
+    (path for path in ("/.cryobox/bin/setsid", "/usr/bin/setsid") if os.path.exists(path)),
+    "/usr/bin/setsid",
+)
 #: What a fork is told of its origin (written by whichever part of the agent served the
 #: refresh: this one, or the compiled front, cryobox/guest/front.c).
 FORK_FILE = RUN_DIR / "fork"

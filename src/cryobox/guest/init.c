@@ -25,6 +25,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +39,12 @@
 #define COMMANDS CGROUP_ROOT "/commands"
 #define FRONT "/run/cryobox/cryobox-agent"
 #define PYTHON "/usr/bin/python3"
+#define SYSTEM_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+/* The runtime cryobox carries into a root file system made from a container image
+ * (cryobox/image/runtime.py): its Python, when there, is the agent's, whatever Python
+ * the image has, and its programs (ip, resize2fs, setsid) the agent's. */
+#define RUNTIME "/.cryobox"
+#define RUNTIME_PYTHON RUNTIME "/bin/python3"
 /* Processes and threads the commands may have at once (fewer in a small guest). */
 #define COMMAND_PIDS 4096
 #define MIB (1024LL * 1024)
@@ -129,17 +136,21 @@ static void exec_agent(void) {
     setsid();
     if (chdir("/") != 0)
         _exit(126);
-    setenv("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", 1);
+    /* With the runtime, its programs first: the image's own `ip` may be busybox's, which
+     * lacks what the agent asks of iproute2's. Commands get their PATH from the agent. */
+    bool carried = access(RUNTIME_PYTHON, X_OK) == 0;
+    setenv("PATH", carried ? RUNTIME "/bin:" SYSTEM_PATH : SYSTEM_PATH, 1);
     setenv("PYTHONPATH", "/run/cryobox/lib", 1);
     setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
     setenv("HOME", "/root", 1);
     setenv("LANG", "C.UTF-8", 1);
+    const char *python = carried ? RUNTIME_PYTHON : PYTHON;
     if (access(FRONT, X_OK) == 0) {
-        execl(FRONT, FRONT, PYTHON, "-m", "cryobox.guest.agent", "--fd", "3", (char *)NULL);
+        execl(FRONT, FRONT, python, "-m", "cryobox.guest.agent", "--fd", "3", (char *)NULL);
     } else {
         write_file(COMMANDS "/cgroup.procs", "0");
         write_file("/proc/self/oom_score_adj", "0");
-        execl(PYTHON, PYTHON, "-m", "cryobox.guest.agent", (char *)NULL);
+        execl(python, python, "-m", "cryobox.guest.agent", (char *)NULL);
     }
     say("cannot start the guest agent", errno);
     _exit(127);

@@ -153,6 +153,16 @@ INIT_SOURCE = "guest/init.c"
 VOLUME_SOURCE = "guest/volume.c"
 VOLUME_FLAGS = ("-I/usr/include/fuse3",)
 VOLUME_LIBS = ("-Wl,-Bstatic", "-lfuse3", "-Wl,-Bdynamic", "-lpthread", "-ldl")
+#: Where the guest finds the C library of cryobox's own programs (init, front, volume):
+#: the initramfs brings it (this host's, which compiled them) and its init copies it
+#: here. Linked to it by path, they run on any root file system: one from a container
+#: image may have another glibc, an older one, or none (musl).
+GUEST_LOADER_DIR = "/run/cryobox/so"
+GUEST_LOADER = "ld-linux-x86-64.so.2"
+LOADER_FLAGS = (
+    f"-Wl,--dynamic-linker={GUEST_LOADER_DIR}/{GUEST_LOADER}",
+    f"-Wl,-rpath,{GUEST_LOADER_DIR}",
+)
 
 
 @dataclass(frozen=True)
@@ -312,7 +322,7 @@ def image_key() -> dict[str, Any]:
         "boot": "pvh-vmlinux",
         "agent_bytecode": "unchecked-hash",
         "front_build": {
-            "flags": [*FRONT_FLAGS, *FRONT_LIBS, *VOLUME_FLAGS, *VOLUME_LIBS],
+            "flags": [*FRONT_FLAGS, *FRONT_LIBS, *VOLUME_FLAGS, *VOLUME_LIBS, *LOADER_FLAGS],
             **front_build_versions(),
         },
     }
@@ -360,8 +370,9 @@ def _front_build_versions(inode: int, size: int, mtime_ns: int) -> dict[str, str
     return {name: installed.get(name, NOT_INSTALLED) for name in FRONT_BUILD_PACKAGES}
 
 
-def compile_front(output: Path) -> None:
-    """Compile the agent's front (``cryobox-agent``) to ``output``.
+def compile_front(output: Path, *, guest: bool = False) -> None:
+    """Compile the agent's front (``cryobox-agent``) to ``output`` (``guest``: linked to
+    the guest's copy of the C library, :data:`LOADER_FLAGS`; else this host's).
 
     :raises ImageError: naming the Debian packages missing for it, or with the
         compiler's output when it fails.
@@ -376,7 +387,8 @@ def compile_front(output: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="cryobox-front-") as temp:
         source = Path(temp) / "front.c"
         source.write_bytes(_source_bytes(FRONT_SOURCE))
-        run(["gcc", *FRONT_FLAGS, "-o", str(output), str(source), *FRONT_LIBS])
+        loader = LOADER_FLAGS if guest else ()
+        run(["gcc", *FRONT_FLAGS, *loader, "-o", str(output), str(source), *FRONT_LIBS])
 
 
 def compile_init(output: Path) -> None:
@@ -387,7 +399,7 @@ def compile_init(output: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="cryobox-init-") as temp:
         source = Path(temp) / "init.c"
         source.write_bytes(_source_bytes(INIT_SOURCE))
-        run(["gcc", *FRONT_FLAGS, "-o", str(output), str(source)])
+        run(["gcc", *FRONT_FLAGS, *LOADER_FLAGS, "-o", str(output), str(source)])
 
 
 def compile_volume(output: Path) -> None:
@@ -398,7 +410,8 @@ def compile_volume(output: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="cryobox-volume-") as temp:
         source = Path(temp) / "volume.c"
         source.write_bytes(_source_bytes(VOLUME_SOURCE))
-        run(["gcc", *FRONT_FLAGS, *VOLUME_FLAGS, "-o", str(output), str(source), *VOLUME_LIBS])
+        flags = (*FRONT_FLAGS, *VOLUME_FLAGS, *LOADER_FLAGS)
+        run(["gcc", *flags, "-o", str(output), str(source), *VOLUME_LIBS])
 
 
 def _digest(value: Any) -> str:
@@ -424,7 +437,7 @@ def ensure_image(progress: Progress | None = None) -> Image:
     image = find_image(key["id"])
     if image is not None:
         return image
-    with _build_lock():
+    with build_lock():
         image = find_image(key["id"])  # built by another process while we waited
         if image is not None:
             return image
@@ -432,7 +445,7 @@ def ensure_image(progress: Progress | None = None) -> Image:
 
 
 @contextlib.contextmanager
-def _build_lock() -> Iterator[None]:
+def build_lock() -> Iterator[None]:
     with open(images_dir() / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -616,6 +629,23 @@ def _decompress(data: bytes, kind: str) -> bytes | None:
         return None
 
 
+def _guest_loader(programs: Sequence[Path], target: Path) -> None:
+    """Copy this host's dynamic loader and the libraries ``programs`` need into
+    ``target`` (the initramfs's copy of :data:`GUEST_LOADER_DIR`)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for program in programs:
+        for line in run(["ldd", str(program)]).splitlines():
+            words = line.split()
+            # "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)", and the loader's
+            # "/run/cryobox/so/ld-linux-x86-64.so.2 => /lib64/ld-linux-x86-64.so.2".
+            if len(words) >= 3 and words[1] == "=>" and words[2].startswith("/"):
+                shutil.copyfile(words[2], target / Path(words[0]).name)
+    if not (target / GUEST_LOADER).exists():
+        raise ImageError(f"ldd did not name the dynamic loader {GUEST_LOADER} of {programs[0]}")
+    for path in target.iterdir():
+        path.chmod(0o755)
+
+
 def _initramfs(kernel_dir: Path, output: Path, work: Path) -> None:
     """Assemble the initramfs: busybox, modules, init, and the guest agent package."""
     for folder in (
@@ -639,9 +669,11 @@ def _initramfs(kernel_dir: Path, output: Path, work: Path) -> None:
     init = work / "init"
     init.write_bytes(_source_bytes("initramfs-init.sh"))
     init.chmod(0o755)
-    compile_front(work / "cryobox/cryobox-agent")
-    compile_init(work / "cryobox/cryobox-init")
-    compile_volume(work / "cryobox/cryobox-volume")
+    programs = [work / "cryobox" / f"cryobox-{name}" for name in ("agent", "init", "volume")]
+    compile_front(programs[0], guest=True)
+    compile_init(programs[1])
+    compile_volume(programs[2])
+    _guest_loader(programs, work / "cryobox/so")
     lib = work / "cryobox/lib/cryobox"
     (lib / "__init__.py").write_text('"""cryobox guest side: only the agent and its protocol."""\n')
     for name in GUEST_FILES:

@@ -31,7 +31,7 @@ mkdir -p /newroot
 mount -t ext4 -o rw,noatime /dev/vda /newroot || fail "cannot mount /dev/vda"
 mount -t tmpfs -o mode=755,size=64m tmpfs /newroot/run || fail "cannot mount /run"
 mkdir -p /newroot/run/cryobox
-cp -a /cryobox/lib /cryobox/cryobox-init /cryobox/cryobox-agent /cryobox/cryobox-volume /newroot/run/cryobox/
+cp -a /cryobox/lib /cryobox/so /cryobox/cryobox-init /cryobox/cryobox-agent /cryobox/cryobox-volume /newroot/run/cryobox/
 mount --move /dev /newroot/dev
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys

@@ -32,8 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from cryobox import config, streams
 from cryobox import errors as e
-from cryobox import streams
 from cryobox import wire as s
 from cryobox.arguments import key_values
 from cryobox.guest import protocol as p
@@ -52,7 +52,7 @@ from cryobox.models import (
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
 
-from . import host_routes
+from . import host_routes, uploads
 from .backlog import Backlog
 from .console import install_console
 from .extensions import Extension
@@ -688,6 +688,34 @@ def create_app(
         return await hub.build_template(
             me, body.name, body.setup, body.cpus, body.memory_mib, body.disk_gib
         )
+
+    @app.post("/templates/{name}/image", status_code=201, tags=["templates"])
+    async def build_template_from_image(
+        name: str,
+        request: Request,
+        me: Me,
+        transport: str = "oci-archive",
+        cpus: Annotated[int, Query(ge=1, le=config.MAX_CPUS)] = config.DEFAULT_CPUS,
+        memory_mib: Annotated[
+            int, Query(ge=config.MIN_MEMORY_MIB, le=config.MAX_MEMORY_MIB)
+        ] = config.DEFAULT_MEMORY_MIB,
+        disk_gib: Annotated[
+            int, Query(ge=config.MIN_DISK_GIB, le=config.MAX_DISK_GIB)
+        ] = config.DEFAULT_DISK_GIB,
+        setup: Annotated[list[str] | None, Query(max_length=100)] = None,
+    ) -> SnapshotInfo:
+        """Build template NAME from the container image archive in the body
+        (``transport``: ``oci-archive`` or ``docker-archive``): its layers boot with
+        cryobox's kernel and agent, its ENV, USER, WORKDIR, command and ports are kept,
+        ``setup`` runs in it. The archive is kept on this host as a guest image."""
+        if transport not in ("oci-archive", "docker-archive"):
+            raise e.InvalidArgument(
+                f"transport={transport!r}: an upload is an oci-archive or a docker-archive"
+            )
+        async with uploads.received(request.stream(), uploads.max_image_bytes(), ".tar") as path:
+            return await hub.build_template(
+                me, name, setup or [], cpus, memory_mib, disk_gib, image=f"{transport}:{path}"
+            )
 
     @app.delete("/templates/{name}", status_code=204, tags=["templates"])
     async def delete_template(name: str, me: Me) -> Response:

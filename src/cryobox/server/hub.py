@@ -1106,7 +1106,10 @@ class Hub:
         cpus: int,
         memory_mib: int,
         disk_gib: int,
+        image: str | None = None,
     ) -> SnapshotInfo:
+        """Build template ``name`` for ``tenant`` (from container ``image``, a file the
+        server received, when given)."""
         if name in (BASE_TEMPLATE, DEFAULT_TEMPLATE) or "." in name or "/" in name:
             raise InvalidArgument(f"template name {name!r} is not allowed")
         internal = _tenant_template(tenant, name)
@@ -1120,6 +1123,7 @@ class Hub:
                 memory_mib=memory_mib,
                 disk_gib=disk_gib,
                 tenant=tenant.id,
+                image=image,
             )
         self.tenants.own(tenant.id, "template", internal)
         self.tenants.own(tenant.id, "snapshot", info.id)

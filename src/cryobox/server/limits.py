@@ -3,8 +3,9 @@
 FastAPI reads and parses a JSON body before a route's dependencies run, so without a cap
 a client without a key could make the server hold any amount of memory. Bodies up to
 ``BODY_LIMIT`` are buffered here and passed on; larger ones are answered 413 at once.
-Routes that stream their body (file uploads, command stdin, and an extension's own, such
-as E2B's RPC streams) are left alone: they authenticate first and read in bounded chunks.
+Routes that stream their body (file uploads, command stdin, container images, and an
+extension's own, such as E2B's RPC streams) are left alone: they authenticate first and
+read in bounded chunks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 BODY_LIMIT = 1024 * 1024
 STREAMING = re.compile(
-    r"^(/sandboxes/[^/]+/files$|/sandboxes/[^/]+/commands/[^/]+/stdin$|/volumes/[^/]+/files$)"
+    r"^(/sandboxes/[^/]+/files$|/sandboxes/[^/]+/commands/[^/]+/stdin$|/volumes/[^/]+/files$"
+    r"|/templates/[^/]+/image$)"
 )
 
 

@@ -42,6 +42,7 @@ from cryobox.errors import (
     ChannelError,
     CryoboxError,
     GuestFileNotFound,
+    ImageError,
     InvalidArgument,
     SnapshotIncompatible,
     SnapshotNotFound,
@@ -51,6 +52,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 from cryobox.image.build import Image, Progress
+from cryobox.image.oci import ImageConfig, import_image
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
@@ -77,7 +79,7 @@ from cryobox.sandbox.launcher import SupervisorGroup, SupervisorLauncher
 from cryobox.sandbox.records import ON_TIMEOUT
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
-from cryobox.service import egress, pool
+from cryobox.service import egress, image_template, pool
 from cryobox.service.catalog import Catalog
 from cryobox.service.commands import OutputSink
 from cryobox.service.connections import Connections
@@ -281,6 +283,9 @@ class StartOptions:
     group: SupervisorGroup | None = None
     #: A member for a warm pool (the refill's), nobody's sandbox until claimed.
     pool_member: bool = False
+    #: A cold boot of this guest image (one made from a container image, see
+    #: :mod:`cryobox.image.oci`) rather than the host's current one.
+    image_id: str = ""
 
 
 #: A caller's create.
@@ -387,7 +392,9 @@ class SandboxService:
         with contextlib.suppress(GuestFileNotFound):
             if await self._read_all(sandbox_id, egress.GUEST_MARKER) == marker:
                 return
-        system = await self._read_all(sandbox_id, egress.SYSTEM_BUNDLE)
+        system = b""  # an image made from a container image may have no bundle
+        with contextlib.suppress(GuestFileNotFound):
+            system = await self._read_all(sandbox_id, egress.SYSTEM_BUNDLE)
         for path, data in (
             (egress.GUEST_EXTRA, extra),
             (egress.GUEST_BUNDLE, system.rstrip(b"\n") + b"\n" + extra),
@@ -443,6 +450,10 @@ class SandboxService:
                 )
         elif template != BASE_TEMPLATE:
             source = await self.template_snapshot(template, image, progress, tenant)
+        if source is not None:
+            image = await asyncio.to_thread(self._saved_image, source.image_id, image)
+        elif start.image_id:
+            image = await asyncio.to_thread(self.vmm.load_image, start.image_id)
         shape = {
             "cpus": request.cpus,
             "memory_mib": request.memory_mib,
@@ -919,7 +930,9 @@ class SandboxService:
         not here); builds ``default`` (the host's) when missing or stale."""
         image_id = image.id
         entry = self.store.template(name)
-        usable = entry is not None and entry.get("image_id") == image_id
+        usable = entry is not None and (
+            await asyncio.to_thread(self._saved_image, str(entry.get("image_id")), image)
+        ).id == entry.get("image_id")
         shape = default_shape(name)
         cache = shape is not None
         accelerator = ""  # asked once, for the default template's checks only
@@ -967,6 +980,19 @@ class SandboxService:
         )
         return self.store.get(info.id)
 
+    def _saved_image(self, image_id: str, current: Image) -> Image:
+        """The guest image a saved machine of image ``image_id`` continues on: the
+        host's current one, or one made on it from a container image (the same kernel
+        and initramfs). Any other image is not used: the current one is returned, and
+        the restore refuses the snapshot, naming both."""
+        if image_id == current.id:
+            return current
+        try:
+            found = self.vmm.load_image(image_id)
+        except ImageError:
+            return current
+        return found if found.manifest.get("base_image") == current.id else current
+
     def _continuable(self, manifest: Manifest, image: Image, accelerator: str) -> None:
         """Refuse a memory snapshot this host's VMM cannot continue, as a restore would.
 
@@ -986,11 +1012,17 @@ class SandboxService:
         progress: Progress | None = None,
         tenant: str = LOCAL_TENANT,
         host_cache: bool = False,
+        image: str | None = None,
     ) -> SnapshotInfo:
         """Boot the image, run ``setup`` commands, save the machine as template ``name``
         (stored as ``tenant``'s). ``progress`` is told each step, and a setup command's
         latest output line. ``host_cache``: one of the host's default templates of a
         shape (:func:`shaped_template`), whose names nobody else may take.
+
+        ``image``: boot a container image instead (``oci-archive:FILE``, see
+        :mod:`cryobox.image.oci`): its configuration becomes the template's command
+        defaults, ``setup`` runs next, then its entrypoint and command are started and
+        its exposed ports forwarded in every sandbox made from the template.
 
         :raises InvalidArgument: for a bad name, or a setup command that fails (its output).
         """
@@ -1002,6 +1034,15 @@ class SandboxService:
                 "(built by itself when a create asks for the shape): choose another"
             )
         say = progress or (lambda _: None)
+        imported: tuple[Image, ImageConfig] | None = None
+        if image is not None:
+            current = await asyncio.to_thread(self.vmm.ensure_image, progress)
+            imported = await asyncio.to_thread(import_image, image, current, say)
+            needed = int(imported[0].manifest["container"]["disk_gib"])
+            if needed > disk_gib:
+                raise InvalidArgument(
+                    f"disk_gib={disk_gib}: the image {image} needs a disk of {needed} GiB"
+                )
         say("booting the image")
         sandbox = await self.create(
             CreateRequest(
@@ -1012,10 +1053,13 @@ class SandboxService:
                 timeout=3600,
             ),
             progress,
+            start=StartOptions(image_id=imported[0].id) if imported else PLAIN_START,
             tenant=tenant,
             owner=f"{BUILDING}{tenant}",  # never a tenant's sandbox
         )
         try:
+            if imported:
+                await image_template.apply(self.guest, sandbox.id, imported[1], say)
             for number, command in enumerate(setup, 1):
                 step = f"setup {number}/{len(setup)}: {command[:60]}"
                 say(step)
@@ -1034,9 +1078,12 @@ class SandboxService:
                         f"template {name}: setup command {command!r} exited with "
                         f"{result.exit_code}:\n{text}"
                     )
+            if imported:
+                await image_template.start(self.guest, sandbox.id, imported[1], say)
             say("saving the machine")
             # Named before the build sandbox is killed: its kill collects unnamed templates.
-            return await self._save_template(sandbox, name, setup, (), tenant)
+            ports = imported[1].ports if imported else ()
+            return await self._save_template(sandbox, name, setup, ports, tenant)
         finally:
             with contextlib.suppress(CryoboxError):
                 await self.kill(sandbox.id, keep_record=False)

@@ -1,0 +1,283 @@
+"""Container images as guest images: a team's own image runs as a cryobox sandbox.
+
+``import_image("oci-archive:app.tar", base)`` makes a guest image whose root file system
+is the container image's layers, unpacked in order with their whiteouts honoured
+(``umoci``), and whose kernel and initramfs are ``base``'s (cryobox's own: its init and
+agent come with the initramfs). The runtime the agent needs (:mod:`.runtime`) is added
+at ``/.cryobox``, and what a boot mounts on (``/dev``, ``/proc``, ``/sys``, ``/run``,
+``/tmp``) and reads (a ``root`` account) is made when the image lacks it. Nothing else
+of the image changes.
+
+The image is read by ``skopeo``, so an OCI archive (``podman save``, ``skopeo copy``,
+``buildah push``), a ``docker save`` archive or an OCI layout folder all work; a
+registry is never reached (copy the image into an archive first). Its configuration
+(environment, user, working folder, entrypoint and command, exposed ports) is returned
+for the template built on it, which makes them every sandbox's defaults.
+
+An imported image is named by ``base``'s id and the archive's digest: the same archive
+on the same cryobox image is imported once. It lives on this host, beside ``base``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryobox.arguments import container_image
+from cryobox.errors import ImageError, InvalidArgument
+from cryobox.image.build import (
+    Image,
+    build_lock,
+    find_image,
+    images_dir,
+    run,
+)
+from cryobox.image.runtime import GUEST_DIR, guest_runtime
+from cryobox.models import Progress
+from cryobox.util import write_json_atomic
+
+#: The least root disk an imported image gets, as cryobox's own has (GiB).
+MIN_DISK_GIB = 2
+#: The reference skopeo's copy is tagged with, for umoci to find.
+_TAG = "cryobox"
+_GIB = 1 << 30
+#: Folders a boot mounts on or writes to, made when the image lacks them, with their modes.
+_BOOT_FOLDERS = (
+    ("dev", 0o755),
+    ("proc", 0o555),
+    ("sys", 0o555),
+    ("run", 0o755),
+    ("tmp", 0o1777),
+    ("root", 0o700),
+    ("etc", 0o755),
+)
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """What a container image says its processes run with (its ``config``)."""
+
+    env: dict[str, str]
+    user: str | None
+    workdir: str | None
+    #: ENTRYPOINT then CMD, as a container runtime starts them; empty when neither.
+    command: tuple[str, ...]
+    #: ExposedPorts' TCP ports.
+    ports: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "env": self.env,
+            "user": self.user,
+            "workdir": self.workdir,
+            "command": list(self.command),
+            "ports": list(self.ports),
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> ImageConfig:
+        return cls(
+            env={str(k): str(v) for k, v in (value.get("env") or {}).items()},
+            user=value.get("user") or None,
+            workdir=value.get("workdir") or None,
+            command=tuple(str(a) for a in value.get("command") or ()),
+            ports=tuple(int(p) for p in value.get("ports") or ()),
+        )
+
+    @classmethod
+    def from_oci(cls, config: dict[str, Any]) -> ImageConfig:
+        """From an OCI image configuration's ``config`` object."""
+        env: dict[str, str] = {}
+        for item in config.get("Env") or ():
+            name, _, value = str(item).partition("=")
+            if name:
+                env[name] = value
+        ports = []
+        for key in config.get("ExposedPorts") or {}:
+            number, _, protocol = str(key).partition("/")
+            if (protocol or "tcp") == "tcp" and number.isdigit():
+                ports.append(int(number))
+        return cls(
+            env=env,
+            user=str(config.get("User") or "") or None,
+            workdir=str(config.get("WorkingDir") or "") or None,
+            command=tuple(str(a) for a in (config.get("Entrypoint") or ()))
+            + tuple(str(a) for a in (config.get("Cmd") or ())),
+            ports=tuple(sorted(set(ports))),
+        )
+
+
+def import_image(
+    reference: str, base: Image, progress: Progress | None = None
+) -> tuple[Image, ImageConfig]:
+    """The guest image made from container image ``reference`` on ``base`` (imported
+    once, then found), and the container image's configuration.
+
+    :raises InvalidArgument: for a reference that names nothing usable here.
+    :raises ImageError: when the image cannot be read or unpacked (skopeo's or umoci's
+        words), or a tool is missing.
+    """
+    say = progress or (lambda _line: None)
+    transport, path = container_image(reference)
+    image_id = f"{base.id}-{_digest(path)[:16]}"
+    found = find_image(image_id)
+    if found is None:
+        with build_lock():
+            found = find_image(image_id) or _import(transport, path, image_id, base, say)
+    return found, ImageConfig.from_json(found.manifest["container"]["config"])
+
+
+def _digest(path: Path) -> str:
+    """The archive's SHA-256 (a layout folder's: of its index and blobs' names)."""
+    digest = hashlib.sha256()
+    if path.is_dir():
+        digest.update((path / "index.json").read_bytes() if (path / "index.json").exists() else b"")
+        for blob in sorted((path / "blobs").rglob("*")):
+            digest.update(str(blob.relative_to(path)).encode())
+        return digest.hexdigest()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _import(transport: str, path: Path, image_id: str, base: Image, say: Progress) -> Image:
+    for tool in ("skopeo", "umoci", "mkfs.ext4", "qemu-img"):
+        if shutil.which(tool) is None:
+            raise ImageError(f"{tool} is not installed (run `make setup`)")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=images_dir(), prefix=".import-") as temp:
+        work = Path(temp)
+        layout = work / "layout"
+        say(f"reading {transport}:{path.name}")
+        copy = [
+            "skopeo",
+            "--insecure-policy",  # a local file the caller chose, no registry's trust
+            "copy",
+            "--quiet",
+            f"{transport}:{path}",
+            f"oci:{layout}:{_TAG}",
+        ]
+        with _unreadable(transport, path):
+            run(copy)
+            config = ImageConfig.from_oci(_oci_config(layout))
+        tree = work / "tree"
+        say("unpacking its layers")
+        unpack = ["umoci", "raw", "unpack", "--image", f"{layout}:{_TAG}", str(tree)]
+        if os.geteuid() != 0:
+            unpack.append("--rootless")  # owners as they can be, without root
+        with _unreadable(transport, path):
+            run(unpack)
+        shutil.rmtree(layout)
+        say("adding cryobox's runtime")
+        _prepare(tree, guest_runtime(base))
+        say("making its disk")
+        size_gib = max(MIN_DISK_GIB, -(-(_used_bytes(tree) * 3 // 2 + (256 << 20)) // _GIB))
+        raw = work / "rootfs.ext4"
+        with open(raw, "wb") as handle:
+            handle.truncate(size_gib * _GIB)
+        run(["mkfs.ext4", "-q", "-F", "-L", "cryobox-root", "-d", str(tree), str(raw)])
+        shutil.rmtree(tree)
+        out = work / "image"
+        out.mkdir()
+        run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(out / "rootfs.qcow2")])
+        raw.unlink()
+        for name in ("vmlinuz", "vmlinux", "initrd.img"):
+            if (base.path / name).exists():
+                os.link(base.path / name, out / name)
+        manifest = {
+            **base.manifest,
+            "id": image_id,
+            "base_image": base.id,
+            "container": {
+                "reference": f"{transport}:{path}",
+                "digest": image_id.rsplit("-", 1)[1],
+                "config": config.to_json(),
+                "disk_gib": size_gib,
+            },
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_seconds": round(time.monotonic() - started, 1),
+            "sizes": {n: (out / n).stat().st_size for n in os.listdir(out)},
+        }
+        write_json_atomic(out / "image.json", manifest)
+        os.replace(out, images_dir() / image_id)
+    say(f"image {image_id} ready")
+    return Image.load(images_dir() / image_id)
+
+
+@contextlib.contextmanager
+def _unreadable(transport: str, path: Path) -> Iterator[None]:
+    """A failure to read or unpack the image is the caller's bad input, in the tool's words.
+
+    :raises InvalidArgument:
+    """
+    try:
+        yield
+    except ImageError as exc:
+        said = exc.output.strip().splitlines()[-3:] or [str(exc)]
+        raise InvalidArgument(
+            f"image={transport}:{path.name}: cannot be read ({' '.join(said)[:600]})"
+        ) from None
+
+
+def _oci_config(layout: Path) -> dict[str, Any]:
+    """The ``config`` object of the one image in OCI layout ``layout``."""
+
+    def blob(digest: str) -> dict[str, Any]:
+        algorithm, _, hexdigest = digest.partition(":")
+        value = json.loads((layout / "blobs" / algorithm / hexdigest).read_text())
+        if not isinstance(value, dict):
+            raise ImageError(f"the image's blob {digest} is not a JSON object")
+        return value
+
+    try:
+        index = json.loads((layout / "index.json").read_text())
+        manifest = blob(index["manifests"][0]["digest"])
+        return dict(blob(manifest["config"]["digest"]).get("config") or {})
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ImageError(f"cannot read the image's configuration: {exc!r}") from exc
+
+
+def _prepare(tree: Path, runtime: Path) -> None:
+    """Add what a cryobox boot needs to the unpacked image ``tree``."""
+    for folder, mode in _BOOT_FOLDERS:
+        path = tree / folder
+        if not path.exists() and not path.is_symlink():
+            path.mkdir()
+            path.chmod(mode)
+    etc = tree / "etc"
+    for name, line in (
+        ("passwd", "root:x:0:0:root:/root:/bin/sh\n"),
+        ("group", "root:x:0:\n"),
+    ):
+        path = etc / name
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        if not any(entry.startswith("root:") for entry in text.splitlines()):
+            path.write_text(text + ("" if not text or text.endswith("\n") else "\n") + line)
+    for name, text in (("hostname", "cryobox\n"), ("machine-id", "")):
+        if not (etc / name).exists():
+            (etc / name).write_text(text)
+    target = tree / GUEST_DIR.lstrip("/")
+    if target.exists() or target.is_symlink():
+        raise ImageError(f"the image has its own {GUEST_DIR}, where cryobox's runtime goes")
+    shutil.copytree(runtime, target, symlinks=True)
+
+
+def _used_bytes(tree: Path) -> int:
+    total = 0
+    for folder, _dirs, files in os.walk(tree):
+        for name in files:
+            total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return total
+
+
+__all__ = ["ImageConfig", "import_image"]

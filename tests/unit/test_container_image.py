@@ -1,0 +1,115 @@
+"""Container images as guest images, without a VM: what an image's configuration
+becomes, which references are taken, what is added to its root file system, and that
+an archive that cannot be read is refused by name, leaving nothing behind (skopeo
+itself reads it). A server's upload is bounded and removed whatever happens."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cryobox.arguments import container_image
+from cryobox.errors import ImageError, InvalidArgument
+from cryobox.image.build import Image, images_dir
+from cryobox.image.oci import ImageConfig, _prepare, import_image
+from cryobox.server import uploads
+
+
+def test_an_images_configuration_becomes_what_its_sandboxes_run_with() -> None:
+    config = ImageConfig.from_oci(
+        {
+            "Env": ["PATH=/usr/bin:/bin", "OPTS=a=b", "EMPTY=", "=nameless"],
+            "User": "app:app",
+            "WorkingDir": "",
+            "Entrypoint": ["/entry.sh"],
+            "Cmd": ["serve", "--port", "80"],
+            "ExposedPorts": {"80/tcp": {}, "53/udp": {}, "8080": {}, "80": {}},
+        }
+    )
+    assert config.env == {"PATH": "/usr/bin:/bin", "OPTS": "a=b", "EMPTY": ""}
+    assert config.user == "app:app" and config.workdir is None
+    assert config.command == ("/entry.sh", "serve", "--port", "80")  # as a runtime starts it
+    assert config.ports == (80, 8080)  # TCP only, once each
+    assert ImageConfig.from_json(config.to_json()) == config
+    assert ImageConfig.from_oci({}).command == () and ImageConfig.from_oci({}).env == {}
+
+
+def test_only_images_on_this_machine_are_taken_each_refused_by_name(tmp_path: Path) -> None:
+    archive = tmp_path / "app.tar"
+    archive.write_bytes(b"x")
+    assert container_image(f"oci-archive:{archive}") == ("oci-archive", archive)
+    assert container_image(f"oci:{tmp_path}") == ("oci", tmp_path)
+    for bad, said in (
+        ("docker://debian:12", "give oci-archive:FILE"),
+        ("app.tar", "give oci-archive:FILE"),
+        ("oci-archive:", "give oci-archive:FILE"),
+        (f"oci-archive:{tmp_path / 'nope.tar'}", "no such file"),
+        (f"oci:{tmp_path / 'nope'}", "no such folder"),
+        (42, "must be a string"),
+    ):
+        with pytest.raises(InvalidArgument, match=said):
+            container_image(bad)
+
+
+def test_a_boot_gets_what_it_needs_and_the_image_keeps_what_it_has(tmp_path: Path) -> None:
+    runtime = tmp_path / "runtime"
+    (runtime / "bin").mkdir(parents=True)
+    (runtime / "bin" / "python3").write_text("#!")
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "passwd").write_text("app:x:1000:1000::/home/app:/bin/sh")  # no newline
+    (tree / "etc" / "hostname").write_text("mine\n")
+    _prepare(tree, runtime)
+    assert (tree / "etc/passwd").read_text() == (
+        "app:x:1000:1000::/home/app:/bin/sh\nroot:x:0:0:root:/root:/bin/sh\n"
+    )
+    assert (tree / "etc/group").read_text() == "root:x:0:\n"
+    assert (tree / "etc/hostname").read_text() == "mine\n"  # the image's own, kept
+    assert stat.S_IMODE((tree / "tmp").stat().st_mode) == 0o1777
+    for folder in ("dev", "proc", "sys", "run", "root"):
+        assert (tree / folder).is_dir(), folder
+    assert (tree / ".cryobox/bin/python3").read_text() == "#!"
+
+    again = tmp_path / "again"
+    (again / "etc").mkdir(parents=True)
+    (again / "etc" / "passwd").write_text("root:x:0:0:admin:/root:/bin/ash\n")
+    (again / ".cryobox").mkdir()
+    with pytest.raises(ImageError, match=r"has its own /\.cryobox"):
+        _prepare(again, runtime)
+    assert (again / "etc/passwd").read_text() == "root:x:0:0:admin:/root:/bin/ash\n"
+
+
+def test_an_archive_that_cannot_be_read_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.tar"
+    garbage.write_bytes(b"not an image\n" * 100)
+    base = Image(id="base", path=tmp_path / "base", kernel_version="k", manifest={})
+    before = set(images_dir().iterdir())
+    with pytest.raises(InvalidArgument, match=r"garbage.tar: cannot be read \(.+\)"):
+        import_image(f"oci-archive:{garbage}", base)
+    assert set(images_dir().iterdir()) == before
+
+
+async def _body(blocks: int) -> AsyncIterator[bytes]:
+    for _ in range(blocks):
+        await asyncio.sleep(0)
+        yield b"x" * 1000
+
+
+async def test_an_upload_is_bounded_and_removed_whatever_happens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
+    async with uploads.received(_body(3), 5000, ".tar") as path:
+        assert path.read_bytes() == b"x" * 3000
+    assert not path.exists()
+    with pytest.raises(InvalidArgument, match="larger than"):
+        async with uploads.received(_body(6), 5000, ".tar"):
+            pass
+    with pytest.raises(RuntimeError):
+        async with uploads.received(_body(1), 5000, ".tar"):
+            raise RuntimeError("the build failed")
+    assert list((tmp_path / "state" / "uploads").iterdir()) == []
