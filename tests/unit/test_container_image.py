@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cryobox.arguments import container_image
-from cryobox.errors import ImageError, InvalidArgument
+from cryobox.errors import InvalidArgument
 from cryobox.image.build import Image, images_dir
 from cryobox.image.oci import ImageConfig, _prepare, import_image
 from cryobox.server import uploads
@@ -27,15 +27,24 @@ def test_an_images_configuration_becomes_what_its_sandboxes_run_with() -> None:
             "WorkingDir": "",
             "Entrypoint": ["/entry.sh"],
             "Cmd": ["serve", "--port", "80"],
-            "ExposedPorts": {"80/tcp": {}, "53/udp": {}, "8080": {}, "80": {}},
+            "ExposedPorts": {"80/tcp": {}, "53/udp": {}, "8080": {}, "80": {}, "70000": {}},
         }
     )
     assert config.env == {"PATH": "/usr/bin:/bin", "OPTS": "a=b", "EMPTY": ""}
     assert config.user == "app:app" and config.workdir is None
     assert config.command == ("/entry.sh", "serve", "--port", "80")  # as a runtime starts it
-    assert config.ports == (80, 8080)  # TCP only, once each
+    assert config.ports == (80, 8080)  # TCP ports only, once each
     assert ImageConfig.from_json(config.to_json()) == config
     assert ImageConfig.from_oci({}).command == () and ImageConfig.from_oci({}).env == {}
+    for bad, said in (
+        ({"Env": "PATH=/bin"}, "Env is not a list of strings"),
+        ({"Cmd": ["sh", 1]}, "Cmd is not a list of strings"),
+        ({"ExposedPorts": ["80/tcp"]}, "ExposedPorts is not an object"),
+        ({"WorkingDir": "srv"}, "WorkingDir 'srv' is not an absolute path"),
+        ({"User": 1000}, "User 1000 is not a string"),
+    ):
+        with pytest.raises(InvalidArgument, match=said):
+            ImageConfig.from_oci(bad)
 
 
 def test_only_images_on_this_machine_are_taken_each_refused_by_name(tmp_path: Path) -> None:
@@ -78,9 +87,40 @@ def test_a_boot_gets_what_it_needs_and_the_image_keeps_what_it_has(tmp_path: Pat
     (again / "etc").mkdir(parents=True)
     (again / "etc" / "passwd").write_text("root:x:0:0:admin:/root:/bin/ash\n")
     (again / ".cryobox").mkdir()
-    with pytest.raises(ImageError, match=r"has its own /\.cryobox"):
+    with pytest.raises(InvalidArgument, match=r"has its own /\.cryobox"):
         _prepare(again, runtime)
     assert (again / "etc/passwd").read_text() == "root:x:0:0:admin:/root:/bin/ash\n"
+
+
+def test_an_images_links_never_lead_the_import_out_of_its_tree(tmp_path: Path) -> None:
+    """The image's files may be links to anywhere on the host: none is followed."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    host = tmp_path / "host"
+    host.mkdir()
+    precious = host / "precious"
+    precious.write_text("the host's own\n")
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "passwd").symlink_to(precious)
+    (tree / "etc" / "machine-id").symlink_to(host / "made-by-cryobox")
+    with pytest.raises(InvalidArgument, match="/etc/passwd cannot be read"):
+        _prepare(tree, runtime)
+    assert precious.read_text() == "the host's own\n"
+
+    (tree / "etc" / "passwd").unlink()
+    (tree / "etc" / ".group.cryobox").symlink_to(precious)  # where the new group goes
+    _prepare(tree, runtime)
+    assert precious.read_text() == "the host's own\n"
+    assert not (host / "made-by-cryobox").exists()  # a dangling link is left as it is
+    assert (tree / "etc/group").read_text() == "root:x:0:\n"
+
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "etc").symlink_to(host)
+    with pytest.raises(InvalidArgument, match="/etc is not a folder"):
+        _prepare(linked, runtime)
+    assert sorted(p.name for p in host.iterdir()) == ["precious"]
 
 
 def test_an_archive_that_cannot_be_read_is_refused_and_leaves_nothing(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -95,25 +96,47 @@ class ImageConfig:
 
     @classmethod
     def from_oci(cls, config: dict[str, Any]) -> ImageConfig:
-        """From an OCI image configuration's ``config`` object."""
+        """From an OCI image configuration's ``config`` object.
+
+        :raises InvalidArgument: naming a field of the wrong type or an unusable value.
+        """
         env: dict[str, str] = {}
-        for item in config.get("Env") or ():
-            name, _, value = str(item).partition("=")
+        for item in _strings(config, "Env"):
+            name, _, value = item.partition("=")
             if name:
                 env[name] = value
         ports = []
-        for key in config.get("ExposedPorts") or {}:
+        exposed = config.get("ExposedPorts") or {}
+        if not isinstance(exposed, dict):
+            raise InvalidArgument("the image's ExposedPorts is not an object")
+        for key in exposed:
             number, _, protocol = str(key).partition("/")
-            if (protocol or "tcp") == "tcp" and number.isdigit():
+            if (protocol or "tcp") == "tcp" and number.isdigit() and 1 <= int(number) <= 65535:
                 ports.append(int(number))
+        workdir = config.get("WorkingDir") or None
+        if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
+            raise InvalidArgument(f"the image's WorkingDir {workdir!r} is not an absolute path")
+        user = config.get("User") or None
+        if user is not None and not isinstance(user, str):
+            raise InvalidArgument(f"the image's User {user!r} is not a string")
         return cls(
             env=env,
-            user=str(config.get("User") or "") or None,
-            workdir=str(config.get("WorkingDir") or "") or None,
-            command=tuple(str(a) for a in (config.get("Entrypoint") or ()))
-            + tuple(str(a) for a in (config.get("Cmd") or ())),
+            user=user,
+            workdir=workdir,
+            command=_strings(config, "Entrypoint") + _strings(config, "Cmd"),
             ports=tuple(sorted(set(ports))),
         )
+
+
+def _strings(config: dict[str, Any], name: str) -> tuple[str, ...]:
+    """Field ``name`` of an image configuration: a list of strings, or nothing.
+
+    :raises InvalidArgument: when it is something else.
+    """
+    value = config.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise InvalidArgument(f"the image's {name} is not a list of strings")
+    return tuple(value)
 
 
 def import_image(
@@ -128,7 +151,7 @@ def import_image(
     """
     say = progress or (lambda _line: None)
     transport, path = container_image(reference)
-    image_id = f"{base.id}-{_digest(path)[:16]}"
+    image_id = f"{base.id}-{_digest(path)}"  # all of it: images are shared by digest
     found = find_image(image_id)
     if found is None:
         with build_lock():
@@ -181,11 +204,16 @@ def _import(transport: str, path: Path, image_id: str, base: Image, say: Progres
         say("adding cryobox's runtime")
         _prepare(tree, guest_runtime(base))
         say("making its disk")
-        size_gib = max(MIN_DISK_GIB, -(-(_used_bytes(tree) * 3 // 2 + (256 << 20)) // _GIB))
+        used, entries = _usage(tree)
+        size_gib = max(MIN_DISK_GIB, -(-(used * 3 // 2 + (256 << 20)) // _GIB))
         raw = work / "rootfs.ext4"
         with open(raw, "wb") as handle:
             handle.truncate(size_gib * _GIB)
-        run(["mkfs.ext4", "-q", "-F", "-L", "cryobox-root", "-d", str(tree), str(raw)])
+        # Inodes for every entry and as many again (the default, one per 16 KiB, runs
+        # out first for images of many small files: node_modules).
+        inodes = str(max(entries * 2, (size_gib * _GIB) >> 14))
+        make = ["mkfs.ext4", "-q", "-F", "-N", inodes, "-L", "cryobox-root", "-d", str(tree)]
+        run([*make, str(raw)])
         shutil.rmtree(tree)
         out = work / "image"
         out.mkdir()
@@ -199,7 +227,7 @@ def _import(transport: str, path: Path, image_id: str, base: Image, say: Progres
             "id": image_id,
             "base_image": base.id,
             "container": {
-                "reference": f"{transport}:{path}",
+                "reference": f"{transport}:{path.name}",
                 "digest": image_id.rsplit("-", 1)[1],
                 "config": config.to_json(),
                 "disk_gib": size_gib,
@@ -248,36 +276,85 @@ def _oci_config(layout: Path) -> dict[str, Any]:
 
 
 def _prepare(tree: Path, runtime: Path) -> None:
-    """Add what a cryobox boot needs to the unpacked image ``tree``."""
+    """Add what a cryobox boot needs to the unpacked image ``tree``.
+
+    The tree is the image's: any of its paths may be a symbolic link to anywhere on this
+    host. So nothing here follows one: ``/etc`` and the files edited must be what they
+    say (a link is refused by name), and files are opened with ``O_NOFOLLOW``.
+
+    :raises InvalidArgument: for an image whose ``/etc`` or ``/.cryobox`` cannot be used.
+    """
     for folder, mode in _BOOT_FOLDERS:
         path = tree / folder
-        if not path.exists() and not path.is_symlink():
+        if not os.path.lexists(path):
             path.mkdir()
             path.chmod(mode)
     etc = tree / "etc"
+    if etc.is_symlink() or not etc.is_dir():
+        raise InvalidArgument("the image's /etc is not a folder")
     for name, line in (
         ("passwd", "root:x:0:0:root:/root:/bin/sh\n"),
         ("group", "root:x:0:\n"),
     ):
-        path = etc / name
-        text = path.read_text(errors="replace") if path.is_file() else ""
+        text = _read_own(etc / name)
         if not any(entry.startswith("root:") for entry in text.splitlines()):
-            path.write_text(text + ("" if not text or text.endswith("\n") else "\n") + line)
+            ending = "" if not text or text.endswith("\n") else "\n"
+            _write_own(etc / name, text + ending + line)
     for name, text in (("hostname", "cryobox\n"), ("machine-id", "")):
-        if not (etc / name).exists():
-            (etc / name).write_text(text)
+        if not os.path.lexists(etc / name):
+            _write_own(etc / name, text)
     target = tree / GUEST_DIR.lstrip("/")
-    if target.exists() or target.is_symlink():
-        raise ImageError(f"the image has its own {GUEST_DIR}, where cryobox's runtime goes")
+    if os.path.lexists(target):
+        raise InvalidArgument(f"the image has its own {GUEST_DIR}, where cryobox's runtime goes")
     shutil.copytree(runtime, target, symlinks=True)
 
 
-def _used_bytes(tree: Path) -> int:
-    total = 0
-    for folder, _dirs, files in os.walk(tree):
+#: The most of an /etc file cryobox reads to edit it.
+_ETC_LIMIT = 1 << 20
+
+
+def _read_own(path: Path) -> str:
+    """The text of the image's file ``path`` ("" when missing), never through a link.
+
+    :raises InvalidArgument: when it is a link, not a file, or larger than 1 MiB.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        raise InvalidArgument(
+            f"the image's /etc/{path.name} cannot be read ({exc.strerror})"
+        ) from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise InvalidArgument(f"the image's /etc/{path.name} is not a file")
+        data = file.read(_ETC_LIMIT + 1)
+    if len(data) > _ETC_LIMIT:
+        raise InvalidArgument(f"the image's /etc/{path.name} is larger than 1 MiB")
+    return data.decode(errors="replace")
+
+
+def _write_own(path: Path, text: str) -> None:
+    """Replace the image's file ``path`` with ``text``: a new file renamed over it (a
+    link is replaced, never followed)."""
+    temp = path.with_name(f".{path.name}.cryobox")
+    if os.path.lexists(temp):
+        os.unlink(temp)  # the image's own, or a link: removed, never followed
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as file:
+        file.write(text.encode())
+    os.replace(temp, path)
+
+
+def _usage(tree: Path) -> tuple[int, int]:
+    """Bytes the tree's files take, and how many entries it has."""
+    total = entries = 0
+    for folder, dirs, files in os.walk(tree):
+        entries += len(dirs) + len(files)
         for name in files:
             total += os.lstat(os.path.join(folder, name)).st_blocks * 512
-    return total
+    return total, entries
 
 
 __all__ = ["ImageConfig", "import_image"]

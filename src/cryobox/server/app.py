@@ -712,6 +712,7 @@ def create_app(
             raise e.InvalidArgument(
                 f"transport={transport!r}: an upload is an oci-archive or a docker-archive"
             )
+        hub.check_storage(me)  # before the body is read, as again before the build
         async with uploads.received(request.stream(), uploads.max_image_bytes(), ".tar") as path:
             return await hub.build_template(
                 me, name, setup or [], cpus, memory_mib, disk_gib, image=f"{transport}:{path}"

@@ -539,6 +539,10 @@ class Hub:
         """The saved state the tenant holds, as last measured (for its quota)."""
         return self._stored.get(tenant.id, 0)
 
+    def check_storage(self, tenant: Tenant) -> None:
+        """:raises QuotaExceeded: when the tenant's saved state fills its quota."""
+        self._check_storage(tenant)
+
     def _check_storage(self, tenant: Tenant) -> None:
         """Saved state, with what the tenant's volumes may hold, within its quota."""
         self.volumes.check_storage(tenant, self._stored.get(tenant.id, 0))

@@ -30,8 +30,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from cryptography import x509
-
 from cryobox.arguments import MAX_BUNDLE_BYTES
 from cryobox.errors import InvalidArgument
 
@@ -128,6 +126,8 @@ def check_bundle(pem: str) -> str:
     data = pem.encode()
     if len(data) > MAX_BUNDLE_BYTES:
         raise InvalidArgument(f"ca_bundle: {len(data)} bytes, at most {MAX_BUNDLE_BYTES}")
+    from cryptography import x509  # 15 ms of every CLI start, only when a bundle is given
+
     try:
         certificates = x509.load_pem_x509_certificates(data)
     except ValueError as exc:

@@ -24,6 +24,9 @@ from cryobox.models import CommandRequest, Progress
 from cryobox.service.guest_ops import GuestOperations
 
 BUSYBOX = f"{GUEST_DIR}/bin/busybox"
+#: util-linux's setsid, carried: it finds the command on the image's PATH (busybox's own
+#: would run its built-in ``sh``, ``env`` or ``nc`` instead of the image's).
+SETSID = f"{GUEST_DIR}/bin/setsid"
 #: Where the started command's output goes in the guest (as a Dockerfile's CMD's).
 COMMAND_LOG = "/var/log/cryobox-cmd.log"
 #: Seconds the started command must stay up before the machine is saved.
@@ -39,7 +42,11 @@ async def apply(
         defaults["user"] = await _user_name(guest, sandbox_id, config.user)
     if config.workdir:
         defaults["workdir"] = config.workdir
-        await run(guest, sandbox_id, [BUSYBOX, "mkdir", "-p", config.workdir], "root")
+        code, output = await run(
+            guest, sandbox_id, [BUSYBOX, "mkdir", "-p", "--", config.workdir], "root"
+        )
+        if code != 0:
+            raise InvalidArgument(f"the image's WorkingDir {config.workdir}: {output.strip()}")
     text = json.dumps(defaults).encode()
     await guest.write_file(sandbox_id, p.COMMAND_DEFAULTS, [text], 0o644)
     say("the image's environment, user and folder are every command's defaults")
@@ -61,7 +68,7 @@ async def start(
         user = await _user_name(guest, sandbox_id, config.user)
         prepare += f" && {BUSYBOX} chown {shlex.quote(user)} {COMMAND_LOG}"
     await run(guest, sandbox_id, [BUSYBOX, "sh", "-c", prepare], "root")
-    detach = f'{BUSYBOX} setsid "$@" >{COMMAND_LOG} 2>&1 </dev/null & echo $!'
+    detach = f'{SETSID} "$@" >{COMMAND_LOG} 2>&1 </dev/null & echo $!'
     argv = [BUSYBOX, "sh", "-c", detach, "sh", *config.command]
     code, output = await run(guest, sandbox_id, argv)
     pid = output.strip()

@@ -305,6 +305,8 @@ class SandboxService:
         """Built by :func:`cryobox.service.compose.open_service` (the one place that
         chooses the parts), or by a test with its own."""
         self.vmm = vmm
+        #: Container image imports, one at a time (see build_template).
+        self._imports = asyncio.Lock()
         self.store = store
         self.launcher = launcher
         #: The warm pools a create claims from (see :mod:`.pool`).
@@ -1037,11 +1039,14 @@ class SandboxService:
         imported: tuple[Image, ImageConfig] | None = None
         if image is not None:
             current = await asyncio.to_thread(self.vmm.ensure_image, progress)
-            imported = await asyncio.to_thread(import_image, image, current, say)
+            # One at a time, waiting here rather than in a worker thread (an import
+            # holds the images' lock for as long as it takes).
+            async with self._imports:
+                imported = await asyncio.to_thread(import_image, image, current, say)
             needed = int(imported[0].manifest["container"]["disk_gib"])
             if needed > disk_gib:
                 raise InvalidArgument(
-                    f"disk_gib={disk_gib}: the image {image} needs a disk of {needed} GiB"
+                    f"disk_gib={disk_gib}: the image needs a disk of {needed} GiB"
                 )
         say("booting the image")
         sandbox = await self.create(
