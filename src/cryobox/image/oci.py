@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryobox import config
 from cryobox.arguments import container_image
 from cryobox.errors import ImageError, InvalidArgument
 from cryobox.image.build import (
@@ -155,8 +156,19 @@ def import_image(
     found = find_image(image_id)
     if found is None:
         with build_lock():
+            _clear_leftovers()
             found = find_image(image_id) or _import(transport, path, image_id, base, say)
     return found, ImageConfig.from_json(found.manifest["container"]["config"])
+
+
+def _clear_leftovers() -> None:
+    """Remove what an import killed halfway left (its work folder, a runtime being made):
+    every import holds the images' lock, so under it no other is under way."""
+    for leftover in [
+        *images_dir().glob(".import-*"),
+        *(config.cache_dir() / "runtime").glob(".runtime-*"),
+    ]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _digest(path: Path) -> str:
