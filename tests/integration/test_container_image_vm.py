@@ -160,6 +160,19 @@ def test_a_container_image_runs_as_a_sandbox_that_pauses_resumes_and_forks(
     finally:
         sbx.kill()
 
+    # The imported image is listed, kept while its template boots from it, then removed.
+    listed = subprocess.run([*CLI, "image", "ls"], capture_output=True, text=True, check=True)
+    (row,) = [line.split("\t") for line in listed.stdout.splitlines() if "app.tar" in line]
+    image_id = row[0]
+    kept = subprocess.run([*CLI, "image", "rm", image_id], capture_output=True, text=True)
+    assert kept.returncode != 0 and "still used by template oci-app" in kept.stderr
+    Sandbox.delete_template("oci-app")
+    removed = subprocess.run([*CLI, "image", "rm", image_id], capture_output=True, text=True)
+    assert removed.returncode == 0, removed.stderr
+    assert not (images_dir() / image_id).exists()
+    listed = subprocess.run([*CLI, "image", "ls"], capture_output=True, text=True, check=True)
+    assert image_id not in listed.stdout
+
 
 def test_the_cli_builds_from_a_docker_archive_over_http(
     tmp_path: Path, api_server: ApiServer, cleanup: list[str]

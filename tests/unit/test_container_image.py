@@ -6,6 +6,8 @@ itself reads it). A server's upload is bounded and removed whatever happens."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 from cryobox.arguments import container_image
 from cryobox.errors import InvalidArgument
 from cryobox.image.build import Image, images_dir
-from cryobox.image.oci import ImageConfig, _prepare, import_image
+from cryobox.image.oci import ImageConfig, _prepare, import_image, imported_images, remove_image
 from cryobox.server import uploads
 
 
@@ -155,3 +157,22 @@ async def test_an_upload_is_bounded_and_removed_whatever_happens(
         async with uploads.received(_body(1), 5000, ".tar"):
             raise RuntimeError("the build failed")
     assert list((tmp_path / "state" / "uploads").iterdir()) == []
+
+
+def test_only_an_imported_image_that_nothing_uses_is_removed(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="not an image imported from a container image"):
+        remove_image("no-such-image", [])
+    fake = images_dir() / "base-0000-test-only"
+    fake.mkdir()
+    try:
+        manifest = {"id": fake.name, "kernel_version": "k", "container": {"config": {}}}
+        (fake / "image.json").write_text(json.dumps(manifest))
+        assert fake.name in [image.id for image in imported_images()]
+        users = [f"template t{i}" for i in range(7)]
+        with pytest.raises(InvalidArgument, match=r"still used by template t0, .* and 2 more"):
+            remove_image(fake.name, users)
+        assert fake.exists()
+        remove_image(fake.name, [])
+        assert not fake.exists() and not list(images_dir().glob(".removed-*"))
+    finally:
+        shutil.rmtree(fake, ignore_errors=True)

@@ -702,6 +702,37 @@ def image_build() -> None:
     out.print(f"image {image.id} at {image.path}")
 
 
+@image_app.command("ls")
+def image_ls() -> None:
+    """List the images imported from container images (tab-separated when piped)."""
+    from cryobox.image.oci import imported_images
+
+    with errors_reported():
+        rows = [
+            (
+                image.id,
+                str(image.manifest["container"].get("reference", "")),
+                f"{image.manifest.get('sizes', {}).get('rootfs.qcow2', 0) / 1e6:.0f} MB",
+                str(image.manifest.get("created", "")),
+            )
+            for image in imported_images()
+        ]
+        print_rows(("IMAGE", "FROM", "SIZE", "CREATED"), rows)
+
+
+@image_app.command("rm")
+def image_rm(image_ids: list[str]) -> None:
+    """Delete images imported from container images (refused while a template, snapshot
+    or sandbox of this host boots from one)."""
+    from cryobox.service import open_service
+
+    with errors_reported():
+        service = open_service()
+        for image_id in image_ids:
+            service.remove_image(image_id)
+            out.print(f"removed {image_id}")
+
+
 @image_app.command("info")
 def image_info() -> None:
     """Show the current image's key, versions and sizes."""

@@ -161,11 +161,40 @@ def import_image(
     return found, ImageConfig.from_json(found.manifest["container"]["config"])
 
 
+def imported_images() -> list[Image]:
+    """The guest images made from container images on this host, oldest first."""
+    found = []
+    for manifest in images_dir().glob("*/image.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            image = Image.load(manifest.parent)
+            if "container" in image.manifest:
+                found.append(image)
+    return sorted(found, key=lambda image: str(image.manifest.get("created", "")))
+
+
+def remove_image(image_id: str, users: list[str]) -> None:
+    """Delete imported image ``image_id``, unless ``users`` (what still boots from it:
+    templates, snapshots, sandboxes) is not empty.
+
+    :raises InvalidArgument: naming what uses it, or when it is not an imported image.
+    """
+    if not any(image.id == image_id for image in imported_images()):
+        raise InvalidArgument(f"{image_id!r} is not an image imported from a container image")
+    if users:
+        shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
+        raise InvalidArgument(f"image {image_id} is still used by {shown}")
+    with build_lock():
+        doomed = images_dir() / f".removed-{image_id}"
+        os.replace(images_dir() / image_id, doomed)  # gone at once for every reader
+        shutil.rmtree(doomed)
+
+
 def _clear_leftovers() -> None:
     """Remove what an import killed halfway left (its work folder, a runtime being made):
     every import holds the images' lock, so under it no other is under way."""
     for leftover in [
         *images_dir().glob(".import-*"),
+        *images_dir().glob(".removed-*"),
         *(config.cache_dir() / "runtime").glob(".runtime-*"),
     ]:
         shutil.rmtree(leftover, ignore_errors=True)
@@ -369,4 +398,4 @@ def _usage(tree: Path) -> tuple[int, int]:
     return total, entries
 
 
-__all__ = ["ImageConfig", "import_image"]
+__all__ = ["ImageConfig", "import_image", "imported_images", "remove_image"]

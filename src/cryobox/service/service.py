@@ -52,7 +52,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
 from cryobox.image.build import Image, Progress
-from cryobox.image.oci import ImageConfig, import_image
+from cryobox.image.oci import ImageConfig, import_image, remove_image
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
@@ -981,6 +981,21 @@ class SandboxService:
             host_cache=True,
         )
         return self.store.get(info.id)
+
+    def remove_image(self, image_id: str) -> None:
+        """Delete a guest image imported from a container image, once nothing on this
+        host boots from it (a template, a snapshot, a sandbox: refused, naming them)."""
+        users = [
+            f"template {t['name']}" for t in self.store.templates() if t.get("image_id") == image_id
+        ]
+        users += [f"snapshot {m.id}" for m in self.store.all() if m.image_id == image_id]
+        users += [
+            f"sandbox {spec.id}"
+            for spec, record in registry.list_sandboxes()
+            if spec.image_id == image_id
+            and record.state not in (SandboxState.KILLED, SandboxState.DEAD)
+        ]
+        remove_image(image_id, users)
 
     def _saved_image(self, image_id: str, current: Image) -> Image:
         """The guest image a saved machine of image ``image_id`` continues on: the
