@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cryobox.arguments import container_image
-from cryobox.errors import InvalidArgument
+from cryobox.errors import ImageError, InvalidArgument
 from cryobox.image.build import Image, images_dir
 from cryobox.image.oci import ImageConfig, _prepare, import_image, imported_images, remove_image
 from cryobox.server import uploads
@@ -176,3 +176,10 @@ def test_only_an_imported_image_that_nothing_uses_is_removed(tmp_path: Path) -> 
         assert not fake.exists() and not list(images_dir().glob(".removed-*"))
     finally:
         shutil.rmtree(fake, ignore_errors=True)
+
+
+def test_a_host_without_an_imported_image_says_where_it_came_from() -> None:
+    from cryobox.qemu.vmm import QemuVmm
+
+    with pytest.raises(ImageError, match="imported from a container image on another host"):
+        QemuVmm().load_image("0123abcd-" + "f" * 64)

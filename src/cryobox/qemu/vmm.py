@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,11 @@ class QemuVmm:
     def load_image(self, image_id: str) -> Image:
         image = find_image(image_id)
         if image is None:
+            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]{64}", image_id):
+                raise ImageError(
+                    f"guest image {image_id} was imported from a container image on another "
+                    "host, and is not on this one (build its template here with --image)"
+                )
             raise ImageError(
                 f"guest image {image_id} is not on this host (run `cryobox image build`)"
             )
