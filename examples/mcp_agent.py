@@ -13,6 +13,7 @@ not do what it should (CI runs it: tests/integration/test_mcp_vm.py).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -47,7 +48,11 @@ async def call(client: Client, tool: str, **arguments: Any) -> Any:
 
 
 async def main() -> None:
-    server = StdioServerParameters(command=sys.executable, args=["-m", "cryobox.cli.main", "mcp"])
+    # The caller's environment (an MCP client passes only HOME, PATH and a few more by
+    # default): the server then uses this caller's CRYOBOX_* settings, its state folder too.
+    server = StdioServerParameters(
+        command=sys.executable, args=["-m", "cryobox.cli.main", "mcp"], env=dict(os.environ)
+    )
     async with Client(server) as client:
         tools = {tool.name for tool in (await client.list_tools()).tools}
         print(f"cryobox mcp offers {len(tools)} tools: {', '.join(sorted(tools))}")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from cryobox import Sandbox
+
 pytestmark = pytest.mark.vm
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -42,3 +44,8 @@ def test_the_mcp_agent_example_keeps_the_one_fix_that_passes() -> None:
         "fix-ignore": "FAIL",
     }
     assert out.rstrip().endswith("mcp agent: done")
+    # The server it started worked in this caller's state folder, with its settings (an
+    # MCP client passes only a few variables unless told: the server used the user's
+    # default folder and left a warm-pool member running there).
+    ran = [s for s in Sandbox.list(all=True) if s.metadata.get("example") == "mcp-agent"]
+    assert len(ran) == 4 and all(s.state == "killed" for s in ran)
