@@ -15,6 +15,15 @@ from cryobox.models import OutputSink as OutputSink
 from cryobox.models import StartedCommand as StartedCommand
 
 
+def collector(into: bytearray) -> OutputSink:
+    """An output sink that keeps all of a command's output (both streams) in ``into``."""
+
+    def collect(_stream: str, data: bytes) -> None:
+        into.extend(data)
+
+    return collect
+
+
 class CommandSession:
     """Start it with :meth:`start`; then :meth:`wait`, :meth:`send_stdin`, :meth:`kill`."""
 

@@ -13,6 +13,7 @@ Only what cryobox carries into the image is used to do it (its static busybox in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shlex
 
@@ -21,6 +22,7 @@ from cryobox.guest import protocol as p
 from cryobox.image.oci import ImageConfig
 from cryobox.image.runtime import GUEST_DIR
 from cryobox.models import CommandRequest, Progress
+from cryobox.service.commands import collector
 from cryobox.service.guest_ops import GuestOperations
 
 BUSYBOX = f"{GUEST_DIR}/bin/busybox"
@@ -35,11 +37,13 @@ SETTLE = 1.0
 
 async def apply(
     guest: GuestOperations, sandbox_id: str, config: ImageConfig, say: Progress
-) -> None:
-    """Make ``config``'s environment, user and folder the sandbox's command defaults."""
+) -> ImageConfig:
+    """Make ``config``'s environment, user and folder the sandbox's command defaults;
+    ``config`` with its user as the guest's account name (for :func:`start`)."""
     defaults: dict[str, object] = {"env": config.env}
     if config.user:
-        defaults["user"] = await _user_name(guest, sandbox_id, config.user)
+        config = dataclasses.replace(config, user=await _user_name(guest, sandbox_id, config.user))
+        defaults["user"] = config.user
     if config.workdir:
         defaults["workdir"] = config.workdir
         code, output = await run(
@@ -50,12 +54,14 @@ async def apply(
     text = json.dumps(defaults).encode()
     await guest.write_file(sandbox_id, p.COMMAND_DEFAULTS, [text], 0o644)
     say("the image's environment, user and folder are every command's defaults")
+    return config
 
 
 async def start(
     guest: GuestOperations, sandbox_id: str, config: ImageConfig, say: Progress
 ) -> None:
-    """Start the image's entrypoint and command, detached, and check it stays up.
+    """Start the image's entrypoint and command, detached, and check it stays up
+    (``config`` as :func:`apply` returned it).
 
     :raises InvalidArgument: with its output, when it ends at once.
     """
@@ -65,8 +71,7 @@ async def start(
     say(f"starting {shown[:70]}")
     prepare = f"mkdir -p /var/log && : > {COMMAND_LOG} && chmod 644 {COMMAND_LOG}"
     if config.user:
-        user = await _user_name(guest, sandbox_id, config.user)
-        prepare += f" && {BUSYBOX} chown {shlex.quote(user)} {COMMAND_LOG}"
+        prepare += f" && {BUSYBOX} chown {shlex.quote(config.user)} {COMMAND_LOG}"
     await run(guest, sandbox_id, [BUSYBOX, "sh", "-c", prepare], "root")
     detach = f'{SETSID} "$@" >{COMMAND_LOG} 2>&1 </dev/null & echo $!'
     argv = [BUSYBOX, "sh", "-c", detach, "sh", *config.command]
@@ -85,12 +90,8 @@ async def run(
     """Run ``argv`` in the sandbox (as ``user``, else the defaults' user): its exit
     code and output (stdout and stderr)."""
     output = bytearray()
-
-    def collect(_stream: str, data: bytes) -> None:
-        output.extend(data)
-
     session = await guest.start_command(
-        sandbox_id, CommandRequest(argv=tuple(argv), user=user, timeout=120), collect
+        sandbox_id, CommandRequest(argv=tuple(argv), user=user, timeout=120), collector(output)
     )
     result = await session.wait()
     return result.exit_code, output.decode(errors="replace")

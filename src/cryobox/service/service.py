@@ -81,7 +81,7 @@ from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.service import egress, image_template, pool
 from cryobox.service.catalog import Catalog
-from cryobox.service.commands import OutputSink
+from cryobox.service.commands import OutputSink, collector
 from cryobox.service.connections import Connections
 from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence
@@ -453,7 +453,7 @@ class SandboxService:
         elif template != BASE_TEMPLATE:
             source = await self.template_snapshot(template, image, progress, tenant)
         if source is not None:
-            image = await asyncio.to_thread(self._saved_image, source.image_id, image)
+            image = await self._saved_image(source.image_id, image)
         elif start.image_id:
             image = await asyncio.to_thread(self.vmm.load_image, start.image_id)
         shape = {
@@ -601,7 +601,7 @@ class SandboxService:
         needs translated already (TCG translates each new process's code paths)."""
         for _ in range(runs):
             session = await self.guest.start_command(
-                sandbox_id, CommandRequest(argv=("true",)), _collector(bytearray())
+                sandbox_id, CommandRequest(argv=("true",)), collector(bytearray())
             )
             await session.wait()
 
@@ -933,7 +933,7 @@ class SandboxService:
         image_id = image.id
         entry = self.store.template(name)
         usable = entry is not None and (
-            await asyncio.to_thread(self._saved_image, str(entry.get("image_id")), image)
+            await self._saved_image(str(entry.get("image_id")), image)
         ).id == entry.get("image_id")
         shape = default_shape(name)
         cache = shape is not None
@@ -997,15 +997,15 @@ class SandboxService:
         ]
         remove_image(image_id, users)
 
-    def _saved_image(self, image_id: str, current: Image) -> Image:
+    async def _saved_image(self, image_id: str, current: Image) -> Image:
         """The guest image a saved machine of image ``image_id`` continues on: the
         host's current one, or one made on it from a container image (the same kernel
         and initramfs). Any other image is not used: the current one is returned, and
         the restore refuses the snapshot, naming both."""
-        if image_id == current.id:
+        if image_id == current.id:  # every create from the host's own templates
             return current
         try:
-            found = self.vmm.load_image(image_id)
+            found = await asyncio.to_thread(self.vmm.load_image, image_id)
         except ImageError:
             return current
         return found if found.manifest.get("base_image") == current.id else current
@@ -1078,8 +1078,11 @@ class SandboxService:
             owner=f"{BUILDING}{tenant}",  # never a tenant's sandbox
         )
         try:
-            if imported:
-                await image_template.apply(self.guest, sandbox.id, imported[1], say)
+            if imported:  # its user resolved to an account name once, here
+                imported = (
+                    imported[0],
+                    await image_template.apply(self.guest, sandbox.id, imported[1], say),
+                )
             for number, command in enumerate(setup, 1):
                 step = f"setup {number}/{len(setup)}: {command[:60]}"
                 say(step)
@@ -1177,13 +1180,6 @@ def _shown_lines(into: bytearray, show: Callable[[str], None]) -> OutputSink:
             show(lines[-1].decode(errors="replace").strip()[:80])
 
     return sink
-
-
-def _collector(into: bytearray) -> OutputSink:
-    def collect(_stream: str, data: bytes) -> None:
-        into.extend(data)
-
-    return collect
 
 
 __all__ = ["SandboxService", "StartOptions", "validate"]
