@@ -31,7 +31,9 @@ from cryobox.qemu import qemu_version
 from cryobox.service import pool, pool_refill
 from cryobox.util import host_memory_mib
 
+from . import SCENARIOS
 from . import bounds as bench_bounds
+from . import cli_start as bench_cli
 from . import diy as bench_diy
 from . import http as bench_http
 from . import saved as bench_saved
@@ -41,30 +43,6 @@ from . import translation as bench_translation
 from . import volumes as bench_volumes
 from .store import disk_bandwidth_mb_s, environment
 
-SCENARIOS = (
-    "cold-boot",
-    "diy",
-    "exec",
-    "ping",
-    "guest-spawn",
-    "template-start",
-    "pause",
-    "resume",
-    "checkpoint",
-    "rollback",
-    "fork",
-    "translation",
-    "restore-vs-ram",
-    "snapshot-bytes",
-    "freed-memory",
-    "history",
-    "file-transfer",
-    "volumes",
-    "guest-flood",
-    "http-exec",
-    "http-get",
-    "store",
-)
 #: Timed inside the guest: a plain spawn of ``true``, and one started as the agent starts
 #: a command (a session of its own, stdout and stderr through pipes, read to their end).
 GUEST_SPAWN = """
@@ -999,6 +977,36 @@ async def file_transfer(ctx: Context) -> list[Figure]:
     return figures
 
 
+async def cli_start(ctx: Context) -> list[Figure]:
+    """``cryobox ls`` and ``cryobox exec ID -- true`` as new processes, beside the same
+    calls in a running process; the CLI's overhead is the difference of the medians."""
+    measured = await bench_cli.run(ctx.quick)
+    python = statistics.median(measured.python)
+    figures = [
+        summarize("cli-python", measured.python, "s", note="python -c pass: the interpreter"),
+        summarize("cli-version", measured.version, "s", note="cryobox --version: imports only"),
+    ]
+    for name, wall, inside, call in (
+        ("ls", measured.ls, measured.ls_in_process, "Sandbox.list()"),
+        ("exec", measured.exec, measured.exec_in_process, 'commands.run(["true"])'),
+    ):
+        operation = statistics.median(inside)
+        overhead = statistics.median(wall) - operation
+        figures.append(
+            summarize(
+                f"cli-{name}",
+                wall,
+                "s",
+                baseline=f"{call} in a running process",
+                base_value=operation,
+                note=f"cryobox {'ls' if name == 'ls' else 'exec ID -- true'} as a new process;"
+                f" CLI overhead {overhead:.3f} s (target 0.3 s), of which the interpreter "
+                f"{python:.3f} s; {call} alone {operation:.3f} s",
+            )
+        )
+    return figures
+
+
 async def volumes(ctx: Context) -> list[Figure]:
     """A named volume against the guest's own disk in the same guest, and what a mount
     adds to a pause, its resume and a fork of 3 (against a sandbox without one)."""
@@ -1128,6 +1136,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await http_api(ctx, names)
     if "store" in names:
         figures += await store(ctx)
+    if "cli-start" in names:
+        figures += await cli_start(ctx)
     for template in ctx.made_templates:  # leave no benchmark templates behind
         await AsyncSandbox.delete_template(template)
     return with_diy(figures, ctx.diy)

@@ -19,10 +19,10 @@ from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from cryobox import config
 from cryobox.arguments import key_values
+from cryobox.bench import SCENARIOS
 from cryobox.client import Sandbox
 from cryobox.errors import CommandNotFound, CryoboxError, InvalidArgument, SandboxNotFound
 from cryobox.models import LineageNode
@@ -741,6 +741,8 @@ def image_info() -> None:
     with errors_reported():
         key = image_key()
         image = find_image(key["id"])
+        from rich.table import Table
+
         table = Table("FIELD", "VALUE", show_header=False)
         table.add_row("id", key["id"])
         table.add_row(
@@ -1053,7 +1055,12 @@ def soak(
 
 @app.command()
 def bench(
-    scenarios: Annotated[list[str] | None, typer.Argument(help="Scenarios (default: all).")] = None,
+    scenarios: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help=f"Scenarios (default: all): {', '.join(SCENARIOS)}.", show_default=False
+        ),
+    ] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="Draw a PNG chart.")] = None,
     markdown: Annotated[
@@ -1065,7 +1072,7 @@ def bench(
     from cryobox.bench import run as benchmarks
 
     with errors_reported():
-        names = tuple(scenarios or benchmarks.SCENARIOS)
+        names = tuple(scenarios or SCENARIOS)
         try:
             figures, host = benchmarks.run(names, quick)
             if plot_file is not None:

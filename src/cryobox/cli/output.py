@@ -8,10 +8,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import typer
-import typer.core as _typer_core
+import typer._click.types as _click_types
+import typer.models as _typer_models
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from cryobox.errors import CryoboxError
 
@@ -37,6 +37,8 @@ def print_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         for row in (header, *rows):
             print("\t".join(" ".join(cell.split("\t")).replace("\n", " ") for cell in row))
         return
+    from rich.table import Table  # 17 ms a start that prints no table does not pay
+
     table = Table()
     for index, name in enumerate(header):
         if index == 0:  # the id: whole on any width, so that it can be copied
@@ -58,29 +60,24 @@ def errors_reported() -> Iterator[None]:
         fail(exc)
 
 
-#: Typer's own words for a value's type are Python's (``<int>``, ``<list[str]>``); the
-#: help shows the shell's instead, as click always did. Only plain types are renamed:
-#: anything else (choices, ranges, paths, a metavar of its own) keeps typer's text.
-_TYPE_WORDS = {"int": "INTEGER", "str": "TEXT", "float": "FLOAT", "Path": "PATH"}
-_ORIGINAL = {
-    cls: cls.display_type_rich for cls in (_typer_core.TyperOption, _typer_core.TyperArgument)
+#: Typer's own words for a value's type are Python's (``<int>``, ``<str>``); the help
+#: shows the shell's instead, as click always did. Only the plain types are renamed:
+#: ranges, choices, paths with rules and a metavar of one's own keep typer's text.
+_TYPE_WORDS: dict[type[Any], str] = {
+    _click_types.StringParamType: "TEXT",
+    _click_types.IntParamType: "INTEGER",
+    _click_types.FloatParamType: "FLOAT",
+    _typer_models.TyperPath: "PATH",
 }
 
 
-def _type_in_words(param: Any, ctx: Any) -> str | None:
-    """``INTEGER``, ``TEXT``, ``FLOAT`` (``...`` when repeatable); nothing for a flag."""
-    if getattr(param, "is_flag", False):
-        return None
-    original = _ORIGINAL.get(type(param))
-    desc = param.type_descriptor
-    plain = not (desc.is_choice or desc.is_ranged or desc.is_tuple or desc.is_datetime)
-    bare = param.bare_type()
-    if bare.startswith("list[") and bare.endswith("]"):
-        bare = bare[5:-1]
-    if param.metavar is not None or not plain or bare not in _TYPE_WORDS:
-        return original(param, ctx) if original is not None else None
-    return _TYPE_WORDS[bare] + ("..." if param.nargs != 1 else "")
+def _type_in_words(original: Any) -> Any:
+    def get_metavar(self: Any, param: Any, ctx: Any) -> str | None:
+        word = _TYPE_WORDS.get(type(self))
+        return word if word is not None else original(self, param=param, ctx=ctx)
+
+    return get_metavar
 
 
-for _cls in _ORIGINAL:
-    _cls.display_type_rich = _type_in_words  # type: ignore[method-assign,assignment]
+for _cls in _TYPE_WORDS:
+    _cls.get_metavar = _type_in_words(_cls.get_metavar)

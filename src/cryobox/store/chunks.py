@@ -25,8 +25,6 @@ from collections.abc import Iterator
 
 import zstandard
 from blake3 import blake3
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cryobox.store.keys import DataKey
 from cryobox.util import data_extents
@@ -138,6 +136,8 @@ def _seal(key: DataKey, chunk_id: str, plain: memoryview) -> memoryview:
     out[: len(MAGIC)] = MAGIC
     out[len(MAGIC) : _HEADER] = nonce
     end = _HEADER + len(payload) + _TAG
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # 11 ms: not at start
+
     AESGCM(key.seal).encrypt_into(nonce, payload, chunk_id.encode(), out[_HEADER:end])
     return out[:end]
 
@@ -150,6 +150,9 @@ def open_chunk(key: DataKey, chunk_id: str, blob: bytes) -> bytes:
     if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 12 + 16:
         raise ChunkRefused("not a chunk of this store (bad header)")
     nonce = blob[len(MAGIC) : len(MAGIC) + 12]
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     try:
         body = AESGCM(key.seal).decrypt(nonce, blob[len(MAGIC) + 12 :], chunk_id.encode())
     except InvalidTag:

@@ -26,9 +26,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from cryobox import config
 from cryobox.errors import InvalidArgument, StoreError
 from cryobox.store.objects import ObjectMissing, ObjectStore
@@ -98,6 +95,8 @@ def _new_id(prefix: str) -> str:
 
 
 def _wrap(kek: bytes, kek_id: str, tenant: str, key_id: str, data: bytes) -> dict[str, str]:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # not at every start
+
     nonce = os.urandom(12)
     sealed = AESGCM(kek).encrypt(nonce, data, f"{tenant}/{key_id}".encode())
     return {
@@ -134,6 +133,9 @@ def data_key(objects: ObjectStore, tenant: str) -> DataKey:
 
 
 def _unwrap(record: dict[str, str], tenant: str, where: str) -> DataKey:
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     kek = _kek(tenant, record["kek"])
     try:
         raw = AESGCM(kek).decrypt(
