@@ -92,6 +92,8 @@ class Walk:
 
 
 def main() -> None:
+    for name in ("CRYOBOX_API_URL", "CRYOBOX_API_KEY"):  # the walk is of this process's code
+        os.environ.pop(name, None)
     os.environ.update(
         CRYOBOX_STATE_DIR=tempfile.mkdtemp(prefix="cbx-walk-"),
         CRYOBOX_VMM="fake",
