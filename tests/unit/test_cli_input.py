@@ -3,8 +3,10 @@ from a pipe, a terminal session never saw its end and the CLI waited forever."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +35,36 @@ def test_a_table_on_a_narrow_terminal_keeps_ids_whole(monkeypatch: pytest.Monkey
     rows = [("sbx-0123456789ab", "running", "default", "a long template origin", "2 vCPU")]
     output.print_rows(("ID", "STATE", "TEMPLATE", "ORIGIN", "SHAPE"), rows)
     assert "sbx-0123456789ab" in narrow.export_text()
+
+
+def test_a_negative_number_is_a_value_refused_by_name(tmp_path: Path) -> None:
+    """``set-timeout ID -1`` once answered "No such option: -1"."""
+    env = {**os.environ, "CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(tmp_path)}
+    made = subprocess.run(
+        [*CLI, "create", "--template", "base"], env=env, capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr
+    sandbox_id = made.stdout.strip().splitlines()[-1]
+    try:
+        for seconds in ("-1", "0"):
+            done = subprocess.run(
+                [*CLI, "set-timeout", sandbox_id, seconds], env=env, capture_output=True, text=True
+            )
+            assert done.returncode == 1
+            assert "must be a number, more than 0" in done.stderr, done.stderr
+            assert "No such option" not in done.stderr
+        extended = subprocess.run(
+            [*CLI, "set-timeout", sandbox_id, "600"], env=env, capture_output=True, text=True
+        )
+        assert extended.returncode == 0, extended.stderr
+    finally:
+        subprocess.run([*CLI, "kill", sandbox_id], env=env, capture_output=True, check=False)
+
+
+def test_piped_output_is_never_wrapped_at_80_columns(tmp_path: Path) -> None:
+    """An error (and a tree) read by a script or a log came cut into 80-column lines."""
+    env = {**os.environ, "CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(tmp_path)}
+    long_id = "sbx-" + "0" * 120
+    done = subprocess.run([*CLI, "kill", long_id], env=env, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"error: no sandbox with id '{long_id}'"

@@ -373,6 +373,8 @@ def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them() -> None
         "name='a/b'": lambda: sbx.snapshot("a/b"),
         "name=''": lambda: sbx.checkpoint(name=""),
         "name=5": lambda: sbx.checkpoint(name=5),  # type: ignore[arg-type]
+        "seconds=-1": lambda: sbx.set_timeout(-1),
+        "seconds='60'": lambda: sbx.set_timeout("60"),  # type: ignore[arg-type]
     }
     for named, call in in_a_sandbox.items():
         with pytest.raises(InvalidArgument, match=named):

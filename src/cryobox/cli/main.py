@@ -647,7 +647,11 @@ def kill(
             raise typer.Exit(1)
 
 
-@app.command("set-timeout")
+#: Arguments that begin with "-" (a negative number) are values, not unknown options.
+NUMBERS = {"ignore_unknown_options": True}
+
+
+@app.command("set-timeout", context_settings=NUMBERS)
 def set_timeout(sandbox_id: str, seconds: float) -> None:
     """Kill the sandbox SECONDS from now unless extended again."""
     with errors_reported():

@@ -15,8 +15,17 @@ from rich.markup import escape
 
 from cryobox.errors import CryoboxError
 
-console = Console(stderr=True)
-out = Console()
+
+
+def _console(stderr: bool) -> Console:
+    """A terminal's width on a terminal; piped, lines are never wrapped (a script or a
+    log reading an error or a tree gets each line whole, not cut at 80 columns)."""
+    made = Console(stderr=stderr)
+    return made if made.is_terminal else Console(stderr=stderr, width=1_000_000)
+
+
+console = _console(stderr=True)
+out = _console(stderr=False)
 
 
 def say_error(error: object) -> None:

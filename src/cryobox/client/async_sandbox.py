@@ -1124,7 +1124,18 @@ class AsyncSandbox:
         return host_port
 
     async def set_timeout(self, seconds: float) -> None:
-        """Kill the sandbox ``seconds`` from now unless extended again."""
+        """Kill the sandbox ``seconds`` from now unless extended again (at most 30 days).
+
+        :raises InvalidArgument: for anything but a positive number of seconds.
+        """
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not 0 < seconds <= 30 * 86400
+        ):
+            raise InvalidArgument(
+                f"seconds={seconds!r}: must be a number, more than 0, at most 30 days"
+            )
         await self._awake(lambda: self._transport.set_timeout(self.id, seconds))
 
     async def update_network(
