@@ -16,7 +16,6 @@ from rich.markup import escape
 from cryobox.errors import CryoboxError
 
 
-
 def _console(stderr: bool) -> Console:
     """A terminal's width on a terminal; piped, lines are never wrapped (a script or a
     log reading an error or a tree gets each line whole, not cut at 80 columns)."""
