@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from datetime import datetime
 from typing import Any
@@ -10,12 +13,14 @@ import httpx
 import pytest
 
 from api_server import ApiServer
-from cryobox import Sandbox
+from cryobox import Sandbox, SnapshotIncompatible
 from cryobox.sandbox import registry
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.util import data_bytes
 from waiting import until
+
+CLI = [sys.executable, "-m", "cryobox.cli.main"]
 
 pytestmark = pytest.mark.vm
 
@@ -191,3 +196,72 @@ def test_any_shape_is_started_and_the_second_of_a_shape_restores(sandbox_factory
     assert second.info().origin == templates["default-1c-1536m-4g"]  # restored, not built
     assert {t.name: t.snapshot_id for t in Sandbox.templates()} == templates
     assert second.commands.run("nproc").stdout.strip() == "1"
+
+
+def _disk_and_file_system(sbx: Sandbox) -> tuple[int, int]:
+    """The root disk's bytes as the guest's kernel sees them, and its file system's."""
+    sectors = int(sbx.commands.run(["cat", "/sys/block/vda/size"]).stdout)
+    fs = int(sbx.commands.run(["df", "-B1", "--output=size", "/"]).stdout.split()[-1])
+    return sectors * 512, fs
+
+
+def test_a_saved_machine_starts_with_a_larger_disk_its_processes_running(
+    sandbox_factory: Any,
+) -> None:
+    """Issue 37 item 1 for a template of one's own: a larger disk_gib is a restore and
+    then a grow (QEMU's block_resize, resize2fs online in the guest), not a refusal; the
+    vCPUs and RAM of a memory snapshot are still refused by name, a smaller disk too;
+    a disk snapshot boots at any shape."""
+    source = sandbox_factory()
+    source.files.write("/root/kept.txt", "kept")
+    source.commands.run("while true; do date +%s%N > /root/tick; sleep 0.2; done", background=True)
+    template = f"grow-{os.urandom(3).hex()}"
+    source.save_template(template)
+    try:
+        grown = sandbox_factory(template=template, disk_gib=7)
+        assert grown.info().disk_gib == 7
+        disk, fs = _disk_and_file_system(grown)
+        assert disk == 7 << 30 and fs > 6.5 * (1 << 30), (disk, fs)
+        assert grown.files.read_text("/root/kept.txt") == "kept"
+        before = grown.files.read_text("/root/tick")
+        until(lambda: grown.files.read_text("/root/tick") != before, "the loop ticking", 10)
+        grown.commands.run("dd if=/dev/zero of=/root/big bs=1M count=64 conv=fsync")
+
+        grown.pause()
+        resumed = Sandbox.resume(grown.id)
+        assert _disk_and_file_system(resumed) == (disk, fs)
+        (fork,) = resumed.fork(1)
+        try:
+            assert _disk_and_file_system(fork) == (disk, fs)
+            assert fork.commands.run("stat -c %s /root/big").stdout.strip() == str(64 << 20)
+        finally:
+            fork.kill()
+
+        with pytest.raises(SnapshotIncompatible, match=r"disk_gib.*can grow, never shrink"):
+            Sandbox.create(template=template, disk_gib=3)
+        with pytest.raises(SnapshotIncompatible, match=r"cpus.*build a template of that shape"):
+            Sandbox.create(template=template, cpus=1)
+
+        made = subprocess.run(
+            [*CLI, "create", "--template", template, "--disk", "6"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert made.returncode == 0, made.stderr
+        by_cli = Sandbox.connect(made.stdout.split()[-1])
+        try:
+            assert _disk_and_file_system(by_cli)[0] == 6 << 30
+        finally:
+            by_cli.kill()
+
+        files = source.snapshot(f"{template}-files", memory=False)
+        try:
+            reshaped = sandbox_factory(from_snapshot=files.id, cpus=1, memory_mib=1536)
+            assert reshaped.commands.run("nproc").stdout.strip() == "1"
+            assert reshaped.files.read_text("/root/kept.txt") == "kept"
+            reshaped.kill()
+        finally:
+            Sandbox.delete_snapshot(files.id)
+    finally:
+        Sandbox.delete_template(template)

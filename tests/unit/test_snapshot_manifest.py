@@ -285,3 +285,26 @@ def test_a_manifest_in_another_snapshots_folder_is_refused(tmp_path: Path) -> No
     shutil.copy(local.folder("snap-a") / mf.MANIFEST, local.folder("snap-b") / mf.MANIFEST)
     with pytest.raises(SnapshotVerificationFailed, match="describes snapshot snap-a"):
         local.get("snap-b")
+
+
+def test_a_restore_keeps_the_saved_shape_but_a_disk_grows() -> None:
+    """What ``create`` gives a sandbox started from a snapshot (issue 37 item 1)."""
+    from cryobox.service.service import reshaped
+
+    memory = sample_manifest("snap-m")
+    none: dict[str, int | None] = {"cpus": None, "memory_mib": None, "disk_gib": None}
+    assert reshaped(memory, none) == {"cpus": 2, "memory_mib": 1024, "disk_gib": 4}
+    assert reshaped(memory, {**none, "disk_gib": 9})["disk_gib"] == 9
+    with pytest.raises(SnapshotIncompatible, match="disk_gib"):
+        reshaped(memory, {**none, "disk_gib": 3})
+    for name, other in (("cpus", 4), ("memory_mib", 2048)):
+        with pytest.raises(SnapshotIncompatible, match=name):
+            reshaped(memory, {**none, name: other})
+    disk = sample_manifest("snap-d", kind=mf.SnapshotKind.DISK)
+    assert reshaped(disk, {"cpus": 4, "memory_mib": 2048, "disk_gib": None}) == {
+        "cpus": 4,
+        "memory_mib": 2048,
+        "disk_gib": 4,
+    }
+    with pytest.raises(SnapshotIncompatible, match="disk_gib"):
+        reshaped(disk, {**none, "disk_gib": 2})

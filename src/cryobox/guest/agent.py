@@ -700,6 +700,7 @@ class Agent:
             p.GuestOp.FILE_STAT: self.file_stat,
             p.GuestOp.FILE_MKDIR: self.file_mkdir,
             p.GuestOp.FILE_REMOVE: self.file_remove,
+            p.GuestOp.SYS_GROW_DISK: self.sys_grow_disk,
             p.GuestOp.FILE_WATCH: self.file_watch,
             p.GuestOp.FILE_UNWATCH: self.file_unwatch,
             p.GuestOp.VOLUME_MOUNT: self.volume_mount,
@@ -1182,6 +1183,27 @@ class Agent:
             raise OpError(p.NOT_FOUND, f"no watch {args['watch_id']}")
         stop.set()
 
+    async def sys_grow_disk(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        """Grow the root file system (ext4, mounted: online) once the kernel sees the
+        disk at ``bytes``; the host resized it just before asking."""
+        wanted = int(args["bytes"])
+        deadline = time.monotonic() + 30
+        while (seen := disk_bytes()) < wanted:
+            if time.monotonic() > deadline:
+                raise OpError(p.INTERNAL, f"the disk still shows {seen} bytes, not {wanted}")
+            await asyncio.sleep(0.02)
+        grow = await asyncio.create_subprocess_exec(
+            "resize2fs",
+            f"/dev/{ROOT_DISK}",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        said, _ = await grow.communicate()
+        if grow.returncode != 0:
+            raise OpError(p.INTERNAL, f"resize2fs: {said.decode(errors='replace')[-500:]}")
+        return {"bytes": seen}
+
     def sys_refresh(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         """Make a restored guest current: clock, entropy, and (for a new sandbox) identity."""
         if "time_ns" in args:
@@ -1197,6 +1219,15 @@ class Agent:
         # The agent's own part of a restore's first answer (the supervisor logs it).
         spent_ms = (time.monotonic_ns() - self.channel.read_ns) / 1e6 if self.channel else None
         return {"time_ns": time.time_ns(), "pid": os.getpid(), "spent_ms": spent_ms}
+
+
+ROOT_DISK = "vda"
+
+
+def disk_bytes(name: str = ROOT_DISK) -> int:
+    """The size of a block device as the guest's kernel sees it now."""
+    sectors = read_text(f"/sys/block/{name}/size")
+    return int(sectors) * 512 if sectors.isdigit() else 0
 
 
 def make_folders(directory: str, owner: Any) -> None:

@@ -78,6 +78,9 @@ class GuestOp(enum.StrEnum):
     FILE_WATCH = "file.watch"
     FILE_UNWATCH = "file.unwatch"
     SYS_REFRESH = "sys.refresh"
+    #: Grow the root file system into a disk the host made larger while the guest runs
+    #: (once the guest's kernel sees the new size): a restore asked for a bigger disk.
+    SYS_GROW_DISK = "sys.grow_disk"
     #: Mount a volume port's file system at a path (done already: nothing to do).
     VOLUME_MOUNT = "volume.mount"
 

@@ -21,7 +21,7 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient
 from cryobox.errors import NetworkError, QemuError, QemuNotInstalled
 from cryobox.network.namespace import Link, attach, change, isolate_this_process
 from cryobox.network.policy import NetworkPolicy
-from cryobox.qemu.command import build_command, hostfwd
+from cryobox.qemu.command import ROOT_DRIVE, build_command, hostfwd
 from cryobox.vmm.base import MachineSpec, PortForward
 
 BINARY = "qemu-system-x86_64"
@@ -334,6 +334,10 @@ class QemuProcess:
 
     async def continue_cpus(self) -> None:
         await self.execute("cont")
+
+    async def resize_disk(self, size_bytes: int) -> None:
+        # virtio-blk tells the guest (a configuration change interrupt).
+        await self.execute("block_resize", {"node-name": ROOT_DRIVE, "size": size_bytes})
 
     async def add_port_forward(self, forward: PortForward) -> None:
         answer = await self.human_monitor(

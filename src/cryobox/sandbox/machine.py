@@ -437,7 +437,8 @@ class Machine:
         timer = StepTimer(f"restore of {manifest.id}")
         folder = self.store.folder(manifest.id)
         self._console_history(manifest)
-        disk = self._new_layer((manifest.id, *manifest.disk_chain))
+        # The layer is the size the guest knew; a larger disk asked for grows after.
+        disk = self._new_layer((manifest.id, *manifest.disk_chain), manifest.disk_gib)
         timer("disk layer")
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
@@ -475,7 +476,18 @@ class Machine:
                 await copying
                 timer("ram copy done")
         await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity, timer=timer)
+        if self.spec.disk_gib > manifest.disk_gib:
+            await self._grow_disk()
+            timer("disk grown")
         timer.log()
+
+    async def _grow_disk(self) -> None:
+        """Resize the root disk to the sandbox's size and grow the guest's file system
+        into it (online): a memory snapshot restored with a larger disk than it had."""
+        assert self.vm is not None and self.agent is not None
+        size = self.spec.disk_gib << 30
+        await self.vm.resize_disk(size)
+        await self.agent.request(GuestOp.SYS_GROW_DISK, {"bytes": size}, b"", timeout=120)
 
     def _console_history(self, manifest: Manifest) -> None:
         """Say on the console log where a restored machine comes from, so ``logs`` of a
@@ -554,14 +566,15 @@ class Machine:
                 args.update(fork_id=self.spec.fork_index, forked_from=self.spec.forked_from)
         return args
 
-    def _new_layer(self, chain: tuple[str, ...]) -> str:
-        """A new writable layer over ``chain``'s top (the image when empty); its file name."""
+    def _new_layer(self, chain: tuple[str, ...], size_gib: int | None = None) -> str:
+        """A new writable layer over ``chain``'s top (the image when empty), of the
+        sandbox's disk size unless given; its file name."""
         self._layers += 1
         name = f"disk-{self._layers}.qcow2"
         backing = self.store.folder(chain[0]) / mf.DISK if chain else self.image.rootfs
         path = self.folder.path / name
         try:
-            self.vmm.create_layer(path, backing, self.spec.disk_gib)
+            self.vmm.create_layer(path, backing, size_gib or self.spec.disk_gib)
         except OSError as exc:
             raise storage_error(exc, "creating a disk layer", self.folder.path) from exc
         os.chmod(path, 0o600)

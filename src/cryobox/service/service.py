@@ -148,9 +148,9 @@ def validate(request: CreateRequest) -> None:
 #: it frees (``init_on_free``), which a template booted before never does.
 GUEST_BOOT = 2
 RESHAPE_HINT = (
-    "a memory snapshot keeps the vCPUs, RAM and disk it was saved with: build a template "
-    "of that shape with build_template(name, cpus=, memory_mib=, disk_gib=), or give no "
-    "template: the default one is built once for each shape asked for"
+    "a memory snapshot keeps the vCPUs and RAM it was saved with (its disk may grow): "
+    "build a template of that shape with build_template(name, cpus=, memory_mib=), or "
+    "give no template: the default one is built once for each shape asked for"
 )
 #: The default template's shape, as ``build_template``'s arguments.
 _DEFAULT_SHAPE = {
@@ -159,6 +159,33 @@ _DEFAULT_SHAPE = {
     "disk_gib": config.DEFAULT_DISK_GIB,
 }
 _SHAPED_DEFAULT = re.compile(r"default-([1-9]\d*)c-([1-9]\d*)m-([1-9]\d*)g")
+
+
+GROW_HINT = "a disk can grow, never shrink: ask for at least the saved size"
+
+
+def reshaped(source: Manifest, asked: dict[str, int | None]) -> dict[str, int | None]:
+    """The shape a sandbox started from ``source`` gets: the saved one, but a larger
+    disk (grown after the restore, the file system with it) and, for a disk snapshot
+    (which boots anew), any vCPUs and RAM.
+
+    :raises SnapshotIncompatible: naming the field: other vCPUs or RAM for a memory
+        snapshot (QEMU continues a machine as it was), or a smaller disk.
+    """
+    shape: dict[str, int | None] = {}
+    for name, wanted in asked.items():
+        saved = int(getattr(source, name))
+        if wanted is None or wanted == saved:
+            shape[name] = saved
+        elif name == "disk_gib":
+            if wanted < saved:
+                raise SnapshotIncompatible(source.id, name, saved, wanted, hint=GROW_HINT)
+            shape[name] = wanted
+        elif source.kind is SnapshotKind.DISK:
+            shape[name] = wanted
+        else:
+            raise SnapshotIncompatible(source.id, name, saved, wanted, hint=RESHAPE_HINT)
+    return shape
 
 
 def shaped_template(request: CreateRequest) -> str:
@@ -462,12 +489,7 @@ class SandboxService:
             "disk_gib": request.disk_gib,
         }
         if source is not None:
-            for name, asked in shape.items():
-                if asked is not None and asked != getattr(source, name):
-                    raise SnapshotIncompatible(
-                        source.id, name, getattr(source, name), asked, hint=RESHAPE_HINT
-                    )
-                shape[name] = getattr(source, name)
+            shape = reshaped(source, shape)
         mounts = volume_plan(
             (VolumeMount.from_json(value) for value in source.volumes) if source else (),
             request.volumes,
@@ -481,6 +503,7 @@ class SandboxService:
             and start.forked_from is None
             and not start.pool_member
             and template in self.pools.sizes()
+            and shape["disk_gib"] == source.disk_gib  # a member has the template's disk
         )
         if pooled_template and source is not None:
             try:

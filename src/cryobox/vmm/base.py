@@ -96,6 +96,11 @@ class Vm(Protocol):
 
     async def add_port_forward(self, forward: PortForward) -> None: ...
 
+    async def resize_disk(self, size_bytes: int) -> None:
+        """Make the root disk ``size_bytes`` long (larger only) while the machine runs;
+        the guest's kernel is told and sees the new size."""
+        ...
+
     async def set_network(self, policy: NetworkPolicy) -> None:
         """Put ``policy`` in force for the running guest (no restart; connections
         already open that it refuses are cut). A VMM that does not isolate its guests

@@ -77,6 +77,12 @@ class FakeAgent(guest_agent.Agent):
             self.vm.guest["hostname"] = args["hostname"]
         return {"time_ns": args.get("time_ns", 0)}
 
+    async def sys_grow_disk(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        if self.vm.guest.get("disk_bytes") != args["bytes"]:
+            raise guest_agent.OpError(p.INTERNAL, "the disk was not resized before the grow")
+        self.vm.guest["file_system_bytes"] = args["bytes"]
+        return {"bytes": args["bytes"]}
+
 
 class FakeVm:
     """One fake machine: a host process standing for QEMU, an agent, a guest state."""
@@ -142,6 +148,10 @@ class FakeVm:
 
     async def run_state(self) -> str:
         return "running"
+
+    async def resize_disk(self, size_bytes: int) -> None:
+        self._alive()
+        self.guest["disk_bytes"] = size_bytes
 
     async def add_port_forward(self, forward: PortForward) -> None:
         self.ports.append(forward)
