@@ -36,6 +36,7 @@ from typing import Any
 from cryobox import config
 from cryobox.arguments import container_image
 from cryobox.errors import ImageError, InvalidArgument
+from cryobox.image import layers
 from cryobox.image.build import (
     Image,
     build_lock,
@@ -234,6 +235,11 @@ def _import(transport: str, path: Path, image_id: str, base: Image, say: Progres
         with _unreadable(transport, path):
             run(copy)
             config = ImageConfig.from_oci(_oci_config(layout))
+        say("counting what its layers hold")
+        try:
+            layers.check(layout)  # before a byte is unpacked: a layer may be a bomb
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"image={transport}:{path.name}: {exc}") from None
         tree = work / "tree"
         say("unpacking its layers")
         unpack = ["umoci", "raw", "unpack", "--image", f"{layout}:{_TAG}", str(tree)]
