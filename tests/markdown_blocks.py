@@ -24,9 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 RUNNABLE = ("python", "sh", "bash")
+#: Languages of blocks that are data or pictures, never run.
+DATA = ("", "json", "ini", "dockerfile", "toml", "yaml", "text")
 _NOT_RUN = re.compile(r"<!-- not run: (?P<why>.+?) -->")
 _RUN_BUT = re.compile(r"<!-- run: all but `(?P<left_out>[^`]+)`, (?P<why>.+?) -->")
-_FENCE = re.compile(r"^```(?P<language>[a-z]*)\s*$")
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<language>[A-Za-z0-9_+-]*)\s*$")
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,9 @@ def blocks(document: Path) -> list[Block]:
         if opening is None:
             index += 1
             continue
+        indent = len(opening["indent"])
         end = index + 1
-        while end < len(lines) and not lines[end].startswith("```"):
+        while end < len(lines) and not lines[end].strip().startswith("```"):
             end += 1
         if end == len(lines):
             raise ValueError(f"{document}:{index + 1}: a code block is never closed")
@@ -89,7 +92,7 @@ def blocks(document: Path) -> list[Block]:
                 document,
                 index + 1,
                 opening["language"],
-                "".join(f"{text}\n" for text in lines[index + 1 : end]),
+                "".join(f"{text[indent:]}\n" for text in lines[index + 1 : end]),
                 not_run=not_run["why"] if not_run else None,
                 left_out=run_but["left_out"] if run_but else None,
             )

@@ -46,13 +46,19 @@ def test_a_negative_number_is_a_value_refused_by_name(tmp_path: Path) -> None:
     assert made.returncode == 0, made.stderr
     sandbox_id = made.stdout.strip().splitlines()[-1]
     try:
-        for seconds in ("-1", "0"):
+        paused = subprocess.run([*CLI, "pause", sandbox_id], env=env, capture_output=True)
+        assert paused.returncode == 0, paused.stderr
+        for seconds in ("-1", "0", "nan"):
             done = subprocess.run(
                 [*CLI, "set-timeout", sandbox_id, seconds], env=env, capture_output=True, text=True
             )
             assert done.returncode == 1
             assert "must be a number, more than 0" in done.stderr, done.stderr
             assert "No such option" not in done.stderr
+        state = subprocess.run(
+            [*CLI, "info", sandbox_id, "--json"], env=env, capture_output=True, text=True
+        )
+        assert '"state": "paused"' in state.stdout  # refused before anything resumed it
         extended = subprocess.run(
             [*CLI, "set-timeout", sandbox_id, "600"], env=env, capture_output=True, text=True
         )

@@ -124,6 +124,26 @@ def test_quotas_are_answered_429_naming_the_limit(server: ApiServer) -> None:
         first.kill()
 
 
+def test_a_disk_snapshot_started_at_another_shape_counts_that_shape(server: ApiServer) -> None:
+    """A disk snapshot boots at any vCPUs and RAM: the quota counts what is asked for,
+    not the snapshot's shape (which once let a tenant past its vCPU limit)."""
+    key = server.tenant("shaped", "--max-vcpus", "4", "--max-memory-mib", "4096")
+    source = sdk(server, key)
+    try:
+        source.snapshot("files", memory=False)
+    finally:
+        source.kill()
+    with pytest.raises(QuotaExceeded, match="max_vcpus"):
+        sdk(server, key, from_snapshot="files", cpus=16)
+    with pytest.raises(QuotaExceeded, match="max_memory_mib"):
+        sdk(server, key, from_snapshot="files", memory_mib=16384)
+    within = sdk(server, key, from_snapshot="files", cpus=3)
+    try:
+        assert within.info().cpus == 3
+    finally:
+        within.kill()
+
+
 def test_the_sdk_works_over_http(server: ApiServer, tmp_path: Path) -> None:
     with sdk(server, ports=[8000]) as sbx:
         seen: list[str] = []

@@ -655,7 +655,8 @@ NUMBERS = {"ignore_unknown_options": True}
 def set_timeout(sandbox_id: str, seconds: float) -> None:
     """Kill the sandbox SECONDS from now unless extended again."""
     with errors_reported():
-        Sandbox.connect(sandbox_id).set_timeout(seconds)  # (a paused one is resumed)
+        # A bad value is refused before a paused sandbox is resumed for it.
+        Sandbox.connect(sandbox_id, resume=False).set_timeout(seconds)
 
 
 @app.command("network")

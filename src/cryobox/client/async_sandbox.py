@@ -709,8 +709,9 @@ class AsyncSandbox:
         id or name) starts from a saved snapshot instead. ``cpus``, ``memory_mib`` and
         ``disk_gib`` (default 2, 1024, 4) may be anything with the default template: one
         is built for each shape asked for, on first use (``default-4c-2048m-4g``); a
-        named template or a snapshot keeps the shape it was saved with (another is
-        refused with :class:`SnapshotIncompatible`, saying so).
+        named template or a memory snapshot keeps the vCPUs and RAM it was saved with
+        (others are refused with :class:`SnapshotIncompatible`, saying so) and takes a
+        larger disk (grown after the restore); a disk snapshot boots at any shape.
 
         ``timeout`` seconds after its start or last resume (or :meth:`set_timeout`), it
         is killed; with ``on_timeout="pause"`` it is paused instead, the whole machine

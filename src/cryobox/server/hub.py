@@ -66,7 +66,7 @@ from cryobox.service.service import (
     DEFAULT_TEMPLATE,
     shaped_template,
 )
-from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
+from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
 from cryobox.wire import SandboxUsage, UsageReport
@@ -548,7 +548,8 @@ class Hub:
         self.volumes.check_storage(tenant, self._stored.get(tenant.id, 0))
 
     def _shape(self, request: CreateRequest) -> tuple[int, int]:
-        """The vCPUs and MiB a create will take (the source snapshot's when it has one)."""
+        """The vCPUs and MiB a create will take: a memory snapshot's when it starts
+        from one (it keeps them), else what it asks for (a disk snapshot boots anew)."""
         source: Manifest | None = None
         with contextlib.suppress(CryoboxError):
             if request.from_snapshot is not None:
@@ -557,8 +558,10 @@ class Hub:
                 entry = self.service.store.template(shaped_template(request))
                 if entry is not None:
                     source = self.service.store.get(str(entry["snapshot"]))
-        if source is not None:
+        if source is not None and source.kind is SnapshotKind.MEMORY:
             return source.cpus, source.memory_mib
+        if source is not None:
+            return request.cpus or source.cpus, request.memory_mib or source.memory_mib
         return (
             request.cpus or config.DEFAULT_CPUS,
             request.memory_mib or config.DEFAULT_MEMORY_MIB,
