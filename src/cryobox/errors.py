@@ -299,6 +299,7 @@ _GUEST_ACTIONS = {
     "file.watch": "watching",
     "file.unwatch": "stopping a watch",
     "sys.refresh": "refreshing the guest's identity",
+    "sys.grow_disk": "growing the guest's disk",
     "volume.mount": "mounting a volume",
 }
 
