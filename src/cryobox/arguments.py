@@ -27,8 +27,9 @@ def whole_number(name: str, value: Any, low: int, high: int) -> int:
     return value
 
 
-def positive_seconds(name: str, value: Any) -> float:
-    """``value`` as seconds if it is a positive, finite number (not a bool).
+def positive_seconds(name: str, value: Any, at_most: float | None = None) -> float:
+    """``value`` as seconds if it is a positive, finite number (not a bool), and not
+    above ``at_most`` when given.
 
     :raises InvalidArgument: naming ``name``.
     """
@@ -39,6 +40,8 @@ def positive_seconds(name: str, value: Any) -> float:
         or value <= 0
     ):
         raise InvalidArgument(f"{name}={value!r}: must be a positive, finite number of seconds")
+    if at_most is not None and value > at_most:
+        raise InvalidArgument(f"{name}={value!r}: must be at most {at_most:g} seconds")
     return float(value)
 
 

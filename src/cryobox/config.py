@@ -24,6 +24,8 @@ DEFAULT_MEMORY_MIB = 1024
 DEFAULT_DISK_GIB = 4
 #: Seconds a sandbox lives unless extended; the countdown restarts on extension.
 DEFAULT_TIMEOUT = 300.0
+#: The longest timeout (and idle timeout) a sandbox may be given: 30 days.
+MAX_TIMEOUT = 30 * 86400.0
 #: The tenant of everything done without a server (the embedded SDK and the CLI).
 LOCAL_TENANT = "local"
 #: Most members one template's warm pool may keep.

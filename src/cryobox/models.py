@@ -18,7 +18,7 @@ from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 from cryobox import config
 
 #: Bounds of the wire schema (see :class:`CreateRequest`).
-Seconds = Annotated[float, Gt(0), Le(30 * 86400)]
+Seconds = Annotated[float, Gt(0), Le(config.MAX_TIMEOUT)]
 Port = Annotated[int, Ge(1), Le(65535)]
 Text = Annotated[str, MinLen(1), MaxLen(4096)]
 #: A network policy as records keep it: "internet", "none", an allow list, or
@@ -465,7 +465,7 @@ class CreateRequest:
     #: Seconds without use after which ``cryobox server`` pauses the sandbox, to be woken
     #: by the next call or connection (0: never; None: the server's default, 600). Only a
     #: server watches for idleness: embedded, nothing runs between calls to notice it.
-    idle_timeout: Annotated[float, Ge(0), Le(30 * 86400)] | None = None
+    idle_timeout: Annotated[float, Ge(0), Le(config.MAX_TIMEOUT)] | None = None
     #: Environment variables every command in the sandbox gets (a command's own ``envs``
     #: win); kept private on the host, never shown by ``info``.
     envs: Annotated[Mapping[str, Annotated[str, MaxLen(65536)]], MaxLen(1024)] = field(

@@ -53,7 +53,10 @@ def test_a_negative_number_is_a_value_refused_by_name(tmp_path: Path) -> None:
                 [*CLI, "set-timeout", sandbox_id, seconds], env=env, capture_output=True, text=True
             )
             assert done.returncode == 1
-            assert "must be a number, more than 0" in done.stderr, done.stderr
+            assert (
+                "seconds=" in done.stderr
+                and "must be a positive, finite number of seconds" in done.stderr
+            ), done.stderr
             assert "No such option" not in done.stderr
         state = subprocess.run(
             [*CLI, "info", sandbox_id, "--json"], env=env, capture_output=True, text=True

@@ -8,7 +8,6 @@ parsing and, for an embedded call, opening the host's state.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -44,7 +43,7 @@ class CliFigures:
 
 def _wall(argv: list[str]) -> float:
     start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, check=False, env=os.environ.copy())
+    done = subprocess.run(argv, capture_output=True, check=False)
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr!r}")

@@ -986,9 +986,15 @@ async def cli_start(ctx: Context) -> list[Figure]:
         summarize("cli-python", measured.python, "s", note="python -c pass: the interpreter"),
         summarize("cli-version", measured.version, "s", note="cryobox --version: imports only"),
     ]
-    for name, wall, inside, call in (
-        ("ls", measured.ls, measured.ls_in_process, "Sandbox.list()"),
-        ("exec", measured.exec, measured.exec_in_process, 'commands.run(["true"])'),
+    for name, command, wall, inside, call in (
+        ("ls", "ls", measured.ls, measured.ls_in_process, "Sandbox.list()"),
+        (
+            "exec",
+            "exec ID -- true",
+            measured.exec,
+            measured.exec_in_process,
+            'commands.run(["true"])',
+        ),
     ):
         operation = statistics.median(inside)
         overhead = statistics.median(wall) - operation
@@ -999,7 +1005,7 @@ async def cli_start(ctx: Context) -> list[Figure]:
                 "s",
                 baseline=f"{call} in a running process",
                 base_value=operation,
-                note=f"cryobox {'ls' if name == 'ls' else 'exec ID -- true'} as a new process;"
+                note=f"cryobox {command} as a new process;"
                 f" CLI overhead {overhead:.3f} s (target 0.3 s), of which the interpreter "
                 f"{python:.3f} s; {call} alone {operation:.3f} s",
             )

@@ -24,7 +24,14 @@ from types import TracebackType
 from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
 from cryobox import config, wire
-from cryobox.arguments import container_image, env_vars, labels, read_bundle, text
+from cryobox.arguments import (
+    container_image,
+    env_vars,
+    labels,
+    positive_seconds,
+    read_bundle,
+    text,
+)
 from cryobox.errors import (
     CryoboxError,
     GuestFileNotFound,
@@ -1129,14 +1136,7 @@ class AsyncSandbox:
 
         :raises InvalidArgument: for anything but a positive number of seconds.
         """
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not 0 < seconds <= 30 * 86400
-        ):
-            raise InvalidArgument(
-                f"seconds={seconds!r}: must be a number, more than 0, at most 30 days"
-            )
+        positive_seconds("seconds", seconds, at_most=config.MAX_TIMEOUT)
         await self._awake(lambda: self._transport.set_timeout(self.id, seconds))
 
     async def update_network(

@@ -121,7 +121,7 @@ def setup_system() -> None:
     params = kernel_params()
     # The per-sandbox disk may be larger than the image's filesystem: grow into it.
     resize = subprocess.Popen(
-        ["resize2fs", "/dev/vda"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        ["resize2fs", f"/dev/{ROOT_DISK}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     # eth0 gets no IPv6 from any network cryobox gives it (user-mode networking runs
     # with ipv6=off, the isolated one rejects it): without its link-local address and

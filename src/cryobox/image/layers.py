@@ -71,32 +71,57 @@ def check(layout: Path, *, limit: int | None = None, entries: int = MAX_ENTRIES)
     return total
 
 
-def _layers(layout: Path) -> Iterator[tuple[str, Path]]:
+def blob_path(layout: Path, digest: str) -> Path:
+    """The file of blob ``digest`` (``sha256:HEX``) in OCI layout ``layout``.
+
+    :raises ImageError: for a digest that is not an algorithm and hex digits.
+    """
+    algorithm, _, hexdigest = digest.partition(":")
+    if not hexdigest.isalnum() or not algorithm.isalnum():
+        raise ImageError(f"the image names a blob {digest!r}")
+    return layout / "blobs" / algorithm / hexdigest
+
+
+def json_blob(layout: Path, digest: str) -> dict[str, Any]:
+    """A JSON object blob of ``layout`` (a manifest, a configuration).
+
+    :raises ImageError: when it is not a JSON object; OSError or ValueError when unreadable.
+    """
+    value = json.loads(blob_path(layout, digest).read_text())
+    if not isinstance(value, dict):
+        raise ImageError(f"the image's blob {digest} is not a JSON object")
+    return value
+
+
+def image_manifest(layout: Path) -> dict[str, Any]:
+    """The manifest of the one image in ``layout`` (the first its index names).
+
+    :raises ImageError, OSError, ValueError, KeyError, IndexError, TypeError: unreadable.
+    """
+    index = json.loads((layout / "index.json").read_text())
+    return json_blob(layout, index["manifests"][0]["digest"])
+
+
+def _layers(layout: Path) -> list[tuple[str, Path]]:
     """Each layer's media type and blob file, bottom first."""
-
-    def blob(digest: str) -> Path:
-        algorithm, _, hexdigest = digest.partition(":")
-        if not hexdigest.isalnum() or not algorithm.isalnum():
-            raise ImageError(f"the image names a blob {digest!r}")
-        return layout / "blobs" / algorithm / hexdigest
-
     try:
-        index = json.loads((layout / "index.json").read_text())
-        manifest: dict[str, Any] = json.loads(blob(index["manifests"][0]["digest"]).read_text())
-        layers = [(str(layer["mediaType"]), blob(layer["digest"])) for layer in manifest["layers"]]
+        manifest = image_manifest(layout)
+        return [
+            (str(layer["mediaType"]), blob_path(layout, layer["digest"]))
+            for layer in manifest["layers"]
+        ]
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise ImageError(f"cannot read the image's manifest: {exc!r}") from exc
-    yield from layers
 
 
 @contextmanager
 def _opened(media_type: str, blob: Path) -> Iterator[IO[bytes]]:
     """The layer's tar stream, decompressed as its media type says."""
     with open(blob, "rb") as raw:
-        if media_type.endswith("+gzip") or media_type.endswith(".gzip"):
+        if media_type.endswith(("+gzip", ".gzip")):
             with gzip.GzipFile(fileobj=raw) as unzipped:
                 yield cast(IO[bytes], unzipped)
-        elif media_type.endswith("+zstd") or media_type.endswith(".zstd"):
+        elif media_type.endswith(("+zstd", ".zstd")):
             with zstandard.ZstdDecompressor().stream_reader(raw) as unzstd:
                 yield unzstd
         else:

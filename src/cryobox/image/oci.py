@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import stat
@@ -306,18 +305,9 @@ def _unreadable(transport: str, path: Path) -> Iterator[None]:
 
 def _oci_config(layout: Path) -> dict[str, Any]:
     """The ``config`` object of the one image in OCI layout ``layout``."""
-
-    def blob(digest: str) -> dict[str, Any]:
-        algorithm, _, hexdigest = digest.partition(":")
-        value = json.loads((layout / "blobs" / algorithm / hexdigest).read_text())
-        if not isinstance(value, dict):
-            raise ImageError(f"the image's blob {digest} is not a JSON object")
-        return value
-
     try:
-        index = json.loads((layout / "index.json").read_text())
-        manifest = blob(index["manifests"][0]["digest"])
-        return dict(blob(manifest["config"]["digest"]).get("config") or {})
+        manifest = layers.image_manifest(layout)
+        return dict(layers.json_blob(layout, manifest["config"]["digest"]).get("config") or {})
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise ImageError(f"cannot read the image's configuration: {exc!r}") from exc
 

@@ -182,7 +182,8 @@ def build_server(api_url: str | None = None, api_key: str | None = None) -> MCPS
         memory_mib: Annotated[int | None, Field(ge=256, le=262144)] = None,
         disk_gib: Annotated[int | None, Field(ge=1, le=1024)] = None,
         timeout_seconds: Annotated[
-            float, Field(gt=0, le=30 * 86400, description="Killed after this, unless extended.")
+            float,
+            Field(gt=0, le=config.MAX_TIMEOUT, description="Killed after this, unless extended."),
         ] = config.DEFAULT_TIMEOUT,
         network: Annotated[
             str | list[str] | dict[str, list[str]],
