@@ -300,6 +300,7 @@ _GUEST_ACTIONS = {
     "file.unwatch": "stopping a watch",
     "sys.refresh": "refreshing the guest's identity",
     "sys.grow_disk": "growing the guest's disk",
+    "sys.online": "bringing added vCPUs and RAM online",
     "volume.mount": "mounting a volume",
 }
 

@@ -14,6 +14,7 @@ from cryobox.qemu import build_command
 from cryobox.qemu.accel import cpu_has_virtualization, detect_accelerator
 from cryobox.qemu.process import qemu_binary
 from cryobox.vmm import MachineSpec, PortForward
+from cryobox.vmm.base import new_layout
 
 
 @pytest.fixture(autouse=True)
@@ -280,3 +281,23 @@ def test_a_bad_threading_setting_is_named_by_the_fork(monkeypatch: pytest.Monkey
     monkeypatch.setenv("CRYOBOX_TCG_THREADS", "many")
     with pytest.raises(InvalidArgument, match="CRYOBOX_TCG_THREADS"):
         config.fork_tcg_threads(10)
+
+
+def test_a_machine_with_room_to_grow_and_what_was_added_since_its_boot() -> None:
+    """A restore builds the layout the machine was saved with: its boot vCPUs and RAM
+    with room to grow, then each vCPU and memory module added since, in order."""
+    legacy = build_command("qemu", spec())
+    assert (option(legacy, "-smp"), option(legacy, "-m")) == (["2"], ["512M"])
+    layout = new_layout(2, 512).grown(4, 1024)
+    argv = build_command("qemu", spec(layout=layout))
+    assert option(argv, "-smp") == ["cpus=2,maxcpus=16,sockets=16,cores=1,threads=1"]
+    assert option(argv, "-m") == ["512M,slots=8,maxmem=65536M"]
+    devices = option(argv, "-device")
+    assert devices[:3] == [
+        "max-x86_64-cpu,id=cpu2,socket-id=2,core-id=0,thread-id=0",
+        "max-x86_64-cpu,id=cpu3,socket-id=3,core-id=0,thread-id=0",
+        "pc-dimm,id=dimm0,memdev=dimm0ram",
+    ]
+    assert "memory-backend-ram,id=dimm0ram,size=512M" in option(argv, "-object")
+    # The RAM file holds the boot memory only; the module's RAM rides in the device state.
+    assert "memory-backend-file,id=mem0,size=512M,mem-path=/mem,share=on" in option(argv, "-object")

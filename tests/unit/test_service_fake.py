@@ -232,6 +232,32 @@ def test_templates_are_listed_and_removed_through_the_cli() -> None:
     assert snapshot not in {s.id for s in Sandbox.snapshots()}  # collected with its last user
 
 
+def test_a_templates_variant_with_more_vcpus_and_ram_is_kept_with_it_and_goes_with_it() -> None:
+    """The first create of a template with more vCPUs or RAM saves the grown machine as
+    the template's variant of that shape; later creates start from it; it goes when the
+    template is built again or deleted, once nothing builds on it."""
+    Sandbox.build_template("roomy", ["true"])
+    variant = "template:roomy@3c-1536m"
+
+    def variants() -> list[str]:
+        return [s.name or "" for s in Sandbox.snapshots() if "@" in (s.name or "")]
+
+    first = Sandbox.create("roomy", cpus=3, memory_mib=1536)
+    assert (first.info().cpus, first.info().memory_mib) == (3, 1536)
+    assert variants() == [variant]
+    second = Sandbox.create("roomy", cpus=3, memory_mib=1536)
+    assert variants() == [variant] and second.info().origin == first.info().origin
+    Sandbox.build_template("roomy", ["true"])  # built again: its variants are stale
+    first.kill()
+    second.kill()
+    assert variants() == []  # collected with their last users
+    third = Sandbox.create("roomy", cpus=3, memory_mib=1536)
+    assert variants() == [variant]
+    third.kill()
+    Sandbox.delete_template("roomy")
+    assert all("roomy" not in (s.name or "") for s in Sandbox.snapshots())
+
+
 def test_the_default_template_of_a_shape_is_the_hosts_alone() -> None:
     with pytest.raises(InvalidArgument, match="the host's default template of that shape"):
         Sandbox.build_template("default-4c-2048m-4g", ["true"])

@@ -22,6 +22,7 @@ from cryobox.errors import (
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import store
 from cryobox.util import copy_sparse
+from cryobox.vmm.base import Layout, new_layout
 
 
 def sample_manifest(snapshot_id: str, **changes: object) -> mf.Manifest:
@@ -297,9 +298,29 @@ def test_a_restore_keeps_the_saved_shape_but_a_disk_grows() -> None:
     assert reshaped(memory, {**none, "disk_gib": 9})["disk_gib"] == 9
     with pytest.raises(SnapshotIncompatible, match="disk_gib"):
         reshaped(memory, {**none, "disk_gib": 3})
-    for name, other in (("cpus", 4), ("memory_mib", 2048)):
-        with pytest.raises(SnapshotIncompatible, match=name):
+    for name, other in (("cpus", 4), ("memory_mib", 2048)):  # saved without room to grow
+        with pytest.raises(SnapshotIncompatible, match=f"{name}.*could not add vCPUs or RAM"):
             reshaped(memory, {**none, name: other})
+    growable = replace(memory, layout=new_layout(2, 1024).to_json())
+    assert reshaped(growable, {**none, "cpus": 16, "memory_mib": 2048}) == {
+        "cpus": 16,
+        "memory_mib": 2048,
+        "disk_gib": 4,
+    }
+    for name, other, why in (
+        ("cpus", 1, "can grow, never shrink"),
+        ("cpus", 17, "16 vCPUs at most"),
+        ("memory_mib", 512, "can grow, never shrink"),
+        ("memory_mib", 1100, "steps of 128 MiB from its 1024: ask for 1152"),
+        ("memory_mib", 1300, "ask for 1408 or 1280"),
+        ("memory_mib", 65 * 1024, "65536 MiB at most"),
+    ):
+        with pytest.raises(SnapshotIncompatible, match=f"{name}.*{why}"):
+            reshaped(growable, {**none, name: other})
+    full = replace(growable, layout=replace(new_layout(2, 1024), dimms=(128,) * 8).to_json())
+    with pytest.raises(SnapshotIncompatible, match="8 memory slots are used"):
+        reshaped(replace(full, memory_mib=2048), {**none, "memory_mib": 2176})
+
     disk = sample_manifest("snap-d", kind=mf.SnapshotKind.DISK)
     assert reshaped(disk, {"cpus": 4, "memory_mib": 2048, "disk_gib": None}) == {
         "cpus": 4,
@@ -308,3 +329,13 @@ def test_a_restore_keeps_the_saved_shape_but_a_disk_grows() -> None:
     }
     with pytest.raises(SnapshotIncompatible, match="disk_gib"):
         reshaped(disk, {**none, "disk_gib": 2})
+
+
+def test_a_layout_grows_by_whole_devices_and_round_trips() -> None:
+    """A machine's layout as a restore rebuilds it: vCPUs added after its boot ones,
+    one memory module per growth, and the same layout again from its JSON."""
+    layout = new_layout(2, 1024).grown(3, 1536).grown(4, 2048)
+    assert (layout.boot_cpus, layout.added_cpus, layout.cpus) == (2, 2, 4)
+    assert (layout.dimms, layout.memory_mib) == ((512, 512), 2048)
+    assert Layout.from_json(layout.to_json()) == layout
+    assert Layout.from_json({}) is None  # saved before machines could grow

@@ -28,4 +28,5 @@ SCENARIOS = (
     "http-get",
     "store",
     "cli-start",
+    "shape",
 )

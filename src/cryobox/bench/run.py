@@ -37,6 +37,7 @@ from . import cli_start as bench_cli
 from . import diy as bench_diy
 from . import http as bench_http
 from . import saved as bench_saved
+from . import shapes as bench_shapes
 from . import steps as bench_steps
 from . import store as bench_store
 from . import translation as bench_translation
@@ -977,6 +978,44 @@ async def file_transfer(ctx: Context) -> list[Figure]:
     return figures
 
 
+async def shape(ctx: Context) -> list[Figure]:
+    """A template of one's own created with more vCPUs and RAM: the first create of a
+    shape (a variant made: restore, hot-plug, save) and later ones (the variant
+    restored), against the template's own restore and a cold boot."""
+    measured = await bench_shapes.run(ctx.quick)
+    (cpus, kib), (grown_cpus, grown_kib) = measured.shapes
+    seen = (
+        f"the guest saw {cpus} vCPUs and {kib >> 10} MiB, grown {grown_cpus} and {grown_kib >> 10}"
+    )
+    return [
+        summarize(
+            "shape-same",
+            measured.same,
+            "s",
+            baseline="cold boot",
+            base_value=ctx.cold_boot_s,
+            note="create(template=yours) at its own shape, to first command",
+        ),
+        summarize(
+            "shape-first",
+            measured.first,
+            "s",
+            baseline="cold boot",
+            base_value=ctx.cold_boot_s,
+            note="the first create of a shape with +1 vCPU and +1 GiB (or more): restore, "
+            f"plug in, bring online, save the variant, restore it; {seen}",
+        ),
+        summarize(
+            "shape-later",
+            measured.later,
+            "s",
+            baseline="shape-same",
+            base_value=statistics.median(measured.same),
+            note="later creates of that shape: the kept variant restored",
+        ),
+    ]
+
+
 async def cli_start(ctx: Context) -> list[Figure]:
     """``cryobox ls`` and ``cryobox exec ID -- true`` as new processes, beside the same
     calls in a running process; the CLI's overhead is the difference of the medians."""
@@ -1144,6 +1183,8 @@ async def run_scenarios(names: tuple[str, ...], quick: bool = False) -> list[Fig
         figures += await store(ctx)
     if "cli-start" in names:
         figures += await cli_start(ctx)
+    if "shape" in names:
+        figures += await shape(ctx)
     for template in ctx.made_templates:  # leave no benchmark templates behind
         await AsyncSandbox.delete_template(template)
     return with_diy(figures, ctx.diy)

@@ -716,9 +716,11 @@ class AsyncSandbox:
         id or name) starts from a saved snapshot instead. ``cpus``, ``memory_mib`` and
         ``disk_gib`` (default 2, 1024, 4) may be anything with the default template: one
         is built for each shape asked for, on first use (``default-4c-2048m-4g``); a
-        named template or a memory snapshot keeps the vCPUs and RAM it was saved with
-        (others are refused with :class:`SnapshotIncompatible`, saying so) and takes a
-        larger disk (grown after the restore); a disk snapshot boots at any shape.
+        named template or a memory snapshot takes more vCPUs and RAM than it was saved
+        with (plugged in after the restore; a template keeps the grown machine as its
+        variant of that shape for later creates) and a larger disk (grown after the
+        restore); fewer, or RAM not in whole 128 MiB steps, are refused with
+        :class:`SnapshotIncompatible`, saying why; a disk snapshot boots at any shape.
 
         ``timeout`` seconds after its start or last resume (or :meth:`set_timeout`), it
         is killed; with ``on_timeout="pause"`` it is paused instead, the whole machine

@@ -701,6 +701,7 @@ class Agent:
             p.GuestOp.FILE_MKDIR: self.file_mkdir,
             p.GuestOp.FILE_REMOVE: self.file_remove,
             p.GuestOp.SYS_GROW_DISK: self.sys_grow_disk,
+            p.GuestOp.SYS_ONLINE: self.sys_online,
             p.GuestOp.FILE_WATCH: self.file_watch,
             p.GuestOp.FILE_UNWATCH: self.file_unwatch,
             p.GuestOp.VOLUME_MOUNT: self.volume_mount,
@@ -1204,6 +1205,35 @@ class Agent:
             raise OpError(p.INTERNAL, f"resize2fs: {said.decode(errors='replace')[-500:]}")
         return {"bytes": seen}
 
+    async def sys_online(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        """Bring online the vCPUs 0 to ``cpus`` - 1 and the memory blocks of each
+        ``[address, bytes]`` in ``memory``, once the kernel has them (ACPI tells it of
+        each device the host plugs in; nothing here onlines them by itself)."""
+        wanted = int(args["cpus"])
+        deadline = time.monotonic() + 30
+        pending = [Path(f"/sys/devices/system/cpu/cpu{n}/online") for n in range(1, wanted)]
+        block = int(Path("/sys/devices/system/memory/block_size_bytes").read_text(), 16)
+        for address, size in args.get("memory", ()):
+            first, end = int(address) // block, (int(address) + int(size)) // block
+            memory = Path("/sys/devices/system/memory")
+            pending += [memory / f"memory{i}" / "state" for i in range(first, end)]
+        for switch in pending:
+            while not switch.exists():
+                if time.monotonic() > deadline:
+                    raise OpError(p.INTERNAL, f"{switch.parent} did not appear within 30 s")
+                await asyncio.sleep(0.02)
+            offline = "0" if switch.name == "online" else "offline"
+            if switch.read_text().strip() == offline:
+                switch.write_text("1" if switch.name == "online" else "online")
+        total = _mem_total()
+        if args.get("memory"):
+            # The commands' memory limit as init sets it at boot (init.c): the RAM less
+            # an eighth of it, between 32 and 128 MiB, kept for the agent and the kernel.
+            limit = Path("/sys/fs/cgroup/commands/memory.max")
+            with contextlib.suppress(OSError):
+                limit.write_text(str(total - min(max(total // 8, 32 << 20), 128 << 20)))
+        return {"cpus": os.cpu_count(), "memory_bytes": total}
+
     def sys_refresh(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         """Make a restored guest current: clock, entropy, and (for a new sandbox) identity."""
         if "time_ns" in args:
@@ -1222,6 +1252,14 @@ class Agent:
 
 
 ROOT_DISK = "vda"
+
+
+def _mem_total() -> int:
+    """The RAM the guest's kernel manages (``MemTotal``), in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def disk_bytes(name: str = ROOT_DISK) -> int:

@@ -81,6 +81,9 @@ class GuestOp(enum.StrEnum):
     #: Grow the root file system into a disk the host made larger while the guest runs
     #: (once the guest's kernel sees the new size): a restore asked for a bigger disk.
     SYS_GROW_DISK = "sys.grow_disk"
+    #: Bring vCPUs and memory the host plugged in online (once the guest's kernel has
+    #: them): a restore asked for more vCPUs or RAM than the machine was saved with.
+    SYS_ONLINE = "sys.online"
     #: Mount a volume port's file system at a path (done already: nothing to do).
     VOLUME_MOUNT = "volume.mount"
 

@@ -39,6 +39,10 @@ BASE_KERNEL_ARGS = (
     # the RAM file even when it is mapped privately: in a fork, that is the frozen file
     # every sibling maps.
     "init_on_free=1",
+    # No bounce buffers: every device is virtio, which reaches all of guest RAM, but room
+    # to add RAM (above 4 GiB) would otherwise make the kernel keep 64 MiB of them (the
+    # guest's MemTotal was 68 MiB smaller).
+    "swiotlb=noforce",
 )
 
 
@@ -147,6 +151,48 @@ def read_disk_args(path: Path | None) -> list[str]:
     ]
 
 
+def cpu_driver(accelerator: str) -> str:
+    """The device model of one more vCPU of the machine's CPU model."""
+    return f"{cpu_model(accelerator)}-x86_64-cpu"
+
+
+def shape_args(spec: MachineSpec) -> list[str]:
+    """``-smp`` and ``-m`` (with room to grow when the spec has a layout), and the vCPUs
+    and memory modules added since boot, as a restore must have them.
+
+    Each vCPU is a socket of its own, so vCPU ``n`` is ``socket-id=n`` however many
+    there are. An added module's RAM is private (not in a file): a capture carries it in
+    the device state, beside the RAM file of the machine's boot memory.
+    """
+    layout = spec.layout
+    if layout is None:  # a machine saved before machines could grow
+        return ["-smp", str(spec.cpus), "-m", f"{spec.memory_mib}M"]
+    args = [
+        "-smp",
+        f"cpus={layout.boot_cpus},maxcpus={layout.max_cpus},"
+        f"sockets={layout.max_cpus},cores=1,threads=1",
+        "-m",
+        f"{layout.boot_memory_mib}M,slots={layout.slots},maxmem={layout.max_memory_mib}M",
+    ]
+    for index in range(layout.boot_cpus, layout.cpus):
+        args += ["-device", cpu_device(spec.accelerator, index)]
+    for slot, mib in enumerate(layout.dimms):
+        args += ["-object", memory_object(slot, mib), "-device", memory_device(slot)]
+    return args
+
+
+def cpu_device(accelerator: str, index: int) -> str:
+    return f"{cpu_driver(accelerator)},id=cpu{index},socket-id={index},core-id=0,thread-id=0"
+
+
+def memory_object(slot: int, mib: int) -> str:
+    return f"memory-backend-ram,id=dimm{slot}ram,size={mib}M"
+
+
+def memory_device(slot: int) -> str:
+    return f"pc-dimm,id=dimm{slot},memdev=dimm{slot}ram"
+
+
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:
     """The argv that starts ``spec``'s machine (as ``runas``, a user or ``uid:gid``,
     once it is set up)."""
@@ -170,10 +216,7 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
         accel,
         "-cpu",
         cpu_model(spec.accelerator),
-        "-smp",
-        str(spec.cpus),
-        "-m",
-        f"{spec.memory_mib}M",
+        *shape_args(spec),
         "-object",
         (
             f"memory-backend-file,id=mem0,size={spec.memory_mib}M,"

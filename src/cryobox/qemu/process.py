@@ -21,7 +21,14 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient
 from cryobox.errors import NetworkError, QemuError, QemuNotInstalled
 from cryobox.network.namespace import Link, attach, change, isolate_this_process
 from cryobox.network.policy import NetworkPolicy
-from cryobox.qemu.command import ROOT_DRIVE, build_command, hostfwd
+from cryobox.qemu.command import (
+    ROOT_DRIVE,
+    build_command,
+    cpu_device,
+    hostfwd,
+    memory_device,
+    memory_object,
+)
 from cryobox.vmm.base import MachineSpec, PortForward
 
 BINARY = "qemu-system-x86_64"
@@ -170,6 +177,15 @@ GUEST_ENDINGS = {
     "guest-reset": "the guest rebooted itself (a reboot ends a sandbox)",
     "guest-panic": "the guest kernel panicked",
 }
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` command-line options as QMP arguments (whole numbers as numbers)."""
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        parsed[key] = int(value) if value.isdigit() else value
+    return parsed
 
 
 class QemuProcess:
@@ -338,6 +354,26 @@ class QemuProcess:
     async def resize_disk(self, size_bytes: int) -> None:
         # virtio-blk tells the guest (a configuration change interrupt).
         await self.execute("block_resize", {"node-name": ROOT_DRIVE, "size": size_bytes})
+
+    async def add_cpu(self, index: int) -> None:
+        # ACPI tells the guest; it brings the vCPU online when asked (``sys.online``).
+        driver, *options = cpu_device(self.spec.accelerator, index).split(",")
+        await self.execute("device_add", {"driver": driver, **_options(options)})
+
+    async def add_memory(self, slot: int, mib: int) -> int:
+        backend, *options = memory_object(slot, mib).split(",")
+        values = _options(options)
+        await self.execute(
+            "object-add",
+            {"qom-type": backend, "id": values["id"], "size": mib << 20},
+        )
+        driver, *options = memory_device(slot).split(",")
+        await self.execute("device_add", {"driver": driver, **_options(options)})
+        for module in await self.execute("query-memory-devices") or ():
+            data = module.get("data") or {}
+            if data.get("id") == f"dimm{slot}":
+                return int(data["addr"])
+        raise self.error(f"memory module dimm{slot} is not listed once added")
 
     async def add_port_forward(self, forward: PortForward) -> None:
         answer = await self.human_monitor(

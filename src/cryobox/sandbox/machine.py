@@ -83,6 +83,7 @@ from cryobox.util import (
     release_empty,
 )
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
+from cryobox.vmm.base import Layout, check_growth, manifest_shape, new_layout
 from cryobox.volume import read_disk
 
 log = logging.getLogger("cryobox.supervisor")
@@ -251,11 +252,17 @@ class Machine:
         """
         if self.ram_reserved or not self.record.memory_shared or self.record.memory_from:
             return
-        path, size = self._memory_path(), self.spec.memory_mib << 20
+        path, size = self._memory_path(), self._ram_file_bytes()
         if path.exists() and ram_at_risk(path, size):
             await asyncio.to_thread(reserve_ram, path, size)
             self.ram_reserved = True
             log.warning("free space is short: the RAM file's blocks are now reserved")
+
+    def _ram_file_bytes(self) -> int:
+        """The RAM file's size: the machine's memory at boot (RAM added since is not in
+        the file, see :func:`cryobox.qemu.command.shape_args`)."""
+        layout = Layout.from_json(self.record.layout)
+        return (layout.boot_memory_mib if layout else self.spec.memory_mib) << 20
 
     def update(self, **changes: Any) -> None:
         self.record = replace(self.record, **changes)
@@ -299,7 +306,7 @@ class Machine:
             if self.spec.restore_from is None:
                 await self._cold_boot(())
                 return
-            manifest = self._trusted(self.spec.restore_from)
+            manifest = self._trusted(self.spec.restore_from, grow=True)
             if manifest.kind is SnapshotKind.DISK:
                 await self._cold_boot((manifest.id, *manifest.disk_chain))
             else:
@@ -385,6 +392,7 @@ class Machine:
             memory_file=memory.name,
             memory_from=None,
             memory_shared=True,
+            layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
         )
         await self._start_vm(incoming=False, kernel_args=self._boot_args())
         self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
@@ -442,6 +450,7 @@ class Machine:
         timer("disk layer")
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
+        ram_file = _ram_file_bytes(manifest)
         shared = not manifest.ram_in_stream
         copying: asyncio.Future[None] | None = None
         memory_from = None
@@ -451,10 +460,10 @@ class Machine:
             memory_from, shared = manifest.id, False
         else:
             with open(memory, "wb") as handle:
-                handle.truncate(manifest.memory_mib << 20)
+                handle.truncate(ram_file)
             os.chmod(memory, 0o600)
             if shared:
-                self._maybe_reserve(memory, manifest.memory_mib << 20)
+                self._maybe_reserve(memory, ram_file)
             if not manifest.ram_in_stream:
                 # Filled while the VM starts (it only maps the file; nothing reads guest
                 # RAM before the device state loads, which waits for the copy).
@@ -467,6 +476,7 @@ class Machine:
             memory_file=None if memory_from else memory.name,
             memory_from=memory_from,
             memory_shared=shared,
+            layout=manifest.layout,
         )
         try:
             await self._start_vm(incoming=True, guest_ports=manifest.ports)
@@ -479,7 +489,31 @@ class Machine:
         if self.spec.disk_gib > manifest.disk_gib:
             await self._grow_disk()
             timer("disk grown")
+        if (self.spec.cpus, self.spec.memory_mib) != (manifest.cpus, manifest.memory_mib):
+            await self._grow_shape(timer)
+            timer("vCPUs and RAM online")
         timer.log()
+
+    async def _grow_shape(self, timer: StepTimer) -> None:
+        """Plug in the vCPUs and the memory module that take the restored machine to
+        the sandbox's shape, and have the guest bring them online: a memory snapshot
+        restored with more vCPUs or RAM than it had. Recorded in the layout first, so a
+        capture from here on describes the machine QEMU now runs."""
+        assert self.vm is not None and self.agent is not None
+        before = Layout.from_json(self.record.layout)
+        assert before is not None  # checked by _trusted
+        after = before.grown(self.spec.cpus, self.spec.memory_mib)
+        self.update(layout=after.to_json())
+        for index in range(before.cpus, after.cpus):
+            await self.vm.add_cpu(index)
+        memory = []
+        if len(after.dimms) > len(before.dimms):
+            slot, mib = len(before.dimms), after.dimms[-1]
+            memory.append([await self.vm.add_memory(slot, mib), mib << 20])
+        timer("vCPUs and RAM plugged in")
+        await self.agent.request(
+            GuestOp.SYS_ONLINE, {"cpus": after.cpus, "memory": memory}, b"", timeout=60
+        )
 
     async def _grow_disk(self) -> None:
         """Resize the root disk to the sandbox's size and grow the guest's file system
@@ -583,10 +617,11 @@ class Machine:
     def _machine_spec(
         self, incoming: bool, ports: tuple[PortForward, ...], kernel_args: tuple[str, ...] = ()
     ) -> MachineSpec:
+        layout = Layout.from_json(self.record.layout)
         return MachineSpec(
             name=f"cryobox-{self.spec.id}",
-            cpus=self.spec.cpus,
-            memory_mib=self.spec.memory_mib,
+            cpus=layout.boot_cpus if layout else self.spec.cpus,
+            memory_mib=layout.boot_memory_mib if layout else self.spec.memory_mib,
             accelerator=self.spec.accelerator,
             kernel=self.image.kernel,
             initrd=self.image.initrd,
@@ -605,6 +640,7 @@ class Machine:
             transfer_disk=self.folder.transfer_disk,
             volume_sockets=self.folder.volume_sockets(),
             read_disk=self.folder.read_disk,
+            layout=layout,
         )
 
     async def _start_vm(
@@ -706,8 +742,9 @@ class Machine:
             self.spec.cpus, self.spec.memory_mib, self.spec.accelerator, self.image
         )
 
-    def _trusted(self, ref: str) -> Manifest:
-        """The snapshot's manifest once it is verified and compatible with this sandbox.
+    def _trusted(self, ref: str, *, grow: bool = False) -> Manifest:
+        """The snapshot's manifest once it is verified and compatible with this sandbox
+        (``grow``: a new sandbox, which may have more vCPUs and RAM than it saved).
 
         :raises SnapshotError: naming the file or field that is wrong.
         """
@@ -717,11 +754,11 @@ class Machine:
                 manifest.id, "image_id", manifest.image_id, self.spec.image_id
             )
         if manifest.kind is SnapshotKind.MEMORY:
-            mf.check_compatible(
-                manifest,
-                self.backend_facts(),
-                {"cpus": self.spec.cpus, "memory_mib": self.spec.memory_mib},
-            )
+            shape = {"cpus": self.spec.cpus, "memory_mib": self.spec.memory_mib}
+            if grow:
+                check_growth(manifest.id, manifest.layout, manifest_shape(manifest), shape)
+                shape = {}
+            mf.check_compatible(manifest, self.backend_facts(), shape)
         mf.verify(self.store.folder(manifest.id), manifest)
         return manifest
 
@@ -858,6 +895,7 @@ class Machine:
             ports=tuple(self.record.ports),
             ram_in_stream=memory and not self.record.memory_shared,
             backend=self.backend_facts(),
+            layout=self.record.layout if memory else {},
             volumes=self.spec.volumes,
         )
 
@@ -1048,7 +1086,7 @@ class Machine:
                 back.append((source, target))
             crash_point("wake-moved")
             if self.record.memory_shared:
-                self._maybe_reserve(self._memory_path(), self.spec.memory_mib << 20)
+                self._maybe_reserve(self._memory_path(), self._ram_file_bytes())
             forwards = tuple(PortForward(g, h) for g, h in self.record.ports.items())
             self.update(ports={f.guest_port: f.host_port for f in await self._listen(forwards)})
             timer("files back")
@@ -1098,7 +1136,7 @@ class Machine:
         if manifest.ram_in_stream:
             memory = self.folder.path / f"memory-{uuid.uuid4().hex[:8]}"
             with open(memory, "wb") as handle:
-                handle.truncate(manifest.memory_mib << 20)
+                handle.truncate(_ram_file_bytes(manifest))
             os.chmod(memory, 0o600)
         else:
             memory = self.folder.memory_file
@@ -1110,13 +1148,14 @@ class Machine:
             memory_file=memory.name,
             memory_from=None,
             memory_shared=not manifest.ram_in_stream,
+            layout=manifest.layout,
         )
         for source, target in moved:
             os.rename(source, target)
         crash_point("resume-moved")
         if not manifest.ram_in_stream:
             try:
-                self._maybe_reserve(memory, manifest.memory_mib << 20)
+                self._maybe_reserve(memory, _ram_file_bytes(manifest))
             except StorageError:
                 for source, target in moved:
                     os.rename(target, source)
@@ -1158,7 +1197,13 @@ class Machine:
             copy.unlink(missing_ok=True)
             raise storage_error(exc, "resuming", self.folder.path) from exc
         # Recorded once the copy is whole: its layer is what the machine runs on.
-        self.update(disk=disk, memory_file=memory.name, memory_from=None, memory_shared=True)
+        self.update(
+            disk=disk,
+            memory_file=memory.name,
+            memory_from=None,
+            memory_shared=True,
+            layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
+        )
         crash_point("resume-moved")
         timer("disk copied")
         try:
@@ -1292,3 +1337,9 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no console output)"
+
+
+def _ram_file_bytes(manifest: Manifest) -> int:
+    """The size of a memory snapshot's RAM file: its machine's memory at boot."""
+    layout = Layout.from_json(manifest.layout)
+    return (layout.boot_memory_mib if layout else manifest.memory_mib) << 20

@@ -123,6 +123,10 @@ class SandboxRecord:
     memory_file: str | None = None
     memory_from: str | None = None
     memory_shared: bool = True
+    #: How the running machine's vCPUs and RAM are laid out (:class:`~cryobox.vmm.base.
+    #: Layout` as JSON): what a restore of its captures must build. Empty for a machine
+    #: booted before cryobox could grow one.
+    layout: dict[str, Any] = field(default_factory=dict)
     #: The snapshot this sandbox was restored from last: its parent in the lineage.
     origin: str | None = None
     #: The id of the pause that holds its machine while paused (what a pull must match).

@@ -16,7 +16,7 @@ from cryobox.models import LineageNode, SnapshotInfo, TemplateInfo
 from cryobox.sandbox import references, registry
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
-from cryobox.snapshot.store import SnapshotStore
+from cryobox.snapshot.store import SnapshotStore, template_snapshots
 from cryobox.store.keys import LOCAL_TENANT
 
 
@@ -116,7 +116,7 @@ class Catalog:
     async def collect_garbage(self) -> list[str]:
         """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
         self.store.sweep()
-        named = {str(t.get("snapshot")) for t in self.store.templates()}
+        named = template_snapshots(self.store.templates())
         doomed = references.collectable(self.store.all(), registry.list_sandboxes(), named)
         for manifest in doomed:
             self.store.delete(manifest.id)

@@ -33,7 +33,7 @@ from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
-from cryobox.snapshot.store import SnapshotStore
+from cryobox.snapshot.store import SnapshotStore, template_snapshots
 from cryobox.store import archive, catalog, uploads
 from cryobox.store import collect as chunk_collect
 from cryobox.store.catalog import StoredSnapshot
@@ -406,7 +406,7 @@ class Persistence:
         local = self.local.all()
         mine = [m for m in local if owned is None or m.id in owned]
         sandboxes = registry.list_sandboxes()
-        named = {str(t.get("snapshot")) for t in self.local.templates()}
+        named = template_snapshots(self.local.templates())
         for snapshot_id in expired([m.to_json() for m in mine], policy, now):
             needed = references.users(snapshot_id, local, sandboxes)
             if snapshot_id in named or needed:

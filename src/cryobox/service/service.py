@@ -92,6 +92,7 @@ from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, mem_available_mib, new_id
 from cryobox.vmm import Vmm
+from cryobox.vmm.base import check_growth, manifest_shape
 from cryobox.volume import catalog as volume_catalog
 from cryobox.volume.mounts import READ_ONLY_SUFFIX, VolumeMount
 from cryobox.volume.mounts import plan as volume_plan
@@ -145,13 +146,9 @@ def validate(request: CreateRequest) -> None:
 
 #: How a cold-booted guest is set up, beyond the image: a default template (a cache of
 #: one cold boot) saved under another is built again. 2: the guest zeroes the memory
-#: it frees (``init_on_free``), which a template booted before never does.
-GUEST_BOOT = 2
-RESHAPE_HINT = (
-    "a memory snapshot keeps the vCPUs and RAM it was saved with (its disk may grow): "
-    "build a template of that shape with build_template(name, cpus=, memory_mib=), or "
-    "give no template: the default one is built once for each shape asked for"
-)
+#: it frees (``init_on_free``), which a template booted before never does. 3: the
+#: machine has room to add vCPUs and RAM (:func:`cryobox.vmm.base.new_layout`).
+GUEST_BOOT = 3
 #: The default template's shape, as ``build_template``'s arguments.
 _DEFAULT_SHAPE = {
     "cpus": config.DEFAULT_CPUS,
@@ -166,25 +163,26 @@ GROW_HINT = "a disk can grow, never shrink: ask for at least the saved size"
 
 def reshaped(source: Manifest, asked: dict[str, int | None]) -> dict[str, int | None]:
     """The shape a sandbox started from ``source`` gets: the saved one, but a larger
-    disk (grown after the restore, the file system with it) and, for a disk snapshot
-    (which boots anew), any vCPUs and RAM.
+    disk (grown after the restore, the file system with it); for a memory snapshot,
+    more vCPUs and RAM (plugged in after the restore, within the machine's room); for
+    a disk snapshot (which boots anew), any vCPUs and RAM.
 
-    :raises SnapshotIncompatible: naming the field: other vCPUs or RAM for a memory
-        snapshot (QEMU continues a machine as it was), or a smaller disk.
+    :raises SnapshotIncompatible: naming the field: a smaller disk, or vCPUs or RAM a
+        memory snapshot's machine cannot be given (fewer than it has, past its room,
+        RAM not in whole memory blocks, a machine saved before cryobox could grow one).
     """
     shape: dict[str, int | None] = {}
     for name, wanted in asked.items():
         saved = int(getattr(source, name))
         if wanted is None or wanted == saved:
             shape[name] = saved
-        elif name == "disk_gib":
+            continue
+        if name == "disk_gib":
             if wanted < saved:
                 raise SnapshotIncompatible(source.id, name, saved, wanted, hint=GROW_HINT)
-            shape[name] = wanted
-        elif source.kind is SnapshotKind.DISK:
-            shape[name] = wanted
-        else:
-            raise SnapshotIncompatible(source.id, name, saved, wanted, hint=RESHAPE_HINT)
+        elif source.kind is SnapshotKind.MEMORY:
+            check_growth(source.id, source.layout, manifest_shape(source), {name: wanted})
+        shape[name] = wanted
     return shape
 
 
@@ -313,6 +311,9 @@ class StartOptions:
     #: A cold boot of this guest image (one made from a container image, see
     #: :mod:`cryobox.image.oci`) rather than the host's current one.
     image_id: str = ""
+    #: The machine of a template's variant with more vCPUs or RAM (see
+    #: :meth:`SandboxService.grown_template`): grown, not started from a variant.
+    variant_build: bool = False
 
 
 #: A caller's create.
@@ -479,6 +480,18 @@ class SandboxService:
                 )
         elif template != BASE_TEMPLATE:
             source = await self.template_snapshot(template, image, progress, tenant)
+            grown = {
+                "cpus": request.cpus or source.cpus,
+                "memory_mib": request.memory_mib or source.memory_mib,
+            }
+            if (
+                source.kind is SnapshotKind.MEMORY
+                and grown != manifest_shape(source)
+                and not start.variant_build
+                and not start.pool_member
+            ):
+                reshaped(source, dict(grown))  # refused now, naming the field
+                source = await self.grown_template(template, source, grown, progress, tenant)
         if source is not None:
             image = await self._saved_image(source.image_id, image)
         elif start.image_id:
@@ -503,7 +516,9 @@ class SandboxService:
             and start.forked_from is None
             and not start.pool_member
             and template in self.pools.sizes()
-            and shape["disk_gib"] == source.disk_gib  # a member has the template's disk
+            # a member has the template's shape
+            and (shape["disk_gib"], shape["cpus"], shape["memory_mib"])
+            == (source.disk_gib, source.cpus, source.memory_mib)
         )
         if pooled_template and source is not None:
             try:
@@ -929,6 +944,7 @@ class SandboxService:
         await asyncio.to_thread(self.pools.stop_refill)
         await self.drain_pool(name)
         self.store.delete_template(name)
+        await self._delete_variants(entry, tenant)
         with contextlib.suppress(CryoboxError):
             await self.catalog.delete_snapshot(str(entry["snapshot"]), tenant=tenant)
 
@@ -1004,6 +1020,72 @@ class SandboxService:
             host_cache=True,
         )
         return self.store.get(info.id)
+
+    async def grown_template(
+        self,
+        name: str,
+        source: Manifest,
+        shape: dict[str, int],
+        progress: Progress | None,
+        tenant: str = LOCAL_TENANT,
+    ) -> Manifest:
+        """Template ``name``'s machine (``source``) with more vCPUs or RAM (``shape``):
+        a variant kept with the template and used by every later create of that shape.
+
+        The first create of a shape restores the template, plugs in the vCPUs and a
+        memory module (the guest's kernel brings them online, which under TCG takes
+        about 0.5 s a vCPU and 3 s a GiB of RAM) and saves that machine; later ones
+        restore it at template speed. A variant goes with its template: one built on a
+        template's earlier snapshot is never used (and is collected as garbage).
+        """
+        key = f"{shape['cpus']}c-{shape['memory_mib']}m"
+        entry = self.store.template(name) or {}
+        variant = (entry.get("variants") or {}).get(key)
+        if variant and entry.get("snapshot") == source.id:
+            with contextlib.suppress(SnapshotNotFound):
+                return await self.persist.of(tenant).local_or_pulled(str(variant))
+        if progress:
+            progress(
+                f"giving template {name} {shape['cpus']} vCPUs and {shape['memory_mib']} MiB "
+                "(once: later creates of this shape start from it)"
+            )
+        sandbox = await self.create(
+            CreateRequest(
+                template=name,
+                cpus=shape["cpus"],
+                memory_mib=shape["memory_mib"],
+                disk_gib=source.disk_gib,
+                timeout=3600,
+            ),
+            progress,
+            start=StartOptions(variant_build=True),
+            tenant=tenant,
+            owner=f"{BUILDING}{tenant}",  # never a tenant's sandbox
+        )
+        try:
+            saved = await self.capture(
+                sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}@{key}", tenant=tenant
+            )
+            # Named before the sandbox is killed: its kill collects unnamed templates.
+            entry = self.store.template(name) or {}
+            if entry.get("snapshot") == source.id:  # not replaced meanwhile
+                variants = {**(entry.get("variants") or {}), key: saved.id}
+                info = {k: v for k, v in entry.items() if k not in ("name", "snapshot")}
+                self.store.set_template(name, source.id, {**info, "variants": variants})
+        finally:
+            with contextlib.suppress(CryoboxError):
+                await self.kill(sandbox.id, keep_record=False)
+        if variant and variant != saved.id:  # one of an earlier snapshot, or lost
+            with contextlib.suppress(CryoboxError):
+                await self.catalog.delete_snapshot(str(variant), tenant=tenant)
+        return self.store.get(saved.id)
+
+    async def _delete_variants(self, entry: dict[str, Any], tenant: str) -> None:
+        """Delete a template's variants with more vCPUs or RAM (before its snapshot,
+        which they build on); one a sandbox builds on stays until it is collected."""
+        for variant in (entry.get("variants") or {}).values():
+            with contextlib.suppress(CryoboxError):
+                await self.catalog.delete_snapshot(str(variant), tenant=tenant)
 
     def remove_image(self, image_id: str) -> None:
         """Delete a guest image imported from a container image, once nothing on this
@@ -1183,6 +1265,7 @@ class SandboxService:
             },
         )
         if previous and previous.get("snapshot") != saved.id:
+            await self._delete_variants(previous, tenant)
             with contextlib.suppress(CryoboxError):  # kept while something builds on it
                 await self.catalog.delete_snapshot(str(previous["snapshot"]), tenant=tenant)
         return saved

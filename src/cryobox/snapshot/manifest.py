@@ -91,6 +91,10 @@ class Manifest:
     #: A process checkpoint's facts (purpose ``process``): its pids, the files it had
     #: open and maps, the guest kernel (see :mod:`cryobox.service.processes`).
     process: dict[str, Any] = field(default_factory=dict)
+    #: A memory snapshot's machine layout (:class:`~cryobox.vmm.base.Layout` as JSON):
+    #: its vCPUs and RAM at boot, its room to grow and what was added. Empty for one
+    #: saved before cryobox could grow a machine (it continues at its own shape only).
+    layout: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Manifest:

@@ -252,6 +252,15 @@ class LocalSnapshotStore:
             (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)
 
 
+def template_snapshots(templates: list[dict[str, Any]]) -> set[str]:
+    """The snapshots these template entries name: each template's, and its variants'
+    with more vCPUs or RAM (``variants``)."""
+    named = {str(t.get("snapshot")) for t in templates}
+    for entry in templates:
+        named.update(str(v) for v in (entry.get("variants") or {}).values())
+    return named
+
+
 def _load(folder: Path) -> Manifest:
     """A stored snapshot's manifest, which must name the folder it is in: a manifest
     copied into another snapshot's folder would otherwise restore that one's files.

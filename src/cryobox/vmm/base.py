@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from cryobox.errors import CryoboxError
+from cryobox.errors import CryoboxError, SnapshotIncompatible
 from cryobox.image.build import Image
 from cryobox.network.policy import NetworkPolicy
 
@@ -26,6 +26,133 @@ class PortForward:
     host_port: int
 
 
+#: The memory block the guest's kernel adds and onlines at once (x86-64 Linux below
+#: 64 GiB): RAM added to a running machine comes in whole blocks.
+MEMORY_BLOCK_MIB = 128
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a machine's vCPUs and RAM are laid out: what it booted with, how far it may
+    grow while it runs (hot-plug), and what was added since. A restore builds the same
+    layout (QEMU continues a machine only on the devices it was saved with), then may
+    add more.
+
+    A machine booted before cryobox could grow one has none (:meth:`from_json` of an
+    empty dict gives None): it keeps the vCPUs and RAM it was saved with.
+    """
+
+    #: vCPUs and MiB of RAM at boot (the RAM file is this large).
+    boot_cpus: int
+    boot_memory_mib: int
+    #: The most vCPUs, memory slots and MiB of RAM in all it may have.
+    max_cpus: int
+    slots: int
+    max_memory_mib: int
+    #: vCPUs added after boot, and each added memory module's MiB, in order.
+    added_cpus: int = 0
+    dimms: tuple[int, ...] = ()
+
+    @property
+    def cpus(self) -> int:
+        return self.boot_cpus + self.added_cpus
+
+    @property
+    def memory_mib(self) -> int:
+        return self.boot_memory_mib + sum(self.dimms)
+
+    def grown(self, cpus: int, memory_mib: int) -> Layout:
+        """This layout with vCPUs and a memory module added to reach ``cpus`` and
+        ``memory_mib`` (neither smaller than now; checked by :meth:`growth_problem`)."""
+        extra = memory_mib - self.memory_mib
+        return replace(
+            self,
+            added_cpus=cpus - self.boot_cpus,
+            dimms=self.dimms + ((extra,) if extra else ()),
+        )
+
+    def growth_problem(self, field_name: str, wanted: int) -> str | None:
+        """Why this machine cannot have ``wanted`` of ``field_name`` (``cpus`` or
+        ``memory_mib``), or None when it can."""
+        now = self.cpus if field_name == "cpus" else self.memory_mib
+        if wanted < now:
+            return f"a saved machine's {field_name} can grow, never shrink (it has {now})"
+        if field_name == "cpus":
+            if wanted > self.max_cpus:
+                return f"this machine can grow to {self.max_cpus} vCPUs at most"
+            return None
+        extra = wanted - now
+        if extra % MEMORY_BLOCK_MIB:
+            lower = now + extra // MEMORY_BLOCK_MIB * MEMORY_BLOCK_MIB
+            return (
+                f"a saved machine's RAM grows in steps of {MEMORY_BLOCK_MIB} MiB from its "
+                f"{now}: ask for {lower + MEMORY_BLOCK_MIB}"
+                + (f" or {lower}" if lower > now else "")
+            )
+        if extra and len(self.dimms) >= self.slots:
+            return f"this machine's {self.slots} memory slots are used"
+        if wanted > self.max_memory_mib:
+            return f"this machine can grow to {self.max_memory_mib} MiB at most"
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        value = asdict(self)
+        value["dimms"] = list(self.dimms)
+        return value
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> Layout | None:
+        if not value:
+            return None
+        return cls(**{**value, "dimms": tuple(int(d) for d in value.get("dimms", ()))})
+
+
+#: Room every new machine gets to grow while it runs: vCPUs at most (or its own count,
+#: when larger), memory modules and MiB of RAM in all.
+GROWTH_CPUS = 16
+GROWTH_SLOTS = 8
+GROWTH_MEMORY_MIB = 64 * 1024
+
+
+def new_layout(cpus: int, memory_mib: int) -> Layout:
+    """The layout of a machine booted now with ``cpus`` and ``memory_mib``."""
+    return Layout(
+        boot_cpus=cpus,
+        boot_memory_mib=memory_mib,
+        max_cpus=max(cpus, GROWTH_CPUS),
+        slots=GROWTH_SLOTS,
+        max_memory_mib=max(memory_mib, GROWTH_MEMORY_MIB),
+    )
+
+
+def manifest_shape(manifest: Any) -> dict[str, int]:
+    """A snapshot manifest's vCPUs and RAM, as :func:`check_growth` compares them."""
+    return {"cpus": int(manifest.cpus), "memory_mib": int(manifest.memory_mib)}
+
+
+def check_growth(
+    snapshot_id: str, layout: dict[str, Any], saved: dict[str, int], wanted: dict[str, int]
+) -> None:
+    """Refuse vCPUs or RAM (``wanted``) a saved machine (``saved`` of them, laid out as
+    ``layout``) cannot be given by adding to it: fewer than it has, past its room, RAM
+    not in whole memory blocks, or a machine saved before cryobox could grow one.
+
+    :raises SnapshotIncompatible: naming the field, with why and what would do.
+    """
+    grown = Layout.from_json(layout)
+    for name, value in wanted.items():
+        if value == saved[name]:
+            continue
+        problem = (
+            grown.growth_problem(name, value)
+            if grown
+            else "it was saved by a cryobox that could not add vCPUs or RAM to a machine: "
+            "build the template again to give it more"
+        )
+        if problem:
+            raise SnapshotIncompatible(snapshot_id, name, saved[name], value, hint=problem)
+
+
 @dataclass(frozen=True)
 class MachineSpec:
     """Everything a backend needs to run one machine; paths are absolute.
@@ -35,6 +162,8 @@ class MachineSpec:
     """
 
     name: str
+    #: At boot (with a ``layout``, its boot values; vCPUs and RAM added since come as
+    #: devices of their own).
     cpus: int
     memory_mib: int
     accelerator: str
@@ -65,6 +194,9 @@ class MachineSpec:
     #: The raw file READs reach its volume mounts through
     #: (:mod:`cryobox.volume.read_disk`); ``None``: no such disk.
     read_disk: Path | None = None
+    #: Room to add vCPUs and RAM while it runs, and those added; None: none (a machine
+    #: saved before cryobox could grow one).
+    layout: Layout | None = None
 
 
 class Vm(Protocol):
@@ -99,6 +231,16 @@ class Vm(Protocol):
     async def resize_disk(self, size_bytes: int) -> None:
         """Make the root disk ``size_bytes`` long (larger only) while the machine runs;
         the guest's kernel is told and sees the new size."""
+        ...
+
+    async def add_cpu(self, index: int) -> None:
+        """Plug in vCPU ``index`` (the machine's vCPUs so far are 0 to index - 1); the
+        guest is told and brings it online when asked (``sys.online``)."""
+        ...
+
+    async def add_memory(self, slot: int, mib: int) -> int:
+        """Plug in a memory module of ``mib`` MiB in ``slot``; its guest-physical
+        address, for the guest to bring its blocks online (``sys.online``)."""
         ...
 
     async def set_network(self, policy: NetworkPolicy) -> None:

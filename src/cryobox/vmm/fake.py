@@ -77,6 +77,14 @@ class FakeAgent(guest_agent.Agent):
             self.vm.guest["hostname"] = args["hostname"]
         return {"time_ns": args.get("time_ns", 0)}
 
+    async def sys_online(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        plugged = len(self.vm.guest.get("plugged_cpus", ()))
+        layout = self.vm.spec.layout
+        if int(args["cpus"]) != (layout.cpus if layout else self.vm.spec.cpus) + plugged:
+            raise guest_agent.OpError(p.INTERNAL, "the vCPUs were not plugged in before")
+        self.vm.guest["online"] = args
+        return {"cpus": int(args["cpus"])}
+
     async def sys_grow_disk(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         if self.vm.guest.get("disk_bytes") != args["bytes"]:
             raise guest_agent.OpError(p.INTERNAL, "the disk was not resized before the grow")
@@ -152,6 +160,15 @@ class FakeVm:
     async def resize_disk(self, size_bytes: int) -> None:
         self._alive()
         self.guest["disk_bytes"] = size_bytes
+
+    async def add_cpu(self, index: int) -> None:
+        self._alive()
+        self.guest.setdefault("plugged_cpus", []).append(index)
+
+    async def add_memory(self, slot: int, mib: int) -> int:
+        self._alive()
+        self.guest.setdefault("plugged_memory", []).append([slot, mib])
+        return (4 << 30) + (slot << 30)
 
     async def add_port_forward(self, forward: PortForward) -> None:
         self.ports.append(forward)
