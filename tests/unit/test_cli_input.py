@@ -77,3 +77,21 @@ def test_piped_output_is_never_wrapped_at_80_columns(tmp_path: Path) -> None:
     done = subprocess.run([*CLI, "kill", long_id], env=env, capture_output=True, text=True)
     assert done.returncode == 1
     assert done.stderr.strip() == f"error: no sandbox with id '{long_id}'"
+
+
+def test_a_usage_error_piped_is_one_plain_line_naming_the_arguments() -> None:
+    """Piped, typer's own errors were a box cut at 80 columns, and its usage line read
+    ``{sandbox_id}:TEXT {seconds}:FLOAT`` (issue 37)."""
+    long_value = "x" * 120
+    done = subprocess.run(
+        [*CLI, "create", "--cpus", long_value], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert f"Error: Invalid value for '--cpus': '{long_value}' is not a valid int." in (
+        done.stderr.splitlines()
+    )
+    assert "╭" not in done.stderr
+    missing = subprocess.run([*CLI, "set-timeout"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert "set-timeout [OPTIONS] SANDBOX_ID SECONDS\n" in missing.stderr
+    assert "Error: Missing argument" in missing.stderr

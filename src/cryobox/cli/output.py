@@ -3,12 +3,14 @@ stderr, tables on a terminal and tab-separated lines when piped."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import typer
 import typer._click.types as _click_types
+import typer.core as _typer_core
 import typer.models as _typer_models
 from rich.console import Console
 from rich.markup import escape
@@ -89,3 +91,31 @@ def _type_in_words(original: Any) -> Any:
 
 for _cls in _TYPE_WORDS:
     _cls.get_metavar = _type_in_words(_cls.get_metavar)
+
+
+def _argument_metavar(self: Any, ctx: Any, *, usage: bool = False) -> str:
+    """An argument as click writes it in a usage line: its name in capitals, bracketed
+    when optional, ``...`` after one that takes many (``SANDBOX_ID SECONDS``, where
+    typer 0.28 writes ``{sandbox_id}:TEXT {seconds}:FLOAT``)."""
+    if self.metavar is not None:
+        return str(self.metavar)
+    name = (self.name or "").upper()
+    if usage and not self.required:
+        name = f"[{name}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
+_typer_core.TyperArgument.make_metavar = _argument_metavar  # type: ignore[method-assign]
+_typer_main = _typer_core._main
+
+
+def _main_with_plain_piped_errors(*args: Any, **kwargs: Any) -> Any:
+    """typer's entry, but a usage error (a missing argument, a bad option) printed as
+    click prints it when stderr is not a terminal: ``Error: ...`` on one line, not a
+    box cut at 80 columns that a script or a log has to unpick."""
+    if not sys.stderr.isatty():
+        kwargs["rich_markup_mode"] = None
+    return _typer_main(*args, **kwargs)
+
+
+_typer_core._main = _main_with_plain_piped_errors
