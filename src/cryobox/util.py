@@ -123,6 +123,14 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 
 
+def mem_total_mib() -> int:
+    """The host's RAM (MemTotal), in MiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
 def mem_available_mib() -> int:
     """The host's available memory (MemAvailable), in MiB."""
     for line in Path("/proc/meminfo").read_text().splitlines():

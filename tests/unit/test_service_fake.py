@@ -31,6 +31,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
 from cryobox.service import discard_spare, pool, service
+from cryobox.util import mem_total_mib
 
 
 @pytest.fixture(autouse=True)
@@ -385,6 +386,9 @@ def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them() -> None
         "network=": lambda: Sandbox.create("base", network=5),  # type: ignore[arg-type]
         "from_snapshot=": lambda: Sandbox.create("base", from_snapshot="x"),
         "sandbox id=None": lambda: Sandbox.connect(None),  # type: ignore[arg-type]
+        "memory_mib=.*more RAM than this host has": lambda: Sandbox.create(
+            "base", memory_mib=(mem_total_mib() // 128 + 1) * 128
+        ),
     }
     before = {info.id for info in Sandbox.list(all=True)}
     for named, call in refused.items():

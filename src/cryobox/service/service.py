@@ -90,7 +90,7 @@ from cryobox.service.volumes import Volumes
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
-from cryobox.util import data_bytes, mem_available_mib, new_id
+from cryobox.util import data_bytes, mem_available_mib, mem_total_mib, new_id
 from cryobox.vmm import Vmm
 from cryobox.vmm.base import check_growth, manifest_shape
 from cryobox.volume import catalog as volume_catalog
@@ -124,6 +124,11 @@ def validate(request: CreateRequest) -> None:
         whole_number("cpus", request.cpus, 1, config.MAX_CPUS)
     if request.memory_mib is not None:
         whole_number("memory_mib", request.memory_mib, config.MIN_MEMORY_MIB, config.MAX_MEMORY_MIB)
+        host = mem_total_mib()
+        if host and request.memory_mib > host:
+            raise InvalidArgument(
+                f"memory_mib={request.memory_mib}: more RAM than this host has ({host} MiB)"
+            )
     if request.disk_gib is not None:
         whole_number("disk_gib", request.disk_gib, config.MIN_DISK_GIB, config.MAX_DISK_GIB)
     positive_seconds("timeout", request.timeout)
