@@ -208,8 +208,8 @@ def test_tampered_or_incompatible_snapshots_are_refused(sandbox_factory: Any) ->
     with pytest.raises(SnapshotIncompatible, match=r"backend\.version") as info:
         Sandbox.create(from_snapshot="to-tamper")
     assert info.value.field == "backend.version" and info.value.saved == "6.0.0"
-    with pytest.raises(SnapshotIncompatible, match=r"memory_mib.*build a template of that shape"):
-        Sandbox.create(from_snapshot=snap.id, memory_mib=2048)
+    with pytest.raises(SnapshotIncompatible, match=r"memory_mib.*can grow, never shrink"):
+        Sandbox.create(from_snapshot=snap.id, memory_mib=512)
     new = [i for i in Sandbox.list(all=True) if i.id not in before]
     assert all(i.state == "dead" for i in new)
     assert all(not registry.process_alive(registry.find(i.id).record().qemu_pid, i.id) for i in new)

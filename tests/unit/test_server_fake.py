@@ -124,15 +124,19 @@ def test_quotas_are_answered_429_naming_the_limit(server: ApiServer) -> None:
         first.kill()
 
 
-def test_a_disk_snapshot_started_at_another_shape_counts_that_shape(server: ApiServer) -> None:
-    """A disk snapshot boots at any vCPUs and RAM: the quota counts what is asked for,
-    not the snapshot's shape (which once let a tenant past its vCPU limit)."""
+def test_a_snapshot_started_at_another_shape_counts_that_shape(server: ApiServer) -> None:
+    """A disk snapshot boots at any vCPUs and RAM, a memory snapshot grows to more: the
+    quota counts what is asked for, not the snapshot's shape (which once let a tenant
+    past its vCPU limit)."""
     key = server.tenant("shaped", "--max-vcpus", "4", "--max-memory-mib", "4096")
     source = sdk(server, key)
     try:
         source.snapshot("files", memory=False)
+        source.snapshot("whole")
     finally:
         source.kill()
+    with pytest.raises(QuotaExceeded, match="max_vcpus"):
+        sdk(server, key, from_snapshot="whole", cpus=16)
     with pytest.raises(QuotaExceeded, match="max_vcpus"):
         sdk(server, key, from_snapshot="files", cpus=16)
     with pytest.raises(QuotaExceeded, match="max_memory_mib"):

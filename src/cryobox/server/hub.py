@@ -66,7 +66,7 @@ from cryobox.service.service import (
     DEFAULT_TEMPLATE,
     shaped_template,
 )
-from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
 from cryobox.store.retention import Policy
 from cryobox.wire import SandboxUsage, UsageReport
@@ -548,8 +548,8 @@ class Hub:
         self.volumes.check_storage(tenant, self._stored.get(tenant.id, 0))
 
     def _shape(self, request: CreateRequest) -> tuple[int, int]:
-        """The vCPUs and MiB a create will take: a memory snapshot's when it starts
-        from one (it keeps them), else what it asks for (a disk snapshot boots anew)."""
+        """The vCPUs and MiB a create will take: what it asks for, else its template's
+        or snapshot's (a saved machine grows to what is asked, never shrinks)."""
         source: Manifest | None = None
         with contextlib.suppress(CryoboxError):
             if request.from_snapshot is not None:
@@ -558,8 +558,6 @@ class Hub:
                 entry = self.service.store.template(shaped_template(request))
                 if entry is not None:
                     source = self.service.store.get(str(entry["snapshot"]))
-        if source is not None and source.kind is SnapshotKind.MEMORY:
-            return source.cpus, source.memory_mib
         if source is not None:
             return request.cpus or source.cpus, request.memory_mib or source.memory_mib
         return (
