@@ -31,7 +31,6 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
 from cryobox.service import discard_spare, pool, service
-from cryobox.util import mem_total_mib
 
 
 @pytest.fixture(autouse=True)
@@ -259,6 +258,16 @@ def test_a_templates_variant_with_more_vcpus_and_ram_is_kept_with_it_and_goes_wi
     assert all("roomy" not in (s.name or "") for s in Sandbox.snapshots())
 
 
+def test_a_template_keeps_its_newest_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cryobox.service.service.MAX_VARIANTS", 2)
+    Sandbox.build_template("several", ["true"])
+    for memory_mib in (1152, 1280, 1408):
+        Sandbox.create("several", memory_mib=memory_mib).kill()
+    names = sorted(s.name or "" for s in Sandbox.snapshots() if "@" in (s.name or ""))
+    assert names == ["template:several@2c-1280m", "template:several@2c-1408m"]
+    Sandbox.delete_template("several")
+
+
 def test_the_default_template_of_a_shape_is_the_hosts_alone() -> None:
     with pytest.raises(InvalidArgument, match="the host's default template of that shape"):
         Sandbox.build_template("default-4c-2048m-4g", ["true"])
@@ -377,7 +386,9 @@ def test_guest_aslr_follows_the_setting_and_the_accelerator(
     assert config.guest_aslr(accelerator) is randomized
 
 
-def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them() -> None:
+def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Wrong types and contradictory arguments are refused before anything starts, with
     an InvalidArgument naming the argument, never a TypeError from deep inside."""
     refused: dict[str, Callable[[], object]] = {
@@ -386,10 +397,11 @@ def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them() -> None
         "network=": lambda: Sandbox.create("base", network=5),  # type: ignore[arg-type]
         "from_snapshot=": lambda: Sandbox.create("base", from_snapshot="x"),
         "sandbox id=None": lambda: Sandbox.connect(None),  # type: ignore[arg-type]
-        "memory_mib=.*more RAM than this host has": lambda: Sandbox.create(
-            "base", memory_mib=(mem_total_mib() // 128 + 1) * 128
+        "memory_mib=4224: more RAM than this host has .4096 MiB.": lambda: Sandbox.create(
+            "base", memory_mib=4224
         ),
     }
+    monkeypatch.setattr("cryobox.service.service.mem_total_mib", lambda: 4096)
     before = {info.id for info in Sandbox.list(all=True)}
     for named, call in refused.items():
         with pytest.raises(InvalidArgument, match=named):

@@ -314,6 +314,7 @@ def test_a_restore_keeps_the_saved_shape_but_a_disk_grows() -> None:
         ("memory_mib", 1100, "steps of 128 MiB from its 1024: ask for 1152"),
         ("memory_mib", 1300, "ask for 1408 or 1280"),
         ("memory_mib", 65 * 1024, "65536 MiB at most"),
+        ("memory_mib", 10 * 1024, "booted with 1024 MiB can grow to 9216 MiB"),
     ):
         with pytest.raises(SnapshotIncompatible, match=f"{name}.*{why}"):
             reshaped(growable, {**none, name: other})

@@ -1210,7 +1210,8 @@ class Agent:
         ``[address, bytes]`` in ``memory``, once the kernel has them (ACPI tells it of
         each device the host plugs in; nothing here onlines them by itself)."""
         wanted = int(args["cpus"])
-        deadline = time.monotonic() + 30
+        patience = float(args.get("timeout", 30))
+        deadline = time.monotonic() + patience
         pending = [Path(f"/sys/devices/system/cpu/cpu{n}/online") for n in range(1, wanted)]
         block = int(Path("/sys/devices/system/memory/block_size_bytes").read_text(), 16)
         for address, size in args.get("memory", ()):
@@ -1220,7 +1221,9 @@ class Agent:
         for switch in pending:
             while not switch.exists():
                 if time.monotonic() > deadline:
-                    raise OpError(p.INTERNAL, f"{switch.parent} did not appear within 30 s")
+                    raise OpError(
+                        p.INTERNAL, f"{switch.parent} did not appear within {patience:.0f} s"
+                    )
                 await asyncio.sleep(0.02)
             offline = "0" if switch.name == "online" else "offline"
             if switch.read_text().strip() == offline:

@@ -167,12 +167,15 @@ def shape_args(spec: MachineSpec) -> list[str]:
     layout = spec.layout
     if layout is None:  # a machine saved before machines could grow
         return ["-smp", str(spec.cpus), "-m", f"{spec.memory_mib}M"]
+    memory = f"{layout.boot_memory_mib}M"
+    if layout.slots:
+        memory += f",slots={layout.slots},maxmem={layout.max_memory_mib}M"
     args = [
         "-smp",
         f"cpus={layout.boot_cpus},maxcpus={layout.max_cpus},"
         f"sockets={layout.max_cpus},cores=1,threads=1",
         "-m",
-        f"{layout.boot_memory_mib}M,slots={layout.slots},maxmem={layout.max_memory_mib}M",
+        memory,
     ]
     for index in range(layout.boot_cpus, layout.cpus):
         args += ["-device", cpu_device(spec.accelerator, index)]

@@ -264,6 +264,11 @@ class Machine:
         layout = Layout.from_json(self.record.layout)
         return (layout.boot_memory_mib if layout else self.spec.memory_mib) << 20
 
+    def _added_ram_bytes(self) -> int:
+        """The RAM plugged in since boot: the device state carries it, not the file."""
+        layout = Layout.from_json(self.record.layout)
+        return sum(layout.dimms) << 20 if layout else 0
+
     def update(self, **changes: Any) -> None:
         self.record = replace(self.record, **changes)
         self._save(self.record)
@@ -511,9 +516,25 @@ class Machine:
             slot, mib = len(before.dimms), after.dimms[-1]
             memory.append([await self.vm.add_memory(slot, mib), mib << 20])
         timer("vCPUs and RAM plugged in")
-        await self.agent.request(
-            GuestOp.SYS_ONLINE, {"cpus": after.cpus, "memory": memory}, b"", timeout=60
+        # The guest zeroes RAM it is given (init_on_free): about 3 s a GiB under TCG.
+        patience = 30 + 8 * sum(size for _, size in memory) / (1 << 30)
+        answer = await self.agent.request(
+            GuestOp.SYS_ONLINE,
+            {"cpus": after.cpus, "memory": memory, "timeout": patience},
+            b"",
+            timeout=patience + 30,
         )
+        # Checked, not trusted: a variant made of this machine is every later create's.
+        cpus, memory_bytes = answer.get("cpus"), answer.get("memory_bytes")
+        if (
+            cpus != after.cpus
+            or not isinstance(memory_bytes, int)
+            or (memory_bytes < (after.memory_mib << 20) * 0.8)
+        ):
+            raise self.vm.error(
+                f"the guest did not bring {after.cpus} vCPUs and {after.memory_mib} MiB "
+                f"online (it answered {cpus} vCPUs and {memory_bytes} bytes)"
+            )
 
     async def _grow_disk(self) -> None:
         """Resize the root disk to the sandbox's size and grow the guest's file system
@@ -786,8 +807,13 @@ class Machine:
         needed = allocated(self.folder.path / self.record.disk) + DEVICE_STATE_ROOM
         if memory:
             ram = self.spec.memory_mib << 20
-            # the pages the guest wrote (its RAM file's blocks are all reserved)
-            needed += data_bytes(self._memory_path()) if self.record.memory_shared else ram
+            # the pages the guest wrote (its RAM file's blocks are all reserved), and the
+            # RAM added since its boot, which the device state carries
+            needed += (
+                data_bytes(self._memory_path()) + self._added_ram_bytes()
+                if self.record.memory_shared
+                else ram
+            )
         snapshot_id = new_id("snap")
         timer = StepTimer(f"capture of {snapshot_id} ({purpose})")
 
@@ -914,7 +940,7 @@ class Machine:
         """
         assert self.vm is not None and self.record.disk
         # The disk layer and RAM file are renamed, not copied: only the device state is new.
-        needed = DEVICE_STATE_ROOM
+        needed = DEVICE_STATE_ROOM + self._added_ram_bytes()
         if not self.record.memory_shared:
             needed += self.spec.memory_mib << 20
         check_space(needed, "pausing", self.folder.path)

@@ -92,7 +92,7 @@ from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, mem_available_mib, mem_total_mib, new_id
 from cryobox.vmm import Vmm
-from cryobox.vmm.base import check_growth, manifest_shape
+from cryobox.vmm.base import Layout, check_growth, manifest_shape
 from cryobox.volume import catalog as volume_catalog
 from cryobox.volume.mounts import READ_ONLY_SUFFIX, VolumeMount
 from cryobox.volume.mounts import plan as volume_plan
@@ -164,6 +164,8 @@ _SHAPED_DEFAULT = re.compile(r"default-([1-9]\d*)c-([1-9]\d*)m-([1-9]\d*)g")
 
 
 GROW_HINT = "a disk can grow, never shrink: ask for at least the saved size"
+#: Variants with more vCPUs or RAM a template keeps (the oldest made goes first).
+MAX_VARIANTS = 8
 
 
 def reshaped(source: Manifest, asked: dict[str, int | None]) -> dict[str, int | None]:
@@ -887,7 +889,11 @@ class SandboxService:
         folder = registry.find(sandbox_id)
         require(sandbox_id, folder.reconcile().state, (SandboxState.RUNNING,), "fork")
         spec = folder.spec()
-        needed = count * (FORK_OVERHEAD_MIB + spec.memory_mib // 8)
+        # RAM plugged in after the parent's boot is not in the RAM file the forks share:
+        # each fork loads its own copy (counted whole, as the most it can take).
+        layout = Layout.from_json(folder.record().layout)
+        added = sum(layout.dimms) if layout else 0
+        needed = count * (FORK_OVERHEAD_MIB + spec.memory_mib // 8 + added)
         available = mem_available_mib()
         if needed > available:
             raise CapacityError(
@@ -948,7 +954,12 @@ class SandboxService:
         # Its waiting members would keep its snapshot (and a refill at work would add one).
         await asyncio.to_thread(self.pools.stop_refill)
         await self.drain_pool(name)
-        self.store.delete_template(name)
+        lock = await asyncio.to_thread(self.store.template_lock, name)
+        try:  # not while a variant of it is made (see grown_template)
+            entry = self.store.template(name) or entry
+            self.store.delete_template(name)
+        finally:
+            lock.close()
         await self._delete_variants(entry, tenant)
         with contextlib.suppress(CryoboxError):
             await self.catalog.delete_snapshot(str(entry["snapshot"]), tenant=tenant)
@@ -1040,15 +1051,38 @@ class SandboxService:
         The first create of a shape restores the template, plugs in the vCPUs and a
         memory module (the guest's kernel brings them online, which under TCG takes
         about 0.5 s a vCPU and 3 s a GiB of RAM) and saves that machine; later ones
-        restore it at template speed. A variant goes with its template: one built on a
-        template's earlier snapshot is never used (and is collected as garbage).
+        restore it. A variant goes with its template (built again or deleted); a
+        template keeps its :data:`MAX_VARIANTS` newest. One process at a time looks for,
+        makes and names a template's variants (a lock on the template's entry, which a
+        new save of the template takes too), so two first creates of a shape make one.
+
+        :raises TemplateNotFound: when the template was deleted while its variant was made.
         """
+        lock = await asyncio.to_thread(self.store.template_lock, name)
+        try:
+            return await self._grown_template(name, source, shape, progress, tenant)
+        finally:
+            lock.close()
+
+    async def _grown_template(
+        self,
+        name: str,
+        source: Manifest,
+        shape: dict[str, int],
+        progress: Progress | None,
+        tenant: str,
+    ) -> Manifest:
         key = f"{shape['cpus']}c-{shape['memory_mib']}m"
-        entry = self.store.template(name) or {}
-        variant = (entry.get("variants") or {}).get(key)
-        if variant and entry.get("snapshot") == source.id:
+        entry = self.store.template(name)
+        if entry is None or entry.get("snapshot") != source.id:
+            # Built again or deleted since the create looked: a new save waited for this
+            # lock, so the snapshot this create would grow is on its way out.
+            raise TemplateNotFound(name)
+        variants = dict(entry.get("variants") or {})
+        known = variants.pop(key, None)
+        if known:
             with contextlib.suppress(SnapshotNotFound):
-                return await self.persist.of(tenant).local_or_pulled(str(variant))
+                return await self.persist.of(tenant).local_or_pulled(str(known))
         if progress:
             progress(
                 f"giving template {name} {shape['cpus']} vCPUs and {shape['memory_mib']} MiB "
@@ -1072,17 +1106,18 @@ class SandboxService:
                 sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}@{key}", tenant=tenant
             )
             # Named before the sandbox is killed: its kill collects unnamed templates.
-            entry = self.store.template(name) or {}
-            if entry.get("snapshot") == source.id:  # not replaced meanwhile
-                variants = {**(entry.get("variants") or {}), key: saved.id}
-                info = {k: v for k, v in entry.items() if k not in ("name", "snapshot")}
-                self.store.set_template(name, source.id, {**info, "variants": variants})
+            variants[key] = saved.id
+            dropped = list(variants)[: max(0, len(variants) - MAX_VARIANTS)]
+            kept = {k: v for k, v in variants.items() if k not in dropped}
+            info = {k: v for k, v in entry.items() if k not in ("name", "snapshot")}
+            self.store.set_template(name, source.id, {**info, "variants": kept})
         finally:
             with contextlib.suppress(CryoboxError):
                 await self.kill(sandbox.id, keep_record=False)
-        if variant and variant != saved.id:  # one of an earlier snapshot, or lost
-            with contextlib.suppress(CryoboxError):
-                await self.catalog.delete_snapshot(str(variant), tenant=tenant)
+        for stale in [known, *(variants[k] for k in dropped)]:
+            if stale and stale != saved.id:  # lost, or the oldest beyond the limit
+                with contextlib.suppress(CryoboxError):
+                    await self.catalog.delete_snapshot(str(stale), tenant=tenant)
         return self.store.get(saved.id)
 
     async def _delete_variants(self, entry: dict[str, Any], tenant: str) -> None:
@@ -1256,19 +1291,23 @@ class SandboxService:
         saved = await self.capture(
             sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}", tenant=tenant
         )
-        previous = self.store.template(name)
-        self.store.set_template(
-            name,
-            saved.id,
-            {
-                "image_id": sandbox.image_id,
-                "guest_aslr": config.guest_aslr(sandbox.accelerator),  # as it was booted
-                "guest_boot": GUEST_BOOT,
-                "setup": list(setup),
-                "ports": sorted(set(ports)),
-                "created_at": time.time(),
-            },
-        )
+        lock = await asyncio.to_thread(self.store.template_lock, name)
+        try:  # not while a variant of the template it replaces is made
+            previous = self.store.template(name)
+            self.store.set_template(
+                name,
+                saved.id,
+                {
+                    "image_id": sandbox.image_id,
+                    "guest_aslr": config.guest_aslr(sandbox.accelerator),  # as it was booted
+                    "guest_boot": GUEST_BOOT,
+                    "setup": list(setup),
+                    "ports": sorted(set(ports)),
+                    "created_at": time.time(),
+                },
+            )
+        finally:
+            lock.close()
         if previous and previous.get("snapshot") != saved.id:
             await self._delete_variants(previous, tenant)
             with contextlib.suppress(CryoboxError):  # kept while something builds on it

@@ -15,13 +15,14 @@ snapshots build on which, and asks the store to delete only what nothing needs.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from cryobox import config
 from cryobox.arguments import valid_name
@@ -138,6 +139,11 @@ class SnapshotStore(Protocol):
 
     def delete_template(self, name: str) -> None: ...
 
+    def template_lock(self, name: str) -> IO[bytes]:
+        """An open file locked for template ``name`` alone (``flock``, across
+        processes); closing it unlocks. Blocks until it is free."""
+        ...
+
 
 class LocalSnapshotStore:
     """Snapshots as folders under the state folder (``CRYOBOX_STATE_DIR``)."""
@@ -250,6 +256,15 @@ class LocalSnapshotStore:
     def delete_template(self, name: str) -> None:
         if valid_name(name):
             (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)
+
+    def template_lock(self, name: str) -> IO[bytes]:
+        handle = open(self._dir("templates") / f".{name}.lock", "ab")  # noqa: SIM115
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
 
 def template_snapshots(templates: list[dict[str, Any]]) -> set[str]:

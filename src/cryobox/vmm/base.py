@@ -26,6 +26,9 @@ class PortForward:
     host_port: int
 
 
+#: How many times its boot RAM a machine may have in all: the guest's kernel keeps the
+#: page structures of added RAM (about 16 MiB a GiB) in its boot RAM, an eighth of it.
+MAX_GROWTH = 9
 #: The memory block the guest's kernel adds and onlines at once (x86-64 Linux below
 #: 64 GiB): RAM added to a running machine comes in whole blocks.
 MEMORY_BLOCK_MIB = 128
@@ -89,10 +92,16 @@ class Layout:
                 f"{now}: ask for {lower + MEMORY_BLOCK_MIB}"
                 + (f" or {lower}" if lower > now else "")
             )
-        if extra and len(self.dimms) >= self.slots:
-            return f"this machine's {self.slots} memory slots are used"
         if wanted > self.max_memory_mib:
             return f"this machine can grow to {self.max_memory_mib} MiB at most"
+        if wanted > self.boot_memory_mib * MAX_GROWTH:
+            return (
+                f"a machine that booted with {self.boot_memory_mib} MiB can grow to "
+                f"{self.boot_memory_mib * MAX_GROWTH} MiB (its kernel describes added RAM "
+                "in the RAM it booted with)"
+            )
+        if extra and len(self.dimms) >= self.slots:
+            return f"this machine's {self.slots} memory slots are used"
         return None
 
     def to_json(self) -> dict[str, Any]:
@@ -116,12 +125,13 @@ GROWTH_MEMORY_MIB = 64 * 1024
 
 def new_layout(cpus: int, memory_mib: int) -> Layout:
     """The layout of a machine booted now with ``cpus`` and ``memory_mib``."""
+    room = memory_mib < GROWTH_MEMORY_MIB  # QEMU wants maxmem above the boot RAM
     return Layout(
         boot_cpus=cpus,
         boot_memory_mib=memory_mib,
         max_cpus=max(cpus, GROWTH_CPUS),
-        slots=GROWTH_SLOTS,
-        max_memory_mib=max(memory_mib, GROWTH_MEMORY_MIB),
+        slots=GROWTH_SLOTS if room else 0,
+        max_memory_mib=GROWTH_MEMORY_MIB if room else memory_mib,
     )
 
 
@@ -146,8 +156,9 @@ def check_growth(
         problem = (
             grown.growth_problem(name, value)
             if grown
-            else "it was saved by a cryobox that could not add vCPUs or RAM to a machine: "
-            "build the template again to give it more"
+            else "it was saved by a cryobox that could not add vCPUs or RAM to a machine "
+            "(before 2026-12-04): build the template again, or save the snapshot again "
+            "from a sandbox started now, to give it more"
         )
         if problem:
             raise SnapshotIncompatible(snapshot_id, name, saved[name], value, hint=problem)

@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,12 @@ class FakeAgent(guest_agent.Agent):
         return {"time_ns": args.get("time_ns", 0)}
 
     async def sys_online(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        plugged = len(self.vm.guest.get("plugged_cpus", ()))
-        layout = self.vm.spec.layout
-        if int(args["cpus"]) != (layout.cpus if layout else self.vm.spec.cpus) + plugged:
+        machine = self.vm.machine()
+        if int(args["cpus"]) != machine.get("cpus", self.vm.spec.cpus):
             raise guest_agent.OpError(p.INTERNAL, "the vCPUs were not plugged in before")
         self.vm.guest["online"] = args
-        return {"cpus": int(args["cpus"])}
+        memory = machine.get("memory_mib", self.vm.spec.memory_mib)
+        return {"cpus": int(args["cpus"]), "memory_bytes": memory << 20}
 
     async def sys_grow_disk(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
         if self.vm.guest.get("disk_bytes") != args["bytes"]:
@@ -99,6 +100,10 @@ class FakeVm:
         self.spec = spec
         self._process = process
         self.guest: dict[str, Any] = {"boots": 0}
+        #: vCPUs and memory modules plugged in while this machine runs (not saved: a
+        #: restore's command line brings them back, through its spec's layout).
+        self.plugged_cpus: list[int] = []
+        self.plugged_memory: list[int] = []
         self.running = False
         self.ports: list[PortForward] = list(spec.ports)
         #: The policy in force (the fake enforces nothing; a unit test reads it).
@@ -142,17 +147,33 @@ class FakeVm:
         self._alive()
         self.running = True
 
+    def machine(self) -> dict[str, Any]:
+        """The layout this machine runs with now: its spec's and what was plugged in
+        since it started (as QEMU would migrate its devices)."""
+        layout = self.spec.layout
+        if layout is None:
+            return {}
+        now = replace(
+            layout,
+            added_cpus=layout.added_cpus + len(self.plugged_cpus),
+            dimms=(*layout.dimms, *self.plugged_memory),
+        )
+        return {**now.to_json(), "cpus": now.cpus, "memory_mib": now.memory_mib}
+
     async def save_state(self, path: Path) -> None:
         self._alive()
         if failing("save_state"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        path.write_text(json.dumps(self.guest))
+        path.write_text(json.dumps({**self.guest, "machine": self.machine()}))
 
     async def load_state(self, path: Path) -> None:
         self._alive()
         if failing("load_state"):
             raise QemuError("migration failed: fake load_state failure")
-        self.guest = json.loads(path.read_text())
+        saved = json.loads(path.read_text())
+        if saved.pop("machine", {}) != self.machine():  # QEMU refuses other devices
+            raise QemuError("migration failed: the fake machine's devices differ from the saved")
+        self.guest = saved
 
     async def run_state(self) -> str:
         return "running"
@@ -163,11 +184,13 @@ class FakeVm:
 
     async def add_cpu(self, index: int) -> None:
         self._alive()
-        self.guest.setdefault("plugged_cpus", []).append(index)
+        if index != self.machine().get("cpus", self.spec.cpus):
+            raise QemuError(f"fake: vCPU {index} is not the next one")
+        self.plugged_cpus.append(index)
 
     async def add_memory(self, slot: int, mib: int) -> int:
         self._alive()
-        self.guest.setdefault("plugged_memory", []).append([slot, mib])
+        self.plugged_memory.append(mib)
         return (4 << 30) + (slot << 30)
 
     async def add_port_forward(self, forward: PortForward) -> None:
