@@ -268,11 +268,21 @@ def test_a_template_of_ones_own_starts_with_more_vcpus_and_ram_its_processes_run
         assert used.exit_code == 0 and used.stdout.strip() == str(fill), used
         assert [s.name for s in Sandbox.snapshots()].count(variant) == 1
 
-        second = sandbox_factory(template=template, cpus=cpus + 1, memory_mib=memory_mib + 512)
-        assert _cpus_and_memory(second) == (now_cpus, now_kib)
-        assert second.commands.run("hostname").stdout.strip() == second.id
-        assert [s.name for s in Sandbox.snapshots()].count(variant) == 1  # not built again
-        second.kill()
+        shape = ["--cpus", str(cpus + 1), "--memory", str(memory_mib + 512)]
+        made = subprocess.run(
+            [*CLI, "create", "--template", template, *shape],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert made.returncode == 0, made.stderr
+        second = Sandbox.connect(made.stdout.split()[-1])
+        try:
+            assert _cpus_and_memory(second) == (now_cpus, now_kib)
+            assert second.commands.run("hostname").stdout.strip() == second.id
+            assert [s.name for s in Sandbox.snapshots()].count(variant) == 1  # not built again
+        finally:
+            second.kill()
 
         point = grown.checkpoint()
         grown.files.write("/root/after.txt", "after")

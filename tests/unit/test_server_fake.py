@@ -137,6 +137,11 @@ def test_a_snapshot_started_at_another_shape_counts_that_shape(server: ApiServer
         source.kill()
     with pytest.raises(QuotaExceeded, match="max_vcpus"):
         sdk(server, key, from_snapshot="whole", cpus=16)
+    grown = sdk(server, key, from_snapshot="whole", cpus=3, memory_mib=1536)
+    try:  # over HTTP as embedded: the saved machine given a vCPU and 512 MiB
+        assert (grown.info().cpus, grown.info().memory_mib) == (3, 1536)
+    finally:
+        grown.kill()
     with pytest.raises(QuotaExceeded, match="max_vcpus"):
         sdk(server, key, from_snapshot="files", cpus=16)
     with pytest.raises(QuotaExceeded, match="max_memory_mib"):
