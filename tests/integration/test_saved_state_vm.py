@@ -225,6 +225,13 @@ def _through_pause_and_fork(
     return resumed
 
 
+def _created_by_cli(*options: str) -> Sandbox:
+    """``cryobox create OPTIONS`` run as a user would; the sandbox it printed."""
+    made = subprocess.run([*CLI, "create", *options], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    return Sandbox.connect(made.stdout.split()[-1])
+
+
 def _cpus_and_memory(sbx: Sandbox) -> tuple[int, int]:
     """The vCPUs online in the guest and its kernel's MemTotal, in KiB."""
     words = sbx.commands.run("nproc; grep MemTotal /proc/meminfo").stdout.split()
@@ -269,14 +276,7 @@ def test_a_template_of_ones_own_starts_with_more_vcpus_and_ram_its_processes_run
         assert [s.name for s in Sandbox.snapshots()].count(variant) == 1
 
         shape = ["--cpus", str(cpus + 1), "--memory", str(memory_mib + 512)]
-        made = subprocess.run(
-            [*CLI, "create", "--template", template, *shape],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert made.returncode == 0, made.stderr
-        second = Sandbox.connect(made.stdout.split()[-1])
+        second = _created_by_cli("--template", template, *shape)
         try:
             assert _cpus_and_memory(second) == (now_cpus, now_kib)
             assert second.commands.run("hostname").stdout.strip() == second.id
@@ -347,14 +347,7 @@ def test_a_saved_machine_starts_with_a_larger_disk_its_processes_running(
         with pytest.raises(SnapshotIncompatible, match=r"cpus.*can grow, never shrink"):
             Sandbox.create(template=template, cpus=1)
 
-        made = subprocess.run(
-            [*CLI, "create", "--template", template, "--disk", "6"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert made.returncode == 0, made.stderr
-        by_cli = Sandbox.connect(made.stdout.split()[-1])
+        by_cli = _created_by_cli("--template", template, "--disk", "6")
         try:
             assert _disk_and_file_system(by_cli)[0] == 6 << 30
         finally:
