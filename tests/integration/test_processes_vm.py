@@ -280,6 +280,9 @@ def test_a_tcp_connection_is_restored_in_its_sandbox_and_closed_elsewhere(
     # Restored into another sandbox, the connection comes back closed, as promised.
     other = sandbox_factory(timeout=900)
     other.files.write("/root/client.py", CLIENT)
+    # A file the process has open must be there where it is restored (CRIU opens it
+    # again by path), and the client may be checkpointed while it writes this one.
+    other.files.write("/root/n.tmp", "")
     moved = sbx.processes.checkpoint(pid, tcp="established")
     assert other.processes.restore(moved) == pid
     until(lambda: other.files.exists("/root/client.state"), "the client's verdict", timeout=60)
