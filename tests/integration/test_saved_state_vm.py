@@ -185,18 +185,19 @@ def test_a_history_over_http_is_its_tenants_alone(api_server: ApiServer) -> None
 
 
 def test_any_shape_is_started_and_the_second_of_a_shape_restores(sandbox_factory: Any) -> None:
-    """The default template is built once per shape asked for; the guest has that shape."""
-    first = sandbox_factory(cpus=1, memory_mib=1536)
+    """The default template is built once per shape asked for; the guest has that shape
+    (issue 37: a 2 GiB, 4 vCPU sandbox reports it inside)."""
+    first = sandbox_factory(cpus=4, memory_mib=2048)
     info = first.info()
-    assert (info.cpus, info.memory_mib, info.template) == (1, 1536, "default-1c-1536m-4g")
-    assert first.commands.run("nproc").stdout.strip() == "1"
+    assert (info.cpus, info.memory_mib, info.template) == (4, 2048, "default-4c-2048m-4g")
+    assert first.commands.run("nproc").stdout.strip() == "4"
     total_kib = int(first.commands.run(["awk", "/^MemTotal:/{print $2}", "/proc/meminfo"]).stdout)
-    assert 1300 << 10 < total_kib <= 1536 << 10  # the guest's RAM, less what its kernel keeps
+    assert 1800 << 10 < total_kib <= 2048 << 10  # the guest's RAM, less what its kernel keeps
     templates = {t.name: t.snapshot_id for t in Sandbox.templates()}
-    second = sandbox_factory(cpus=1, memory_mib=1536)
-    assert second.info().origin == templates["default-1c-1536m-4g"]  # restored, not built
+    second = sandbox_factory(cpus=4, memory_mib=2048)
+    assert second.info().origin == templates["default-4c-2048m-4g"]  # restored, not built
     assert {t.name: t.snapshot_id for t in Sandbox.templates()} == templates
-    assert second.commands.run("nproc").stdout.strip() == "1"
+    assert second.commands.run("nproc").stdout.strip() == "4"
 
 
 def _disk_and_file_system(sbx: Sandbox) -> tuple[int, int]:
