@@ -123,20 +123,22 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 
 
-def mem_total_mib() -> int:
-    """The host's RAM (MemTotal), in MiB."""
+def _meminfo_mib(field_name: str) -> int:
+    """A field of the host's ``/proc/meminfo``, in MiB (0 when it is not there)."""
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
+        if line.startswith(f"{field_name}:"):
             return int(line.split()[1]) // 1024
     return 0
+
+
+def mem_total_mib() -> int:
+    """The host's RAM (MemTotal), in MiB."""
+    return _meminfo_mib("MemTotal")
 
 
 def mem_available_mib() -> int:
     """The host's available memory (MemAvailable), in MiB."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) // 1024
-    return 0
+    return _meminfo_mib("MemAvailable")
 
 
 def punch(fd: int, start: int, length: int) -> None:

@@ -298,6 +298,6 @@ def test_a_machine_with_room_to_grow_and_what_was_added_since_its_boot() -> None
         "max-x86_64-cpu,id=cpu3,socket-id=3,core-id=0,thread-id=0",
         "pc-dimm,id=dimm0,memdev=dimm0ram",
     ]
-    assert "memory-backend-ram,id=dimm0ram,size=512M" in option(argv, "-object")
+    assert f"memory-backend-ram,id=dimm0ram,size={512 << 20}" in option(argv, "-object")
     # The RAM file holds the boot memory only; the module's RAM rides in the device state.
     assert "memory-backend-file,id=mem0,size=512M,mem-path=/mem,share=on" in option(argv, "-object")

@@ -1213,10 +1213,10 @@ class Agent:
         patience = float(args.get("timeout", 30))
         deadline = time.monotonic() + patience
         pending = [Path(f"/sys/devices/system/cpu/cpu{n}/online") for n in range(1, wanted)]
-        block = int(Path("/sys/devices/system/memory/block_size_bytes").read_text(), 16)
+        memory = Path("/sys/devices/system/memory")
+        block = int((memory / "block_size_bytes").read_text(), 16)
         for address, size in args.get("memory", ()):
             first, end = int(address) // block, (int(address) + int(size)) // block
-            memory = Path("/sys/devices/system/memory")
             pending += [memory / f"memory{i}" / "state" for i in range(first, end)]
         for switch in pending:
             while not switch.exists():

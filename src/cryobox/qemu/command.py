@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from cryobox.config import env_number, tcg_threads
 from cryobox.guest.protocol import TRANSFER_SERIAL
@@ -151,11 +152,6 @@ def read_disk_args(path: Path | None) -> list[str]:
     ]
 
 
-def cpu_driver(accelerator: str) -> str:
-    """The device model of one more vCPU of the machine's CPU model."""
-    return f"{cpu_model(accelerator)}-x86_64-cpu"
-
-
 def shape_args(spec: MachineSpec) -> list[str]:
     """``-smp`` and ``-m`` (with room to grow when the spec has a layout), and the vCPUs
     and memory modules added since boot, as a restore must have them.
@@ -178,22 +174,40 @@ def shape_args(spec: MachineSpec) -> list[str]:
         memory,
     ]
     for index in range(layout.boot_cpus, layout.cpus):
-        args += ["-device", cpu_device(spec.accelerator, index)]
+        args += ["-device", option_text(cpu_device(spec.accelerator, index))]
     for slot, mib in enumerate(layout.dimms):
-        args += ["-object", memory_object(slot, mib), "-device", memory_device(slot)]
+        args += ["-object", option_text(memory_object(slot, mib))]
+        args += ["-device", option_text(memory_device(slot))]
     return args
 
 
-def cpu_device(accelerator: str, index: int) -> str:
-    return f"{cpu_driver(accelerator)},id=cpu{index},socket-id={index},core-id=0,thread-id=0"
+def cpu_device(accelerator: str, index: int) -> dict[str, Any]:
+    """vCPU ``index`` of the machine's CPU model, as ``device_add`` takes it."""
+    return {
+        "driver": f"{cpu_model(accelerator)}-x86_64-cpu",
+        "id": f"cpu{index}",
+        "socket-id": index,
+        "core-id": 0,
+        "thread-id": 0,
+    }
 
 
-def memory_object(slot: int, mib: int) -> str:
-    return f"memory-backend-ram,id=dimm{slot}ram,size={mib}M"
+def memory_object(slot: int, mib: int) -> dict[str, Any]:
+    """The private RAM of memory module ``slot``, as ``object-add`` takes it."""
+    return {"qom-type": "memory-backend-ram", "id": f"dimm{slot}ram", "size": mib << 20}
 
 
-def memory_device(slot: int) -> str:
-    return f"pc-dimm,id=dimm{slot},memdev=dimm{slot}ram"
+def memory_device(slot: int) -> dict[str, Any]:
+    """Memory module ``slot`` over its RAM, as ``device_add`` takes it."""
+    return {"driver": "pc-dimm", "id": f"dimm{slot}", "memdev": f"dimm{slot}ram"}
+
+
+def option_text(arguments: dict[str, Any]) -> str:
+    """QMP ``device_add``/``object-add`` arguments as QEMU's command line writes them:
+    the type first, then ``key=value`` for the rest. One description serves the
+    command line of a restore and the QMP command that plugs the device in."""
+    (_, kind), *rest = arguments.items()
+    return ",".join([str(kind), *(f"{key}={value}" for key, value in rest)])
 
 
 def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> list[str]:

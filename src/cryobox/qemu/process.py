@@ -179,15 +179,6 @@ GUEST_ENDINGS = {
 }
 
 
-def _options(pairs: list[str]) -> dict[str, Any]:
-    """``key=value`` command-line options as QMP arguments (whole numbers as numbers)."""
-    parsed: dict[str, Any] = {}
-    for pair in pairs:
-        key, value = pair.split("=", 1)
-        parsed[key] = int(value) if value.isdigit() else value
-    return parsed
-
-
 class QemuProcess:
     """A running QEMU with a connected QMP client.
 
@@ -357,23 +348,17 @@ class QemuProcess:
 
     async def add_cpu(self, index: int) -> None:
         # ACPI tells the guest; it brings the vCPU online when asked (``sys.online``).
-        driver, *options = cpu_device(self.spec.accelerator, index).split(",")
-        await self.execute("device_add", {"driver": driver, **_options(options)})
+        await self.execute("device_add", cpu_device(self.spec.accelerator, index))
 
     async def add_memory(self, slot: int, mib: int) -> int:
-        backend, *options = memory_object(slot, mib).split(",")
-        values = _options(options)
-        await self.execute(
-            "object-add",
-            {"qom-type": backend, "id": values["id"], "size": mib << 20},
-        )
-        driver, *options = memory_device(slot).split(",")
-        await self.execute("device_add", {"driver": driver, **_options(options)})
-        for module in await self.execute("query-memory-devices") or ():
-            data = module.get("data") or {}
-            if data.get("id") == f"dimm{slot}":
+        await self.execute("object-add", memory_object(slot, mib))
+        module = memory_device(slot)
+        await self.execute("device_add", module)
+        for listed in await self.execute("query-memory-devices") or ():
+            data = listed.get("data") or {}
+            if data.get("id") == module["id"]:
                 return int(data["addr"])
-        raise self.error(f"memory module dimm{slot} is not listed once added")
+        raise self.error(f"memory module {module['id']} is not listed once added")
 
     async def add_port_forward(self, forward: PortForward) -> None:
         answer = await self.human_monitor(

@@ -83,7 +83,13 @@ from cryobox.util import (
     release_empty,
 )
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
-from cryobox.vmm.base import Layout, check_growth, manifest_shape, new_layout
+from cryobox.vmm.base import (
+    Layout,
+    boot_memory_mib,
+    check_growth,
+    manifest_shape,
+    new_layout,
+)
 from cryobox.volume import read_disk
 
 log = logging.getLogger("cryobox.supervisor")
@@ -261,13 +267,11 @@ class Machine:
     def _ram_file_bytes(self) -> int:
         """The RAM file's size: the machine's memory at boot (RAM added since is not in
         the file, see :func:`cryobox.qemu.command.shape_args`)."""
-        layout = Layout.from_json(self.record.layout)
-        return (layout.boot_memory_mib if layout else self.spec.memory_mib) << 20
+        return boot_memory_mib(self.record.layout, self.spec.memory_mib) << 20
 
     def _added_ram_bytes(self) -> int:
         """The RAM plugged in since boot: the device state carries it, not the file."""
-        layout = Layout.from_json(self.record.layout)
-        return sum(layout.dimms) << 20 if layout else 0
+        return (self.spec.memory_mib << 20) - self._ram_file_bytes()
 
     def update(self, **changes: Any) -> None:
         self.record = replace(self.record, **changes)
@@ -455,7 +459,7 @@ class Machine:
         timer("disk layer")
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
-        ram_file = _ram_file_bytes(manifest)
+        ram_file = boot_memory_mib(manifest.layout, manifest.memory_mib) << 20
         shared = not manifest.ram_in_stream
         copying: asyncio.Future[None] | None = None
         memory_from = None
@@ -1159,10 +1163,11 @@ class Machine:
         self._layers += 1
         disk = f"disk-{self._layers}.qcow2"
         moved = [(paused / mf.DISK, self.folder.path / disk)]
+        ram_file = boot_memory_mib(manifest.layout, manifest.memory_mib) << 20
         if manifest.ram_in_stream:
             memory = self.folder.path / f"memory-{uuid.uuid4().hex[:8]}"
             with open(memory, "wb") as handle:
-                handle.truncate(_ram_file_bytes(manifest))
+                handle.truncate(ram_file)
             os.chmod(memory, 0o600)
         else:
             memory = self.folder.memory_file
@@ -1181,7 +1186,7 @@ class Machine:
         crash_point("resume-moved")
         if not manifest.ram_in_stream:
             try:
-                self._maybe_reserve(memory, _ram_file_bytes(manifest))
+                self._maybe_reserve(memory, ram_file)
             except StorageError:
                 for source, target in moved:
                     os.rename(target, source)
@@ -1363,9 +1368,3 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no console output)"
-
-
-def _ram_file_bytes(manifest: Manifest) -> int:
-    """The size of a memory snapshot's RAM file: its machine's memory at boot."""
-    layout = Layout.from_json(manifest.layout)
-    return (layout.boot_memory_mib if layout else manifest.memory_mib) << 20

@@ -24,7 +24,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from cryobox import config
@@ -92,7 +92,7 @@ from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
 from cryobox.util import data_bytes, mem_available_mib, mem_total_mib, new_id
 from cryobox.vmm import Vmm
-from cryobox.vmm.base import Layout, check_growth, manifest_shape
+from cryobox.vmm.base import boot_memory_mib, check_growth, manifest_shape
 from cryobox.volume import catalog as volume_catalog
 from cryobox.volume.mounts import READ_ONLY_SUFFIX, VolumeMount
 from cryobox.volume.mounts import plan as volume_plan
@@ -891,8 +891,7 @@ class SandboxService:
         spec = folder.spec()
         # RAM plugged in after the parent's boot is not in the RAM file the forks share:
         # each fork loads its own copy (counted whole, as the most it can take).
-        layout = Layout.from_json(folder.record().layout)
-        added = sum(layout.dimms) if layout else 0
+        added = spec.memory_mib - boot_memory_mib(folder.record().layout, spec.memory_mib)
         needed = count * (FORK_OVERHEAD_MIB + spec.memory_mib // 8 + added)
         available = mem_available_mib()
         if needed > available:
@@ -954,12 +953,9 @@ class SandboxService:
         # Its waiting members would keep its snapshot (and a refill at work would add one).
         await asyncio.to_thread(self.pools.stop_refill)
         await self.drain_pool(name)
-        lock = await asyncio.to_thread(self.store.template_lock, name)
-        try:  # not while a variant of it is made (see grown_template)
+        async with self._template_locked(name):  # not while a variant of it is made
             entry = self.store.template(name) or entry
             self.store.delete_template(name)
-        finally:
-            lock.close()
         await self._delete_variants(entry, tenant)
         with contextlib.suppress(CryoboxError):
             await self.catalog.delete_snapshot(str(entry["snapshot"]), tenant=tenant)
@@ -1058,11 +1054,8 @@ class SandboxService:
 
         :raises TemplateNotFound: when the template was deleted while its variant was made.
         """
-        lock = await asyncio.to_thread(self.store.template_lock, name)
-        try:
+        async with self._template_locked(name):
             return await self._grown_template(name, source, shape, progress, tenant)
-        finally:
-            lock.close()
 
     async def _grown_template(
         self,
@@ -1119,6 +1112,17 @@ class SandboxService:
                 with contextlib.suppress(CryoboxError):
                     await self.catalog.delete_snapshot(str(stale), tenant=tenant)
         return self.store.get(saved.id)
+
+    @contextlib.asynccontextmanager
+    async def _template_locked(self, name: str) -> AsyncIterator[None]:
+        """Hold template ``name``'s entry alone, across processes (waiting in a thread
+        for the lock): its variants are looked for, made and named, and the template
+        saved again or deleted, one at a time."""
+        lock = await asyncio.to_thread(self.store.template_lock, name)
+        try:
+            yield
+        finally:
+            lock.close()
 
     async def _delete_variants(self, entry: dict[str, Any], tenant: str) -> None:
         """Delete a template's variants with more vCPUs or RAM (before its snapshot,
@@ -1291,8 +1295,7 @@ class SandboxService:
         saved = await self.capture(
             sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}", tenant=tenant
         )
-        lock = await asyncio.to_thread(self.store.template_lock, name)
-        try:  # not while a variant of the template it replaces is made
+        async with self._template_locked(name):  # not while a variant of it is made
             previous = self.store.template(name)
             self.store.set_template(
                 name,
@@ -1306,8 +1309,6 @@ class SandboxService:
                     "created_at": time.time(),
                 },
             )
-        finally:
-            lock.close()
         if previous and previous.get("snapshot") != saved.id:
             await self._delete_variants(previous, tenant)
             with contextlib.suppress(CryoboxError):  # kept while something builds on it

@@ -135,6 +135,14 @@ def new_layout(cpus: int, memory_mib: int) -> Layout:
     )
 
 
+def boot_memory_mib(layout: dict[str, Any], memory_mib: int) -> int:
+    """The RAM a machine of ``memory_mib`` in all, laid out as ``layout``, booted with:
+    its RAM file's size (RAM plugged in since is not in it; all of it for a machine
+    saved before machines could grow)."""
+    grown = Layout.from_json(layout)
+    return grown.boot_memory_mib if grown else memory_mib
+
+
 def manifest_shape(manifest: Any) -> dict[str, int]:
     """A snapshot manifest's vCPUs and RAM, as :func:`check_growth` compares them."""
     return {"cpus": int(manifest.cpus), "memory_mib": int(manifest.memory_mib)}
