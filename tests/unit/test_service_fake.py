@@ -8,8 +8,11 @@ whole path SDK -> transport -> service -> supervisor -> VMM is exercised in seco
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +34,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
 from cryobox.service import discard_spare, pool, service
+from cryobox.snapshot.store import LocalSnapshotStore
 
 
 @pytest.fixture(autouse=True)
@@ -266,6 +270,45 @@ def test_a_template_keeps_its_newest_variants(monkeypatch: pytest.MonkeyPatch) -
     names = sorted(s.name or "" for s in Sandbox.snapshots() if "@" in (s.name or ""))
     assert names == ["template:several@2c-1280m", "template:several@2c-1408m"]
     Sandbox.delete_template("several")
+
+
+GROWN_CREATE = (
+    "from cryobox import Sandbox; "
+    "print(Sandbox.create('racy', cpus=3, memory_mib=1536, timeout=600).id)"
+)
+
+
+def test_processes_growing_one_template_at_once_make_one_variant_a_kill_9_loses_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Separate processes (the CLI, an SDK script, a server) may ask for a template's
+    new shape at once, and one may die at any step: a process killed with -9 at a random
+    moment of its first create leaves the lock free and no variant half named; two
+    racing after it make one variant, which both start from."""
+    # A window to race in (set before the first sandbox: supervisors start from a
+    # process forked then, with the environment of that moment).
+    monkeypatch.setenv("CRYOBOX_FAKE_ONLINE_SECONDS", "1")
+    Sandbox.build_template("racy", ["true"])
+
+    def grow() -> subprocess.Popen[str]:
+        command = [sys.executable, "-c", GROWN_CREATE]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    victim = grow()
+    time.sleep(random.uniform(0.2, 2.0))
+    victim.kill()
+    victim.wait()
+    racers = [grow() for _ in range(4)]
+    answers = [racer.communicate(timeout=300) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0] * 4, answers
+    variants = LocalSnapshotStore().template("racy")["variants"]  # type: ignore[index]
+    assert list(variants) == ["3c-1536m"]
+    origins = {Sandbox.connect(out.split()[-1]).info().origin for out, _ in answers}
+    assert origins == {variants["3c-1536m"]}
+    for out, _ in answers:
+        Sandbox.connect(out.split()[-1]).kill()  # and with it, garbage collected
+    grown = [s.id for s in Sandbox.snapshots() if (s.name or "").startswith("template:racy@")]
+    assert grown == [variants["3c-1536m"]]  # nothing the killed process made is left
 
 
 def test_the_default_template_of_a_shape_is_the_hosts_alone() -> None:

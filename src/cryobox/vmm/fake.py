@@ -79,6 +79,9 @@ class FakeAgent(guest_agent.Agent):
         return {"time_ns": args.get("time_ns", 0)}
 
     async def sys_online(self, rid: int, args: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        # As long as a test asks (a real guest takes seconds a GiB), so that processes
+        # growing one template overlap.
+        await asyncio.sleep(float(os.environ.get("CRYOBOX_FAKE_ONLINE_SECONDS", "0")))
         machine = self.vm.machine()
         if int(args["cpus"]) != machine.get("cpus", self.vm.spec.cpus):
             raise guest_agent.OpError(p.INTERNAL, "the vCPUs were not plugged in before")
