@@ -36,6 +36,7 @@ pytestmark = pytest.mark.vm
 PRINTS = {
     "README.md": [
         "^0 42$",  # the Python tour's first command
+        "^vCPUs: 3$",  # the tour's snapshot restored with a vCPU more
         "^kept sbx-[0-9a-f]{12} scoring 0$",  # best of N
         r"^ +\d+ .*python3 /root/count\.py$",  # a process restored elsewhere, seen by ps
         "^ready$",  # a file the CLI's template build made, read in a sandbox of it
