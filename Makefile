@@ -14,9 +14,11 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Chromium: the web console's browser test drives it (Playwright, from PyPI).
 # Templates from container images (cryobox.image.oci): skopeo reads the archive, umoci
 # unpacks its layers, patchelf points the runtime cryobox carries into them at its own libraries.
+# libnss-myhostname: names under localhost resolve to the loopback, as on a systemd
+# machine (E2B's SDKs given E2B_DOMAIN=e2b.localhost:PORT, tests/compat/test_e2b_domain.py).
 APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates conntrack \
                 gcc libc6-dev libjansson-dev libfuse3-dev clang-format skopeo umoci patchelf \
-                iproute2 util-linux nftables postgresql chromium
+                iproute2 util-linux nftables postgresql chromium libnss-myhostname
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done
 # The web console's browser libraries (xterm.js), pinned by console/package-lock.json.
@@ -43,6 +45,9 @@ $(APT_STAMP): Makefile
 	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap; \
 	fi
 	@apt-cache policy linux-image-amd64 | grep -q 'Candidate: [0-9]' || $(SUDO) apt-get update -qq
+	@# libnss-myhostname adds itself to nsswitch.conf; a hosts line kept by hand may lack it.
+	@grep -qE '^hosts:.*[[:space:]]myhostname' /etc/nsswitch.conf || \
+	    $(SUDO) sed -i -E 's/^(hosts:[[:space:]]+files)/\1 myhostname/' /etc/nsswitch.conf
 	@mkdir -p $(VENV) && touch $@
 
 $(PIP_STAMP): pyproject.toml

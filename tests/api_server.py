@@ -34,11 +34,15 @@ class ApiServer:
     address: str = "127.0.0.1"
     #: The network namespace it runs in (``tests/fleet_net.py``); None: this one's.
     netns: str | None = None
+    #: More ``cryobox server`` options (``--ssl-certfile ...``).
+    options: list[str] = field(default_factory=list)
+    #: ``https`` when ``options`` give it a certificate.
+    scheme: str = "http"
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}:{self.port}"
+        return f"{self.scheme}://{self.address}:{self.port}"
 
     def client_env(self, key: str | None = None) -> dict[str, str]:
         """The environment of a process that uses this server (the CLI, say)."""
@@ -78,6 +82,7 @@ class ApiServer:
                     "0.2",
                     "--storage-interval",
                     "1",
+                    *self.options,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

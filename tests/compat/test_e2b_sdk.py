@@ -481,14 +481,15 @@ def test_ports_by_host_name_wake_a_sandbox_like_e2b(api_server: ApiServer) -> No
         assert get("/", other, token).text == "custom-host.example.com:8000"  # masked
         for wrong in ("", token[:-1] + ("0" if token[-1] != "0" else "1")):
             denied = get("/", other, wrong)
-            assert denied.status_code == 403 and "traffic token" in denied.text
+            assert denied.status_code == 403 and "traffic token" in denied.json()["message"]
         assert plain.pause() is True
         assert get("/", other).status_code == 403  # refused before anything wakes
         refused = get("/", other, token)
-        assert refused.status_code == 502 and "paused" in refused.text
+        assert refused.status_code == 502 and "paused" in refused.json()["message"]
         assert plain.get_info().state == e2b.SandboxState.PAUSED
         unknown = get("/", f"8000-sbx-000000000000.localhost:{api_server.port}")
-        assert unknown.status_code == 404
+        assert unknown.status_code == 502  # as E2B's edge answers, which its SDKs read
+        assert unknown.json()["message"] == "The sandbox was not found"
     finally:
         waking.kill()
         plain.kill()

@@ -14,10 +14,17 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from cryobox.errors import InvalidArgument, SandboxNotFound, StateError
+from cryobox.errors import InvalidArgument, SandboxDead, SandboxNotFound, StateError
 from cryobox.server import relay
 from cryobox.server.forward import FORWARDED, Forward
-from cryobox.server.host_routes import Admission, HostRoutes, check_domain, route_of, target
+from cryobox.server.host_routes import (
+    Admission,
+    HostAliases,
+    HostRoutes,
+    check_domain,
+    route_of,
+    target,
+)
 
 ID = "sbx-0123456789ab"
 
@@ -59,6 +66,7 @@ class _Guest(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-Guest", "yes")
+        self.send_header("X-Names", ",".join(self.headers.keys()))  # as they came
         self.end_headers()
         self.wfile.write(body)
 
@@ -95,6 +103,8 @@ async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(gues
 
     async def port_of(sandbox_id: str, port: int) -> int:
         asked.append((sandbox_id, port))
+        if sandbox_id == "sbx-00000000dead":
+            raise SandboxDead(sandbox_id, "killed by request")
         if sandbox_id != ID:
             raise SandboxNotFound(sandbox_id)
         if port == 9000:
@@ -105,8 +115,10 @@ async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(gues
     transport = httpx.ASGITransport(app=cast(Any, routes))
     async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
         host = f"8000-{ID}.localhost:8080"
-        got = await client.get("/a/b?c=d&e=%20", headers={"Host": host})
+        got = await client.get("/a/b?c=d&e=%20", headers={"Host": host, "x-some-thing": "1"})
         assert got.status_code == 200 and got.headers["x-guest"] == "yes"
+        names = got.headers["x-names"].split(",")  # as E2B's proxy (Go) writes them
+        assert "Host" in names and "X-Some-Thing" in names and "host" not in names
         assert got.text == f"/a/b?c=d&e=%20 for {host}"  # path, query and host as sent
         data = bytes(range(256)) * 12_000  # 3 MB: more than the API's body limit
         posted = await client.post("/up", content=data, headers={"Host": host})
@@ -115,12 +127,22 @@ async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(gues
         api = await client.get("/sandboxes", headers={"Host": "localhost:8080"})
         assert api.status_code == 299 and api.text == "the api"
 
+        # Refused in E2B's edge's JSON, which its SDKs and tests read.
         missing = await client.get("/", headers={"Host": "8000-sbx-000000000000.localhost"})
-        assert missing.status_code == 404 and "sbx-000000000000" in missing.text
+        assert missing.status_code == 502
+        assert missing.json() == {
+            "sandboxId": "sbx-000000000000",
+            "message": "The sandbox was not found",
+            "code": 502,
+        }
+        killed = await client.get("/", headers={"Host": "8000-sbx-00000000dead.localhost"})
+        assert killed.status_code == 502
+        assert killed.json()["message"] == "The sandbox was not found"
         paused = await client.get("/", headers={"Host": f"9000-{ID}.localhost"})
-        assert paused.status_code == 502 and "paused" in paused.text
+        assert paused.status_code == 502 and "paused" in paused.json()["message"]
         silent = await client.get("/", headers={"Host": f"8001-{ID}.localhost"})
-        assert silent.status_code == 502 and "nothing answers" in silent.text
+        assert silent.status_code == 502 and "nothing answers" in silent.json()["message"]
+        assert silent.json()["sandboxId"] == ID
     assert asked[:2] == [(ID, 8000), (ID, 8000)]
 
 
@@ -143,7 +165,8 @@ async def test_a_rule_refuses_before_anything_wakes_or_sets_the_host_the_guest_s
     async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
         host = f"8000-{ID}.localhost"
         refused = await client.get("/", headers={"Host": host, "Token": "wrong"})
-        assert refused.status_code == 403 and refused.text == "private: send its token"
+        assert refused.status_code == 403
+        assert refused.json()["message"] == "private: send its token"
         assert woken == []
         let_in = await client.get("/p", headers={"Host": host, "Token": "right"})
         assert let_in.status_code == 200 and let_in.text == "/p for masked.example:8000"
@@ -316,3 +339,61 @@ async def test_a_websocket_is_relayed_to_the_guest_by_the_name_asked_or_its_mask
             await asyncio.wait_for(relayed, 10)
             assert seen[-1]["host"] == (expected or mask)
             assert FORWARDED not in seen[-1]
+
+
+def _http_scope(host: str, path: str, query: bytes = b"", **headers: str) -> dict[str, Any]:
+    sent = [(b"host", host.encode())] + [
+        (k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()
+    ]
+    return {
+        "type": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "headers": sent,
+    }
+
+
+def _seen_by_the_app(scope: dict[str, Any]) -> dict[str, Any]:
+    """The scope the app behind :class:`HostAliases` (with E2B's names) is given."""
+    from cryobox.e2b.extension import host_alias
+
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope: Any, _receive: Any, _send: Any) -> None:
+        seen.append(scope)
+
+    middleware = HostAliases(app, domain="e2b.localhost:8443", aliases=[host_alias])
+    asyncio.run(middleware(scope, cast(Any, None), cast(Any, None)))
+    [inner] = seen
+    return inner
+
+
+def test_e2b_s_own_host_names_become_its_paths_under_e2b() -> None:
+    """``E2B_DOMAIN`` alone: ``api.DOMAIN`` is E2B's control plane and
+    ``49983-ID.DOMAIN`` that sandbox's envd (the sandbox the name gives, not a header's),
+    both under ``/e2b``, with a Host that names no port; a signed file URL stays at the
+    root; other names, and names under another domain, are left as they came."""
+    api = _seen_by_the_app(_http_scope("api.e2b.localhost:8443", "/v2/sandboxes"))
+    assert (api["path"], api["raw_path"]) == ("/e2b/v2/sandboxes", b"/e2b/v2/sandboxes")
+    assert dict(api["headers"])[b"host"] == b"e2b.localhost"
+    assert route_of("e2b.localhost", "e2b.localhost:8443") is None  # HostRoutes passes it
+
+    envd = _seen_by_the_app(
+        _http_scope(f"49983-{ID}.E2B.localhost", "/files", b"path=%2Fa", e2b_sandbox_id="sbx-other")
+    )
+    assert envd["path"] == "/e2b/files" and envd["query_string"] == b"path=%2Fa"
+    headers = [(k, v) for k, v in envd["headers"] if k == b"e2b-sandbox-id"]
+    assert headers == [(b"e2b-sandbox-id", ID.encode())]  # the name's, alone
+
+    signed = _seen_by_the_app(_http_scope(f"49983-{ID}.e2b.localhost", "/files", b"signature=v1_x"))
+    assert signed["path"] == "/files"
+
+    for host in (
+        f"8000-{ID}.e2b.localhost:8443",  # a guest port: HostRoutes' to route
+        "e2b.localhost:8443",  # cryobox's own API
+        "api.elsewhere.localhost",
+        f"49983-{ID}.evil.e2b.localhost",
+    ):
+        scope = _http_scope(host, "/health")
+        assert _seen_by_the_app(scope) is scope

@@ -910,11 +910,17 @@ def signed_files_router(envd: Envd) -> APIRouter:
     """E2B's signed file URLs (``download_url``/``upload_url``): the SDK builds them on
     the sandbox URL's root (``/files``, not under ``/e2b``) with no sandbox named, so
     the sandbox is the one whose access token the signature was made with (each
-    compared in constant time). An expired or altered URL is a 401, as envd's."""
+    compared in constant time), among those the request names when it names one (by
+    its host name, ``49983-ID.DOMAIN``). An expired or altered URL is a 401, as envd's."""
     router = APIRouter(include_in_schema=False)
 
     async def signed(
-        path: str, username: str | None, signature: str, expiration: str | None, op: str
+        request: Request,
+        path: str,
+        username: str | None,
+        signature: str,
+        expiration: str | None,
+        op: str,
     ) -> Caller | Response:
         if not signature:
             return envd_error(401, "a signature is required")
@@ -926,7 +932,10 @@ def signed_files_router(envd: Envd) -> APIRouter:
             if expires < time.time():
                 return envd_error(401, "signature is already expired")
         found = None
+        named = request.headers.get("e2b-sandbox-id")
         for record in envd.records.all():
+            if named and record.sandbox_id != named:
+                continue
             wanted = url_signature(path, op, username, record.access_token, expires)
             if hmac.compare_digest(wanted.encode(), signature.encode()):
                 found = record
@@ -941,12 +950,13 @@ def signed_files_router(envd: Envd) -> APIRouter:
 
     @router.get("/files")
     async def signed_download(
+        request: Request,
         path: str,
         username: str | None = None,
         signature: str = "",
         signature_expiration: str | None = None,
     ) -> Response:
-        caller = await signed(path, username, signature, signature_expiration, "read")
+        caller = await signed(request, path, username, signature, signature_expiration, "read")
         if isinstance(caller, Response):
             return caller
         return await serve_download(envd, caller, path)
@@ -959,7 +969,7 @@ def signed_files_router(envd: Envd) -> APIRouter:
         signature: str = "",
         signature_expiration: str | None = None,
     ) -> Response:
-        caller = await signed(path, username, signature, signature_expiration, "write")
+        caller = await signed(request, path, username, signature, signature_expiration, "write")
         if isinstance(caller, Response):
             return caller
         return await serve_upload(envd, caller, request, path)

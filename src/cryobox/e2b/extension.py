@@ -7,15 +7,17 @@ from __future__ import annotations
 import functools
 import hmac
 import re
+import urllib.parse
 from collections.abc import Mapping
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import Scope
 
 from cryobox.errors import CryoboxError
 from cryobox.server.extensions import Extension
-from cryobox.server.host_routes import Admission
+from cryobox.server.host_routes import Admission, with_header, with_path_prefix
 from cryobox.server.hub import Hub
 
 from . import rest
@@ -105,6 +107,29 @@ def target(path: str, headers: Mapping[str, str]) -> str | None:
     return None
 
 
+#: The port E2B's SDK names a sandbox's envd by (``49983-ID.DOMAIN``).
+ENVD_PORT = 49983
+_ENVD_HOST = re.compile(rf"{ENVD_PORT}-(sbx-[0-9a-f]{{12}})")
+
+
+def host_alias(label: str, scope: Scope) -> Scope | None:
+    """E2B's own host names under the server's ``--domain``, as its SDKs build them from
+    ``E2B_DOMAIN`` alone (no ``E2B_API_URL``/``E2B_SANDBOX_URL``): ``api.DOMAIN`` is the
+    control plane and ``49983-ID.DOMAIN`` that sandbox's envd, both served under
+    ``/e2b``; the sandbox is the one the name gives, whatever header came with it. A
+    signed file URL (``/files?signature=...``) stays at the root, where it is served."""
+    if label == "api":
+        return with_path_prefix(scope, PREFIX.rstrip("/"))
+    found = _ENVD_HOST.fullmatch(label)
+    if found is None:
+        return None
+    scope = with_header(scope, "e2b-sandbox-id", found.group(1))
+    query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    if scope["path"] == "/files" and "signature" in query:
+        return scope
+    return with_path_prefix(scope, PREFIX.rstrip("/"))
+
+
 def extension() -> Extension:
     """What ``cryobox server`` installs to serve the official ``e2b`` SDK."""
     return Extension(
@@ -118,4 +143,5 @@ def extension() -> Extension:
         streaming=STREAMING,
         creates=(f"{PREFIX}sandboxes", f"{PREFIX}v2/sandboxes"),
         create_key=lambda headers: headers.get("x-api-key"),  # E2B's only (rest.e2b_tenant)
+        host_alias=host_alias,
     )

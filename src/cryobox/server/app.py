@@ -57,7 +57,7 @@ from .backlog import Backlog
 from .console import install_console
 from .extensions import Extension
 from .forward import Forward, credentials
-from .host_routes import HostRoutes
+from .host_routes import HostAliases, HostRoutes
 from .hosts import HEARTBEAT
 from .hub import Hub
 from .limits import BodyLimit
@@ -275,7 +275,12 @@ def create_app(
         streaming=[x.streaming for x in extensions if x.streaming is not None],
         passes=lambda scope: host_routes.route_in(scope, hub.domain) is not None,
     )
-    app.add_middleware(SendDeadline)  # outermost: a response's writes, when it arms one
+    app.add_middleware(SendDeadline)  # a response's writes, when it arms one
+    app.add_middleware(  # outermost: an extension's host names become its paths
+        HostAliases,
+        domain=hub.domain,
+        aliases=[x.host_alias for x in extensions if x.host_alias is not None],
+    )
 
     # ------------------------------------------------------------------ health
 

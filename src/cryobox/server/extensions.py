@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import Scope
 
 from cryobox.errors import CryoboxError
 
@@ -50,6 +51,10 @@ class Extension:
     #: the tenant of the key its routes read (``create_key``: from the headers).
     creates: tuple[str, ...] = ()
     create_key: Callable[[Mapping[str, str]], str | None] | None = None
+    #: Host names under the server's ``--domain`` that stand for its own paths (E2B's
+    #: ``api.DOMAIN`` and ``49983-ID.DOMAIN``): given a name's first label and the
+    #: request, the request rewritten onto its paths, or None when the name is not its.
+    host_alias: Callable[[str, Scope], Scope | None] | None = None
 
     def owns(self, path: str) -> bool:
         """Whether ``path`` is one of the extension's."""

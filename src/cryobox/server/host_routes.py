@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from cryobox.errors import CryoboxError, InvalidArgument, SandboxNotFound
+from cryobox.errors import CryoboxError, InvalidArgument, SandboxDead, SandboxNotFound
 
 from . import relay
 from .forward import FORWARDED
@@ -123,6 +124,16 @@ def route_of(host: str | None, domain: str | None) -> tuple[str, int] | None:
     return found.group(2), int(found.group(1))
 
 
+def label_under(scope: Scope, domain: str | None) -> str | None:
+    """The first label of an HTTP request's ``Host`` when the rest is ``domain`` (the
+    server's ``--domain``, its port ignored), else None."""
+    if scope.get("type") != "http" or not domain:
+        return None
+    host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+    label, dot, rest = _name(host).partition(".")
+    return label if dot and rest == _name(domain) else None
+
+
 def route_in(scope: Scope, domain: str | None) -> tuple[str, int] | None:
     """(sandbox id, guest port) that an ASGI request names by its Host, or None."""
     if scope.get("type") not in ("http", "websocket") or not domain:
@@ -140,6 +151,49 @@ def target(domain: str | None) -> Callable[[str, Mapping[str, str]], str | None]
         return route[0] if route else None
 
     return named
+
+
+#: What a request for a sandbox that is not (or no longer) there is answered, with 502.
+NOT_FOUND = "The sandbox was not found"
+
+#: An extension's host names (:attr:`~cryobox.server.extensions.Extension.host_alias`).
+Alias = Callable[[str, Scope], Scope | None]
+
+
+class HostAliases:
+    """ASGI middleware, outermost: a request by a name under ``DOMAIN`` that an extension
+    claims (E2B's SDK, given only ``E2B_DOMAIN``, calls ``api.DOMAIN`` and
+    ``49983-ID.DOMAIN``) is rewritten onto the extension's own paths before anything
+    else reads it: forwarding, the body limit and the routes see it as if it had been
+    sent to those paths. Its ``Host`` becomes ``DOMAIN`` itself, which names no port."""
+
+    def __init__(self, app: Any, *, domain: str | None, aliases: Sequence[Alias]) -> None:
+        self.app = app
+        self.domain = domain
+        self.aliases = aliases
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        label = label_under(scope, self.domain) if self.aliases else None
+        if label is not None:
+            for alias in self.aliases:
+                rewritten = alias(label, scope)
+                if rewritten is not None:
+                    scope = with_header(rewritten, "host", _name(self.domain or ""))
+                    break
+        await self.app(scope, receive, send)
+
+
+def with_header(scope: Scope, name: str, value: str) -> Scope:
+    """``scope`` with its header ``name`` (lower case) set to ``value`` alone."""
+    key = name.encode("latin-1")
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != key]
+    return {**scope, "headers": [*headers, (key, value.encode("latin-1"))]}
+
+
+def with_path_prefix(scope: Scope, prefix: str) -> Scope:
+    """``scope`` with ``prefix`` (``/e2b``) put before its path."""
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    return {**scope, "path": prefix + scope["path"], "raw_path": prefix.encode() + raw}
 
 
 class HostRoutes:
@@ -173,26 +227,20 @@ class HostRoutes:
         try:  # before anything wakes: a refused request changes nothing
             admission = await asyncio.to_thread(self.admit, sandbox_id, guest_port, headers)
         except CryoboxError as exc:
-            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}")
+            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}", sandbox_id)
             return
         if not admission.allowed:
-            await _refuse(scope, send, 403, admission.reason)
+            await _refuse(scope, send, 403, admission.reason, sandbox_id)
             return
         if admission.host is not None:  # what the guest's server sees as its name
-            scope = {
-                **scope,
-                "headers": [
-                    *((k, v) for k, v in scope["headers"] if k.lower() != b"host"),
-                    (b"host", admission.host.encode("latin-1")),
-                ],
-            }
+            scope = with_header(scope, "host", admission.host)
         try:
             port = await self.port_of(sandbox_id, guest_port)
-        except SandboxNotFound as exc:
-            await _refuse(scope, send, 404, str(exc))
+        except (SandboxNotFound, SandboxDead):  # as E2B's edge answers (its SDKs read it)
+            await _refuse(scope, send, 502, NOT_FOUND, sandbox_id)
             return
         except CryoboxError as exc:  # paused and not woken by traffic, ended, ...
-            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}")
+            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}", sandbox_id)
             return
         async with self.busy(sandbox_id):
             if scope["type"] == "websocket":
@@ -215,35 +263,46 @@ class HostRoutes:
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, limits=_LIMITS)
         path = relay.target_of(scope)
         if path is None:
-            await _refuse(scope, send, 400, "the request's target must be a path (/...)")
+            await _refuse(scope, send, 400, "the request's target must be a path (/...)", route[0])
             return
         gone = asyncio.Event()
         body = relay.request_body(receive, gone) if relay.has_body(headers) else None
         request = self._client.build_request(
             scope["method"],
             f"http://127.0.0.1:{port}{path}",
-            headers=relay.passed_headers(scope, drop=INTERNAL),  # Host too: as it was asked
+            headers=[  # Host too: as it was asked
+                (canonical_name(k), v) for k, v in relay.passed_headers(scope, drop=INTERNAL)
+            ],
             content=body,
         )
         where = f"{route[0]} port {route[1]}"
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            await _refuse(scope, send, 502, f"{where}: nothing answers ({exc})")
+            await _refuse(scope, send, 502, f"{where}: nothing answers ({exc})", route[0])
             return
         await relay.stream_answer(response, send, receive, gone, where)
 
 
-async def _refuse(scope: Scope, send: Send, status: int, detail: str) -> None:
+def canonical_name(name: str) -> str:
+    """A header's name as E2B's proxy (Go's net/http) sends it on: ``Content-Type``.
+    ASGI gives names lower-cased; a guest's server that prints them as it got them (a
+    test of E2B's looks for ``Host:``) sees what it would behind E2B."""
+    return "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
+
+
+async def _refuse(scope: Scope, send: Send, status: int, detail: str, sandbox_id: str) -> None:
+    """A request that reaches no guest: E2B's edge's JSON (``sandboxId``, ``message``,
+    ``code``), which its SDKs and tests parse."""
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1011, "reason": detail[:120]})
         return
-    body = detail.encode()
+    body = json.dumps({"sandboxId": sandbox_id, "message": detail, "code": status}).encode()
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"text/plain; charset=utf-8")],
+            "headers": [(b"content-type", b"application/json")],
         }
     )
     await send({"type": "http.response.body", "body": body})
