@@ -14,11 +14,12 @@ import httpx
 import pytest
 
 from api_server import ApiServer
-from cryobox import InvalidArgument, Sandbox, SnapshotIncompatible
+from cryobox import InvalidArgument, Sandbox, SnapshotIncompatible, SnapshotVerificationFailed
 from cryobox.sandbox import registry
 from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import ram_delta
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.util import data_bytes
+from cryobox.util import data_bytes, data_extents
 from waiting import until
 
 CLI = [sys.executable, "-m", "cryobox.cli.main"]
@@ -153,6 +154,86 @@ def test_a_sandbox_with_a_history_rewinds_to_a_deleted_file_and_a_killed_process
     # (a millisecond later: a datetime holds microseconds, the float more)
     assert sbx.rewind(datetime.fromtimestamp(point.created_at + 0.001)).id == point.id
     assert sbx.files.exists("/root/work.txt")
+
+
+def test_a_history_keeps_whole_only_its_newest_ram_and_restores_every_point_exactly(
+    sandbox_factory: Any,
+) -> None:
+    """The newest automatic checkpoint keeps its RAM whole; once the next is taken, the
+    one before keeps only the pages that differ from it (``memory_base``: a few MB for
+    an idle guest, the 16 MiB of a process's data that is gone in the next). A rewind
+    to a point three back brings that process back with every byte of its data (it
+    checks them itself); pages of its own that fail verification refuse the rewind by
+    name, the sandbox running on."""
+    store = LocalSnapshotStore()
+    sbx = sandbox_factory(checkpoint_every=5, keep_checkpoints=20)
+
+    def saved() -> list[mf.Manifest]:
+        return sorted((store.get(p.id) for p in automatic(sbx)), key=lambda m: m.created_at)
+
+    def next_after(instant: float) -> mf.Manifest:
+        return until(
+            lambda: [m for m in saved() if m.created_at > instant],
+            "an automatic checkpoint",
+            timeout=90,
+            every=0.5,
+        )[0]
+
+    def ram_bytes(manifest: mf.Manifest) -> int:
+        folder = store.folder(manifest.id)
+        return data_bytes(folder / mf.MEMORY) + data_bytes(folder / ram_delta.DELTA)
+
+    def folded(point: mf.Manifest) -> mf.Manifest:
+        """The checkpoint once folded onto the next (right after the next is taken)."""
+        return until(
+            lambda: [m for m in [store.get(point.id)] if m.memory_base],
+            f"{point.id} folded",
+            timeout=60,
+            every=0.2,
+        )[0]
+
+    quiet = next_after(time.time())
+    later = next_after(quiet.created_at)
+    quiet, newest = folded(quiet), saved()[-1]
+    assert quiet.memory_base == later.id  # folded onto the next one
+    assert newest.memory_base is None and (store.folder(newest.id) / mf.MEMORY).exists()
+    whole = ram_bytes(newest)
+    assert whole > 50 << 20  # (the RAM a booted guest uses)
+    assert ram_bytes(quiet) < whole * 0.15, (ram_bytes(quiet), whole)
+
+    sbx.commands.run(HOLDER)
+    until(lambda: held(sbx)[1] >= 2, "the holder's first checks", timeout=60)
+    busy = next_after(time.time())
+    sbx.commands.run(["pkill", "-f", "holder.py"])
+    until(lambda: not sbx.commands.run(["pgrep", "-f", "holder.py"]).stdout, "the holder's end")
+    gone = next_after(time.time())  # its pages freed (zeroed) by then
+    last = next_after(gone.created_at)
+    busy, gone = folded(busy), folded(gone)
+    assert gone.memory_base == last.id
+    # The checkpoint that still had the holder differs from the next by its 16 MiB.
+    chain = [busy.id]
+    while (step := store.get(chain[-1])).memory_base:
+        chain.append(str(step.memory_base))
+    assert len(chain) >= 3  # busy, ..., gone, last
+    assert any(ram_bytes(store.get(c)) >= 16 << 20 for c in chain[:-1])
+
+    sbx.rewind(busy.id)
+    count = held(sbx)[1]
+    until(lambda: held(sbx)[1] > count + 1, "the holder's checks after the rewind", timeout=60)
+    assert held(sbx)[0] == "ok"  # every byte of its 16 MiB as it wrote them
+
+    # Its own pages, one byte changed: the rewind is refused. (The sandbox builds on it
+    # now, so it is never folded again meanwhile.)
+    with open(store.folder(busy.id) / ram_delta.DELTA, "r+b") as handle:
+        for start, _end in data_extents(handle.fileno()):
+            handle.seek(start + 100)
+            old = handle.read(1)
+            handle.seek(start + 100)
+            handle.write(bytes([old[0] ^ 0xFF]))
+            break
+    with pytest.raises(SnapshotVerificationFailed, match=f"{busy.id}.*memory.delta"):
+        sbx.rewind(busy.id)
+    assert sbx.info().state == "running" and held(sbx)[0] == "ok"
 
 
 def test_a_history_over_http_is_its_tenants_alone(api_server: ApiServer) -> None:

@@ -15,6 +15,7 @@ from cryobox import config
 from cryobox.client.async_sandbox import AsyncSandbox
 from cryobox.models import SnapshotInfo
 from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import ram_delta
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.util import data_bytes
 
@@ -77,6 +78,8 @@ class History:
     #: Each automatic checkpoint: ms the guest was stopped, MB stored.
     stopped_ms: list[float]
     stored_mb: list[float]
+    #: Of which its RAM (the pages that differ from the next one's, or whole).
+    ram_mb: list[float]
     #: Rounds of the suite in the same time without and with a history.
     rounds_without: int
     rounds_with: int
@@ -85,7 +88,7 @@ class History:
 
 _CAPTURE = re.compile(r"capture of (?P<id>snap-\w+) \(checkpoint\) \d+ ms: (?P<steps>.*)$")
 #: The steps of a capture during which the guest is stopped.
-_STOPPED_STEPS = ("disk copied", "ram copied", "device state")
+_STOPPED_STEPS = ("disk copied", "ram copied", "ram compared", "device state")
 
 
 def stopped_ms(sandbox_id: str) -> dict[str, float]:
@@ -117,9 +120,20 @@ async def history(quick: bool) -> History:
                     break
                 await asyncio.sleep(0.5)
         points = taken
+        if points:  # one more: each measured one has been folded onto the next by then
+            deadline = time.monotonic() + 4 * every + 60
+            while time.monotonic() < deadline and not [
+                p
+                for p in await sbx.history()
+                if p.automatic and p.created_at > taken[-1].created_at
+            ]:
+                await asyncio.sleep(0.5)
         stops = stopped_ms(sbx.id)
         stopped = [stops[p.id] for p in points if p.id in stops]
-        stored = [p.stored_bytes / 1e6 for p in points]
+        store = LocalSnapshotStore()
+        stored = [store.stored_bytes(p.id) / 1e6 for p in points]
+        folders = [store.folder(p.id) for p in points]
+        ram = [(data_bytes(f / mf.MEMORY) + data_bytes(f / ram_delta.DELTA)) / 1e6 for f in folders]
     finally:
         await sbx.kill()
     seconds = 2 * every + 1
@@ -133,7 +147,7 @@ async def history(quick: bool) -> History:
             rounds.append(int(result.stdout))
         finally:
             await runner.kill()
-    return History(stopped, stored, rounds[0], rounds[1], every)
+    return History(stopped, stored, ram, rounds[0], rounds[1], every)
 
 
 #: MB moved each way by the file-transfer scenario (quick mode: a quarter).

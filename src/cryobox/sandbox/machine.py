@@ -73,8 +73,10 @@ from cryobox.sandbox.registry import (
 )
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import ram_delta
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
-from cryobox.snapshot.store import SnapshotStore, new_snapshot
+from cryobox.snapshot.store import SnapshotStore, new_snapshot, ram_files
+from cryobox.store import uploads
 from cryobox.util import (
     copy_sparse,
     data_bytes,
@@ -463,7 +465,7 @@ class Machine:
         shared = not manifest.ram_in_stream
         copying: asyncio.Future[None] | None = None
         memory_from = None
-        if self.spec.forked_from and new_identity and shared:
+        if self.spec.forked_from and new_identity and shared and not manifest.automatic:
             # Forks map the one frozen file privately: its pages are shared by every fork
             # in the page cache, and each fork's writes are copy-on-write of its own.
             memory_from, shared = manifest.id, False
@@ -477,7 +479,7 @@ class Machine:
                 # Filled while the VM starts (it only maps the file; nothing reads guest
                 # RAM before the device state loads, which waits for the copy).
                 copying = asyncio.ensure_future(
-                    asyncio.to_thread(copy_sparse, folder / mf.MEMORY, memory)
+                    asyncio.to_thread(self._fill_ram, manifest.id, memory)
                 )
         self.update(
             disk=disk,
@@ -785,7 +787,26 @@ class Machine:
                 shape = {}
             mf.check_compatible(manifest, self.backend_facts(), shape)
         mf.verify(self.store.folder(manifest.id), manifest)
+        if manifest.memory_base:  # its RAM is read from its bases' too
+            ram_files(self.store, manifest.id)
         return manifest
+
+    def _fill_ram(self, snapshot_id: str, target: Path) -> None:
+        """Fill a new RAM file with a memory snapshot's RAM: a copy of its whole file, or
+        for a folded checkpoint its bases' pages with its own over them. Read from its
+        manifest as it is now: a checkpoint folded meanwhile (its whole file gone) is
+        read the new way."""
+        for attempt in (1, 2):
+            whole, deltas = ram_files(self.store, snapshot_id)
+            try:
+                if deltas:
+                    ram_delta.fill(target, whole, deltas)
+                else:
+                    copy_sparse(whole, target)
+                return
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
 
     def _trusted_pause(self, folder: Path) -> Manifest:
         manifest = mf.load(folder)
@@ -844,14 +865,69 @@ class Machine:
             except CryoboxError as exc:  # the snapshot is committed and sound
                 log.warning("clock refresh after %s failed: %s", snapshot_id, exc)
             timer("guest clock refreshed")
+        if memory and automatic:
+            try:
+                folded = await asyncio.to_thread(self._fold_previous, manifest)
+            except (CryoboxError, OSError) as exc:  # it stays whole: sound, only larger
+                log.warning("the checkpoint before %s was not folded: %s", manifest.id, exc)
+            else:
+                timer("previous folded" if folded else "previous kept whole")
         timer.log()
         return manifest
+
+    def _fold_previous(self, newest: Manifest) -> bool:
+        """Keep of the automatic checkpoint before ``newest`` only the RAM pages that
+        differ from ``newest``'s (:mod:`~cryobox.snapshot.ram_delta`), once the guest
+        runs again. Left whole while a sandbox reads its RAM file (a fork mapping it, a
+        start copying it; a sandbox on its disk layer is not disturbed: only the RAM
+        changes form), while it is on its way to the store or in it (its copy there is
+        whole), or when too much differs."""
+        every = self.store.all()
+        mine = [
+            m
+            for m in every
+            if m.automatic
+            and m.source_sandbox == self.spec.id
+            and m.kind is SnapshotKind.MEMORY
+            and m.created_at < newest.created_at
+        ]
+        if not mine:
+            return False
+        previous = mine[-1]
+        reading = [  # its RAM file mapped by a fork, or being copied by a start
+            spec.id
+            for spec, record in registry.list_sandboxes()
+            if not record.state.finished
+            and (
+                record.memory_from == previous.id
+                or (spec.restore_from == previous.id and not record.disk_chain)
+            )
+        ]
+        if (
+            previous.memory_base
+            or mf.MEMORY not in previous.files
+            or reading
+            or uploads.state(self.store.folder(previous.id)).get("state") not in (None, "local")
+        ):
+            return False
+        delta = self.store.fold_ram(previous.id, newest.id)
+        if delta is not None:
+            log.info(
+                "ram of %s: %d of %d pages in use differ from %s's (kept those alone)",
+                previous.id,
+                delta.changed_pages,
+                delta.used_pages,
+                newest.id,
+            )
+        return delta is not None
 
     def expire_history(self) -> list[str]:
         """Delete this sandbox's oldest automatic checkpoints beyond ``keep_checkpoints``
         (those it asked for by hand stay); the ids deleted. One that something builds
         on (a fork started from it, a later checkpoint after a rewind to it) is kept
-        until nothing does, and the next expiry takes it."""
+        until nothing does, and the next expiry takes it. One that only the RAM of an
+        older kept one is laid over (a folded checkpoint a rewind went back to) goes
+        all the same: that older one gets its whole RAM back first."""
         keep = self.spec.keep_checkpoints
         mine = [
             m
@@ -864,7 +940,17 @@ class Machine:
         deleted = []
         for manifest in doomed:
             every = self.store.all()
-            if references.users(manifest.id, every, registry.list_sandboxes()):
+            leaning = [m for m in every if m.memory_base == manifest.id]
+            others = [m for m in every if m not in leaning or manifest.id in m.disk_chain]
+            if references.users(manifest.id, others, registry.list_sandboxes()):
+                continue
+            try:
+                for older in leaning:
+                    self.store.unfold_ram(older.id)
+            except (CryoboxError, OSError) as exc:
+                log.warning(
+                    "%s is kept: %s could not get its RAM back: %s", manifest.id, older.id, exc
+                )
                 continue
             self.store.delete(manifest.id)
             deleted.append(manifest.id)

@@ -1,7 +1,8 @@
 """What builds on what: the snapshots and sandboxes that need a snapshot's files.
 
 A snapshot is needed while a sandbox (running or paused) or another snapshot has its
-disk layer in its chain, or maps its RAM file (a fork). Checkpoints and fork snapshots
+disk layer in its chain or its RAM as its base (an automatic checkpoint's delta), or
+maps its RAM file (a fork). Checkpoints and fork snapshots
 belong to a sandbox's life: they are collected once their sandbox is gone (a fork
 snapshot: once its last fork is) and nothing needs them any more; so is a template's
 snapshot once no template names it. Saved snapshots are the user's: deleted only when
@@ -24,7 +25,7 @@ def users(
 ) -> list[str]:
     """Who needs ``snapshot_id``'s files, as readable names (empty: nobody)."""
     found = [
-        f"snapshot {m.id}" for m in snapshots if m.id != snapshot_id and snapshot_id in m.disk_chain
+        f"snapshot {m.id}" for m in snapshots if m.id != snapshot_id and snapshot_id in m.builds_on
     ]
     for spec, record in sandboxes:
         if record.state.finished:
@@ -42,17 +43,24 @@ def collectable(
     templates: set[str],
 ) -> list[Manifest]:
     """Checkpoints and fork snapshots that nothing needs and whose sandbox is gone (for a
-    fork snapshot: whose forks are all gone), newest first so a chain unwinds in one pass."""
+    fork snapshot: whose forks are all gone), each before what it builds on: newest first
+    (a disk chain unwinds in one pass), then again while a pass finds more (a folded
+    checkpoint builds on the newer one its RAM is laid over)."""
     alive = {spec.id for spec, record in sandboxes if not record.state.finished}
-    found = []
-    for manifest in reversed(snapshots):
-        orphaned_template = (
-            manifest.purpose is SnapshotPurpose.TEMPLATE and manifest.id not in templates
-        )
-        if manifest.purpose not in OWNED_BY_A_SANDBOX and not orphaned_template:
-            continue
-        if manifest.purpose is SnapshotPurpose.CHECKPOINT and manifest.source_sandbox in alive:
-            continue
-        if not users(manifest.id, [m for m in snapshots if m not in found], sandboxes):
-            found.append(manifest)
-    return found
+    found: list[Manifest] = []
+    while True:
+        before = len(found)
+        for manifest in reversed(snapshots):
+            if manifest in found:
+                continue
+            orphaned_template = (
+                manifest.purpose is SnapshotPurpose.TEMPLATE and manifest.id not in templates
+            )
+            if manifest.purpose not in OWNED_BY_A_SANDBOX and not orphaned_template:
+                continue
+            if manifest.purpose is SnapshotPurpose.CHECKPOINT and manifest.source_sandbox in alive:
+                continue
+            if not users(manifest.id, [m for m in snapshots if m not in found], sandboxes):
+                found.append(manifest)
+        if len(found) == before:
+            return found

@@ -473,9 +473,7 @@ class Mover:
         try:
             chunks = self.hub.service.persist.of(tenant).chunks()
             if any(
-                checkpoint in s.manifest.get("disk_chain", ())
-                for s in chunks.all()
-                if s.id != checkpoint
+                checkpoint in mf.builds_on(s.manifest) for s in chunks.all() if s.id != checkpoint
             ):
                 return
             chunks.delete(checkpoint)

@@ -88,7 +88,7 @@ class Catalog:
         every = self.store.all()
         doomed = [manifest]
         if cascade:  # newest first, so each goes before what it builds on
-            doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
+            doomed = [m for m in reversed(every) if manifest.id in m.builds_on] + doomed
         ids = {m.id for m in doomed}
         sandboxes = registry.list_sandboxes()
         persist = self.persist.of(tenant)

@@ -221,22 +221,30 @@ class Persistence:
         return self._pull_one(store, stored, rename, progress, sources)
 
     def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> LocalSources:
-        """Pull the disk layers ``stored`` builds on that are not here, bottom first;
-        the local sources of chunks, those layers' included, for what is pulled next."""
+        """Pull the snapshots ``stored`` builds on (its disk layers, an automatic
+        checkpoint's RAM base and what that base builds on) that are not here, bottom
+        first; the local sources of chunks, those pulled included, for what is next."""
         sources = self._sources(store)
-        local_ids = {m.id for m in self.local.all()}
-        for layer in reversed([str(s) for s in stored.manifest.get("disk_chain", [])]):
-            if layer not in local_ids:
-                try:
-                    below = store.find(layer)
-                except SnapshotNotFound:
-                    # A host's own template (stored as the host's, the ``local`` tenant:
-                    # every tenant starts from it), as another host of the fleet made it.
-                    host = ChunkStore(LOCAL_TENANT, store.objects)
-                    self._pull_one(host, host.find(layer), None, None, sources)
-                    continue
-                self._pull_one(store, below, None, None, sources)
+        self._pull_needed(store, stored, {m.id for m in self.local.all()}, sources)
         return sources
+
+    def _pull_needed(
+        self, store: ChunkStore, stored: StoredSnapshot, here: set[str], sources: LocalSources
+    ) -> None:
+        """Pull what ``stored`` builds on and ``here`` (the ids on this host) lacks."""
+        for layer in reversed(mf.builds_on(stored.manifest)):
+            if layer in here:
+                continue
+            try:
+                found, owner = store.find(layer), store
+            except SnapshotNotFound:
+                # A host's own template (stored as the host's, the ``local`` tenant:
+                # every tenant starts from it), as another host of the fleet made it.
+                owner = ChunkStore(LOCAL_TENANT, store.objects)
+                found = owner.find(layer)
+            self._pull_needed(owner, found, here, sources)  # (a RAM base's own layers)
+            self._pull_one(owner, found, None, None, sources)
+            here.add(layer)
 
     def _pull_one(
         self,
@@ -325,7 +333,7 @@ class Persistence:
         except StoreError:
             return users
         for snapshot_id, found in users.items():
-            found += [s.id for s in stored if snapshot_id in s.manifest.get("disk_chain", [])]
+            found += [s.id for s in stored if snapshot_id in mf.builds_on(s.manifest)]
         return users
 
     def forget(self, snapshot_id: str) -> None:
@@ -359,7 +367,7 @@ class Persistence:
     async def export(self, ref: str, path: Path) -> int:
         manifest = await self.local_or_pulled(ref)
         store = self.chunks()
-        chain = [manifest.id, *manifest.disk_chain]
+        chain = [manifest.id, *manifest.builds_on]
         stored = []
         for snapshot_id in chain:
             try:
@@ -422,8 +430,8 @@ class Persistence:
         local_ids = {m.id for m in self.local.all()}
         below = {
             layer
-            for chain in [s.manifest.get("disk_chain", []) for s in stored]
-            + [m.disk_chain for m in self.local.all()]
+            for chain in [mf.builds_on(s.manifest) for s in stored]
+            + [m.builds_on for m in self.local.all()]
             for layer in chain
         }
         for snapshot_id in expired([s.manifest for s in stored if not s.sandbox], policy, now):

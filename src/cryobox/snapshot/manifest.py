@@ -27,6 +27,7 @@ import contextlib
 import enum
 import json
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,6 +96,15 @@ class Manifest:
     #: its vCPUs and RAM at boot, its room to grow and what was added. Empty for one
     #: saved before cryobox could grow a machine (it continues at its own shape only).
     layout: dict[str, Any] = field(default_factory=dict)
+    #: An automatic checkpoint whose ``memory`` holds only the pages changed since this
+    #: earlier checkpoint's (a whole one), marked in ``memory.pages``
+    #: (:mod:`cryobox.snapshot.ram_delta`). None: ``memory`` is the whole RAM.
+    memory_base: str | None = None
+
+    @property
+    def builds_on(self) -> tuple[str, ...]:
+        """The snapshots whose files this one's need: its disk layers and RAM base."""
+        return (*self.disk_chain, *((self.memory_base,) if self.memory_base else ()))
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Manifest:
@@ -107,11 +117,19 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         value = asdict(self)
         value["kind"], value["purpose"] = self.kind.value, self.purpose.value
+        if value["memory_base"] is None:  # as before it was known: earlier cryobox reads it
+            del value["memory_base"]
         return value
 
     def to_signed_json(self) -> dict[str, Any]:
         """What is written to disk: the fields and their MAC with the host's key."""
         return keys.signed(self.to_json())
+
+
+def builds_on(value: Mapping[str, Any]) -> tuple[str, ...]:
+    """:attr:`Manifest.builds_on` of a manifest as JSON (a stored snapshot's record)."""
+    base = value.get("memory_base")
+    return (*(str(s) for s in value.get("disk_chain") or ()), *((str(base),) if base else ()))
 
 
 def file_digest(path: Path) -> str:

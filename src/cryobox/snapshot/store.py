@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -33,8 +34,9 @@ from cryobox.errors import (
     SnapshotVerificationFailed,
 )
 from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import ram_delta
 from cryobox.snapshot.manifest import Manifest
-from cryobox.util import write_json_atomic
+from cryobox.util import fsync_dir, write_json_atomic
 
 TEMP_PREFIX = ".tmp-"
 #: A temporary folder older than this was left by a writer that died.
@@ -122,6 +124,16 @@ class SnapshotStore(Protocol):
         ...
 
     def delete(self, snapshot_id: str) -> None: ...
+
+    def fold_ram(self, snapshot_id: str, onto: str) -> ram_delta.Delta | None:
+        """Keep only the pages of a snapshot's whole RAM that differ from ``onto``'s
+        (:mod:`~cryobox.snapshot.ram_delta`); what it holds then, or None when it stays
+        whole (too much differs, the sizes differ)."""
+        ...
+
+    def unfold_ram(self, snapshot_id: str) -> None:
+        """Give a folded snapshot its whole RAM back (before its base goes)."""
+        ...
 
     def stored_bytes(self, snapshot_id: str) -> int:
         """Bytes the snapshot's files take on the store's disk (holes not counted)."""
@@ -220,6 +232,62 @@ class LocalSnapshotStore:
             folder.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
+    def fold_ram(self, snapshot_id: str, onto: str) -> ram_delta.Delta | None:
+        """Each step leaves a snapshot that verifies, whenever a crash comes: the delta
+        and its map are written and synced beside the whole RAM, the manifest that
+        lists them instead replaces the old one (the commit), then the whole RAM goes.
+        A reader that opened the whole file before keeps reading it (see
+        :func:`ram_files`)."""
+        folder = self.folder(snapshot_id)
+        manifest = _load(folder)
+        if manifest.memory_base or mf.MEMORY not in manifest.files:
+            return None
+        # What it keeps is what differs from its base: only from RAM still as it was
+        # saved (a stamp spares the hashing of a file untouched since).
+        mf.verify(folder, manifest)
+        mf.verify(self.folder(onto), self.get(onto))
+        for leftover in (ram_delta.DELTA, ram_delta.PAGES):  # of an attempt cut short
+            (folder / leftover).unlink(missing_ok=True)
+        delta = ram_delta.write_delta(
+            folder / mf.MEMORY, self.folder(onto) / mf.MEMORY, folder / ram_delta.DELTA
+        )
+        if delta is None:
+            return None
+        written = [ram_delta.DELTA, ram_delta.PAGES]
+        described = mf.describe_files(folder, written)
+        files = {k: v for k, v in manifest.files.items() if k != mf.MEMORY} | described
+        folded = replace(manifest, files=files, memory_base=onto)
+        for name in written:
+            mf.fsync_file(folder / name)
+        write_json_atomic(folder / mf.MANIFEST, folded.to_signed_json())
+        (folder / mf.MEMORY).unlink()
+        fsync_dir(folder)
+        return delta
+
+    def unfold_ram(self, snapshot_id: str) -> None:
+        """As :meth:`fold_ram`, each step leaves a snapshot that verifies: the whole RAM
+        is written and synced beside the delta, the manifest that lists it replaces the
+        old one, then the delta and its map go."""
+        folder = self.folder(snapshot_id)
+        manifest = _load(folder)
+        if not manifest.memory_base:
+            return
+        whole, deltas = ram_files(self, snapshot_id)  # (each of the chain verified)
+        target = folder / mf.MEMORY
+        target.unlink(missing_ok=True)  # of an attempt cut short
+        ram_delta.fill(target, whole, deltas)
+        mf.fsync_file(target)
+        dropped = (ram_delta.DELTA, ram_delta.PAGES)
+        files = {k: v for k, v in manifest.files.items() if k not in dropped}
+        files |= mf.describe_files(folder, [mf.MEMORY])
+        write_json_atomic(
+            folder / mf.MANIFEST,
+            replace(manifest, files=files, memory_base=None).to_signed_json(),
+        )
+        for name in dropped:
+            (folder / name).unlink(missing_ok=True)
+        fsync_dir(folder)
+
     def stored_bytes(self, snapshot_id: str) -> int:
         folder = self.folder(snapshot_id)
         return sum(p.stat().st_blocks * 512 for p in folder.iterdir() if p.is_file())
@@ -229,6 +297,13 @@ class LocalSnapshotStore:
             with contextlib.suppress(OSError):
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
                     shutil.rmtree(folder)
+        # A fold or unfold cut short: the RAM files its manifest does not list.
+        for pages in self._dir("snapshots").glob(f"*/{ram_delta.PAGES}"):
+            with contextlib.suppress(OSError, SnapshotError):
+                listed = _load(pages.parent).files
+                for name in (mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES):
+                    if name not in listed:
+                        (pages.parent / name).unlink(missing_ok=True)
 
     def set_template(self, name: str, snapshot_id: str, info: dict[str, Any]) -> None:
         write_json_atomic(
@@ -288,3 +363,25 @@ def _load(folder: Path) -> Manifest:
             folder.name, mf.MANIFEST, f"it describes snapshot {manifest.id}, not this one"
         )
     return manifest
+
+
+def ram_files(store: SnapshotStore, snapshot_id: str) -> tuple[Path, list[Path]]:
+    """Where a memory snapshot's RAM is read from: the whole RAM at the end of its chain
+    of bases, and the folders of the deltas to lay over it, nearest that end first (the
+    snapshot's own last), each checked against its manifest first.
+
+    :raises SnapshotError: naming the snapshot of the chain that is missing or wrong.
+    """
+    deltas: list[Path] = []
+    manifest = store.get(snapshot_id)
+    seen = {manifest.id}
+    while True:
+        folder = store.folder(manifest.id)
+        mf.verify(folder, manifest)
+        if not manifest.memory_base:
+            return folder / mf.MEMORY, deltas[::-1]
+        deltas.append(folder)
+        manifest = store.get(manifest.memory_base)
+        if manifest.id in seen:  # (a manifest is signed: only a bug could make a loop)
+            raise SnapshotVerificationFailed(snapshot_id, "memory_base", "its bases loop")
+        seen.add(manifest.id)

@@ -163,14 +163,15 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
 
 
 def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str) -> None:
-    """Store first, into the same store, the disk layers ``manifest`` builds on that are
+    """Store first, into the same store, the disk layers (and the RAM base, for an
+    automatic checkpoint's delta) ``manifest`` builds on that are
     on this host and not stored there yet (a template's, a checkpoint a rollback went
     back to): whatever is stored can be restored on any host that reaches the store. A
     layer never marked is stored as its owner's (:func:`_owner_of`).
 
     :raises StoreError: when one of them cannot be stored (this upload is retried).
     """
-    for layer in manifest.disk_chain:
+    for layer in manifest.builds_on:
         below = config.state_dir() / "snapshots" / layer
         if not (below / mf.MANIFEST).exists():
             continue  # pulled from the store (so stored), or not on this host

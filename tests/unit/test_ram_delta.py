@@ -1,0 +1,233 @@
+"""A checkpoint's RAM as the pages that differ from its base's (cryobox.snapshot.ram_delta
+and the store's fold): what a delta holds, that a fill gives back the RAM byte for byte
+over a chain, and that a fold leaves a snapshot that verifies (a history on real VMs:
+tests/integration/test_saved_state_vm.py)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import SnapshotVerificationFailed
+from cryobox.sandbox import references
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import ram_delta
+from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
+from cryobox.snapshot.store import LocalSnapshotStore, ram_files
+from cryobox.util import PAGE, data_bytes
+
+MIB = 1 << 20
+
+
+def _ram(path: Path, size: int, pages: dict[int, bytes]) -> None:
+    """A sparse RAM file of ``size`` with ``pages`` written (the rest holes)."""
+    with open(path, "wb") as handle:
+        handle.truncate(size)
+        for page, data in pages.items():
+            handle.seek(page * PAGE)
+            handle.write(data)
+
+
+def test_a_delta_holds_only_what_changed_and_fills_back_byte_for_byte(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    size = 64 * MIB
+    used = {page: rng.randbytes(PAGE) for page in rng.sample(range(size // PAGE), 4000)}
+    _ram(tmp_path / "base", size, used)
+    now = dict(used)
+    changed = rng.sample(sorted(used), 300)  # rewritten
+    for page in changed[:250]:
+        now[page] = rng.randbytes(PAGE)
+    for page in changed[250:]:
+        now[page] = bytes(PAGE)  # freed: zeroed by the guest
+    fresh = [p for p in range(size // PAGE) if p not in used][:40]
+    for page in fresh:
+        now[page] = rng.randbytes(PAGE)  # newly used
+    _ram(tmp_path / "now", size, now)
+    os.truncate(tmp_path / "now", size)
+    (tmp_path / "cp").mkdir()
+
+    delta = ram_delta.write_delta(
+        tmp_path / "now", tmp_path / "base", tmp_path / "cp" / ram_delta.DELTA
+    )
+
+    assert delta is not None and delta.changed_pages == 340
+    # Only the non-zero changed pages take room; the map is one bit per page.
+    assert data_bytes(tmp_path / "cp" / ram_delta.DELTA) == 290 * PAGE
+    assert len((tmp_path / "cp" / ram_delta.PAGES).read_bytes()) == size // PAGE // 8
+    ram_delta.fill(tmp_path / "back", tmp_path / "base", [tmp_path / "cp"])
+    assert (tmp_path / "back").read_bytes() == (tmp_path / "now").read_bytes()
+
+
+def test_a_fill_into_a_ram_file_already_there_overwrites_it(tmp_path: Path) -> None:
+    """A restore fills the RAM file QEMU has mapped (sized, never truncated)."""
+    base = {page: bytes([page + 1]) * PAGE for page in range(20)}
+    _ram(tmp_path / "base", 4 * MIB, base)
+    _ram(tmp_path / "now", 4 * MIB, {**base, 0: b"c" * PAGE, 5: bytes(PAGE), 700: b"d" * PAGE})
+    (tmp_path / "cp").mkdir()
+    assert ram_delta.write_delta(
+        tmp_path / "now", tmp_path / "base", tmp_path / "cp" / ram_delta.DELTA
+    )
+    _ram(tmp_path / "mapped", 4 * MIB, {})
+    ram_delta.fill(tmp_path / "mapped", tmp_path / "base", [tmp_path / "cp"])
+    assert (tmp_path / "mapped").read_bytes() == (tmp_path / "now").read_bytes()
+
+
+def test_a_chain_of_deltas_fills_back_each_point_of_a_history(tmp_path: Path) -> None:
+    """Three points of a history: the newest whole, each older one the pages that differ
+    from the next one's; each is filled back byte for byte from the newest end."""
+    rng = random.Random(11)
+    points = [{page: rng.randbytes(PAGE) for page in range(200)}]
+    for _ in range(2):
+        later = dict(points[-1])
+        for page in rng.sample(range(400), 30):
+            later[page] = rng.randbytes(PAGE) if page % 7 else bytes(PAGE)
+        points.append(later)
+    for index, pages in enumerate(points):
+        _ram(tmp_path / f"ram{index}", 8 * MIB, pages)
+    folders = []
+    for index in (0, 1):  # each folded onto the next
+        folder = tmp_path / f"cp{index}"
+        folder.mkdir()
+        delta = ram_delta.write_delta(
+            tmp_path / f"ram{index}", tmp_path / f"ram{index + 1}", folder / ram_delta.DELTA
+        )
+        assert delta is not None and 20 <= delta.changed_pages <= 30
+        folders.append(folder)
+    newest = tmp_path / "ram2"
+    ram_delta.fill(tmp_path / "back1", newest, [folders[1]])
+    ram_delta.fill(tmp_path / "back0", newest, [folders[1], folders[0]])
+    for index in (0, 1):
+        assert (tmp_path / f"back{index}").read_bytes() == (tmp_path / f"ram{index}").read_bytes()
+
+
+def test_no_delta_when_most_of_the_ram_changed_or_the_sizes_differ(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    base = {page: rng.randbytes(PAGE) for page in range(100)}
+    _ram(tmp_path / "base", 4 * MIB, base)
+    _ram(tmp_path / "now", 4 * MIB, {page: rng.randbytes(PAGE) for page in range(100)})
+    target = tmp_path / ram_delta.DELTA
+    assert ram_delta.write_delta(tmp_path / "now", tmp_path / "base", target) is None
+    assert not target.exists() and not (tmp_path / ram_delta.PAGES).exists()
+    _ram(tmp_path / "bigger", 8 * MIB, base)
+    assert ram_delta.write_delta(tmp_path / "bigger", tmp_path / "base", target) is None
+
+
+def test_runs_of_a_page_map() -> None:
+    marks = bytearray(4)
+    for page in (0, 1, 2, 9, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 31):
+        marks[page // 8] |= 1 << (page % 8)
+    assert ram_delta.changed_runs(bytes(marks)) == [(0, 3), (9, 1), (15, 10), (31, 1)]
+    assert ram_delta.changed_runs(b"\xff\xff") == [(0, 16)]
+    assert ram_delta.changed_runs(bytes(3)) == []
+
+
+def _checkpoint(snapshot_id: str, at: float, base: str | None = None) -> Manifest:
+    return Manifest(
+        id=snapshot_id,
+        kind=SnapshotKind.MEMORY,
+        purpose=SnapshotPurpose.CHECKPOINT,
+        name=None,
+        created_at=at,
+        source_sandbox="sbx-gone",
+        parent=None,
+        image_id="img",
+        cpus=2,
+        memory_mib=1024,
+        disk_gib=4,
+        disk_chain=("snap-template",),
+        ports=(),
+        ram_in_stream=False,
+        automatic=True,
+        memory_base=base,
+    )
+
+
+def test_a_base_is_needed_while_a_delta_builds_on_it_and_collected_after_it() -> None:
+    """A checkpoint's RAM base (the newer checkpoint it was folded onto) counts as
+    something it builds on: kept while it is needed (here and in the store's records),
+    collected after the deltas on it."""
+    base = _checkpoint("snap-base", 2.0)
+    delta = _checkpoint("snap-delta", 1.0, base="snap-base")
+    assert delta.builds_on == ("snap-template", "snap-base")
+    assert mf.builds_on(delta.to_json()) == delta.builds_on
+    assert mf.builds_on(base.to_json()) == ("snap-template",)
+    assert references.users("snap-base", [base, delta], []) == ["snapshot snap-delta"]
+    collected = references.collectable([delta, base], [], set())
+    assert [m.id for m in collected] == ["snap-delta", "snap-base"]  # the delta first
+
+
+def _commit(store: LocalSnapshotStore, snapshot_id: str, at: float, ram: Path) -> None:
+    temp = store.begin(snapshot_id)
+    shutil.copyfile(ram, temp / mf.MEMORY)
+    (temp / mf.DEVICE_STATE).write_bytes(b"devices")
+    files = mf.describe_files(temp, [mf.MEMORY, mf.DEVICE_STATE])
+    store.commit(temp, replace(_checkpoint(snapshot_id, at), files=files))
+
+
+def test_a_delta_that_fails_verification_is_refused_by_name(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    older = {page: rng.randbytes(PAGE) for page in range(100)}
+    newer = {**older, 3: rng.randbytes(PAGE)}
+    _ram(tmp_path / "older", 4 * MIB, older)
+    _ram(tmp_path / "newer", 4 * MIB, newer)
+    store = LocalSnapshotStore(tmp_path / "state")
+    _commit(store, "snap-older", 1.0, tmp_path / "older")
+    _commit(store, "snap-newer", 2.0, tmp_path / "newer")
+    assert store.fold_ram("snap-older", "snap-newer") is not None
+    (store.folder("snap-older") / ram_delta.DELTA).write_bytes(b"tampered")
+    with pytest.raises(SnapshotVerificationFailed, match=f"snap-older.*{ram_delta.DELTA}"):
+        ram_files(store, "snap-older")
+    with pytest.raises(SnapshotVerificationFailed, match="snap-older"):
+        store.unfold_ram("snap-older")  # never a whole RAM made of altered pages
+
+
+def test_a_fold_leaves_a_snapshot_that_verifies_and_reads_back_its_ram(tmp_path: Path) -> None:
+    """The store folds the older checkpoint onto the newer: its manifest (signed) lists
+    the delta and the map, its whole RAM is gone, and its RAM reads back byte for byte
+    through its base; a fold cut short (its files written, no new manifest) left a
+    snapshot that still verifies whole, and the next fold starts afresh; unfolded
+    before its base goes, it is whole again."""
+    rng = random.Random(5)
+    older = {page: rng.randbytes(PAGE) for page in range(300)}
+    newer = {**older, **{page: rng.randbytes(PAGE) for page in range(0, 300, 20)}}
+    _ram(tmp_path / "older", 4 * MIB, older)
+    _ram(tmp_path / "newer", 4 * MIB, newer)
+    store = LocalSnapshotStore(tmp_path / "state")
+    _commit(store, "snap-older", 1.0, tmp_path / "older")
+    _commit(store, "snap-newer", 2.0, tmp_path / "newer")
+
+    folder = store.folder("snap-older")
+    (folder / ram_delta.DELTA).write_bytes(b"half")  # an attempt cut short
+    mf.verify(folder, store.get("snap-older"))
+
+    delta = store.fold_ram("snap-older", "snap-newer")
+    assert delta is not None and delta.changed_pages == 15
+    folded = store.get("snap-older")
+    assert folded.memory_base == "snap-newer"
+    assert sorted(folded.files) == [mf.DEVICE_STATE, ram_delta.DELTA, ram_delta.PAGES]
+    assert not (folder / mf.MEMORY).exists()
+    whole, deltas = ram_files(store, "snap-older")
+    assert (whole, deltas) == (store.folder("snap-newer") / mf.MEMORY, [folder])
+    ram_delta.fill(tmp_path / "back", whole, deltas)
+    assert (tmp_path / "back").read_bytes() == (tmp_path / "older").read_bytes()
+    assert store.fold_ram("snap-older", "snap-newer") is None  # folded once only
+    (folder / mf.MEMORY).write_bytes(b"left by a fold cut short after its commit")
+    store.sweep()
+    assert not (folder / mf.MEMORY).exists()
+    assert (store.folder("snap-newer") / mf.MEMORY).exists()  # (listed: kept)
+
+    # Its base about to go: it gets its whole RAM back, and nothing else is left.
+    store.unfold_ram("snap-older")
+    whole_again = store.get("snap-older")
+    assert whole_again.memory_base is None
+    assert sorted(whole_again.files) == [mf.DEVICE_STATE, mf.MEMORY]
+    assert not (folder / ram_delta.DELTA).exists() and not (folder / ram_delta.PAGES).exists()
+    assert ram_files(store, "snap-older") == (folder / mf.MEMORY, [])
+    assert (folder / mf.MEMORY).read_bytes() == (tmp_path / "older").read_bytes()
+    store.delete("snap-newer")
+    mf.verify(folder, whole_again)
