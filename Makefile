@@ -36,8 +36,10 @@ setup: $(APT_STAMP) $(PIP_STAMP) $(CONSOLE_VENDOR)/.done $(JS_E2B)/node_modules/
 	@$(PYTHON) -m compileall -q src/cryobox
 
 $(APT_STAMP): Makefile
+	@# (installed, not merely known: a package removed keeps its configuration and dpkg -s)
 	@missing=""; for p in $(APT_PACKAGES) mmdebstrap; do \
-	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || \
+	    missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    $(SUDO) apt-get update -qq && \
