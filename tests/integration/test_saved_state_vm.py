@@ -15,7 +15,7 @@ import pytest
 
 from api_server import ApiServer
 from cryobox import InvalidArgument, Sandbox, SnapshotIncompatible, SnapshotVerificationFailed
-from cryobox.sandbox import registry
+from cryobox.sandbox import references, registry
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
 from cryobox.snapshot.store import LocalSnapshotStore
@@ -142,6 +142,10 @@ def test_a_sandbox_with_a_history_rewinds_to_a_deleted_file_and_a_killed_process
     assert point.id in [p.id for p in kept]
     since = [p for p in kept if p.id != point.id]
     assert len(since) <= 3 + 1  # (+1: one taken, not yet expired, as we looked)
+    # No two need each other: the newest before the rewind is never folded onto one
+    # taken after it (that one's disk builds on the point, whose RAM leans on it).
+    every = LocalSnapshotStore().all()
+    assert not [m.id for m in every if m.id in references.builds_on_all(m.id, every)]
 
     # Any point of the history starts a new sandbox; a datetime rewinds too.
     newest = kept[-1]
@@ -221,6 +225,11 @@ def test_a_history_keeps_whole_only_its_newest_ram_and_restores_every_point_exac
     count = held(sbx)[1]
     until(lambda: held(sbx)[1] > count + 1, "the holder's checks after the rewind", timeout=60)
     assert held(sbx)[0] == "ok"  # every byte of its 16 MiB as it wrote them
+
+    # The point gone's RAM is laid over, deleted by hand: gone gets its whole RAM back.
+    Sandbox.delete_snapshot(last.id)
+    assert store.get(gone.id).memory_base is None
+    assert (store.folder(gone.id) / mf.MEMORY).exists()
 
     # Its own pages, one byte changed: the rewind is refused. (The sandbox builds on it
     # now, so it is never folded again meanwhile.)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from cryobox.errors import SnapshotVerificationFailed
+from cryobox.errors import InvalidArgument, SnapshotVerificationFailed
 from cryobox.sandbox import references
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
@@ -217,8 +218,14 @@ def test_a_fold_leaves_a_snapshot_that_verifies_and_reads_back_its_ram(tmp_path:
     assert (tmp_path / "back").read_bytes() == (tmp_path / "older").read_bytes()
     assert store.fold_ram("snap-older", "snap-newer") is None  # folded once only
     (folder / mf.MEMORY).write_bytes(b"left by a fold cut short after its commit")
+    store.sweep()  # (just written: a fold of another process may be writing it still)
+    assert (folder / mf.MEMORY).exists()
+    hour_ago = time.time() - 3600
+    os.utime(folder / mf.MEMORY, (hour_ago, hour_ago))
     store.sweep()
     assert not (folder / mf.MEMORY).exists()
+    with pytest.raises(InvalidArgument, match="snap-newer is the RAM base of snap-older"):
+        store.delete("snap-newer")  # (a delete's callers unfold first; this is the guard)
     assert (store.folder("snap-newer") / mf.MEMORY).exists()  # (listed: kept)
 
     # Its base about to go: it gets its whole RAM back, and nothing else is left.
@@ -231,3 +238,16 @@ def test_a_fold_leaves_a_snapshot_that_verifies_and_reads_back_its_ram(tmp_path:
     assert (folder / mf.MEMORY).read_bytes() == (tmp_path / "older").read_bytes()
     store.delete("snap-newer")
     mf.verify(folder, whole_again)
+
+
+def test_what_a_snapshot_needs_however_far_down_and_what_only_leans_on_its_ram() -> None:
+    """A fold may not make two snapshots need each other: the newest's needs, however
+    far down (disk layers, RAM bases, theirs), are what a fold checks first."""
+    point = replace(_checkpoint("snap-point", 1.0, base="snap-next"), disk_chain=("snap-t",))
+    after = _checkpoint("snap-next", 2.0)
+    rewound = replace(_checkpoint("snap-new", 3.0), disk_chain=("snap-point", "snap-t"))
+    every = [point, after, rewound]
+    needs = {"snap-point", "snap-t", "snap-next", "snap-template"}  # (snap-next's layer)
+    assert references.builds_on_all("snap-new", every) == needs
+    assert references.leaning_on("snap-next", every) == [point]
+    assert references.leaning_on("snap-point", every) == []  # (its disk is needed)

@@ -75,7 +75,7 @@ from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
-from cryobox.snapshot.store import SnapshotStore, new_snapshot, ram_files
+from cryobox.snapshot.store import SnapshotStore, new_snapshot, ram_files, verified
 from cryobox.store import uploads
 from cryobox.util import (
     copy_sparse,
@@ -786,7 +786,7 @@ class Machine:
                 check_growth(manifest.id, manifest.layout, manifest_shape(manifest), shape)
                 shape = {}
             mf.check_compatible(manifest, self.backend_facts(), shape)
-        mf.verify(self.store.folder(manifest.id), manifest)
+        manifest = verified(self.store, manifest.id)
         if manifest.memory_base:  # its RAM is read from its bases' too
             ram_files(self.store, manifest.id)
         return manifest
@@ -907,6 +907,9 @@ class Machine:
             previous.memory_base
             or mf.MEMORY not in previous.files
             or reading
+            # the newest builds on it (a rewind went back to it, or before it): folded
+            # onto the newest, each would need the other
+            or previous.id in references.builds_on_all(newest.id, every)
             or uploads.state(self.store.folder(previous.id)).get("state") not in (None, "local")
         ):
             return False
@@ -940,12 +943,17 @@ class Machine:
         deleted = []
         for manifest in doomed:
             every = self.store.all()
-            leaning = [m for m in every if m.memory_base == manifest.id]
-            others = [m for m in every if m not in leaning or manifest.id in m.disk_chain]
+            leaning = references.leaning_on(manifest.id, every)
+            others = [m for m in every if m not in leaning]
             if references.users(manifest.id, others, registry.list_sandboxes()):
                 continue
             try:
-                for older in leaning:
+                for older in leaning:  # a whole RAM each: only with room for it
+                    check_space(
+                        self.spec.memory_mib << 20,
+                        "giving a checkpoint its RAM back",
+                        self.folder.path,
+                    )
                     self.store.unfold_ram(older.id)
             except (CryoboxError, OSError) as exc:
                 log.warning(

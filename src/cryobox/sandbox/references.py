@@ -37,6 +37,29 @@ def users(
     return found
 
 
+def leaning_on(snapshot_id: str, snapshots: list[Manifest]) -> list[Manifest]:
+    """The folded checkpoints whose RAM is laid over ``snapshot_id``'s and need nothing
+    else of it: given their whole RAM back (``unfold_ram``), they let it go."""
+    return [
+        m for m in snapshots if m.memory_base == snapshot_id and snapshot_id not in m.disk_chain
+    ]
+
+
+def builds_on_all(snapshot_id: str, snapshots: list[Manifest]) -> set[str]:
+    """Every snapshot ``snapshot_id`` needs, however far down: its disk layers and RAM
+    base, theirs, and so on."""
+    by_id = {m.id: m for m in snapshots}
+    found: set[str] = set()
+    pending = [snapshot_id]
+    while pending:
+        manifest = by_id.get(pending.pop())
+        for below in manifest.builds_on if manifest else ():
+            if below not in found:
+                found.add(below)
+                pending.append(below)
+    return found
+
+
 def collectable(
     snapshots: list[Manifest],
     sandboxes: list[tuple[SandboxSpec, SandboxRecord]],

@@ -88,13 +88,17 @@ class Catalog:
         every = self.store.all()
         doomed = [manifest]
         if cascade:  # newest first, so each goes before what it builds on
-            doomed = [m for m in reversed(every) if manifest.id in m.builds_on] + doomed
+            doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
         ids = {m.id for m in doomed}
+        # Folded checkpoints whose RAM is laid over one of these get theirs back first.
+        leaning = [m for each in doomed for m in references.leaning_on(each.id, every)]
+        leaning = [m for m in leaning if m.id not in ids]
         sandboxes = registry.list_sandboxes()
         persist = self.persist.of(tenant)
         stored_children = persist.stored_users(m.id for m in doomed)
+        kept = [m for m in every if m.id not in ids and m not in leaning]
         for each in doomed:
-            needed_by = references.users(each.id, [m for m in every if m.id not in ids], sandboxes)
+            needed_by = references.users(each.id, kept, sandboxes)
             if not cascade:
                 needed_by += [f"stored snapshot {s}" for s in stored_children[each.id]]
             if needed_by:
@@ -103,6 +107,8 @@ class Catalog:
                     f"snapshot {each.id} is the base of {', '.join(needed_by)}; "
                     f"delete those first{hint}"
                 )
+        for older in leaning:
+            self.store.unfold_ram(older.id)
         for each in doomed:
             for child in stored_children[each.id]:  # evicted ones: in the store only
                 persist.forget(child)

@@ -367,7 +367,8 @@ class Persistence:
     async def export(self, ref: str, path: Path) -> int:
         manifest = await self.local_or_pulled(ref)
         store = self.chunks()
-        chain = [manifest.id, *manifest.builds_on]
+        below = references.builds_on_all(manifest.id, self.local.all())  # RAM bases too
+        chain = [manifest.id, *manifest.disk_chain, *sorted(below - set(manifest.disk_chain))]
         stored = []
         for snapshot_id in chain:
             try:

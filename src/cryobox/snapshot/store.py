@@ -224,13 +224,33 @@ class LocalSnapshotStore:
         found.sort(key=lambda manifest: manifest.created_at)
         return found
 
+    def _ram_lock(self, snapshot_id: str) -> IO[bytes]:
+        """Held while a fold lays a checkpoint's RAM over ``snapshot_id``'s, and while
+        ``snapshot_id`` is deleted: never both (``flock``, across processes)."""
+        handle = open(self._dir("locks") / f"ram-{snapshot_id}.lock", "a+b")  # noqa: SIM115
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        return handle
+
     def delete(self, snapshot_id: str) -> None:
+        """:raises InvalidArgument: when a folded checkpoint's RAM is laid over it (the
+        callers check what needs a snapshot first: this catches a fold meanwhile)."""
         folder = self.folder(snapshot_id)
-        # Renamed first, so a crash midway never leaves a half-deleted snapshot listed.
-        doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{snapshot_id}")
-        with contextlib.suppress(FileNotFoundError):
-            folder.rename(doomed)
+        with self._ram_lock(snapshot_id):
+            leaning = [
+                pages.parent.name
+                for pages in self._dir("snapshots").glob(f"*/{ram_delta.PAGES}")
+                if _memory_base(pages.parent) == snapshot_id
+            ]
+            if leaning:
+                raise InvalidArgument(
+                    f"snapshot {snapshot_id} is the RAM base of {', '.join(leaning)}"
+                )
+            # Renamed first, so a crash midway never leaves a half-deleted snapshot listed.
+            doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{snapshot_id}")
+            with contextlib.suppress(FileNotFoundError):
+                folder.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+        (self._dir("locks") / f"ram-{snapshot_id}.lock").unlink(missing_ok=True)
 
     def fold_ram(self, snapshot_id: str, onto: str) -> ram_delta.Delta | None:
         """Each step leaves a snapshot that verifies, whenever a crash comes: the delta
@@ -238,6 +258,10 @@ class LocalSnapshotStore:
         lists them instead replaces the old one (the commit), then the whole RAM goes.
         A reader that opened the whole file before keeps reading it (see
         :func:`ram_files`)."""
+        with self._ram_lock(onto):  # onto is not deleted meanwhile
+            return self._fold_ram(snapshot_id, onto)
+
+    def _fold_ram(self, snapshot_id: str, onto: str) -> ram_delta.Delta | None:
         folder = self.folder(snapshot_id)
         manifest = _load(folder)
         if manifest.memory_base or mf.MEMORY not in manifest.files:
@@ -297,13 +321,15 @@ class LocalSnapshotStore:
             with contextlib.suppress(OSError):
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
                     shutil.rmtree(folder)
-        # A fold or unfold cut short: the RAM files its manifest does not list.
+        # A fold or unfold cut short: the RAM files its manifest does not list, once old
+        # enough that no fold or unfold can be writing them still (another process's).
         for pages in self._dir("snapshots").glob(f"*/{ram_delta.PAGES}"):
             with contextlib.suppress(OSError, SnapshotError):
                 listed = _load(pages.parent).files
                 for name in (mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES):
-                    if name not in listed:
-                        (pages.parent / name).unlink(missing_ok=True)
+                    path = pages.parent / name
+                    if name not in listed and time.time() - path.stat().st_mtime > ABANDONED_AFTER:
+                        path.unlink()
 
     def set_template(self, name: str, snapshot_id: str, info: dict[str, Any]) -> None:
         write_json_atomic(
@@ -365,6 +391,34 @@ def _load(folder: Path) -> Manifest:
     return manifest
 
 
+def _memory_base(folder: Path) -> str | None:
+    """A folder's manifest's ``memory_base``, read without checking it (a delete's
+    guard; a wrong one only refuses the delete)."""
+    try:
+        value = json.loads((folder / mf.MANIFEST).read_text()).get("memory_base")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(value) if value else None
+
+
+def verified(store: SnapshotStore, ref: str) -> Manifest:
+    """A snapshot's manifest once its files match it; read and checked once more when a
+    fold or unfold (another process's) replaced it in between.
+
+    :raises SnapshotError: naming the file that is missing or differs.
+    """
+    manifest = store.get(ref)
+    try:
+        mf.verify(store.folder(manifest.id), manifest)
+    except SnapshotVerificationFailed:
+        again = store.get(manifest.id)
+        if again == manifest:
+            raise
+        mf.verify(store.folder(again.id), again)
+        return again
+    return manifest
+
+
 def ram_files(store: SnapshotStore, snapshot_id: str) -> tuple[Path, list[Path]]:
     """Where a memory snapshot's RAM is read from: the whole RAM at the end of its chain
     of bases, and the folders of the deltas to lay over it, nearest that end first (the
@@ -373,15 +427,14 @@ def ram_files(store: SnapshotStore, snapshot_id: str) -> tuple[Path, list[Path]]
     :raises SnapshotError: naming the snapshot of the chain that is missing or wrong.
     """
     deltas: list[Path] = []
-    manifest = store.get(snapshot_id)
+    manifest = verified(store, snapshot_id)
     seen = {manifest.id}
     while True:
         folder = store.folder(manifest.id)
-        mf.verify(folder, manifest)
         if not manifest.memory_base:
             return folder / mf.MEMORY, deltas[::-1]
         deltas.append(folder)
-        manifest = store.get(manifest.memory_base)
+        manifest = verified(store, manifest.memory_base)
         if manifest.id in seen:  # (a manifest is signed: only a bug could make a loop)
             raise SnapshotVerificationFailed(snapshot_id, "memory_base", "its bases loop")
         seen.add(manifest.id)
