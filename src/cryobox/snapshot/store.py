@@ -277,15 +277,7 @@ class LocalSnapshotStore:
         )
         if delta is None:
             return None
-        written = [ram_delta.DELTA, ram_delta.PAGES]
-        described = mf.describe_files(folder, written)
-        files = {k: v for k, v in manifest.files.items() if k != mf.MEMORY} | described
-        folded = replace(manifest, files=files, memory_base=onto)
-        for name in written:
-            mf.fsync_file(folder / name)
-        write_json_atomic(folder / mf.MANIFEST, folded.to_signed_json())
-        (folder / mf.MEMORY).unlink()
-        fsync_dir(folder)
+        _switch_ram(folder, manifest, (ram_delta.DELTA, ram_delta.PAGES), (mf.MEMORY,), onto)
         return delta
 
     def unfold_ram(self, snapshot_id: str) -> None:
@@ -300,17 +292,7 @@ class LocalSnapshotStore:
         target = folder / mf.MEMORY
         target.unlink(missing_ok=True)  # of an attempt cut short
         ram_delta.fill(target, whole, deltas)
-        mf.fsync_file(target)
-        dropped = (ram_delta.DELTA, ram_delta.PAGES)
-        files = {k: v for k, v in manifest.files.items() if k not in dropped}
-        files |= mf.describe_files(folder, [mf.MEMORY])
-        write_json_atomic(
-            folder / mf.MANIFEST,
-            replace(manifest, files=files, memory_base=None).to_signed_json(),
-        )
-        for name in dropped:
-            (folder / name).unlink(missing_ok=True)
-        fsync_dir(folder)
+        _switch_ram(folder, manifest, (mf.MEMORY,), (ram_delta.DELTA, ram_delta.PAGES), None)
 
     def stored_bytes(self, snapshot_id: str) -> int:
         folder = self.folder(snapshot_id)
@@ -389,6 +371,27 @@ def _load(folder: Path) -> Manifest:
             folder.name, mf.MANIFEST, f"it describes snapshot {manifest.id}, not this one"
         )
     return manifest
+
+
+def _switch_ram(
+    folder: Path,
+    manifest: Manifest,
+    written: tuple[str, ...],
+    dropped: tuple[str, ...],
+    memory_base: str | None,
+) -> None:
+    """The commit of a fold or an unfold: the RAM files ``written`` synced and listed
+    instead of those ``dropped`` by a new manifest (``memory_base`` its base, or None),
+    which replaces the old one atomically; only then do the dropped files go."""
+    for name in written:
+        mf.fsync_file(folder / name)
+    files = {k: v for k, v in manifest.files.items() if k not in dropped}
+    files |= mf.describe_files(folder, list(written))
+    switched = replace(manifest, files=files, memory_base=memory_base)
+    write_json_atomic(folder / mf.MANIFEST, switched.to_signed_json())
+    for name in dropped:
+        (folder / name).unlink(missing_ok=True)
+    fsync_dir(folder)
 
 
 def _memory_base(folder: Path) -> str | None:
