@@ -9,11 +9,14 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import socket
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from cryobox.errors import StorageError
 
 
 def fsync_dir(path: Path) -> None:
@@ -117,6 +120,18 @@ def data_bytes(path: Path) -> int:
         return sum(end - start for start, end in data_extents(fd))
     finally:
         os.close(fd)
+
+
+def check_space(needed: int, doing: str, where: Path) -> None:
+    """Refuse, before touching anything, work that cannot fit in ``where``'s free space.
+
+    :raises StorageError: "needs N MB, M MB free".
+    """
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise StorageError(
+            doing, str(where), f"needs {needed >> 20} MB, {free >> 20} MB free on the host"
+        )
 
 
 FALLOC_FL_KEEP_SIZE = 0x01

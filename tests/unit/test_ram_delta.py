@@ -8,13 +8,16 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from cryobox.errors import InvalidArgument, SnapshotVerificationFailed
+from cryobox.errors import InvalidArgument, SnapshotVerificationFailed, StorageError
 from cryobox.sandbox import references
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
@@ -251,3 +254,125 @@ def test_what_a_snapshot_needs_however_far_down_and_what_only_leans_on_its_ram()
     assert references.builds_on_all("snap-new", every) == needs
     assert references.leaning_on("snap-next", every) == [point]
     assert references.leaning_on("snap-point", every) == []  # (its disk is needed)
+
+
+_FOLDER = """
+import sys
+from pathlib import Path
+from cryobox.errors import SnapshotNotFound
+from cryobox.snapshot.store import LocalSnapshotStore
+store = LocalSnapshotStore(Path(sys.argv[1]))
+print("ready", flush=True)
+while True:
+    try:
+        store.fold_ram("snap-older", "snap-newer")
+    except SnapshotNotFound:
+        print("base gone", flush=True)
+        sys.exit(0)
+    store.unfold_ram("snap-older")
+"""
+
+
+def _history_of_two(tmp_path: Path) -> tuple[LocalSnapshotStore, bytes, bytes]:
+    """Two checkpoints of 32 MiB of RAM, 16 MB used, an eighth of it changed between."""
+    rng = random.Random(11)
+    older = {page: rng.randbytes(PAGE) for page in range(0, 8192, 2)}
+    newer = {**older, **{page: rng.randbytes(PAGE) for page in range(0, 8192, 16)}}
+    _ram(tmp_path / "older", 32 * MIB, older)
+    _ram(tmp_path / "newer", 32 * MIB, newer)
+    store = LocalSnapshotStore(tmp_path / "state")
+    _commit(store, "snap-older", 1.0, tmp_path / "older")
+    _commit(store, "snap-newer", 2.0, tmp_path / "newer")
+    return store, (tmp_path / "older").read_bytes(), (tmp_path / "newer").read_bytes()
+
+
+def _reads_back(store: LocalSnapshotStore, snapshot_id: str, ram: bytes, into: Path) -> None:
+    """The snapshot verifies (its chain too) and its RAM reads back byte for byte."""
+    whole, deltas = ram_files(store, snapshot_id)
+    into.unlink(missing_ok=True)
+    ram_delta.fill(into, whole, deltas)
+    assert into.read_bytes() == ram, f"{snapshot_id}'s RAM differs"
+
+
+def _folder_process(store: LocalSnapshotStore) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _FOLDER, str(store.root)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    return process
+
+
+def test_a_process_killed_9_at_any_step_of_a_fold_or_unfold_leaves_both_points_sound(
+    tmp_path: Path,
+) -> None:
+    """Another process folds and unfolds the older checkpoint over and over and is
+    killed with SIGKILL at a random moment, a dozen times: each time both checkpoints
+    verify and read back byte for byte, whatever form the older one was left in; the
+    sweep then removes only what no manifest lists, once it is old enough."""
+    store, older, newer = _history_of_two(tmp_path)
+    rng = random.Random(3)
+    forms = set()
+    for _ in range(12):
+        process = _folder_process(store)
+        time.sleep(rng.uniform(0.0, 0.4))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        _reads_back(store, "snap-older", older, tmp_path / "back")
+        _reads_back(store, "snap-newer", newer, tmp_path / "back")
+        forms.add(store.get("snap-older").memory_base)
+    assert forms == {None, "snap-newer"}  # killed in both forms at least once
+    folder = store.folder("snap-older")
+    for path in folder.iterdir():
+        os.utime(path, (time.time() - 3600,) * 2)
+    store.sweep()
+    ram_names = {mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES}
+    left = {p.name for p in folder.iterdir()} & ram_names
+    assert left == set(store.get("snap-older").files) & ram_names
+    _reads_back(store, "snap-older", older, tmp_path / "back")
+
+
+def test_a_delete_of_the_base_in_one_process_and_folds_in_another_never_strand_a_delta(
+    tmp_path: Path,
+) -> None:
+    """One process folds the older checkpoint onto the newer and unfolds it, over and
+    over; this one deletes the newer meanwhile, as an expiry or a user would: refused
+    while the older leans on it, done once it is whole again, and the folds then stop
+    (their base is gone). The older checkpoint stays whole and reads back."""
+    store, older, _ = _history_of_two(tmp_path)
+    process = _folder_process(store)
+    refused = 0
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                store.delete("snap-newer")
+            except InvalidArgument as exc:
+                assert "snap-newer is the RAM base of snap-older" in str(exc)
+                refused += 1
+                time.sleep(0.005)
+            else:
+                break
+        assert process.wait(timeout=30) == 0
+        assert process.stdout is not None and process.stdout.read() == "base gone\n"
+    finally:
+        process.kill()
+    assert not store.folder("snap-newer").exists()
+    assert store.get("snap-older").memory_base is None
+    _reads_back(store, "snap-older", older, tmp_path / "back")
+    print(f"deletes refused while the older leaned on it: {refused}")
+
+
+def test_an_unfold_without_room_for_the_whole_ram_is_refused_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, older, _ = _history_of_two(tmp_path)
+    assert store.fold_ram("snap-older", "snap-newer") is not None
+    before = sorted(p.name for p in store.folder("snap-older").iterdir())
+    full = shutil.disk_usage(tmp_path)._replace(free=10 << 20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    with pytest.raises(StorageError, match=r"its whole RAM back.*needs \d+ MB, 10 MB free"):
+        store.unfold_ram("snap-older")
+    monkeypatch.undo()
+    assert sorted(p.name for p in store.folder("snap-older").iterdir()) == before
+    assert store.get("snap-older").memory_base == "snap-newer"
+    _reads_back(store, "snap-older", older, tmp_path / "back")

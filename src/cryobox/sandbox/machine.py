@@ -78,6 +78,7 @@ from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, new_snapshot, ram_files, verified
 from cryobox.store import uploads
 from cryobox.util import (
+    check_space,
     copy_sparse,
     data_bytes,
     free_port,
@@ -151,18 +152,6 @@ def allocated(path: Path) -> int:
         return path.stat().st_blocks * 512
     except OSError:
         return 0
-
-
-def check_space(needed: int, doing: str, where: Path) -> None:
-    """Refuse, before touching anything, work that cannot fit in ``where``'s free space.
-
-    :raises StorageError: "needs N MB, M MB free".
-    """
-    free = shutil.disk_usage(where).free
-    if needed > free:
-        raise StorageError(
-            doing, str(where), f"needs {needed >> 20} MB, {free >> 20} MB free on the host"
-        )
 
 
 #: Free space, beyond a RAM file's size, under which its blocks are reserved. A guest
@@ -948,12 +937,7 @@ class Machine:
             if references.users(manifest.id, others, registry.list_sandboxes()):
                 continue
             try:
-                for older in leaning:  # a whole RAM each: only with room for it
-                    check_space(
-                        self.spec.memory_mib << 20,
-                        "giving a checkpoint its RAM back",
-                        self.folder.path,
-                    )
+                for older in leaning:  # a whole RAM each: refused without room for it
                     self.store.unfold_ram(older.id)
             except (CryoboxError, OSError) as exc:
                 log.warning(

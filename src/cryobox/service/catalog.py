@@ -83,6 +83,8 @@ class Catalog:
 
         :raises SnapshotNotFound:
         :raises InvalidArgument: naming the sandboxes or snapshots that still use it.
+        :raises StorageError: when a folded checkpoint that leans on it has no room to
+            get its whole RAM back (nothing deleted).
         """
         manifest = self.store.get(ref)
         every = self.store.all()

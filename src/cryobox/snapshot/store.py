@@ -36,7 +36,7 @@ from cryobox.errors import (
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
 from cryobox.snapshot.manifest import Manifest
-from cryobox.util import fsync_dir, write_json_atomic
+from cryobox.util import check_space, data_bytes, fsync_dir, write_json_atomic
 
 TEMP_PREFIX = ".tmp-"
 #: A temporary folder older than this was left by a writer that died.
@@ -132,7 +132,9 @@ class SnapshotStore(Protocol):
         ...
 
     def unfold_ram(self, snapshot_id: str) -> None:
-        """Give a folded snapshot its whole RAM back (before its base goes)."""
+        """Give a folded snapshot its whole RAM back (before its base goes).
+
+        :raises StorageError: when the host has no room for it (nothing written)."""
         ...
 
     def stored_bytes(self, snapshot_id: str) -> int:
@@ -283,7 +285,8 @@ class LocalSnapshotStore:
     def unfold_ram(self, snapshot_id: str) -> None:
         """As :meth:`fold_ram`, each step leaves a snapshot that verifies: the whole RAM
         is written and synced beside the delta, the manifest that lists it replaces the
-        old one, then the delta and its map go."""
+        old one, then the delta and its map go. Refused first (StorageError) when the
+        file system has no room for the whole RAM."""
         folder = self.folder(snapshot_id)
         manifest = _load(folder)
         if not manifest.memory_base:
@@ -291,6 +294,9 @@ class LocalSnapshotStore:
         whole, deltas = ram_files(self, snapshot_id)  # (each of the chain verified)
         target = folder / mf.MEMORY
         target.unlink(missing_ok=True)  # of an attempt cut short
+        # At most the base's pages and every delta's: refused before a byte is written.
+        needed = data_bytes(whole) + sum(data_bytes(d / ram_delta.DELTA) for d in deltas)
+        check_space(needed, f"giving checkpoint {snapshot_id} its whole RAM back", folder)
         ram_delta.fill(target, whole, deltas)
         _switch_ram(folder, manifest, (mf.MEMORY,), (ram_delta.DELTA, ram_delta.PAGES), None)
 
