@@ -18,6 +18,9 @@ import pytest
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import registry
 from cryobox.snapshot import manifest as mf
+from cryobox.snapshot import ram_delta
+from cryobox.snapshot.store import LocalSnapshotStore, verified
+from waiting import until
 
 from .guest_http import fetch_until_up
 
@@ -171,6 +174,62 @@ def test_supervisor_killed_during_a_resume_loses_nothing(step: str, default_temp
     finally:
         with contextlib.suppress(CryoboxError):
             Sandbox.connect(sbx.id).kill()
+
+
+@pytest.mark.parametrize("step", ["fold-written", "fold-committed"])
+def test_supervisor_killed_while_folding_a_checkpoint_loses_no_point_of_the_history(
+    step: str, default_template: None
+) -> None:
+    """The second automatic checkpoint folds the first (keeps of its RAM only what
+    differs); the supervisor dies with SIGKILL as the fold has written its delta, or
+    just after its commit. The VM is adopted running; the first point verifies (whole
+    with the delta left beside it, or folded with the whole RAM left beside it), a
+    rewind to it brings back the file as it was, and the sweep removes what the fold
+    left once it is old enough."""
+    from cryobox import Sandbox
+    from cryobox.service import discard_spare
+
+    store = LocalSnapshotStore()
+    os.environ["CRYOBOX_TEST_CRASH_AT"] = step
+    discard_spare()  # the next supervisor reads the variable
+    try:
+        sbx = Sandbox.create(timeout=600, checkpoint_every=5, keep_checkpoints=20)
+        sbx.commands.run("echo first > /root/mark")
+        record = registry.find(sbx.id).record()
+        assert record.supervisor_pid
+        until(
+            lambda: not Path(f"/proc/{record.supervisor_pid}").exists(),
+            f"the supervisor's death at {step}",
+            timeout=120,
+        )
+    finally:
+        del os.environ["CRYOBOX_TEST_CRASH_AT"]
+        discard_spare()
+    try:
+        assert Path(f"/proc/{record.qemu_pid}").exists()  # QEMU outlives its supervisor
+        first, second = sorted(
+            (store.get(p.id) for p in sbx.history() if p.automatic), key=lambda m: m.created_at
+        )[:2]
+        folder = store.folder(first.id)
+        first = verified(store, first.id)  # sound whatever the step
+        if step == "fold-written":
+            assert first.memory_base is None and (folder / ram_delta.DELTA).exists()
+        else:
+            assert first.memory_base == second.id and (folder / mf.MEMORY).exists()
+        again = Sandbox.connect(sbx.id)
+        assert again.commands.run("echo second > /root/mark").exit_code == 0
+        assert registry.find(sbx.id).record().qemu_pid == record.qemu_pid  # adopted
+        again.rewind(first.id)
+        assert again.commands.run("cat /root/mark").stdout == "first\n"
+        for path in folder.iterdir():
+            os.utime(path, (time.time() - 3600,) * 2)
+        store.sweep()
+        ram_names = {mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES}
+        listed = set(verified(store, first.id).files)
+        assert {p.name for p in folder.iterdir()} & ram_names == listed & ram_names
+    finally:
+        with contextlib.suppress(CryoboxError):
+            Sandbox.connect(sbx.id, resume=False).kill()
 
 
 def _sandbox_qemus() -> set[int]:

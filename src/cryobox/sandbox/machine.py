@@ -902,7 +902,9 @@ class Machine:
             or uploads.state(self.store.folder(previous.id)).get("state") not in (None, "local")
         ):
             return False
-        delta = self.store.fold_ram(previous.id, newest.id)
+        delta = self.store.fold_ram(
+            previous.id, newest.id, step=lambda step: crash_point(f"fold-{step}")
+        )
         if delta is not None:
             log.info(
                 "ram of %s: %d of %d pages in use differ from %s's (kept those alone)",

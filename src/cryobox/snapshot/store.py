@@ -46,6 +46,10 @@ ABANDONED_AFTER = 600.0
 _ID = re.compile(r"(snap|pause)-[0-9a-f]{12}")
 
 
+def _no_step(step: str) -> None:
+    """Where a fold tells the steps it passes to no one."""
+
+
 def looks_like_id(ref: str) -> bool:
     """Whether ``ref`` has the shape of a snapshot id: then it is looked up as an id only
     (never as a name, which another tenant could have chosen)."""
@@ -125,10 +129,13 @@ class SnapshotStore(Protocol):
 
     def delete(self, snapshot_id: str) -> None: ...
 
-    def fold_ram(self, snapshot_id: str, onto: str) -> ram_delta.Delta | None:
+    def fold_ram(
+        self, snapshot_id: str, onto: str, *, step: Callable[[str], None] = _no_step
+    ) -> ram_delta.Delta | None:
         """Keep only the pages of a snapshot's whole RAM that differ from ``onto``'s
         (:mod:`~cryobox.snapshot.ram_delta`); what it holds then, or None when it stays
-        whole (too much differs, the sizes differ)."""
+        whole (too much differs, the sizes differ). ``step`` is told "written" and
+        "committed" as the fold passes them (a crash-safety test dies there)."""
         ...
 
     def unfold_ram(self, snapshot_id: str) -> None:
@@ -254,16 +261,20 @@ class LocalSnapshotStore:
         shutil.rmtree(doomed, ignore_errors=True)
         (self._dir("locks") / f"ram-{snapshot_id}.lock").unlink(missing_ok=True)
 
-    def fold_ram(self, snapshot_id: str, onto: str) -> ram_delta.Delta | None:
+    def fold_ram(
+        self, snapshot_id: str, onto: str, *, step: Callable[[str], None] = _no_step
+    ) -> ram_delta.Delta | None:
         """Each step leaves a snapshot that verifies, whenever a crash comes: the delta
         and its map are written and synced beside the whole RAM, the manifest that
         lists them instead replaces the old one (the commit), then the whole RAM goes.
         A reader that opened the whole file before keeps reading it (see
         :func:`ram_files`)."""
         with self._ram_lock(onto):  # onto is not deleted meanwhile
-            return self._fold_ram(snapshot_id, onto)
+            return self._fold_ram(snapshot_id, onto, step)
 
-    def _fold_ram(self, snapshot_id: str, onto: str) -> ram_delta.Delta | None:
+    def _fold_ram(
+        self, snapshot_id: str, onto: str, step: Callable[[str], None]
+    ) -> ram_delta.Delta | None:
         folder = self.folder(snapshot_id)
         manifest = _load(folder)
         if manifest.memory_base or mf.MEMORY not in manifest.files:
@@ -279,7 +290,7 @@ class LocalSnapshotStore:
         )
         if delta is None:
             return None
-        _switch_ram(folder, manifest, (ram_delta.DELTA, ram_delta.PAGES), (mf.MEMORY,), onto)
+        _switch_ram(folder, manifest, (ram_delta.DELTA, ram_delta.PAGES), (mf.MEMORY,), onto, step)
         return delta
 
     def unfold_ram(self, snapshot_id: str) -> None:
@@ -385,6 +396,7 @@ def _switch_ram(
     written: tuple[str, ...],
     dropped: tuple[str, ...],
     memory_base: str | None,
+    step: Callable[[str], None] = _no_step,
 ) -> None:
     """The commit of a fold or an unfold: the RAM files ``written`` synced and listed
     instead of those ``dropped`` by a new manifest (``memory_base`` its base, or None),
@@ -394,7 +406,9 @@ def _switch_ram(
     files = {k: v for k, v in manifest.files.items() if k not in dropped}
     files |= mf.describe_files(folder, list(written))
     switched = replace(manifest, files=files, memory_base=memory_base)
+    step("written")
     write_json_atomic(folder / mf.MANIFEST, switched.to_signed_json())
+    step("committed")
     for name in dropped:
         (folder / name).unlink(missing_ok=True)
     fsync_dir(folder)
