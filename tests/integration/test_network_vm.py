@@ -329,6 +329,48 @@ def fetch_in(sbx: Sandbox, url: str) -> str:
     return sbx.commands.run(["python3", "-c", FETCH, url], timeout=60).stdout.strip()
 
 
+def test_a_start_given_the_cas_its_snapshot_had_does_not_ask_the_guest_for_them(
+    sandbox_factory: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A memory snapshot notes the CAs its guest was given: a start from it given the
+    same ones does not ask the guest whether it has them (its first request after a
+    restore is the slowest); one given others asks, and writes them. The guest's bundle
+    holds what each start was given."""
+    from cryobox.service import egress
+    from cryobox.service.service import SandboxService
+
+    first = tls_ca.make(tmp_path / "first", "203.0.113.7")[0]
+    second = tls_ca.make(tmp_path / "second", "203.0.113.8")[0]
+    asked: list[str] = []
+    read_all = SandboxService._read_all
+
+    async def recorded(self: SandboxService, sandbox_id: str, path: str) -> bytes:
+        asked.append(path)
+        return await read_all(self, sandbox_id, path)
+
+    monkeypatch.setattr(SandboxService, "_read_all", recorded)
+
+    def bundle(sbx: Sandbox) -> str:
+        return sbx.files.read_text(egress.GUEST_BUNDLE)
+
+    parent = sandbox_factory(ca_bundle=str(first))
+    assert first.read_text().strip() in bundle(parent)
+    snap = parent.snapshot("given-cas")
+    try:
+        asked.clear()
+        same = sandbox_factory(from_snapshot=snap.id, ca_bundle=str(first))
+        assert asked == []  # the snapshot's note said so
+        assert first.read_text().strip() in bundle(same)
+        other = sandbox_factory(from_snapshot=snap.id, ca_bundle=str(second))
+        assert asked and asked[0] == egress.GUEST_MARKER
+        assert second.read_text().strip() in bundle(other)
+        assert first.read_text().strip() not in bundle(other)
+        for sbx in (parent, same, other):
+            sbx.kill()
+    finally:
+        Sandbox.delete_snapshot(snap.id)
+
+
 def test_proxy_and_ca_bundle_let_the_guest_out_as_the_host_goes(
     sandbox_factory: Callable[..., Any],
     outside: None,

@@ -144,6 +144,13 @@ DEVICE_STATE_ROOM = 64 << 20
 #: not verified, as its ``.verified.json`` stamp).
 CONSOLE_HISTORY = 64 << 10
 CONSOLE_COPY = ".console.log"
+#: The SHA-256 of the extra CAs the service gave the guest (:mod:`cryobox.service.egress`),
+#: in the sandbox's folder once given; a memory snapshot keeps a copy beside its files
+#: (this host's note, not stored, not verified), so that a start from it that would give
+#: the same ones knows the guest has them without asking it (a first guest request after
+#: a restore costs tens of milliseconds under TCG: its code is translated anew).
+GUEST_CA = "guest-ca"
+GUEST_CA_COPY = ".guest-ca"
 
 
 def allocated(path: Path) -> int:
@@ -844,6 +851,9 @@ class Machine:
             described = await asyncio.to_thread(mf.describe_files, temp, files)
             manifest = replace(manifest, files=described, automatic=automatic)
             _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
+            if memory:  # (a disk alone may lack what the guest's page cache held)
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.copyfile(self.folder.path / GUEST_CA, temp / GUEST_CA_COPY)
             timer("hashed and flushed")
             crash_point("hashed")
             self.store.commit(temp, manifest)

@@ -25,6 +25,7 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from cryobox import config
@@ -76,6 +77,7 @@ from cryobox.sandbox.control import (
     control,
 )
 from cryobox.sandbox.launcher import SupervisorGroup, SupervisorLauncher
+from cryobox.sandbox.machine import GUEST_CA, GUEST_CA_COPY
 from cryobox.sandbox.records import ON_TIMEOUT
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
@@ -90,7 +92,7 @@ from cryobox.service.volumes import Volumes
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
-from cryobox.util import data_bytes, mem_available_mib, mem_total_mib, new_id
+from cryobox.util import data_bytes, mem_available_mib, mem_total_mib, new_id, write_atomic
 from cryobox.vmm import Vmm
 from cryobox.vmm.base import boot_memory_mib, check_growth, manifest_shape
 from cryobox.volume import catalog as volume_catalog
@@ -422,12 +424,21 @@ class SandboxService:
 
     async def _trust(self, sandbox_id: str, pem: str) -> None:
         """Add ``pem``'s certificates to what the guest trusts, in a bundle of its own
-        (the guest's system bundle and them). A guest restored from a template that was
-        given the same ones already has them (its marker says so): one small read."""
+        (the guest's system bundle and them). A guest restored from a memory snapshot
+        taken here of a guest given the same ones already has them: the snapshot's note
+        says so, and the guest is not asked (its first request after a restore costs
+        tens of milliseconds under TCG). Else its marker says so: one small read.
+        Either way the sandbox's folder notes what it was given, for its snapshots."""
         extra = pem.encode()
         marker = hashlib.sha256(extra).hexdigest().encode()
+        folder = registry.find(sandbox_id)
+        source = folder.spec().restore_from
+        if source and _file_bytes(self.store.folder(source) / GUEST_CA_COPY) == marker:
+            await asyncio.to_thread(_note, folder.path / GUEST_CA, marker)
+            return
         with contextlib.suppress(GuestFileNotFound):
             if await self._read_all(sandbox_id, egress.GUEST_MARKER) == marker:
+                await asyncio.to_thread(_note, folder.path / GUEST_CA, marker)
                 return
         system = b""  # an image made from a container image may have no bundle
         with contextlib.suppress(GuestFileNotFound):
@@ -439,6 +450,7 @@ class SandboxService:
         ):
             chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
             await self.guest.write_file(sandbox_id, path, chunks, 0o644)
+        await asyncio.to_thread(_note, folder.path / GUEST_CA, marker)
 
     async def _read_all(self, sandbox_id: str, path: str) -> bytes:
         return b"".join([chunk async for chunk in self.guest.read_file(sandbox_id, path)])
@@ -1318,6 +1330,18 @@ class SandboxService:
     async def close(self) -> None:
         """Close this service's connections (the sandboxes run on)."""
         await self.connections.close()
+
+
+def _file_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _note(path: Path, data: bytes) -> None:
+    """A host note that only spares work (lost in a crash, the work is done again)."""
+    write_atomic(path, data, durable=False)
 
 
 def _shown_lines(into: bytearray, show: Callable[[str], None]) -> OutputSink:
