@@ -376,3 +376,181 @@ def test_an_unfold_without_room_for_the_whole_ram_is_refused_and_changes_nothing
     assert sorted(p.name for p in store.folder("snap-older").iterdir()) == before
     assert store.get("snap-older").memory_base == "snap-newer"
     _reads_back(store, "snap-older", older, tmp_path / "back")
+
+
+_UNFOLDER = """
+import sys
+from pathlib import Path
+from cryobox.snapshot.store import LocalSnapshotStore
+LocalSnapshotStore(Path(sys.argv[1])).unfold_ram("snap-older")
+"""
+
+
+def test_two_processes_unfolding_one_checkpoint_at_once_leave_it_whole_and_sound(
+    tmp_path: Path,
+) -> None:
+    """An expiry in a supervisor and a delete by hand in the server may both give the
+    same checkpoint its RAM back: each waits for the snapshot's lock, one unfolds it,
+    the other finds it whole (never a listed RAM file removed, never one hashed while
+    half-written)."""
+    store, older, _ = _history_of_two(tmp_path)
+    assert store.fold_ram("snap-older", "snap-newer") is not None
+    with store._ram_lock("snap-older"):  # (as a fold onto it, or a delete, would)
+        both = [
+            subprocess.Popen([sys.executable, "-c", _UNFOLDER, str(store.root)]) for _ in range(2)
+        ]
+        time.sleep(1.0)
+        assert [process.poll() for process in both] == [None, None]  # both waiting
+    assert [process.wait(timeout=60) for process in both] == [0, 0]
+    assert store.get("snap-older").memory_base is None
+    _reads_back(store, "snap-older", older, tmp_path / "back")
+
+
+def test_the_sweep_removes_a_delta_a_fold_left_without_its_map(tmp_path: Path) -> None:
+    """A fold killed between writing the delta and its page map left a whole checkpoint
+    with an unlisted delta beside it: the sweep finds it too, once old enough."""
+    store, older, _ = _history_of_two(tmp_path)
+    folder = store.folder("snap-older")
+    (folder / ram_delta.DELTA).write_bytes(b"a delta cut short")
+    store.sweep()
+    assert (folder / ram_delta.DELTA).exists()  # (a fold may be writing it still)
+    os.utime(folder / ram_delta.DELTA, (time.time() - 3600,) * 2)
+    store.sweep()
+    assert not (folder / ram_delta.DELTA).exists()
+    _reads_back(store, "snap-older", older, tmp_path / "back")
+
+
+def test_a_folded_checkpoint_left_in_a_folder_being_deleted_does_not_hold_its_base(
+    tmp_path: Path,
+) -> None:
+    """A delete killed after its rename left ``.tmp-deleting-X`` with a manifest naming
+    its RAM base: that base can still be deleted (it is not a snapshot any more)."""
+    store, _, _ = _history_of_two(tmp_path)
+    assert store.fold_ram("snap-older", "snap-newer") is not None
+    folder = store.folder("snap-older")
+    folder.rename(folder.with_name(".tmp-deleting-snap-older"))
+    store.delete("snap-newer")
+    assert [m.id for m in store.all()] == []
+
+
+def _commit_on(store: LocalSnapshotStore, manifest: Manifest, ram: Path) -> None:
+    temp = store.begin(manifest.id)
+    shutil.copyfile(ram, temp / mf.MEMORY)
+    (temp / mf.DEVICE_STATE).write_bytes(b"devices")
+    store.commit(
+        temp, replace(manifest, files=mf.describe_files(temp, [mf.MEMORY, mf.DEVICE_STATE]))
+    )
+
+
+def test_a_cascade_deletes_a_folded_checkpoint_before_the_newer_one_it_leans_on(
+    tmp_path: Path,
+) -> None:
+    """Two checkpoints of a finished sandbox started from a saved snapshot, the older
+    folded onto the newer: deleting the snapshot with cascade takes all three, each
+    before what it builds on (the older checkpoint before the newer)."""
+    import asyncio
+
+    from cryobox.service.catalog import Catalog
+    from cryobox.service.persist import Persistence
+
+    rng = random.Random(13)
+    pages = {page: rng.randbytes(PAGE) for page in range(64)}
+    _ram(tmp_path / "ram", 4 * MIB, pages)
+    _ram(tmp_path / "ram2", 4 * MIB, {**pages, 1: rng.randbytes(PAGE)})
+    store = LocalSnapshotStore(tmp_path / "state")
+    saved = replace(
+        _checkpoint("snap-saved", 1.0), purpose=SnapshotPurpose.SNAPSHOT, automatic=False
+    )
+    _commit_on(store, saved, tmp_path / "ram")
+    for snapshot_id, at, ram in (("snap-c1", 2.0, "ram"), ("snap-c2", 3.0, "ram2")):
+        on_saved = replace(_checkpoint(snapshot_id, at), disk_chain=("snap-saved",))
+        _commit_on(store, on_saved, tmp_path / ram)
+    assert store.fold_ram("snap-c1", "snap-c2") is not None
+    order = references.builders_first(store.all())
+    assert [m.id for m in order] == ["snap-c1", "snap-c2", "snap-saved"]
+
+    catalog = Catalog(store, Persistence(store))
+    deleted = asyncio.run(catalog.delete_snapshot("snap-saved", cascade=True))
+    assert deleted == ["snap-c1", "snap-c2", "snap-saved"]
+    assert store.all() == []
+
+
+def test_an_upload_stores_the_ram_base_again_when_it_left_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folded checkpoint is stored with the newer one its RAM leans on. That one may
+    leave the store meanwhile (a fleet's former recovery point), its mark here still
+    saying "stored": an upload checks the store itself, before it starts and under its
+    lease just before its commit, and stores the base again rather than commit a
+    checkpoint without it."""
+    from cryobox.store import uploads
+    from cryobox.store.chunkstore import ChunkStore
+
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    store, _, _ = _history_of_two(tmp_path)
+    assert store.fold_ram("snap-older", "snap-newer") is not None
+    tenant = "tenant-a"
+    uploads.mark(store.folder("snap-newer"), tenant)
+    assert uploads.upload(store.folder("snap-newer"))
+    chunks = ChunkStore(tenant)
+    chunks.delete("snap-newer")  # gone from the store; its mark here says "stored"
+
+    # Gone between the upload's first look and its commit: refused, nothing committed.
+    layers_below = uploads._store_layers_below
+
+    def then_gone(*args: object) -> None:
+        layers_below(*args)  # type: ignore[arg-type]
+        chunks.delete("snap-newer")
+
+    monkeypatch.setattr(uploads, "_store_layers_below", then_gone)
+    uploads.mark(store.folder("snap-older"), tenant)
+    assert not uploads.upload(store.folder("snap-older"))
+    assert (
+        "snap-newer it builds on left the store"
+        in uploads.state(store.folder("snap-older"))["error"]
+    )
+    assert [s.id for s in chunks.all()] == []
+    monkeypatch.undo()
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+
+    assert uploads.upload(store.folder("snap-older"))  # tried again: the base first
+    assert sorted(s.id for s in chunks.all()) == ["snap-newer", "snap-older"]
+
+
+def test_a_former_recovery_point_leaves_the_store_only_while_no_upload_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet removes a sandbox's former recovery point from the store under a
+    collection lease: while an upload holds its lease (it may be storing a checkpoint
+    that leans on it) the removal is put off, and done at a later tick."""
+    from types import SimpleNamespace
+
+    from cryobox.errors import SnapshotNotFound
+    from cryobox.server.moves import Mover
+    from cryobox.service.persist import Persistence
+    from cryobox.store import locks, uploads
+
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    store, _, _ = _history_of_two(tmp_path)
+    tenant = "tenant-a"
+    uploads.mark(store.folder("snap-newer"), tenant)
+    assert uploads.upload(store.folder("snap-newer"))
+    persist = Persistence(store)
+    hub = SimpleNamespace(
+        db=SimpleNamespace(engine="sqlite"), service=SimpleNamespace(persist=persist, store=store)
+    )
+    mover = Mover(hub)  # type: ignore[arg-type]
+    chunks = persist.of(tenant).chunks()
+
+    with locks.held(chunks.objects, tenant, "upload"):
+        mover._unstore(tenant, "snap-newer")
+    assert chunks.find("snap-newer").id == "snap-newer"  # kept while the upload ran
+    assert mover.unstore_later == {(tenant, "snap-newer")}
+    mover._unstore(tenant, "snap-newer")
+    with pytest.raises(SnapshotNotFound):
+        chunks.find("snap-newer")
+    assert uploads.state(store.folder("snap-newer"))["state"] == "local"
+    assert mover.unstore_later == set()

@@ -956,7 +956,11 @@ class Machine:
                     "%s is kept: %s could not get its RAM back: %s", manifest.id, older.id, exc
                 )
                 continue
-            self.store.delete(manifest.id)
+            try:
+                self.store.delete(manifest.id)
+            except InvalidArgument as exc:  # a fold leaned on it meanwhile: the next expiry
+                log.info("%s is kept: %s", manifest.id, exc)
+                continue
             deleted.append(manifest.id)
         return deleted
 

@@ -45,6 +45,17 @@ def leaning_on(snapshot_id: str, snapshots: list[Manifest]) -> list[Manifest]:
     ]
 
 
+def builders_first(snapshots: list[Manifest]) -> list[Manifest]:
+    """``snapshots`` ordered so that each comes before every one of them it builds on
+    (a disk layer below it, or the newer checkpoint its RAM is laid over): the order
+    to delete them in."""
+    by_id = {m.id: m for m in snapshots}
+    below = {m.id: builds_on_all(m.id, snapshots) & by_id.keys() for m in snapshots}
+    # The more of the others a snapshot needs, the sooner it goes (needing is transitive
+    # and never circular, so one that another needs needs fewer than that one).
+    return sorted(snapshots, key=lambda m: (-len(below[m.id]), -m.created_at))
+
+
 def builds_on_all(snapshot_id: str, snapshots: list[Manifest]) -> set[str]:
     """Every snapshot ``snapshot_id`` needs, however far down: its disk layers and RAM
     base, theirs, and so on."""

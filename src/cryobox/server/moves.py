@@ -53,14 +53,14 @@ from cryobox.errors import (
     StoreError,
 )
 from cryobox.models import SandboxInfo
-from cryobox.sandbox import registry
+from cryobox.sandbox import references, registry
 from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import SnapshotPurpose
-from cryobox.store import keys, uploads
+from cryobox.store import keys, locks, uploads
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 
@@ -260,6 +260,9 @@ class Mover:
         #: The checkpoint recorded as each running sandbox's recovery point (see
         #: :meth:`record_recovery`).
         self.recovered: dict[str, str] = {}
+        #: Former recovery points that could not leave the store yet (an upload ran,
+        #: which may be storing a checkpoint whose RAM leans on one): (tenant, id).
+        self.unstore_later: set[tuple[str, str]] = set()
 
     async def start(self) -> None:
         self.secret = self.hub._shared_secret("departures")
@@ -374,6 +377,8 @@ class Mover:
         ones; a sandbox with volumes stays with them (it is never recovered elsewhere)."""
         if not self.fleet:
             return
+        for tenant, checkpoint in sorted(self.unstore_later):
+            self._unstore(tenant, checkpoint)
         try:
             folder = registry.find(sandbox_id)
             spec, record = folder.spec(), folder.record()
@@ -423,7 +428,14 @@ class Mover:
         ):
             return  # another host's now (recovered while this one was slow): not ours
         self.recovered[sandbox_id] = newest.id
-        if previous is not None and previous[1] != newest.id:
+        # The ones it replaces leave the store: the former recovery point, and any other
+        # of its checkpoints stored meanwhile (one folded onto a newer one as it was
+        # being stored went there as a delta, with that newer one as its base): each
+        # before what it builds on, so that a base is not kept for a delta about to go.
+        former = references.builders_first([m for m in stored if m.id != newest.id])
+        for replaced in former:
+            self._unstore(spec.owner, replaced.id)
+        if previous is not None and previous[1] not in {newest.id, *(m.id for m in former)}:
             self._unstore(spec.owner, previous[1])
 
     def drop_recovery(self, sandbox_id: str) -> None:
@@ -467,16 +479,26 @@ class Mover:
 
     def _unstore(self, tenant: str, checkpoint: str) -> None:
         """Delete a former recovery point (an automatic checkpoint) from the store, unless
-        another stored snapshot builds its disk on it (a later checkpoint after a rewind
-        to it, a pause, a fork's snapshot); its local copy, if any, reads as local again
-        (it would be uploaded anew if it became the recovery point once more)."""
+        another stored snapshot builds on it (its disk: a later checkpoint after a rewind
+        to it, a pause, a fork's snapshot; or its RAM: a folded checkpoint); its local
+        copy, if any, reads as local again (it would be uploaded anew if it became the
+        recovery point once more). Under a collection lease, and put off while an upload
+        runs: an upload checks before its commit that what it builds on is stored, which
+        a delete between that check and the commit would undo."""
+        self.unstore_later.discard((tenant, checkpoint))
         try:
             chunks = self.hub.service.persist.of(tenant).chunks()
-            if any(
-                checkpoint in mf.builds_on(s.manifest) for s in chunks.all() if s.id != checkpoint
-            ):
-                return
-            chunks.delete(checkpoint)
+            with locks.held(chunks.objects, chunks.tenant, "collect"):
+                if locks.active(chunks.objects, chunks.tenant, "upload"):
+                    self.unstore_later.add((tenant, checkpoint))
+                    return
+                if any(
+                    checkpoint in mf.builds_on(s.manifest)
+                    for s in chunks.all()
+                    if s.id != checkpoint
+                ):
+                    return
+                chunks.delete(checkpoint)
         except (CryoboxError, OSError) as exc:
             log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
             return

@@ -8,7 +8,9 @@ template is built by the service (a sandbox booted, set up and saved).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Iterable
 
 from cryobox.errors import CryoboxError, InvalidArgument
@@ -18,6 +20,8 @@ from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, template_snapshots
 from cryobox.store.keys import LOCAL_TENANT
+
+log = logging.getLogger("cryobox.catalog")
 
 
 class Catalog:
@@ -89,8 +93,10 @@ class Catalog:
         manifest = self.store.get(ref)
         every = self.store.all()
         doomed = [manifest]
-        if cascade:  # newest first, so each goes before what it builds on
-            doomed = [m for m in reversed(every) if manifest.id in m.disk_chain] + doomed
+        if cascade:  # each before what it builds on (a folded checkpoint: a newer one)
+            doomed = references.builders_first(
+                [m for m in every if manifest.id in m.disk_chain] + doomed
+            )
         ids = {m.id for m in doomed}
         # Folded checkpoints whose RAM is laid over one of these get theirs back first.
         leaning = [m for each in doomed for m in references.leaning_on(each.id, every)]
@@ -109,12 +115,13 @@ class Catalog:
                     f"snapshot {each.id} is the base of {', '.join(needed_by)}; "
                     f"delete those first{hint}"
                 )
-        for older in leaning:
-            self.store.unfold_ram(older.id)
+        for older in leaning:  # (a GB copied and hashed: not on the event loop)
+            await asyncio.to_thread(self.store.unfold_ram, older.id)
         for each in doomed:
+            # (a fold onto it holds its lock until done: waited for off the event loop)
+            await asyncio.to_thread(self.store.delete, each.id)
             for child in stored_children[each.id]:  # evicted ones: in the store only
                 persist.forget(child)
-            self.store.delete(each.id)
             persist.forget(each.id)
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:
@@ -126,9 +133,15 @@ class Catalog:
         self.store.sweep()
         named = template_snapshots(self.store.templates())
         doomed = references.collectable(self.store.all(), registry.list_sandboxes(), named)
+        deleted = []
         for manifest in doomed:
-            self.store.delete(manifest.id)
-        return [m.id for m in doomed]
+            try:  # one a fold leaned on meanwhile stays (the next collection takes it)
+                await asyncio.to_thread(self.store.delete, manifest.id)
+            except InvalidArgument as exc:
+                log.info("%s is kept: %s", manifest.id, exc)
+                continue
+            deleted.append(manifest.id)
+        return deleted
 
     async def templates(self) -> list[TemplateInfo]:
         return [

@@ -248,7 +248,8 @@ class LocalSnapshotStore:
             leaning = [
                 pages.parent.name
                 for pages in self._dir("snapshots").glob(f"*/{ram_delta.PAGES}")
-                if _memory_base(pages.parent) == snapshot_id
+                if not pages.parent.name.startswith(".")  # (one being deleted, say)
+                and _memory_base(pages.parent) == snapshot_id
             ]
             if leaning:
                 raise InvalidArgument(
@@ -299,17 +300,22 @@ class LocalSnapshotStore:
         old one, then the delta and its map go. Refused first (StorageError) when the
         file system has no room for the whole RAM."""
         folder = self.folder(snapshot_id)
-        manifest = _load(folder)
-        if not manifest.memory_base:
-            return
-        whole, deltas = ram_files(self, snapshot_id)  # (each of the chain verified)
-        target = folder / mf.MEMORY
-        target.unlink(missing_ok=True)  # of an attempt cut short
-        # At most the base's pages and every delta's: refused before a byte is written.
-        needed = data_bytes(whole) + sum(data_bytes(d / ram_delta.DELTA) for d in deltas)
-        check_space(needed, f"giving checkpoint {snapshot_id} its whole RAM back", folder)
-        ram_delta.fill(target, whole, deltas)
-        _switch_ram(folder, manifest, (mf.MEMORY,), (ram_delta.DELTA, ram_delta.PAGES), None)
+        # One unfold of a snapshot at a time (an expiry in a supervisor and a delete by
+        # hand in the server may both give it its RAM back): the second finds it whole.
+        with self._ram_lock(snapshot_id):
+            manifest = _load(folder)
+            if not manifest.memory_base or mf.MEMORY in manifest.files:
+                return
+            whole, deltas = ram_files(self, snapshot_id)  # (each of the chain verified)
+            if not deltas:  # (it was read folded: only a bug could make it whole here)
+                raise SnapshotVerificationFailed(snapshot_id, "memory_base", "no delta")
+            target = folder / mf.MEMORY
+            target.unlink(missing_ok=True)  # of an attempt cut short (never listed)
+            # At most the base's pages and every delta's: refused before a byte is written.
+            needed = data_bytes(whole) + sum(data_bytes(d / ram_delta.DELTA) for d in deltas)
+            check_space(needed, f"giving checkpoint {snapshot_id} its whole RAM back", folder)
+            ram_delta.fill(target, whole, deltas)
+            _switch_ram(folder, manifest, (mf.MEMORY,), (ram_delta.DELTA, ram_delta.PAGES), None)
 
     def stored_bytes(self, snapshot_id: str) -> int:
         folder = self.folder(snapshot_id)
@@ -320,13 +326,19 @@ class LocalSnapshotStore:
             with contextlib.suppress(OSError):
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
                     shutil.rmtree(folder)
-        # A fold or unfold cut short: the RAM files its manifest does not list, once old
-        # enough that no fold or unfold can be writing them still (another process's).
-        for pages in self._dir("snapshots").glob(f"*/{ram_delta.PAGES}"):
-            with contextlib.suppress(OSError, SnapshotError):
-                listed = _load(pages.parent).files
-                for name in (mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES):
-                    path = pages.parent / name
+        # A fold or unfold cut short (at any step: a delta written without its map too):
+        # the RAM files its manifest does not list, once old enough that no fold or
+        # unfold can be writing them still (another process's).
+        for folder in self._dir("snapshots").iterdir():
+            if folder.name.startswith("."):
+                continue
+            try:
+                listed = _load(folder).files
+            except (OSError, SnapshotError):
+                continue
+            for name in (mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES):
+                path = folder / name
+                with contextlib.suppress(OSError):
                     if name not in listed and time.time() - path.stat().st_mtime > ABANDONED_AFTER:
                         path.unlink()
 

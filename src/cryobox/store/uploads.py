@@ -29,6 +29,7 @@ from typing import Any
 from cryobox import config
 from cryobox.errors import CryoboxError, StoreError
 from cryobox.snapshot import manifest as mf
+from cryobox.store import catalog
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects, store_url
 from cryobox.util import open_log, write_json_atomic
@@ -134,15 +135,19 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
         manifest = mf.load(folder)
         files = {name: _stat(folder / name) for name in manifest.files}
 
+        store = ChunkStore(tenant, open_objects(current.get("store") or None))
+
         def unchanged() -> None:
             """Every chunk was read from the files as they were when the upload began
-            (a resume moves them out of ``paused/`` before anything can write them)."""
+            (a resume moves them out of ``paused/`` before anything can write them),
+            and what it builds on is still stored (checked under the upload's lease,
+            which a fleet's removal of a former recovery point waits for)."""
             for name, key in files.items():
                 if _stat(folder / name) != key:
                     raise StoreError(str(folder), "uploading", f"{name} changed meanwhile")
+            _check_layers_stored(manifest, tenant, store)
 
-        _store_layers_below(manifest, tenant, str(current.get("store") or store_url()))
-        store = ChunkStore(tenant, open_objects(current.get("store") or None))
+        _store_layers_below(manifest, tenant, str(current.get("store") or store_url()), store)
         stored = store.push(
             folder, manifest, sandbox=sandbox, progress=progress, before_commit=unchanged
         )
@@ -162,12 +167,12 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
     return True
 
 
-def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str) -> None:
+def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str, store: ChunkStore) -> None:
     """Store first, into the same store, the disk layers (and the RAM base, for an
-    automatic checkpoint's delta) ``manifest`` builds on that are
-    on this host and not stored there yet (a template's, a checkpoint a rollback went
-    back to): whatever is stored can be restored on any host that reaches the store. A
-    layer never marked is stored as its owner's (:func:`_owner_of`).
+    automatic checkpoint's delta) ``manifest`` builds on that are on this host and not
+    stored there, yet or any more (a template's, a checkpoint a rollback went back to):
+    whatever is stored can be restored on any host that reaches the store. A layer
+    never marked is stored as its owner's (:func:`_owner_of`).
 
     :raises StoreError: when one of them cannot be stored (this upload is retried).
     """
@@ -176,16 +181,33 @@ def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str) -> None:
         if not (below / mf.MANIFEST).exists():
             continue  # pulled from the store (so stored), or not on this host
         marked = state(below)
-        if marked.get("state") == "stored" and str(marked.get("store") or "") == url:
+        owner = str(marked.get("tenant") or _owner_of(below, tenant))
+        if (
+            marked.get("state") == "stored"
+            and str(marked.get("store") or "") == url
+            and store.objects.exists(catalog.snapshot_key(owner, layer))
+        ):
             continue
         if str(marked.get("store") or "") != url or marked.get("state") not in (
             "pending",
             "uploading",
-        ):  # (a failed one is tried again, whatever its attempts)
-            owner = marked.get("tenant") or _owner_of(below, tenant)
-            mark(below, str(owner), url)
+        ):  # (a failed one, or one that left the store, is stored again)
+            mark(below, owner, url)
         if not upload(below):
             raise StoreError(url, f"storing layer {layer} first", str(state(below).get("error")))
+
+
+def _check_layers_stored(manifest: mf.Manifest, tenant: str, store: ChunkStore) -> None:
+    """:raises StoreError: when a layer (or RAM base) ``manifest`` builds on that is on
+    this host is missing from ``store``: it left the store after it was stored (a
+    fleet's former recovery point); the upload is tried again, storing it first."""
+    for layer in manifest.builds_on:
+        below = config.state_dir() / "snapshots" / layer
+        if not (below / mf.MANIFEST).exists():
+            continue  # pulled from the store (so stored), or not on this host
+        owner = str(state(below).get("tenant") or _owner_of(below, tenant))
+        if not store.objects.exists(catalog.snapshot_key(owner, layer)):
+            raise StoreError(str(below), "uploading", f"{layer} it builds on left the store")
 
 
 def _owner_of(folder: Path, tenant: str) -> str:
