@@ -41,4 +41,5 @@ def test_the_js_sdk_runs_a_session_with_an_e2b_shaped_key(api_server: ApiServer)
     assert re.fullmatch(r"run: hello-42 sbx-[0-9a-f]{12}", run), run
     assert "read: from the JS SDK" in lines
     assert "listed: true" in lines and "killed: true" in lines
+    assert "killed during a run: TimeoutError true" in lines
     assert "info: true js" in lines and lines[-1] == "js sdk: done"

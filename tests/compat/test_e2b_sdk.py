@@ -96,6 +96,16 @@ def test_background_handles_stdin_kill_and_list(sbx: Any) -> None:
     assert sleeper.pid not in [p.pid for p in sbx.commands.list()]
 
 
+def test_a_command_whose_sandbox_is_killed_ends_saying_so_like_e2b() -> None:
+    """The command's stream is dropped, as E2B's edge drops it when the sandbox dies;
+    the SDK asks whether the sandbox still runs and says it was killed."""
+    sandbox = e2b.Sandbox.create()
+    during = sandbox.commands.run("sleep 60", background=True)
+    sandbox.kill()
+    with pytest.raises(e2b.TimeoutException, match="sandbox was killed or reached its end"):
+        during.wait()
+
+
 def test_files_like_e2b(sbx: Any) -> None:
     info = sbx.files.write("project/src/main.py", "print('hi')\n")  # parents are made
     assert info.path == "/home/user/project/src/main.py"

@@ -63,6 +63,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.models import CommandRequest, EntryInfo, ExitStatus
 from cryobox.server.hub import Hub
+from cryobox.server.response_cut import ResponseCut
 from cryobox.server.tenants import Tenant
 from cryobox.service.watches import FolderWatch
 from cryobox.util import rechunked
@@ -97,6 +98,17 @@ MAX_LIST_DEPTH = 32
 MAX_LIST_ENTRIES = 100_000
 MAX_PROCESSES = 1024
 RPC_PREFIXES = ("/e2b/process.Process/", "/e2b/filesystem.Filesystem/")
+#: How a process stream whose sandbox went away (killed, paused, lost) ends: see
+#: :class:`StreamCut`.
+GONE = "ended before the stream completed"
+
+
+class StreamCut(ResponseCut):
+    """Raised out of the application in place of a process stream's last frame when
+    its sandbox went away, so that the server drops the connection mid-response, as
+    E2B's edge does when the sandbox behind it dies. Both SDKs answer a dropped stream
+    by asking whether the sandbox still runs, and say it was killed; an error frame
+    reads to the JavaScript SDK as a timeout."""
 
 
 def one(field: str, value: Any) -> Any:
@@ -334,7 +346,7 @@ class ProcessService:
         if process.result is None:  # killed, paused or lost with its sandbox: no exit code
             raise ConnectError(
                 Code.UNAVAILABLE,
-                f"the connection to sandbox {process.sandbox_id} ended before the stream completed",
+                f"the connection to sandbox {process.sandbox_id} {GONE}",
             )
         yield end_event(process.result)
 
@@ -845,10 +857,30 @@ class EnvdRpc:
         path = scope.get("path", "")
         if scope.get("type") == "http" and path.startswith(RPC_PREFIXES):
             inner = dict(scope, path=path[len("/e2b") :], raw_path=path[len("/e2b") :].encode())
-            target = self.process if path.startswith(RPC_PREFIXES[0]) else self.filesystem
-            await target(inner, receive, send)
+            if path.startswith(RPC_PREFIXES[0]):
+                await self.process(inner, receive, _cut_when_gone(send))
+            else:
+                await self.filesystem(inner, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _cut_when_gone(send: Any) -> Any:
+    """``send``, raising :class:`StreamCut` instead of sending a stream's last frame
+    when that frame says its sandbox went away (the frames before went out: the
+    response is cut short). Only the last frame is looked at: a command's output is
+    never in it."""
+
+    async def cutting(message: dict[str, Any]) -> None:
+        if (
+            message.get("type") == "http.response.body"
+            and not message.get("more_body", False)
+            and GONE.encode() in message.get("body", b"")
+        ):
+            raise StreamCut(GONE)
+        await send(message)
+
+    return cutting
 
 
 def envd_error(status: int, message: str) -> JSONResponse:

@@ -19,6 +19,7 @@ from .databases import connect
 from .extensions import Extension
 from .hub import Hub
 from .meter import Prices
+from .response_cut import QuietCuts
 from .slow_clients import HeaderDeadlineProtocol
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,17 @@ def serve(
         collect_interval=collect_interval,
         extensions=extensions,
     )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="info",
-        timeout_graceful_shutdown=5,
-        http=HeaderDeadlineProtocol,  # closes connections whose headers are late
-        ssl_certfile=ssl_certfile,
-        ssl_keyfile=ssl_keyfile,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            http=HeaderDeadlineProtocol,  # closes connections whose headers are late
+            ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
+        )
     )
+    logging.getLogger("uvicorn.error").addFilter(QuietCuts())  # (after its logging setup)
+    server.run()

@@ -16,6 +16,13 @@ try {
   console.log(`killed: ${await background.kill()}`)
   const info = await sbx.getInfo()
   console.log(`info: ${info.sandboxId === sbx.sandboxId} ${info.metadata.from}`)
+  // Killed while a command runs: its stream is dropped, as E2B's edge drops it, and
+  // the SDK, finding the sandbox gone, says it was killed.
+  const during = await sbx.commands.run('sleep 60', { background: true })
+  await sbx.kill()
+  const error = await during.wait().catch((e) => e)
+  const said = String(error?.message).includes('sandbox was killed or reached its end of life')
+  console.log(`killed during a run: ${error?.constructor?.name} ${said}`)
 } finally {
   await sbx.kill()
 }
