@@ -122,6 +122,14 @@ def data_bytes(path: Path) -> int:
         os.close(fd)
 
 
+def read_if_there(path: Path) -> bytes | None:
+    """The file's bytes; None when it cannot be read (missing, say)."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
 def check_space(needed: int, doing: str, where: Path) -> None:
     """Refuse, before touching anything, work that cannot fit in ``where``'s free space.
 

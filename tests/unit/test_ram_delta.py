@@ -406,6 +406,29 @@ def test_two_processes_unfolding_one_checkpoint_at_once_leave_it_whole_and_sound
     _reads_back(store, "snap-older", older, tmp_path / "back")
 
 
+_FOLD_ONCE = """
+import sys
+from pathlib import Path
+from cryobox.snapshot.store import LocalSnapshotStore
+assert LocalSnapshotStore(Path(sys.argv[1])).fold_ram("snap-older", "snap-newer")
+"""
+
+
+def test_a_fold_waits_for_an_unfold_of_the_same_checkpoint(tmp_path: Path) -> None:
+    """A fold holds its base's lock and its own: an unfold of the same checkpoint (a
+    delete of the base that read it folded) never runs beside it, so neither removes
+    the RAM file the other just wrote."""
+    store, older, _ = _history_of_two(tmp_path)
+    with store._ram_lock("snap-older"):  # (as an unfold of it would)
+        fold = subprocess.Popen([sys.executable, "-c", _FOLD_ONCE, str(store.root)])
+        time.sleep(1.0)
+        assert fold.poll() is None  # waiting
+        assert store.get("snap-older").memory_base is None
+    assert fold.wait(timeout=60) == 0
+    assert store.get("snap-older").memory_base == "snap-newer"
+    _reads_back(store, "snap-older", older, tmp_path / "back")
+
+
 def test_the_sweep_removes_a_delta_a_fold_left_without_its_map(tmp_path: Path) -> None:
     """A fold killed between writing the delta and its page map left a whole checkpoint
     with an unlisted delta beside it: the sweep finds it too, once old enough."""
@@ -549,7 +572,7 @@ def test_a_former_recovery_point_leaves_the_store_only_while_no_upload_runs(
         mover._unstore(tenant, "snap-newer")
     assert chunks.find("snap-newer").id == "snap-newer"  # kept while the upload ran
     assert mover.unstore_later == {(tenant, "snap-newer")}
-    mover._unstore(tenant, "snap-newer")
+    mover.retry_unstores()  # (the next monitor tick)
     with pytest.raises(SnapshotNotFound):
         chunks.find("snap-newer")
     assert uploads.state(store.folder("snap-newer"))["state"] == "local"

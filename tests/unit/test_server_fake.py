@@ -122,6 +122,10 @@ def test_quotas_are_answered_429_naming_the_limit(server: ApiServer) -> None:
         second.kill()
     finally:
         first.kill()
+    # Past the quota and past what any host can take: the quota is the answer (it does
+    # not depend on the hosts' free room), before placement looks.
+    huge = client(server, key).post("/sandboxes", json={"cpus": 64, "memory_mib": 1 << 30})
+    assert huge.status_code == 429 and "max_vcpus" in huge.json()["detail"], huge.text
 
 
 def test_a_snapshot_started_at_another_shape_counts_that_shape(server: ApiServer) -> None:

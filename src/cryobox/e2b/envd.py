@@ -20,6 +20,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import hmac
@@ -98,9 +99,14 @@ MAX_LIST_DEPTH = 32
 MAX_LIST_ENTRIES = 100_000
 MAX_PROCESSES = 1024
 RPC_PREFIXES = ("/e2b/process.Process/", "/e2b/filesystem.Filesystem/")
-#: How a process stream whose sandbox went away (killed, paused, lost) ends: see
-#: :class:`StreamCut`.
-GONE = "ended before the stream completed"
+#: Set, for a request of a process stream (``Start``, ``Connect``), to a flag its
+#: events raise when the stream's sandbox went away (killed, paused, lost): the
+#: response is then cut (:class:`StreamCut`). Never read from what a frame says.
+_STREAM_GONE: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "cryobox_stream_gone", default=None
+)
+#: The process RPCs whose answer is a stream of a process's events.
+STREAMS = ("/e2b/process.Process/Start", "/e2b/process.Process/Connect")
 
 
 class StreamCut(ResponseCut):
@@ -344,9 +350,12 @@ class ProcessService:
                 Code.DEADLINE_EXCEEDED, f"process {process.pid} was killed: its timeout passed"
             )
         if process.result is None:  # killed, paused or lost with its sandbox: no exit code
+            gone = _STREAM_GONE.get()
+            if gone is not None:
+                gone[0] = True  # this stream's last frame is not sent: it is cut
             raise ConnectError(
                 Code.UNAVAILABLE,
-                f"the connection to sandbox {process.sandbox_id} {GONE}",
+                f"the connection to sandbox {process.sandbox_id} ended before the stream completed",
             )
         yield end_event(process.result)
 
@@ -857,27 +866,33 @@ class EnvdRpc:
         path = scope.get("path", "")
         if scope.get("type") == "http" and path.startswith(RPC_PREFIXES):
             inner = dict(scope, path=path[len("/e2b") :], raw_path=path[len("/e2b") :].encode())
-            if path.startswith(RPC_PREFIXES[0]):
-                await self.process(inner, receive, _cut_when_gone(send))
+            if path in STREAMS:
+                gone = [False]
+                token = _STREAM_GONE.set(gone)
+                try:
+                    await self.process(inner, receive, _cut_when_gone(send, gone))
+                finally:
+                    _STREAM_GONE.reset(token)
+            elif path.startswith(RPC_PREFIXES[0]):
+                await self.process(inner, receive, send)
             else:
                 await self.filesystem(inner, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-def _cut_when_gone(send: Any) -> Any:
+def _cut_when_gone(send: Any, gone: list[bool]) -> Any:
     """``send``, raising :class:`StreamCut` instead of sending a stream's last frame
-    when that frame says its sandbox went away (the frames before went out: the
-    response is cut short). Only the last frame is looked at: a command's output is
-    never in it."""
+    once its events found its sandbox gone (``gone``): the frames before went out, the
+    response is cut short."""
 
     async def cutting(message: dict[str, Any]) -> None:
         if (
-            message.get("type") == "http.response.body"
+            gone[0]
+            and message.get("type") == "http.response.body"
             and not message.get("more_body", False)
-            and GONE.encode() in message.get("body", b"")
         ):
-            raise StreamCut(GONE)
+            raise StreamCut("the stream's sandbox went away")
         await send(message)
 
     return cutting

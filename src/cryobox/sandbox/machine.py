@@ -83,6 +83,7 @@ from cryobox.util import (
     data_bytes,
     free_port,
     new_id,
+    read_if_there,
     release_empty,
 )
 from cryobox.vmm import MachineSpec, PortForward, Vm, Vmm
@@ -846,14 +847,16 @@ class Machine:
             if not memory:
                 await self.agent.request(GuestOp.EXEC, {"argv": ["sync"]}, timeout=60)
                 timer("guest sync")
+            # Read before the guest stops: a note written after was of CAs given to the
+            # guest after the instant saved, which the snapshot may not hold.
+            given = read_if_there(self.folder.path / GUEST_CA) if memory else None
             files = await self._save_files(temp, memory, timer)
             manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
             described = await asyncio.to_thread(mf.describe_files, temp, files)
             manifest = replace(manifest, files=described, automatic=automatic)
             _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
-            if memory:  # (a disk alone may lack what the guest's page cache held)
-                with contextlib.suppress(FileNotFoundError):
-                    shutil.copyfile(self.folder.path / GUEST_CA, temp / GUEST_CA_COPY)
+            if given is not None:  # (a disk alone may lack what the guest's page cache held)
+                _write_note(temp / GUEST_CA_COPY, given)
             timer("hashed and flushed")
             crash_point("hashed")
             self.store.commit(temp, manifest)
@@ -1443,6 +1446,17 @@ def _console_tail(path: Path) -> bytes:
         handle.seek(max(0, size - CONSOLE_HISTORY))
         data = handle.read(CONSOLE_HISTORY)
     return data[data.find(b"\n") + 1 :] if size > CONSOLE_HISTORY else data
+
+
+def _write_note(path: Path, data: bytes) -> None:
+    """A note beside a snapshot's files (not listed: only a hint); failing to write
+    one is no reason to fail the snapshot."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+    except OSError as exc:
+        log.warning("a note was not kept with the snapshot: %s", exc)
 
 
 def _keep_console(console: Path, copy: Path) -> None:

@@ -121,6 +121,19 @@ class _Use:
         self.memory_mib += sign * other.memory_mib
 
 
+def _within_quota(tenant: Tenant, held: _Use, asked: _Use) -> None:
+    """:raises QuotaExceeded: naming the first limit ``asked`` on top of ``held`` passes."""
+    held.add(asked)
+    q = tenant.quota
+    for limit, allowed, wanted in (
+        ("max_sandboxes", q.max_sandboxes, held.sandboxes),
+        ("max_vcpus", q.max_vcpus, held.vcpus),
+        ("max_memory_mib", q.max_memory_mib, held.memory_mib),
+    ):
+        if wanted > allowed:
+            raise QuotaExceeded(limit, allowed, wanted)
+
+
 #: The most guest ports of one sandbox that requests by host name forward (each is a
 #: listening socket on the host, kept while the sandbox lives): anyone who knows its id
 #: may ask for any port.
@@ -288,6 +301,8 @@ class Hub:
         the route. A create that mounts volumes is made here (they live on this host),
         if this host may take it at all (the tenant's label, not draining).
 
+        :raises QuotaExceeded: when it would take the tenant past a quota (first: that
+            answer does not depend on the hosts).
         :raises NoHostAvailable: when no host can take it, naming each and why.
         """
         tenant = self.tenants.authenticate(key) if key else None
@@ -295,6 +310,8 @@ class Hub:
             return None
         cpus = _number(body.get("cpus"), config.DEFAULT_CPUS)
         memory = _number(body.get("memory_mib"), config.DEFAULT_MEMORY_MIB)
+        with self.db.transaction() as conn:  # (checked again as it is reserved)
+            _within_quota(tenant, self._in_use(tenant, conn), _Use(1, cpus, memory))
         everyone = loads(self.db, time.time() - RESERVATION_STALE)
         if body.get("volumes") or body.get("volumeMounts"):
             everyone = [load for load in everyone if load.host.id == self.me]
@@ -512,16 +529,7 @@ class Hub:
         """Check the quotas and record the reservation in one transaction, one at a time
         per tenant on every host (so two hosts cannot both take the last place)."""
         with self.db.transaction(lock=f"quota:{tenant.id}") as conn:
-            total = self._in_use(tenant, conn)
-            total.add(asked)
-            q = tenant.quota
-            for limit, allowed, wanted in (
-                ("max_sandboxes", q.max_sandboxes, total.sandboxes),
-                ("max_vcpus", q.max_vcpus, total.vcpus),
-                ("max_memory_mib", q.max_memory_mib, total.memory_mib),
-            ):
-                if wanted > allowed:
-                    raise QuotaExceeded(limit, allowed, wanted)
+            _within_quota(tenant, self._in_use(tenant, conn), asked)
             conn.execute(
                 "INSERT INTO reservations VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -1185,6 +1193,8 @@ class Hub:
         meter compute, pause the idle ones."""
         now = time.time()  # (the heartbeat has a clock of its own: app._heartbeat)
         await asyncio.to_thread(self.mover.share_keys, HEARTBEAT)
+        if self.mover.unstore_later:  # put off while an upload ran
+            await asyncio.to_thread(self.mover.retry_unstores)
         if now - self._dropped > HEARTBEAT:
             self._dropped = now
             await self.mover.drop_moved()

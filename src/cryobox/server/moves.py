@@ -377,8 +377,6 @@ class Mover:
         ones; a sandbox with volumes stays with them (it is never recovered elsewhere)."""
         if not self.fleet:
             return
-        for tenant, checkpoint in sorted(self.unstore_later):
-            self._unstore(tenant, checkpoint)
         try:
             folder = registry.find(sandbox_id)
             spec, record = folder.spec(), folder.record()
@@ -476,6 +474,14 @@ class Mover:
         except (ValueError, TypeError) as exc:
             log.error("%s: its recorded recovery point is unreadable: %s", sandbox_id, exc)
             return None
+
+    def retry_unstores(self) -> None:
+        """Remove from the store the former recovery points put off while an upload ran
+        (each monitor tick). Kept in this process only: a server restarted meanwhile
+        leaves them in the store (the recovery point of a sandbox that runs on is
+        replaced and removed as usual)."""
+        for tenant, checkpoint in sorted(self.unstore_later):
+            self._unstore(tenant, checkpoint)
 
     def _unstore(self, tenant: str, checkpoint: str) -> None:
         """Delete a former recovery point (an automatic checkpoint) from the store, unless

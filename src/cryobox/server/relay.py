@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 import httpx
 from starlette.types import Message, Scope, Send
 
+from .response_cut import ResponseCut
+
 log = logging.getLogger(__name__)
 
 #: Headers that describe one connection, not the request (RFC 9110 section 7.6.1). The
@@ -102,8 +104,13 @@ async def stream_answer(
         )
 
         async def pump() -> None:
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # The other host cut its answer short (an E2B stream whose sandbox went
+                # away): cut this one short too, rather than end it as if it were whole.
+                raise ResponseCut(f"the answer from {where} was cut short") from exc
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         tasks = {
@@ -117,8 +124,11 @@ async def stream_answer(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for task in done:
-            if task.exception() is not None:
-                log.warning("the answer from %s ended: %s", where, task.exception())
+            error = task.exception()
+            if isinstance(error, ResponseCut):
+                raise error
+            if error is not None:
+                log.warning("the answer from %s ended: %s", where, error)
     finally:
         await response.aclose()
 

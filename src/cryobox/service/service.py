@@ -92,7 +92,14 @@ from cryobox.service.volumes import Volumes
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
-from cryobox.util import data_bytes, mem_available_mib, mem_total_mib, new_id, write_atomic
+from cryobox.util import (
+    data_bytes,
+    mem_available_mib,
+    mem_total_mib,
+    new_id,
+    read_if_there,
+    write_atomic,
+)
 from cryobox.vmm import Vmm
 from cryobox.vmm.base import boot_memory_mib, check_growth, manifest_shape
 from cryobox.volume import catalog as volume_catalog
@@ -433,7 +440,7 @@ class SandboxService:
         marker = hashlib.sha256(extra).hexdigest().encode()
         folder = registry.find(sandbox_id)
         source = folder.spec().restore_from
-        if source and _file_bytes(self.store.folder(source) / GUEST_CA_COPY) == marker:
+        if source and read_if_there(self.store.folder(source) / GUEST_CA_COPY) == marker:
             await asyncio.to_thread(_note, folder.path / GUEST_CA, marker)
             return
         with contextlib.suppress(GuestFileNotFound):
@@ -1330,13 +1337,6 @@ class SandboxService:
     async def close(self) -> None:
         """Close this service's connections (the sandboxes run on)."""
         await self.connections.close()
-
-
-def _file_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
 
 
 def _note(path: Path, data: bytes) -> None:

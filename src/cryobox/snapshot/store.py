@@ -234,8 +234,9 @@ class LocalSnapshotStore:
         return found
 
     def _ram_lock(self, snapshot_id: str) -> IO[bytes]:
-        """Held while a fold lays a checkpoint's RAM over ``snapshot_id``'s, and while
-        ``snapshot_id`` is deleted: never both (``flock``, across processes)."""
+        """Held while a fold lays a checkpoint's RAM over ``snapshot_id``'s or folds
+        ``snapshot_id``'s own, while it is unfolded, and while it is deleted: one at a
+        time (``flock``, across processes). A fold holds its base's, then its own."""
         handle = open(self._dir("locks") / f"ram-{snapshot_id}.lock", "a+b")  # noqa: SIM115
         fcntl.flock(handle, fcntl.LOCK_EX)
         return handle
@@ -270,7 +271,9 @@ class LocalSnapshotStore:
         lists them instead replaces the old one (the commit), then the whole RAM goes.
         A reader that opened the whole file before keeps reading it (see
         :func:`ram_files`)."""
-        with self._ram_lock(onto):  # onto is not deleted meanwhile
+        # onto is not deleted meanwhile, nor the snapshot unfolded (by a delete of onto
+        # that read it folded): locks taken newer first, as everywhere (no deadlock).
+        with self._ram_lock(onto), self._ram_lock(snapshot_id):
             return self._fold_ram(snapshot_id, onto, step)
 
     def _fold_ram(
