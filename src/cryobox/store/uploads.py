@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,16 +176,11 @@ def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str, store: Chu
 
     :raises StoreError: when one of them cannot be stored (this upload is retried).
     """
-    for layer in manifest.builds_on:
-        below = config.state_dir() / "snapshots" / layer
-        if not (below / mf.MANIFEST).exists():
-            continue  # pulled from the store (so stored), or not on this host
-        marked = state(below)
-        owner = str(marked.get("tenant") or _owner_of(below, tenant))
+    for layer, below, marked, owner in _layers_here(manifest, tenant):
         if (
             marked.get("state") == "stored"
             and str(marked.get("store") or "") == url
-            and store.objects.exists(catalog.snapshot_key(owner, layer))
+            and _is_stored(store, owner, layer)
         ):
             continue
         if str(marked.get("store") or "") != url or marked.get("state") not in (
@@ -201,13 +196,27 @@ def _check_layers_stored(manifest: mf.Manifest, tenant: str, store: ChunkStore) 
     """:raises StoreError: when a layer (or RAM base) ``manifest`` builds on that is on
     this host is missing from ``store``: it left the store after it was stored (a
     fleet's former recovery point); the upload is tried again, storing it first."""
+    for layer, below, _, owner in _layers_here(manifest, tenant):
+        if not _is_stored(store, owner, layer):
+            raise StoreError(str(below), "uploading", f"{layer} it builds on left the store")
+
+
+def _layers_here(
+    manifest: mf.Manifest, tenant: str
+) -> Iterator[tuple[str, Path, dict[str, Any], str]]:
+    """Each layer (or RAM base) ``manifest`` builds on that is on this host: its id, its
+    folder, its upload state and whose it is stored as (its mark's tenant, else
+    :func:`_owner_of`). One not here was pulled from the store (so is stored there), or
+    is another host's."""
     for layer in manifest.builds_on:
         below = config.state_dir() / "snapshots" / layer
-        if not (below / mf.MANIFEST).exists():
-            continue  # pulled from the store (so stored), or not on this host
-        owner = str(state(below).get("tenant") or _owner_of(below, tenant))
-        if not store.objects.exists(catalog.snapshot_key(owner, layer)):
-            raise StoreError(str(below), "uploading", f"{layer} it builds on left the store")
+        if (below / mf.MANIFEST).exists():
+            marked = state(below)
+            yield layer, below, marked, str(marked.get("tenant") or _owner_of(below, tenant))
+
+
+def _is_stored(store: ChunkStore, owner: str, layer: str) -> bool:
+    return store.objects.exists(catalog.snapshot_key(owner, layer))
 
 
 def _owner_of(folder: Path, tenant: str) -> str:
