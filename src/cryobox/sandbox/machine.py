@@ -60,7 +60,7 @@ from cryobox.guest.protocol import GuestOp
 from cryobox.network.forward import PortForwarder
 from cryobox.network.namespace import isolation_enabled
 from cryobox.network.policy import NetworkPolicy
-from cryobox.sandbox import priority, references, registry, transfer_disk
+from cryobox.sandbox import ca_note, priority, references, registry, transfer_disk
 from cryobox.sandbox.pause import pause_files
 from cryobox.sandbox.registry import (
     ADOPTABLE,
@@ -145,13 +145,6 @@ DEVICE_STATE_ROOM = 64 << 20
 #: not verified, as its ``.verified.json`` stamp).
 CONSOLE_HISTORY = 64 << 10
 CONSOLE_COPY = ".console.log"
-#: The SHA-256 of the extra CAs the service gave the guest (:mod:`cryobox.service.egress`),
-#: in the sandbox's folder once given; a memory snapshot keeps a copy beside its files
-#: (this host's note, not stored, not verified), so that a start from it that would give
-#: the same ones knows the guest has them without asking it (a first guest request after
-#: a restore costs tens of milliseconds under TCG: its code is translated anew).
-GUEST_CA = "guest-ca"
-GUEST_CA_COPY = ".guest-ca"
 
 
 def allocated(path: Path) -> int:
@@ -849,14 +842,14 @@ class Machine:
                 timer("guest sync")
             # Read before the guest stops: a note written after was of CAs given to the
             # guest after the instant saved, which the snapshot may not hold.
-            given = read_if_there(self.folder.path / GUEST_CA) if memory else None
+            given = read_if_there(self.folder.path / ca_note.GIVEN) if memory else None
             files = await self._save_files(temp, memory, timer)
             manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
             described = await asyncio.to_thread(mf.describe_files, temp, files)
             manifest = replace(manifest, files=described, automatic=automatic)
             _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
             if given is not None:  # (a disk alone may lack what the guest's page cache held)
-                _write_note(temp / GUEST_CA_COPY, given)
+                ca_note.write_note(temp / ca_note.SAVED, given)
             timer("hashed and flushed")
             crash_point("hashed")
             self.store.commit(temp, manifest)
@@ -1446,17 +1439,6 @@ def _console_tail(path: Path) -> bytes:
         handle.seek(max(0, size - CONSOLE_HISTORY))
         data = handle.read(CONSOLE_HISTORY)
     return data[data.find(b"\n") + 1 :] if size > CONSOLE_HISTORY else data
-
-
-def _write_note(path: Path, data: bytes) -> None:
-    """A note beside a snapshot's files (not listed: only a hint); failing to write
-    one is no reason to fail the snapshot."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-    except OSError as exc:
-        log.warning("a note was not kept with the snapshot: %s", exc)
 
 
 def _keep_console(console: Path, copy: Path) -> None:

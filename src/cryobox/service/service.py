@@ -25,7 +25,6 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 from cryobox import config
@@ -63,7 +62,7 @@ from cryobox.models import (
 )
 from cryobox.network.namespace import check_can_isolate
 from cryobox.network.policy import INTERNET, parse_policy
-from cryobox.sandbox import registry
+from cryobox.sandbox import ca_note, registry
 from cryobox.sandbox.control import (
     Claim,
     ExposePort,
@@ -77,7 +76,6 @@ from cryobox.sandbox.control import (
     control,
 )
 from cryobox.sandbox.launcher import SupervisorGroup, SupervisorLauncher
-from cryobox.sandbox.machine import GUEST_CA, GUEST_CA_COPY
 from cryobox.sandbox.records import ON_TIMEOUT
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
@@ -98,7 +96,6 @@ from cryobox.util import (
     mem_total_mib,
     new_id,
     read_if_there,
-    write_atomic,
 )
 from cryobox.vmm import Vmm
 from cryobox.vmm.base import boot_memory_mib, check_growth, manifest_shape
@@ -440,12 +437,12 @@ class SandboxService:
         marker = hashlib.sha256(extra).hexdigest().encode()
         folder = registry.find(sandbox_id)
         source = folder.spec().restore_from
-        if source and read_if_there(self.store.folder(source) / GUEST_CA_COPY) == marker:
-            await asyncio.to_thread(_note, folder.path / GUEST_CA, marker)
+        if source and read_if_there(self.store.folder(source) / ca_note.SAVED) == marker:
+            await asyncio.to_thread(ca_note.write_note, folder.path / ca_note.GIVEN, marker)
             return
         with contextlib.suppress(GuestFileNotFound):
             if await self._read_all(sandbox_id, egress.GUEST_MARKER) == marker:
-                await asyncio.to_thread(_note, folder.path / GUEST_CA, marker)
+                await asyncio.to_thread(ca_note.write_note, folder.path / ca_note.GIVEN, marker)
                 return
         system = b""  # an image made from a container image may have no bundle
         with contextlib.suppress(GuestFileNotFound):
@@ -457,7 +454,7 @@ class SandboxService:
         ):
             chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
             await self.guest.write_file(sandbox_id, path, chunks, 0o644)
-        await asyncio.to_thread(_note, folder.path / GUEST_CA, marker)
+        await asyncio.to_thread(ca_note.write_note, folder.path / ca_note.GIVEN, marker)
 
     async def _read_all(self, sandbox_id: str, path: str) -> bytes:
         return b"".join([chunk async for chunk in self.guest.read_file(sandbox_id, path)])
@@ -1337,11 +1334,6 @@ class SandboxService:
     async def close(self) -> None:
         """Close this service's connections (the sandboxes run on)."""
         await self.connections.close()
-
-
-def _note(path: Path, data: bytes) -> None:
-    """A host note that only spares work (lost in a crash, the work is done again)."""
-    write_atomic(path, data, durable=False)
 
 
 def _shown_lines(into: bytearray, show: Callable[[str], None]) -> OutputSink:
