@@ -165,23 +165,32 @@ def test_a_base_is_needed_while_a_delta_builds_on_it_and_collected_after_it() ->
     assert [m.id for m in collected] == ["snap-delta", "snap-base"]  # the delta first
 
 
-def _commit(store: LocalSnapshotStore, snapshot_id: str, at: float, ram: Path) -> None:
-    temp = store.begin(snapshot_id)
+def _commit_on(store: LocalSnapshotStore, manifest: Manifest, ram: Path) -> None:
+    temp = store.begin(manifest.id)
     shutil.copyfile(ram, temp / mf.MEMORY)
     (temp / mf.DEVICE_STATE).write_bytes(b"devices")
     files = mf.describe_files(temp, [mf.MEMORY, mf.DEVICE_STATE])
-    store.commit(temp, replace(_checkpoint(snapshot_id, at), files=files))
+    store.commit(temp, replace(manifest, files=files))
+
+
+def _two_checkpoints(
+    tmp_path: Path, size: int, older: dict[int, bytes], newer: dict[int, bytes]
+) -> LocalSnapshotStore:
+    """A store with "snap-older" and "snap-newer", RAM files of ``size`` with those
+    pages written (kept as ``tmp_path / "older"`` and ``"newer"``)."""
+    _ram(tmp_path / "older", size, older)
+    _ram(tmp_path / "newer", size, newer)
+    store = LocalSnapshotStore(tmp_path / "state")
+    _commit_on(store, _checkpoint("snap-older", 1.0), tmp_path / "older")
+    _commit_on(store, _checkpoint("snap-newer", 2.0), tmp_path / "newer")
+    return store
 
 
 def test_a_delta_that_fails_verification_is_refused_by_name(tmp_path: Path) -> None:
     rng = random.Random(9)
     older = {page: rng.randbytes(PAGE) for page in range(100)}
     newer = {**older, 3: rng.randbytes(PAGE)}
-    _ram(tmp_path / "older", 4 * MIB, older)
-    _ram(tmp_path / "newer", 4 * MIB, newer)
-    store = LocalSnapshotStore(tmp_path / "state")
-    _commit(store, "snap-older", 1.0, tmp_path / "older")
-    _commit(store, "snap-newer", 2.0, tmp_path / "newer")
+    store = _two_checkpoints(tmp_path, 4 * MIB, older, newer)
     assert store.fold_ram("snap-older", "snap-newer") is not None
     (store.folder("snap-older") / ram_delta.DELTA).write_bytes(b"tampered")
     with pytest.raises(SnapshotVerificationFailed, match=f"snap-older.*{ram_delta.DELTA}"):
@@ -199,11 +208,7 @@ def test_a_fold_leaves_a_snapshot_that_verifies_and_reads_back_its_ram(tmp_path:
     rng = random.Random(5)
     older = {page: rng.randbytes(PAGE) for page in range(300)}
     newer = {**older, **{page: rng.randbytes(PAGE) for page in range(0, 300, 20)}}
-    _ram(tmp_path / "older", 4 * MIB, older)
-    _ram(tmp_path / "newer", 4 * MIB, newer)
-    store = LocalSnapshotStore(tmp_path / "state")
-    _commit(store, "snap-older", 1.0, tmp_path / "older")
-    _commit(store, "snap-newer", 2.0, tmp_path / "newer")
+    store = _two_checkpoints(tmp_path, 4 * MIB, older, newer)
 
     folder = store.folder("snap-older")
     (folder / ram_delta.DELTA).write_bytes(b"half")  # an attempt cut short
@@ -278,11 +283,7 @@ def _history_of_two(tmp_path: Path) -> tuple[LocalSnapshotStore, bytes, bytes]:
     rng = random.Random(11)
     older = {page: rng.randbytes(PAGE) for page in range(0, 8192, 2)}
     newer = {**older, **{page: rng.randbytes(PAGE) for page in range(0, 8192, 16)}}
-    _ram(tmp_path / "older", 32 * MIB, older)
-    _ram(tmp_path / "newer", 32 * MIB, newer)
-    store = LocalSnapshotStore(tmp_path / "state")
-    _commit(store, "snap-older", 1.0, tmp_path / "older")
-    _commit(store, "snap-newer", 2.0, tmp_path / "newer")
+    store = _two_checkpoints(tmp_path, 32 * MIB, older, newer)
     return store, (tmp_path / "older").read_bytes(), (tmp_path / "newer").read_bytes()
 
 
@@ -454,15 +455,6 @@ def test_a_folded_checkpoint_left_in_a_folder_being_deleted_does_not_hold_its_ba
     folder.rename(folder.with_name(".tmp-deleting-snap-older"))
     store.delete("snap-newer")
     assert [m.id for m in store.all()] == []
-
-
-def _commit_on(store: LocalSnapshotStore, manifest: Manifest, ram: Path) -> None:
-    temp = store.begin(manifest.id)
-    shutil.copyfile(ram, temp / mf.MEMORY)
-    (temp / mf.DEVICE_STATE).write_bytes(b"devices")
-    store.commit(
-        temp, replace(manifest, files=mf.describe_files(temp, [mf.MEMORY, mf.DEVICE_STATE]))
-    )
 
 
 def test_a_cascade_deletes_a_folded_checkpoint_before_the_newer_one_it_leans_on(
