@@ -8,7 +8,8 @@ PYTHON    := $(VENV)/bin/python
 CRYOBOX   := $(VENV)/bin/cryobox
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Host tools: QEMU (without its GUI), the image build chain (gcc and jansson compile the
-# guest agent's front, src/cryobox/guest/front.c; libfuse3 its volume mount, volume.c).
+# guest agent's front, src/cryobox/guest/front.c; libfuse3 its volume mount, volume.c, and
+# pkg-config with it the host's pyfuse3, which serves RAM arriving from the store).
 # The sandbox network: namespaces and veth links (iproute2), nsenter (util-linux), nftables.
 # PostgreSQL: the tests of the multi-host server start one in a temporary folder.
 # Chromium: the web console's browser test drives it (Playwright, from PyPI).
@@ -17,7 +18,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # libnss-myhostname: names under localhost resolve to the loopback, as on a systemd
 # machine (E2B's SDKs given E2B_DOMAIN=e2b.localhost:PORT, tests/compat/test_e2b_domain.py).
 APT_PACKAGES := qemu-system-x86 qemu-utils e2fsprogs kmod cpio busybox-static ca-certificates conntrack \
-                gcc libc6-dev libjansson-dev libfuse3-dev clang-format skopeo umoci patchelf \
+                gcc libc6-dev libjansson-dev libfuse3-dev pkg-config clang-format skopeo umoci patchelf \
                 iproute2 util-linux nftables postgresql chromium libnss-myhostname
 APT_STAMP := $(VENV)/.apt-done
 PIP_STAMP := $(VENV)/.pip-done

@@ -37,14 +37,22 @@ os.environ["CRYOBOX_PAUSE_HOLD"] = "0"
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill anything a test left behind, then remove the state folder."""
+    from cryobox.snapshot import arriving
+
     kill_vms(STATE)  # other hosts' folders too; their supervisors then end
-    for proc in Path("/proc").glob("[0-9]*"):  # background uploaders and refills
+    helpers = (b"cryobox.store.uploads", b"cryobox.service.refill", b"cryobox.store.lazy_ram")
+    for proc in Path("/proc").glob("[0-9]*"):  # uploaders, refills, RAM still arriving
         with contextlib.suppress(OSError):
             cmdline = (proc / "cmdline").read_bytes()
-            if (b"cryobox.store.uploads" in cmdline or b"cryobox.service.refill" in cmdline) and (
+            if any(helper in cmdline for helper in helpers) and (
                 f"CRYOBOX_STATE_DIR={STATE}".encode() in (proc / "environ").read_bytes()
             ):
                 os.kill(int(proc.name), signal.SIGKILL)
+    for line in Path("/proc/self/mounts").read_text().splitlines():  # their FUSE files
+        where = line.split()[1]
+        if where.startswith(f"{STATE}/"):
+            with contextlib.suppress(OSError):
+                arriving.detach(Path(where))
     shutil.rmtree(STATE, ignore_errors=True)
 
 

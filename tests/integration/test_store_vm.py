@@ -18,10 +18,19 @@ import pytest
 
 from cryobox import Sandbox
 from cryobox import config as cryobox_config
-from cryobox.errors import InvalidArgument, SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.bench.s3_server import S3Server
+from cryobox.errors import (
+    CryoboxError,
+    InvalidArgument,
+    SnapshotNotFound,
+    SnapshotVerificationFailed,
+)
+from cryobox.snapshot import arriving
+from cryobox.snapshot import manifest as mf
 from cryobox.store import catalog, collect
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.uploads import SIDECAR
+from waiting import until
 
 pytestmark = pytest.mark.vm
 MIB = 1 << 20
@@ -142,6 +151,8 @@ def test_an_altered_chunk_in_s3_is_refused_and_nothing_starts(
     sandbox_factory: Any, s3_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     use_s3(s3_server, monkeypatch, f"vm-tamper-{os.getpid()}")
+    # Pulled whole before the start (a lazy start's refusal: the next tests).
+    monkeypatch.setenv("CRYOBOX_LAZY_PULL", "0")
     sbx = sandbox_factory(timeout=900)
     sbx.commands.run("head -c 20000000 /dev/urandom > /root/data")
     sbx.snapshot("store-tampered")
@@ -174,6 +185,146 @@ def test_an_altered_chunk_in_s3_is_refused_and_nothing_starts(
     assert not (cryobox_config.state_dir() / "snapshots" / f".tmp-{snap.id}").exists()
     check = cli("store", "check", check=False)
     assert check.returncode == 1 and "authentication tag" in check.stderr
+
+
+def _state(sandbox_id: str) -> dict[str, Any]:
+    path = cryobox_config.state_dir() / "sandboxes" / sandbox_id / "state.json"
+    state: dict[str, Any] = json.loads(path.read_text())
+    return state
+
+
+def _servers_of(snapshot_id: str) -> list[int]:
+    """The lazy RAM servers whose mount (alive or detached) is that snapshot's."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"cryobox.store.lazy_ram" not in (proc / "cmdline").read_bytes():
+                continue
+            if snapshot_id in (proc / "environ").read_bytes().decode(errors="replace") or any(
+                snapshot_id in os.readlink(fd) for fd in (proc / "fd").iterdir()
+            ):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _stored_and_evicted(sbx: Any, name: str) -> Any:
+    sbx.snapshot(name)
+    snap = wait_stored(name)
+    cli("snapshot", "evict", name)
+    assert not (cryobox_config.state_dir() / "snapshots" / snap.id).exists()
+    return snap
+
+
+def test_a_start_from_a_snapshot_only_in_s3_answers_before_its_ram_arrived(
+    sandbox_factory: Any, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_s3(s3_server, monkeypatch, f"vm-lazy-{os.getpid()}")
+    sbx = sandbox_factory(timeout=900)
+    digest = sbx.commands.run(
+        "head -c 40000000 /dev/urandom > /dev/shm/data; sha256sum /dev/shm/data; "
+        "nohup sleep 3000 >/dev/null 2>&1 & echo $! > /root/pid"
+    ).stdout.split()[0]
+    snap = _stored_and_evicted(sbx, "store-lazy")
+    folder = cryobox_config.state_dir() / "snapshots" / snap.id
+
+    # Only what is read arrives: the guest answers while most of its RAM is not here.
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
+    first = sandbox_factory(from_snapshot="store-lazy", timeout=300)
+    out = first.commands.run("sha256sum /dev/shm/data; kill -0 $(cat /root/pid) && echo alive")
+    assert out.stdout.split() == [digest, "/dev/shm/data", "alive"]
+    assert arriving.is_served(folder) and os.path.ismount(folder / "memory")
+    state = _state(first.id)
+    assert state["memory_from"] == snap.id and state["memory_arriving"] is True
+    first.kill()
+    cli("snapshot", "evict", "store-lazy")  # never whole: goes, and so does its server
+    until(lambda: not _servers_of(snap.id), "the RAM server to end", timeout=30)
+    assert not folder.exists()
+
+    # With the rest fetched meanwhile, it arrives whole and is a local snapshot again.
+    monkeypatch.delenv("CRYOBOX_LAZY_PREFETCH")
+    second = sandbox_factory(from_snapshot="store-lazy", timeout=300)
+    assert second.commands.run("kill -0 $(cat /root/pid) && echo alive").stdout == "alive\n"
+    until(lambda: not arriving.is_served(folder), "the RAM to arrive", timeout=120)
+    assert not os.path.ismount(folder / "memory") and (folder / "memory").is_file()
+    mf.verify(folder, mf.load(folder))  # the whole file hashed against its manifest
+    until(lambda: not _state(second.id)["memory_arriving"], "the sandbox to see it", timeout=10)
+    out = second.commands.run("sha256sum /dev/shm/data").stdout.split()[0]
+    assert out == digest
+    third = sandbox_factory(from_snapshot="store-lazy", timeout=300)  # from local files
+    assert _state(third.id)["memory_arriving"] is False
+    assert third.commands.run("sha256sum /dev/shm/data").stdout.split()[0] == digest
+    second.kill()
+    third.kill()
+    until(lambda: not _servers_of(snap.id), "the RAM server to end", timeout=30)
+
+
+def test_a_window_that_fails_to_arrive_ends_the_sandbox_naming_it(
+    sandbox_factory: Any, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_s3(s3_server, monkeypatch, f"vm-lazy-bad-{os.getpid()}")
+    sbx = sandbox_factory(timeout=900)
+    sbx.commands.run("head -c 30000000 /dev/urandom > /dev/shm/data")
+    snap = _stored_and_evicted(sbx, "store-lazy-bad")
+    store = ChunkStore()
+    # The windows of the guest's random file: stored as they are (they do not compress;
+    # freed pages are zeros, init_on_free). The guest reads them only when it reads it.
+    raw = {int(c[0]): c for c in store.find(snap.id).files["memory"]["chunks"] if int(c[2]) > MIB}
+    # (only windows between two others of the file: one at its edge may hold pages the
+    # guest's kernel uses)
+    data = [c for at, c in raw.items() if at - MIB in raw and at + MIB in raw]
+    assert len(data) > 10, "the snapshot's memory has too few incompressible windows"
+    for _, name, _ in data:
+        key = catalog.chunk_key(store.tenant, name)
+        blob = bytearray(store.objects.get(key))
+        blob[100] ^= 1
+        store.objects.put(key, bytes(blob))
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
+    # Refused at the start if the guest's first steps need an altered window (a page of
+    # it shares one with pages the guest writes: a write to a mapped page reads it
+    # first); else the sandbox runs until the guest reads its file. Either way the first
+    # altered window stops QEMU (never a page of zeros) and the error names the chunk.
+    before = {s.id for s in Sandbox.list()}
+    try:
+        lazy = sandbox_factory(from_snapshot="store-lazy-bad", timeout=300)
+    except SnapshotVerificationFailed as refused:
+        error = str(refused)
+        assert {s.id for s in Sandbox.list()} == before  # nothing left of it
+    else:
+        with pytest.raises(CryoboxError):
+            lazy.commands.run("cat /dev/shm/data > /dev/null; echo read", timeout=120)
+        until(lambda: lazy.info().state == "dead", "the sandbox to end", timeout=60)
+        error = lazy.info().error or ""
+    assert "memory chunk at offset" in error and "altered" in error, error
+    assert not (cryobox_config.state_dir() / "snapshots" / snap.id).exists()
+    until(lambda: not _servers_of(snap.id), "the RAM server to end", timeout=30)
+    assert snap.id not in Path("/proc/self/mounts").read_text()
+
+
+def test_a_store_that_goes_away_while_the_ram_arrives_ends_the_sandbox_saying_so(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = S3Server()  # its own: stopped midway
+    server.start()
+    try:
+        use_s3(server, monkeypatch, f"vm-lazy-gone-{os.getpid()}")
+        sbx = sandbox_factory(timeout=900)
+        sbx.commands.run("head -c 30000000 /dev/urandom > /dev/shm/data")
+        snap = _stored_and_evicted(sbx, "store-lazy-gone")
+        sbx.kill()
+        monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
+        lazy = sandbox_factory(from_snapshot="store-lazy-gone", timeout=300)
+        assert lazy.commands.run("echo up").stdout == "up\n"
+    finally:
+        server.stop()
+    with pytest.raises(CryoboxError):
+        lazy.commands.run("cat /dev/shm/data > /dev/null; echo read", timeout=180)
+    until(lambda: lazy.info().state == "dead", "the sandbox to end", timeout=120)
+    error = lazy.info().error or ""
+    assert "snapshot store s3://" in error and "failed" in error, error
+    assert not (cryobox_config.state_dir() / "snapshots" / snap.id).exists()
+    until(lambda: not _servers_of(snap.id), "the RAM server to end", timeout=30)
 
 
 def test_export_and_import_through_the_cli(sandbox_factory: Any, tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ from cryobox.errors import (
     SnapshotVerificationFailed,
     StateError,
     StorageError,
+    StoreError,
     VmNotHeld,
 )
 from cryobox.guest.client import AgentClient
@@ -72,8 +73,8 @@ from cryobox.sandbox.registry import (
     process_start,
 )
 from cryobox.sandbox.state import SandboxState, require
+from cryobox.snapshot import arriving, ram_delta
 from cryobox.snapshot import manifest as mf
-from cryobox.snapshot import ram_delta
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, new_snapshot, ram_files, verified
 from cryobox.store import uploads
@@ -200,6 +201,24 @@ def storage_error(exc: OSError, doing: str, where: Path) -> StorageError:
     else:
         reason = exc.strerror or str(exc)
     return StorageError(doing, str(exc.filename or where), reason)
+
+
+async def arrival_failure(folder: Path) -> CryoboxError | None:
+    """Why the arrival of ``folder``'s RAM from the store failed, once it did: its server
+    tells it before it refuses the read QEMU stops on, and removes the folder just after
+    (:mod:`cryobox.snapshot.arriving`). None once the RAM is whole."""
+    for _ in range(40):
+        if arriving.abandoned(folder):
+            return StoreError(
+                "the chunk store",
+                f"fetching the RAM of snapshot {folder.name}",
+                "the process serving it ended before all of it arrived",
+            )
+        failed = arriving.failure(folder)
+        if failed is not None or (folder.exists() and not arriving.is_served(folder)):
+            return failed
+        await asyncio.sleep(0.05)
+    return arriving.failure(folder)
 
 
 class Machine:
@@ -392,6 +411,7 @@ class Machine:
             disk_chain=chain,
             memory_file=memory.name,
             memory_from=None,
+            memory_arriving=False,
             memory_shared=True,
             layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
         )
@@ -455,7 +475,12 @@ class Machine:
         shared = not manifest.ram_in_stream
         copying: asyncio.Future[None] | None = None
         memory_from = None
-        if self.spec.forked_from and new_identity and shared and not manifest.automatic:
+        lazy = shared and arriving.is_served(folder)
+        if lazy:
+            # RAM still arriving from the store: mapped privately as a fork maps it, read
+            # through the process serving it (a copy would wait for all of it).
+            memory_from, shared = manifest.id, False
+        elif self.spec.forked_from and new_identity and shared and not manifest.automatic:
             # Forks map the one frozen file privately: its pages are shared by every fork
             # in the page cache, and each fork's writes are copy-on-write of its own.
             memory_from, shared = manifest.id, False
@@ -477,16 +502,25 @@ class Machine:
             memory_file=None if memory_from else memory.name,
             memory_from=memory_from,
             memory_shared=shared,
+            memory_arriving=lazy,
             layout=manifest.layout,
         )
         try:
-            await self._start_vm(incoming=True, guest_ports=manifest.ports)
-            timer("vm start")
-        finally:
-            if copying is not None:
-                await copying
-                timer("ram copy done")
-        await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity, timer=timer)
+            try:
+                await self._start_vm(incoming=True, guest_ports=manifest.ports)
+                timer("vm start")
+            finally:
+                if copying is not None:
+                    await copying
+                    timer("ram copy done")
+            await self._continue(folder / mf.DEVICE_STATE, new_identity=new_identity, timer=timer)
+        except Exception as exc:
+            # QEMU stops at the first page of arriving RAM that could not be fetched:
+            # say that, not what the monitor saw of QEMU's end.
+            failed = await arrival_failure(folder) if lazy else None
+            if failed is not None:
+                raise failed from exc
+            raise
         if self.spec.disk_gib > manifest.disk_gib:
             await self._grow_disk()
             timer("disk grown")
@@ -1143,7 +1177,7 @@ class Machine:
         own = self.folder.path / self.record.memory_file if self.record.memory_file else None
         if self.record.memory_from:
             own = None
-        self.update(memory_file=None, memory_from=None)
+        self.update(memory_file=None, memory_from=None, memory_arriving=False)
         if own is not None:
             own.unlink(missing_ok=True)
         transaction.move_in(self.record)
@@ -1268,6 +1302,7 @@ class Machine:
             disk=disk,
             memory_file=memory.name,
             memory_from=None,
+            memory_arriving=False,
             memory_shared=not manifest.ram_in_stream,
             layout=manifest.layout,
         )
@@ -1322,6 +1357,7 @@ class Machine:
             disk=disk,
             memory_file=memory.name,
             memory_from=None,
+            memory_arriving=False,
             memory_shared=True,
             layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
         )

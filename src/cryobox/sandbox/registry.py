@@ -280,6 +280,7 @@ class SandboxDir:
             disk=None,
             memory_file=None,
             memory_from=None,
+            memory_arriving=False,
             pause_id=None,
             ports={},
         )

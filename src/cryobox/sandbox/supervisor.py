@@ -83,11 +83,12 @@ from cryobox.sandbox.control import (
     Wake,
 )
 from cryobox.sandbox.ending import vm_ended
-from cryobox.sandbox.machine import Machine
+from cryobox.sandbox.machine import Machine, arrival_failure
 from cryobox.sandbox.records import PAUSING_TIMEOUTS
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
 from cryobox.sandbox.volumes import VolumeEnds
+from cryobox.snapshot import arriving
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, SnapshotStore
 from cryobox.store import uploads
@@ -103,6 +104,8 @@ LOG_MAX_BYTES = 1 << 20
 CONSOLE_MAX_BYTES = 1 << 20
 CONSOLE_CHECK_SECONDS = 2.0
 SPACE_CHECK_SECONDS = 1.0
+#: How often a sandbox whose RAM arrives from the store looks whether it arrived.
+ARRIVAL_POLL = 0.5
 #: How often a sandbox without a history looks again (a pool member may get one).
 HISTORY_CHECK_SECONDS = 1.0
 #: Output held for a client that does not read before the guest is told to wait.
@@ -422,6 +425,7 @@ class Supervisor:
             asyncio.ensure_future(self._watch_agent()),
             asyncio.ensure_future(self._watch_space()),
             asyncio.ensure_future(self._keep_history()),
+            asyncio.ensure_future(self._watch_arrival()),
         ]
         await self._stop.wait()
         for watcher in watchers:
@@ -494,16 +498,15 @@ class Supervisor:
                 return
             code = await vm.wait()
             if vm is self.machine.vm and not self._lifecycle.locked():
-                self.stop(
-                    SandboxState.DEAD,
-                    vm_ended(
-                        self.machine.vmm.name,
-                        code,
-                        vm.stderr_text(),
-                        self.folder.console_log,
-                        vm.guest_ending,
-                    ),
+                reason = vm_ended(
+                    self.machine.vmm.name,
+                    code,
+                    vm.stderr_text(),
+                    self.folder.console_log,
+                    vm.guest_ending,
                 )
+                failed = await self._arrival_failed()
+                self.stop(SandboxState.DEAD, f"{failed} ({reason})" if failed else reason)
                 return
             # Under a lifecycle operation: a rollback replaces the VM on purpose (the new
             # one is watched next), a pause ends it and says so. One that ended under an
@@ -511,6 +514,33 @@ class Supervisor:
             # found dead on the next turn, once the operation let go.
             while self._lifecycle.locked():
                 await asyncio.sleep(0.05)
+
+    async def _arrival_failed(self) -> CryoboxError | None:
+        """Why the RAM this VM maps failed to arrive from the store, when it did (QEMU
+        stops at the first page of it that never came)."""
+        record = self.machine.record
+        if not (record.memory_from and record.memory_arriving):
+            return None
+        return await arrival_failure(self.machine.store.folder(record.memory_from))
+
+    async def _watch_arrival(self) -> None:
+        """A sandbox started while its RAM still arrived from the store ends, saying why,
+        if that arrival fails: its QEMU would stop at its next read of a page that never
+        came, at any time. Done once the RAM is whole (or its own: a pause wrote it)."""
+        while not self._stop.is_set():
+            record = self.machine.record
+            if not (record.memory_from and record.memory_arriving):
+                return
+            folder = self.machine.store.folder(record.memory_from)
+            if not arriving.is_served(folder):
+                failed = await arrival_failure(folder)
+                if failed is None:
+                    self.machine.update(memory_arriving=False)
+                    return
+                log.error("ending: %s", failed)
+                self.stop(SandboxState.DEAD, str(failed))
+                return
+            await asyncio.sleep(ARRIVAL_POLL)
 
     async def _watch_deadline(self) -> None:
         while True:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,7 +35,7 @@ from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, template_snapshots
-from cryobox.store import archive, catalog, uploads
+from cryobox.store import archive, catalog, lazy_ram, transfer, uploads
 from cryobox.store import collect as chunk_collect
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
@@ -57,6 +58,22 @@ T = TypeVar("T")
 
 #: Seconds between two looks at whether another pull has finished.
 PULL_TURN_POLL = 0.05
+
+
+def _arrives_lazily(stored: StoredSnapshot) -> bool:
+    """Whether a start from ``stored`` can begin before its RAM is here: a memory
+    snapshot with a whole RAM file (a folded checkpoint's is pages over its base's), on
+    a host that can serve it (:func:`lazy_ram.available`)."""
+    manifest = stored.manifest
+    return (
+        manifest.get("kind") == mf.SnapshotKind.MEMORY
+        and mf.MEMORY in stored.files
+        and not manifest.get("memory_base")
+        and not stored.sandbox
+        and lazy_ram.available()
+    )
+
+
 #: The thread pulls run in, one at a time (the lock allows no more), apart from the
 #: event loop's default threads so that waiting pulls never starve other work.
 _PULLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cryobox-pull")
@@ -150,27 +167,40 @@ class Persistence:
                     found.append((self.local.folder(manifest.id), by_id[manifest.id]))
         return local_sources(found)
 
-    async def local_or_pulled(self, ref: str, progress: Progress | None = None) -> Manifest:
-        """The local snapshot ``ref``; pulled from the store first when it is not here."""
+    async def local_or_pulled(
+        self, ref: str, progress: Progress | None = None, *, lazy: bool = False
+    ) -> Manifest:
+        """The local snapshot ``ref``; pulled from the store first when it is not here
+        (``lazy``: a memory snapshot's RAM served as it arrives, for a start from it)."""
         try:
             return self.local.get(ref)
         except SnapshotNotFound:
             store = self.chunks()
             if not store.has_key():
                 raise  # this tenant never stored anything
-        return await self.pull(ref, progress=progress)
+        return await self.pull(ref, progress=progress, lazy=lazy)
 
     async def pull(
-        self, ref: str, *, rename: str | None = None, progress: Progress | None = None
+        self,
+        ref: str,
+        *,
+        rename: str | None = None,
+        progress: Progress | None = None,
+        lazy: bool = False,
     ) -> Manifest:
         """Bring a stored snapshot (and the disk layers it builds on) onto this host.
+        ``lazy``: its RAM, when it has a whole RAM file, is committed at once as a file
+        served while it arrives (:mod:`cryobox.store.lazy_ram`), everything else whole.
 
         :raises SnapshotNotFound: when the store does not have it.
         :raises SnapshotVerificationFailed: naming the manifest, file or chunk that is wrong.
         """
         store = self.chunks()
         stored = await asyncio.to_thread(store.find, ref)
-        return await self._in_turn(lambda: self._pull_chain(store, stored, rename, progress))
+        lazy = lazy and rename is None and _arrives_lazily(stored)
+        return await self._in_turn(
+            lambda: self._pull_chain(store, stored, rename, progress, lazy=lazy)
+        )
 
     async def _in_turn(self, work: Callable[[], T]) -> T:
         """Run ``work`` (a pull) in a worker thread once no other pull runs; the lock is
@@ -211,14 +241,61 @@ class Persistence:
         stored: StoredSnapshot,
         rename: str | None,
         progress: Progress | None,
+        *,
+        lazy: bool = False,
     ) -> Manifest:
         """Called in its turn (:meth:`_in_turn`)."""
         if rename is None:
             with contextlib.suppress(SnapshotNotFound):
                 return self.local.get(stored.id)  # (pulled meanwhile)
         self._refuse_if_here(stored.id)
-        sources = self._pull_layers_below(store, stored)
-        return self._pull_one(store, stored, rename, progress, sources)
+        server = lazy_ram.spawn() if lazy else None  # (starts while the layers come)
+        try:
+            sources = self._pull_layers_below(store, stored)
+            if server is None:
+                return self._pull_one(store, stored, rename, progress, sources)
+            return self._pull_lazily(store, stored, sources, server)
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
+
+    def _pull_lazily(
+        self,
+        store: ChunkStore,
+        stored: StoredSnapshot,
+        sources: LocalSources,
+        server: lazy_ram.Server,
+    ) -> Manifest:
+        """Pull all but the RAM and have ``server`` serve the RAM as it arrives: the
+        snapshot is committed here once it does."""
+        temp = self.local.begin(stored.id)
+        final = self.local.folder(stored.id)
+        names = {c[1] for c in stored.files[mf.MEMORY]["chunks"]}
+        try:
+            manifest = transfer.pull(
+                store.objects, store.key, stored, temp, sources=sources, leave=mf.MEMORY
+            )
+            server.begin(
+                lazy_ram.Job(
+                    tenant=store.tenant,
+                    store=str(store.objects.url),
+                    stored=asdict(stored),
+                    sources={n: [str(p), at] for n, (p, at) in sources.items() if n in names},
+                    temp=str(temp),
+                    final=str(final),
+                    env=dict(os.environ),
+                )
+            )
+        except BaseException:
+            self.local.abandon(temp)
+            raise
+        lazy_ram.keep_spare()  # the next lazy pull need not wait for an interpreter
+        with contextlib.suppress(OSError):
+            uploads.set_state(
+                final, tenant=store.tenant, state="stored", stored_at=stored.stored_at
+            )
+        return manifest
 
     def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> LocalSources:
         """Pull the snapshots ``stored`` builds on (its disk layers, an automatic

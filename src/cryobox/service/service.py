@@ -76,6 +76,7 @@ from cryobox.sandbox.control import (
     control,
 )
 from cryobox.sandbox.launcher import SupervisorGroup, SupervisorLauncher
+from cryobox.sandbox.machine import arrival_failure
 from cryobox.sandbox.records import ON_TIMEOUT
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
@@ -411,9 +412,17 @@ class SandboxService:
         if pem and not (info.pooled and request.ca_bundle is None):
             try:
                 await self._trust(info.id, pem)
-            except BaseException:
+            except BaseException as exc:
+                source = None
+                with contextlib.suppress(CryoboxError, OSError):
+                    source = registry.find(info.id).spec().restore_from
                 with contextlib.suppress(CryoboxError):
                     await asyncio.shield(self.kill(info.id, keep_record=False))
+                # A QEMU stopped by RAM that could not be fetched from the store: say so.
+                if source and isinstance(exc, CryoboxError):
+                    failed = await arrival_failure(self.store.folder(source))
+                    if failed is not None:
+                        raise failed from exc
                 raise
         return info
 
@@ -490,7 +499,7 @@ class SandboxService:
         source: Manifest | None = None
         template = shaped_template(request)
         if request.from_snapshot is not None:
-            source = await self.persist.of(tenant).local_or_pulled(request.from_snapshot)
+            source = await self.persist.of(tenant).local_or_pulled(request.from_snapshot, lazy=True)
             if source.purpose is SnapshotPurpose.VOLUME:
                 raise InvalidArgument(
                     f"snapshot {request.from_snapshot!r} is a volume's: restore it with "

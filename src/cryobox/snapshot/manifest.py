@@ -37,7 +37,7 @@ from blake3 import blake3
 
 from cryobox.errors import SnapshotIncompatible, SnapshotNotFound, SnapshotVerificationFailed
 from cryobox.models import SnapshotPurpose as SnapshotPurpose  # part of the interface
-from cryobox.snapshot import keys
+from cryobox.snapshot import arriving, keys
 from cryobox.util import data_extents, fsync_dir, write_json_atomic
 
 #: 3: the manifest carries a MAC (:mod:`.keys`). 4: file digests are BLAKE3.
@@ -237,8 +237,13 @@ def verify(folder: Path, manifest: Manifest) -> None:
         stamp = {}
     stamp = {k: v for k, v in stamp.items() if k not in ("id", keys.MAC_FIELD)}
     changed = False
+    # RAM still arriving from the store is checked window by window as it comes, by the
+    # process serving it; hashing it here would wait for all of it.
+    served = arriving.is_served(folder) and os.path.ismount(folder / MEMORY)
     for name, expected in sorted(manifest.files.items()):
         path = folder / name
+        if served and name == MEMORY:
+            continue
         try:
             key = stat_key(path)
         except FileNotFoundError:
@@ -289,12 +294,15 @@ def _flush(paths: list[Path]) -> None:
         fsync_file(path)
 
 
-def finish(temp: Path, final: Path, manifest: Manifest) -> None:
-    """Write the manifest and rename the folder into place: the commit point."""
-    for name in manifest.files:
+def finish(temp: Path, final: Path, manifest: Manifest, *, still_arriving: str = "") -> None:
+    """Write the manifest and rename the folder into place: the commit point.
+    ``still_arriving`` names a file served as it arrives from the store
+    (:mod:`cryobox.snapshot.arriving`): neither synced nor marked as checked."""
+    here = [name for name in manifest.files if name != still_arriving]
+    for name in here:
         fsync_file(temp / name)
     # The files were hashed just now: record that, so the first restore need not hash again.
-    stamp = {name: stat_key(temp / name) for name in manifest.files}
+    stamp = {name: stat_key(temp / name) for name in here}
     write_json_atomic(temp / STAMP, _signed_stamp(manifest.id, stamp))
     write_json_atomic(temp / MANIFEST, manifest.to_signed_json())
     os.replace(temp, final)

@@ -33,8 +33,8 @@ from cryobox.errors import (
     SnapshotNotFound,
     SnapshotVerificationFailed,
 )
+from cryobox.snapshot import arriving, ram_delta
 from cryobox.snapshot import manifest as mf
-from cryobox.snapshot import ram_delta
 from cryobox.snapshot.manifest import Manifest
 from cryobox.util import check_space, data_bytes, fsync_dir, write_json_atomic
 
@@ -184,7 +184,7 @@ class LocalSnapshotStore:
     def begin(self, snapshot_id: str) -> Path:
         folder = self._dir("snapshots") / f"{TEMP_PREFIX}{snapshot_id}"
         if folder.exists():  # left by a pull of the same snapshot that was killed
-            shutil.rmtree(folder)
+            _remove(folder, ignore_errors=False)
         folder.mkdir(mode=0o700)
         return folder
 
@@ -192,7 +192,7 @@ class LocalSnapshotStore:
         mf.finish(temp, self._dir("snapshots") / manifest.id, manifest)
 
     def abandon(self, temp: Path) -> None:
-        shutil.rmtree(temp, ignore_errors=True)
+        _remove(temp)
 
     def folder(self, snapshot_id: str) -> Path:
         return self._dir("snapshots") / snapshot_id
@@ -260,7 +260,7 @@ class LocalSnapshotStore:
             doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{snapshot_id}")
             with contextlib.suppress(FileNotFoundError):
                 folder.rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _remove(doomed)
         (self._dir("locks") / f"ram-{snapshot_id}.lock").unlink(missing_ok=True)
 
     def fold_ram(
@@ -328,7 +328,7 @@ class LocalSnapshotStore:
         for folder in self._dir("snapshots").glob(f"{TEMP_PREFIX}*"):
             with contextlib.suppress(OSError):
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
-                    shutil.rmtree(folder)
+                    _remove(folder, ignore_errors=False)
         # A fold or unfold cut short (at any step: a delta written without its map too):
         # the RAM files its manifest does not list, once old enough that no fold or
         # unfold can be writing them still (another process's).
@@ -391,12 +391,34 @@ def template_snapshots(templates: list[dict[str, Any]]) -> set[str]:
     return named
 
 
+def _remove(folder: Path, *, ignore_errors: bool = True) -> None:
+    """Delete a snapshot's folder, its RAM file first taken out of the way if it is a
+    FUSE file still serving machines (:mod:`cryobox.snapshot.arriving`)."""
+    with contextlib.suppress(OSError):
+        arriving.detach(folder / mf.MEMORY)
+    shutil.rmtree(folder, ignore_errors=ignore_errors)
+
+
+def _drop_abandoned(folder: Path) -> None:
+    """Remove a snapshot whose RAM was arriving from the store when the process serving
+    it died: renamed out of the listing first, as a delete does."""
+    doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{folder.name}")
+    with contextlib.suppress(OSError):
+        folder.rename(doomed)
+        _remove(doomed)
+
+
 def _load(folder: Path) -> Manifest:
     """A stored snapshot's manifest, which must name the folder it is in: a manifest
     copied into another snapshot's folder would otherwise restore that one's files.
+    A snapshot whose RAM stopped arriving from the store midway is not here (and goes).
 
     :raises SnapshotVerificationFailed:
+    :raises SnapshotNotFound:
     """
+    if arriving.abandoned(folder):
+        _drop_abandoned(folder)
+        raise SnapshotNotFound(folder.name)
     manifest = mf.load(folder)
     if manifest.id != folder.name:
         raise SnapshotVerificationFailed(

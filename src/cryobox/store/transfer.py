@@ -151,8 +151,10 @@ def pull(
     *,
     sources: LocalSources | None = None,
     progress: Progress | None = None,
+    leave: str = "",
 ) -> Manifest:
-    """Rebuild the snapshot's files in ``temp`` (an empty folder) and check them.
+    """Rebuild the snapshot's files in ``temp`` (an empty folder) and check them; all
+    but ``leave``, when named (RAM that arrives later: :mod:`cryobox.store.lazy_ram`).
 
     Returns its manifest (not yet committed: the caller signs and moves it).
 
@@ -171,16 +173,18 @@ def pull(
         for name, entry in sorted(stored.files.items()):
             if name not in manifest.files:
                 raise SnapshotVerificationFailed(manifest.id, name, "not in its manifest")
+            if name == leave:
+                continue
             fd = os.open(temp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, int(entry["size"]))
 
                 def one(item: list[object], fd: int = fd, name: str = name) -> int:
                     offset, chunk = int(str(item[0])), str(item[1])
-                    data = _local(key, chunk, sources.get(chunk))
+                    data = read_local(key, chunk, sources.get(chunk))
                     got = 0
                     if data is None:
-                        data = _fetch(objects, key, manifest.id, name, offset, chunk)
+                        data = fetch(objects, key, manifest.id, name, offset, chunk)
                         got = len(data)
                     os.pwrite(fd, data, offset)
                     return got
@@ -200,7 +204,8 @@ def pull(
     return replace(manifest)
 
 
-def _local(key: DataKey, chunk: str, where: tuple[Path, int] | None) -> bytes | None:
+def read_local(key: DataKey, chunk: str, where: tuple[Path, int] | None) -> bytes | None:
+    """The chunk's bytes from a local file that may hold them (None unless they are)."""
     if where is None:
         return None
     try:
@@ -212,9 +217,14 @@ def _local(key: DataKey, chunk: str, where: tuple[Path, int] | None) -> bytes | 
     return data if data and chunks.name_of(key, data) == chunk else None
 
 
-def _fetch(
+def fetch(
     objects: ObjectStore, key: DataKey, snapshot_id: str, name: str, offset: int, chunk: str
 ) -> bytes:
+    """A chunk of ``name`` from the store, opened and checked against its name.
+
+    :raises SnapshotVerificationFailed: when it is missing or not what its name says.
+    :raises StoreError: when the store cannot be reached.
+    """
     where = f"{name} chunk at offset {offset} ({chunk[:16]})"
     try:
         blob = objects.get(catalog.chunk_key(key.tenant, chunk))

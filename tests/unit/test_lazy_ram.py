@@ -1,0 +1,275 @@
+"""RAM served as it arrives from the store (cryobox.store.lazy_ram), without VMs: a real
+server process, a real FUSE mount, a real folder store or S3 server (SeaweedFS). What a
+start from the store relies on: every byte read through the file is the snapshot's,
+before and after it arrived; a mapping made meanwhile is still served once the plain
+file took its place; a window that fails to arrive is refused, never read as zeros,
+and the snapshot is gone; a server killed midway leaves nothing listed."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.snapshot import arriving
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.store import catalog, lazy_ram, transfer
+from cryobox.store.chunkstore import ChunkStore
+from unit.test_store import MIB, make_snapshot, objects, random_windows, store
+from waiting import until
+
+__all__ = ["objects", "store"]  # the store's fixtures: a folder store and an S3 server
+
+pytestmark = pytest.mark.skipif(
+    not lazy_ram.available() or os.geteuid() != 0, reason="needs FUSE and root"
+)
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> LocalSnapshotStore:
+    return LocalSnapshotStore(tmp_path / "local")
+
+
+@pytest.fixture
+def servers() -> Iterator[list[lazy_ram.Server]]:
+    """The servers a test starts: killed after it, whatever it left mounted."""
+    started: list[lazy_ram.Server] = []
+    yield started
+    for server in started:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+def _stored_then_gone(
+    store: ChunkStore, local: LocalSnapshotStore, windows: dict[int, bytes]
+) -> tuple[str, bytes]:
+    """A 64 MiB memory snapshot pushed to ``store`` and deleted here; its id and RAM."""
+    snap = make_snapshot(local, windows)
+    ram = (local.folder(snap.id) / mf.MEMORY).read_bytes()
+    store.push(local.folder(snap.id), snap)
+    local.delete(snap.id)
+    return snap.id, ram
+
+
+def _begin(
+    store: ChunkStore,
+    local: LocalSnapshotStore,
+    snapshot_id: str,
+    servers: list[lazy_ram.Server],
+    server: lazy_ram.Server | None = None,
+) -> lazy_ram.Server:
+    """What a lazy pull does: all but the RAM pulled, the RAM handed to a server."""
+    stored = store.find(snapshot_id)
+    server = server or lazy_ram.spawn()
+    servers.append(server)
+    temp = local.begin(snapshot_id)
+    transfer.pull(store.objects, store.key, stored, temp, leave=mf.MEMORY)
+    server.begin(
+        lazy_ram.Job(
+            tenant=store.tenant,
+            store=str(store.objects.url),
+            stored=asdict(stored),
+            sources={},
+            temp=str(temp),
+            final=str(local.folder(snapshot_id)),
+            env=dict(os.environ),
+        )
+    )
+    return server
+
+
+def _own_chunk(store: ChunkStore, snapshot_id: str, index: int) -> int:
+    """Alter the stored chunk of RAM window ``index``; its offset."""
+    for offset, name, _ in store.find(snapshot_id).files[mf.MEMORY]["chunks"]:
+        if int(offset) == index * MIB:
+            key = catalog.chunk_key(store.tenant, name)
+            blob = bytearray(store.objects.get(key))
+            blob[50] ^= 1
+            store.objects.put(key, bytes(blob))
+            return int(offset)
+    raise AssertionError(f"window {index} is not stored")
+
+
+def test_reads_before_and_after_the_arrival_are_the_snapshots_and_it_ends_a_plain_file(
+    store: ChunkStore, local: LocalSnapshotStore, servers: list[lazy_ram.Server]
+) -> None:
+    windows = random_windows(6, start=3) | random_windows(2, start=40)
+    snapshot_id, ram = _stored_then_gone(store, local, windows)
+    server = _begin(store, local, snapshot_id, servers)
+    folder = local.folder(snapshot_id)
+    # Committed at once: listed, its other files whole, its RAM read through the server.
+    assert local.get(snapshot_id).id == snapshot_id
+    with open(folder / mf.MEMORY, "rb") as handle:
+        assert os.pread(handle.fileno(), MIB, 41 * MIB) == windows[41]
+        assert os.pread(handle.fileno(), 4096, 20 * MIB) == bytes(4096)  # a hole
+    until(lambda: not arriving.is_served(folder), "the RAM to arrive", timeout=60)
+    assert not os.path.ismount(folder / mf.MEMORY)
+    assert not (folder / arriving.NOTE).exists()
+    mf.verify(folder, local.get(snapshot_id))  # the whole file's digest, as a pull checks
+    assert (folder / mf.MEMORY).read_bytes() == ram
+    assert server.process.wait(timeout=30) == 0  # nobody maps it: the server is done
+
+
+def test_ram_nobody_reads_arrives_and_its_snapshot_stays_here_each_time(
+    store: ChunkStore, local: LocalSnapshotStore, servers: list[lazy_ram.Server]
+) -> None:
+    # Nothing maps the file: its own detach ends the mount at once, and the server's
+    # exit must not come before its note is gone (else it would read as abandoned).
+    for _ in range(5):
+        snapshot_id, ram = _stored_then_gone(store, local, random_windows(3, start=7))
+        server = _begin(store, local, snapshot_id, servers)
+        assert server.process.wait(timeout=30) == 0
+        folder = local.folder(snapshot_id)
+        assert not arriving.abandoned(folder) and not arriving.is_served(folder)
+        assert local.get(snapshot_id).id == snapshot_id
+        assert (folder / mf.MEMORY).read_bytes() == ram
+
+
+def test_a_spare_started_earlier_serves_under_the_settings_of_the_pull_that_takes_it(
+    store: ChunkStore,
+    local: LocalSnapshotStore,
+    servers: list[lazy_ram.Server],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lazy_ram.keep_spare()
+    spare = lazy_ram.spawn()
+    servers.append(spare)
+    fresh = lazy_ram.spawn()  # the spare is taken: the next one is new
+    servers.append(fresh)
+    assert fresh is not spare and fresh.process.pid != spare.process.pid
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")  # set after the spare started
+    windows = random_windows(4, start=9)
+    snapshot_id, _ = _stored_then_gone(store, local, windows)
+    _begin(store, local, snapshot_id, servers, server=spare)
+    folder = local.folder(snapshot_id)
+    time.sleep(1.0)
+    assert arriving.is_served(folder)  # nothing fetched but what is read: the job's setting
+    with open(folder / mf.MEMORY, "rb") as handle:
+        for index, data in windows.items():
+            assert os.pread(handle.fileno(), MIB, index * MIB) == data
+    until(lambda: not arriving.is_served(folder), "the RAM to arrive", timeout=60)
+    assert spare.process.wait(timeout=30) == 0
+
+
+def test_a_mapping_made_while_it_arrived_is_served_after_the_plain_file_took_its_place(
+    store: ChunkStore,
+    local: LocalSnapshotStore,
+    servers: list[lazy_ram.Server],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")  # arrives only as it is read
+    windows = random_windows(4, start=0) | random_windows(4, start=60)
+    snapshot_id, ram = _stored_then_gone(store, local, windows)
+    server = _begin(store, local, snapshot_id, servers)
+    folder = local.folder(snapshot_id)
+    fd = os.open(folder / mf.MEMORY, os.O_RDWR)
+    ram_map = mmap.mmap(fd, len(ram), flags=mmap.MAP_PRIVATE)
+    os.close(fd)
+    try:
+        ram_map[0:4] = b"mine"  # a private mapping's write is its own, as a VM's is
+        assert arriving.is_served(folder)  # half of it never read: still arriving
+        assert ram_map[61 * MIB : 62 * MIB] == windows[61]
+        # Every window read through the mapping: all of it arrived, the file detached.
+        assert ram_map[4:] == ram[4:]
+        until(lambda: not arriving.is_served(folder), "the RAM to arrive", timeout=60)
+        assert not os.path.ismount(folder / mf.MEMORY)
+        assert server.process.poll() is None  # the mapping still needs it
+        assert ram_map[0:4] == b"mine" and ram_map[62 * MIB : 63 * MIB] == windows[62]
+    finally:
+        ram_map.close()
+    assert server.process.wait(timeout=30) == 0
+
+
+def test_an_altered_chunk_is_refused_by_name_never_read_as_zeros_and_the_snapshot_goes(
+    store: ChunkStore,
+    local: LocalSnapshotStore,
+    servers: list[lazy_ram.Server],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
+    windows = random_windows(8, start=2)
+    snapshot_id, _ = _stored_then_gone(store, local, windows)
+    offset = _own_chunk(store, snapshot_id, 5)
+    server = _begin(store, local, snapshot_id, servers)
+    folder = local.folder(snapshot_id)
+    handle = open(folder / mf.MEMORY, "rb")  # noqa: SIM115
+    try:
+        assert os.pread(handle.fileno(), MIB, 3 * MIB) == windows[3]
+        with pytest.raises(OSError) as refused:
+            os.pread(handle.fileno(), MIB, 5 * MIB)
+        assert refused.value.errno == errno.EIO
+        until(lambda: not folder.exists(), "the snapshot to go", timeout=30)
+        failed = arriving.failure(folder)
+        assert isinstance(failed, SnapshotVerificationFailed)
+        assert f"memory chunk at offset {offset}" in str(failed)
+        with pytest.raises(SnapshotNotFound):
+            local.get(snapshot_id)
+        # What had arrived is still served to whoever holds the file; what had not is
+        # refused again, never zeros.
+        assert os.pread(handle.fileno(), MIB, 3 * MIB) == windows[3]
+        with pytest.raises(OSError):
+            os.pread(handle.fileno(), MIB, 7 * MIB)
+    finally:
+        handle.close()
+    assert server.process.wait(timeout=30) == 0
+    assert not list(folder.parent.glob(".tmp-*"))
+
+
+def test_a_server_killed_midway_leaves_no_snapshot_listed_and_nothing_mounted(
+    store: ChunkStore,
+    local: LocalSnapshotStore,
+    servers: list[lazy_ram.Server],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
+    snapshot_id, _ = _stored_then_gone(store, local, random_windows(4))
+    server = _begin(store, local, snapshot_id, servers)
+    folder = local.folder(snapshot_id)
+    assert arriving.is_served(folder)
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    assert arriving.abandoned(folder)
+    with pytest.raises(SnapshotNotFound):  # incomplete: not here (and removed)
+        local.get(snapshot_id)
+    assert not folder.exists()
+    assert not any(p.name.startswith(".tmp-") for p in folder.parent.iterdir())
+    assert all(local.folder(snapshot_id).name not in line for line in _mounts())
+    # Pulled whole again, it is the snapshot as it was stored.
+    again = store.pull(store.find(snapshot_id), local.begin(snapshot_id), folder)
+    mf.verify(folder, again)
+
+
+def test_a_server_never_told_its_job_leaves_nothing(
+    local: LocalSnapshotStore, servers: list[lazy_ram.Server]
+) -> None:
+    server = lazy_ram.spawn()
+    servers.append(server)
+    job = lazy_ram.Job(
+        tenant=f"t{uuid.uuid4().hex[:8]}",
+        store=str(local.root / "no-store"),
+        stored={"tenant": "x", "key_id": "k", "manifest": {}, "files": {}, "stored_at": 0.0},
+        sources={},
+        temp=str(local.begin("snap-000000000000")),
+        final=str(local.folder("snap-000000000000")),
+    )
+    started = time.monotonic()
+    with pytest.raises(Exception, match="serving the RAM of"):
+        server.begin(job)
+    assert time.monotonic() - started < lazy_ram.BEGIN_TIMEOUT
+    assert server.process.poll() is not None
+    assert not local.folder("snap-000000000000").exists()
+
+
+def _mounts() -> list[str]:
+    return Path("/proc/self/mounts").read_text().splitlines()
