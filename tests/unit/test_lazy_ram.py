@@ -173,9 +173,8 @@ def test_a_mapping_made_while_it_arrived_is_served_after_the_plain_file_took_its
     snapshot_id, ram = _stored_then_gone(store, local, windows)
     server = _begin(store, local, snapshot_id, servers)
     folder = local.folder(snapshot_id)
-    fd = os.open(folder / mf.MEMORY, os.O_RDWR)
+    fd = os.open(folder / mf.MEMORY, os.O_RDWR)  # (kept: the FUSE file, after the detach)
     ram_map = mmap.mmap(fd, len(ram), flags=mmap.MAP_PRIVATE)
-    os.close(fd)
     try:
         ram_map[0:4] = b"mine"  # a private mapping's write is its own, as a VM's is
         assert arriving.is_served(folder)  # half of it never read: still arriving
@@ -185,10 +184,48 @@ def test_a_mapping_made_while_it_arrived_is_served_after_the_plain_file_took_its
         until(lambda: not arriving.is_served(folder), "the RAM to arrive", timeout=60)
         assert not os.path.ismount(folder / mf.MEMORY)
         assert server.process.poll() is None  # the mapping still needs it
-        assert ram_map[0:4] == b"mine" and ram_map[62 * MIB : 63 * MIB] == windows[62]
+        # Its pages dropped from memory: read again, they come from the server, which
+        # serves them from the file it filled.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        ram_map.madvise(mmap.MADV_DONTNEED, 60 * MIB, 4 * MIB)
+        assert ram_map[60 * MIB : 64 * MIB] == b"".join(windows[i] for i in range(60, 64))
+        assert ram_map[0:4] == b"mine"
     finally:
         ram_map.close()
+        os.close(fd)
     assert server.process.wait(timeout=30) == 0
+
+
+def test_a_later_arrival_at_the_same_place_is_never_touched_by_an_earlier_one(
+    store: ChunkStore,
+    local: LocalSnapshotStore,
+    servers: list[lazy_ram.Server],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
+    windows = random_windows(3, start=4)
+    snapshot_id, ram = _stored_then_gone(store, local, windows)
+    first = _begin(store, local, snapshot_id, servers)
+    folder = local.folder(snapshot_id)
+    fd = os.open(folder / mf.MEMORY, os.O_RDONLY)  # a machine of the first arrival's
+    try:
+        local.delete(snapshot_id)  # its folder goes; the first server serves on
+        second = _begin(store, local, snapshot_id, servers)  # pulled again, same place
+        token = arriving.served_by(folder)
+        # The first arrival completes: it must not detach or remove the second's.
+        for index, data in windows.items():
+            assert os.pread(fd, MIB, index * MIB) == data
+        time.sleep(1.0)
+        assert arriving.served_by(folder) == token and os.path.ismount(folder / mf.MEMORY)
+        assert first.process.poll() is None  # (our descriptor still needs it)
+    finally:
+        os.close(fd)
+    assert first.process.wait(timeout=30) == 0
+    assert arriving.served_by(folder) == token
+    assert (folder / mf.MEMORY).read_bytes() == ram  # the second arrival, read through
+    until(lambda: not arriving.is_served(folder), "the second arrival", timeout=60)
+    assert second.process.wait(timeout=30) == 0
+    mf.verify(folder, local.get(snapshot_id))
 
 
 def test_an_altered_chunk_is_refused_by_name_never_read_as_zeros_and_the_snapshot_goes(
@@ -203,6 +240,8 @@ def test_an_altered_chunk_is_refused_by_name_never_read_as_zeros_and_the_snapsho
     offset = _own_chunk(store, snapshot_id, 5)
     server = _begin(store, local, snapshot_id, servers)
     folder = local.folder(snapshot_id)
+    token = arriving.served_by(folder)
+    assert token
     handle = open(folder / mf.MEMORY, "rb")  # noqa: SIM115
     try:
         assert os.pread(handle.fileno(), MIB, 3 * MIB) == windows[3]
@@ -210,7 +249,7 @@ def test_an_altered_chunk_is_refused_by_name_never_read_as_zeros_and_the_snapsho
             os.pread(handle.fileno(), MIB, 5 * MIB)
         assert refused.value.errno == errno.EIO
         until(lambda: not folder.exists(), "the snapshot to go", timeout=30)
-        failed = arriving.failure(folder)
+        failed = arriving.failure(folder, token)
         assert isinstance(failed, SnapshotVerificationFailed)
         assert f"memory chunk at offset {offset}" in str(failed)
         with pytest.raises(SnapshotNotFound):

@@ -53,7 +53,6 @@ from cryobox.errors import (
     SnapshotVerificationFailed,
     StateError,
     StorageError,
-    StoreError,
     VmNotHeld,
 )
 from cryobox.guest.client import AgentClient
@@ -201,24 +200,6 @@ def storage_error(exc: OSError, doing: str, where: Path) -> StorageError:
     else:
         reason = exc.strerror or str(exc)
     return StorageError(doing, str(exc.filename or where), reason)
-
-
-async def arrival_failure(folder: Path) -> CryoboxError | None:
-    """Why the arrival of ``folder``'s RAM from the store failed, once it did: its server
-    tells it before it refuses the read QEMU stops on, and removes the folder just after
-    (:mod:`cryobox.snapshot.arriving`). None once the RAM is whole."""
-    for _ in range(40):
-        if arriving.abandoned(folder):
-            return StoreError(
-                "the chunk store",
-                f"fetching the RAM of snapshot {folder.name}",
-                "the process serving it ended before all of it arrived",
-            )
-        failed = arriving.failure(folder)
-        if failed is not None or (folder.exists() and not arriving.is_served(folder)):
-            return failed
-        await asyncio.sleep(0.05)
-    return arriving.failure(folder)
 
 
 class Machine:
@@ -411,7 +392,7 @@ class Machine:
             disk_chain=chain,
             memory_file=memory.name,
             memory_from=None,
-            memory_arriving=False,
+            memory_arriving=None,
             memory_shared=True,
             layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
         )
@@ -475,8 +456,8 @@ class Machine:
         shared = not manifest.ram_in_stream
         copying: asyncio.Future[None] | None = None
         memory_from = None
-        lazy = shared and arriving.is_served(folder)
-        if lazy:
+        arrival = arriving.served_by(folder) if shared else None
+        if arrival is not None:
             # RAM still arriving from the store: mapped privately as a fork maps it, read
             # through the process serving it (a copy would wait for all of it).
             memory_from, shared = manifest.id, False
@@ -502,7 +483,7 @@ class Machine:
             memory_file=None if memory_from else memory.name,
             memory_from=memory_from,
             memory_shared=shared,
-            memory_arriving=lazy,
+            memory_arriving=arrival,
             layout=manifest.layout,
         )
         try:
@@ -517,7 +498,7 @@ class Machine:
         except Exception as exc:
             # QEMU stops at the first page of arriving RAM that could not be fetched:
             # say that, not what the monitor saw of QEMU's end.
-            failed = await arrival_failure(folder) if lazy else None
+            failed = arriving.failure(folder, arrival) if arrival else None
             if failed is not None:
                 raise failed from exc
             raise
@@ -1177,7 +1158,7 @@ class Machine:
         own = self.folder.path / self.record.memory_file if self.record.memory_file else None
         if self.record.memory_from:
             own = None
-        self.update(memory_file=None, memory_from=None, memory_arriving=False)
+        self.update(memory_file=None, memory_from=None, memory_arriving=None)
         if own is not None:
             own.unlink(missing_ok=True)
         transaction.move_in(self.record)
@@ -1302,7 +1283,7 @@ class Machine:
             disk=disk,
             memory_file=memory.name,
             memory_from=None,
-            memory_arriving=False,
+            memory_arriving=None,
             memory_shared=not manifest.ram_in_stream,
             layout=manifest.layout,
         )
@@ -1357,7 +1338,7 @@ class Machine:
             disk=disk,
             memory_file=memory.name,
             memory_from=None,
-            memory_arriving=False,
+            memory_arriving=None,
             memory_shared=True,
             layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
         )

@@ -123,9 +123,10 @@ class SandboxRecord:
     memory_file: str | None = None
     memory_from: str | None = None
     memory_shared: bool = True
-    #: Whether ``memory_from``'s RAM was still arriving from the store when the VM mapped
-    #: it (:mod:`cryobox.snapshot.arriving`): the sandbox ends if that arrival fails.
-    memory_arriving: bool = False
+    #: The arrival (its token) of ``memory_from``'s RAM from the store that was still
+    #: under way when the VM mapped it (:mod:`cryobox.snapshot.arriving`): the sandbox
+    #: ends if that arrival fails. None once it is whole (or was never arriving).
+    memory_arriving: str | None = None
     #: How the running machine's vCPUs and RAM are laid out (:class:`~cryobox.vmm.base.
     #: Layout` as JSON): what a restore of its captures must build. Empty for a machine
     #: booted before cryobox could grow one.

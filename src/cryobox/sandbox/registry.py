@@ -280,7 +280,7 @@ class SandboxDir:
             disk=None,
             memory_file=None,
             memory_from=None,
-            memory_arriving=False,
+            memory_arriving=None,
             pause_id=None,
             ports={},
         )

@@ -83,7 +83,7 @@ from cryobox.sandbox.control import (
     Wake,
 )
 from cryobox.sandbox.ending import vm_ended
-from cryobox.sandbox.machine import Machine, arrival_failure
+from cryobox.sandbox.machine import Machine
 from cryobox.sandbox.records import PAUSING_TIMEOUTS
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord
 from cryobox.sandbox.state import SandboxState, require
@@ -505,7 +505,7 @@ class Supervisor:
                     self.folder.console_log,
                     vm.guest_ending,
                 )
-                failed = await self._arrival_failed()
+                failed = self._arrival_failed()
                 self.stop(SandboxState.DEAD, f"{failed} ({reason})" if failed else reason)
                 return
             # Under a lifecycle operation: a rollback replaces the VM on purpose (the new
@@ -515,13 +515,14 @@ class Supervisor:
             while self._lifecycle.locked():
                 await asyncio.sleep(0.05)
 
-    async def _arrival_failed(self) -> CryoboxError | None:
+    def _arrival_failed(self) -> CryoboxError | None:
         """Why the RAM this VM maps failed to arrive from the store, when it did (QEMU
         stops at the first page of it that never came)."""
         record = self.machine.record
         if not (record.memory_from and record.memory_arriving):
             return None
-        return await arrival_failure(self.machine.store.folder(record.memory_from))
+        folder = self.machine.store.folder(record.memory_from)
+        return arriving.failure(folder, record.memory_arriving)
 
     async def _watch_arrival(self) -> None:
         """A sandbox started while its RAM still arrived from the store ends, saying why,
@@ -529,13 +530,15 @@ class Supervisor:
         came, at any time. Done once the RAM is whole (or its own: a pause wrote it)."""
         while not self._stop.is_set():
             record = self.machine.record
-            if not (record.memory_from and record.memory_arriving):
+            token = record.memory_arriving
+            if not (record.memory_from and token):
                 return
             folder = self.machine.store.folder(record.memory_from)
-            if not arriving.is_served(folder):
-                failed = await arrival_failure(folder)
+            if arriving.served_by(folder) != token:
+                # Over: a failure is told before the note is let go of.
+                failed = arriving.failure(folder, token)
                 if failed is None:
-                    self.machine.update(memory_arriving=False)
+                    self.machine.update(memory_arriving=None)
                     return
                 log.error("ending: %s", failed)
                 self.stop(SandboxState.DEAD, str(failed))

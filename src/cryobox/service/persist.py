@@ -290,7 +290,8 @@ class Persistence:
         except BaseException:
             self.local.abandon(temp)
             raise
-        lazy_ram.keep_spare()  # the next lazy pull need not wait for an interpreter
+        with contextlib.suppress(OSError, ValueError):  # (a spare is a help, never a need)
+            lazy_ram.keep_spare()  # the next lazy pull need not wait for an interpreter
         with contextlib.suppress(OSError):
             uploads.set_state(
                 final, tenant=store.tenant, state="stored", stored_at=stored.stored_at

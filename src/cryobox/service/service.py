@@ -76,7 +76,6 @@ from cryobox.sandbox.control import (
     control,
 )
 from cryobox.sandbox.launcher import SupervisorGroup, SupervisorLauncher
-from cryobox.sandbox.machine import arrival_failure
 from cryobox.sandbox.records import ON_TIMEOUT
 from cryobox.sandbox.registry import SandboxDir, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, require
@@ -88,6 +87,7 @@ from cryobox.service.guest_ops import GuestOperations
 from cryobox.service.persist import Persistence
 from cryobox.service.processes import Processes
 from cryobox.service.volumes import Volumes
+from cryobox.snapshot import arriving
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose, check_compatible
 from cryobox.snapshot.store import SnapshotStore, looks_like_id
 from cryobox.store.keys import LOCAL_TENANT
@@ -410,18 +410,20 @@ class SandboxService:
         )
         # A pool member got the host's when it was made.
         if pem and not (info.pooled and request.ca_bundle is None):
+            record = None  # (as it started: its RAM may be arriving from the store)
+            with contextlib.suppress(CryoboxError, OSError):
+                record = registry.find(info.id).record()
             try:
                 await self._trust(info.id, pem)
             except BaseException as exc:
-                source = None
-                with contextlib.suppress(CryoboxError, OSError):
-                    source = registry.find(info.id).spec().restore_from
                 with contextlib.suppress(CryoboxError):
                     await asyncio.shield(self.kill(info.id, keep_record=False))
                 # A QEMU stopped by RAM that could not be fetched from the store: say so.
-                if source and isinstance(exc, CryoboxError):
-                    failed = await arrival_failure(self.store.folder(source))
-                    if failed is not None:
+                if record and record.memory_from and record.memory_arriving:
+                    failed = arriving.failure(
+                        self.store.folder(record.memory_from), record.memory_arriving
+                    )
+                    if failed is not None and isinstance(exc, CryoboxError):
                         raise failed from exc
                 raise
         return info

@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -262,6 +263,7 @@ class LocalSnapshotStore:
                 folder.rename(doomed)
         _remove(doomed)
         (self._dir("locks") / f"ram-{snapshot_id}.lock").unlink(missing_ok=True)
+        arriving.forget_failures(folder)
 
     def fold_ram(
         self, snapshot_id: str, onto: str, *, step: Callable[[str], None] = _no_step
@@ -325,6 +327,10 @@ class LocalSnapshotStore:
         return sum(p.stat().st_blocks * 512 for p in folder.iterdir() if p.is_file())
 
     def sweep(self) -> None:
+        for note in self._dir("snapshots").glob(f".*{arriving.FAILED_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                if time.time() - note.stat().st_mtime > ABANDONED_AFTER:
+                    note.unlink()
         for folder in self._dir("snapshots").glob(f"{TEMP_PREFIX}*"):
             with contextlib.suppress(OSError):
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
@@ -402,7 +408,7 @@ def _remove(folder: Path, *, ignore_errors: bool = True) -> None:
 def _drop_abandoned(folder: Path) -> None:
     """Remove a snapshot whose RAM was arriving from the store when the process serving
     it died: renamed out of the listing first, as a delete does."""
-    doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{folder.name}")
+    doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{folder.name}-{uuid.uuid4().hex[:8]}")
     with contextlib.suppress(OSError):
         folder.rename(doomed)
         _remove(doomed)

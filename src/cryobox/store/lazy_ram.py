@@ -62,6 +62,7 @@ from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.keys import DataKey
 from cryobox.store.objects import ObjectStore, open_objects
+from cryobox.util import check_space
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,12 @@ def log_path() -> Path:
 
 #: Seconds the service waits for the server's answer (it starts, mounts and commits).
 BEGIN_TIMEOUT = 60.0
-#: Waits between tries of a window the store did not answer for (then it fails).
-RETRY_WAITS = (0.2, 0.5, 1.0, 2.0, 4.0)
+#: Waits between tries of a window the store did not answer for; no try starts once
+#: :data:`WINDOW_DEADLINE` seconds went by since the first (then the arrival fails): a
+#: vCPU waits on it. Each try is one request, read for at most :data:`READ_TIMEOUT` s.
+RETRY_WAITS = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+WINDOW_DEADLINE = 20.0
+READ_TIMEOUT = 10.0
 #: The priority a server waits for its job at (then it serves machines: 0).
 SPARE_NICE = 10
 #: Threads fetching the windows nobody asked for yet (``CRYOBOX_LAZY_PREFETCH``; 0
@@ -90,6 +95,8 @@ def available() -> bool:
     """Whether RAM can arrive lazily here: FUSE and its library present, and not
     turned off (``CRYOBOX_LAZY_PULL=0`` pulls every snapshot whole, as before)."""
     if os.environ.get("CRYOBOX_LAZY_PULL", "1") == "0" or not os.path.exists("/dev/fuse"):
+        return False
+    if os.geteuid() != 0:  # (it mounts, detaches and serves QEMUs of other uids)
         return False
     import importlib.util
 
@@ -113,9 +120,10 @@ class Arrival:
         fd: int,
         sources: transfer.LocalSources,
         final: Path,
+        token: str,
     ) -> None:
         self.objects, self.key, self.snapshot_id, self.fd = objects, key, snapshot_id, fd
-        self.final = final
+        self.final, self.token = final, token
         self.size = int(entry["size"])
         self.sources = sources
         count = (self.size + chunks.CHUNK - 1) // chunks.CHUNK
@@ -160,7 +168,7 @@ class Arrival:
                 continue
             try:
                 data = self._get(index)
-                os.pwrite(self.fd, data, index * chunks.CHUNK)
+                _write_all(self.fd, data, index * chunks.CHUNK)
             except Exception as exc:
                 self.fail(exc)
                 raise ArrivalFailed(str(exc)) from exc
@@ -187,6 +195,7 @@ class Arrival:
             data = transfer.read_local(self.key, name, where)
             if data is not None:
                 return data
+        started = time.monotonic()
         for wait in (*RETRY_WAITS, None):
             try:
                 data = transfer.fetch(
@@ -198,7 +207,7 @@ class Arrival:
                     name,
                 )
             except StoreError:
-                if wait is None:
+                if wait is None or time.monotonic() - started + wait > WINDOW_DEADLINE:
                     raise
                 time.sleep(wait)
                 continue
@@ -215,7 +224,7 @@ class Arrival:
                 self.failed = str(exc)
         if first:
             with contextlib.suppress(OSError):
-                arriving.tell_failure(self.final, exc)
+                arriving.tell_failure(self.final, self.token, exc)
         self.done.set()
 
     def stop(self) -> None:
@@ -239,6 +248,17 @@ class Arrival:
                 self.ensure(index)
             except ArrivalFailed:
                 return
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (a short write is retried; none at all is a
+    full disk): a window is marked here only once all of it is."""
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        if done <= 0:
+            raise OSError(errno.ENOSPC, "no room left for the arriving RAM")
+        view, offset = view[done:], offset + done
 
 
 def _file_attributes(fd: int, size: int) -> Any:
@@ -319,18 +339,22 @@ class _Serving:
         self.prefetchers = prefetchers()
         self.stored = job.stored_snapshot()
         self.manifest = mf.Manifest.from_json(self.stored.manifest)
-        store = ChunkStore(job.tenant, open_objects(job.store))
+        objects = open_objects(job.store, read_timeout=READ_TIMEOUT, attempts=1)
+        store = ChunkStore(job.tenant, objects)
         self.temp, self.final = Path(job.temp), Path(job.final)
         self.memory = self.temp / mf.MEMORY
+        # Room for all of it first: a full disk refuses the start, not a window later.
         entry = self.stored.files[mf.MEMORY]
+        size = int(entry["size"])
+        data = sum(min(size - int(c[0]), chunks.CHUNK) for c in entry["chunks"])
+        check_space(data, "pulling a snapshot's RAM", self.temp)
         self.fd = os.open(self.memory, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(self.fd, int(entry["size"]))
         sources = {name: (Path(str(at[0])), int(at[1])) for name, at in job.sources.items()}
+        self.hold, token = arriving.hold(self.temp)
         self.arrival = Arrival(
-            store.objects, store.key, self.stored.id, entry, self.fd, sources, self.final
+            store.objects, store.key, self.stored.id, entry, self.fd, sources, self.final, token
         )
-        arriving.clear_failure(self.final)
-        self.hold = arriving.hold(self.temp)
 
     def mount_and_commit(self) -> None:
         import pyfuse3
@@ -344,9 +368,10 @@ class _Serving:
         mf.finish(self.temp, self.final, self.manifest, still_arriving=mf.MEMORY)
 
     def folder(self) -> Path | None:
-        """Where the snapshot's folder is now (committed; None once deleted)."""
+        """Where this arrival's folder is now (committed; None once deleted: what is at
+        its place may be a later arrival of the same snapshot, never touched)."""
         for folder in (self.final, self.temp):
-            if (folder / arriving.NOTE).exists():
+            if arriving.still_holds(folder, self.hold):
                 return folder
         return None
 
@@ -451,10 +476,23 @@ class Server:
         :raises StoreError: naming what went wrong (nothing is left mounted then).
         """
         assert self.process.stdin is not None and self.process.stdout is not None
+        deadline = time.monotonic() + BEGIN_TIMEOUT
         try:
-            self.process.stdin.write(json.dumps(job.__dict__).encode())
+            # Written as the server reads it, within the same deadline as its answer (a
+            # job is larger than a pipe holds: a server stuck before reading would
+            # otherwise hold this pull, and every other, for good).
+            pending = memoryview(json.dumps(job.__dict__).encode())
+            stdin = self.process.stdin.fileno()
+            os.set_blocking(stdin, False)
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [stdin], [], left)[1]:
+                    raise OSError(errno.ETIMEDOUT, "the server did not read its job")
+                with contextlib.suppress(BlockingIOError):
+                    pending = pending[os.write(stdin, pending) :]
             self.process.stdin.close()
-            ready, _, _ = select.select([self.process.stdout], [], [], BEGIN_TIMEOUT)
+            left = max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self.process.stdout], [], [], left)
             answer = self.process.stdout.readline().decode().strip() if ready else ""
         except OSError as exc:
             answer = f"error {exc}"

@@ -259,7 +259,9 @@ class S3Objects:
     #: works here.
     workers = 8
 
-    def __init__(self, bucket: str, prefix: str = "") -> None:
+    def __init__(
+        self, bucket: str, prefix: str = "", *, read_timeout: float = 60.0, attempts: int = 5
+    ) -> None:
         import boto3
         from botocore.config import Config
 
@@ -270,9 +272,9 @@ class S3Objects:
             "s3",
             region_name=os.environ.get("AWS_REGION") or "us-east-1",
             config=Config(
-                retries={"mode": "standard", "max_attempts": 5},
-                connect_timeout=10,
-                read_timeout=60,
+                retries={"mode": "standard", "max_attempts": attempts},
+                connect_timeout=min(10.0, read_timeout),
+                read_timeout=read_timeout,
                 max_pool_connections=16,
                 # No CRC32 of every body each way: a chunk is sealed with AES-GCM and
                 # checked against its name when read, and a record carries its HMAC, so
@@ -349,14 +351,17 @@ def store_url() -> str:
     return os.environ.get("CRYOBOX_STORE") or str(config.state_dir() / "store")
 
 
-def open_objects(url: str | None = None) -> LocalObjects | S3Objects:
-    """The object store at ``url`` (default :func:`store_url`)."""
+def open_objects(
+    url: str | None = None, *, read_timeout: float = 60.0, attempts: int = 5
+) -> LocalObjects | S3Objects:
+    """The object store at ``url`` (default :func:`store_url`); an S3 server's requests
+    tried ``attempts`` times, each read for at most ``read_timeout`` seconds."""
     url = url or store_url()
     if url.startswith("s3://"):
         bucket, _, prefix = url[len("s3://") :].partition("/")
         if not bucket:
             raise StoreError(url, "opening the store", "no bucket named in the URL")
-        return S3Objects(bucket, prefix)
+        return S3Objects(bucket, prefix, read_timeout=read_timeout, attempts=attempts)
     root = Path(url)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     return LocalObjects(root)
