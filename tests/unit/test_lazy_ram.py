@@ -11,6 +11,7 @@ import errno
 import mmap
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed, StoreError
 from cryobox.snapshot import arriving
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
@@ -308,6 +309,26 @@ def test_a_server_never_told_its_job_leaves_nothing(
     assert time.monotonic() - started < lazy_ram.BEGIN_TIMEOUT
     assert server.process.poll() is not None
     assert not local.folder("snap-000000000000").exists()
+
+
+def test_a_disk_without_room_for_the_ram_refuses_the_pull_before_anything_is_served(
+    store: ChunkStore, tmp_path: Path, servers: list[lazy_ram.Server]
+) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(small)], check=True)
+    try:
+        local = LocalSnapshotStore(small / "state")
+        snapshot_id, _ = _stored_then_gone(store, local, random_windows(8))
+        (small / "filler").write_bytes(bytes(20 * MIB))  # 8 MiB of RAM to come, ~4 free
+        with pytest.raises(StoreError, match="needs 8 MB"):
+            _begin(store, local, snapshot_id, servers)
+        assert not local.folder(snapshot_id).exists()  # nothing committed
+        assert str(small) not in "".join(line for line in _mounts() if "cryobox-ram" in line)
+        local.abandon(local.folder(f".tmp-{snapshot_id}"))  # what the pull does then
+        assert [p.name for p in local.folder("x").parent.iterdir()] == []
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
 
 
 def _mounts() -> list[str]:
