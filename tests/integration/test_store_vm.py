@@ -209,9 +209,13 @@ def _servers_of(snapshot_id: str) -> list[int]:
     return found
 
 
-def _stored_and_evicted(sbx: Any, name: str) -> Any:
+def _stored_and_evicted(sbx: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Snapshot ``sbx``, push it in the foreground (a background uploader started by
+    an earlier test may hold another store's settings), and drop its local files."""
+    monkeypatch.setenv("CRYOBOX_STORE_UPLOAD", "off")
     sbx.snapshot(name)
-    snap = wait_stored(name)
+    assert f"stored {name}" in cli("snapshot", "push", name).stdout
+    snap = wait_stored(name, timeout=30)
     cli("snapshot", "evict", name)
     assert not (cryobox_config.state_dir() / "snapshots" / snap.id).exists()
     return snap
@@ -226,7 +230,7 @@ def test_a_start_from_a_snapshot_only_in_s3_answers_before_its_ram_arrived(
         "head -c 40000000 /dev/urandom > /dev/shm/data; sha256sum /dev/shm/data; "
         "nohup sleep 3000 >/dev/null 2>&1 & echo $! > /root/pid"
     ).stdout.split()[0]
-    snap = _stored_and_evicted(sbx, "store-lazy")
+    snap = _stored_and_evicted(sbx, "store-lazy", monkeypatch)
     folder = cryobox_config.state_dir() / "snapshots" / snap.id
 
     # Only what is read arrives: the guest answers while most of its RAM is not here.
@@ -267,7 +271,7 @@ def test_a_window_that_fails_to_arrive_ends_the_sandbox_naming_it(
     use_s3(s3_server, monkeypatch, f"vm-lazy-bad-{os.getpid()}")
     sbx = sandbox_factory(timeout=900)
     sbx.commands.run("head -c 30000000 /dev/urandom > /dev/shm/data")
-    snap = _stored_and_evicted(sbx, "store-lazy-bad")
+    snap = _stored_and_evicted(sbx, "store-lazy-bad", monkeypatch)
     store = ChunkStore()
     # The windows of the guest's random file: stored as they are (they do not compress;
     # freed pages are zeros, init_on_free). The guest reads them only when it reads it.
@@ -312,7 +316,7 @@ def test_a_store_that_goes_away_while_the_ram_arrives_ends_the_sandbox_saying_so
         use_s3(server, monkeypatch, f"vm-lazy-gone-{os.getpid()}")
         sbx = sandbox_factory(timeout=900)
         sbx.commands.run("head -c 30000000 /dev/urandom > /dev/shm/data")
-        snap = _stored_and_evicted(sbx, "store-lazy-gone")
+        snap = _stored_and_evicted(sbx, "store-lazy-gone", monkeypatch)
         sbx.kill()
         monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
         lazy = sandbox_factory(from_snapshot="store-lazy-gone", timeout=300)
