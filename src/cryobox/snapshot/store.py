@@ -405,9 +405,10 @@ def _remove(folder: Path, *, ignore_errors: bool = True) -> None:
     shutil.rmtree(folder, ignore_errors=ignore_errors)
 
 
-def _drop_abandoned(folder: Path) -> None:
-    """Remove a snapshot whose RAM was arriving from the store when the process serving
-    it died: renamed out of the listing first, as a delete does."""
+def drop_folder(folder: Path) -> None:
+    """Remove a snapshot's folder outside a delete (one whose RAM stopped arriving from
+    the store: its server died, or its arrival failed): renamed out of the listing
+    first, as a delete does, then removed with its FUSE file detached."""
     doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{folder.name}-{uuid.uuid4().hex[:8]}")
     with contextlib.suppress(OSError):
         folder.rename(doomed)
@@ -423,7 +424,7 @@ def _load(folder: Path) -> Manifest:
     :raises SnapshotNotFound:
     """
     if arriving.abandoned(folder):
-        _drop_abandoned(folder)
+        drop_folder(folder)
         raise SnapshotNotFound(folder.name)
     manifest = mf.load(folder)
     if manifest.id != folder.name:

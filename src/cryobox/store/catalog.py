@@ -68,10 +68,12 @@ class StoredSnapshot:
     def stored_sizes(self) -> dict[str, int]:
         return {c[1]: int(c[2]) for entry in self.files.values() for c in entry["chunks"]}
 
-    def data_bytes(self) -> int:
+    def data_bytes(self, name: str | None = None) -> int:
+        """Bytes its files (or file ``name``) hold outside holes and zero windows."""
+        entries = [self.files[name]] if name is not None else self.files.values()
         return sum(
-            min(entry["size"] - c[0], 1 << 20)
-            for entry in self.files.values()
+            min(int(entry["size"]) - int(c[0]), 1 << 20)
+            for entry in entries
             for c in entry["chunks"]
         )
 

@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import select
-import shutil
 import stat
 import subprocess
 import sys
@@ -57,6 +56,7 @@ from cryobox import config
 from cryobox.errors import SnapshotVerificationFailed, StoreError
 from cryobox.snapshot import arriving
 from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.store import drop_folder
 from cryobox.store import chunks, transfer
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
@@ -345,9 +345,7 @@ class _Serving:
         self.memory = self.temp / mf.MEMORY
         # Room for all of it first: a full disk refuses the start, not a window later.
         entry = self.stored.files[mf.MEMORY]
-        size = int(entry["size"])
-        data = sum(min(size - int(c[0]), chunks.CHUNK) for c in entry["chunks"])
-        check_space(data, "pulling a snapshot's RAM", self.temp)
+        check_space(self.stored.data_bytes(mf.MEMORY), "pulling a snapshot's RAM", self.temp)
         self.fd = os.open(self.memory, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(self.fd, int(entry["size"]))
         sources = {name: (Path(str(at[0])), int(at[1])) for name, at in job.sources.items()}
@@ -402,13 +400,7 @@ class _Serving:
             self.arrival.fail(SnapshotVerificationFailed(self.stored.id, mf.MEMORY, reason))
         log.error("RAM of %s could not be had: %s", self.stored.id, reason)
         if folder is not None:
-            doomed = folder.with_name(f".tmp-deleting-{self.stored.id}-{os.getpid()}")
-            with contextlib.suppress(OSError):
-                folder.rename(doomed)
-                folder = doomed
-            with contextlib.suppress(OSError):
-                arriving.detach(folder / mf.MEMORY)
-            shutil.rmtree(folder, ignore_errors=True)
+            drop_folder(folder)  # renamed out of the listing first, then removed
         self.hold.close()
 
     async def serve(self) -> None:
