@@ -5,6 +5,7 @@ never removes what a committed snapshot needs, even when killed or run concurren
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -539,6 +540,49 @@ def test_an_upload_goes_pending_uploading_stored(
     state = uploads.state(folder)
     assert state["state"] == "stored" and state["done"] == state["total"] >= 5 * MIB
     assert ChunkStore(tenant).find(snap.id).id == snap.id
+
+
+def test_an_uploader_stores_only_what_was_marked_with_its_own_store_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A detached uploader keeps the environment it started with: a folder marked under
+    other S3 settings waits for an uploader started with them, and an uploader of other
+    settings running meanwhile neither takes it nor holds it up."""
+    state_dir = tmp_path / "state"
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state_dir))
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    local = LocalSnapshotStore(state_dir)
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    # (a folder store: the endpoint only tells the settings apart, nothing is sent to it)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    elsewhere = make_snapshot(local, random_windows(1), "elsewhere")
+    uploads.mark(local.folder(elsewhere.id), tenant)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    here = make_snapshot(local, random_windows(1), "here")
+    uploads.mark(local.folder(here.id), tenant)
+
+    def uploader(**env: str) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "cryobox.store.uploads"],
+            env={**os.environ, **env},
+            check=True,
+            timeout=120,
+        )
+
+    # An uploader of the other settings holds its lock the whole time: this one runs.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    elsewhere_lock = state_dir / f"uploader.{uploads.connection()}.lock"
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    with open(elsewhere_lock, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        uploader()
+    assert uploads.state(local.folder(here.id))["state"] == "stored"
+    assert uploads.state(local.folder(elsewhere.id))["state"] == "pending"
+    assert [s.id for s in ChunkStore(tenant).all()] == [here.id]
+    # Started with the settings it was marked under, it is stored too.
+    uploader(AWS_ENDPOINT_URL="http://127.0.0.1:9")
+    assert uploads.state(local.folder(elsewhere.id))["state"] == "stored"
+    assert {s.id for s in ChunkStore(tenant).all()} == {here.id, elsewhere.id}
 
 
 def test_collection_expires_old_snapshots_here_and_in_the_store(

@@ -20,6 +20,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from cryobox.config import env_number
 from cryobox.errors import InvalidArgument
 
 from .database import MIGRATIONS, Connection, Cursor, Database, redact
@@ -37,6 +38,8 @@ class PostgresDatabase(Database):
 
     def __init__(self, url: str) -> None:
         self.where = redact(url)
+        # (a server may start before its database: it waits for it, by default 15 s)
+        wait = env_number("CRYOBOX_DATABASE_WAIT", CONNECT_TIMEOUT)
         self._pool = ConnectionPool(
             url,
             min_size=1,
@@ -62,11 +65,11 @@ class PostgresDatabase(Database):
         level = quiet.level
         quiet.setLevel(logging.CRITICAL)
         try:
-            self._pool.open(wait=True, timeout=CONNECT_TIMEOUT)
+            self._pool.open(wait=True, timeout=max(wait, 0.1))
         except PoolTimeout as exc:
             self._pool.close()
             raise InvalidArgument(
-                f"cannot reach the database {self.where} within {CONNECT_TIMEOUT:.0f} s "
+                f"cannot reach the database {self.where} within {wait:g} s "
                 "(is PostgreSQL running there, and does the URL name its user and database?)"
             ) from exc
         finally:

@@ -7,15 +7,23 @@ retried at the next run). It is progress, not trust: a restore never reads it.
 
 :func:`schedule` marks a folder and starts the uploader, a detached process
 (``python -m cryobox.store.uploads``) that outlives the caller; one runs at a time per
-state folder (a lock file); a second one waits for the lock and scans again, so
-nothing marked is missed. ``CRYOBOX_STORE_UPLOAD=off`` turns it off (``cryobox
-snapshot push`` still works).
+state folder and store connection (a lock file); a second one raises a flag the
+running one sees, so nothing marked is missed. ``CRYOBOX_STORE_UPLOAD=off`` turns it
+off (``cryobox snapshot push`` still works).
+
+A detached uploader keeps the environment it was started with, and the S3 endpoint
+and credentials are read from the environment. So a mark records, beside the store's
+URL, which connection settings marked it (:func:`connection`), and an uploader only
+uploads the marks of its own settings: a folder marked under other settings waits for
+an uploader started with them (one is started with every mark), instead of going to
+whatever endpoint an older uploader still holds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -64,13 +72,25 @@ def set_state(folder: Path, *, durable: bool = True, **fields: Any) -> None:
         write_json_atomic(folder / SIDECAR, value, durable=durable)
 
 
+CONNECTION_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_REGION", "AWS_PROFILE")
+
+
+def connection() -> str:
+    """Which store connection this process's environment opens: a short digest of the
+    S3 settings boto3 reads (endpoint, key id, region, profile; never the secret, which
+    is not written anywhere). Equal in every process of one deployment."""
+    values = "\0".join(os.environ.get(name, "") for name in CONNECTION_VARIABLES)
+    return hashlib.sha256(values.encode()).hexdigest()[:16]
+
+
 def mark(folder: Path, tenant: str, store: str | None = None) -> None:
     """Mark for upload by ``tenant`` into ``store`` (by default the one configured now,
-    ``CRYOBOX_STORE``)."""
+    ``CRYOBOX_STORE``) with this process's connection settings."""
     set_state(
         folder,
         tenant=tenant,
         store=store or store_url(),
+        connection=connection(),
         state="pending",
         done=0,
         total=0,
@@ -101,11 +121,17 @@ def start_uploader() -> None:
 
 
 def _candidates() -> list[Path]:
-    """Folders waiting for upload: snapshots, then paused machines."""
+    """Folders waiting for upload with this process's connection settings (or marked
+    before marks recorded them): snapshots, then paused machines."""
     state_dir = config.state_dir()
     found = sorted((state_dir / "snapshots").glob(f"*/{SIDECAR}"))
     found += sorted((state_dir / "sandboxes").glob(f"*/paused/{SIDECAR}"))
-    return [p.parent for p in found if not p.parent.name.startswith(".")]
+    own = connection()
+    return [
+        p.parent
+        for p in found
+        if not p.parent.name.startswith(".") and state(p.parent).get("connection", own) == own
+    ]
 
 
 def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> bool:
@@ -244,15 +270,17 @@ def _stat(path: Path) -> list[int] | None:
 def run() -> None:
     """The uploader: upload every marked folder until none is left.
 
-    One runs at a time (a lock). Another one started meanwhile only raises the rescan
-    flag and leaves: the running one scans again before it ends, and checks the flag
-    once more after letting the lock go, so no mark is missed and no process waits.
+    One runs at a time per connection settings (a lock). Another one started meanwhile
+    only raises the rescan flag and leaves: the running one scans again before it ends,
+    and checks the flag once more after letting the lock go, so no mark is missed and
+    no process waits.
     """
     folder = config.state_dir()
-    flag = folder / "uploader.rescan"
+    own = connection()
+    flag = folder / f"uploader.{own}.rescan"
     while True:
         flag.touch()
-        with open(folder / "uploader.lock", "a+") as lock:
+        with open(folder / f"uploader.{own}.lock", "a+") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
