@@ -257,11 +257,15 @@ class NoHostAvailable(CryoboxError):
 
 class HostUnavailable(CryoboxError):
     """The sandbox runs on another host of the same service, which could not be reached
-    (several servers on one database)."""
+    (several servers on one database). ``retry_after``: seconds after which the same
+    request is expected to succeed, when nothing was done and the cause is a moment's
+    (the request raced a change of the sandbox's host); the server sends it as
+    ``Retry-After`` and the SDK waits and sends the request again."""
 
-    def __init__(self, sandbox_id: str, reason: str) -> None:
+    def __init__(self, sandbox_id: str, reason: str, *, retry_after: float | None = None) -> None:
         self.sandbox_id = sandbox_id
         self.reason = reason
+        self.retry_after = retry_after
         super().__init__(f"sandbox {sandbox_id} runs on another host: {reason}")
 
 
@@ -360,6 +364,7 @@ _CONTEXT_FIELDS = (
     "limit",
     "allowed",
     "wanted",
+    "retry_after",
 )
 
 

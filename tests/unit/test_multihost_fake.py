@@ -281,6 +281,7 @@ def test_a_forged_forwarding_header_is_ignored_and_the_true_one_never_acts_elsew
         # Even the hosts' own marker only makes b answer for itself: it refuses to act.
         marked = http(b).delete(f"/sandboxes/{sbx.id}", headers={"X-Cryobox-Forwarded": secret})
         assert marked.status_code == 503 and "does not run it" in marked.json()["detail"]
+        assert marked.headers["retry-after"] == "1"  # (the SDK sends it again)
         assert sbx.info().state == "running"
         db = open_database(url=a.database_url)
         assert db.row("SELECT host_id FROM sandboxes WHERE id = ?", (sbx.id,)) == held

@@ -51,6 +51,8 @@ from cryobox.util import each_chunk
 #: Calls that answer at once; lifecycle calls (create, fork, template build) may take
 #: minutes under TCG; command streams last as long as their command.
 QUICK = httpx.Timeout(60.0, connect=15.0)
+#: Seconds a request answered "503, retry after N s" is sent again for.
+RETRY_FOR = 15.0
 LONG = httpx.Timeout(1800.0, connect=15.0)
 STREAM = httpx.Timeout(None, connect=15.0)
 
@@ -265,6 +267,17 @@ class HttpCommand:
         raise_for(response)
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+    """The seconds a 503 answer asks to wait before the same request (at most 5), or
+    None when it asks for no retry."""
+    if response.status_code != 503:
+        return None
+    try:
+        return min(5.0, max(0.1, float(response.headers["retry-after"])))
+    except (KeyError, ValueError):
+        return None
+
+
 class HttpTransport:
     """Every :class:`~cryobox.client.transport.Transport` operation as an HTTP call."""
 
@@ -283,10 +296,24 @@ class HttpTransport:
     async def _call(
         self, method: str, path: str, *, timeout: httpx.Timeout = QUICK, **kwargs: Any
     ) -> httpx.Response:
-        try:
-            response = await self._client.request(method, path, timeout=timeout, **kwargs)
-        except httpx.HTTPError as exc:
-            raise ChannelError(f"{method} {self.api_url}{path}: {exc}") from exc
+        """Send the request; one the server answers 503 with ``Retry-After`` (it did
+        nothing: the request raced a move of the sandbox between hosts) is sent again
+        after that wait, for at most :data:`RETRY_FOR` seconds, when its body can be
+        sent twice."""
+        deadline = asyncio.get_running_loop().time() + RETRY_FOR
+        while True:
+            try:
+                response = await self._client.request(method, path, timeout=timeout, **kwargs)
+            except httpx.HTTPError as exc:
+                raise ChannelError(f"{method} {self.api_url}{path}: {exc}") from exc
+            wait = _retry_after(response)
+            if (
+                wait is None
+                or not isinstance(kwargs.get("content"), (bytes, str, type(None)))
+                or asyncio.get_running_loop().time() + wait > deadline
+            ):
+                break
+            await asyncio.sleep(wait)
         raise_for(response)
         return response
 

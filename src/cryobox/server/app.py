@@ -131,10 +131,15 @@ def _no_key(_headers: Mapping[str, str]) -> str | None:
 
 
 def error_response(exc: e.CryoboxError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, e.AuthenticationError):
+        headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, e.HostUnavailable) and exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
     return JSONResponse(
         {"detail": str(exc), "error": e.error_detail(exc)},
         status_code=status_of(exc),
-        headers={"WWW-Authenticate": "Bearer"} if isinstance(exc, e.AuthenticationError) else None,
+        headers=headers or None,
     )
 
 

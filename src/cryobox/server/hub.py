@@ -356,11 +356,12 @@ class Hub:
             raise SandboxNotFound(sandbox_id)
         if not self._here(sandbox_id):
             lost = self.mover.lost(sandbox_id)
-            raise HostUnavailable(
+            if lost is not None:
+                raise HostUnavailable(sandbox_id, lost.error or "lost")
+            raise HostUnavailable(  # (it raced a move, or its host's return: nothing done)
                 sandbox_id,
-                lost.error or "lost"
-                if lost is not None
-                else "this request reached a host that does not run it; retry it",
+                "this request reached a host that does not run it; retry it",
+                retry_after=1.0,
             )
 
     async def _lost(self, tenant: Tenant, sandbox_id: str) -> bool:
