@@ -138,8 +138,11 @@ class _Zygote:
 
 
 def relevant_env() -> dict[str, str]:
-    """The environment a supervisor's behaviour depends on."""
-    return {k: v for k, v in os.environ.items() if k.startswith("CRYOBOX_") or k == "PATH"}
+    """The environment a supervisor's behaviour depends on (with the store's connection,
+    ``AWS_*``: a supervisor stores its sandbox's pause on a timeout)."""
+    return {
+        k: v for k, v in os.environ.items() if k.startswith(("CRYOBOX_", "AWS_")) or k == "PATH"
+    }
 
 
 def _qemu_stamp() -> tuple[int, int] | None:
