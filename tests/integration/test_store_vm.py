@@ -5,6 +5,7 @@ and sound after the uploader is killed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,8 +26,9 @@ from cryobox.errors import (
     SnapshotNotFound,
     SnapshotVerificationFailed,
 )
-from cryobox.snapshot import arriving
+from cryobox.snapshot import arriving, evicted
 from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import catalog, collect
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.uploads import SIDECAR
@@ -330,6 +332,54 @@ def test_a_store_that_goes_away_while_the_ram_arrives_ends_the_sandbox_saying_so
     assert "snapshot store s3://" in error and "failed" in error, error
     assert not (cryobox_config.state_dir() / "snapshots" / snap.id).exists()
     until(lambda: not _servers_of(snap.id), "the RAM server to end", timeout=30)
+
+
+def test_a_snapshot_whose_ram_left_the_host_comes_back_for_a_rollback_and_a_start(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRYOBOX_LOCAL_CACHE_GIB=0: once stored, a snapshot's RAM leaves the host (the
+    uploader lets it go); the sandbox runs on, on the disk layer the folder keeps; a
+    rollback to it and a start from it bring the RAM back, checked, first."""
+    monkeypatch.setenv("CRYOBOX_LOCAL_CACHE_GIB", "0")
+    # (the uploader that stores it must be one started with this setting)
+    until(lambda: not _uploader_pids(), "earlier tests' uploads to end", timeout=300)
+    sbx = sandbox_factory(timeout=900)
+    digest = sbx.commands.run(
+        "head -c 60000000 /dev/urandom > /dev/shm/data; sha256sum /dev/shm/data; "
+        "nohup sleep 3000 >/dev/null 2>&1 & echo $! > /root/pid"
+    ).stdout.split()[0]
+    pid = sbx.files.read_text("/root/pid").strip()
+    try:
+        snap = sbx.snapshot("cache-out")
+        folder = cryobox_config.state_dir() / "snapshots" / snap.id
+        until(
+            lambda: (folder / evicted.NOTE).exists() and not (folder / mf.MEMORY).exists(),
+            "its RAM to leave the host for the store",
+            timeout=300,
+        )
+    finally:
+        # (no uploader may go on evicting later tests' snapshots)
+        for each in _uploader_pids():
+            with contextlib.suppress(OSError):
+                if "CRYOBOX_LOCAL_CACHE_GIB" in Path(f"/proc/{each}/environ").read_text("latin-1"):
+                    os.kill(each, signal.SIGKILL)
+    assert (folder / mf.DISK).exists() and (folder / mf.DEVICE_STATE).exists()
+    assert [s.location for s in Sandbox.snapshots() if s.id == snap.id] == ["store"]
+    sbx.commands.run(f"rm /dev/shm/data; kill -9 {pid}")
+
+    sbx.rollback("cache-out")
+    assert sbx.commands.run("sha256sum /dev/shm/data").stdout.split()[0] == digest
+    assert sbx.commands.run(f"kill -0 {pid} && echo alive").stdout == "alive\n"
+    assert (folder / mf.MEMORY).exists() and not (folder / evicted.NOTE).exists()
+    mf.verify(folder, mf.load(folder))
+
+    # Out again (as a trim past its grace lets it go): a start from it brings it back.
+    LocalSnapshotStore().evict_ram(snap.id)
+    assert not (folder / mf.MEMORY).exists()
+    again = sandbox_factory(from_snapshot="cache-out", timeout=300)
+    assert again.commands.run("sha256sum /dev/shm/data").stdout.split()[0] == digest
+    assert again.commands.run(f"kill -0 {pid} && echo alive").stdout == "alive\n"
+    assert [s.location for s in Sandbox.snapshots() if s.id == snap.id] == ["stored"]
 
 
 def test_export_and_import_through_the_cli(sandbox_factory: Any, tmp_path: Path) -> None:

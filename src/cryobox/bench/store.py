@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import stat
 import subprocess
 import tempfile
 import time
@@ -26,6 +27,7 @@ from cryobox.service.persist import Persistence
 from cryobox.snapshot import arriving
 from cryobox.store import catalog, collect
 from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import store_url
 
 MB = 1e6
 
@@ -117,11 +119,22 @@ async def measure(quick: bool) -> dict[str, Any]:
             )
         persist = persist.of(tenant)
         await sbx.commands.run(f"head -c {changed_mb}000000 /dev/urandom > /dev/shm/b")
+        await asyncio.to_thread(os.sync)
+        host_before = await asyncio.to_thread(host_bytes)
         second = await service.capture(sbx.id, SnapshotPurpose.SNAPSHOT, names[1], tenant=tenant)
         _, found["second_bytes"] = await _push(persist, second.id)
+        # What the host's disk (state folder and local store together) gained: with its
+        # RAM kept here too (no CRYOBOX_LOCAL_CACHE_GIB), then with its RAM left for the
+        # store as a cache of 0 GiB lets it go (issue 33 item 1).
+        found["host_added_whole"] = await asyncio.to_thread(host_bytes) - host_before
+        await asyncio.to_thread(persist.local.evict_ram, second.id)
+        found["host_added_cached"] = await asyncio.to_thread(host_bytes) - host_before
         found["ram_bytes"] = ram_mib << 20
         usage = await asyncio.to_thread(collect.usage, persist.chunks())
         found["store_bytes"] = usage.stored_bytes
+        # A start from it now brings its RAM back first (most of its windows from the
+        # first snapshot's RAM file here, the rest from the store), then as from local.
+        found["cache_start_s"] = [await _fresh_start(service, second.id, tenant)]
         found["local_start_s"] = [await _fresh_start(service, second.id, tenant)]
 
         await asyncio.to_thread(server.start)
@@ -165,6 +178,27 @@ async def measure(quick: bool) -> dict[str, Any]:
         for each in tenants:
             await asyncio.to_thread(_forget, each)
     return found
+
+
+def host_bytes() -> int:
+    """Bytes the state folder's files take on disk (the local store's too, where it is
+    elsewhere on this host): holes not counted, each file once."""
+    roots = [config.state_dir()]
+    url = store_url()
+    if "://" not in url and not Path(url).is_relative_to(roots[0]):
+        roots.append(Path(url))
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if not os.path.ismount(os.path.join(folder, d))]
+            for name in files:
+                with contextlib.suppress(OSError):
+                    info = os.lstat(os.path.join(folder, name))
+                    if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
+                        seen.add((info.st_dev, info.st_ino))
+                        total += info.st_blocks * 512
+    return total
 
 
 def _arrived(folder: Path, timeout: float = 300.0) -> None:

@@ -35,10 +35,10 @@ class Catalog:
         stored = 0
         with contextlib.suppress(OSError):
             stored = self.store.stored_bytes(manifest.id)
-        upload = self.persist.upload_state(manifest.id)
-        return SnapshotInfo.from_manifest(
-            manifest.to_json(), stored, location=str(upload.get("state", "local"))
-        )
+        location = str(self.persist.upload_state(manifest.id).get("state", "local"))
+        if location == "stored" and self.store.ram_out(manifest.id):
+            location = "store"  # (its RAM left this host's cache: brought back on a start)
+        return SnapshotInfo.from_manifest(manifest.to_json(), stored, location=location)
 
     async def snapshots(self) -> list[SnapshotInfo]:
         """Every saved snapshot, checkpoint and template snapshot on this host."""

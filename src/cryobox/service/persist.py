@@ -32,10 +32,11 @@ from cryobox.errors import (
 from cryobox.sandbox import references, registry
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
+from cryobox.snapshot import evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, template_snapshots
-from cryobox.store import archive, catalog, lazy_ram, transfer, uploads
+from cryobox.store import archive, catalog, lazy_ram, ram_cache, transfer, uploads
 from cryobox.store import collect as chunk_collect
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
@@ -145,6 +146,8 @@ class Persistence:
         ``progress(done, total)`` is told the bytes read so far (from a worker thread)."""
         manifest = self.local.get(ref)
         folder = self.local.folder(manifest.id)
+        if self.local.ram_out(manifest.id):  # (its RAM left for the store it is in)
+            return uploads.state(folder)
         uploads.mark(folder, self.tenant)
         if not await asyncio.to_thread(uploads.upload, folder, progress):
             raise StoreError(
@@ -173,12 +176,33 @@ class Persistence:
         """The local snapshot ``ref``; pulled from the store first when it is not here
         (``lazy``: a memory snapshot's RAM served as it arrives, for a start from it)."""
         try:
-            return self.local.get(ref)
+            manifest = self.local.get(ref)
         except SnapshotNotFound:
             store = self.chunks()
             if not store.has_key():
                 raise  # this tenant never stored anything
-        return await self.pull(ref, progress=progress, lazy=lazy)
+        else:
+            await self.ram_here(manifest.id)
+            return manifest
+        pulled = await self.pull(ref, progress=progress, lazy=lazy)
+        evicted.note_use(self.local.folder(pulled.id))
+        return pulled
+
+    async def ram_here(self, snapshot_id: str) -> None:
+        """Note a use of the local snapshot (a start from it, a rollback to it), its RAM
+        brought back first when it left this host's cache for the store
+        (:mod:`cryobox.store.ram_cache`); the uploader then trims the cache again.
+
+        :raises SnapshotError: when the store no longer has it, or its copy is wrong.
+        """
+        folder = self.local.folder(snapshot_id)
+        if not self.local.ram_out(snapshot_id):
+            evicted.note_use(folder)
+            return
+        mark = uploads.state(folder)
+        await self._in_turn(lambda: ram_cache.bring_back(self.local, snapshot_id, mark))
+        with contextlib.suppress(OSError):
+            uploads.start_uploader()  # (it trims the cache once it has nothing to upload)
 
     async def pull(
         self,

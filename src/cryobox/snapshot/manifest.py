@@ -47,6 +47,9 @@ MEMORY = "memory"
 DEVICE_STATE = "devices.state"
 DISK = "disk.qcow2"
 STAMP = ".verified.json"
+#: In a stored snapshot's folder whose RAM file left this host for the chunk store
+#: (:mod:`cryobox.snapshot.evicted`).
+EVICTED_NOTE = "memory.in-store"
 #: A manifest written before its files are all in place (a pause moves files last).
 PENDING_MANIFEST = "manifest.pending.json"
 HASH_BLOCK = 4 << 20
@@ -247,6 +250,13 @@ def verify(folder: Path, manifest: Manifest) -> None:
         try:
             key = stat_key(path)
         except FileNotFoundError:
+            if name == MEMORY and (folder / EVICTED_NOTE).exists():
+                raise SnapshotVerificationFailed(
+                    manifest.id,
+                    name,
+                    "its RAM left this host's cache for the store (it is brought back "
+                    "by a start from it; this start raced its eviction: try again)",
+                ) from None
             raise SnapshotVerificationFailed(manifest.id, name, "file is missing") from None
         if stamp.get(name) == key:
             continue

@@ -34,7 +34,7 @@ from cryobox.errors import (
     SnapshotNotFound,
     SnapshotVerificationFailed,
 )
-from cryobox.snapshot import arriving, ram_delta
+from cryobox.snapshot import arriving, evicted, ram_delta
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.util import check_space, data_bytes, fsync_dir, write_json_atomic
@@ -145,6 +145,22 @@ class SnapshotStore(Protocol):
         :raises StorageError: when the host has no room for it (nothing written)."""
         ...
 
+    def evict_ram(self, snapshot_id: str) -> int:
+        """Let a stored snapshot's RAM file go from this host (the chunk store holds it:
+        the caller checked): the bytes freed, 0 when it stays (see
+        :mod:`~cryobox.snapshot.evicted`)."""
+        ...
+
+    def ram_out(self, snapshot_id: str) -> bool:
+        """Whether the snapshot's RAM is in the store only (:meth:`evict_ram`)."""
+        ...
+
+    def bring_ram_back(self, snapshot_id: str, fill: Callable[[Path], None]) -> None:
+        """Put an evicted snapshot's RAM back: ``fill(path)`` writes it to ``path`` and
+        checks it against the manifest (raising when it differs); it then takes the RAM
+        file's place. Nothing is done when the RAM is here."""
+        ...
+
     def stored_bytes(self, snapshot_id: str) -> int:
         """Bytes the snapshot's files take on the store's disk (holes not counted)."""
         ...
@@ -247,12 +263,7 @@ class LocalSnapshotStore:
         callers check what needs a snapshot first: this catches a fold meanwhile)."""
         folder = self.folder(snapshot_id)
         with self._ram_lock(snapshot_id):
-            leaning = [
-                pages.parent.name
-                for pages in self._dir("snapshots").glob(f"*/{ram_delta.PAGES}")
-                if not pages.parent.name.startswith(".")  # (one being deleted, say)
-                and _memory_base(pages.parent) == snapshot_id
-            ]
+            leaning = self._leaning_on(snapshot_id)
             if leaning:
                 raise InvalidArgument(
                     f"snapshot {snapshot_id} is the RAM base of {', '.join(leaning)}"
@@ -321,6 +332,56 @@ class LocalSnapshotStore:
             check_space(needed, f"giving checkpoint {snapshot_id} its whole RAM back", folder)
             ram_delta.fill(target, whole, deltas)
             _switch_ram(folder, manifest, (mf.MEMORY,), (ram_delta.DELTA, ram_delta.PAGES), None)
+
+    def evict_ram(self, snapshot_id: str) -> int:
+        """Kept when its RAM arrives from the store still, is another's base (a folded
+        checkpoint's RAM is laid over it) or is not whole. The note is written and
+        synced before the file goes: a crash between leaves both, which reads as here."""
+        folder = self.folder(snapshot_id)
+        with self._ram_lock(snapshot_id):
+            manifest = _load(folder)
+            if (
+                manifest.memory_base
+                or mf.MEMORY not in manifest.files
+                or arriving.is_served(folder)
+                or self._leaning_on(snapshot_id)
+                or evicted.is_out(folder)
+            ):
+                return 0
+            freed = evicted.ram_bytes(folder)
+            write_json_atomic(folder / evicted.NOTE, {"id": snapshot_id, "at": time.time()})
+            (folder / mf.MEMORY).unlink()
+            fsync_dir(folder)
+            return freed
+
+    def ram_out(self, snapshot_id: str) -> bool:
+        return evicted.is_out(self.folder(snapshot_id))
+
+    def bring_ram_back(self, snapshot_id: str, fill: Callable[[Path], None]) -> None:
+        folder = self.folder(snapshot_id)
+        with self._ram_lock(snapshot_id):
+            _load(folder)  # (deleted meanwhile: SnapshotNotFound)
+            evicted.settle(folder)
+            if not evicted.is_out(folder):
+                return
+            part = folder / f"{evicted.PART_PREFIX}{uuid.uuid4().hex[:12]}{evicted.PART_SUFFIX}"
+            try:
+                fill(part)
+                mf.fsync_file(part)
+                part.rename(folder / mf.MEMORY)
+                fsync_dir(folder)
+            finally:
+                part.unlink(missing_ok=True)
+            evicted.settle(folder)
+
+    def _leaning_on(self, snapshot_id: str) -> list[str]:
+        """The folded snapshots whose RAM is laid over ``snapshot_id``'s."""
+        return [
+            pages.parent.name
+            for pages in self._dir("snapshots").glob(f"*/{ram_delta.PAGES}")
+            if not pages.parent.name.startswith(".")  # (one being deleted, say)
+            and _memory_base(pages.parent) == snapshot_id
+        ]
 
     def stored_bytes(self, snapshot_id: str) -> int:
         folder = self.folder(snapshot_id)

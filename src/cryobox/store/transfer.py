@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from cryobox.errors import SnapshotVerificationFailed
 from cryobox.snapshot import manifest as mf
@@ -168,40 +169,77 @@ def pull(
     sources = sources or {}
     total = stored.data_bytes()
     done = 0
-    fetched = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1 << 20
+        if progress is not None:
+            progress(min(done, total), total)
+
     with ThreadPoolExecutor(objects.workers) as pool:
         for name, entry in sorted(stored.files.items()):
             if name not in manifest.files:
                 raise SnapshotVerificationFailed(manifest.id, name, "not in its manifest")
-            if name == leave:
-                continue
-            fd = os.open(temp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, int(entry["size"]))
-
-                def one(item: list[object], fd: int = fd, name: str = name) -> int:
-                    offset, chunk = int(str(item[0])), str(item[1])
-                    data = read_local(key, chunk, sources.get(chunk))
-                    got = 0
-                    if data is None:
-                        data = fetch(objects, key, manifest.id, name, offset, chunk)
-                        got = len(data)
-                    os.pwrite(fd, data, offset)
-                    return got
-
-                for got in pool.map(one, entry["chunks"]):
-                    fetched += got
-                    done += 1 << 20
-                    if progress is not None:
-                        progress(min(done, total), total)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if mf.file_digest(temp / name) != manifest.files[name][mf.DIGEST]:
-                raise SnapshotVerificationFailed(
-                    manifest.id, name, "BLAKE3 of the rebuilt file differs from the manifest"
-                )
+            if name != leave:
+                _rebuild(pool, objects, key, manifest, name, entry, temp / name, sources, tick)
     return replace(manifest)
+
+
+def pull_file(
+    objects: ObjectStore,
+    key: DataKey,
+    stored: StoredSnapshot,
+    name: str,
+    path: Path,
+    *,
+    sources: LocalSources | None = None,
+) -> None:
+    """Rebuild one file of the snapshot at ``path`` (a new name) and check it against
+    the manifest (an evicted RAM's return: :mod:`cryobox.store.ram_cache`).
+
+    :raises SnapshotVerificationFailed: naming the chunk or file that is wrong.
+    """
+    manifest = Manifest.from_json(stored.manifest)
+    if name not in stored.files or name not in manifest.files:
+        raise SnapshotVerificationFailed(manifest.id, name, "not in the store's copy")
+    with ThreadPoolExecutor(objects.workers) as pool:
+        _rebuild(pool, objects, key, manifest, name, stored.files[name], path, sources or {}, None)
+
+
+def _rebuild(
+    pool: ThreadPoolExecutor,
+    objects: ObjectStore,
+    key: DataKey,
+    manifest: Manifest,
+    name: str,
+    entry: dict[str, Any],
+    path: Path,
+    sources: LocalSources,
+    tick: Callable[[], None] | None,
+) -> None:
+    """Write file ``name`` at ``path`` from its chunks (a local file's where one holds
+    the chunk, checked, else the store's), synced, then check its BLAKE3."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, int(entry["size"]))
+
+        def one(item: list[object]) -> None:
+            offset, chunk = int(str(item[0])), str(item[1])
+            data = read_local(key, chunk, sources.get(chunk))
+            if data is None:
+                data = fetch(objects, key, manifest.id, name, offset, chunk)
+            os.pwrite(fd, data, offset)
+
+        for _ in pool.map(one, entry["chunks"]):
+            if tick is not None:
+                tick()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if mf.file_digest(path) != manifest.files[name][mf.DIGEST]:
+        raise SnapshotVerificationFailed(
+            manifest.id, name, "BLAKE3 of the rebuilt file differs from the manifest"
+        )
 
 
 def read_local(key: DataKey, chunk: str, where: tuple[Path, int] | None) -> bytes | None:

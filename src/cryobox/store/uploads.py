@@ -37,7 +37,8 @@ from typing import Any
 from cryobox import config
 from cryobox.errors import CryoboxError, StoreError
 from cryobox.snapshot import manifest as mf
-from cryobox.store import catalog
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.store import catalog, ram_cache
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects, store_url
 from cryobox.util import open_log, write_json_atomic
@@ -288,8 +289,22 @@ def run() -> None:
             while flag.exists():
                 flag.unlink(missing_ok=True)
                 _upload_all()
+            _trim_cache()
         if not flag.exists():
             return
+
+
+def _trim_cache() -> None:
+    """Let the RAM of stored snapshots used least recently go from this host, down to
+    ``CRYOBOX_LOCAL_CACHE_GIB`` (:mod:`cryobox.store.ram_cache`; unset: kept)."""
+    try:
+        limit = ram_cache.budget()
+        if limit is not None:
+            ram_cache.trim(
+                LocalSnapshotStore(), limit, lambda folder: state(folder).get("state") == "stored"
+            )
+    except (CryoboxError, OSError) as exc:
+        log.warning("the local cache of stored RAM was not trimmed: %s", exc)
 
 
 def _upload_all() -> None:

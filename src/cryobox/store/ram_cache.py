@@ -1,0 +1,161 @@
+"""This host's copy of stored snapshots' RAM as a bounded cache over the chunk store.
+
+A memory snapshot's RAM file (about the guest's RAM in use: 450 MB for a busy 1 GiB
+guest) stays in its folder after the chunk store has it, so the host holds saved state
+twice: whole here, deduplicated in the store. ``CRYOBOX_LOCAL_CACHE_GIB`` bounds the
+first: once the RAM files of stored snapshots take more, those used least recently
+leave the host (:func:`trim`, run by the uploader after each upload run), until the
+rest fit. Such a snapshot's folder keeps everything else (its disk layer, which a
+running sandbox may build on), so it costs the host only what changed on its disk;
+its RAM is brought back from the store when a sandbox starts from it or rolls back to
+it (:func:`bring_back`: every chunk checked as a pull checks it, the file's BLAKE3
+against the manifest, taken from this host's other snapshots where they hold the same
+chunks), and it counts in the cache again.
+
+Unset (the default), nothing is evicted: a start from a local snapshot never waits for
+the store. ``0`` keeps no stored RAM here at all. Only user snapshots are evicted:
+templates (every start reads theirs), checkpoints (rollbacks; the store holds at most
+a sandbox's recovery point) and pauses (woken from the store already when their files
+are gone) keep their files. One used in the last :data:`GRACE` seconds stays: a start
+that brought it back must not lose it before it copied it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryobox import config
+from cryobox.errors import CryoboxError, SnapshotNotFound, SnapshotVerificationFailed
+from cryobox.snapshot import evicted
+from cryobox.snapshot import manifest as mf
+from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
+from cryobox.snapshot.store import SnapshotStore
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import open_objects
+from cryobox.store.transfer import local_sources, pull_file
+
+log = logging.getLogger("cryobox.store.ram_cache")
+
+#: Seconds after its last use during which a snapshot's RAM is never evicted.
+GRACE = 300.0
+GIB = 1 << 30
+
+
+def budget() -> int | None:
+    """``CRYOBOX_LOCAL_CACHE_GIB`` in bytes; None when unset (no bound).
+
+    :raises InvalidArgument: naming the variable, when it is not a number >= 0.
+    """
+    if not os.environ.get("CRYOBOX_LOCAL_CACHE_GIB"):
+        return None
+    return int(config.env_number("CRYOBOX_LOCAL_CACHE_GIB", 0.0) * GIB)
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    """What a trim did: the snapshots whose RAM left, the bytes freed, what the stored
+    snapshots' RAM takes here after it."""
+
+    evicted: list[str]
+    freed: int
+    held: int
+
+
+def _cached(store: SnapshotStore, manifest: Manifest, stored: Callable[[Path], bool]) -> bool:
+    """Whether the snapshot's RAM here is a copy of the store's that may be evicted."""
+    return (
+        manifest.purpose is SnapshotPurpose.SNAPSHOT
+        and manifest.kind is SnapshotKind.MEMORY
+        and not manifest.memory_base
+        and mf.MEMORY in manifest.files
+        and stored(store.folder(manifest.id))
+        and not store.ram_out(manifest.id)
+    )
+
+
+def trim(store: SnapshotStore, limit: int, stored: Callable[[Path], bool]) -> Trimmed:
+    """Evict the RAM of stored snapshots (``stored(folder)``: its upload is done),
+    least recently used first, until what the rest take here is at most ``limit`` bytes
+    (those used within :data:`GRACE` stay, whatever it takes)."""
+    cached = [m for m in store.all() if _cached(store, m, stored)]
+    sizes = {m.id: evicted.ram_bytes(store.folder(m.id)) for m in cached}
+    held = sum(sizes.values())
+    gone: list[str] = []
+    freed = 0
+    order = sorted(cached, key=lambda m: evicted.last_use(store.folder(m.id), m.created_at))
+    for manifest in order:
+        if held <= limit:
+            break
+        if evicted.used_within(store.folder(manifest.id), GRACE):
+            continue
+        try:
+            done = store.evict_ram(manifest.id)
+        except (CryoboxError, OSError) as exc:
+            log.warning("the RAM of %s stays: %s", manifest.id, exc)
+            continue
+        if done or store.ram_out(manifest.id):
+            gone.append(manifest.id)
+            freed += done
+            held -= sizes[manifest.id]
+            log.info("the RAM of %s left this host (%d bytes; in the store)", manifest.id, done)
+    return Trimmed(gone, freed, held)
+
+
+def bring_back(store: SnapshotStore, snapshot_id: str, mark: dict[str, Any]) -> None:
+    """Put an evicted snapshot's RAM back from the store it was uploaded to (``mark``,
+    its upload mark, names the store and the tenant), then note its use. Nothing is
+    done when it is here.
+
+    :raises SnapshotNotFound: when the store no longer has it (expired there).
+    :raises SnapshotVerificationFailed: naming the chunk or file that is wrong.
+    :raises StoreError: when the store cannot be reached.
+    """
+    folder = store.folder(snapshot_id)
+    if store.ram_out(snapshot_id):
+        chunks = ChunkStore(
+            str(mark.get("tenant") or "local"), open_objects(mark.get("store") or None)
+        )
+        local = store.get(snapshot_id)
+
+        def fill(path: Path) -> None:
+            try:
+                stored = chunks.find(snapshot_id)
+            except SnapshotNotFound:
+                raise SnapshotNotFound(
+                    f"{snapshot_id} (its RAM left this host for the store, which no longer has it)"
+                ) from None
+            theirs = (stored.manifest.get("files") or {}).get(mf.MEMORY) or {}
+            if theirs.get(mf.DIGEST) != local.files[mf.MEMORY][mf.DIGEST]:
+                raise SnapshotVerificationFailed(
+                    snapshot_id, mf.MEMORY, "the store's copy is not this snapshot's RAM"
+                )
+            pull_file(
+                chunks.objects,
+                chunks.key,
+                stored,
+                mf.MEMORY,
+                path,
+                sources=_sources(store, chunks, snapshot_id),
+            )
+
+        store.bring_ram_back(snapshot_id, fill)
+        log.info("the RAM of %s is back from the store", snapshot_id)
+    evicted.note_use(folder)
+
+
+def _sources(store: SnapshotStore, chunks: ChunkStore, snapshot_id: str) -> dict[str, Any]:
+    """This host's RAM files of the tenant's other stored snapshots: most of a sandbox's
+    second snapshot's windows are its first's."""
+    found = []
+    with contextlib.suppress(CryoboxError, OSError):
+        here = {m.id for m in store.all() if m.id != snapshot_id}
+        for stored in chunks.all():
+            if stored.id in here and not stored.sandbox:
+                found.append((store.folder(stored.id), stored))
+    return local_sources(found)
