@@ -29,7 +29,7 @@ from cryobox.errors import (
 from cryobox.snapshot import arriving, evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.store import catalog, collect
+from cryobox.store import catalog, collect, ram_cache, uploads
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.uploads import SIDECAR
 from waiting import until
@@ -363,6 +363,7 @@ def test_a_snapshot_whose_ram_left_the_host_comes_back_for_a_rollback_and_a_star
             with contextlib.suppress(OSError):
                 if "CRYOBOX_LOCAL_CACHE_GIB" in Path(f"/proc/{each}/environ").read_text("latin-1"):
                     os.kill(each, signal.SIGKILL)
+        monkeypatch.delenv("CRYOBOX_LOCAL_CACHE_GIB")  # (nor the uploaders started below)
     assert (folder / mf.DISK).exists() and (folder / mf.DEVICE_STATE).exists()
     assert [s.location for s in Sandbox.snapshots() if s.id == snap.id] == ["store"]
     sbx.commands.run(f"rm /dev/shm/data; kill -9 {pid}")
@@ -374,7 +375,8 @@ def test_a_snapshot_whose_ram_left_the_host_comes_back_for_a_rollback_and_a_star
     mf.verify(folder, mf.load(folder))
 
     # Out again (as a trim past its grace lets it go): a start from it brings it back.
-    LocalSnapshotStore().evict_ram(snap.id)
+    local = LocalSnapshotStore()
+    assert ram_cache.evict(local, snap.id, uploads.state(local.folder(snap.id))) > 0
     assert not (folder / mf.MEMORY).exists()
     again = sandbox_factory(from_snapshot="cache-out", timeout=300)
     assert again.commands.run("sha256sum /dev/shm/data").stdout.split()[0] == digest

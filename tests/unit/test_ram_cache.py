@@ -8,6 +8,7 @@ snapshot: ``tests/integration/test_store_vm.py``.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from unit.test_store import MIB, make_snapshot, random_windows
 @pytest.fixture
 def local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> LocalSnapshotStore:
     monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))  # (the uploader's)
     return LocalSnapshotStore(tmp_path / "state")
 
 
@@ -54,7 +56,11 @@ def used(local: LocalSnapshotStore, snap: Manifest, seconds_ago: float) -> None:
 
 
 def bring_back(local: LocalSnapshotStore, snap: Manifest) -> None:
-    ram_cache.bring_back(local, snap.id, uploads.state(local.folder(snap.id)))
+    ram_cache.bring_back(local, snap.id)
+
+
+def trim(local: LocalSnapshotStore, limit: int) -> ram_cache.Trimmed:
+    return ram_cache.trim(local, limit, is_stored, uploads.state)
 
 
 def test_the_least_recently_used_ram_leaves_first_and_comes_back_identical(
@@ -69,7 +75,7 @@ def test_the_least_recently_used_ram_leaves_first_and_comes_back_identical(
     digest = oldest.files[mf.MEMORY][mf.DIGEST]
     disk = (local.folder(oldest.id) / mf.DISK).read_bytes()
 
-    trimmed = ram_cache.trim(local, 4 * MIB, is_stored)
+    trimmed = trim(local, 4 * MIB)
     assert trimmed.evicted == [oldest.id, older.id]
     assert trimmed.freed >= 8 * MIB and trimmed.held == 4 * MIB
     for snap in (oldest, older):
@@ -82,7 +88,7 @@ def test_the_least_recently_used_ram_leaves_first_and_comes_back_identical(
     with pytest.raises(SnapshotVerificationFailed, match="left this host's cache"):
         mf.verify(local.folder(oldest.id), oldest)
     # Within the bound already: nothing more goes.
-    assert ram_cache.trim(local, 4 * MIB, is_stored).evicted == []
+    assert trim(local, 4 * MIB).evicted == []
 
     bring_back(local, oldest)
     folder = local.folder(oldest.id)
@@ -93,7 +99,7 @@ def test_the_least_recently_used_ram_leaves_first_and_comes_back_identical(
     assert (folder / mf.MEMORY).stat().st_mode & 0o777 == 0o600
     assert evicted.used_within(folder, 60)  # used now: the next trim keeps it
     bring_back(local, oldest)  # here already: nothing done
-    assert ram_cache.trim(local, 0, is_stored).evicted == []  # both used just now
+    assert trim(local, 0).evicted == []  # both used just now
     assert not list(folder.glob(f"{evicted.PART_PREFIX}*"))
 
 
@@ -103,7 +109,7 @@ def test_an_altered_chunk_is_refused_by_name_and_the_ram_stays_out(
     tenant = f"t{uuid.uuid4().hex[:10]}"
     snap = stored(local, 4, tenant)
     used(local, snap, 3600)
-    assert ram_cache.trim(local, 0, is_stored).evicted == [snap.id]
+    assert trim(local, 0).evicted == [snap.id]
     store = ChunkStore(tenant, LocalObjects(Path(os.environ["CRYOBOX_STORE"])))
     offset, name, _ = store.find(snap.id).files[mf.MEMORY]["chunks"][1]
     blob = bytearray(store.objects.get(catalog.chunk_key(tenant, name)))
@@ -129,11 +135,11 @@ def test_what_is_not_a_stored_users_snapshot_keeps_its_ram(local: LocalSnapshotS
 
     handle, _ = arriving.hold(local.folder(snap.id))
     try:
-        assert ram_cache.trim(local, 0, is_stored).evicted == []
+        assert trim(local, 0).evicted == []
     finally:
         handle.close()
         (local.folder(snap.id) / arriving.NOTE).unlink()
-    assert ram_cache.trim(local, 0, is_stored).evicted == [snap.id]
+    assert trim(local, 0).evicted == [snap.id]
     assert not local.ram_out(pending.id)
 
 
@@ -147,7 +153,7 @@ def test_a_stale_note_or_a_partial_return_left_by_a_crash_reads_as_it_should(
     assert not local.ram_out(snap.id)
     mf.verify(folder, snap)
     used(local, snap, 3600)
-    assert ram_cache.trim(local, 0, is_stored).evicted == [snap.id]
+    assert trim(local, 0).evicted == [snap.id]
     # A return killed midway left its partial file: never read, gone with the next.
     (folder / f"{evicted.PART_PREFIX}dead{evicted.PART_SUFFIX}").write_bytes(b"x" * 4096)
     assert local.ram_out(snap.id)
@@ -156,37 +162,121 @@ def test_a_stale_note_or_a_partial_return_left_by_a_crash_reads_as_it_should(
     assert not list(folder.glob(f"{evicted.PART_PREFIX}*"))
 
 
-_BRING_BACK = """
-import sys
+_KILLED_AT = """
+import os, sys
+from pathlib import Path
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import ram_cache, uploads
-local = LocalSnapshotStore(__import__("pathlib").Path(sys.argv[1]))
-ram_cache.bring_back(local, sys.argv[2], uploads.state(local.folder(sys.argv[2])))
+local, snapshot_id, what, at = LocalSnapshotStore(Path(sys.argv[1])), *sys.argv[2:5]
+
+def step(name):
+    if name == at:
+        os.kill(os.getpid(), 9)
+
+if what == "evict":
+    ram_cache.trim(local, 0, lambda f: True, uploads.state, step=step)
+else:
+    ram_cache.bring_back(local, snapshot_id, step=step)
 """
 
 
-def test_returns_in_several_processes_at_once_or_killed_leave_one_whole_ram(
+def run_killed(local: LocalSnapshotStore, snap: Manifest, what: str, at: str) -> int:
+    args = [sys.executable, "-c", _KILLED_AT, str(local.root), snap.id, what, at]
+    return subprocess.run(args, timeout=120).returncode
+
+
+@pytest.mark.parametrize(
+    ("what", "at", "out_after"),
+    [
+        ("evict", "noted", False),  # the note synced, the file not gone yet: here
+        ("bring_back", "written", True),  # written and synced under another name: out
+        ("bring_back", "renamed", False),  # in place, the note not gone yet: here
+    ],
+)
+def test_a_kill_9_at_each_step_of_an_eviction_or_a_return_leaves_it_sound(
+    local: LocalSnapshotStore, what: str, at: str, out_after: bool
+) -> None:
+    snap = stored(local, 8, f"t{uuid.uuid4().hex[:10]}")
+    folder = local.folder(snap.id)
+    used(local, snap, 3600)
+    if what == "bring_back":
+        assert trim(local, 0).evicted == [snap.id]
+    assert run_killed(local, snap, what, at) == -signal.SIGKILL
+    assert local.ram_out(snap.id) == out_after
+    if not out_after:
+        mf.verify(folder, snap)  # the whole RAM, as the manifest says
+    else:
+        assert not (folder / mf.MEMORY).exists()
+    # And from there, a return and an eviction go through.
+    bring_back(local, snap)
+    mf.verify(folder, snap)
+    assert not list(folder.glob(f"{evicted.PART_PREFIX}*"))
+    used(local, snap, 3600)
+    assert trim(local, 0).evicted == [snap.id]
+
+
+_BRING_BACK = """
+import sys
+from pathlib import Path
+from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.store import ram_cache
+ram_cache.bring_back(LocalSnapshotStore(Path(sys.argv[1])), sys.argv[2])
+"""
+
+
+def test_returns_in_several_processes_at_once_leave_one_whole_ram(
     local: LocalSnapshotStore,
 ) -> None:
     snap = stored(local, 24, f"t{uuid.uuid4().hex[:10]}")
-    folder, args = local.folder(snap.id), [sys.executable, "-c", _BRING_BACK]
-    args += [str(local.root), snap.id]
-    for delay in (0.05, 0.15, 0.3, 0.6):
-        used(local, snap, 3600)
-        ram_cache.trim(local, 0, is_stored)
-        assert local.ram_out(snap.id)
-        killed = subprocess.Popen(args)
-        time.sleep(delay)
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
-        # Out, or back whole: never a RAM file that is not the snapshot's.
-        if not local.ram_out(snap.id):
-            mf.verify(folder, snap)
-            continue
-        assert not (folder / mf.MEMORY).exists()
     used(local, snap, 3600)
-    ram_cache.trim(local, 0, is_stored)
+    assert trim(local, 0).evicted == [snap.id]
+    args = [sys.executable, "-c", _BRING_BACK, str(local.root), snap.id]
     together = [subprocess.Popen(args) for _ in range(3)]
     assert [p.wait(timeout=120) for p in together] == [0, 0, 0]
+    folder = local.folder(snap.id)
     mf.verify(folder, snap)
     assert not list(folder.glob(f"{evicted.PART_PREFIX}*"))
+
+
+def test_a_ram_the_store_does_not_hold_as_it_is_here_never_leaves(
+    local: LocalSnapshotStore,
+) -> None:
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    gone, other = stored(local, 2, tenant, "gone"), stored(local, 2, tenant, "other")
+    for snap in (gone, other):
+        used(local, snap, 3600)
+    store = ChunkStore(tenant, LocalObjects(Path(os.environ["CRYOBOX_STORE"])))
+    store.delete(gone.id)  # (its mark still says stored: the store is asked)
+    # The store's record of "other" names another RAM (a record of another snapshot
+    # under its id): kept too.
+    record = store.find(other.id)
+    lying = dict(record.manifest)
+    lying["files"] = {
+        **record.manifest["files"],
+        mf.MEMORY: {**record.manifest["files"][mf.MEMORY], mf.DIGEST: "0" * 64},
+    }
+    store.objects.put(
+        record.object_key,
+        catalog.encode(store.key, dataclasses.replace(record, manifest=lying)),
+    )
+    assert trim(local, 0).evicted == []
+    assert not local.ram_out(gone.id) and not local.ram_out(other.id)
+
+
+def test_a_snapshot_built_on_a_pulled_one_whose_ram_left_is_uploaded(
+    local: LocalSnapshotStore, tmp_path: Path
+) -> None:
+    """A layer below that the store holds is never uploaded again (that would need its
+    RAM): whatever its mark says (a pulled snapshot's names no store)."""
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    store = ChunkStore(tenant, LocalObjects(Path(os.environ["CRYOBOX_STORE"])))
+    base = make_snapshot(local, random_windows(2), "base")
+    store.push(local.folder(base.id), base)
+    uploads.set_state(local.folder(base.id), tenant=tenant, state="stored")  # (as a pull)
+    used(local, base, 3600)
+    assert trim(local, 0).evicted == [base.id]
+    top = make_snapshot(local, random_windows(2, start=4), "top", chain=(base.id,))
+    uploads.mark(local.folder(top.id), tenant)
+    assert uploads.upload(local.folder(top.id)), uploads.state(local.folder(top.id))
+    assert local.ram_out(base.id)
+    assert {s.id for s in store.all()} == {base.id, top.id}

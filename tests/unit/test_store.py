@@ -28,7 +28,7 @@ from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import archive, catalog, chunks, collect, keys, locks, uploads
 from cryobox.store.chunkstore import ChunkStore
-from cryobox.store.objects import LocalObjects, ObjectInfo, ObjectStore, S3Objects
+from cryobox.store.objects import LocalObjects, ObjectInfo, ObjectStore, S3Objects, connection
 from cryobox.store.retention import DAY, Policy, expired
 from cryobox.util import new_id
 
@@ -571,7 +571,7 @@ def test_an_uploader_stores_only_what_was_marked_with_its_own_store_settings(
 
     # An uploader of the other settings holds its lock the whole time: this one runs.
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
-    elsewhere_lock = state_dir / f"uploader.{uploads.connection()}.lock"
+    elsewhere_lock = state_dir / f"uploader.{connection()}.lock"
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     with open(elsewhere_lock, "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)

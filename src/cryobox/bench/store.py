@@ -25,7 +25,7 @@ from cryobox.models import CommandRequest, CreateRequest, SnapshotPurpose
 from cryobox.service import SandboxService, open_service
 from cryobox.service.persist import Persistence
 from cryobox.snapshot import arriving
-from cryobox.store import catalog, collect
+from cryobox.store import catalog, collect, ram_cache
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import store_url
 
@@ -127,7 +127,8 @@ async def measure(quick: bool) -> dict[str, Any]:
         # RAM kept here too (no CRYOBOX_LOCAL_CACHE_GIB), then with its RAM left for the
         # store as a cache of 0 GiB lets it go (issue 33 item 1).
         found["host_added_whole"] = await asyncio.to_thread(host_bytes) - host_before
-        await asyncio.to_thread(persist.local.evict_ram, second.id)
+        mark = persist.upload_state(second.id)
+        await asyncio.to_thread(ram_cache.evict, persist.local, second.id, mark)
         found["host_added_cached"] = await asyncio.to_thread(host_bytes) - host_before
         found["ram_bytes"] = ram_mib << 20
         usage = await asyncio.to_thread(collect.usage, persist.chunks())

@@ -80,6 +80,17 @@ def _arrives_lazily(stored: StoredSnapshot) -> bool:
 _PULLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cryobox-pull")
 
 
+def _mark_pulled(folder: Path, store: ChunkStore, stored: StoredSnapshot) -> None:
+    """A pulled snapshot's upload mark: stored, in that store, as that tenant's."""
+    uploads.set_state(
+        folder,
+        tenant=store.tenant,
+        store=str(store.objects.url),
+        state="stored",
+        stored_at=stored.stored_at,
+    )
+
+
 @dataclass
 class CollectReport:
     """What a collection did."""
@@ -146,8 +157,7 @@ class Persistence:
         ``progress(done, total)`` is told the bytes read so far (from a worker thread)."""
         manifest = self.local.get(ref)
         folder = self.local.folder(manifest.id)
-        if self.local.ram_out(manifest.id):  # (its RAM left for the store it is in)
-            return uploads.state(folder)
+        await self.ram_here(manifest.id)  # (its RAM may have left for another store)
         uploads.mark(folder, self.tenant)
         if not await asyncio.to_thread(uploads.upload, folder, progress):
             raise StoreError(
@@ -195,12 +205,9 @@ class Persistence:
 
         :raises SnapshotError: when the store no longer has it, or its copy is wrong.
         """
-        folder = self.local.folder(snapshot_id)
-        if not self.local.ram_out(snapshot_id):
-            evicted.note_use(folder)
+        if not await asyncio.to_thread(self.local.use, snapshot_id):
             return
-        mark = uploads.state(folder)
-        await self._in_turn(lambda: ram_cache.bring_back(self.local, snapshot_id, mark))
+        await self._in_turn(lambda: ram_cache.bring_back(self.local, snapshot_id))
         with contextlib.suppress(OSError):
             uploads.start_uploader()  # (it trims the cache once it has nothing to upload)
 
@@ -317,9 +324,7 @@ class Persistence:
         with contextlib.suppress(OSError, ValueError):  # (a spare is a help, never a need)
             lazy_ram.keep_spare()  # the next lazy pull need not wait for an interpreter
         with contextlib.suppress(OSError):
-            uploads.set_state(
-                final, tenant=store.tenant, state="stored", stored_at=stored.stored_at
-            )
+            _mark_pulled(final, store, stored)
         return manifest
 
     def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> LocalSources:
@@ -364,7 +369,7 @@ class Persistence:
         manifest = store.pull(stored, temp, final, sources=sources, progress=progress)
         for chunk, where in local_sources([(final, stored)]).items():
             sources.setdefault(chunk, where)
-        uploads.set_state(final, tenant=store.tenant, state="stored", stored_at=stored.stored_at)
+        _mark_pulled(final, store, stored)
         if rename is not None:  # the store's record carries the new name too
             store.objects.put(stored.object_key, catalog.encode(store.key, stored))
         return manifest

@@ -861,10 +861,12 @@ class SandboxService:
         :raises InvalidArgument: when it belongs to another sandbox or has no memory.
         """
         self.connections.require_running(sandbox_id, "roll back")
-        with contextlib.suppress(SnapshotNotFound):  # (the supervisor says it is missing)
+        try:
             target = self.store.get(ref)
-            if target.source_sandbox == sandbox_id:  # (another's: the supervisor refuses)
-                await self.persist.ram_here(target.id)
+        except SnapshotNotFound:
+            target = None  # (the supervisor says it is missing)
+        if target is not None and target.source_sandbox == sandbox_id:  # (another's: refused)
+            await self.persist.ram_here(target.id)
         await self.connections.control(sandbox_id, Rollback(ref))
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None:

@@ -15,7 +15,8 @@ What a crash can leave, and what it means:
 - the note and the RAM file: an eviction cut short before the file went, or a return
   cut short after the file was renamed into place (it was written, synced and checked
   under another name first): the RAM is here, the note is stale (:func:`settle`);
-- a partial return (``.memory-*.part``) is never read, and goes with the next one.
+- a partial return (``.memory-*.part``) is never read: it goes with the next return,
+  or with the store's sweep once ten minutes old.
 
 Every change happens under the snapshot's RAM lock (:meth:`LocalSnapshotStore.evict_ram`
 and :meth:`LocalSnapshotStore.bring_ram_back`), which a delete and a fold take too.
@@ -24,9 +25,11 @@ and :meth:`LocalSnapshotStore.bring_ram_back`), which a delete and a fold take t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from cryobox.snapshot import manifest as mf
 
@@ -43,6 +46,16 @@ PART_SUFFIX = ".part"
 def is_out(folder: Path) -> bool:
     """Whether the snapshot's RAM is in the store only (the note, and no RAM file)."""
     return (folder / NOTE).exists() and not (folder / mf.MEMORY).exists()
+
+
+def note(folder: Path) -> dict[str, Any]:
+    """What the eviction noted: the store (``store``, its URL) and the ``tenant`` the
+    RAM is stored under; empty when it cannot be read."""
+    try:
+        value = json.loads((folder / NOTE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def settle(folder: Path) -> None:

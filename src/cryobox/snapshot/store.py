@@ -47,6 +47,14 @@ ABANDONED_AFTER = 600.0
 _ID = re.compile(r"(snap|pause)-[0-9a-f]{12}")
 
 
+#: Told the steps an operation passes (a crash-safety test dies at one).
+Step = Callable[[str], None]
+#: Whether an eviction may go on (under the RAM lock), and what its note then says.
+Confirm = Callable[[Manifest, Path], dict[str, Any] | None]
+#: Writes a snapshot's RAM at a path, from the store its eviction's note names.
+Fill = Callable[[Path, dict[str, Any]], None]
+
+
 def _no_step(step: str) -> None:
     """Where a fold tells the steps it passes to no one."""
 
@@ -145,20 +153,27 @@ class SnapshotStore(Protocol):
         :raises StorageError: when the host has no room for it (nothing written)."""
         ...
 
-    def evict_ram(self, snapshot_id: str) -> int:
-        """Let a stored snapshot's RAM file go from this host (the chunk store holds it:
-        the caller checked): the bytes freed, 0 when it stays (see
-        :mod:`~cryobox.snapshot.evicted`)."""
+    def evict_ram(self, snapshot_id: str, confirm: Confirm, *, step: Step = _no_step) -> int:
+        """Let a snapshot's RAM file go from this host once ``confirm`` (asked under its
+        RAM lock) says the store holds it, with what to note of where: the bytes freed,
+        0 when it stays (see :mod:`~cryobox.snapshot.evicted`)."""
         ...
 
     def ram_out(self, snapshot_id: str) -> bool:
         """Whether the snapshot's RAM is in the store only (:meth:`evict_ram`)."""
         ...
 
-    def bring_ram_back(self, snapshot_id: str, fill: Callable[[Path], None]) -> None:
-        """Put an evicted snapshot's RAM back: ``fill(path)`` writes it to ``path`` and
-        checks it against the manifest (raising when it differs); it then takes the RAM
-        file's place. Nothing is done when the RAM is here."""
+    def use(self, snapshot_id: str) -> bool:
+        """Note a use of the snapshot now (a start from it, a rollback to it), under its
+        RAM lock: an eviction is either done before (then True: its RAM is out) or sees
+        the use and keeps it."""
+        ...
+
+    def bring_ram_back(self, snapshot_id: str, fill: Fill, *, step: Step = _no_step) -> None:
+        """Put an evicted snapshot's RAM back: ``fill(path, note)`` writes it to
+        ``path`` from the store the eviction's note names, and checks it against the
+        manifest (raising when it differs); it then takes the RAM file's place. Nothing
+        is done when the RAM is here. ``step`` is told "written" and "renamed"."""
         ...
 
     def stored_bytes(self, snapshot_id: str) -> int:
@@ -333,10 +348,12 @@ class LocalSnapshotStore:
             ram_delta.fill(target, whole, deltas)
             _switch_ram(folder, manifest, (mf.MEMORY,), (ram_delta.DELTA, ram_delta.PAGES), None)
 
-    def evict_ram(self, snapshot_id: str) -> int:
+    def evict_ram(self, snapshot_id: str, confirm: Confirm, *, step: Step = _no_step) -> int:
         """Kept when its RAM arrives from the store still, is another's base (a folded
-        checkpoint's RAM is laid over it) or is not whole. The note is written and
-        synced before the file goes: a crash between leaves both, which reads as here."""
+        checkpoint's RAM is laid over it), is not whole, or ``confirm(manifest,
+        folder)``, asked under the lock, says None; else what it says is the note. The
+        note is written and synced before the file goes: a crash between leaves both,
+        which reads as here."""
         folder = self.folder(snapshot_id)
         with self._ram_lock(snapshot_id):
             manifest = _load(folder)
@@ -348,8 +365,12 @@ class LocalSnapshotStore:
                 or evicted.is_out(folder)
             ):
                 return 0
+            note = confirm(manifest, folder)
+            if note is None:
+                return 0
             freed = evicted.ram_bytes(folder)
-            write_json_atomic(folder / evicted.NOTE, {"id": snapshot_id, "at": time.time()})
+            write_json_atomic(folder / evicted.NOTE, {**note, "id": snapshot_id, "at": time.time()})
+            step("noted")
             (folder / mf.MEMORY).unlink()
             fsync_dir(folder)
             return freed
@@ -357,7 +378,13 @@ class LocalSnapshotStore:
     def ram_out(self, snapshot_id: str) -> bool:
         return evicted.is_out(self.folder(snapshot_id))
 
-    def bring_ram_back(self, snapshot_id: str, fill: Callable[[Path], None]) -> None:
+    def use(self, snapshot_id: str) -> bool:
+        folder = self.folder(snapshot_id)
+        with self._ram_lock(snapshot_id):
+            evicted.note_use(folder)
+            return evicted.is_out(folder)
+
+    def bring_ram_back(self, snapshot_id: str, fill: Fill, *, step: Step = _no_step) -> None:
         folder = self.folder(snapshot_id)
         with self._ram_lock(snapshot_id):
             _load(folder)  # (deleted meanwhile: SnapshotNotFound)
@@ -366,10 +393,12 @@ class LocalSnapshotStore:
                 return
             part = folder / f"{evicted.PART_PREFIX}{uuid.uuid4().hex[:12]}{evicted.PART_SUFFIX}"
             try:
-                fill(part)
+                fill(part, evicted.note(folder))
                 mf.fsync_file(part)
+                step("written")
                 part.rename(folder / mf.MEMORY)
                 fsync_dir(folder)
+                step("renamed")
             finally:
                 part.unlink(missing_ok=True)
             evicted.settle(folder)
@@ -406,6 +435,10 @@ class LocalSnapshotStore:
                 listed = _load(folder).files
             except (OSError, SnapshotError):
                 continue
+            for part in folder.glob(f"{evicted.PART_PREFIX}*{evicted.PART_SUFFIX}"):
+                with contextlib.suppress(OSError):  # (a return killed midway)
+                    if time.time() - part.stat().st_mtime > ABANDONED_AFTER:
+                        part.unlink()
             for name in (mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES):
                 path = folder / name
                 with contextlib.suppress(OSError):

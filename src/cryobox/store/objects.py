@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
 import os
 import sqlite3
 import threading
@@ -344,6 +345,18 @@ class S3Objects:
     def discard(self) -> None:
         """Nothing to do: each PUT is durable and visible when it answers; a chunk
         without a record naming it is collected."""
+
+
+#: What boto3 reads to reach an S3 store (beside ``CRYOBOX_STORE``), but the secret.
+CONNECTION_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_REGION", "AWS_PROFILE")
+
+
+def connection() -> str:
+    """Which store connection this process's environment opens: a short digest of the
+    S3 settings boto3 reads (endpoint, key id, region, profile; never the secret, which
+    is not written anywhere). Equal in every process of one deployment."""
+    values = "\0".join(os.environ.get(name, "") for name in CONNECTION_VARIABLES)
+    return hashlib.sha256(values.encode()).hexdigest()[:16]
 
 
 def store_url() -> str:

@@ -39,6 +39,7 @@ from cryobox.snapshot.store import SnapshotStore
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects
 from cryobox.store.transfer import local_sources, pull_file
+from cryobox.util import check_space
 
 log = logging.getLogger("cryobox.store.ram_cache")
 
@@ -79,10 +80,19 @@ def _cached(store: SnapshotStore, manifest: Manifest, stored: Callable[[Path], b
     )
 
 
-def trim(store: SnapshotStore, limit: int, stored: Callable[[Path], bool]) -> Trimmed:
-    """Evict the RAM of stored snapshots (``stored(folder)``: its upload is done),
-    least recently used first, until what the rest take here is at most ``limit`` bytes
-    (those used within :data:`GRACE` stay, whatever it takes)."""
+def trim(
+    store: SnapshotStore,
+    limit: int,
+    stored: Callable[[Path], bool],
+    marks: Callable[[Path], dict[str, Any]],
+    *,
+    step: Callable[[str], None] | None = None,
+) -> Trimmed:
+    """Evict the RAM of stored snapshots (``stored(folder)``: its upload is done;
+    ``marks(folder)``: its upload mark, naming the store and tenant), least recently
+    used first, until what the rest take here is at most ``limit`` bytes. Each is
+    evicted only once the store is seen to hold this very RAM, under its lock, and
+    never one used within :data:`GRACE` (checked under the lock too)."""
     cached = [m for m in store.all() if _cached(store, m, stored)]
     sizes = {m.id: evicted.ram_bytes(store.folder(m.id)) for m in cached}
     held = sum(sizes.values())
@@ -92,14 +102,18 @@ def trim(store: SnapshotStore, limit: int, stored: Callable[[Path], bool]) -> Tr
     for manifest in order:
         if held <= limit:
             break
-        if evicted.used_within(store.folder(manifest.id), GRACE):
-            continue
+
+        def confirm(current: Manifest, folder: Path) -> dict[str, Any] | None:
+            if evicted.used_within(folder, GRACE) or not stored(folder):
+                return None
+            return _held_by_store(current, marks(folder))
+
         try:
-            done = store.evict_ram(manifest.id)
+            done = store.evict_ram(manifest.id, confirm, step=step or _no_step)
         except (CryoboxError, OSError) as exc:
             log.warning("the RAM of %s stays: %s", manifest.id, exc)
             continue
-        if done or store.ram_out(manifest.id):
+        if store.ram_out(manifest.id):
             gone.append(manifest.id)
             freed += done
             held -= sizes[manifest.id]
@@ -107,46 +121,77 @@ def trim(store: SnapshotStore, limit: int, stored: Callable[[Path], bool]) -> Tr
     return Trimmed(gone, freed, held)
 
 
-def bring_back(store: SnapshotStore, snapshot_id: str, mark: dict[str, Any]) -> None:
-    """Put an evicted snapshot's RAM back from the store it was uploaded to (``mark``,
-    its upload mark, names the store and the tenant), then note its use. Nothing is
-    done when it is here.
+def evict(store: SnapshotStore, snapshot_id: str, mark: dict[str, Any]) -> int:
+    """Evict one snapshot's RAM now, whatever the bound and its last use, once the store
+    its upload ``mark`` names is seen to hold it: the bytes freed (0: it stays)."""
+    return store.evict_ram(snapshot_id, lambda current, _: _held_by_store(current, mark))
+
+
+def _no_step(step: str) -> None:
+    """Where an eviction tells its steps to no one."""
+
+
+def _held_by_store(manifest: Manifest, mark: dict[str, Any]) -> dict[str, Any] | None:
+    """The note of an eviction (the store's URL and the tenant) when the store its mark
+    names holds the snapshot with this very RAM; None when it does not, or cannot say
+    now (the RAM stays)."""
+    tenant = str(mark.get("tenant") or "local")
+    try:
+        chunks = ChunkStore(tenant, open_objects(mark.get("store") or None))
+        stored = chunks.find(manifest.id)
+    except (CryoboxError, OSError) as exc:
+        log.info("the RAM of %s stays: its store does not hold it now (%s)", manifest.id, exc)
+        return None
+    theirs = (stored.manifest.get("files") or {}).get(mf.MEMORY) or {}
+    if theirs.get(mf.DIGEST) != manifest.files[mf.MEMORY][mf.DIGEST] or stored.sandbox:
+        log.warning("the RAM of %s stays: the store's copy is not this RAM", manifest.id)
+        return None
+    return {"store": str(chunks.objects.url), "tenant": tenant}
+
+
+def bring_back(
+    store: SnapshotStore, snapshot_id: str, *, step: Callable[[str], None] | None = None
+) -> None:
+    """Put an evicted snapshot's RAM back from the store its eviction noted, then note
+    its use. Nothing is done when it is here.
 
     :raises SnapshotNotFound: when the store no longer has it (expired there).
     :raises SnapshotVerificationFailed: naming the chunk or file that is wrong.
     :raises StoreError: when the store cannot be reached.
+    :raises StorageError: when the host has no room for it (nothing written).
     """
     folder = store.folder(snapshot_id)
-    if store.ram_out(snapshot_id):
+    local = store.get(snapshot_id)
+
+    def fill(path: Path, note: dict[str, Any]) -> None:
         chunks = ChunkStore(
-            str(mark.get("tenant") or "local"), open_objects(mark.get("store") or None)
+            str(note.get("tenant") or "local"), open_objects(note.get("store") or None)
         )
-        local = store.get(snapshot_id)
-
-        def fill(path: Path) -> None:
-            try:
-                stored = chunks.find(snapshot_id)
-            except SnapshotNotFound:
-                raise SnapshotNotFound(
-                    f"{snapshot_id} (its RAM left this host for the store, which no longer has it)"
-                ) from None
-            theirs = (stored.manifest.get("files") or {}).get(mf.MEMORY) or {}
-            if theirs.get(mf.DIGEST) != local.files[mf.MEMORY][mf.DIGEST]:
-                raise SnapshotVerificationFailed(
-                    snapshot_id, mf.MEMORY, "the store's copy is not this snapshot's RAM"
-                )
-            pull_file(
-                chunks.objects,
-                chunks.key,
-                stored,
-                mf.MEMORY,
-                path,
-                sources=_sources(store, chunks, snapshot_id),
+        try:
+            stored = chunks.find(snapshot_id)
+        except SnapshotNotFound:
+            raise SnapshotNotFound(
+                f"{snapshot_id} (its RAM left this host for the store "
+                f"{chunks.objects.url}, which no longer has it)"
+            ) from None
+        theirs = (stored.manifest.get("files") or {}).get(mf.MEMORY) or {}
+        if theirs.get(mf.DIGEST) != local.files[mf.MEMORY][mf.DIGEST]:
+            raise SnapshotVerificationFailed(
+                snapshot_id, mf.MEMORY, "the store's copy is not this snapshot's RAM"
             )
+        check_space(stored.data_bytes(mf.MEMORY), f"bringing back the RAM of {snapshot_id}", folder)
+        pull_file(
+            chunks.objects,
+            chunks.key,
+            stored,
+            mf.MEMORY,
+            path,
+            sources=_sources(store, chunks, snapshot_id),
+        )
 
-        store.bring_ram_back(snapshot_id, fill)
-        log.info("the RAM of %s is back from the store", snapshot_id)
+    store.bring_ram_back(snapshot_id, fill, step=step or _no_step)
     evicted.note_use(folder)
+    log.info("the RAM of %s is here (from the store when it was out)", snapshot_id)
 
 
 def _sources(store: SnapshotStore, chunks: ChunkStore, snapshot_id: str) -> dict[str, Any]:

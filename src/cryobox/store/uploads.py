@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import catalog, ram_cache
 from cryobox.store.chunkstore import ChunkStore
-from cryobox.store.objects import open_objects, store_url
+from cryobox.store.objects import connection, open_objects, store_url
 from cryobox.util import open_log, write_json_atomic
 
 SIDECAR = "upload.json"
@@ -71,17 +70,6 @@ def set_state(folder: Path, *, durable: bool = True, **fields: Any) -> None:
     value = {**state(folder), **fields, "at": time.time()}
     with contextlib.suppress(OSError):
         write_json_atomic(folder / SIDECAR, value, durable=durable)
-
-
-CONNECTION_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_REGION", "AWS_PROFILE")
-
-
-def connection() -> str:
-    """Which store connection this process's environment opens: a short digest of the
-    S3 settings boto3 reads (endpoint, key id, region, profile; never the secret, which
-    is not written anywhere). Equal in every process of one deployment."""
-    values = "\0".join(os.environ.get(name, "") for name in CONNECTION_VARIABLES)
-    return hashlib.sha256(values.encode()).hexdigest()[:16]
 
 
 def mark(folder: Path, tenant: str, store: str | None = None) -> None:
@@ -204,12 +192,11 @@ def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str, store: Chu
     :raises StoreError: when one of them cannot be stored (this upload is retried).
     """
     for layer, below, marked, owner in _layers_here(manifest, tenant):
-        if (
-            marked.get("state") == "stored"
-            and str(marked.get("store") or "") == url
-            and _is_stored(store, owner, layer)
-        ):
-            continue
+        if _is_stored(store, owner, layer):
+            continue  # (whatever its mark says: a pulled one's names no store)
+        local = LocalSnapshotStore()
+        if local.ram_out(layer):  # its RAM left for another store: back first
+            ram_cache.bring_back(local, layer)
         if str(marked.get("store") or "") != url or marked.get("state") not in (
             "pending",
             "uploading",
@@ -301,7 +288,10 @@ def _trim_cache() -> None:
         limit = ram_cache.budget()
         if limit is not None:
             ram_cache.trim(
-                LocalSnapshotStore(), limit, lambda folder: state(folder).get("state") == "stored"
+                LocalSnapshotStore(),
+                limit,
+                lambda folder: state(folder).get("state") == "stored",
+                state,
             )
     except (CryoboxError, OSError) as exc:
         log.warning("the local cache of stored RAM was not trimmed: %s", exc)
