@@ -865,7 +865,11 @@ class SandboxService:
             target = self.store.get(ref)
         except SnapshotNotFound:
             target = None  # (the supervisor says it is missing)
-        if target is not None and target.source_sandbox == sandbox_id:  # (another's: refused)
+        if (
+            target is not None
+            and target.purpose is SnapshotPurpose.SNAPSHOT  # (only those leave the cache)
+            and target.source_sandbox == sandbox_id  # (another's is refused)
+        ):
             await self.persist.ram_here(target.id)
         await self.connections.control(sandbox_id, Rollback(ref))
 
