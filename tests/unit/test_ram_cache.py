@@ -45,10 +45,6 @@ def stored(local: LocalSnapshotStore, windows: int, tenant: str, name: str = "s"
     return snap
 
 
-def is_stored(folder: Path) -> bool:
-    return uploads.state(folder).get("state") == "stored"
-
-
 def used(local: LocalSnapshotStore, snap: Manifest, seconds_ago: float) -> None:
     evicted.note_use(local.folder(snap.id))
     at = time.time() - seconds_ago
@@ -60,7 +56,7 @@ def bring_back(local: LocalSnapshotStore, snap: Manifest) -> None:
 
 
 def trim(local: LocalSnapshotStore, limit: int) -> ram_cache.Trimmed:
-    return ram_cache.trim(local, limit, is_stored, uploads.state)
+    return ram_cache.trim(local, limit, uploads.state)
 
 
 def test_the_least_recently_used_ram_leaves_first_and_comes_back_identical(
@@ -174,7 +170,7 @@ def step(name):
         os.kill(os.getpid(), 9)
 
 if what == "evict":
-    ram_cache.trim(local, 0, lambda f: True, uploads.state, step=step)
+    ram_cache.trim(local, 0, uploads.state, step=step)
 else:
     ram_cache.bring_back(local, snapshot_id, step=step)
 """

@@ -172,13 +172,10 @@ class Persistence:
     def _sources(self, store: ChunkStore) -> LocalSources:
         """Where this host's files already hold the store's chunks: the local folders of
         snapshots that ``store`` holds (read and checked instead of fetched)."""
-        found = []
-        with contextlib.suppress(StoreError):
-            by_id = {s.id: s for s in store.all() if not s.sandbox}
-            for manifest in self.local.all():
-                if manifest.id in by_id:
-                    found.append((self.local.folder(manifest.id), by_id[manifest.id]))
-        return local_sources(found)
+        try:
+            return transfer.stored_here(self.local, store.all())
+        except StoreError:
+            return {}
 
     async def local_or_pulled(
         self, ref: str, progress: Progress | None = None, *, lazy: bool = False

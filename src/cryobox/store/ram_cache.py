@@ -36,9 +36,10 @@ from cryobox.snapshot import evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore
+from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects
-from cryobox.store.transfer import local_sources, pull_file
+from cryobox.store.transfer import LocalSources, pull_file, stored_here
 from cryobox.util import check_space
 
 log = logging.getLogger("cryobox.store.ram_cache")
@@ -68,14 +69,21 @@ class Trimmed:
     held: int
 
 
-def _cached(store: SnapshotStore, manifest: Manifest, stored: Callable[[Path], bool]) -> bool:
+def _stored(mark: dict[str, Any]) -> bool:
+    """Whether an upload mark says the upload is done."""
+    return mark.get("state") == "stored"
+
+
+def _cached(
+    store: SnapshotStore, manifest: Manifest, marks: Callable[[Path], dict[str, Any]]
+) -> bool:
     """Whether the snapshot's RAM here is a copy of the store's that may be evicted."""
     return (
         manifest.purpose is SnapshotPurpose.SNAPSHOT
         and manifest.kind is SnapshotKind.MEMORY
         and not manifest.memory_base
         and mf.MEMORY in manifest.files
-        and stored(store.folder(manifest.id))
+        and _stored(marks(store.folder(manifest.id)))
         and not store.ram_out(manifest.id)
     )
 
@@ -83,17 +91,16 @@ def _cached(store: SnapshotStore, manifest: Manifest, stored: Callable[[Path], b
 def trim(
     store: SnapshotStore,
     limit: int,
-    stored: Callable[[Path], bool],
     marks: Callable[[Path], dict[str, Any]],
     *,
     step: Callable[[str], None] | None = None,
 ) -> Trimmed:
-    """Evict the RAM of stored snapshots (``stored(folder)``: its upload is done;
-    ``marks(folder)``: its upload mark, naming the store and tenant), least recently
-    used first, until what the rest take here is at most ``limit`` bytes. Each is
-    evicted only once the store is seen to hold this very RAM, under its lock, and
-    never one used within :data:`GRACE` (checked under the lock too)."""
-    cached = [m for m in store.all() if _cached(store, m, stored)]
+    """Evict the RAM of stored snapshots (``marks(folder)``: its upload mark, saying
+    whether it is stored, where and as whose), least recently used first, until what
+    the rest take here is at most ``limit`` bytes. Each is evicted only once the store
+    is seen to hold this very RAM, under its lock, and never one used within
+    :data:`GRACE` (checked under the lock too)."""
+    cached = [m for m in store.all() if _cached(store, m, marks)]
     sizes = {m.id: evicted.ram_bytes(store.folder(m.id)) for m in cached}
     held = sum(sizes.values())
     gone: list[str] = []
@@ -104,9 +111,10 @@ def trim(
             break
 
         def confirm(current: Manifest, folder: Path) -> dict[str, Any] | None:
-            if evicted.used_within(folder, GRACE) or not stored(folder):
+            mark = marks(folder)
+            if evicted.used_within(folder, GRACE) or not _stored(mark):
                 return None
-            return _held_by_store(current, marks(folder))
+            return _held_by_store(current, mark)
 
         try:
             done = store.evict_ram(manifest.id, confirm, step=step or _no_step)
@@ -142,11 +150,16 @@ def _held_by_store(manifest: Manifest, mark: dict[str, Any]) -> dict[str, Any] |
     except (CryoboxError, OSError) as exc:
         log.info("the RAM of %s stays: its store does not hold it now (%s)", manifest.id, exc)
         return None
-    theirs = (stored.manifest.get("files") or {}).get(mf.MEMORY) or {}
-    if theirs.get(mf.DIGEST) != manifest.files[mf.MEMORY][mf.DIGEST] or stored.sandbox:
+    if not _same_ram(stored, manifest) or stored.sandbox:
         log.warning("the RAM of %s stays: the store's copy is not this RAM", manifest.id)
         return None
     return {"store": str(chunks.objects.url), "tenant": tenant}
+
+
+def _same_ram(stored: StoredSnapshot, manifest: Manifest) -> bool:
+    """Whether the store's record holds the RAM the local (signed) manifest names."""
+    theirs = (stored.manifest.get("files") or {}).get(mf.MEMORY) or {}
+    return bool(theirs.get(mf.DIGEST) == manifest.files[mf.MEMORY][mf.DIGEST])
 
 
 def bring_back(
@@ -174,8 +187,7 @@ def bring_back(
                 f"{snapshot_id} (its RAM left this host for the store "
                 f"{chunks.objects.url}, which no longer has it)"
             ) from None
-        theirs = (stored.manifest.get("files") or {}).get(mf.MEMORY) or {}
-        if theirs.get(mf.DIGEST) != local.files[mf.MEMORY][mf.DIGEST]:
+        if not _same_ram(stored, local):
             raise SnapshotVerificationFailed(
                 snapshot_id, mf.MEMORY, "the store's copy is not this snapshot's RAM"
             )
@@ -186,7 +198,7 @@ def bring_back(
             stored,
             mf.MEMORY,
             path,
-            sources=_sources(store, chunks, snapshot_id),
+            sources=_sources(store, chunks),
         )
 
     store.bring_ram_back(snapshot_id, fill, step=step or _no_step)
@@ -194,13 +206,9 @@ def bring_back(
     log.info("the RAM of %s is here (from the store when it was out)", snapshot_id)
 
 
-def _sources(store: SnapshotStore, chunks: ChunkStore, snapshot_id: str) -> dict[str, Any]:
-    """This host's RAM files of the tenant's other stored snapshots: most of a sandbox's
-    second snapshot's windows are its first's."""
-    found = []
+def _sources(store: SnapshotStore, chunks: ChunkStore) -> LocalSources:
+    """This host's files of the tenant's stored snapshots (most of a sandbox's second
+    snapshot's windows are its first's); none when they cannot be listed."""
     with contextlib.suppress(CryoboxError, OSError):
-        here = {m.id for m in store.all() if m.id != snapshot_id}
-        for stored in chunks.all():
-            if stored.id in here and not stored.sandbox:
-                found.append((store.folder(stored.id), stored))
-    return local_sources(found)
+        return stored_here(store, chunks.all())
+    return {}

@@ -23,6 +23,7 @@ from typing import Any
 from cryobox.errors import SnapshotVerificationFailed
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
+from cryobox.snapshot.store import SnapshotStore
 from cryobox.store import catalog, chunks, locks
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.keys import DataKey
@@ -142,6 +143,14 @@ def local_sources(stored: Iterable[tuple[Path, StoredSnapshot]]) -> LocalSources
                 for offset, chunk, _ in entry["chunks"]:
                     found.setdefault(chunk, (folder / name, offset))
     return found
+
+
+def stored_here(store: SnapshotStore, stored: Iterable[StoredSnapshot]) -> LocalSources:
+    """Where this host's files already hold chunks of ``stored`` (a chunk store's
+    snapshots): the local folders of those of them that are here, read and checked
+    instead of fetched."""
+    by_id = {s.id: s for s in stored if not s.sandbox}
+    return local_sources((store.folder(m.id), by_id[m.id]) for m in store.all() if m.id in by_id)
 
 
 def pull(

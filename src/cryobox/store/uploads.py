@@ -287,12 +287,7 @@ def _trim_cache() -> None:
     try:
         limit = ram_cache.budget()
         if limit is not None:
-            ram_cache.trim(
-                LocalSnapshotStore(),
-                limit,
-                lambda folder: state(folder).get("state") == "stored",
-                state,
-            )
+            ram_cache.trim(LocalSnapshotStore(), limit, state)
     except (CryoboxError, OSError) as exc:
         log.warning("the local cache of stored RAM was not trimmed: %s", exc)
 
