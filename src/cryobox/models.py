@@ -22,11 +22,16 @@ Seconds = Annotated[float, Gt(0), Le(config.MAX_TIMEOUT)]
 Port = Annotated[int, Ge(1), Le(65535)]
 Text = Annotated[str, MinLen(1), MaxLen(4096)]
 #: A network policy as records keep it: "internet", "none", an allow list, or
-#: ``{"allow": [...], "deny": [...]}`` (see :mod:`cryobox.network.policy`).
-NetworkJson = str | list[str] | dict[str, list[str]]
+#: ``{"allow": [...], "deny": [...]}``, with ``"headers"`` set per destination and the
+#: addresses their names had (``"resolved"``) (see :mod:`cryobox.network.policy`).
+NetworkJson = str | list[str] | dict[str, Any]
 _Rules = Annotated[list[Text], MaxLen(256)]
+#: Headers set per destination: ``{"api.example.com": {"Authorization": "..."}}``.
+_Headers = Annotated[
+    dict[Annotated[str, MaxLen(253)], Annotated[dict[Text, Text], MaxLen(64)]], MaxLen(256)
+]
 #: The same as a request may send it (bounded).
-NetworkRequest = str | _Rules | Annotated[dict[str, _Rules], MaxLen(2)]
+NetworkRequest = str | _Rules | Annotated[dict[str, _Rules | _Headers], MaxLen(3)]
 
 #: Called with a line saying what a long step is doing (an image build, a template).
 Progress = Callable[[str], None]

@@ -270,9 +270,9 @@ def test_e2b_network_rules_and_update_network_over_http(
         assert reaches(sbx)
         sbx.update_network({"deny_out": [e2b.ALL_TRAFFIC]})
         assert not reaches(sbx)
-        transform = {"example.com": [{"transform": {"headers": {"X-Token": "secret"}}}]}
-        with pytest.raises(e2b.SandboxException, match=r"network\.rules"):
-            e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(rules=transform))
+        proxy = {"address": "203.0.113.9:1080"}
+        with pytest.raises(e2b.SandboxException, match=r"egressProxy"):
+            e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(egress_proxy=proxy))
 
         cli = subprocess.run(
             [*CLI, "network", sbx.sandbox_id, "--deny", f"{OUTSIDE}:8081"],
@@ -438,3 +438,140 @@ def test_proxy_and_ca_bundle_let_the_guest_out_as_the_host_goes(
             Sandbox.create(proxy=bad)
     with pytest.raises(InvalidArgument, match="ca_bundle"):
         Sandbox.create(ca_bundle="-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----")
+
+
+#: Answers on 80 (plain) and 443 (TLS, with the certificate and key given) with the
+#: request's headers as JSON.
+ECHO_SERVER = """
+import http.server, json, ssl, sys, threading
+class Echo(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        data = json.dumps({"headers": self.headers.items()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *args):
+        pass
+plain = http.server.ThreadingHTTPServer((sys.argv[1], 80), Echo)
+secure = http.server.ThreadingHTTPServer((sys.argv[1], 443), Echo)
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain(sys.argv[2], sys.argv[3])
+secure.socket = context.wrap_socket(secure.socket, server_side=True)
+threading.Thread(target=plain.serve_forever, daemon=True).start()
+secure.serve_forever()
+"""
+
+
+@pytest.fixture
+def echo(outside: None, tmp_path: Path) -> Iterator[Path]:
+    """Echo servers on the test host's ports 80 and 443; the CA of the latter's certificate."""
+    ca, cert, key = tls_ca.make(tmp_path / "echo", OUTSIDE)
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", TEST_NS, sys.executable, "-c", ECHO_SERVER, OUTSIDE, cert, key],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        def listening() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection((OUTSIDE, 443), 2):
+                return True
+            return False
+
+        until(listening, "the test host's echo server", timeout=60)
+        yield ca
+    finally:
+        server.kill()
+        server.wait()
+
+
+def headers_seen(sbx: Any, url: str, *args: str) -> list[tuple[str, str]]:
+    """The headers the echo server got for a curl from the guest (``-H`` ``args``)."""
+    extra = " ".join(f"-H '{arg}'" for arg in args)
+    done = sbx.commands.run(f"curl -sS --max-time 20 {extra} {url}", timeout=60)
+    return [tuple(pair) for pair in json.loads(done.stdout)["headers"]]
+
+
+def test_headers_a_policy_sets_reach_the_destination_but_never_the_guest(
+    sandbox_factory: Callable[..., Any], echo: Path
+) -> None:
+    """``network={"headers": {...}}`` set while the sandbox runs: the guest's HTTPS and
+    HTTP requests to that destination arrive with the header (replacing the guest's),
+    through a certificate of the host's egress CA the guest was made to trust; the
+    secret is nowhere in the guest. Kept across a pause; a policy that denies the
+    destination still denies it (answered 502, naming why); without headers, the
+    guest's TLS goes to the destination unread."""
+    secret = "from-the-host-7f3a"
+    sbx = sandbox_factory(timeout=600, ca_bundle=str(echo))
+    https, http = f"https://{OUTSIDE}/headers", f"http://{OUTSIDE}/"
+    assert ("X-Token", "from-the-guest") in headers_seen(sbx, https, "X-Token: from-the-guest")
+
+    kept = sbx.update_network({"headers": {OUTSIDE: {"X-Token": secret}}})
+    assert kept["headers"] == {OUTSIDE: {"X-Token": secret}}
+    for url in (https, http):
+        seen = headers_seen(sbx, url, "X-Token: from-the-guest")
+        assert [v for k, v in seen if k.lower() == "x-token"] == [secret], seen
+    issuer = sbx.commands.run(
+        f"curl -sS -o /dev/null -w '%{{certs}}' --max-time 20 {https} | grep -m1 Issuer"
+    ).stdout
+    assert "cryobox egress CA" in issuer
+    assert secret not in sbx.commands.run("env; cat /proc/cmdline").stdout
+
+    sbx.pause()
+    sbx = Sandbox.resume(sbx.id)  # a new supervisor: its own proxy, the same rules
+    seen = headers_seen(sbx, https)
+    assert ("X-Token", secret) in seen, seen
+
+    sbx.update_network({"deny": [OUTSIDE], "headers": {OUTSIDE: {"X-Token": secret}}})
+    denied = sbx.commands.run(f"curl -sS --max-time 20 {https}", timeout=60)
+    assert denied.stdout.startswith("cryobox header proxy: cannot reach"), denied
+
+    sbx.update_network("internet")
+    issuer = sbx.commands.run(
+        f"curl -sS -o /dev/null -w '%{{certs}}' --max-time 20 {https} | grep -m1 Issuer"
+    ).stdout
+    assert "cryobox test CA" in issuer  # the destination's own certificate: unread
+    assert ("X-Token", secret) not in headers_seen(sbx, https)
+
+
+def test_e2b_transform_rules_set_headers_from_create_on(
+    api_server: ApiServer, echo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E2B's SDK, unchanged: a ``rules`` transform at create sets its header on the
+    guest's requests (which also trusts the egress CA from its start); ``update_network``
+    without rules clears it; cryobox's CLI sets one on the same sandbox; a workload
+    identity token is refused by name."""
+    e2b = pytest.importorskip("e2b")
+    monkeypatch.setenv("E2B_API_URL", f"{api_server.url}/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", f"{api_server.url}/e2b")
+    monkeypatch.setenv("E2B_API_KEY", api_server.key)
+    rules = {OUTSIDE: [{"transform": {"headers": {"X-Test-Token": "e2b-transform-value"}}}]}
+    sbx = e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(rules=rules), timeout=600)
+    try:
+        seen = headers_seen(sbx, f"http://{OUTSIDE}/")
+        assert ("X-Test-Token", "e2b-transform-value") in seen, seen
+        bundle = sbx.commands.run("cat /etc/ssl/certs/ca-certificates.crt").stdout
+        from cryobox.network import egress_ca
+
+        assert egress_ca.certificate_pem().strip() in bundle
+        sbx.update_network({})
+        assert ("X-Test-Token", "e2b-transform-value") not in headers_seen(
+            sbx, f"http://{OUTSIDE}/"
+        )
+        cli = subprocess.run(
+            [*CLI, "network", sbx.sandbox_id, "--header", f"{OUTSIDE}:X-From-Cli=yes"],
+            capture_output=True,
+            text=True,
+            env=api_server.client_env(),
+            timeout=120,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["headers"] == {OUTSIDE: {"X-From-Cli": "yes"}}
+        assert ("X-From-Cli", "yes") in headers_seen(sbx, f"http://{OUTSIDE}/")
+        iam = {OUTSIDE: [{"transform": {"headers": {"A": "${e2b.identity.tokens.aws}"}}}]}
+        with pytest.raises(e2b.SandboxException, match="identity"):
+            sbx.update_network({"rules": iam})
+    finally:
+        sbx.kill()

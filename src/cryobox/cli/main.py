@@ -114,6 +114,18 @@ def network_text(text: str) -> str | list[str]:
     return text if text in ("internet", "none") else text.split(",")
 
 
+def header_sets(entries: list[str]) -> dict[str, dict[str, dict[str, str]]]:
+    """``--header DESTINATION:NAME=VALUE`` entries as a policy's ``headers``."""
+    found: dict[str, dict[str, str]] = {}
+    for entry in entries:
+        where, colon, setting = entry.partition(":")
+        name, equals, value = setting.partition("=")
+        if not (where and colon and name and equals):
+            raise InvalidArgument(f"--header {entry!r}: must be DESTINATION:NAME=VALUE")
+        found.setdefault(where, {})[name] = value
+    return {"headers": found} if found else {}
+
+
 def create_sandbox(
     cpus: int | None,
     memory: int | None,
@@ -677,14 +689,25 @@ def network_(
         list[str] | None,
         typer.Option("--deny", help="An entry that does not get out (repeatable)."),
     ] = None,
+    header: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--header",
+            help="DESTINATION:NAME=VALUE set by the host on the guest's HTTP(S) requests to "
+            "DESTINATION (a host name, an address or a CIDR); the guest never sees VALUE "
+            "(repeatable).",
+        ),
+    ] = None,
 ) -> None:
     """Change what a running sandbox's guest may reach, at once (no restart); print the
     policy kept. `--deny 0.0.0.0/0 --allow HOST` lets only HOST out."""
     with errors_reported():
-        if (policy is None) == (not allow and not deny):
-            raise InvalidArgument("give a POLICY, or --allow/--deny entries (not both)")
-        wanted: str | list[str] | dict[str, list[str]] = (
-            {"allow": allow or [], "deny": deny or []} if policy is None else network_text(policy)
+        if (policy is None) == (not allow and not deny and not header):
+            raise InvalidArgument("give a POLICY, or --allow/--deny/--header entries (not both)")
+        wanted: str | list[str] | dict[str, Any] = (
+            {"allow": allow or [], "deny": deny or [], **header_sets(header or [])}
+            if policy is None
+            else network_text(policy)
         )
         kept = Sandbox.connect(sandbox_id).update_network(wanted)
         out.print(kept if isinstance(kept, str) else json.dumps(kept), soft_wrap=True)

@@ -604,11 +604,31 @@ def _network_argument(network: Any) -> NetworkJson:
     if isinstance(network, str):
         return network
     if isinstance(network, Mapping):
-        lists = {key: _rules_argument(network, rules) for key, rules in network.items()}
+        lists: dict[str, Any] = {
+            key: _headers_argument(network, rules)
+            if key == "headers"
+            else _rules_argument(network, rules)
+            for key, rules in network.items()
+        }
         if not all(isinstance(key, str) for key in lists):
-            raise InvalidArgument(f"network={network!r}: its keys are 'allow' and 'deny'")
+            raise InvalidArgument(
+                f"network={network!r}: its keys are 'allow', 'deny' and 'headers'"
+            )
         return lists
     return _rules_argument(network, network)
+
+
+def _headers_argument(network: Any, headers: Any) -> dict[str, dict[str, str]]:
+    """``{"headers": {destination: {name: value}}}`` as the wire carries it (checked by
+    the service)."""
+    if not isinstance(headers, Mapping) or not all(
+        isinstance(h, Mapping) for h in headers.values()
+    ):
+        raise InvalidArgument(
+            f"network={network!r}: 'headers' maps a destination to its headers, e.g. "
+            '{"api.example.com": {"Authorization": "Bearer ..."}}'
+        )
+    return {str(host): {str(k): str(v) for k, v in set_.items()} for host, set_ in headers.items()}
 
 
 def _rules_argument(network: Any, rules: Any) -> list[str]:
@@ -695,7 +715,7 @@ class AsyncSandbox:
         timeout: float = config.DEFAULT_TIMEOUT,
         on_timeout: Literal["kill", "pause", "pause-disk"] = "kill",
         ports: Sequence[int] = (),
-        network: str | Sequence[str] | Mapping[str, Sequence[str]] = "internet",
+        network: str | Sequence[str] | Mapping[str, Any] = "internet",
         idle_timeout: float | None = None,
         envs: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
@@ -1141,9 +1161,7 @@ class AsyncSandbox:
         positive_seconds("seconds", seconds, at_most=config.MAX_TIMEOUT)
         await self._awake(lambda: self._transport.set_timeout(self.id, seconds))
 
-    async def update_network(
-        self, network: str | Sequence[str] | Mapping[str, Sequence[str]]
-    ) -> NetworkJson:
+    async def update_network(self, network: str | Sequence[str] | Mapping[str, Any]) -> NetworkJson:
         """Replace what the guest may connect to, in force at once (no restart; the
         sandbox's rollbacks, resumes and forks keep it). The same forms as
         :meth:`create`'s ``network=``, and ``{"allow": [...], "deny": [...]}``: the

@@ -97,23 +97,66 @@ def egress_policy(network: dict[str, Any], internet: bool | None) -> NetworkJson
     ``allowOut`` and ``denyOut`` become the policy's allowed and denied entries (an
     allowed one wins, as in E2B); ``allowInternetAccess=False`` denies everything not
     allowed. Domains in ``allowOut`` are resolved once, when the policy is set, rather
-    than matched per connection by a proxy as E2B's are. Per-domain transforms and
-    egress proxies have no cryobox counterpart and are refused by name. (Its options for
+    than matched per connection by a proxy as E2B's are. Per-domain ``rules`` with a
+    ``transform`` of headers become the policy's headers, which the host's header proxy
+    sets (:func:`transform_headers`). A SOCKS5 ``egressProxy`` of the user's own is
+    refused by name, as E2B's open-source deployment refuses it. (Its options for
     requests by host name, ``allowPublicTraffic`` and ``maskRequestHost``, are
     :func:`traffic_options`'.)
     """
-    for name in ("rules", "egressProxy"):
-        if network.get(name):
-            raise Unsupported(f"network.{name} is not supported by cryobox")
+    if network.get("egressProxy"):
+        raise Unsupported(
+            "network.egressProxy (a SOCKS5 proxy of your own) is not supported by cryobox"
+        )
+    headers = transform_headers(network.get("rules") or {})
     allow = [str(entry) for entry in network.get("allowOut") or ()]
     deny = [str(entry) for entry in network.get("denyOut") or ()]
     if internet is False and ALL_TRAFFIC not in deny:
         deny.append(ALL_TRAFFIC)
-    if not allow and not deny:
+    if not allow and not deny and not headers:
         return None
-    if not allow and ALL_TRAFFIC in deny:
+    if not allow and ALL_TRAFFIC in deny and not headers:
         return "none"
-    return {"allow": allow, "deny": deny}
+    policy: dict[str, Any] = {"allow": allow, "deny": deny}
+    if headers:
+        policy["headers"] = headers
+    return policy
+
+
+#: How E2B's SDK writes a workload identity token it asks its proxy to mint.
+_IAM_PLACEHOLDER = "${e2b.identity."
+
+
+def transform_headers(rules: Any) -> dict[str, dict[str, str]]:
+    """E2B's per-destination ``rules`` (``{host: [{"transform": {"headers": {...}}}]}``)
+    as cryobox's ``headers``: a destination's rules in order, a later header replacing
+    an earlier one of its name. A rule with no transform sets nothing.
+
+    :raises InvalidArgument: for rules not of that shape.
+    :raises Unsupported: for a workload identity token (E2B's ``iam``), which cryobox
+        does not mint.
+    """
+    if not isinstance(rules, dict):
+        raise InvalidArgument("network.rules: must map a host to a list of rules")
+    found: dict[str, dict[str, str]] = {}
+    for host, entries in rules.items():
+        if not isinstance(entries, list):
+            raise InvalidArgument(f"network.rules[{host!r}]: must be a list of rules")
+        headers: dict[str, str] = {}
+        for entry in entries:
+            transform = entry.get("transform") if isinstance(entry, dict) else None
+            if not isinstance(transform, dict | None):
+                raise InvalidArgument(f"network.rules[{host!r}]: a transform is a map")
+            for name, value in ((transform or {}).get("headers") or {}).items():
+                if _IAM_PLACEHOLDER in str(value):
+                    raise Unsupported(
+                        f"network.rules[{host!r}] header {name!r}: workload identity "
+                        "tokens (iam) are not supported by cryobox"
+                    )
+                headers[str(name)] = str(value)
+        if headers:
+            found[str(host)] = headers
+    return found
 
 
 def traffic_options(network: dict[str, Any]) -> dict[str, Any]:

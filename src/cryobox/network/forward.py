@@ -69,14 +69,14 @@ class PortForwarder:
         try:
             # The thread gets a copy of the namespace's fd, which it closes: close() may
             # close the forwarder's own (a pause, say) while the thread still connects.
-            sock = await _in_own_thread(connect_inside, os.dup(self.namespace), inner_port)
+            sock = await in_own_thread(connect_inside, os.dup(self.namespace), inner_port)
             inner_reader, inner_writer = await asyncio.open_connection(sock=sock)
         except OSError as exc:
             log.info("forward to port %d refused: %s", inner_port, exc)
             writer.close()
             return
         try:
-            await asyncio.gather(_pump(reader, inner_writer), _pump(inner_reader, writer))
+            await asyncio.gather(pump(reader, inner_writer), pump(inner_reader, writer))
         finally:
             for w in (writer, inner_writer):
                 w.close()
@@ -95,8 +95,8 @@ class PortForwarder:
                 await task
 
 
-async def _in_own_thread(
-    fn: Callable[[int, int], socket.socket], namespace: int, port: int
+async def in_own_thread(
+    fn: Callable[[int, int], socket.socket], namespace: int, port: int = 0
 ) -> socket.socket:
     """Run ``fn`` in a thread of its own that ends with it: a thread that entered another
     namespace must never serve anything else (were the switch back ever to fail). The
@@ -140,7 +140,7 @@ def _settle(
         future.set_result(result)
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Copy until end-of-file, with backpressure (drain), then half-close."""
     try:
         while data := await reader.read(CHUNK):

@@ -50,6 +50,12 @@ SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 LINK_PREFIX = "cbx"
+#: Where the header proxy (:mod:`.header_proxy`) listens inside a sandbox's namespace:
+#: not 127.0.0.1, where QEMU listens for the ports forwarded into the guest (any port a
+#: user may forward); the mark its own connections out carry; the ports it serves.
+HEADER_PROXY = ("127.0.0.2", 15080)
+HEADER_MARK = 0xCB0
+HEADER_PORTS = (80, 443)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -224,9 +230,27 @@ table inet sandbox {{
     chain output {{
         type filter hook output priority filter; policy drop;
         {body}
-    }}
+    }}{_header_rules(policy)}
 }}
 """
+
+
+def _header_rules(policy: NetworkPolicy) -> str:
+    """The guest's connections to ports 80 and 443 of the addresses its policy sets
+    headers for go to the header proxy listening in the namespace (but the proxy's own,
+    which it marks). The filter then sees them go to the loopback; the proxy's own
+    connection out is judged by the policy as the guest's would be."""
+    networks = sorted({n for rule in policy.headers for n in rule.networks})
+    if not networks:
+        return ""
+    address, port = HEADER_PROXY
+    ports = ", ".join(str(p) for p in HEADER_PORTS)
+    return f"""
+    chain headers {{
+        type nat hook output priority -100; policy accept;
+        meta mark {HEADER_MARK:#x} return
+        ip daddr {{ {", ".join(networks)} }} tcp dport {{ {ports} }} dnat ip to {address}:{port}
+    }}"""
 
 
 def _resolvers() -> list[str]:
@@ -345,18 +369,25 @@ def open_namespace(pid: int) -> int:
     return os.open(namespace_path(pid), os.O_RDONLY | os.O_CLOEXEC)
 
 
-def connect_inside(namespace: int, port: int, timeout: float = 10.0) -> socket.socket:
-    """A TCP connection to ``127.0.0.1:port`` inside the namespace open as ``namespace``
-    (blocking: run it in a thread; the namespace switch affects this thread only)."""
+def socket_inside(namespace: int, _: int = 0) -> socket.socket:
+    """A TCP socket of the namespace open as ``namespace``: where it is made decides
+    which namespace it binds and connects in (blocking: run it in a thread of its own;
+    the switch affects this thread only, and it switches back)."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         _setns(namespace)
         try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         finally:
             _setns(own)
     finally:
         os.close(own)
+
+
+def connect_inside(namespace: int, port: int, timeout: float = 10.0) -> socket.socket:
+    """A TCP connection to ``127.0.0.1:port`` inside the namespace open as ``namespace``
+    (blocking: run it in a thread; the namespace switch affects this thread only)."""
+    sock = socket_inside(namespace)
     try:
         sock.settimeout(timeout)
         sock.connect(("127.0.0.1", port))

@@ -9,11 +9,20 @@ lists, and what ``allow`` lists in any case (an allowed destination wins over a 
 one, as E2B's ``allow_out``/``deny_out`` do; ``"deny": ["0.0.0.0/0"]`` with an allow
 list is an allow list). Host names are resolved once, on the host, when the policy is
 set (at create, or by :meth:`~cryobox.Sandbox.update_network`).
+
+The dict form may also set headers on the guest's HTTP and HTTPS requests to some
+destinations, as E2B's per-domain transforms do: ``{"headers": {"api.example.com":
+{"Authorization": "Bearer ..."}}}`` (a name, an address or a CIDR; a header of the
+same name the guest sent is replaced). The host's header proxy
+(:mod:`cryobox.network.header_proxy`) does it, so the secret never enters the guest.
+Setting headers for a destination does not allow it: the policy's other entries say
+whether the guest reaches it.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,18 +53,54 @@ MAX_RULES = 256
 
 
 @dataclass(frozen=True)
+class HeaderRule:
+    """Requests to ``host`` get ``headers`` (each replacing one of its name the guest
+    sent). A name matches by the request's TLS server name or ``Host``; an address or
+    a CIDR, by where the connection goes. ``networks`` are where the guest's
+    connections to ports 80 and 443 go through the host's header proxy: the name's
+    addresses, resolved when the policy was set, or the address itself."""
+
+    host: str
+    networks: tuple[str, ...]
+    headers: tuple[tuple[str, str], ...]
+
+    @property
+    def is_name(self) -> bool:
+        return not _is_network(self.host)
+
+
+#: Bounds of a policy's headers: per destination, and a value's length.
+MAX_HEADERS = 64
+MAX_HEADER_VALUE = 8192
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: Headers the proxy itself decides (framing, the connection): never set by a rule.
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade"})
+
+
+@dataclass(frozen=True)
 class NetworkPolicy:
     """``mode`` says what is not listed: ``INTERNET`` goes out, ``ALLOW`` and ``NONE``
     do not. ``rules`` go out in any mode but ``NONE``; ``deny`` (of ``INTERNET`` only)
-    does not, unless a rule allows it."""
+    does not, unless a rule allows it. ``headers`` (of ``INTERNET`` only) are set on
+    requests to their destinations."""
 
     mode: str = INTERNET
     rules: tuple[Rule, ...] = ()
     deny: tuple[Rule, ...] = ()
+    headers: tuple[HeaderRule, ...] = ()
 
     def to_json(self) -> NetworkJson:
-        if self.mode == INTERNET and (self.rules or self.deny):
-            return {"allow": [str(r) for r in self.rules], "deny": [str(r) for r in self.deny]}
+        if self.mode == INTERNET and (self.rules or self.deny or self.headers):
+            form: dict[str, Any] = {
+                "allow": [str(r) for r in self.rules],
+                "deny": [str(r) for r in self.deny],
+            }
+            if self.headers:
+                form["headers"] = {rule.host: dict(rule.headers) for rule in self.headers}
+                form["resolved"] = {
+                    rule.host: list(rule.networks) for rule in self.headers if rule.is_name
+                }
+            return form
         return self.mode if self.mode != ALLOW else [str(r) for r in self.rules]
 
     @classmethod
@@ -64,10 +109,16 @@ class NetworkPolicy:
         return parse_policy(value if value is not None else INTERNET, resolve=False)
 
 
+def sets_headers(network: NetworkJson) -> bool:
+    """Whether a policy's JSON form sets headers (its guest must trust the egress CA)."""
+    return isinstance(network, dict) and bool(network.get("headers"))
+
+
 FORMS = (
     "must be 'internet', 'none', a list of 'HOST:PORT', 'HOST', 'CIDR' or 'CIDR:PORT' "
     'entries (only those), or {"allow": [...], "deny": [...]} (the internet but the '
-    "denied entries; allowed ones win)"
+    'denied entries; allowed ones win), with "headers": {destination: {name: value}} '
+    "if asked"
 )
 
 
@@ -86,7 +137,8 @@ def parse_policy(value: Any, *, resolve: bool = True) -> NetworkPolicy:
 
 
 def _parse_allow_deny(value: dict[Any, Any], resolve: bool) -> NetworkPolicy:
-    unknown = sorted(str(k) for k in value if k not in ("allow", "deny"))
+    known = ("allow", "deny", "headers") + (() if resolve else ("resolved",))
+    unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
         raise InvalidArgument(f"network: unknown key {unknown[0]!r}; {FORMS}")
     lists = {}
@@ -95,7 +147,74 @@ def _parse_allow_deny(value: dict[Any, Any], resolve: bool) -> NetworkPolicy:
         if isinstance(entries, str) or not isinstance(entries, Sequence):
             raise InvalidArgument(f"network[{key!r}] {entries!r}: must be a list of entries")
         lists[key] = _parse_rules(entries, resolve, allowed=key == "allow")
-    return NetworkPolicy(mode=INTERNET, rules=lists["allow"], deny=lists["deny"])
+    headers = _parse_headers(value.get("headers") or {}, value.get("resolved"), resolve)
+    return NetworkPolicy(mode=INTERNET, rules=lists["allow"], deny=lists["deny"], headers=headers)
+
+
+def _parse_headers(value: Any, resolved: Any, resolve: bool) -> tuple[HeaderRule, ...]:
+    """``{destination: {name: value}}``; a name's addresses are looked up now (or, read
+    back, taken from ``resolved``)."""
+    if not isinstance(value, dict):
+        raise InvalidArgument(
+            f"network['headers'] {value!r}: must map a destination to its headers, e.g. "
+            '{"api.example.com": {"Authorization": "Bearer ..."}}'
+        )
+    if len(value) > MAX_RULES:
+        raise InvalidArgument(f"network['headers']: {len(value)} destinations, at most {MAX_RULES}")
+    found: list[HeaderRule] = []
+    for host, headers in value.items():
+        where = f"network['headers'][{host!r}]"
+        if not isinstance(host, str) or not host or "*" in host or ":" in host:
+            raise InvalidArgument(
+                f"{where}: a destination is a host name, an address or a CIDR (no port, "
+                "no wildcard)"
+            )
+        if _is_network(host):
+            networks = tuple(rule.network for rule in _parse_rule(host, resolve=False))
+        elif resolve:
+            networks = tuple(rule.network for rule in _parse_rule(host, resolve=True))
+        else:
+            networks = tuple(str(n) for n in ((resolved or {}).get(host) or ()))
+        if resolve:
+            for network in networks:
+                _refuse_unreachable(host, ipaddress.IPv4Network(network))
+        pairs = _parse_header_set(where, headers)
+        found.append(HeaderRule(host.lower().rstrip("."), networks, pairs))
+    return tuple(found)
+
+
+def _parse_header_set(where: str, headers: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(headers, dict) or not headers:
+        raise InvalidArgument(f"{where}: must be a non-empty map of header names to values")
+    if len(headers) > MAX_HEADERS:
+        raise InvalidArgument(f"{where}: {len(headers)} headers, at most {MAX_HEADERS}")
+    pairs = []
+    for name, text in headers.items():
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+            raise InvalidArgument(f"{where}: {name!r} is not a header name")
+        if name.lower() in _FRAMING:
+            raise InvalidArgument(
+                f"{where}: {name!r} is decided by the connection itself and cannot be set"
+            )
+        if (
+            not isinstance(text, str)
+            or len(text) > MAX_HEADER_VALUE
+            or any(c in text for c in "\r\n\0")
+        ):
+            raise InvalidArgument(
+                f"{where}[{name!r}]: a header value is text of at most {MAX_HEADER_VALUE} "
+                "characters, without line breaks"
+            )
+        pairs.append((name, text))
+    return tuple(pairs)
+
+
+def _is_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
 
 
 def _parse_rules(entries: Sequence[Any], resolve: bool, *, allowed: bool) -> tuple[Rule, ...]:

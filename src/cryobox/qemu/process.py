@@ -14,12 +14,12 @@ import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
 from cryobox.errors import NetworkError, QemuError, QemuNotInstalled
-from cryobox.network.namespace import Link, attach, change, isolate_this_process
+from cryobox.network.namespace import Link, attach, change, isolate_this_process, open_namespace
 from cryobox.network.policy import NetworkPolicy
 from cryobox.qemu.command import (
     ROOT_DRIVE,
@@ -30,6 +30,9 @@ from cryobox.qemu.command import (
     memory_object,
 )
 from cryobox.vmm.base import MachineSpec, PortForward
+
+if TYPE_CHECKING:
+    from cryobox.network.header_proxy import HeaderProxy
 
 BINARY = "qemu-system-x86_64"
 #: Seconds a VM being killed waits for its network's setup to end (each step is a
@@ -198,6 +201,8 @@ class QemuProcess:
         self.link: Link | None = None
         #: The namespace's way out being made (see start).
         self._attaching: asyncio.Future[Link | None] | None = None
+        #: Sets the policy's headers on the guest's requests, while it sets any.
+        self._headers: HeaderProxy | None = None
 
     @property
     def pid(self) -> int:
@@ -247,9 +252,7 @@ class QemuProcess:
                 # here). A cold boot waits for it below; a restore's state loads only once
                 # it is made (load_state), and its guest runs only after that. Until the
                 # route, its last step, nothing in the namespace gets out.
-                self._attaching = asyncio.ensure_future(
-                    attach(self._process.pid, self.spec.network)
-                )
+                self._attaching = asyncio.ensure_future(self._attach(self._process.pid))
             await asyncio.wait_for(self._connect_qmp(), timeout)
             if not self.spec.incoming:  # a cold boot's guest is running already
                 await self.network_ready()
@@ -259,6 +262,33 @@ class QemuProcess:
         except BaseException:
             await self.kill()
             raise
+
+    async def _attach(self, pid: int) -> Link | None:
+        await self._serve_headers(pid, self.spec.network)
+        return await attach(pid, self.spec.network)
+
+    async def _serve_headers(self, pid: int, policy: NetworkPolicy) -> None:
+        """Start the header proxy in the namespace if ``policy`` sets headers and none
+        runs; then it sets those (one running keeps running when they go: its
+        namespace's rules send it nothing)."""
+        if self._headers is None and policy.headers:
+            # Imported here: TLS and HTTP parsing cost every start nothing unless used.
+            from cryobox.network.header_proxy import HeaderProxy
+
+            proxy = HeaderProxy(open_namespace(pid), trust=self.spec.egress_trust)
+            try:
+                await proxy.start()
+            except OSError as exc:
+                await proxy.close()
+                raise NetworkError(f"the header proxy cannot listen: {exc}") from exc
+            self._headers = proxy
+        if self._headers is not None:
+            self._headers.rules = policy.headers
+
+    async def _stop_headers(self) -> None:
+        if self._headers is not None:
+            proxy, self._headers = self._headers, None
+            await proxy.close()
 
     async def network_ready(self) -> None:
         """Wait until the guest's way out (its namespace's link and filters) is made.
@@ -292,6 +322,9 @@ class QemuProcess:
             raise self.error(
                 f"QEMU {pid}'s monitor did not answer within {timeout:.0f} s"
             ) from None
+        # The proxy went with the supervisor that died; the namespace still sends to it.
+        if self.spec.isolated:
+            await self._serve_headers(pid, self.spec.network)
 
     async def _connect_qmp(self) -> None:
         assert self._process is not None
@@ -374,7 +407,14 @@ class QemuProcess:
                 "no policy can be put in force"
             )
         await self.network_ready()
-        self.link = await change(self._process.pid, self.link, policy)
+        kept = self._headers.rules if self._headers is not None else ()
+        await self._serve_headers(self._process.pid, policy)
+        try:
+            self.link = await change(self._process.pid, self.link, policy)
+        except BaseException:
+            if self._headers is not None:
+                self._headers.rules = kept
+            raise
 
     # -- snapshots: the device state travels by migration, RAM stays in its file
 
@@ -477,6 +517,7 @@ class QemuProcess:
     async def quit(self, timeout: float = 5.0) -> None:
         """Ask QEMU to quit; kill it if it does not within ``timeout``."""
         await self._stop_attaching()
+        await self._stop_headers()
         if self._process is None or self._process.returncode is not None:
             await self._close_qmp()
             return
@@ -494,6 +535,7 @@ class QemuProcess:
         # pid, which must not be free for another process to take while they run.
         try:
             await self._stop_attaching()
+            await self._stop_headers()
         finally:  # cancelled meanwhile, QEMU is still killed
             if self._process is not None and self._process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -673,6 +673,7 @@ class Machine:
             volume_sockets=self.folder.volume_sockets(),
             read_disk=self.folder.read_disk,
             layout=layout,
+            egress_trust=self.folder.egress_trust,
         )
 
     async def _start_vm(

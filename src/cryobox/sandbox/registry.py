@@ -78,6 +78,9 @@ class SandboxDir:
         #: The running machine's disk for its volume mounts' reads.
         self.read_disk = path / "reads.raw"
         self.qemu_stderr = path / "qemu.stderr"
+        #: The extra CAs its guest was given (PEM), which the header proxy also trusts
+        #: when it reaches a destination for the guest.
+        self.egress_trust = path / "egress-trust.pem"
         self.supervisor_log = path / "supervisor.log"
         #: The pause snapshot, while the sandbox is paused.
         self.paused = path / "paused"

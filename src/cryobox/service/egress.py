@@ -40,6 +40,9 @@ _PEM = re.compile(r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+?-----END CERTIF
 SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 GUEST_EXTRA = "/usr/local/share/ca-certificates/cryobox-extra.crt"
 GUEST_BUNDLE = "/etc/cryobox/ca-bundle.pem"
+#: The host's egress CA, in a guest whose policy sets headers (see
+#: :meth:`~cryobox.service.service.SandboxService._trust_egress`).
+EGRESS_CA = "/usr/local/share/ca-certificates/cryobox-egress.crt"
 #: The SHA-256 of the extra CAs :data:`GUEST_BUNDLE` was made with.
 GUEST_MARKER = "/etc/cryobox/ca-extra.sha256"
 #: The certificates every Debian system trusts (the guest's too): a host bundle's are

@@ -60,8 +60,9 @@ from cryobox.models import (
     SandboxInfo,
     SnapshotInfo,
 )
+from cryobox.network import egress_ca
 from cryobox.network.namespace import check_can_isolate
-from cryobox.network.policy import INTERNET, parse_policy
+from cryobox.network.policy import INTERNET, parse_policy, sets_headers
 from cryobox.sandbox import ca_note, registry
 from cryobox.sandbox.control import (
     Claim,
@@ -97,6 +98,7 @@ from cryobox.util import (
     mem_total_mib,
     new_id,
     read_if_there,
+    write_atomic,
 )
 from cryobox.vmm import Vmm
 from cryobox.vmm.base import boot_memory_mib, check_growth, manifest_shape
@@ -426,6 +428,13 @@ class SandboxService:
                     if failed is not None and isinstance(exc, CryoboxError):
                         raise failed from exc
                 raise
+        if sets_headers(info.network) and start.forked_from is None:
+            try:
+                await self._trust_egress(info.id)
+            except BaseException:
+                with contextlib.suppress(CryoboxError):
+                    await asyncio.shield(self.kill(info.id, keep_record=False))
+                raise
         return info
 
     def _with_template_ports(self, request: CreateRequest) -> CreateRequest:
@@ -447,6 +456,8 @@ class SandboxService:
         extra = pem.encode()
         marker = hashlib.sha256(extra).hexdigest().encode()
         folder = registry.find(sandbox_id)
+        # The header proxy reaches destinations for the guest trusting what it does.
+        await asyncio.to_thread(write_atomic, folder.egress_trust, extra, durable=False)
         source = folder.spec().restore_from
         if source and read_if_there(self.store.folder(source) / ca_note.SAVED) == marker:
             await asyncio.to_thread(ca_note.write_note, folder.path / ca_note.GIVEN, marker)
@@ -466,6 +477,29 @@ class SandboxService:
             chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
             await self.guest.write_file(sandbox_id, path, chunks, 0o644)
         await asyncio.to_thread(ca_note.write_note, folder.path / ca_note.GIVEN, marker)
+
+    async def _trust_egress(self, sandbox_id: str) -> None:
+        """Make the guest trust the host's egress CA, which the header proxy signs its
+        certificates with (:mod:`cryobox.network.egress_ca`): in its system bundle (and
+        the one :meth:`_trust` made, if any), and where Debian's
+        ``update-ca-certificates`` keeps it. Only a guest whose policy sets headers is
+        given it; one that has it is not written again."""
+        ca = (await asyncio.to_thread(egress_ca.certificate_pem)).encode()
+        writes = [(egress.EGRESS_CA, ca)]
+        for path in (egress.SYSTEM_BUNDLE, egress.GUEST_BUNDLE):
+            try:
+                held = await self._read_all(sandbox_id, path)
+            except GuestFileNotFound:
+                if path == egress.GUEST_BUNDLE:
+                    continue  # no extra CAs were given: the system bundle is the one
+                held = b""
+            if ca.strip() not in held:
+                writes.append((path, held.rstrip(b"\n") + b"\n" + ca))
+        if len(writes) == 1:
+            return
+        for path, data in writes:
+            chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
+            await self.guest.write_file(sandbox_id, path, chunks, 0o644)
 
     async def _read_all(self, sandbox_id: str, path: str) -> bytes:
         return b"".join([chunk async for chunk in self.guest.read_file(sandbox_id, path)])
@@ -892,6 +926,8 @@ class SandboxService:
         :raises NetworkError: when the policy cannot be applied (the old one stays).
         """
         policy = await asyncio.to_thread(parse_policy, network)
+        if policy.headers:  # trusted first: the first request under the policy works
+            await self._trust_egress(sandbox_id)
         reply = await self.connections.control(sandbox_id, SetNetwork(policy.to_json()))
         return reply.network
 

@@ -216,6 +216,9 @@ class MachineSpec:
     #: Room to add vCPUs and RAM while it runs, and those added; None: none (a machine
     #: saved before cryobox could grow one).
     layout: Layout | None = None
+    #: Extra CAs (PEM) the header proxy trusts besides the host's, when the policy sets
+    #: headers (:mod:`cryobox.network.header_proxy`); read at each connection.
+    egress_trust: Path | None = None
 
 
 class Vm(Protocol):
