@@ -491,6 +491,7 @@ def headers_seen(sbx: Any, url: str, *args: str) -> list[tuple[str, str]]:
     """The headers the echo server got for a curl from the guest (``-H`` ``args``)."""
     extra = " ".join(f"-H '{arg}'" for arg in args)
     done = sbx.commands.run(f"curl -sS --max-time 20 {extra} {url}", timeout=60)
+    assert done.stdout.startswith("{"), done  # else curl says why (a certificate, say)
     return [tuple(pair) for pair in json.loads(done.stdout)["headers"]]
 
 
@@ -507,6 +508,7 @@ def test_headers_a_policy_sets_reach_the_destination_but_never_the_guest(
     sbx = sandbox_factory(timeout=600, ca_bundle=str(echo))
     https, http = f"https://{OUTSIDE}/headers", f"http://{OUTSIDE}/"
     assert ("X-Token", "from-the-guest") in headers_seen(sbx, https, "X-Token: from-the-guest")
+    before = sbx.checkpoint("before-headers")  # its guest does not trust the egress CA
 
     kept = sbx.update_network({"headers": {OUTSIDE: {"X-Token": secret}}})
     assert kept["headers"] == {OUTSIDE: {"X-Token": secret}}
@@ -518,6 +520,10 @@ def test_headers_a_policy_sets_reach_the_destination_but_never_the_guest(
     ).stdout
     assert "cryobox egress CA" in issuer
     assert secret not in sbx.commands.run("env; cat /proc/cmdline").stdout
+    # Rolled back to before: the policy is the sandbox's, and the guest trusts again.
+    sbx.rollback(before)
+    seen = headers_seen(sbx, https)
+    assert ("X-Token", secret) in seen, seen
 
     sbx.pause()
     sbx = Sandbox.resume(sbx.id)  # a new supervisor: its own proxy, the same rules

@@ -501,6 +501,13 @@ class SandboxService:
             chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
             await self.guest.write_file(sandbox_id, path, chunks, 0o644)
 
+    async def _keep_egress_trust(self, sandbox_id: str) -> None:
+        """A guest whose policy sets headers, rolled back to before it was made to trust
+        the egress CA (the policy is the sandbox's, not the checkpoint's) or resumed on a
+        host with another CA, is given this host's again (one read when it has it)."""
+        if sets_headers(registry.find(sandbox_id).spec().network):
+            await self._trust_egress(sandbox_id)
+
     async def _read_all(self, sandbox_id: str, path: str) -> bytes:
         return b"".join([chunk async for chunk in self.guest.read_file(sandbox_id, path)])
 
@@ -820,6 +827,7 @@ class SandboxService:
             folder, backend=self.vmm.name, resume=True, progress=progress
         )
         persist.after_resume(folder)
+        await self._keep_egress_trust(sandbox_id)
         return sandbox_info(folder.spec(), record, folder)
 
     async def _wake(self, folder: SandboxDir) -> SandboxRecord | None:
@@ -906,6 +914,7 @@ class SandboxService:
         ):
             await self.persist.ram_here(target.id)
         await self.connections.control(sandbox_id, Rollback(ref))
+        await self._keep_egress_trust(sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
         await self.connections.control(sandbox_id, SetTimeout(positive_seconds("seconds", seconds)))
