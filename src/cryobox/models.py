@@ -30,8 +30,10 @@ _Rules = Annotated[list[Text], MaxLen(256)]
 _Headers = Annotated[
     dict[Annotated[str, MaxLen(253)], Annotated[dict[Text, Text], MaxLen(64)]], MaxLen(256)
 ]
+#: The addresses of names in ``headers`` (as kept, or as the user gives them).
+_Resolved = Annotated[dict[Annotated[str, MaxLen(253)], _Rules], MaxLen(256)]
 #: The same as a request may send it (bounded).
-NetworkRequest = str | _Rules | Annotated[dict[str, _Rules | _Headers], MaxLen(3)]
+NetworkRequest = str | _Rules | Annotated[dict[str, _Rules | _Headers | _Resolved], MaxLen(4)]
 
 #: Called with a line saying what a long step is doing (an image build, a template).
 Progress = Callable[[str], None]

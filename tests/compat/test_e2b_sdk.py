@@ -506,11 +506,16 @@ def test_ports_by_host_name_wake_a_sandbox_like_e2b(api_server: ApiServer) -> No
 
 
 def test_what_cryobox_cannot_map_is_refused_by_name(sbx: Any) -> None:
-    """Per-domain header transforms need an egress proxy cryobox does not run: refused,
-    and the policy in force stays (allow_out/deny_out work: test_network_vm.py)."""
-    transform = {"example.com": [{"transform": {"headers": {"X-Token": "secret"}}}]}
-    with pytest.raises(e2b.SandboxException, match=r"network\.rules"):
-        sbx.update_network({"allow_out": ["203.0.113.9"], "rules": transform})
+    """A SOCKS5 egress proxy of the user's own (refused by E2B's open-source deployment
+    too) and a workload identity token in a transform (E2B's ``iam``): refused by name,
+    and the policy in force stays (allow_out/deny_out and transforms work:
+    test_network_vm.py)."""
+    proxy = {"address": "203.0.113.9:1080"}
+    with pytest.raises(e2b.SandboxException, match=r"egressProxy"):
+        sbx.update_network({"allow_out": ["203.0.113.9"], "egress_proxy": proxy})
+    iam = {"203.0.113.9": [{"transform": {"headers": {"A": "${e2b.identity.tokens.aws}"}}}]}
+    with pytest.raises(e2b.SandboxException, match=r"identity"):
+        sbx.update_network({"rules": iam})
     assert sbx.get_info().sandbox_id == sbx.sandbox_id
     assert registry.find(sbx.sandbox_id).spec().network == "internet"
 

@@ -467,7 +467,7 @@ secure.serve_forever()
 @pytest.fixture
 def echo(outside: None, tmp_path: Path) -> Iterator[Path]:
     """Echo servers on the test host's ports 80 and 443; the CA of the latter's certificate."""
-    ca, cert, key = tls_ca.make(tmp_path / "echo", OUTSIDE)
+    ca, cert, key = tls_ca.make(tmp_path / "echo", OUTSIDE, "echo.test")
     server = subprocess.Popen(
         ["ip", "netns", "exec", TEST_NS, sys.executable, "-c", ECHO_SERVER, OUTSIDE, cert, key],
         stdout=subprocess.DEVNULL,
@@ -529,6 +529,19 @@ def test_headers_a_policy_sets_reach_the_destination_but_never_the_guest(
     sbx = Sandbox.resume(sbx.id)  # a new supervisor: its own proxy, the same rules
     seen = headers_seen(sbx, https)
     assert ("X-Token", secret) in seen, seen
+
+    # By name (its addresses given: no DNS here knows it): that TLS server name gets
+    # them, the same address asked without it does not (its TLS passes unread).
+    named = {"headers": {"echo.test": {"X-Token": secret}}, "resolved": {"echo.test": [OUTSIDE]}}
+    sbx.update_network(named)
+    by_name = f"--resolve echo.test:443:{OUTSIDE} https://echo.test/headers"
+    assert ("X-Token", secret) in headers_seen(sbx, by_name)
+    assert ("X-Token", secret) not in headers_seen(sbx, https)
+    fork = sbx.fork(1)[0]  # keeps its parent's policy, and its proxy sets it
+    try:
+        assert ("X-Token", secret) in headers_seen(fork, by_name)
+    finally:
+        fork.kill()
 
     sbx.update_network({"deny": [OUTSIDE], "headers": {OUTSIDE: {"X-Token": secret}}})
     denied = sbx.commands.run(f"curl -sS --max-time 20 {https}", timeout=60)

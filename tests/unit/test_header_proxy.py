@@ -19,6 +19,7 @@ import pytest
 
 import tls_ca
 from cryobox.errors import InvalidArgument
+from cryobox.models import CreateRequest
 from cryobox.network import egress_ca
 from cryobox.network.header_proxy import HeaderProxy, server_name
 from cryobox.network.policy import HeaderRule, NetworkPolicy, parse_policy
@@ -252,7 +253,125 @@ def test_headers_in_a_policy_are_checked_and_kept() -> None:
         ({"headers": {"203.0.113.9:443": {"A": "b"}}}, "no port"),
         ({"headers": {"127.0.0.1": {"A": "b"}}}, "loopback"),
         ({"headers": ["203.0.113.9"]}, "must map"),
-        ({"resolved": {}}, "unknown key"),
+        ({"headers": {"203.0.113.9": {"X-A": "Bearer sk-1 "}}}, "spaces"),
+        ({"headers": {"203.0.113.9": {"X-A": "a\x01b"}}}, "control"),
+        ({"headers": {NAME: {"A": "b"}}, "resolved": {NAME: ["127.0.0.1"]}}, "loopback"),
+        ({"headers": {NAME: {"A": "b"}}, "resolved": {NAME: "198.51.100.7"}}, "list"),
+        ({"resolve": {}}, "unknown key"),
     ):
         with pytest.raises(InvalidArgument, match=why):
             parse_policy(bad)
+
+
+def test_a_kept_policy_goes_through_the_wire_and_a_fork_unchanged() -> None:
+    """A fork (here or on another host) sends its parent's kept policy, ``resolved``
+    and all, as a new sandbox's: taken as it is, the names not looked up again."""
+    kept = NetworkPolicy.from_json(
+        {"headers": {NAME: {"A": "b\tc"}}, "resolved": {NAME: ["198.51.100.7/32"]}}
+    )
+    sent = CreateRequest(network=kept.to_json()).network
+    assert parse_policy(sent) == kept
+
+
+def raw_answer(sock: socket.socket, request: bytes) -> bytes:
+    sock.sendall(request)
+    return sock.makefile("rb").read()
+
+
+def test_a_host_naming_one_rule_never_gets_its_headers_sent_to_another_address(
+    plain_upstream: int,
+) -> None:
+    """Rule A's name asked of rule B's address (or of an address no rule names) gets
+    nothing of A's; B's own name gets B's."""
+    rule_a = HeaderRule(NAME, ("198.51.100.7/32",), (("X-Token", "a-secret"),))
+    rule_b = HeaderRule("b.example.test", ("127.0.0.1/32",), (("X-B", "b"),))
+    proxy, loop = run_proxy(plain_upstream, None, rule_a, rule_b)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
+            to_b_as_a, to_b = exchange(
+                sock, GET, b"GET / HTTP/1.1\r\nHost: b.example.test:80\r\n\r\n"
+            )
+        assert sent(to_b_as_a, "X-Token") == ["from-the-guest"]
+        assert sent(to_b, "X-B") == ["b"]
+    finally:
+        stop(proxy, loop)
+
+
+def test_a_request_for_another_site_than_its_tls_name_is_refused(
+    upstream: tuple[int, Path], authority: Path
+) -> None:
+    """Domain fronting: on a connection ended for the rule's name, a Host naming another
+    site is answered 421, and a request line naming a URL 400; neither is sent on."""
+    port, ca = upstream
+    proxy, loop = run_proxy(port, ca, RULE)
+    try:
+        with tls_to(proxy.port, NAME, authority) as sock:
+            answer = raw_answer(sock, b"GET / HTTP/1.1\r\nHost: other.example.test\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 421") and b"not other.example.test" in answer
+        with tls_to(proxy.port, NAME, authority) as sock:
+            answer = raw_answer(
+                sock, b"GET http://elsewhere.test/ HTTP/1.1\r\nHost: api.example.test\r\n\r\n"
+            )
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+    finally:
+        stop(proxy, loop)
+
+
+def test_rules_changed_meanwhile_hold_at_the_next_request_of_an_open_connection(
+    upstream: tuple[int, Path], authority: Path
+) -> None:
+    port, ca = upstream
+    proxy, loop = run_proxy(port, ca, RULE)
+    try:
+        with tls_to(proxy.port, NAME, authority) as sock:
+            (first,) = exchange(sock, GET)
+            proxy.rules = (HeaderRule(NAME, ("127.0.0.1/32",), (("X-Token", "rotated"),)),)
+            (rotated,) = exchange(sock, GET)
+            proxy.rules = ()
+            (revoked,) = exchange(sock, GET)
+        assert sent(first, "X-Token") == ["from-the-host"]
+        assert sent(rotated, "X-Token") == ["rotated"]
+        assert sent(revoked, "X-Token") == ["from-the-guest"]
+    finally:
+        stop(proxy, loop)
+
+
+def test_requests_are_sent_on_framed_one_way_and_as_http_1_1(plain_upstream: int) -> None:
+    """Content-Length beside Transfer-Encoding is dropped (no second request hidden in a
+    body); an HTTP/1.0 request without Host is sent as HTTP/1.1 with the address for
+    Host, asking to close; the secret in a value is never in an answer to the guest."""
+    proxy, loop = run_proxy(plain_upstream, None, RULE)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
+            (both,) = exchange(
+                sock,
+                b"POST / HTTP/1.1\r\nHost: api.example.test\r\nContent-Length: 4\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+            )
+        assert sent(both, "Content-Length") == [] and both["body"] == 3
+        assert sent(both, "X-Token") == ["from-the-host"]
+        with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
+            answer = raw_answer(sock, b"GET / HTTP/1.0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        echoed = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert sent(echoed, "Host") == ["127.0.0.1"] and sent(echoed, "Connection") == ["close"]
+    finally:
+        stop(proxy, loop)
+
+
+def test_a_connection_to_an_address_no_rule_names_is_closed_unanswered(
+    plain_upstream: int,
+) -> None:
+    """Only what the namespace sends for a rule is served (never the proxy itself)."""
+    elsewhere = HeaderRule(NAME, ("198.51.100.7/32",), (("X-Token", "x"),))
+    proxy, loop = run_proxy(plain_upstream, None, elsewhere)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
+            sock.settimeout(10)
+            try:
+                answer = raw_answer(sock, GET)
+            except ConnectionResetError:  # closed with the request unread
+                answer = b""
+        assert answer == b""
+    finally:
+        stop(proxy, loop)

@@ -604,15 +604,17 @@ def _network_argument(network: Any) -> NetworkJson:
     if isinstance(network, str):
         return network
     if isinstance(network, Mapping):
-        lists: dict[str, Any] = {
-            key: _headers_argument(network, rules)
-            if key == "headers"
-            else _rules_argument(network, rules)
-            for key, rules in network.items()
-        }
+        lists: dict[str, Any] = {}
+        for key, rules in network.items():
+            if key == "headers":
+                lists[key] = _headers_argument(network, rules)
+            elif key == "resolved" and isinstance(rules, Mapping):
+                lists[key] = {str(k): _rules_argument(network, v) for k, v in rules.items()}
+            else:
+                lists[key] = _rules_argument(network, rules)
         if not all(isinstance(key, str) for key in lists):
             raise InvalidArgument(
-                f"network={network!r}: its keys are 'allow', 'deny' and 'headers'"
+                f"network={network!r}: its keys are 'allow', 'deny', 'headers' and 'resolved'"
             )
         return lists
     return _rules_argument(network, network)

@@ -52,6 +52,8 @@ CHUNK = 64 * 1024
 #: How long a guest may take to send its first bytes, and the proxy to reach a destination.
 HELLO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0
+#: Connections one proxy serves at once (more are closed as they come).
+MAX_CONNECTIONS = 256
 _SO_ORIGINAL_DST = 80
 Headers = tuple[tuple[str, str], ...]
 
@@ -124,7 +126,15 @@ class HeaderProxy:
         loop = asyncio.get_running_loop()
         with listener:
             while True:
-                client, _ = await loop.sock_accept(listener)
+                try:
+                    client, _ = await loop.sock_accept(listener)
+                except OSError as exc:  # out of descriptors, say: the listener stays
+                    log.warning("header proxy: accepting failed: %s", exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                if len(self._tasks) >= MAX_CONNECTIONS:
+                    client.close()
+                    continue
                 task = asyncio.create_task(self._serve(client))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -134,14 +144,16 @@ class HeaderProxy:
             with client:
                 client.setblocking(False)
                 host, port = self._destination(client)
+                # Only what the namespace sent here for a rule (never the proxy itself).
+                if (host, port) == self._listen or not self._covers(host):
+                    return
                 first = await _peek(client)
                 if first[:1] == b"\x16":  # a TLS handshake
                     name = server_name(first)
-                    rule = self._match(name, host)
-                    if rule is None:
+                    if self._match(name, host) is None:
                         await self._pass_on(client, host, port)
                     else:
-                        await self._end_tls(client, host, port, name, rule.headers)
+                        await self._end_tls(client, host, port, name)
                 elif first:
                     await self._plain(client, host, port)
         except (OSError, TimeoutError, h11.ProtocolError, ssl.SSLError) as exc:
@@ -149,20 +161,40 @@ class HeaderProxy:
         except Exception:  # what a hostile guest sends ends its connection, nothing else
             log.exception("header proxy: a connection failed")
 
+    def _covers(self, address: str) -> bool:
+        where = ipaddress.ip_address(address)
+        return any(where in ipaddress.ip_network(n) for r in self.rules for n in r.networks)
+
     def _match(self, name: str | None, address: str) -> HeaderRule | None:
+        """The rule for a request to ``address`` for ``name`` (a TLS server name or a
+        ``Host``): one whose addresses hold ``address``, and, for a rule by name, of
+        that name (so a ``Host`` naming one rule never gets its headers sent to another
+        rule's destination)."""
+        where = ipaddress.ip_address(address)
         for rule in self.rules:
-            if rule.is_name:
-                if name is not None and name == rule.host:
-                    return rule
-            elif ipaddress.ip_address(address) in ipaddress.ip_network(rule.host, strict=False):
+            if not any(where in ipaddress.ip_network(n) for n in rule.networks):
+                continue
+            if not rule.is_name or (name is not None and name == rule.host):
                 return rule
         return None
 
-    def _headers_for(self, request: h11.Request, address: str) -> Headers:
-        host = dict(request.headers).get(b"host", b"").decode("latin-1")
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        rule = self._match(name.lower().rstrip(".") or None, address)
-        return rule.headers if rule is not None else ()
+    def _headers_for(self, request: h11.Request, address: str, tls_name: str | None) -> Headers:
+        """The headers to set on ``request``, looked up as it arrives (a rule changed
+        or removed meanwhile is in force at the connection's next request).
+
+        :raises Refused: for a request on a connection the proxy ended TLS for whose
+            ``Host`` names another site than its server name (domain fronting), and for
+            one that would get headers but names its destination in the request line.
+        """
+        host = host_of(request)
+        if tls_name is not None and host is not None and host != tls_name:
+            raise Refused(421, f"this connection is for {tls_name}, not {host}")
+        rule = self._match(host or tls_name, address)
+        if rule is None:
+            return ()
+        if not request.target.startswith(b"/"):
+            raise Refused(400, "a request given headers must name a path, not a URL")
+        return rule.headers
 
     async def _dial(self, host: str, port: int) -> socket.socket:
         sock = await self._socket()
@@ -198,18 +230,20 @@ class HeaderProxy:
                 return
             up_reader, up_writer = await asyncio.open_connection(sock=upstream)
             try:
-                await relay(reader, writer, up_reader, up_writer, self._headers_for_address(host))
+                await relay(
+                    reader,
+                    writer,
+                    up_reader,
+                    up_writer,
+                    lambda request: self._headers_for(request, host, None),
+                    host,
+                )
             finally:
                 up_writer.close()
         finally:
             writer.close()
 
-    def _headers_for_address(self, address: str) -> Callable[[h11.Request], Headers]:
-        return lambda request: self._headers_for(request, address)
-
-    async def _end_tls(
-        self, client: socket.socket, host: str, port: int, name: str | None, headers: Headers
-    ) -> None:
+    async def _end_tls(self, client: socket.socket, host: str, port: int, name: str | None) -> None:
         assert self._authority is not None
         shown = name or host
         context = await asyncio.to_thread(self._authority.server_context, shown)
@@ -233,7 +267,14 @@ class HeaderProxy:
                 await _refuse(writer, f"cannot reach https://{shown}:{port}: {_why(exc)}")
                 return
             try:
-                await relay(reader, writer, up_reader, up_writer, lambda _: headers)
+                await relay(
+                    reader,
+                    writer,
+                    up_reader,
+                    up_writer,
+                    lambda request: self._headers_for(request, host, name),
+                    shown,
+                )
             finally:
                 up_writer.close()
         finally:
@@ -265,11 +306,29 @@ def original_destination(sock: socket.socket) -> tuple[str, int]:
     return socket.inet_ntoa(packed), port
 
 
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def woken() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), woken)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
 async def _peek(sock: socket.socket) -> bytes:
     """The first bytes the guest sent, left to be read: a whole TLS record when it
-    starts one (its ClientHello), else what came first. b"": it closed."""
+    starts one (its ClientHello), else what came first. b"": it closed. (A guest that
+    sends nothing costs nothing until then; a record that comes in parts is looked at
+    again every 10 ms.)"""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + HELLO_TIMEOUT
+    await asyncio.wait_for(_readable(sock), HELLO_TIMEOUT)
     while True:
         try:
             data = sock.recv(16 * 1024 + 5, socket.MSG_PEEK)
@@ -311,16 +370,38 @@ def server_name(hello: bytes) -> str | None:
     return None
 
 
+class Refused(Exception):
+    """A request the proxy does not send on: answered ``status``, saying ``why``."""
+
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+        self.why = why
+
+
+def host_of(request: h11.Request) -> str | None:
+    """The name a request's ``Host`` gives (no port, lowercased), if it has one."""
+    value = dict(request.headers).get(b"host")
+    if value is None:
+        return None
+    host = value.decode("latin-1").lower()
+    if not host.endswith("]"):  # [IPv6] keeps its colons
+        host = host.rsplit(":", 1)[0]
+    return host.rstrip(".") or None
+
+
 async def relay(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     up_reader: asyncio.StreamReader,
     up_writer: asyncio.StreamWriter,
     headers_for: Callable[[h11.Request], Headers],
+    host: str,
 ) -> None:
-    """Carry HTTP/1.1 requests from the guest (``reader``/``writer``) to the destination
+    """Carry HTTP requests from the guest (``reader``/``writer``) to the destination
     (``up_*``) one at a time, each with ``headers_for(request)`` set, and their answers
-    back, until either side closes."""
+    back, until either side closes. ``host`` is the destination's name or address (the
+    ``Host`` of an HTTP/1.0 request that gave none)."""
     guest = h11.Connection(h11.SERVER)
     destination = h11.Connection(h11.CLIENT)
     while True:
@@ -328,9 +409,13 @@ async def relay(
         if not isinstance(request, h11.Request):
             return
         try:
-            up_writer.write(destination.send(with_headers(request, headers_for(request))))
-        except h11.LocalProtocolError as exc:  # e.g. an HTTP/1.0 request without Host
-            await _refuse(writer, f"cannot forward this request: {exc}", status=400)
+            sent = forwarded(request, headers_for(request), host)
+            up_writer.write(destination.send(sent))
+        except Refused as refused:
+            await _refuse(writer, refused.why, status=refused.status)
+            return
+        except h11.LocalProtocolError:  # (never its text: it may quote a header's value)
+            await _refuse(writer, "this request cannot be sent on as HTTP/1.1", status=400)
             return
         body = asyncio.create_task(_copy_body(guest, reader, destination, up_writer))
         try:
@@ -354,19 +439,25 @@ async def relay(
             return
 
 
-def with_headers(request: h11.Request, headers: Headers) -> h11.Request:
-    """``request`` with ``headers`` set, each replacing those of its name."""
-    if not headers:
-        return request
-    replaced = {name.lower().encode() for name, _ in headers}
-    kept = [(n, v) for n, v in request.headers.raw_items() if n.lower() not in replaced]
+def forwarded(request: h11.Request, headers: Headers, host: str) -> h11.Request:
+    """``request`` as the proxy sends it on: ``headers`` set, each replacing those of its
+    name; no ``Content-Length`` beside a ``Transfer-Encoding`` (RFC 9112 6.1: a sender
+    must not send both, and a destination that reads the length would take the rest of
+    the body for a second request); an HTTP/1.0 request as HTTP/1.1 asking to close
+    after it (with ``host`` for the ``Host`` it may lack)."""
+    raw = request.headers.raw_items()
+    present = {name.lower() for name, _ in raw}
+    dropped = {name.lower().encode() for name, _ in headers}
+    if b"transfer-encoding" in present:
+        dropped.add(b"content-length")
     added = [(name.encode(), value.encode()) for name, value in headers]
-    return h11.Request(
-        method=request.method,
-        target=request.target,
-        headers=[*kept, *added],
-        http_version=request.http_version,
-    )
+    if request.http_version != b"1.1":
+        dropped.add(b"connection")
+        added.append((b"Connection", b"close"))
+        if b"host" not in present:
+            added.append((b"Host", host.encode()))
+    kept = [(name, value) for name, value in raw if name.lower() not in dropped]
+    return h11.Request(method=request.method, target=request.target, headers=[*kept, *added])
 
 
 async def _next(connection: h11.Connection, reader: asyncio.StreamReader) -> object:

@@ -73,6 +73,9 @@ class HeaderRule:
 MAX_HEADERS = 64
 MAX_HEADER_VALUE = 8192
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: RFC 9110's field value, as h11 sends it: no control character but a tab inside, no
+#: space or tab at either end (h11 would refuse it at each request).
+_VALUE = re.compile(r"(?:[^\x00-\x20\x7f](?:[^\x00-\x08\x0a-\x1f\x7f]*[^\x00-\x20\x7f])?)?")
 #: Headers the proxy itself decides (framing, the connection): never set by a rule.
 _FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade"})
 
@@ -137,7 +140,7 @@ def parse_policy(value: Any, *, resolve: bool = True) -> NetworkPolicy:
 
 
 def _parse_allow_deny(value: dict[Any, Any], resolve: bool) -> NetworkPolicy:
-    known = ("allow", "deny", "headers") + (() if resolve else ("resolved",))
+    known = ("allow", "deny", "headers", "resolved")
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
         raise InvalidArgument(f"network: unknown key {unknown[0]!r}; {FORMS}")
@@ -152,8 +155,12 @@ def _parse_allow_deny(value: dict[Any, Any], resolve: bool) -> NetworkPolicy:
 
 
 def _parse_headers(value: Any, resolved: Any, resolve: bool) -> tuple[HeaderRule, ...]:
-    """``{destination: {name: value}}``; a name's addresses are looked up now (or, read
-    back, taken from ``resolved``)."""
+    """``{destination: {name: value}}``; a name's addresses are those ``resolved`` gives
+    (a policy read back, or a fork's; a name the host's DNS does not know), else looked
+    up now."""
+    if not isinstance(resolved, dict | None):
+        raise InvalidArgument(f"network['resolved'] {resolved!r}: must map a name to addresses")
+    resolved = resolved or {}
     if not isinstance(value, dict):
         raise InvalidArgument(
             f"network['headers'] {value!r}: must map a destination to its headers, e.g. "
@@ -171,10 +178,17 @@ def _parse_headers(value: Any, resolved: Any, resolve: bool) -> tuple[HeaderRule
             )
         if _is_network(host):
             networks = tuple(rule.network for rule in _parse_rule(host, resolve=False))
+        elif resolved.get(host):
+            given = resolved[host]
+            if isinstance(given, str) or not isinstance(given, Sequence):
+                raise InvalidArgument(f"network['resolved'][{host!r}]: must be a list of addresses")
+            networks = tuple(
+                rule.network for entry in given for rule in _parse_rule(entry, resolve=False)
+            )
         elif resolve:
             networks = tuple(rule.network for rule in _parse_rule(host, resolve=True))
         else:
-            networks = tuple(str(n) for n in ((resolved or {}).get(host) or ()))
+            raise InvalidArgument(f"network['headers'][{host!r}]: its addresses are not kept")
         if resolve:
             for network in networks:
                 _refuse_unreachable(host, ipaddress.IPv4Network(network))
@@ -196,14 +210,11 @@ def _parse_header_set(where: str, headers: Any) -> tuple[tuple[str, str], ...]:
             raise InvalidArgument(
                 f"{where}: {name!r} is decided by the connection itself and cannot be set"
             )
-        if (
-            not isinstance(text, str)
-            or len(text) > MAX_HEADER_VALUE
-            or any(c in text for c in "\r\n\0")
-        ):
+        if not isinstance(text, str) or len(text) > MAX_HEADER_VALUE or not _VALUE.fullmatch(text):
             raise InvalidArgument(
                 f"{where}[{name!r}]: a header value is text of at most {MAX_HEADER_VALUE} "
-                "characters, without line breaks"
+                "characters, without line breaks or control characters, and without spaces "
+                "at either end"
             )
         pairs.append((name, text))
     return tuple(pairs)

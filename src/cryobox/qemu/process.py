@@ -278,9 +278,11 @@ class QemuProcess:
             proxy = HeaderProxy(open_namespace(pid), trust=self.spec.egress_trust)
             try:
                 await proxy.start()
-            except OSError as exc:
-                await proxy.close()
-                raise NetworkError(f"the header proxy cannot listen: {exc}") from exc
+            except BaseException as exc:
+                await proxy.close()  # (it holds the namespace open)
+                if isinstance(exc, OSError):
+                    raise NetworkError(f"the header proxy cannot start: {exc}") from exc
+                raise
             self._headers = proxy
         if self._headers is not None:
             self._headers.rules = policy.headers

@@ -428,7 +428,13 @@ class SandboxService:
                     if failed is not None and isinstance(exc, CryoboxError):
                         raise failed from exc
                 raise
-        if sets_headers(info.network) and start.forked_from is None:
+        if start.forked_from is not None:  # the CAs its parent's guest and proxy trust
+            parent = registry.find(start.forked_from).egress_trust
+            trusted = await asyncio.to_thread(read_if_there, parent)
+            if trusted is not None:
+                copy = registry.find(info.id).egress_trust
+                await asyncio.to_thread(write_atomic, copy, trusted, durable=False)
+        elif sets_headers(info.network):
             try:
                 await self._trust_egress(info.id)
             except BaseException:
