@@ -594,3 +594,26 @@ def test_e2b_transform_rules_set_headers_from_create_on(
             sbx.update_network({"rules": iam})
     finally:
         sbx.kill()
+
+
+def test_a_supervisor_killed_leaves_the_headers_set_by_the_next_one(
+    sandbox_factory: Callable[..., Any], echo: Path
+) -> None:
+    """The header proxy goes with a supervisor killed with -9 (its namespace still sends
+    to it); the supervisor that adopts the running VM starts its own."""
+    import os
+    import signal
+
+    from cryobox.sandbox import registry
+
+    sbx = sandbox_factory(timeout=600, network={"headers": {OUTSIDE: {"X-Token": "kept"}}})
+    assert ("X-Token", "kept") in headers_seen(sbx, f"http://{OUTSIDE}/")
+    record = registry.find(sbx.id).record()
+    assert record.supervisor_pid and record.qemu_pid
+    os.kill(record.supervisor_pid, signal.SIGKILL)
+    until(lambda: not Path(f"/proc/{record.supervisor_pid}").exists(), "the supervisor's end")
+    again = Sandbox.connect(sbx.id)
+    assert ("X-Token", "kept") in headers_seen(again, f"http://{OUTSIDE}/")
+    adopted = registry.find(sbx.id).record()
+    assert adopted.qemu_pid == record.qemu_pid  # the same VM, adopted
+    assert adopted.supervisor_pid != record.supervisor_pid
