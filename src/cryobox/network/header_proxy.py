@@ -52,6 +52,8 @@ CHUNK = 64 * 1024
 #: How long a guest may take to send its first bytes, and the proxy to reach a destination.
 HELLO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0
+#: How long a connection's end may take (its last bytes, TLS's close_notify).
+CLOSE_TIMEOUT = 5.0
 #: Connections one proxy serves at once (more are closed as they come).
 MAX_CONNECTIONS = 256
 _SO_ORIGINAL_DST = 80
@@ -239,9 +241,9 @@ class HeaderProxy:
                     host,
                 )
             finally:
-                up_writer.close()
+                await _close(up_writer)
         finally:
-            writer.close()
+            await _close(writer)
 
     async def _end_tls(self, client: socket.socket, host: str, port: int, name: str | None) -> None:
         assert self._authority is not None
@@ -276,9 +278,9 @@ class HeaderProxy:
                     shown,
                 )
             finally:
-                up_writer.close()
+                await _close(up_writer)
         finally:
-            writer.close()
+            await _close(writer)
 
     async def _verifying(self) -> ssl.SSLContext:
         """The host's system CAs and the sandbox's extra ones (made again when those
@@ -504,6 +506,14 @@ async def _copy_answer(
             return False
         else:  # the destination closed mid-answer
             raise ConnectionError("the destination closed before its answer ended")
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    """Close, letting what was written (an answer, TLS's close_notify) go first: the
+    socket closed under it would reset the connection, and the peer lose the answer."""
+    writer.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(writer.wait_closed(), CLOSE_TIMEOUT)
 
 
 async def _refuse(writer: asyncio.StreamWriter, why: str, status: int = 502) -> None:
