@@ -244,6 +244,13 @@ def test_a_running_sandbox_network_changes_at_once_and_is_kept(
         fork.kill()
 
 
+def cryobox_cli(server: ApiServer, *args: str) -> subprocess.CompletedProcess[str]:
+    """cryobox's CLI, a client of ``server``."""
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, env=server.client_env(), timeout=120
+    )
+
+
 def test_e2b_network_rules_and_update_network_over_http(
     api_server: ApiServer, outside: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,23 +281,11 @@ def test_e2b_network_rules_and_update_network_over_http(
         with pytest.raises(e2b.SandboxException, match=r"egressProxy"):
             e2b.Sandbox.create(network=e2b.SandboxNetworkOpts(egress_proxy=proxy))
 
-        cli = subprocess.run(
-            [*CLI, "network", sbx.sandbox_id, "--deny", f"{OUTSIDE}:8081"],
-            capture_output=True,
-            text=True,
-            env=api_server.client_env(),
-            timeout=120,
-        )
+        cli = cryobox_cli(api_server, "network", sbx.sandbox_id, "--deny", f"{OUTSIDE}:8081")
         assert cli.returncode == 0, cli.stderr
         assert json.loads(cli.stdout) == {"allow": [], "deny": [f"{OUTSIDE}/32:8081"]}
         assert reaches(sbx)
-        refused = subprocess.run(
-            [*CLI, "network", sbx.sandbox_id, "internet", "--deny", OUTSIDE],
-            capture_output=True,
-            text=True,
-            env=api_server.client_env(),
-            timeout=120,
-        )
+        refused = cryobox_cli(api_server, "network", sbx.sandbox_id, "internet", "--deny", OUTSIDE)
         assert refused.returncode != 0 and "not both" in refused.stderr
     finally:
         sbx.kill()
@@ -579,12 +574,8 @@ def test_e2b_transform_rules_set_headers_from_create_on(
         assert ("X-Test-Token", "e2b-transform-value") not in headers_seen(
             sbx, f"http://{OUTSIDE}/"
         )
-        cli = subprocess.run(
-            [*CLI, "network", sbx.sandbox_id, "--header", f"{OUTSIDE}:X-From-Cli=yes"],
-            capture_output=True,
-            text=True,
-            env=api_server.client_env(),
-            timeout=120,
+        cli = cryobox_cli(
+            api_server, "network", sbx.sandbox_id, "--header", f"{OUTSIDE}:X-From-Cli=yes"
         )
         assert cli.returncode == 0, cli.stderr
         assert json.loads(cli.stdout)["headers"] == {OUTSIDE: {"X-From-Cli": "yes"}}

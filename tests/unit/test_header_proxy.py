@@ -6,6 +6,7 @@ cannot be trusted. (Its namespace's DNAT and a real guest are in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import socket
@@ -84,8 +85,10 @@ def authority(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 RULE = HeaderRule(NAME, ("127.0.0.1/32",), (("X-Token", "from-the-host"),))
 
 
-def run_proxy(port: int, trust: Path | None, *rules: HeaderRule) -> tuple[HeaderProxy, Any]:
-    """A proxy in a loop of its own thread, every connection sent to ``port``."""
+@contextlib.contextmanager
+def serving(port: int, trust: Path | None, *rules: HeaderRule) -> Iterator[HeaderProxy]:
+    """A proxy in a loop of its own thread, every connection sent to ``port``; closed
+    on the way out."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     proxy = HeaderProxy(
@@ -93,12 +96,11 @@ def run_proxy(port: int, trust: Path | None, *rules: HeaderRule) -> tuple[Header
     )
     proxy.rules = rules
     asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
-    return proxy, loop
-
-
-def stop(proxy: HeaderProxy, loop: Any) -> None:
-    asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
+    try:
+        yield proxy
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def exchange(sock: socket.socket, *requests: bytes) -> list[dict[str, Any]]:
@@ -140,8 +142,7 @@ def test_a_named_destination_gets_its_headers_on_every_request_of_a_connection(
     a body of either framing) reaches the destination with the rule's header replacing
     the guest's, and the other headers as sent."""
     port, ca = upstream
-    proxy, loop = run_proxy(port, ca, RULE)
-    try:
+    with serving(port, ca, RULE) as proxy:
         with tls_to(proxy.port, NAME, authority) as sock:
             issuer = sock.getpeercert()["issuer"]  # type: ignore[index]
             assert (("commonName", "cryobox egress CA"),) in issuer
@@ -156,16 +157,13 @@ def test_a_named_destination_gets_its_headers_on_every_request_of_a_connection(
             assert sent(answer, "X-Token") == ["from-the-host"]
             assert sent(answer, "Host") == [NAME]
         assert [answer["body"] for answer in answers] == [0, 5, 5]
-    finally:
-        stop(proxy, loop)
 
 
 def test_a_name_no_rule_sets_passes_unread_with_its_own_certificate(
     upstream: tuple[int, Path], authority: Path
 ) -> None:
     port, ca = upstream
-    proxy, loop = run_proxy(port, ca, RULE)
-    try:
+    with serving(port, ca, RULE) as proxy:
         with tls_to(proxy.port, "other.example.test", ca) as sock:
             issuer = sock.getpeercert()["issuer"]  # type: ignore[index]
             assert (("commonName", "cryobox test CA"),) in issuer
@@ -174,29 +172,23 @@ def test_a_name_no_rule_sets_passes_unread_with_its_own_certificate(
         # Trusting only the egress CA, that connection fails: it is not the host's.
         with pytest.raises(ssl.SSLCertVerificationError):
             tls_to(proxy.port, "other.example.test", authority)
-    finally:
-        stop(proxy, loop)
 
 
 def test_a_destination_whose_certificate_does_not_verify_is_answered_502_naming_it(
     upstream: tuple[int, Path], authority: Path
 ) -> None:
     port, _ = upstream
-    proxy, loop = run_proxy(port, None, RULE)  # the destination's CA is not trusted
-    try:
+    with serving(port, None, RULE) as proxy:  # the destination's CA is not trusted
         with tls_to(proxy.port, NAME, authority) as sock:
             sock.sendall(GET)
             answer = sock.makefile("rb").read()
         assert answer.startswith(b"HTTP/1.1 502"), answer
         assert b"certificate verify failed" in answer.lower(), answer
-    finally:
-        stop(proxy, loop)
 
 
 def test_plain_http_gets_the_headers_of_the_host_it_names(plain_upstream: int) -> None:
     address_rule = HeaderRule("127.0.0.0/24", ("127.0.0.0/24",), (("X-Other", "by-address"),))
-    proxy, loop = run_proxy(plain_upstream, None, RULE)
-    try:
+    with serving(plain_upstream, None, RULE) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
             named, other = exchange(
                 sock, GET, b"GET / HTTP/1.1\r\nHost: elsewhere.test:8080\r\n\r\n"
@@ -207,8 +199,6 @@ def test_plain_http_gets_the_headers_of_the_host_it_names(plain_upstream: int) -
         with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
             (answer,) = exchange(sock, b"GET / HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n")
         assert sent(answer, "X-Other") == ["by-address"]
-    finally:
-        stop(proxy, loop)
 
 
 def test_the_server_name_is_read_from_a_real_client_hello() -> None:
@@ -301,16 +291,13 @@ def test_a_host_naming_one_rule_never_gets_its_headers_sent_to_another_address(
     nothing of A's; B's own name gets B's."""
     rule_a = HeaderRule(NAME, ("198.51.100.7/32",), (("X-Token", "a-secret"),))
     rule_b = HeaderRule("b.example.test", ("127.0.0.1/32",), (("X-B", "b"),))
-    proxy, loop = run_proxy(plain_upstream, None, rule_a, rule_b)
-    try:
+    with serving(plain_upstream, None, rule_a, rule_b) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
             to_b_as_a, to_b = exchange(
                 sock, GET, b"GET / HTTP/1.1\r\nHost: b.example.test:80\r\n\r\n"
             )
         assert sent(to_b_as_a, "X-Token") == ["from-the-guest"]
         assert sent(to_b, "X-B") == ["b"]
-    finally:
-        stop(proxy, loop)
 
 
 def test_a_request_for_another_site_than_its_tls_name_is_refused(
@@ -319,8 +306,7 @@ def test_a_request_for_another_site_than_its_tls_name_is_refused(
     """Domain fronting: on a connection ended for the rule's name, a Host naming another
     site is answered 421, and a request line naming a URL 400; neither is sent on."""
     port, ca = upstream
-    proxy, loop = run_proxy(port, ca, RULE)
-    try:
+    with serving(port, ca, RULE) as proxy:
         with tls_to(proxy.port, NAME, authority) as sock:
             answer = raw_answer(sock, b"GET / HTTP/1.1\r\nHost: other.example.test\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 421") and b"not other.example.test" in answer
@@ -329,16 +315,13 @@ def test_a_request_for_another_site_than_its_tls_name_is_refused(
                 sock, b"GET http://elsewhere.test/ HTTP/1.1\r\nHost: api.example.test\r\n\r\n"
             )
         assert answer.startswith(b"HTTP/1.1 400"), answer
-    finally:
-        stop(proxy, loop)
 
 
 def test_rules_changed_meanwhile_hold_at_the_next_request_of_an_open_connection(
     upstream: tuple[int, Path], authority: Path
 ) -> None:
     port, ca = upstream
-    proxy, loop = run_proxy(port, ca, RULE)
-    try:
+    with serving(port, ca, RULE) as proxy:
         with tls_to(proxy.port, NAME, authority) as sock:
             (first,) = exchange(sock, GET)
             proxy.rules = (HeaderRule(NAME, ("127.0.0.1/32",), (("X-Token", "rotated"),)),)
@@ -348,16 +331,13 @@ def test_rules_changed_meanwhile_hold_at_the_next_request_of_an_open_connection(
         assert sent(first, "X-Token") == ["from-the-host"]
         assert sent(rotated, "X-Token") == ["rotated"]
         assert sent(revoked, "X-Token") == ["from-the-guest"]
-    finally:
-        stop(proxy, loop)
 
 
 def test_requests_are_sent_on_framed_one_way_and_as_http_1_1(plain_upstream: int) -> None:
     """Content-Length beside Transfer-Encoding is dropped (no second request hidden in a
     body); an HTTP/1.0 request without Host is sent as HTTP/1.1 with the address for
     Host, asking to close; the secret in a value is never in an answer to the guest."""
-    proxy, loop = run_proxy(plain_upstream, None, RULE)
-    try:
+    with serving(plain_upstream, None, RULE) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
             (both,) = exchange(
                 sock,
@@ -371,8 +351,6 @@ def test_requests_are_sent_on_framed_one_way_and_as_http_1_1(plain_upstream: int
         assert answer.startswith(b"HTTP/1.1 200"), answer
         echoed = json.loads(answer.split(b"\r\n\r\n", 1)[1])
         assert sent(echoed, "Host") == ["127.0.0.1"] and sent(echoed, "Connection") == ["close"]
-    finally:
-        stop(proxy, loop)
 
 
 def test_a_connection_to_an_address_no_rule_names_is_closed_unanswered(
@@ -380,8 +358,7 @@ def test_a_connection_to_an_address_no_rule_names_is_closed_unanswered(
 ) -> None:
     """Only what the namespace sends for a rule is served (never the proxy itself)."""
     elsewhere = HeaderRule(NAME, ("198.51.100.7/32",), (("X-Token", "x"),))
-    proxy, loop = run_proxy(plain_upstream, None, elsewhere)
-    try:
+    with serving(plain_upstream, None, elsewhere) as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), 10) as sock:
             sock.settimeout(10)
             try:
@@ -389,5 +366,3 @@ def test_a_connection_to_an_address_no_rule_names_is_closed_unanswered(
             except ConnectionResetError:  # closed with the request unread
                 answer = b""
         assert answer == b""
-    finally:
-        stop(proxy, loop)

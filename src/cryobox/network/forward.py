@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
@@ -69,7 +70,8 @@ class PortForwarder:
         try:
             # The thread gets a copy of the namespace's fd, which it closes: close() may
             # close the forwarder's own (a pause, say) while the thread still connects.
-            sock = await in_own_thread(connect_inside, os.dup(self.namespace), inner_port)
+            connect = functools.partial(connect_inside, port=inner_port)
+            sock = await in_own_thread(connect, os.dup(self.namespace))
             inner_reader, inner_writer = await asyncio.open_connection(sock=sock)
         except OSError as exc:
             log.info("forward to port %d refused: %s", inner_port, exc)
@@ -95,9 +97,7 @@ class PortForwarder:
                 await task
 
 
-async def in_own_thread(
-    fn: Callable[[int, int], socket.socket], namespace: int, port: int = 0
-) -> socket.socket:
+async def in_own_thread(fn: Callable[[int], socket.socket], namespace: int) -> socket.socket:
     """Run ``fn`` in a thread of its own that ends with it: a thread that entered another
     namespace must never serve anything else (were the switch back ever to fail). The
     thread owns ``namespace`` (an fd): it closes it once ``fn`` returns."""
@@ -108,7 +108,7 @@ async def in_own_thread(
         result: socket.socket | None = None
         error: BaseException | None = None
         try:
-            result = fn(namespace, port)
+            result = fn(namespace)
         except BaseException as exc:
             error = exc
         finally:

@@ -36,7 +36,7 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import h11
@@ -58,6 +58,7 @@ CLOSE_TIMEOUT = 5.0
 MAX_CONNECTIONS = 256
 _SO_ORIGINAL_DST = 80
 Headers = tuple[tuple[str, str], ...]
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class HeaderProxy:
@@ -165,7 +166,7 @@ class HeaderProxy:
 
     def _covers(self, address: str) -> bool:
         where = ipaddress.ip_address(address)
-        return any(where in ipaddress.ip_network(n) for r in self.rules for n in r.networks)
+        return any(rule.reaches(where) for rule in self.rules)
 
     def _match(self, name: str | None, address: str) -> HeaderRule | None:
         """The rule for a request to ``address`` for ``name`` (a TLS server name or a
@@ -174,9 +175,7 @@ class HeaderProxy:
         rule's destination)."""
         where = ipaddress.ip_address(address)
         for rule in self.rules:
-            if not any(where in ipaddress.ip_network(n) for n in rule.networks):
-                continue
-            if not rule.is_name or (name is not None and name == rule.host):
+            if rule.reaches(where) and (not rule.is_name or name == rule.host):
                 return rule
         return None
 
@@ -224,26 +223,11 @@ class HeaderProxy:
 
     async def _plain(self, client: socket.socket, host: str, port: int) -> None:
         reader, writer = await asyncio.open_connection(sock=client)
-        try:
-            try:
-                upstream = await self._dial(host, port)
-            except (OSError, TimeoutError) as exc:
-                await _refuse(writer, f"cannot reach {host}:{port}: {_why(exc)}")
-                return
-            up_reader, up_writer = await asyncio.open_connection(sock=upstream)
-            try:
-                await relay(
-                    reader,
-                    writer,
-                    up_reader,
-                    up_writer,
-                    lambda request: self._headers_for(request, host, None),
-                    host,
-                )
-            finally:
-                await _close(up_writer)
-        finally:
-            await _close(writer)
+
+        async def reach() -> Streams:
+            return await asyncio.open_connection(sock=await self._dial(host, port))
+
+        await self._carry(reader, writer, reach, f"{host}:{port}", host, None)
 
     async def _end_tls(self, client: socket.socket, host: str, port: int, name: str | None) -> None:
         assert self._authority is not None
@@ -256,17 +240,33 @@ class HeaderProxy:
             lambda: protocol, client, ssl=context, ssl_handshake_timeout=HELLO_TIMEOUT
         )
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+
+        async def reach() -> Streams:
+            upstream = await self._dial(host, port)
+            verifying = await self._verifying()
+            return await asyncio.wait_for(
+                asyncio.open_connection(sock=upstream, ssl=verifying, server_hostname=shown),
+                CONNECT_TIMEOUT,
+            )
+
+        await self._carry(reader, writer, reach, f"https://{shown}:{port}", host, name)
+
+    async def _carry(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        reach: Callable[[], Awaitable[Streams]],
+        where: str,
+        address: str,
+        tls_name: str | None,
+    ) -> None:
+        """Relay the guest's requests to the destination ``reach()`` connects to (``where``
+        names it in a 502 when it cannot), then close both ends."""
         try:
             try:
-                upstream = await self._dial(host, port)
-                up_reader, up_writer = await asyncio.wait_for(
-                    asyncio.open_connection(
-                        sock=upstream, ssl=await self._verifying(), server_hostname=shown
-                    ),
-                    CONNECT_TIMEOUT,
-                )
-            except (OSError, TimeoutError, ssl.SSLError) as exc:
-                await _refuse(writer, f"cannot reach https://{shown}:{port}: {_why(exc)}")
+                up_reader, up_writer = await reach()
+            except (OSError, TimeoutError) as exc:  # (ssl.SSLError is an OSError)
+                await _refuse(writer, f"cannot reach {where}: {_why(exc)}")
                 return
             try:
                 await relay(
@@ -274,8 +274,8 @@ class HeaderProxy:
                     writer,
                     up_reader,
                     up_writer,
-                    lambda request: self._headers_for(request, host, name),
-                    shown,
+                    lambda request: self._headers_for(request, address, tls_name),
+                    tls_name or address,
                 )
             finally:
                 await _close(up_writer)

@@ -369,7 +369,7 @@ def open_namespace(pid: int) -> int:
     return os.open(namespace_path(pid), os.O_RDONLY | os.O_CLOEXEC)
 
 
-def socket_inside(namespace: int, _: int = 0) -> socket.socket:
+def socket_inside(namespace: int) -> socket.socket:
     """A TCP socket of the namespace open as ``namespace``: where it is made decides
     which namespace it binds and connects in (blocking: run it in a thread of its own;
     the switch affects this thread only, and it switches back)."""

@@ -21,6 +21,7 @@ whether the guest reaches it.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import socket
@@ -64,9 +65,17 @@ class HeaderRule:
     networks: tuple[str, ...]
     headers: tuple[tuple[str, str], ...]
 
-    @property
+    @functools.cached_property
     def is_name(self) -> bool:
         return not _is_network(self.host)
+
+    @functools.cached_property
+    def _parsed(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return tuple(ipaddress.ip_network(n) for n in self.networks)
+
+    def reaches(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        """Whether a connection to ``address`` goes where this rule's headers go."""
+        return any(address in network for network in self._parsed)
 
 
 #: Bounds of a policy's headers: per destination, and a value's length.

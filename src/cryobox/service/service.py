@@ -480,8 +480,7 @@ class SandboxService:
             (egress.GUEST_BUNDLE, system.rstrip(b"\n") + b"\n" + extra),
             (egress.GUEST_MARKER, marker),  # last: it vouches for the two before
         ):
-            chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
-            await self.guest.write_file(sandbox_id, path, chunks, 0o644)
+            await self._write_guest_file(sandbox_id, path, data)
         await asyncio.to_thread(ca_note.write_note, folder.path / ca_note.GIVEN, marker)
 
     async def _trust_egress(self, sandbox_id: str) -> None:
@@ -504,8 +503,12 @@ class SandboxService:
         if len(writes) == 1:
             return
         for path, data in writes:
-            chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
-            await self.guest.write_file(sandbox_id, path, chunks, 0o644)
+            await self._write_guest_file(sandbox_id, path, data)
+
+    async def _write_guest_file(self, sandbox_id: str, path: str, data: bytes) -> None:
+        """A small file of the system's (a CA bundle), readable by every guest user."""
+        chunks = [data[i : i + p.CHUNK] for i in range(0, len(data), p.CHUNK)]
+        await self.guest.write_file(sandbox_id, path, chunks, 0o644)
 
     async def _keep_egress_trust(self, sandbox_id: str) -> None:
         """A guest whose policy sets headers, rolled back to before it was made to trust
