@@ -15,6 +15,7 @@ from cryobox.errors import InvalidArgument, ProcessCheckpointFailed, SnapshotInc
 from cryobox.service import process_probe
 from cryobox.service.processes import Processes, _description
 from cryobox.snapshot.manifest import Manifest
+from waiting import until
 
 CHILD = """
 import subprocess, sys, time
@@ -33,6 +34,12 @@ def tree(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
         [sys.executable, "-c", CHILD, str(held)], stdout=subprocess.PIPE, text=True
     )
     assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    # Popen returns once the exec has begun; the kernel names the child after it.
+    until(
+        lambda: "sleep" in process_probe.describe(child.pid)["comms"].values(),
+        "the child to be named sleep",
+        timeout=10,
+    )
     yield child, held
     for pid in process_probe.tree(child.pid)[::-1]:
         os.kill(pid, 9)
