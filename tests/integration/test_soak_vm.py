@@ -11,7 +11,7 @@ pytestmark = pytest.mark.vm
 
 
 def test_a_short_soak_loses_nothing() -> None:
-    report = soak.run(1.5, server_faults_every=20, fork_every=5)
+    report = soak.run(1.0, server_faults_every=15, fork_every=3)
     summary = report.summary()
     assert report.losses == [], summary
     assert report.pause_resume_cycles >= 5, summary
