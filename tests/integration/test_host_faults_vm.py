@@ -214,8 +214,10 @@ def test_supervisor_killed_while_folding_a_checkpoint_loses_no_point_of_the_hist
         first = verified(store, first.id)  # sound whatever the step
         if step == "fold-written":
             assert first.memory_base is None and (folder / ram_delta.DELTA).exists()
+            assert (folder / ram_delta.DISK_DELTA).exists()  # (the disk layer's, unlisted)
         else:
             assert first.memory_base == second.id and (folder / mf.MEMORY).exists()
+            assert (folder / mf.DISK).exists()  # (folded with it: left until the sweep)
         again = Sandbox.connect(sbx.id)
         assert again.commands.run("echo second > /root/mark").exit_code == 0
         assert registry.find(sbx.id).record().qemu_pid == record.qemu_pid  # adopted
@@ -225,6 +227,7 @@ def test_supervisor_killed_while_folding_a_checkpoint_loses_no_point_of_the_hist
             os.utime(path, (time.time() - 3600,) * 2)
         store.sweep()
         ram_names = {mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES}
+        ram_names |= {mf.DISK, ram_delta.DISK_DELTA, ram_delta.DISK_PAGES}
         listed = set(verified(store, first.id).files)
         assert {p.name for p in folder.iterdir()} & ram_names == listed & ram_names
     finally:

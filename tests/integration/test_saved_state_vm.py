@@ -18,7 +18,7 @@ from cryobox import InvalidArgument, Sandbox, SnapshotIncompatible, SnapshotVeri
 from cryobox.sandbox import references, registry
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
-from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.snapshot.store import LocalSnapshotStore, disk_folded
 from cryobox.util import data_bytes, data_extents
 from waiting import until
 
@@ -163,11 +163,13 @@ def test_a_sandbox_with_a_history_rewinds_to_a_deleted_file_and_a_killed_process
 def test_a_history_keeps_whole_only_its_newest_ram_and_restores_every_point_exactly(
     sandbox_factory: Any,
 ) -> None:
-    """The newest automatic checkpoint keeps its RAM whole; once the next is taken, the
-    one before keeps only the pages that differ from it (``memory_base``: a few MB for
-    an idle guest, the 16 MiB of a process's data that is gone in the next). A rewind
-    to a point three back brings that process back with every byte of its data (it
-    checks them itself); pages of its own that fail verification refuse the rewind by
+    """The newest automatic checkpoint keeps its RAM and disk layer whole; once the next
+    is taken, the one before keeps only the pages that differ from it (``memory_base``:
+    a few MB of RAM for an idle guest, the 16 MiB of a process's data that is gone in
+    the next; of its disk layer, what the guest wrote in place). A rewind to a point
+    three back brings that process back with every byte of its data (it checks them
+    itself) and the files as they were, and gives that point its whole disk layer back
+    (a backing file now); pages of its own that fail verification refuse the rewind by
     name, the sandbox running on."""
     store = LocalSnapshotStore()
     sbx = sandbox_factory(checkpoint_every=5, keep_checkpoints=20)
@@ -204,10 +206,18 @@ def test_a_history_keeps_whole_only_its_newest_ram_and_restores_every_point_exac
     whole = ram_bytes(newest)
     assert whole > 50 << 20  # (the RAM a booted guest uses)
     assert ram_bytes(quiet) < whole * 0.15, (ram_bytes(quiet), whole)
+    # Its disk layer too: the pages of the file that differ from the next copy's.
+    assert disk_folded(quiet) and not (store.folder(quiet.id) / mf.DISK).exists()
+    layer = data_bytes(store.folder(newest.id) / mf.DISK)
+    kept = data_bytes(store.folder(quiet.id) / ram_delta.DISK_DELTA)
+    assert kept < layer * 0.25, (kept, layer)
 
     sbx.commands.run(HOLDER)
+    sbx.files.write("/root/point.txt", "busy")
     until(lambda: held(sbx)[1] >= 2, "the holder's first checks", timeout=60)
     busy = next_after(time.time())
+    sbx.files.write("/root/point.txt", "later")
+    sbx.files.write("/root/after.txt", "written after busy")
     sbx.commands.run(["pkill", "-f", "holder.py"])
     until(lambda: not sbx.commands.run(["pgrep", "-f", "holder.py"]).stdout, "the holder's end")
     gone = next_after(time.time())  # its pages freed (zeroed) by then
@@ -221,10 +231,16 @@ def test_a_history_keeps_whole_only_its_newest_ram_and_restores_every_point_exac
     assert len(chain) >= 3  # busy, ..., gone, last
     assert any(ram_bytes(store.get(c)) >= 16 << 20 for c in chain[:-1])
 
+    assert disk_folded(busy)
     sbx.rewind(busy.id)
     count = held(sbx)[1]
     until(lambda: held(sbx)[1] > count + 1, "the holder's checks after the rewind", timeout=60)
     assert held(sbx)[0] == "ok"  # every byte of its 16 MiB as it wrote them
+    assert sbx.files.read_text("/root/point.txt") == "busy"
+    assert not sbx.files.exists("/root/after.txt")
+    rewound = store.get(busy.id)  # its layer under the sandbox's: whole; its RAM folded
+    assert not disk_folded(rewound) and rewound.memory_base
+    assert (store.folder(busy.id) / mf.DISK).exists()
 
     # The point gone's RAM is laid over, deleted by hand: gone gets its whole RAM back.
     Sandbox.delete_snapshot(last.id)

@@ -21,9 +21,10 @@ from cryobox.errors import InvalidArgument, SnapshotVerificationFailed, StorageE
 from cryobox.sandbox import references
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
-from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
+from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, ram_files
 from cryobox.util import PAGE, data_bytes
+from specs import checkpoint
 
 MIB = 1 << 20
 
@@ -130,33 +131,12 @@ def test_runs_of_a_page_map() -> None:
     assert ram_delta.changed_runs(bytes(3)) == []
 
 
-def _checkpoint(snapshot_id: str, at: float, base: str | None = None) -> Manifest:
-    return Manifest(
-        id=snapshot_id,
-        kind=SnapshotKind.MEMORY,
-        purpose=SnapshotPurpose.CHECKPOINT,
-        name=None,
-        created_at=at,
-        source_sandbox="sbx-gone",
-        parent=None,
-        image_id="img",
-        cpus=2,
-        memory_mib=1024,
-        disk_gib=4,
-        disk_chain=("snap-template",),
-        ports=(),
-        ram_in_stream=False,
-        automatic=True,
-        memory_base=base,
-    )
-
-
 def test_a_base_is_needed_while_a_delta_builds_on_it_and_collected_after_it() -> None:
     """A checkpoint's RAM base (the newer checkpoint it was folded onto) counts as
     something it builds on: kept while it is needed (here and in the store's records),
     collected after the deltas on it."""
-    base = _checkpoint("snap-base", 2.0)
-    delta = _checkpoint("snap-delta", 1.0, base="snap-base")
+    base = checkpoint("snap-base", 2.0)
+    delta = checkpoint("snap-delta", 1.0, base="snap-base")
     assert delta.builds_on == ("snap-template", "snap-base")
     assert mf.builds_on(delta.to_json()) == delta.builds_on
     assert mf.builds_on(base.to_json()) == ("snap-template",)
@@ -181,8 +161,8 @@ def _two_checkpoints(
     _ram(tmp_path / "older", size, older)
     _ram(tmp_path / "newer", size, newer)
     store = LocalSnapshotStore(tmp_path / "state")
-    _commit_on(store, _checkpoint("snap-older", 1.0), tmp_path / "older")
-    _commit_on(store, _checkpoint("snap-newer", 2.0), tmp_path / "newer")
+    _commit_on(store, checkpoint("snap-older", 1.0), tmp_path / "older")
+    _commit_on(store, checkpoint("snap-newer", 2.0), tmp_path / "newer")
     return store
 
 
@@ -251,9 +231,9 @@ def test_a_fold_leaves_a_snapshot_that_verifies_and_reads_back_its_ram(tmp_path:
 def test_what_a_snapshot_needs_however_far_down_and_what_only_leans_on_its_ram() -> None:
     """A fold may not make two snapshots need each other: the newest's needs, however
     far down (disk layers, RAM bases, theirs), are what a fold checks first."""
-    point = replace(_checkpoint("snap-point", 1.0, base="snap-next"), disk_chain=("snap-t",))
-    after = _checkpoint("snap-next", 2.0)
-    rewound = replace(_checkpoint("snap-new", 3.0), disk_chain=("snap-point", "snap-t"))
+    point = replace(checkpoint("snap-point", 1.0, base="snap-next"), disk_chain=("snap-t",))
+    after = checkpoint("snap-next", 2.0)
+    rewound = replace(checkpoint("snap-new", 3.0), disk_chain=("snap-point", "snap-t"))
     every = [point, after, rewound]
     needs = {"snap-point", "snap-t", "snap-next", "snap-template"}  # (snap-next's layer)
     assert references.builds_on_all("snap-new", every) == needs
@@ -415,7 +395,7 @@ assert LocalSnapshotStore(Path(sys.argv[1])).fold_ram("snap-older", "snap-newer"
 """
 
 
-def test_a_fold_waits_for_an_unfold_of_the_same_checkpoint(tmp_path: Path) -> None:
+def test_a_fold_waits_for_an_unfold_of_the_samecheckpoint(tmp_path: Path) -> None:
     """A fold holds its base's lock and its own: an unfold of the same checkpoint (a
     delete of the base that read it folded) never runs beside it, so neither removes
     the RAM file the other just wrote."""
@@ -474,11 +454,11 @@ def test_a_cascade_deletes_a_folded_checkpoint_before_the_newer_one_it_leans_on(
     _ram(tmp_path / "ram2", 4 * MIB, {**pages, 1: rng.randbytes(PAGE)})
     store = LocalSnapshotStore(tmp_path / "state")
     saved = replace(
-        _checkpoint("snap-saved", 1.0), purpose=SnapshotPurpose.SNAPSHOT, automatic=False
+        checkpoint("snap-saved", 1.0), purpose=SnapshotPurpose.SNAPSHOT, automatic=False
     )
     _commit_on(store, saved, tmp_path / "ram")
     for snapshot_id, at, ram in (("snap-c1", 2.0, "ram"), ("snap-c2", 3.0, "ram2")):
-        on_saved = replace(_checkpoint(snapshot_id, at), disk_chain=("snap-saved",))
+        on_saved = replace(checkpoint(snapshot_id, at), disk_chain=("snap-saved",))
         _commit_on(store, on_saved, tmp_path / ram)
     assert store.fold_ram("snap-c1", "snap-c2") is not None
     order = references.builders_first(store.all())

@@ -8,8 +8,8 @@ Every way a sandbox starts and every snapshot goes through here:
   disk and a copy of its RAM file (reflinked where the file system can, else sparse:
   only the pages the guest used are copied), mapped shared; pages load on first touch;
 - **capture** (checkpoint, snapshot): the machine stops; its active disk layer is
-  renamed into the snapshot and QEMU switches to a new overlay on top of it; its RAM
-  file is copied (shared RAM) or its RAM goes into the device state (private RAM);
+  copied into the snapshot (sparse: only what it holds above its frozen backing); its
+  RAM file is copied (shared RAM) or its RAM goes into the device state (private RAM);
   the device state is saved; the machine continues; files are hashed and the
   manifest commits the snapshot by renaming its folder into place;
 - **pause**: the same capture, but the machine does not continue: QEMU ends and the
@@ -75,7 +75,13 @@ from cryobox.sandbox.state import SandboxState, require
 from cryobox.snapshot import arriving, ram_delta
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
-from cryobox.snapshot.store import SnapshotStore, new_snapshot, ram_files, verified
+from cryobox.snapshot.store import (
+    SnapshotStore,
+    disk_folded,
+    new_snapshot,
+    ram_files,
+    verified,
+)
 from cryobox.store import uploads
 from cryobox.util import (
     check_space,
@@ -795,6 +801,10 @@ class Machine:
         manifest = verified(self.store, manifest.id)
         if manifest.memory_base:  # its RAM is read from its bases' too
             ram_files(self.store, manifest.id)
+        if disk_folded(manifest):
+            # A folded checkpoint's disk layer: whole again, as it becomes a backing file.
+            self.store.unfold_disk(manifest.id)
+            manifest = verified(self.store, manifest.id)
         return manifest
 
     def _fill_ram(self, snapshot_id: str, target: Path) -> None:
@@ -887,12 +897,13 @@ class Machine:
         return manifest
 
     def _fold_previous(self, newest: Manifest) -> bool:
-        """Keep of the automatic checkpoint before ``newest`` only the RAM pages that
-        differ from ``newest``'s (:mod:`~cryobox.snapshot.ram_delta`), once the guest
-        runs again. Left whole while a sandbox reads its RAM file (a fork mapping it, a
-        start copying it; a sandbox on its disk layer is not disturbed: only the RAM
-        changes form), while it is on its way to the store or in it (its copy there is
-        whole), or when too much differs."""
+        """Keep of the automatic checkpoint before ``newest`` only the RAM pages, and the
+        pages of its disk layer's file, that differ from ``newest``'s
+        (:mod:`~cryobox.snapshot.ram_delta`), once the guest runs again. Left whole while
+        a sandbox reads its RAM file (a fork mapping it, a start copying it), while it is
+        on its way to the store or in it (its copy there is whole), or when too much
+        differs; its disk layer stays whole while a sandbox or snapshot builds on it
+        (its RAM alone is folded then)."""
         every = self.store.all()
         mine = [
             m
@@ -924,8 +935,19 @@ class Machine:
             or uploads.state(self.store.folder(previous.id)).get("state") not in (None, "local")
         ):
             return False
+
+        def disk_unused() -> bool:
+            """Whether no sandbox and no snapshot has ``previous``'s disk layer in its
+            chain (asked under its lock: a start from it registers before it asks for
+            its disk back under that lock)."""
+            others = [m for m in self.store.all() if previous.id in m.disk_chain]
+            return not references.users(previous.id, others, registry.list_sandboxes())
+
         delta = self.store.fold_ram(
-            previous.id, newest.id, step=lambda step: crash_point(f"fold-{step}")
+            previous.id,
+            newest.id,
+            step=lambda step: crash_point(f"fold-{step}"),
+            disk_unused=disk_unused,
         )
         if delta is not None:
             log.info(
@@ -943,7 +965,7 @@ class Machine:
         on (a fork started from it, a later checkpoint after a rewind to it) is kept
         until nothing does, and the next expiry takes it. One that only the RAM of an
         older kept one is laid over (a folded checkpoint a rewind went back to) goes
-        all the same: that older one gets its whole RAM back first."""
+        all the same: that older one gets its whole RAM and disk layer back first."""
         keep = self.spec.keep_checkpoints
         mine = [
             m

@@ -21,6 +21,15 @@ so the history expires from its old end as before. The differing pages are found
 comparing, not by dirty tracking (this host's kernel has no soft-dirty bits and QEMU 7.2
 keeps no dirty bitmap for RAM in a shared file), after the guest has gone on running:
 the guest is stopped only for the whole copy of the newest, as before.
+
+The checkpoint's disk layer is folded the same way, in the same step and onto the same
+base (``disk.delta`` and ``disk.pages``): the sandbox's writable layer is one qcow2 file
+that grows as the guest writes, and each checkpoint copies it whole, so an older copy
+differs from the next one's only where QEMU rewrote it in place (its tables, a block
+the guest wrote again) and is shorter by what was added since. Compared at the file's
+own bytes, what it keeps is a few pages. Its size is its delta file's: a fill cuts or
+extends to it. A disk layer is a QEMU backing file, read from for as long as a sandbox
+builds on it, so a start from a folded checkpoint first gives it its whole disk back.
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ from cryobox.util import PAGE, copy_sparse, data_extents
 DELTA = "memory.delta"
 #: The map of those pages.
 PAGES = "memory.pages"
+#: A folded checkpoint's disk layer: the pages of the file that differ from its base's.
+DISK_DELTA = "disk.delta"
+#: The map of those pages.
+DISK_PAGES = "disk.pages"
 #: What is compared at once (one memcmp when nothing in it changed).
 BLOCK = 1 << 20
 #: A delta is kept only while it holds at most this share of the RAM in use: beyond,
@@ -60,14 +73,17 @@ def _blocks(fd: int) -> set[int]:
     }
 
 
-def write_delta(current: Path, base: Path, target: Path) -> Delta | None:
+def write_delta(
+    current: Path, base: Path, target: Path, pages: str = PAGES, *, same_size: bool = True
+) -> Delta | None:
     """Write the pages of ``current`` that differ from ``base``'s into ``target`` (and
-    their map beside it, :data:`PAGES`); None, with nothing written, when the RAM files
-    differ in size or more than :data:`MAX_SHARE` of the RAM in use differs."""
-    pages_path = target.parent / PAGES
+    their map beside it, named ``pages``); None, with nothing written, when more than
+    :data:`MAX_SHARE` of the file's data differs, or when the files differ in size and
+    must not (RAM; a disk layer is compared with the base's bytes, zeros past its end)."""
+    pages_path = target.parent / pages
     with open(current, "rb") as now, open(base, "rb") as before:
         size = os.fstat(now.fileno()).st_size
-        if os.fstat(before.fileno()).st_size != size or size % PAGE:
+        if (same_size and os.fstat(before.fileno()).st_size != size) or size % PAGE:
             return None
         used = sum(end - start for start, end in data_extents(now.fileno())) // PAGE
         allowed = int(used * MAX_SHARE)
@@ -78,9 +94,11 @@ def write_delta(current: Path, base: Path, target: Path) -> Delta | None:
             os.ftruncate(fd, size)
             for index in sorted(_blocks(now.fileno()) | _blocks(before.fileno())):
                 offset = index * BLOCK
+                if offset >= size:  # (the base's, past this file's end)
+                    break
                 length = min(BLOCK, size - offset)
                 data = os.pread(now.fileno(), length, offset)
-                old = os.pread(before.fileno(), length, offset)
+                old = os.pread(before.fileno(), length, offset).ljust(length, b"\0")
                 if data == old:
                     continue
                 count += _write_changed(fd, offset, data, memoryview(old), changed)
@@ -137,24 +155,35 @@ def changed_runs(marks: bytes) -> list[tuple[int, int]]:
     return runs
 
 
-def fill(target: Path, whole: Path, deltas: Sequence[Path]) -> None:
-    """Make ``target`` (created, or already sized and mapped by QEMU) the RAM that the
+def fill(
+    target: Path,
+    whole: Path,
+    deltas: Sequence[Path],
+    names: tuple[str, str] = (DELTA, PAGES),
+) -> None:
+    """Make ``target`` (created, or already sized and mapped by QEMU) the file that the
     chain stands for: ``whole``'s pages, then each delta folder's pages over them, in
-    the order given (the one nearest the whole RAM first, the checkpoint asked for last).
-    """
+    the order given (the one nearest the whole file first, the checkpoint asked for
+    last). ``names``: the delta's and its map's (RAM's, or :data:`DISK_DELTA` and
+    :data:`DISK_PAGES`). Each step is cut or extended to its delta's size first (a RAM
+    file's never changes: a file QEMU maps is never resized)."""
+    delta_name, pages_name = names
     copy_sparse(whole, target)
     fd = os.open(target, os.O_WRONLY)
     try:
         for folder in deltas:
-            runs = changed_runs((folder / PAGES).read_bytes())
-            with open(folder / DELTA, "rb") as delta:
+            runs = changed_runs((folder / pages_name).read_bytes())
+            with open(folder / delta_name, "rb") as delta:
+                size = os.fstat(delta.fileno()).st_size
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
                 for first, count in runs:
                     end = (first + count) * PAGE
                     for offset in range(first * PAGE, end, BLOCK):
                         length = min(BLOCK, end - offset)
                         data = os.pread(delta.fileno(), length, offset)
                         if len(data) != length:
-                            raise OSError(f"{folder / DELTA} ends before byte {offset}")
+                            raise OSError(f"{folder / delta_name} ends before byte {offset}")
                         os.pwrite(fd, data, offset)
     finally:
         os.close(fd)

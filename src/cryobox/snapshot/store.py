@@ -139,16 +139,32 @@ class SnapshotStore(Protocol):
     def delete(self, snapshot_id: str) -> None: ...
 
     def fold_ram(
-        self, snapshot_id: str, onto: str, *, step: Callable[[str], None] = _no_step
+        self,
+        snapshot_id: str,
+        onto: str,
+        *,
+        step: Callable[[str], None] = _no_step,
+        disk_unused: Callable[[], bool] = lambda: False,
     ) -> ram_delta.Delta | None:
         """Keep only the pages of a snapshot's whole RAM that differ from ``onto``'s
         (:mod:`~cryobox.snapshot.ram_delta`); what it holds then, or None when it stays
-        whole (too much differs, the sizes differ). ``step`` is told "written" and
-        "committed" as the fold passes them (a crash-safety test dies there)."""
+        whole (too much differs, the sizes differ). Its disk layer is folded with it
+        when ``disk_unused()``, asked under the snapshot's lock, says no sandbox or
+        snapshot builds on that layer (and kept whole when too much of it differs).
+        ``step`` is told "written" and "committed" as the fold passes them (a
+        crash-safety test dies there)."""
         ...
 
     def unfold_ram(self, snapshot_id: str) -> None:
-        """Give a folded snapshot its whole RAM back (before its base goes).
+        """Give a folded snapshot its whole RAM and disk layer back (before its base goes).
+
+        :raises StorageError: when the host has no room for them (nothing written)."""
+        ...
+
+    def unfold_disk(self, snapshot_id: str) -> None:
+        """Give a folded snapshot its whole disk layer back, its RAM staying folded:
+        before a sandbox starts on it (the layer becomes a backing file). Nothing is done
+        when it is whole.
 
         :raises StorageError: when the host has no room for it (nothing written)."""
         ...
@@ -292,37 +308,64 @@ class LocalSnapshotStore:
         arriving.forget_failures(folder)
 
     def fold_ram(
-        self, snapshot_id: str, onto: str, *, step: Callable[[str], None] = _no_step
+        self,
+        snapshot_id: str,
+        onto: str,
+        *,
+        step: Callable[[str], None] = _no_step,
+        disk_unused: Callable[[], bool] = lambda: False,
     ) -> ram_delta.Delta | None:
-        """Each step leaves a snapshot that verifies, whenever a crash comes: the delta
-        and its map are written and synced beside the whole RAM, the manifest that
-        lists them instead replaces the old one (the commit), then the whole RAM goes.
-        A reader that opened the whole file before keeps reading it (see
-        :func:`ram_files`)."""
+        """Each step leaves a snapshot that verifies, whenever a crash comes: the deltas
+        and their maps are written and synced beside the whole files, the manifest that
+        lists them instead replaces the old one (the commit), then the whole files go.
+        A reader that opened a whole file before keeps reading it (see
+        :func:`ram_files`); a start from the snapshot asks for its disk back under the
+        same lock (:meth:`unfold_disk`), after it is registered as using it, so
+        ``disk_unused`` sees it or the start sees the fold."""
         # onto is not deleted meanwhile, nor the snapshot unfolded (by a delete of onto
         # that read it folded): locks taken newer first, as everywhere (no deadlock).
         with self._ram_lock(onto), self._ram_lock(snapshot_id):
-            return self._fold_ram(snapshot_id, onto, step)
+            return self._fold_ram(snapshot_id, onto, step, disk_unused)
 
     def _fold_ram(
-        self, snapshot_id: str, onto: str, step: Callable[[str], None]
+        self,
+        snapshot_id: str,
+        onto: str,
+        step: Callable[[str], None],
+        disk_unused: Callable[[], bool],
     ) -> ram_delta.Delta | None:
-        folder = self.folder(snapshot_id)
+        folder, base = self.folder(snapshot_id), self.folder(onto)
         manifest = _load(folder)
         if manifest.memory_base or mf.MEMORY not in manifest.files:
             return None
-        # What it keeps is what differs from its base: only from RAM still as it was
+        # What it keeps is what differs from its base: only from files still as they were
         # saved (a stamp spares the hashing of a file untouched since).
         mf.verify(folder, manifest)
-        mf.verify(self.folder(onto), self.get(onto))
-        for leftover in (ram_delta.DELTA, ram_delta.PAGES):  # of an attempt cut short
+        onto_manifest = self.get(onto)
+        mf.verify(base, onto_manifest)
+        for leftover in _FOLDED:  # of an attempt cut short
             (folder / leftover).unlink(missing_ok=True)
         delta = ram_delta.write_delta(
-            folder / mf.MEMORY, self.folder(onto) / mf.MEMORY, folder / ram_delta.DELTA
+            folder / mf.MEMORY, base / mf.MEMORY, folder / ram_delta.DELTA
         )
         if delta is None:
             return None
-        _switch_ram(folder, manifest, (ram_delta.DELTA, ram_delta.PAGES), (mf.MEMORY,), onto, step)
+        written, dropped = [ram_delta.DELTA, ram_delta.PAGES], [mf.MEMORY]
+        if (
+            mf.DISK in manifest.files
+            and mf.DISK in onto_manifest.files
+            and disk_unused()
+            and ram_delta.write_delta(
+                folder / mf.DISK,
+                base / mf.DISK,
+                folder / ram_delta.DISK_DELTA,
+                ram_delta.DISK_PAGES,
+                same_size=False,
+            )
+        ):
+            written += [ram_delta.DISK_DELTA, ram_delta.DISK_PAGES]
+            dropped.append(mf.DISK)
+        _switch_ram(folder, manifest, tuple(written), tuple(dropped), onto, step)
         return delta
 
     def unfold_ram(self, snapshot_id: str) -> None:
@@ -344,9 +387,34 @@ class LocalSnapshotStore:
             target.unlink(missing_ok=True)  # of an attempt cut short (never listed)
             # At most the base's pages and every delta's: refused before a byte is written.
             needed = data_bytes(whole) + sum(data_bytes(d / ram_delta.DELTA) for d in deltas)
+            disk = disk_files(self, snapshot_id) if disk_folded(manifest) else None
+            if disk is not None:
+                needed += data_bytes(disk[0])
+                needed += sum(data_bytes(d / ram_delta.DISK_DELTA) for d in disk[1])
             check_space(needed, f"giving checkpoint {snapshot_id} its whole RAM back", folder)
             ram_delta.fill(target, whole, deltas)
-            _switch_ram(folder, manifest, (mf.MEMORY,), (ram_delta.DELTA, ram_delta.PAGES), None)
+            written, dropped = [mf.MEMORY], [ram_delta.DELTA, ram_delta.PAGES]
+            if disk is not None:
+                (folder / mf.DISK).unlink(missing_ok=True)
+                ram_delta.fill(folder / mf.DISK, *disk, names=_DISK_NAMES)
+                written.append(mf.DISK)
+                dropped += [ram_delta.DISK_DELTA, ram_delta.DISK_PAGES]
+            _switch_ram(folder, manifest, tuple(written), tuple(dropped), None)
+
+    def unfold_disk(self, snapshot_id: str) -> None:
+        folder = self.folder(snapshot_id)
+        with self._ram_lock(snapshot_id):
+            manifest = _load(folder)
+            if not disk_folded(manifest):
+                return
+            whole, deltas = disk_files(self, snapshot_id)  # (each of the chain verified)
+            target = folder / mf.DISK
+            target.unlink(missing_ok=True)  # of an attempt cut short (never listed)
+            needed = data_bytes(whole) + sum(data_bytes(d / ram_delta.DISK_DELTA) for d in deltas)
+            check_space(needed, f"giving checkpoint {snapshot_id} its whole disk back", folder)
+            ram_delta.fill(target, whole, deltas, names=_DISK_NAMES)
+            dropped = (ram_delta.DISK_DELTA, ram_delta.DISK_PAGES)
+            _switch_ram(folder, manifest, (mf.DISK,), dropped, manifest.memory_base)
 
     def evict_ram(self, snapshot_id: str, confirm: Confirm, *, step: Step = _no_step) -> int:
         """Kept when its RAM arrives from the store still, is another's base (a folded
@@ -439,7 +507,7 @@ class LocalSnapshotStore:
                 with contextlib.suppress(OSError):  # (a return killed midway)
                     if time.time() - part.stat().st_mtime > ABANDONED_AFTER:
                         part.unlink()
-            for name in (mf.MEMORY, ram_delta.DELTA, ram_delta.PAGES):
+            for name in (mf.MEMORY, mf.DISK, *_FOLDED):
                 path = folder / name
                 with contextlib.suppress(OSError):
                     if name not in listed and time.time() - path.stat().st_mtime > ABANDONED_AFTER:
@@ -528,6 +596,11 @@ def _load(folder: Path) -> Manifest:
     return manifest
 
 
+#: A folded checkpoint's files (its RAM's and disk layer's deltas and maps).
+_FOLDED = (ram_delta.DELTA, ram_delta.PAGES, ram_delta.DISK_DELTA, ram_delta.DISK_PAGES)
+_DISK_NAMES = (ram_delta.DISK_DELTA, ram_delta.DISK_PAGES)
+
+
 def _switch_ram(
     folder: Path,
     manifest: Manifest,
@@ -536,7 +609,7 @@ def _switch_ram(
     memory_base: str | None,
     step: Callable[[str], None] = _no_step,
 ) -> None:
-    """The commit of a fold or an unfold: the RAM files ``written`` synced and listed
+    """The commit of a fold or an unfold: the files ``written`` synced and listed
     instead of those ``dropped`` by a new manifest (``memory_base`` its base, or None),
     which replaces the old one atomically; only then do the dropped files go."""
     for name in written:
@@ -580,6 +653,21 @@ def verified(store: SnapshotStore, ref: str) -> Manifest:
     return manifest
 
 
+def disk_folded(manifest: Manifest) -> bool:
+    """Whether a checkpoint's disk layer is kept as its delta from its base's."""
+    return ram_delta.DISK_DELTA in manifest.files
+
+
+def disk_files(store: SnapshotStore, snapshot_id: str) -> tuple[Path, list[Path]]:
+    """Where a folded checkpoint's disk layer is read from, as :func:`ram_files` tells
+    for its RAM: the whole layer of the nearest of its bases that has one, and the
+    folders of the deltas to lay over it (the snapshot's own last), each checked.
+
+    :raises SnapshotError: naming the snapshot of the chain that is missing or wrong.
+    """
+    return _laid_over(store, snapshot_id, mf.DISK, ram_delta.DISK_DELTA, disk_folded)
+
+
 def ram_files(store: SnapshotStore, snapshot_id: str) -> tuple[Path, list[Path]]:
     """Where a memory snapshot's RAM is read from: the whole RAM at the end of its chain
     of bases, and the folders of the deltas to lay over it, nearest that end first (the
@@ -587,15 +675,28 @@ def ram_files(store: SnapshotStore, snapshot_id: str) -> tuple[Path, list[Path]]
 
     :raises SnapshotError: naming the snapshot of the chain that is missing or wrong.
     """
+    return _laid_over(store, snapshot_id, mf.MEMORY, ram_delta.DELTA, lambda m: bool(m.memory_base))
+
+
+def _laid_over(
+    store: SnapshotStore,
+    snapshot_id: str,
+    whole: str,
+    delta: str,
+    folded: Callable[[Manifest], bool],
+) -> tuple[Path, list[Path]]:
+    """The file named ``whole`` of the first snapshot down ``snapshot_id``'s chain of
+    bases that is not ``folded``, and the folders whose ``delta`` lies over it on the
+    way there."""
     deltas: list[Path] = []
     manifest = verified(store, snapshot_id)
     seen = {manifest.id}
-    while True:
-        folder = store.folder(manifest.id)
-        if not manifest.memory_base:
-            return folder / mf.MEMORY, deltas[::-1]
-        deltas.append(folder)
+    while folded(manifest):
+        if not manifest.memory_base or delta not in manifest.files:
+            raise SnapshotVerificationFailed(manifest.id, delta, "a delta without its base")
+        deltas.append(store.folder(manifest.id))
         manifest = verified(store, manifest.memory_base)
         if manifest.id in seen:  # (a manifest is signed: only a bug could make a loop)
             raise SnapshotVerificationFailed(snapshot_id, "memory_base", "its bases loop")
         seen.add(manifest.id)
+    return store.folder(manifest.id) / whole, deltas[::-1]
