@@ -939,8 +939,8 @@ async def history(ctx: Context) -> list[Figure]:
             baseline="MB changed",
             base_value=bench_saved.CHANGED_MB * 1.048576,
             note="on the host's disk per automatic checkpoint once the next is taken: its "
-            "RAM (the pages that differ from the next one's) and its disk layer (whole: "
-            "all the guest wrote since its start)",
+            "RAM and its disk layer's file, each as the pages that differ from the next "
+            "one's, and its device state",
         ),
         summarize(
             "history-checkpoint-ram",
