@@ -212,6 +212,8 @@ def test_lifecycle_on_timeout_pause_and_auto_resume() -> None:
         )
         assert not paused.is_running()  # no auto_resume: the request does not wake it
         assert paused.get_info().state == states.PAUSED
+        assert paused.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        assert waking.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
         # auto_resume: its next envd request wakes it, the same machine.
         assert _boot_id(waking) == booted[waking.sandbox_id]
         assert waking.get_info().state == states.RUNNING
@@ -584,6 +586,8 @@ def test_volumes_the_e2b_way(api_server: ApiServer, monkeypatch: pytest.MonkeyPa
                 "cat /mnt/results/input.txt; echo made in the sandbox > /mnt/results/deep/er/out"
             )
             assert out.stdout == "replaced"
+            mounts = sbx.get_info().volume_mounts
+            assert mounts == [{"name": volume.name, "path": "/mnt/results"}]
         finally:
             sbx.kill()
         assert volume.read_file("/deep/er/out", format="text") == "made in the sandbox\n"

@@ -566,6 +566,10 @@ def test_e2b_transform_rules_set_headers_from_create_on(
     try:
         seen = headers_seen(sbx, f"http://{OUTSIDE}/")
         assert ("X-Test-Token", "e2b-transform-value") in seen, seen
+        info = sbx.get_info()  # E2B's sandbox info shows the policy back
+        assert info.network is not None and info.network["rules"] == rules
+        assert info.network["allow_public_traffic"] is True
+        assert info.lifecycle == {"on_timeout": "kill", "auto_resume": False}
         bundle = sbx.commands.run("cat /etc/ssl/certs/ca-certificates.crt").stdout
         from cryobox.network import egress_ca
 
@@ -574,6 +578,7 @@ def test_e2b_transform_rules_set_headers_from_create_on(
         assert ("X-Test-Token", "e2b-transform-value") not in headers_seen(
             sbx, f"http://{OUTSIDE}/"
         )
+        assert "rules" not in (sbx.get_info().network or {})
         cli = cryobox_cli(
             api_server, "network", sbx.sandbox_id, "--header", f"{OUTSIDE}:X-From-Cli=yes"
         )

@@ -159,6 +159,31 @@ def transform_headers(rules: Any) -> dict[str, dict[str, str]]:
     return found
 
 
+def network_detail(policy: NetworkJson, private_traffic: bool, mask: str) -> dict[str, Any]:
+    """A sandbox's policy as E2B's sandbox info shows it (``SandboxNetworkConfig``): the
+    allowed and denied destinations, its headers as ``transform`` rules, and its rules
+    for requests by host name. A name in ``allowOut`` shows as the addresses it was
+    resolved to when the policy was set (cryobox filters by address)."""
+    found: dict[str, Any] = {"allowPublicTraffic": not private_traffic}
+    if mask:
+        found["maskRequestHost"] = mask
+    if policy == "none":
+        found["denyOut"] = [ALL_TRAFFIC]
+    elif isinstance(policy, list):  # an allow list: everything else denied
+        found["allowOut"] = [str(entry) for entry in policy]
+        found["denyOut"] = [ALL_TRAFFIC]
+    elif isinstance(policy, dict):
+        found["allowOut"] = [str(entry) for entry in policy.get("allow") or ()]
+        found["denyOut"] = [str(entry) for entry in policy.get("deny") or ()]
+        headers = policy.get("headers") or {}
+        if headers:
+            found["rules"] = {
+                str(host): [{"transform": {"headers": dict(values)}}]
+                for host, values in headers.items()
+            }
+    return found
+
+
 def traffic_options(network: dict[str, Any]) -> dict[str, Any]:
     """E2B's rules for requests to the sandbox's ports by host name (``get_host``): its
     traffic token required (``allowPublicTraffic=false``; cryobox's envd calls always
@@ -255,6 +280,15 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
             "diskSizeMB": info.disk_gib * 1024,
             "state": "paused" if info.state == "paused" else "running",
             "metadata": rec.metadata,
+            "network": network_detail(info.network, rec.private_traffic, rec.mask_request_host),
+            "lifecycle": {
+                "onTimeout": "pause" if info.on_timeout.startswith("pause") else "kill",
+                "autoResume": rec.auto_resume,
+            },
+            "volumeMounts": [
+                {"name": name.removesuffix(":ro"), "path": path}
+                for path, name in info.volumes.items()
+            ],
         }
 
     async def start(
