@@ -191,8 +191,13 @@ def test_a_history_keeps_whole_only_its_newest_ram_and_restores_every_point_exac
 
     def folded(point: mf.Manifest) -> mf.Manifest:
         """The checkpoint once folded onto the next (right after the next is taken)."""
-        return until(
-            lambda: [m for m in [store.get(point.id)] if m.memory_base],
+        whole = [store.folder(point.id) / name for name in (mf.MEMORY, mf.DISK)]
+        return until(  # (its whole files removed right after the commit)
+            lambda: [
+                m
+                for m in [store.get(point.id)]
+                if m.memory_base and not any(path.exists() for path in whole)
+            ],
             f"{point.id} folded",
             timeout=60,
             every=0.2,

@@ -16,14 +16,16 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cryobox.errors import SnapshotVerificationFailed
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot import ram_delta
+from cryobox.snapshot import store as store_module
 from cryobox.snapshot.store import LocalSnapshotStore, disk_files, disk_folded
-from cryobox.util import PAGE, copy_sparse, data_bytes
+from cryobox.util import PAGE, copy_sparse, data_bytes, write_json_atomic
 from specs import checkpoint
 
 MIB = 1 << 20
@@ -151,7 +153,7 @@ def test_an_altered_disk_delta_is_refused_by_name(tmp_path: Path, layer: Path) -
     assert not (store.folder("snap-b") / mf.DISK).exists()  # never a layer made of it
 
 
-def test_a_disk_unfold_cut_short_leaves_the_foldedcheckpoint(
+def test_a_disk_unfold_cut_short_leaves_the_folded_checkpoint(
     tmp_path: Path, layer: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A crash after the whole layer is written, before the manifest lists it: the
@@ -161,8 +163,6 @@ def test_a_disk_unfold_cut_short_leaves_the_foldedcheckpoint(
 
     def crash(*_args: object, **_kwargs: object) -> None:
         raise OSError("killed")
-
-    from cryobox.snapshot import store as store_module
 
     monkeypatch.setattr(store_module, "write_json_atomic", crash)
     with pytest.raises(OSError, match="killed"):
@@ -279,3 +279,60 @@ def test_a_process_killed_9_at_any_step_of_a_disk_fold_or_unfold_leaves_the_laye
     names = {mf.MEMORY, mf.DISK, ram_delta.DELTA, ram_delta.PAGES}
     names |= {ram_delta.DISK_DELTA, ram_delta.DISK_PAGES}
     assert {p.name for p in folder.iterdir()} & names == set(store.get("snap-b").files) & names
+
+
+def test_a_layer_rebuilt_from_a_base_that_changed_is_refused_and_left_folded(
+    tmp_path: Path, layer: Path
+) -> None:
+    """A folded checkpoint keeps the description its whole layer had when saved: a
+    rebuild from a base that now holds something else (signed and sound on its own, as
+    a store restored from elsewhere would be) is refused by name, never listed."""
+    store, _ = _history(tmp_path, layer)
+    assert store.fold_ram("snap-b", "snap-c", disk_unused=lambda: True) is not None
+    assert mf.DISK in store.get("snap-b").folded  # (what it was, kept)
+    base = store.folder("snap-c")
+    _qemu_io(base / mf.DISK, "write -P 0x77 0 64k")  # another layer, then signed anew
+    again = replace(
+        store.get("snap-c"), files=mf.describe_files(base, list(store.get("snap-c").files))
+    )
+    write_json_atomic(base / mf.MANIFEST, again.to_signed_json())
+    with pytest.raises(SnapshotVerificationFailed, match=r"snap-b.*disk\.qcow2.*differs"):
+        store.unfold_disk("snap-b")
+    assert disk_folded(store.get("snap-b"))
+    assert sorted(p.name for p in store.folder("snap-b").iterdir() if "qcow2" in p.name) == []
+
+
+def test_a_base_given_back_meanwhile_is_never_read_half_written(
+    tmp_path: Path, layer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unfold of snap-a reads its chain (snap-b whole), then snap-b is folded onto
+    snap-c and a start from snap-b is half-way through rebuilding it: snap-b's file is
+    not there yet under its name (rebuilt under another), so snap-a's unfold reads its
+    chain again, through snap-c, and comes back byte for byte."""
+    store, saved = _history(tmp_path, layer)
+    assert store.fold_ram("snap-a", "snap-b", disk_unused=lambda: True) is not None
+    real_disk_files, real_fill = store_module.disk_files, ram_delta.fill
+    halfway: list[str] = []
+
+    def half_fill(target: Path, whole: Path, deltas: Any, names: Any = None) -> None:
+        copy_sparse(whole, target)  # the base's bytes only: B's own pages not yet laid
+        halfway.append(target.name)
+        raise KeyboardInterrupt  # (its process stops here)
+
+    def racing(store_: Any, snapshot_id: str) -> tuple[Path, list[Path]]:
+        found = real_disk_files(store_, snapshot_id)
+        if snapshot_id == "snap-a" and not halfway:
+            assert store.fold_ram("snap-b", "snap-c", disk_unused=lambda: True) is not None
+            monkeypatch.setattr(ram_delta, "fill", half_fill)
+            with pytest.raises(KeyboardInterrupt):
+                store.unfold_disk("snap-b")
+            monkeypatch.setattr(ram_delta, "fill", real_fill)
+        return found
+
+    monkeypatch.setattr(store_module, "disk_files", racing)
+    store.unfold_disk("snap-a")
+    assert halfway and halfway[0].startswith(".rebuilding-disk.qcow2-")
+    assert (store.folder("snap-a") / mf.DISK).read_bytes() == saved[0]
+    monkeypatch.setattr(store_module, "disk_files", real_disk_files)
+    store.unfold_disk("snap-b")
+    assert (store.folder("snap-b") / mf.DISK).read_bytes() == saved[1]

@@ -395,7 +395,7 @@ assert LocalSnapshotStore(Path(sys.argv[1])).fold_ram("snap-older", "snap-newer"
 """
 
 
-def test_a_fold_waits_for_an_unfold_of_the_samecheckpoint(tmp_path: Path) -> None:
+def test_a_fold_waits_for_an_unfold_of_the_same_checkpoint(tmp_path: Path) -> None:
     """A fold holds its base's lock and its own: an unfold of the same checkpoint (a
     delete of the base that read it folded) never runs beside it, so neither removes
     the RAM file the other just wrote."""

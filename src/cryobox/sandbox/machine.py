@@ -295,6 +295,7 @@ class Machine:
 
     def _disk_chain_paths(self) -> tuple[Path, ...]:
         assert self.record.disk
+        self._whole_layers(self.record.disk_chain)
         frozen = [self.store.folder(s) / mf.DISK for s in self.record.disk_chain]
         return (self.folder.path / self.record.disk, *frozen, self.image.rootfs)
 
@@ -801,11 +802,20 @@ class Machine:
         manifest = verified(self.store, manifest.id)
         if manifest.memory_base:  # its RAM is read from its bases' too
             ram_files(self.store, manifest.id)
-        if disk_folded(manifest):
-            # A folded checkpoint's disk layer: whole again, as it becomes a backing file.
-            self.store.unfold_disk(manifest.id)
+        if self._whole_layers((manifest.id, *manifest.disk_chain)):
             manifest = verified(self.store, manifest.id)
         return manifest
+
+    def _whole_layers(self, chain: tuple[str, ...]) -> bool:
+        """Give every folded checkpoint of ``chain`` its whole disk layer back: each
+        becomes (or is) a QEMU backing file. One stored or pulled folded, or folded
+        before this sandbox built on it, is made whole here. Whether any was."""
+        unfolded = False
+        for layer in chain:
+            if disk_folded(self.store.get(layer)):
+                self.store.unfold_disk(layer)
+                unfolded = True
+        return unfolded
 
     def _fill_ram(self, snapshot_id: str, target: Path) -> None:
         """Fill a new RAM file with a memory snapshot's RAM: a copy of its whole file, or

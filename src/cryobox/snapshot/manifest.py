@@ -103,6 +103,10 @@ class Manifest:
     #: earlier checkpoint's (a whole one), marked in ``memory.pages``
     #: (:mod:`cryobox.snapshot.ram_delta`). None: ``memory`` is the whole RAM.
     memory_base: str | None = None
+    #: While a checkpoint is folded: the descriptions its whole files (``memory``, and
+    #: ``disk.qcow2`` when its layer is folded too) had when saved, which a file rebuilt
+    #: from its bases must match before it is listed again.
+    folded: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def builds_on(self) -> tuple[str, ...]:
@@ -122,6 +126,8 @@ class Manifest:
         value["kind"], value["purpose"] = self.kind.value, self.purpose.value
         if value["memory_base"] is None:  # as before it was known: earlier cryobox reads it
             del value["memory_base"]
+        if not value["folded"]:
+            del value["folded"]
         return value
 
     def to_signed_json(self) -> dict[str, Any]:

@@ -51,14 +51,16 @@ DISK_DELTA = "disk.delta"
 DISK_PAGES = "disk.pages"
 #: What is compared at once (one memcmp when nothing in it changed).
 BLOCK = 1 << 20
-#: A delta is kept only while it holds at most this share of the RAM in use: beyond,
-#: a whole copy costs about as much to keep and less to restore.
+#: A delta is kept only while it holds at most this share of the file's data (the RAM
+#: in use, a layer's written pages): beyond, a whole copy costs about as much to keep
+#: and less to restore.
 MAX_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class Delta:
-    """What a delta holds: the pages that changed, of the pages the RAM has in use."""
+    """What a delta holds: the pages that changed, of the pages the file (the RAM, or a
+    disk layer's qcow2 file) has data in."""
 
     changed_pages: int
     used_pages: int

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import re
 import shutil
 import time
@@ -383,8 +384,6 @@ class LocalSnapshotStore:
             whole, deltas = ram_files(self, snapshot_id)  # (each of the chain verified)
             if not deltas:  # (it was read folded: only a bug could make it whole here)
                 raise SnapshotVerificationFailed(snapshot_id, "memory_base", "no delta")
-            target = folder / mf.MEMORY
-            target.unlink(missing_ok=True)  # of an attempt cut short (never listed)
             # At most the base's pages and every delta's: refused before a byte is written.
             needed = data_bytes(whole) + sum(data_bytes(d / ram_delta.DELTA) for d in deltas)
             disk = disk_files(self, snapshot_id) if disk_folded(manifest) else None
@@ -392,29 +391,33 @@ class LocalSnapshotStore:
                 needed += data_bytes(disk[0])
                 needed += sum(data_bytes(d / ram_delta.DISK_DELTA) for d in disk[1])
             check_space(needed, f"giving checkpoint {snapshot_id} its whole RAM back", folder)
-            ram_delta.fill(target, whole, deltas)
-            written, dropped = [mf.MEMORY], [ram_delta.DELTA, ram_delta.PAGES]
+            described = {mf.MEMORY: _rebuild(folder, manifest, mf.MEMORY, whole, deltas)}
+            dropped = [ram_delta.DELTA, ram_delta.PAGES]
             if disk is not None:
-                (folder / mf.DISK).unlink(missing_ok=True)
-                ram_delta.fill(folder / mf.DISK, *disk, names=_DISK_NAMES)
-                written.append(mf.DISK)
+                described[mf.DISK] = _rebuild(folder, manifest, mf.DISK, *disk)
                 dropped += [ram_delta.DISK_DELTA, ram_delta.DISK_PAGES]
-            _switch_ram(folder, manifest, tuple(written), tuple(dropped), None)
+            _switch_ram(folder, manifest, described, tuple(dropped), None)
 
     def unfold_disk(self, snapshot_id: str) -> None:
         folder = self.folder(snapshot_id)
         with self._ram_lock(snapshot_id):
-            manifest = _load(folder)
-            if not disk_folded(manifest):
+            for attempt in (1, 2):
+                manifest = _load(folder)
+                if not disk_folded(manifest):
+                    return
+                whole, deltas = disk_files(self, snapshot_id)  # (each of the chain verified)
+                needed = data_bytes(whole)
+                needed += sum(data_bytes(d / ram_delta.DISK_DELTA) for d in deltas)
+                check_space(needed, f"giving checkpoint {snapshot_id} its whole disk back", folder)
+                try:
+                    described = {mf.DISK: _rebuild(folder, manifest, mf.DISK, whole, deltas)}
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
+                    continue  # a base folded or given back meanwhile: its chain read again
+                dropped = (ram_delta.DISK_DELTA, ram_delta.DISK_PAGES)
+                _switch_ram(folder, manifest, described, dropped, manifest.memory_base)
                 return
-            whole, deltas = disk_files(self, snapshot_id)  # (each of the chain verified)
-            target = folder / mf.DISK
-            target.unlink(missing_ok=True)  # of an attempt cut short (never listed)
-            needed = data_bytes(whole) + sum(data_bytes(d / ram_delta.DISK_DELTA) for d in deltas)
-            check_space(needed, f"giving checkpoint {snapshot_id} its whole disk back", folder)
-            ram_delta.fill(target, whole, deltas, names=_DISK_NAMES)
-            dropped = (ram_delta.DISK_DELTA, ram_delta.DISK_PAGES)
-            _switch_ram(folder, manifest, (mf.DISK,), dropped, manifest.memory_base)
 
     def evict_ram(self, snapshot_id: str, confirm: Confirm, *, step: Step = _no_step) -> int:
         """Kept when its RAM arrives from the store still, is another's base (a folded
@@ -503,7 +506,10 @@ class LocalSnapshotStore:
                 listed = _load(folder).files
             except (OSError, SnapshotError):
                 continue
-            for part in folder.glob(f"{evicted.PART_PREFIX}*{evicted.PART_SUFFIX}"):
+            for part in [
+                *folder.glob(f"{evicted.PART_PREFIX}*{evicted.PART_SUFFIX}"),
+                *folder.glob(f"{_REBUILDING}*"),
+            ]:
                 with contextlib.suppress(OSError):  # (a return killed midway)
                     if time.time() - part.stat().st_mtime > ABANDONED_AFTER:
                         part.unlink()
@@ -599,24 +605,63 @@ def _load(folder: Path) -> Manifest:
 #: A folded checkpoint's files (its RAM's and disk layer's deltas and maps).
 _FOLDED = (ram_delta.DELTA, ram_delta.PAGES, ram_delta.DISK_DELTA, ram_delta.DISK_PAGES)
 _DISK_NAMES = (ram_delta.DISK_DELTA, ram_delta.DISK_PAGES)
+#: What a fold leaves out of a checkpoint: its whole RAM and disk layer.
+_WHOLE = (mf.MEMORY, mf.DISK)
+
+
+#: A file an unfold rebuilds, before it is checked and renamed into place.
+_REBUILDING = ".rebuilding-"
+
+
+def _rebuild(
+    folder: Path, manifest: Manifest, name: str, whole: Path, deltas: list[Path]
+) -> dict[str, Any]:
+    """Rebuild a folded checkpoint's whole file ``name`` (its RAM or disk layer) from
+    its chain, under a temporary name; check it against the description it had when
+    saved (kept in the manifest since its fold) and rename it into place: nobody reads a
+    half-written one, nor one that differs from what was saved. Its description.
+
+    :raises SnapshotVerificationFailed: when it differs from what was saved.
+    """
+    names = _DISK_NAMES if name == mf.DISK else (ram_delta.DELTA, ram_delta.PAGES)
+    part = folder / f"{_REBUILDING}{name}-{uuid.uuid4().hex[:12]}"
+    try:
+        ram_delta.fill(part, whole, deltas, names)
+        described = mf.describe({name: part})[name]
+        saved = manifest.folded.get(name)
+        if saved is not None and saved != described:
+            raise SnapshotVerificationFailed(
+                manifest.id, name, "rebuilt from its bases, it differs from what was saved"
+            )
+        os.replace(part, folder / name)
+    finally:
+        part.unlink(missing_ok=True)
+    return described
 
 
 def _switch_ram(
     folder: Path,
     manifest: Manifest,
-    written: tuple[str, ...],
+    written: tuple[str, ...] | dict[str, dict[str, Any]],
     dropped: tuple[str, ...],
     memory_base: str | None,
     step: Callable[[str], None] = _no_step,
 ) -> None:
-    """The commit of a fold or an unfold: the files ``written`` synced and listed
-    instead of those ``dropped`` by a new manifest (``memory_base`` its base, or None),
-    which replaces the old one atomically; only then do the dropped files go."""
+    """The commit of a fold or an unfold: the files ``written`` (their names, or their
+    descriptions already made) synced and listed instead of those ``dropped`` by a new
+    manifest (``memory_base`` its base, or None), which replaces the old one
+    atomically; only then do the dropped files go. The descriptions of the whole files
+    a fold drops are kept (``folded``) until an unfold lists them again."""
     for name in written:
         mf.fsync_file(folder / name)
     files = {k: v for k, v in manifest.files.items() if k not in dropped}
-    files |= mf.describe_files(folder, list(written))
-    switched = replace(manifest, files=files, memory_base=memory_base)
+    if isinstance(written, dict):
+        files |= written
+    else:
+        files |= mf.describe_files(folder, list(written))
+    folded = {k: v for k, v in manifest.folded.items() if k not in written}
+    folded |= {k: manifest.files[k] for k in dropped if k in _WHOLE and k in manifest.files}
+    switched = replace(manifest, files=files, memory_base=memory_base, folded=folded)
     step("written")
     write_json_atomic(folder / mf.MANIFEST, switched.to_signed_json())
     step("committed")
