@@ -50,6 +50,7 @@ from cryobox.errors import (
     NetworkError,
     SandboxDead,
     SnapshotIncompatible,
+    SnapshotNotFound,
     SnapshotVerificationFailed,
     StateError,
     StorageError,
@@ -812,7 +813,11 @@ class Machine:
         before this sandbox built on it, is made whole here. Whether any was."""
         unfolded = False
         for layer in chain:
-            if disk_folded(self.store.get(layer)):
+            try:
+                manifest = self.store.get(layer)
+            except SnapshotNotFound:  # (what needs it fails as before: QEMU names it)
+                continue
+            if disk_folded(manifest):
                 self.store.unfold_disk(layer)
                 unfolded = True
         return unfolded
