@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,7 +136,12 @@ def make_server(
 def kill_vms(state: Path) -> None:
     """SIGKILL every VM the records under a state folder name (their supervisors then
     end): what tests left running, the server's sandboxes outliving it included."""
-    for record in state.glob("**/sandboxes/*/state.json"):
+    kill_vms_of(state.glob("**/sandboxes/*/state.json"))
+
+
+def kill_vms_of(records: Iterable[Path]) -> None:
+    """SIGKILL the VM each of these sandbox records (``state.json``) names, if it runs."""
+    for record in records:
         with contextlib.suppress(OSError, ValueError):
             pid = json.loads(record.read_text()).get("qemu_pid")
             if pid and record.parent.name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():

@@ -22,7 +22,7 @@ from typing import Any
 import hypothesis  # noqa: F401
 import pytest
 
-from api_server import ApiServer, kill_vms, make_server
+from api_server import ApiServer, kill_vms, kill_vms_of, make_server
 
 STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
 os.environ["CRYOBOX_STATE_DIR"] = str(STATE)
@@ -86,13 +86,17 @@ def _sandbox_folders() -> set[Path]:
 @pytest.fixture(autouse=True)
 def vm_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     """Whatever made them (a factory, the SDK, a server, the e2b SDK, a fork), the VMs a
-    test started have their logs printed when it fails: every sandbox folder that
-    appeared under the state folder during the test."""
+    test started have their logs printed when it fails (every sandbox folder that
+    appeared under the state folder during the test), then are killed."""
     before = _sandbox_folders()
     yield
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
-        dump_consoles(request, sorted(_sandbox_folders() - before))
+        started = sorted(_sandbox_folders() - before)
+        dump_consoles(request, started)
+        # A test that failed, or ran out of time, inside a create has no handle to kill:
+        # a VM still starting (stuck, spinning) would take the cores from the next tests.
+        kill_vms_of(folder / "state.json" for folder in started)
 
 
 @pytest.fixture

@@ -236,6 +236,35 @@ def pause_hold() -> float:
     return seconds
 
 
+#: The longest path a unix socket may be bound at: ``sun_path``'s 108 bytes, less its NUL.
+SOCKET_PATH_MAX = 107
+#: The longest socket a sandbox's folder holds (its last volume port), as a sandbox id
+#: (``sbx-`` and 12 hex digits) names that folder.
+LONGEST_SANDBOX_SOCKET = f"sbx-{'0' * 12}/volume-{MAX_MOUNTS - 1}.sock"
+
+
+def socket_room() -> None:
+    """Raise when a sandbox's sockets (monitor, agent, control, volume ports), which
+    live in its folder under ``CRYOBOX_STATE_DIR``, would be longer than a unix socket
+    path may be: its supervisor could not listen, and every create would fail as a
+    supervisor that "exited while starting".
+
+    :raises InvalidArgument: naming the folder, its length and the room there is.
+    """
+    from cryobox.errors import InvalidArgument
+
+    state = state_dir()
+    length = len(os.fsencode(state))
+    longest = len(os.fsencode(sandboxes_dir())) + 1 + len(LONGEST_SANDBOX_SOCKET)
+    if longest > SOCKET_PATH_MAX:
+        raise InvalidArgument(
+            f"the state folder {str(state)!r} (CRYOBOX_STATE_DIR) is {length} bytes long: "
+            f"a sandbox's sockets under it would be {longest} bytes, past the "
+            f"{SOCKET_PATH_MAX} a unix socket path may have; choose a folder of at most "
+            f"{SOCKET_PATH_MAX - (longest - length)} bytes"
+        )
+
+
 def check_settings() -> None:
     """Raise on a bad setting a VM's start depends on, before anything is started.
 
@@ -244,3 +273,4 @@ def check_settings() -> None:
     guest_aslr_mode()
     tcg_threads()
     pause_hold()
+    socket_room()

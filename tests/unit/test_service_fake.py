@@ -468,6 +468,38 @@ def test_wrong_arguments_at_the_door_are_invalid_arguments_naming_them(
     assert sbx.commands.run("true").exit_code == 0
 
 
+def test_a_state_folder_too_long_for_its_sockets_is_named_before_anything_starts(
+    fake_vmm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox's sockets live in its folder: under a state folder of more than 66
+    bytes the last of them passes the 107 a unix socket path may have. The create is
+    refused naming the folder and the room there is, not failed as a supervisor that
+    "exited while starting"; a server refuses to start there."""
+    room = config.SOCKET_PATH_MAX - len("/sandboxes/") - len(config.LONGEST_SANDBOX_SOCKET)
+    fits = fake_vmm / ("x" * (room - len(os.fsencode(fake_vmm)) - 1))
+    assert len(os.fsencode(fits)) == room
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(fits))
+    sbx = Sandbox.create("base")  # the longest that fits
+    assert sbx.commands.run("echo hi").stdout == "hi\n"
+    sbx.kill()
+    too_long = Path(f"{fits}y")
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(too_long))
+    transport._local.clear()
+    with pytest.raises(InvalidArgument, match=f"at most {room} bytes") as refused:
+        Sandbox.create("base")
+    assert str(too_long) in str(refused.value) and "CRYOBOX_STATE_DIR" in str(refused.value)
+    assert list((too_long / "sandboxes").iterdir()) == []  # nothing half-made
+    served = subprocess.run(
+        [sys.executable, "-m", "cryobox.cli.main", "server", "--port", "0"],
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert served.returncode != 0 and f"at most {room} bytes" in served.stderr, served.stderr
+    transport._local.clear()
+
+
 def test_a_network_given_as_a_generator_is_read_once_and_kept_whole() -> None:
     rules = (rule for rule in ["203.0.113.7:443"])
     sbx = Sandbox.create("base", network=rules)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
 import tempfile
 import time
@@ -90,11 +91,13 @@ def test_a_slow_but_steady_body_is_not_cut_by_the_header_deadline(server: ApiSer
 
 @contextlib.contextmanager
 def _server_with_write_deadline(
-    tmp_path: Path, tenant: str, timeout: float
+    tenant: str, timeout: float
 ) -> Iterator[tuple[ApiServer, httpx.Client]]:
     """A server over the fake VMM whose write deadline is 2 s, and a client of its
-    tenant; its sandboxes are deleted and it is stopped at the end."""
-    state = tmp_path / "state"
+    tenant; its sandboxes are deleted and it is stopped at the end. Its state folder is
+    short, as the module's: under pytest's ``tmp_path`` a sandbox's sockets pass the
+    107 bytes a unix socket path may have once pytest numbers its folders past 99."""
+    state = Path(tempfile.mkdtemp(prefix="cbx-write-"))
     env = {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), "CRYOBOX_WRITE_TIMEOUT": "2"}
     made = make_server(state / "server", env)
     made.key = made.tenant(tenant)
@@ -107,17 +110,23 @@ def _server_with_write_deadline(
             http.delete(f"/sandboxes/{info['id']}")
         http.close()
         made.stop()
+        shutil.rmtree(state, ignore_errors=True)
 
 
-def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command(
-    tmp_path: Path,
-) -> None:
+def _created(http: httpx.Client) -> str:
+    """A new sandbox's id (a refused create fails the test with the server's answer)."""
+    answer = http.post("/sandboxes", json={})
+    assert answer.status_code == 201, answer.text
+    return str(answer.json()["id"])
+
+
+def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command() -> None:
     """The client keeps its connection open but reads nothing. Its command is killed
     once 64 MiB of output are held for it (as before); then the stream, which used to
     wait to hand over those 64 MiB for as long as the connection stayed open, is given
     up once a write has waited CRYOBOX_WRITE_TIMEOUT."""
-    with _server_with_write_deadline(tmp_path, "stall", 30) as (made, http):
-        sandbox_id = http.post("/sandboxes", json={}).json()["id"]
+    with _server_with_write_deadline("stall", 30) as (made, http):
+        sandbox_id = _created(http)
         marker = f"cbx-stall-{sandbox_id}"
         # About 6 MB/s, enough to fill the socket's buffers in a second or two.
         producer = "import sys, time\nwhile True: sys.stdout.write('x' * 65536); time.sleep(0.01)"
@@ -155,10 +164,10 @@ def test_a_command_stream_to_a_client_that_stopped_reading_ends_with_its_command
         assert received < 24 << 20, received
 
 
-def test_a_reader_that_pauses_while_its_command_runs_is_waited_for(tmp_path: Path) -> None:
+def test_a_reader_that_pauses_while_its_command_runs_is_waited_for() -> None:
     """A pager or Ctrl-S: no deadline while the command runs and its output fits."""
-    with _server_with_write_deadline(tmp_path, "pager", 60) as (_, http):
-        sandbox_id = http.post("/sandboxes", json={}).json()["id"]
+    with _server_with_write_deadline("pager", 60) as (_, http):
+        sandbox_id = _created(http)
         producer = (
             "import sys, time\nsys.stdout.write('x' * (8 << 20)); sys.stdout.flush()\ntime.sleep(8)"
         )
