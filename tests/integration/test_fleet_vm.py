@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+import tls_ca
 from api_server import CLI, make_server
 from cryobox import Sandbox
 from cryobox.errors import HostUnavailable, SandboxDead
@@ -64,9 +65,16 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         server.key = key
         server.start()
     sandbox_id = ""
+    # The fleet's own CA: what each sandbox's header proxy trusts goes with it.
+    fleet_ca = tls_ca.make(tmp_path / "ca", "203.0.113.9")[0].read_text()
     try:
         sbx = Sandbox.create(
-            api_url=a.url, api_key=key, ports=[8000], envs={"NOTE": "it travels"}, timeout=3600
+            api_url=a.url,
+            api_key=key,
+            ports=[8000],
+            envs={"NOTE": "it travels"},
+            timeout=3600,
+            ca_bundle=fleet_ca,
         )
         sandbox_id = sbx.id
         assert (states["a"] / "sandboxes" / sbx.id).exists()  # made where it was asked
@@ -85,7 +93,12 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         assert running_on_a.commands.run("echo up").stdout == "up\n"
         # One with a history: its newest automatic checkpoint is stored as it runs.
         with_history = Sandbox.create(
-            api_url=a.url, api_key=key, timeout=3600, checkpoint_every=10, keep_checkpoints=3
+            api_url=a.url,
+            api_key=key,
+            timeout=3600,
+            checkpoint_every=10,
+            keep_checkpoints=3,
+            ca_bundle=fleet_ca,
         )
         with_history.files.write("/root/kept", "written before the checkpoint")
         with_history.commands.run(COUNTER)
@@ -155,6 +168,8 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
         assert again.files.read("/root/kept") == b"written before the checkpoint"
         assert again.commands.run(identity).stdout == itself  # itself, not a fork of it
         counts_on(again)
+        trusted = states[copies[0]] / "sandboxes" / with_history.id / "egress-trust.pem"
+        assert trusted.read_text() == fleet_ca  # its proxy trusts what it was given
         assert info.recoverable_from in [s.id for s in again.history()]
         again.kill()
 
@@ -183,6 +198,9 @@ def test_a_paused_sandbox_wakes_on_another_host_once_its_host_is_gone(
 
         moved = woken[loser]  # through the host that lost the race: forwarded
         counts_on(moved)
+        trusted = states[running[0]] / "sandboxes" / sandbox_id / "egress-trust.pem"
+        assert trusted.read_text() == fleet_ca  # its proxy trusts what it was given
+        assert fleet_ca.strip() in moved.files.read_text("/etc/cryobox/ca-bundle.pem")
         assert moved.files.read("/srv/index.html") == b"served from the same machine"
         assert moved.commands.run("echo $NOTE").stdout == "it travels\n"
         public = moved.info().ports[8000]

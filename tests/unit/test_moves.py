@@ -4,6 +4,9 @@ by the hosts of one database."""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,12 +14,18 @@ import time
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from cryobox.sandbox.records import SandboxRecord, SandboxSpec
+from cryobox.sandbox.registry import SandboxDir
+from cryobox.sandbox.state import SandboxState
 from cryobox.server.database import SqliteDatabase
 from cryobox.server.hosts import STALE_AFTER
 from cryobox.server.meter import Meter
 from cryobox.server.moves import (
     Departure,
+    _key,
+    _trusted_by,
     bury,
     claim,
     claim_recovery,
@@ -42,6 +51,42 @@ def test_a_departure_opens_only_for_its_sandbox_and_unaltered() -> None:
     altered = sealed[:20] + ("A" if sealed[20] != "A" else "B") + sealed[21:]
     with pytest.raises(ValueError):
         unseal("fleet-secret", "sbx-1", altered)
+
+
+def test_the_cas_a_sandbox_was_given_travel_sealed_and_land_in_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The extra CAs its header proxy trusts go with a moved or recovered sandbox,
+    inside the seal; a departure sealed before they did opens with none."""
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB-the-fleets-own-CA\n-----END CERTIFICATE-----\n"
+    sealed = seal("fleet-secret", "sbx-1", Departure(SPEC, "pause-1", None, pem))
+    assert "the-fleets-own-CA" not in sealed
+    assert unseal("fleet-secret", "sbx-1", sealed).trust == pem
+    older = base64.b64decode(seal("fleet-secret", "sbx-1", Departure(SPEC, "pause-1", None)))
+    plain = json.loads(AESGCM(_key("fleet-secret")).decrypt(older[:12], older[12:], b"sbx-1"))
+    plain.pop("trust")  # as a host of the previous release sealed it
+    nonce = os.urandom(12)
+    body = AESGCM(_key("fleet-secret")).encrypt(nonce, json.dumps(plain).encode(), b"sbx-1")
+    assert unseal("fleet-secret", "sbx-1", base64.b64encode(nonce + body).decode()).trust == ""
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path))
+    spec = SandboxSpec.from_json(
+        {
+            **SPEC,
+            "image_id": "i",
+            "accelerator": "tcg",
+            "memory_mib": 1024,
+            "disk_gib": 4,
+            "timeout": 60.0,
+            "template": "base",
+            "created_at": 0.0,
+        }
+    )
+    record = SandboxRecord(id="sbx-1", state=SandboxState.PAUSED, pause_id="pause-1")
+    landed = SandboxDir.arrive(spec, record, pem.encode())
+    assert landed.egress_trust.read_text() == pem
+    assert _trusted_by(landed) == pem  # what its next departure seals
+    again = SandboxDir.arrive(spec, record)  # given none: none is left from before
+    assert not again.egress_trust.exists() and _trusted_by(again) == ""
 
 
 def _paused_row(path: Path) -> SqliteDatabase:

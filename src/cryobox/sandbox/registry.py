@@ -30,7 +30,7 @@ from cryobox.errors import CryoboxError, SandboxNotFound, StateError
 from cryobox.sandbox.pause import PauseTransaction
 from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.state import SandboxState, check_transition
-from cryobox.util import write_json_atomic
+from cryobox.util import write_atomic, write_json_atomic
 from cryobox.volume.mounts import socket_name
 
 __all__ = [
@@ -109,10 +109,13 @@ class SandboxDir:
         return folder
 
     @classmethod
-    def arrive(cls, spec: SandboxSpec, record: SandboxRecord) -> SandboxDir:
+    def arrive(
+        cls, spec: SandboxSpec, record: SandboxRecord, trust: bytes | None = None
+    ) -> SandboxDir:
         """The folder of a sandbox that comes from another host: its spec and its
         record (paused, taken over: the pause itself is pulled from the store when it
-        resumes; creating, recovered from a checkpoint; killed while its host was lost).
+        resumes; creating, recovered from a checkpoint; killed while its host was lost),
+        and the extra CAs its header proxy trusts (``trust``), as its host had them.
         Made under a hidden name and renamed into place: a crash leaves no half-made
         sandbox. What an earlier stay here left under its id goes first (its VM too)."""
         folder = cls.for_id(spec.id)
@@ -121,6 +124,8 @@ class SandboxDir:
         arriving = cls(folder.path.with_name(f".{spec.id}.arriving"))
         shutil.rmtree(arriving.path, ignore_errors=True)
         arriving.write_spec(spec)
+        if trust is not None:
+            write_atomic(arriving.egress_trust, trust)
         arriving.write_record(record)
         os.rename(arriving.path, folder.path)
         return folder

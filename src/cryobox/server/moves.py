@@ -84,6 +84,9 @@ class Departure:
     pause_id: str
     #: Seconds of life each resume gives it (a ``set_timeout`` survives the move).
     timeout: float | None
+    #: The extra CAs (PEM) it was given, which its header proxy trusts when it reaches a
+    #: destination for the guest: they go with it ("" when it was given none).
+    trust: str = ""
 
 
 def _key(secret: str) -> bytes:
@@ -92,7 +95,12 @@ def _key(secret: str) -> bytes:
 
 def seal(secret: str, sandbox_id: str, departure: Departure) -> str:
     plain = json.dumps(
-        {"spec": departure.spec, "pause_id": departure.pause_id, "timeout": departure.timeout}
+        {
+            "spec": departure.spec,
+            "pause_id": departure.pause_id,
+            "timeout": departure.timeout,
+            "trust": departure.trust,
+        }
     ).encode()
     nonce = os.urandom(12)
     return base64.b64encode(
@@ -105,9 +113,23 @@ def unseal(secret: str, sandbox_id: str, text: str) -> Departure:
     try:
         raw = base64.b64decode(text)
         value = json.loads(AESGCM(_key(secret)).decrypt(raw[:12], raw[12:], sandbox_id.encode()))
-        return Departure(dict(value["spec"]), str(value["pause_id"]), value.get("timeout"))
+        return Departure(
+            dict(value["spec"]),
+            str(value["pause_id"]),
+            value.get("timeout"),
+            str(value.get("trust") or ""),
+        )
     except (InvalidTag, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"the saved state of {sandbox_id} does not open: {exc!r}") from exc
+
+
+def _trusted_by(folder: SandboxDir) -> str:
+    """The extra CAs the sandbox's header proxy trusts (its folder's ``egress-trust.pem``),
+    "" when none: what a move or a recovery writes into its folder on the next host."""
+    try:
+        return folder.egress_trust.read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def claim(db: Database, sandbox_id: str, me: str, host: str, epoch: int, departure: str) -> bool:
@@ -345,7 +367,8 @@ class Mover:
             return
         plain = {**spec.to_json(), "envs": dict(spec.envs)}
         plain.pop(SEALED_ENVS, None)
-        sealed = seal(self.secret, sandbox_id, Departure(plain, record.pause_id, record.timeout))
+        departure = Departure(plain, record.pause_id, record.timeout, _trusted_by(folder))
+        sealed = seal(self.secret, sandbox_id, departure)
         try:
             needs = needed_platform(mf.load(folder.paused).backend)
         except (CryoboxError, OSError, ValueError):
@@ -409,7 +432,8 @@ class Mover:
         previous = self._recovery_point(sandbox_id)
         plain = {**spec.to_json(), "envs": dict(spec.envs)}
         plain.pop(SEALED_ENVS, None)
-        sealed = seal(self.secret, sandbox_id, Departure(plain, newest.id, record.timeout))
+        departure = Departure(plain, newest.id, record.timeout, _trusted_by(folder))
+        sealed = seal(self.secret, sandbox_id, departure)
         if (
             self.hub.db.execute(
                 "UPDATE sandboxes SET recovery = ?, recovery_at = ?, platform = ? "
@@ -774,7 +798,8 @@ class Mover:
         departure = unseal(self.secret, spec.id, recovery)
         if departure.timeout:
             spec = dataclasses.replace(spec, timeout=departure.timeout)
-        await hub.service.recover(spec, checkpoint, tenant=spec.owner)
+        trust = departure.trust.encode() or None
+        await hub.service.recover(spec, checkpoint, tenant=spec.owner, trust=trust)
         self.recovered[spec.id] = checkpoint
         hub.meter.observe(spec.id, "running")
         for port in await asyncio.to_thread(
@@ -879,7 +904,9 @@ class Mover:
                 disk_chain=tuple(str(s) for s in stored.manifest.get("disk_chain", ())),
                 timeout=departure.timeout,
             )
-            folder = await asyncio.to_thread(SandboxDir.arrive, spec, record)
+            folder = await asyncio.to_thread(
+                SandboxDir.arrive, spec, record, departure.trust.encode() or None
+            )
             claimed = await asyncio.to_thread(
                 claim, hub.db, sandbox_id, hub.me, home, epoch, sealed
             )

@@ -435,13 +435,20 @@ class SandboxService:
                 copy = registry.find(info.id).egress_trust
                 await asyncio.to_thread(write_atomic, copy, trusted, durable=False)
         elif sets_headers(info.network):
-            try:
+            async with self._ended_on_failure(info.id):
                 await self._trust_egress(info.id)
-            except BaseException:
-                with contextlib.suppress(CryoboxError):
-                    await asyncio.shield(self.kill(info.id, keep_record=False))
-                raise
         return info
+
+    @contextlib.asynccontextmanager
+    async def _ended_on_failure(self, sandbox_id: str) -> AsyncIterator[None]:
+        """The last steps of a start: when they fail, the sandbox that runs is ended
+        (no record kept: the caller never had it) and the error raised."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(CryoboxError):
+                await asyncio.shield(self.kill(sandbox_id, keep_record=False))
+            raise
 
     def _with_template_ports(self, request: CreateRequest) -> CreateRequest:
         """The request, with the ports its template forwards in every sandbox (a
@@ -648,13 +655,20 @@ class SandboxService:
         return sandbox_info(spec, record, folder)
 
     async def recover(
-        self, spec: SandboxSpec, snapshot_id: str, *, tenant: str = LOCAL_TENANT
+        self,
+        spec: SandboxSpec,
+        snapshot_id: str,
+        *,
+        tenant: str = LOCAL_TENANT,
+        trust: bytes | None = None,
     ) -> SandboxInfo:
         """Start sandbox ``spec.id`` on this host from ``snapshot_id``, one of its own
         memory checkpoints (pulled from ``tenant``'s store first when it is not here),
         as that same sandbox: its identity kept, as a rollback keeps it. For a sandbox
-        whose host was lost (``cryobox server``). What an earlier stay here left under
-        its id goes first; a start that fails leaves nothing.
+        whose host was lost (``cryobox server``). Its header proxy trusts the extra CAs
+        it was given (``trust``), and a guest whose policy sets headers this host's
+        egress CA. What an earlier stay here left under its id goes first; a start that
+        fails leaves nothing.
 
         :raises SnapshotError: when the checkpoint is missing, fails verification or is
             not one of the sandbox's (never started from anything else).
@@ -667,7 +681,7 @@ class SandboxService:
         await asyncio.to_thread(self.vmm.ensure_image, None)
         spec = dataclasses.replace(spec, restore_from=source.id, tcg_threads="", pool="")
         folder = await asyncio.to_thread(
-            SandboxDir.arrive, spec, SandboxRecord(id=spec.id, state=SandboxState.CREATING)
+            SandboxDir.arrive, spec, SandboxRecord(id=spec.id, state=SandboxState.CREATING), trust
         )
         try:
             record = await self.launcher.start(folder, backend=self.vmm.name, resume=False)
@@ -675,6 +689,8 @@ class SandboxService:
             folder.remove()
             raise
         self.connections.envs[spec.id] = spec.envs
+        async with self._ended_on_failure(spec.id):
+            await self._keep_egress_trust(spec.id)
         return sandbox_info(spec, record, folder)
 
     async def _claim_pooled(
