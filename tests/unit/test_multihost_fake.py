@@ -470,6 +470,44 @@ def test_a_recovery_cut_short_by_a_crash_finishes_when_the_server_starts_again(
         assert (tmp_path / "a" / "sandboxes" / sbx.id).exists()
 
 
+def test_a_former_recovery_point_is_folded_once_it_leaves_the_store(
+    postgres: Any, tmp_path: Path
+) -> None:
+    """A sandbox with a history on b: its newest checkpoint is uploaded and recorded as
+    its recovery point, left whole while in the store (its copy there is whole). Once a
+    newer one replaces it and it leaves the store, it is folded at the sandbox's next
+    checkpoint, as the one before each checkpoint is: its RAM laid over a newer one's
+    (it used to stay whole until the history dropped it)."""
+    with lossy_pair(postgres, tmp_path, "hosts_recovery_folded") as (_, b):
+        sbx = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
+        snapshots = tmp_path / "b" / "snapshots"
+
+        def folded_former_points() -> list[str]:
+            """Checkpoints of the sandbox that were scheduled for the store (only a
+            recovery point is) and are folded now."""
+            found = []
+            for folder in snapshots.iterdir():
+                with contextlib.suppress(OSError, ValueError):
+                    manifest = json.loads((folder / "manifest.json").read_text())
+                    if (
+                        manifest.get("source_sandbox") == sbx.id
+                        and (folder / "upload.json").exists()
+                        and manifest.get("memory_base")
+                    ):
+                        found.append(folder.name)
+            return found
+
+        deadline = time.monotonic() + 180
+        while not folded_former_points():
+            assert time.monotonic() < deadline, "no former recovery point is ever folded"
+            time.sleep(0.5)
+        point = folded_former_points()[0]
+        assert json.loads((snapshots / point / "upload.json").read_text())["state"] == "local"
+        assert not (snapshots / point / "memory").exists()  # only its delta is kept
+        sbx.rewind(point)  # and it comes back as it was saved
+        assert sbx.commands.run("echo back").stdout == "back\n"
+
+
 def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_the_store(
     postgres: Any, tmp_path: Path
 ) -> None:

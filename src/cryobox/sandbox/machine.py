@@ -914,11 +914,13 @@ class Machine:
     def _fold_previous(self, newest: Manifest) -> bool:
         """Keep of the automatic checkpoint before ``newest`` only the RAM pages, and the
         pages of its disk layer's file, that differ from ``newest``'s
-        (:mod:`~cryobox.snapshot.ram_delta`), once the guest runs again. Left whole while
-        a sandbox reads its RAM file (a fork mapping it, a start copying it), while it is
-        on its way to the store or in it (its copy there is whole), or when too much
-        differs; its disk layer stays whole while a sandbox or snapshot builds on it
-        (its RAM alone is folded then)."""
+        (:mod:`~cryobox.snapshot.ram_delta`), once the guest runs again; and the same of
+        an older one that was whole while it was in the store, now out of it (a former
+        recovery point, :meth:`~cryobox.server.moves.Mover.record_recovery`). Left whole
+        while a sandbox reads its RAM file (a fork mapping it, a start copying it), while
+        it is on its way to the store or in it (its copy there is whole), or when too
+        much differs; its disk layer stays whole while a sandbox or snapshot builds on it
+        (its RAM alone is folded then). Whether any was folded."""
         every = self.store.all()
         mine = [
             m
@@ -930,26 +932,42 @@ class Machine:
         ]
         if not mine:
             return False
-        previous = mine[-1]
-        reading = [  # its RAM file mapped by a fork, or being copied by a start
-            spec.id
+        reading = {  # RAM files mapped by a fork, or being copied by a start
+            ref
             for spec, record in registry.list_sandboxes()
             if not record.state.finished
-            and (
-                record.memory_from == previous.id
-                or (spec.restore_from == previous.id and not record.disk_chain)
+            for ref in (
+                record.memory_from,
+                spec.restore_from if not record.disk_chain else None,
             )
-        ]
-        if (
-            previous.memory_base
-            or mf.MEMORY not in previous.files
-            or reading
-            # the newest builds on it (a rewind went back to it, or before it): folded
-            # onto the newest, each would need the other
-            or previous.id in references.builds_on_all(newest.id, every)
-            or uploads.state(self.store.folder(previous.id)).get("state") not in (None, "local")
-        ):
-            return False
+            if ref
+        }
+        # the newest builds on it (a rewind went back to it, or before it): folded onto
+        # the newest, each would need the other
+        built_on = references.builds_on_all(newest.id, every)
+        marks = {m.id: uploads.state(self.store.folder(m.id)) for m in mine}
+        folded = False
+        for previous in mine[::-1]:
+            unstored = bool(marks[previous.id].get("unstored"))
+            if previous is not mine[-1] and not unstored:
+                continue
+            if (
+                previous.memory_base
+                or mf.MEMORY not in previous.files
+                or previous.id in reading
+                or previous.id in built_on
+                or marks[previous.id].get("state") not in (None, "local")
+            ):
+                continue
+            try:
+                folded |= self._fold_onto(previous, newest)
+            finally:
+                if unstored:  # tried once: one that differs too much is not read again
+                    uploads.set_state(self.store.folder(previous.id), unstored=False)
+        return folded
+
+    def _fold_onto(self, previous: Manifest, newest: Manifest) -> bool:
+        """Fold ``previous`` onto ``newest`` (:meth:`_fold_previous`); whether it was."""
 
         def disk_unused() -> bool:
             """Whether no sandbox and no snapshot has ``previous``'s disk layer in its

@@ -511,8 +511,9 @@ class Mover:
         """Delete a former recovery point (an automatic checkpoint) from the store, unless
         another stored snapshot builds on it (its disk: a later checkpoint after a rewind
         to it, a pause, a fork's snapshot; or its RAM: a folded checkpoint); its local
-        copy, if any, reads as local again (it would be uploaded anew if it became the
-        recovery point once more). Under a collection lease, and put off while an upload
+        copy, if any, reads as local again, marked ``unstored``: left whole while it was
+        stored, it is folded at the sandbox's next checkpoint. Under a collection lease,
+        and put off while an upload
         runs: an upload checks before its commit that what it builds on is stored, which
         a delete between that check and the commit would undo."""
         self.unstore_later.discard((tenant, checkpoint))
@@ -533,7 +534,11 @@ class Mover:
             log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
             return
         with contextlib.suppress(CryoboxError, OSError):
-            uploads.set_state(self.hub.service.store.folder(checkpoint), state="local")
+            # (its supervisor folds it at the sandbox's next checkpoint, as it folds the
+            # one before that checkpoint: it was left whole while it was stored)
+            uploads.set_state(
+                self.hub.service.store.folder(checkpoint), state="local", unstored=True
+            )
 
     # -- where a request goes
 
