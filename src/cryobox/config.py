@@ -66,9 +66,12 @@ def cache_dir() -> Path:
     return _private(path)
 
 
+def _state_path() -> Path:
+    return Path(os.environ.get("CRYOBOX_STATE_DIR") or platformdirs.user_data_dir("cryobox"))
+
+
 def state_dir() -> Path:
-    path = Path(os.environ.get("CRYOBOX_STATE_DIR") or platformdirs.user_data_dir("cryobox"))
-    return _private(path)
+    return _private(_state_path())
 
 
 def volumes_dir() -> Path:
@@ -253,9 +256,9 @@ def socket_room() -> None:
     """
     from cryobox.errors import InvalidArgument
 
-    state = state_dir()
+    state = _state_path()  # (measured, not made: a folder refused is left unmade)
     length = len(os.fsencode(state))
-    longest = len(os.fsencode(sandboxes_dir())) + 1 + len(LONGEST_SANDBOX_SOCKET)
+    longest = len(os.fsencode(state / "sandboxes")) + 1 + len(LONGEST_SANDBOX_SOCKET)
     if longest > SOCKET_PATH_MAX:
         raise InvalidArgument(
             f"the state folder {str(state)!r} (CRYOBOX_STATE_DIR) is {length} bytes long: "

@@ -360,7 +360,10 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another(
         server.start()
     try:
         small = servers["small"]
-        parent = Sandbox.create(api_url=small.url, api_key=key, cpus=2, envs={"NOTE": "same"})
+        fleet_ca = tls_ca.make(tmp_path / "ca", "203.0.113.9")[0].read_text()
+        parent = Sandbox.create(
+            api_url=small.url, api_key=key, cpus=2, envs={"NOTE": "same"}, ca_bundle=fleet_ca
+        )
         parent.files.write("/root/who", "the parent's")
         parent.commands.run(COUNTER)
         until(lambda: parent.files.exists("/root/count"), "the counter starts", timeout=60)
@@ -373,6 +376,9 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another(
             assert copy.commands.run("echo $NOTE").stdout == "same\n"
             counts_on(copy)
             seen.add(copy.commands.run("cat /proc/sys/kernel/random/boot_id").stdout)
+            # Its proxy trusts what the parent's does, as a fork made on its host would.
+            trusted = states["big"] / "sandboxes" / copy.id / "egress-trust.pem"
+            assert trusted.read_text() == fleet_ca
         seen.add(parent.commands.run("cat /proc/sys/kernel/random/boot_id").stdout)
         assert len(seen) == 3  # three machines, each its own
         assert parent.info().state == "running" and parent.info().host != big_id

@@ -317,3 +317,43 @@ async def test_a_guest_that_ignores_pause_is_cut_off_and_its_command_killed(
             if frame.header.get("op") == "exec.kill":
                 assert frame.header["args"] == {"exec_id": 5}
     assert ops[0] == p.GuestOp.FLOW
+
+
+# --------------------------------------------------------------------------- files read back
+
+
+def test_an_endless_ca_bundle_of_the_guests_is_refused_not_held() -> None:
+    """The service reads back a guest's CA bundle and marker (to add the egress CA, to
+    tell whether the CAs were given): a guest that made its bundle endless is refused
+    past GUEST_READ_MAX, the stream closed, instead of filling the memory of the
+    process that serves every sandbox."""
+    from types import SimpleNamespace
+
+    from cryobox.errors import GuestError
+    from cryobox.service.service import GUEST_READ_MAX, SandboxService
+
+    sent = 0
+    closed = False
+
+    async def endless(sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        nonlocal sent, closed
+        try:
+            while True:
+                sent += 1 << 16
+                yield b"A" * (1 << 16)
+        finally:
+            closed = True
+
+    async def small(sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        yield b"-----BEGIN CERTIFICATE-----\n"
+        yield b"-----END CERTIFICATE-----\n"
+
+    service: Any = SimpleNamespace(guest=SimpleNamespace(read_file=endless))
+    with pytest.raises(GuestError, match=r"ca-certificates\.crt is larger than"):
+        asyncio.run(
+            SandboxService._read_all(service, "sbx-1", "/etc/ssl/certs/ca-certificates.crt")
+        )
+    assert closed and sent <= GUEST_READ_MAX + (1 << 16)
+    service.guest.read_file = small
+    whole = asyncio.run(SandboxService._read_all(service, "sbx-1", "/etc/cryobox/ca-bundle.pem"))
+    assert whole == b"-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -312,6 +313,16 @@ def test_a_second_server_on_the_same_state_folder_is_refused(
     assert "already served at" in done.stderr and a.url in done.stderr
 
 
+@pytest.fixture
+def fleet_dir() -> Iterator[Path]:
+    """A short folder for a fleet's state folders: under pytest's ``tmp_path`` their
+    sandboxes' sockets pass the 107 bytes a unix socket path may have once pytest numbers
+    its folders far enough (:func:`cryobox.config.socket_room`)."""
+    folder = Path(tempfile.mkdtemp(prefix="cbx-fleet-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def lossy_pair(
     postgres: Any,
@@ -392,13 +403,13 @@ def recoverable_on_lost_b(a: ApiServer, b: ApiServer, folder: Path) -> tuple[str
 
 
 def test_a_sandbox_killed_while_its_host_is_lost_never_runs_there_again(
-    postgres: Any, tmp_path: Path
+    postgres: Any, fleet_dir: Path
 ) -> None:
     """Host b stops answering (its server killed with -9, its sandboxes running on); once
     a sees it lost, one of its sandboxes is killed through a: it reads as killed from a
     at once. When b comes back, it stops its copy of that one (never adopts it again),
     and its other sandbox, not killed, is its own as before."""
-    with lossy_pair(postgres, tmp_path, "hosts_tombstones") as (a, b):
+    with lossy_pair(postgres, fleet_dir, "hosts_tombstones") as (a, b):
         doomed, kept = (Sandbox.create(api_url=b.url, api_key=b.key) for _ in range(2))
         assert b.process is not None
         b.process.kill()
@@ -413,7 +424,7 @@ def test_a_sandbox_killed_while_its_host_is_lost_never_runs_there_again(
         assert http(a).delete(f"/sandboxes/{doomed.id}").status_code == 204
         killed = http(a).get(f"/sandboxes/{doomed.id}").json()
         assert killed["state"] == "killed" and "was lost" in killed["error"]
-        copy = tmp_path / "b" / "sandboxes" / doomed.id
+        copy = fleet_dir / "b" / "sandboxes" / doomed.id
         assert json.loads((copy / "state.json").read_text())["state"] == "running"  # still
         # Killed again, it is forgotten (its row and ownership gone): b, back, has only
         # the tombstone to go by, and must neither adopt its copy nor let it run.
@@ -443,15 +454,15 @@ def test_a_sandbox_killed_while_its_host_is_lost_never_runs_there_again(
 
 
 def test_a_recovery_cut_short_by_a_crash_finishes_when_the_server_starts_again(
-    postgres: Any, tmp_path: Path
+    postgres: Any, fleet_dir: Path
 ) -> None:
     """A sandbox with a history on host b; b is lost (its server and sandboxes killed
     with -9). A resume through a claims it, and a's server dies right then (before the
     sandbox starts there): started again, a finishes the recovery instead of forgetting
     the sandbox. (The same recovery over real VMs, with its processes and files, is in
     ``tests/integration/test_fleet_vm.py``.)"""
-    with lossy_pair(postgres, tmp_path, "hosts_recovery_crash") as (a, b):
-        _, sbx = recoverable_on_lost_b(a, b, tmp_path)
+    with lossy_pair(postgres, fleet_dir, "hosts_recovery_crash") as (a, b):
+        _, sbx = recoverable_on_lost_b(a, b, fleet_dir)
         info = wait_for_state(a, sbx.id, "lost", "b is never seen as lost")
         assert info["recoverable_from"] and "resume it" in info["error"]
 
@@ -467,61 +478,64 @@ def test_a_recovery_cut_short_by_a_crash_finishes_when_the_server_starts_again(
         wait_for_state(a, sbx.id, "running", "the recovery is never finished")
         back = Sandbox.connect(sbx.id, api_url=a.url, api_key=a.key)
         assert back.commands.run("echo recovered").stdout == "recovered\n"
-        assert (tmp_path / "a" / "sandboxes" / sbx.id).exists()
+        assert (fleet_dir / "a" / "sandboxes" / sbx.id).exists()
 
 
 def test_a_former_recovery_point_is_folded_once_it_leaves_the_store(
-    postgres: Any, tmp_path: Path
+    postgres: Any, fleet_dir: Path
 ) -> None:
     """A sandbox with a history on b: its newest checkpoint is uploaded and recorded as
     its recovery point, left whole while in the store (its copy there is whole). Once a
     newer one replaces it and it leaves the store, it is folded at the sandbox's next
     checkpoint, as the one before each checkpoint is: its RAM laid over a newer one's
     (it used to stay whole until the history dropped it)."""
-    with lossy_pair(postgres, tmp_path, "hosts_recovery_folded") as (_, b):
+    with lossy_pair(postgres, fleet_dir, "hosts_recovery_folded") as (_, b):
         sbx = Sandbox.create(api_url=b.url, api_key=b.key, checkpoint_every=5)
-        snapshots = tmp_path / "b" / "snapshots"
+        snapshots = fleet_dir / "b" / "snapshots"
+        stored: set[str] = set()  # its points seen in the store (each a recovery point)
 
         def folded_former_points() -> list[str]:
-            """Checkpoints of the sandbox that were scheduled for the store (only a
-            recovery point is) and are folded now."""
+            """Points of the sandbox seen stored, now out of the store and folded."""
             found = []
             for folder in snapshots.iterdir():
                 with contextlib.suppress(OSError, ValueError):
                     manifest = json.loads((folder / "manifest.json").read_text())
-                    if (
-                        manifest.get("source_sandbox") == sbx.id
-                        and (folder / "upload.json").exists()
-                        and manifest.get("memory_base")
-                    ):
+                    if manifest.get("source_sandbox") != sbx.id:
+                        continue
+                    mark = json.loads((folder / "upload.json").read_text())
+                    if mark.get("state") == "stored":
+                        stored.add(folder.name)
+                    elif folder.name in stored and manifest.get("memory_base"):
                         found.append(folder.name)
             return found
 
         deadline = time.monotonic() + 180
         while not folded_former_points():
             assert time.monotonic() < deadline, "no former recovery point is ever folded"
-            time.sleep(0.5)
+            time.sleep(0.2)
         point = folded_former_points()[0]
-        assert json.loads((snapshots / point / "upload.json").read_text())["state"] == "local"
+        mark = json.loads((snapshots / point / "upload.json").read_text())
+        assert mark["state"] == "local" and mark["unstored"] is True  # as the mover left it
         assert not (snapshots / point / "memory").exists()  # only its delta is kept
+        assert (snapshots / point / "memory.delta").exists()
         sbx.rewind(point)  # and it comes back as it was saved
         assert sbx.commands.run("echo back").stdout == "back\n"
 
 
 def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_the_store(
-    postgres: Any, tmp_path: Path
+    postgres: Any, fleet_dir: Path
 ) -> None:
     """Host b may run 2 vCPUs, a 4. A 2-vCPU sandbox on b fills b: its 2 forks asked
     through b are made on a, from a snapshot of it pushed to the store (the parent runs
     on, on b); one more fork fits neither host and is refused, naming both. Over real
     VMs, with the copies' files and processes: ``tests/integration/test_fleet_vm.py``."""
-    with lossy_pair(postgres, tmp_path, "hosts_fork_away", vcpus={"a": 4, "b": 2}) as (_, b):
+    with lossy_pair(postgres, fleet_dir, "hosts_fork_away", vcpus={"a": 4, "b": 2}) as (_, b):
         parent = Sandbox.create(api_url=b.url, api_key=b.key, cpus=2, envs={"NOTE": "kept"})
-        a_id = (tmp_path / "a" / "host-id").read_text().strip()
+        a_id = (fleet_dir / "a" / "host-id").read_text().strip()
         forks = parent.fork(2)
         assert [f.info().host for f in forks] == [a_id, a_id]
         assert {f.id for f in forks} == {
-            p.name for p in (tmp_path / "a" / "sandboxes").iterdir() if p.name != parent.id
+            p.name for p in (fleet_dir / "a" / "sandboxes").iterdir() if p.name != parent.id
         }
         for copy in forks:
             assert copy.commands.run("echo $NOTE").stdout == "kept\n"
@@ -535,14 +549,14 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_th
         assert "vCPUs in use" in str(refused.value) and a_id in str(refused.value)
 
 
-def test_a_recovery_is_placed_as_a_create_is(postgres: Any, tmp_path: Path) -> None:
+def test_a_recovery_is_placed_as_a_create_is(postgres: Any, fleet_dir: Path) -> None:
     """b is lost with a sandbox whose checkpoint is stored; a is draining: a resume
     through a is refused naming why (nothing is claimed: it stays lost and
     recoverable); a undrained, the same resume recovers it there."""
-    with lossy_pair(postgres, tmp_path, "hosts_recovery_placed") as (a, b):
-        url, sbx = recoverable_on_lost_b(a, b, tmp_path)
+    with lossy_pair(postgres, fleet_dir, "hosts_recovery_placed") as (a, b):
+        url, sbx = recoverable_on_lost_b(a, b, fleet_dir)
         wait_for_state(a, sbx.id, "lost", "b is never seen as lost")
-        a_id = (tmp_path / "a" / "host-id").read_text().strip()
+        a_id = (fleet_dir / "a" / "host-id").read_text().strip()
         drain = [*CLI, "host", "drain", a_id, "--database-url", url]
         subprocess.run(drain, check=True, capture_output=True, timeout=60)
         refused = http(a).post(f"/sandboxes/{sbx.id}/resume")
@@ -558,7 +572,7 @@ def test_a_recovery_is_placed_as_a_create_is(postgres: Any, tmp_path: Path) -> N
 
 
 def test_a_host_that_cannot_continue_a_saved_machine_is_never_tried(
-    postgres: Any, tmp_path: Path
+    postgres: Any, fleet_dir: Path
 ) -> None:
     """a runs another VMM version than b (as after an upgrade of QEMU on one host).
     A sandbox paused on b, its pause stored; b is lost. Through a, it does not wake:
@@ -566,7 +580,7 @@ def test_a_host_that_cannot_continue_a_saved_machine_is_never_tried(
     restore on a would have refused it only after pulling it. `host ls` shows each
     host's VMM. A running sandbox with a history on b is not recovered on a either."""
     versions = {"a": {"CRYOBOX_FAKE_VERSION": "2"}, "b": {"CRYOBOX_FAKE_VERSION": "1"}}
-    with lossy_pair(postgres, tmp_path, "hosts_platform", env=versions) as (a, b):
+    with lossy_pair(postgres, fleet_dir, "hosts_platform", env=versions) as (a, b):
         url = a.database_url
         assert url is not None
         paused = Sandbox.create(api_url=b.url, api_key=b.key)
@@ -580,12 +594,12 @@ def test_a_host_that_cannot_continue_a_saved_machine_is_never_tried(
             [*CLI, "host", "ls", "--database-url", url], capture_output=True, text=True
         ).stdout
         assert "fake 2 fake" in listed and "fake 1 fake" in listed
-        lose(b, tmp_path / "b")
+        lose(b, fleet_dir / "b")
         wait_for_state(a, kept.id, "lost", "b is never seen as lost")
         refused = http(a).get(f"/sandboxes/{paused.id}")
         assert refused.status_code == 503, refused.text
         assert "version is '2', the saved machine's '1'" in refused.text
         recovery = http(a).post(f"/sandboxes/{kept.id}/resume")
         assert recovery.status_code == 503 and "version" in recovery.text, recovery.text
-        assert not (tmp_path / "a" / "sandboxes" / paused.id).exists()
-        assert not (tmp_path / "a" / "sandboxes" / kept.id).exists()
+        assert not (fleet_dir / "a" / "sandboxes" / paused.id).exists()
+        assert not (fleet_dir / "a" / "sandboxes" / kept.id).exists()

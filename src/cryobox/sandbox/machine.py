@@ -241,6 +241,9 @@ class Machine:
         self._tcg_threads = ""
         #: Whether its supervisor's process serves other sandboxes too (a fork's group).
         self.shared_supervisor = shared_supervisor
+        #: Former recovery points this supervisor tried to fold (:meth:`_fold_previous`):
+        #: one that differs too much is not read again at every checkpoint.
+        self._folds_tried: set[str] = set()
 
     def _maybe_reserve(self, path: Path, size: int) -> None:
         """Reserve the RAM file's blocks now if the free space is already short."""
@@ -945,25 +948,28 @@ class Machine:
         # the newest builds on it (a rewind went back to it, or before it): folded onto
         # the newest, each would need the other
         built_on = references.builds_on_all(newest.id, every)
-        marks = {m.id: uploads.state(self.store.folder(m.id)) for m in mine}
         folded = False
         for previous in mine[::-1]:
-            unstored = bool(marks[previous.id].get("unstored"))
-            if previous is not mine[-1] and not unstored:
+            # Read here, not once before: the fold before this one took a while.
+            mark = uploads.state(self.store.folder(previous.id))
+            unstored = previous is not mine[-1]
+            if unstored and (not mark.get("unstored") or previous.id in self._folds_tried):
                 continue
             if (
                 previous.memory_base
                 or mf.MEMORY not in previous.files
                 or previous.id in reading
                 or previous.id in built_on
-                or marks[previous.id].get("state") not in (None, "local")
+                or mark.get("state") not in (None, "local")
             ):
                 continue
             try:
                 folded |= self._fold_onto(previous, newest)
-            finally:
-                if unstored:  # tried once: one that differs too much is not read again
-                    uploads.set_state(self.store.folder(previous.id), unstored=False)
+            except (CryoboxError, OSError) as exc:  # it stays whole: sound, only larger
+                log.warning("%s was not folded onto %s: %s", previous.id, newest.id, exc)
+                continue
+            if unstored:
+                self._folds_tried.add(previous.id)
         return folded
 
     def _fold_onto(self, previous: Manifest, newest: Manifest) -> bool:

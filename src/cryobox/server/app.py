@@ -21,10 +21,10 @@ import json
 import logging
 import math
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import version
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
@@ -546,7 +546,7 @@ def create_app(
     async def download(sandbox_id: str, path: PathQ, me: Me) -> StreamingResponse:
         """The file's bytes, streamed."""
         await hub.use(me, sandbox_id)
-        chunks = cast(AsyncGenerator[bytes, None], hub.service.guest.read_file(sandbox_id, path))
+        chunks = hub.service.guest.read_file(sandbox_id, path)
         try:
             first = await anext(chunks)  # a missing file is a 404, not an empty body
         except StopAsyncIteration:

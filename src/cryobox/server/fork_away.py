@@ -31,6 +31,7 @@ from cryobox.models import SandboxInfo
 from cryobox.sandbox import registry
 from cryobox.service.service import on_timeout_of
 from cryobox.snapshot.manifest import SnapshotPurpose
+from cryobox.util import read_if_there
 
 from .forward import FORWARDED
 from .hosts import Host
@@ -98,7 +99,11 @@ async def fork_through_store(
             f"this host has no room for {count} fork(s) of {sandbox_id}, and this call "
             "cannot ask another host to make them (only the HTTP API can)"
         )
-    spec = registry.find(sandbox_id).spec()
+    parent = registry.find(sandbox_id)
+    spec = parent.spec()
+    # The CAs its guest and proxy trust, as a fork made here copies them ("": none, not
+    # the other host's own).
+    trusted = await asyncio.to_thread(read_if_there, parent.egress_trust)
     tracked = hub.meter.get(sandbox_id)
     when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     snapshot = await hub.capture(
@@ -117,6 +122,7 @@ async def fork_through_store(
         "network": spec.network,
         "ports": list(spec.ports),
         "idle_timeout": tracked.idle_timeout if tracked else None,
+        "ca_bundle": trusted.decode() if trusted else "",
     }
     headers = {**credentials, FORWARDED: hub.forward_secret}
     base = host.url.rstrip("/")

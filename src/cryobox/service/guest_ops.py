@@ -10,7 +10,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Mapping
 
 from cryobox.arguments import positive_seconds
 from cryobox.errors import ChannelError, CryoboxError
@@ -58,7 +58,7 @@ class GuestOperations:
         session.start(request)
         return session
 
-    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+    async def read_file(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
         """The file's bytes in chunks, as they arrive: through the sandbox's transfer
         disk (:mod:`.bulk`), else over the agent channel.
 

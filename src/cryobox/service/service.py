@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from cryobox import config
 from cryobox.arguments import (
+    MAX_BUNDLE_BYTES,
     env_vars,
     labels,
     positive_seconds,
@@ -41,6 +42,7 @@ from cryobox.errors import (
     CapacityError,
     ChannelError,
     CryoboxError,
+    GuestError,
     GuestFileNotFound,
     ImageError,
     InvalidArgument,
@@ -120,6 +122,9 @@ FORK_OVERHEAD_MIB = 160
 FORK_CONCURRENCY = 4
 #: Seconds a file or status request to the guest may take before it counts as hung.
 GUEST_REQUEST_TIMEOUT = 120.0
+#: Most bytes the service reads back of a guest's own CA bundle or marker (Debian's
+#: bundle is about 220 kB; a bundle given is at most 1 MiB, and lands in the guest's).
+GUEST_READ_MAX = 4 * MAX_BUNDLE_BYTES
 
 log = logging.getLogger("cryobox.service")
 
@@ -525,7 +530,24 @@ class SandboxService:
             await self._trust_egress(sandbox_id)
 
     async def _read_all(self, sandbox_id: str, path: str) -> bytes:
-        return b"".join([chunk async for chunk in self.guest.read_file(sandbox_id, path)])
+        """A small file of the guest's (a CA bundle, a marker), whole.
+
+        :raises GuestError: when it is longer than :data:`GUEST_READ_MAX` bytes: the guest
+            is not trusted, and one that made its bundle endless must not fill the
+            memory of the process that serves every sandbox.
+        """
+        chunks: builtins.list[bytes] = []
+        held = 0
+        stream = self.guest.read_file(sandbox_id, path)
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                held += len(chunk)
+                if held > GUEST_READ_MAX:
+                    raise GuestError(
+                        "file.read", p.TOO_LARGE, f"{path} is larger than {GUEST_READ_MAX} bytes"
+                    )
+                chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _start(
         self,
