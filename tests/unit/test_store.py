@@ -585,6 +585,35 @@ def test_an_uploader_stores_only_what_was_marked_with_its_own_store_settings(
     assert {s.id for s in ChunkStore(tenant).all()} == {here.id, elsewhere.id}
 
 
+def test_an_uploader_does_not_wait_on_folders_it_has_nothing_to_do_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A former recovery point (back out of the store: "local") and an upload given up
+    are not failures to retry: the uploader stores what is pending and ends without
+    waiting (it slept 12 s in retries for each such folder)."""
+    state_dir = tmp_path / "state"
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state_dir))
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    local = LocalSnapshotStore(state_dir)
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    back = make_snapshot(local, random_windows(1), "back")
+    uploads.mark(local.folder(back.id), tenant)
+    uploads.set_state(local.folder(back.id), state="local", unstored=True)
+    given_up = make_snapshot(local, random_windows(1), "given-up")
+    uploads.mark(local.folder(given_up.id), tenant)
+    uploads.set_state(local.folder(given_up.id), state="failed", attempts=uploads.MAX_ATTEMPTS)
+    pending = make_snapshot(local, random_windows(1), "pending")
+    uploads.mark(local.folder(pending.id), tenant)
+    slept: list[float] = []
+    monkeypatch.setattr("cryobox.store.uploads.time.sleep", slept.append)
+    uploads._upload_all()
+    assert slept == []
+    assert uploads.state(local.folder(pending.id))["state"] == "stored"
+    assert uploads.state(local.folder(back.id))["state"] == "local"  # left as it was
+    assert uploads.state(local.folder(given_up.id))["state"] == "failed"
+    assert [s.id for s in ChunkStore(tenant).all()] == [pending.id]
+
+
 def test_collection_expires_old_snapshots_here_and_in_the_store(
     local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

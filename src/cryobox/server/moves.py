@@ -130,6 +130,9 @@ def _trusted_by(folder: SandboxDir) -> str:
         return folder.egress_trust.read_text()
     except FileNotFoundError:
         return ""
+    except (OSError, UnicodeDecodeError) as exc:  # (written by this host: PEM, ASCII)
+        log.warning("%s: its extra CAs are not sealed with it: %s", folder.id, exc)
+        return ""
 
 
 def claim(db: Database, sandbox_id: str, me: str, host: str, epoch: int, departure: str) -> bool:

@@ -292,9 +292,19 @@ def _trim_cache() -> None:
         log.warning("the local cache of stored RAM was not trimmed: %s", exc)
 
 
+def _waiting(folder: Path) -> bool:
+    """Whether a marked folder has work for an uploader: pending, cut short, or failed
+    fewer than :data:`MAX_ATTEMPTS` times. One back out of the store (a former recovery
+    point reads "local") or given up is not a failure to wait and retry for."""
+    current = state(folder)
+    if current.get("state") == "failed":
+        return int(current.get("attempts") or 0) < MAX_ATTEMPTS
+    return current.get("state") in ("pending", "uploading")
+
+
 def _upload_all() -> None:
     for attempt in range(3):
-        waiting = [f for f in _candidates() if state(f).get("state") != "stored"]
+        waiting = [f for f in _candidates() if _waiting(f)]
         failed = [f for f in waiting if not upload(f)]
         if not failed:
             return
