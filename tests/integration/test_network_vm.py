@@ -26,6 +26,7 @@ import tls_ca
 from api_server import CLI, ApiServer
 from cryobox import Sandbox, Volume
 from cryobox.errors import VolumeNotFound
+from cryobox.sandbox import registry
 from waiting import until
 
 from .guest_http import fetch_until_up
@@ -360,7 +361,13 @@ def test_a_start_given_the_cas_its_snapshot_had_does_not_ask_the_guest_for_them(
         assert asked and asked[0] == egress.GUEST_MARKER
         assert second.read_text().strip() in bundle(other)
         assert first.read_text().strip() not in bundle(other)
-        for sbx in (parent, same, other):
+        # A fork's proxy trusts what its parent's does (written before its VM starts).
+        fork = parent.fork(1)[0]
+        trusted = registry.find(parent.id).egress_trust.read_bytes()
+        assert registry.find(fork.id).egress_trust.read_bytes() == trusted
+        assert first.read_bytes().strip() in trusted
+        assert first.read_text().strip() in bundle(fork)
+        for sbx in (parent, same, other, fork):
             sbx.kill()
     finally:
         Sandbox.delete_snapshot(snap.id)

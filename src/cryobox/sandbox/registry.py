@@ -101,10 +101,14 @@ class SandboxDir:
         return SandboxSpec.from_json(json.loads(self.spec_file.read_text()))
 
     @classmethod
-    def create(cls, spec: SandboxSpec) -> SandboxDir:
-        """The folder of a new sandbox: its spec, and its record saying "creating"."""
+    def create(cls, spec: SandboxSpec, trust: bytes | None = None) -> SandboxDir:
+        """The folder of a new sandbox: its spec, the extra CAs its header proxy trusts
+        (``trust``: a fork's, its parent's, there before its VM runs), and its record
+        saying "creating"."""
         folder = cls.for_id(spec.id)
         folder.write_spec(spec)
+        if trust is not None:
+            write_atomic(folder.egress_trust, trust, durable=False)
         folder.write_record(SandboxRecord(id=spec.id, state=SandboxState.CREATING))
         return folder
 

@@ -433,13 +433,7 @@ class SandboxService:
                     if failed is not None and isinstance(exc, CryoboxError):
                         raise failed from exc
                 raise
-        if start.forked_from is not None:  # the CAs its parent's guest and proxy trust
-            parent = registry.find(start.forked_from).egress_trust
-            trusted = await asyncio.to_thread(read_if_there, parent)
-            if trusted is not None:
-                copy = registry.find(info.id).egress_trust
-                await asyncio.to_thread(write_atomic, copy, trusted, durable=False)
-        elif sets_headers(info.network):
+        if start.forked_from is None and sets_headers(info.network):
             async with self._ended_on_failure(info.id):
                 await self._trust_egress(info.id)
         return info
@@ -666,7 +660,11 @@ class SandboxService:
             volumes=tuple(mount.to_json() for mount in mounts),
             **_history_fields(request),
         )
-        folder = SandboxDir.create(spec)
+        trust = None
+        if start.forked_from is not None:  # the CAs its parent's guest and proxy trust
+            parent = registry.find(start.forked_from).egress_trust
+            trust = await asyncio.to_thread(read_if_there, parent)
+        folder = SandboxDir.create(spec, trust)
         try:
             record = await self.launcher.start(
                 folder, backend=self.vmm.name, resume=False, progress=progress, group=start.group
