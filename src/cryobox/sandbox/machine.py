@@ -950,18 +950,18 @@ class Machine:
         built_on = references.builds_on_all(newest.id, every)
         folded = False
         for previous in mine[::-1]:
-            # Read here, not once before: the fold before this one took a while.
-            mark = uploads.state(self.store.folder(previous.id))
             unstored = previous is not mine[-1]
-            if unstored and (not mark.get("unstored") or previous.id in self._folds_tried):
-                continue
             if (
                 previous.memory_base
                 or mf.MEMORY not in previous.files
                 or previous.id in reading
                 or previous.id in built_on
-                or mark.get("state") not in (None, "local")
+                or (unstored and previous.id in self._folds_tried)
             ):
+                continue
+            # Read here, not once before: the fold before this one took a while.
+            mark = uploads.state(self.store.folder(previous.id))
+            if mark.get("state") not in (None, "local") or (unstored and not mark.get("unstored")):
                 continue
             try:
                 folded |= self._fold_onto(previous, newest)

@@ -88,6 +88,11 @@ class Departure:
     #: destination for the guest: they go with it ("" when it was given none).
     trust: str = ""
 
+    @property
+    def trusted_pem(self) -> bytes | None:
+        """:attr:`trust` as the folder's ``egress-trust.pem`` holds it (None: none)."""
+        return self.trust.encode() or None
+
 
 def _key(secret: str) -> bytes:
     return hashlib.sha256(f"cryobox sandbox departure {secret}".encode()).digest()
@@ -352,6 +357,17 @@ class Mover:
 
     # -- at a pause
 
+    def _sealed(
+        self, folder: SandboxDir, spec: SandboxSpec, snapshot_id: str, timeout: float | None
+    ) -> str:
+        """What another host needs to start the sandbox from ``snapshot_id`` (its pause,
+        or its recovery point), sealed: its spec with its variables in clear, its
+        timeout, and the extra CAs its proxy trusts."""
+        plain = {**spec.to_json(), "envs": dict(spec.envs)}
+        plain.pop(SEALED_ENVS, None)
+        departure = Departure(plain, snapshot_id, timeout, _trusted_by(folder))
+        return seal(self.secret, spec.id, departure)
+
     def record_departure(self, sandbox_id: str) -> None:
         """Write into the sandbox's row what another host needs to take it over, once it
         is paused here and its pause is in the store (until then it wakes only here).
@@ -368,10 +384,7 @@ class Mover:
             return
         if uploads.state(folder.paused).get("state") != "stored":
             return
-        plain = {**spec.to_json(), "envs": dict(spec.envs)}
-        plain.pop(SEALED_ENVS, None)
-        departure = Departure(plain, record.pause_id, record.timeout, _trusted_by(folder))
-        sealed = seal(self.secret, sandbox_id, departure)
+        sealed = self._sealed(folder, spec, record.pause_id, record.timeout)
         try:
             needs = needed_platform(mf.load(folder.paused).backend)
         except (CryoboxError, OSError, ValueError):
@@ -433,10 +446,7 @@ class Mover:
             return
         newest = stored[-1]
         previous = self._recovery_point(sandbox_id)
-        plain = {**spec.to_json(), "envs": dict(spec.envs)}
-        plain.pop(SEALED_ENVS, None)
-        departure = Departure(plain, newest.id, record.timeout, _trusted_by(folder))
-        sealed = seal(self.secret, sandbox_id, departure)
+        sealed = self._sealed(folder, spec, newest.id, record.timeout)
         if (
             self.hub.db.execute(
                 "UPDATE sandboxes SET recovery = ?, recovery_at = ?, platform = ? "
@@ -806,8 +816,7 @@ class Mover:
         departure = unseal(self.secret, spec.id, recovery)
         if departure.timeout:
             spec = dataclasses.replace(spec, timeout=departure.timeout)
-        trust = departure.trust.encode() or None
-        await hub.service.recover(spec, checkpoint, tenant=spec.owner, trust=trust)
+        await hub.service.recover(spec, checkpoint, tenant=spec.owner, trust=departure.trusted_pem)
         self.recovered[spec.id] = checkpoint
         hub.meter.observe(spec.id, "running")
         for port in await asyncio.to_thread(
@@ -912,9 +921,7 @@ class Mover:
                 disk_chain=tuple(str(s) for s in stored.manifest.get("disk_chain", ())),
                 timeout=departure.timeout,
             )
-            folder = await asyncio.to_thread(
-                SandboxDir.arrive, spec, record, departure.trust.encode() or None
-            )
+            folder = await asyncio.to_thread(SandboxDir.arrive, spec, record, departure.trusted_pem)
             claimed = await asyncio.to_thread(
                 claim, hub.db, sandbox_id, hub.me, home, epoch, sealed
             )

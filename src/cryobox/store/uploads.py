@@ -123,16 +123,24 @@ def _candidates() -> list[Path]:
     ]
 
 
+def _waiting(current: dict[str, Any]) -> bool:
+    """Whether a marked folder (its upload state ``current``) has work for an uploader:
+    pending, cut short, or failed fewer than :data:`MAX_ATTEMPTS` times. One back out of
+    the store (a former recovery point reads "local") or given up is not a failure to
+    wait and retry for."""
+    if current.get("state") == "failed":
+        return int(current.get("attempts") or 0) < MAX_ATTEMPTS
+    return current.get("state") in ("pending", "uploading")
+
+
 def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> bool:
     """Upload one marked folder now; True when it is stored. ``shown(done, total)`` is
     told the bytes read so far."""
     current = state(folder)
     if not (folder / mf.MANIFEST).exists():
         return True  # deleted, or resumed meanwhile: nothing left to store
-    if current.get("state") not in ("pending", "uploading", "failed"):
+    if not _waiting(current):
         return current.get("state") == "stored"
-    if current.get("state") == "failed" and int(current.get("attempts") or 0) >= MAX_ATTEMPTS:
-        return False
     tenant = str(current.get("tenant") or "local")
     sandbox = folder.parent.name if folder.name == "paused" else None
     last = 0.0
@@ -292,19 +300,9 @@ def _trim_cache() -> None:
         log.warning("the local cache of stored RAM was not trimmed: %s", exc)
 
 
-def _waiting(folder: Path) -> bool:
-    """Whether a marked folder has work for an uploader: pending, cut short, or failed
-    fewer than :data:`MAX_ATTEMPTS` times. One back out of the store (a former recovery
-    point reads "local") or given up is not a failure to wait and retry for."""
-    current = state(folder)
-    if current.get("state") == "failed":
-        return int(current.get("attempts") or 0) < MAX_ATTEMPTS
-    return current.get("state") in ("pending", "uploading")
-
-
 def _upload_all() -> None:
     for attempt in range(3):
-        waiting = [f for f in _candidates() if _waiting(f)]
+        waiting = [f for f in _candidates() if _waiting(state(f))]
         failed = [f for f in waiting if not upload(f)]
         if not failed:
             return
