@@ -12,6 +12,7 @@ import mmap
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -333,3 +334,83 @@ def test_a_disk_without_room_for_the_ram_refuses_the_pull_before_anything_is_ser
 
 def _mounts() -> list[str]:
     return Path("/proc/self/mounts").read_text().splitlines()
+
+
+def _arrival_of(store: ChunkStore, local: LocalSnapshotStore, tmp_path: Path) -> lazy_ram.Arrival:
+    """An arrival of a stored snapshot's 64 MiB RAM (20 windows stored) into a file here,
+    without a server or a mount: what the machine's reads and the prefetchers share."""
+    snapshot_id, _ = _stored_then_gone(store, local, random_windows(20, start=30))
+    stored = store.find(snapshot_id)
+    fd = os.open(tmp_path / "ram", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 64 * MIB)
+    entry = stored.files[mf.MEMORY]
+    return lazy_ram.Arrival(
+        store.objects, store.key, snapshot_id, entry, fd, {}, tmp_path / "final", "t"
+    )
+
+
+def _fetches_recorded(arrival: lazy_ram.Arrival) -> list[tuple[float, int, str]]:
+    """Every fetch from now on, as (when, window, thread name)."""
+    fetched: list[tuple[float, int, str]] = []
+    get = arrival._get
+
+    def recorded(index: int) -> bytes:
+        fetched.append((time.monotonic(), index, threading.current_thread().name))
+        return get(index)
+
+    arrival._get = recorded  # type: ignore[method-assign]
+    return fetched
+
+
+def _machine_reads(arrival: lazy_ram.Arrival, windows: range, every: float) -> float:
+    """Read ``windows`` as a starting machine does (a window not here asked for, then
+    waited on), one each ``every`` s; when the last read was."""
+    for index in windows:
+        arrival.asked(index)
+        arrival.ensure(index)
+        time.sleep(every)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("objects", ["folder"], indirect=True)
+def test_prefetchers_wait_while_a_starting_machine_reads_then_fetch_the_rest_after_its_last_read(
+    store: ChunkStore, local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On two cores, prefetching while the machine started took the CPU its restore needed
+    # (its first command 0.35 s later): the prefetchers begin once its reads are quiet.
+    monkeypatch.setattr(lazy_ram, "QUIET", 2.0)
+    arrival = _arrival_of(store, local, tmp_path)
+    fetched = _fetches_recorded(arrival)
+    prefetchers = [
+        threading.Thread(target=arrival.prefetch, name=f"prefetch-{n}", daemon=True)
+        for n in range(3)
+    ]
+    for thread in prefetchers:
+        thread.start()
+    last_read = _machine_reads(arrival, range(32, 40), every=0.1)
+    assert arrival.done.wait(timeout=60), "the rest never arrived"
+    machine = [f for f in fetched if not f[2].startswith("prefetch")]
+    background = [f for f in fetched if f[2].startswith("prefetch")]
+    assert [f[1] for f in machine] == list(range(32, 40))
+    assert background, "nothing was prefetched"
+    assert min(f[0] for f in background) >= last_read + 2.0 - 0.2  # (its sleep after)
+    # ...from the window after the last one read, the ones before it last.
+    assert background[0][1] == 40
+    assert sorted(f[1] for f in background) == [*range(30, 32), *range(40, 50)]
+    os.close(arrival.fd)
+
+
+@pytest.mark.parametrize("objects", ["folder"], indirect=True)
+def test_prefetchers_give_way_for_a_bounded_time_to_a_machine_that_keeps_reading(
+    store: ChunkStore, local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lazy_ram, "QUIET", 5.0)
+    monkeypatch.setattr(lazy_ram, "GIVE_WAY_FOR", 1.0)
+    arrival = _arrival_of(store, local, tmp_path)
+    fetched = _fetches_recorded(arrival)
+    threading.Thread(target=arrival.prefetch, name="prefetch", daemon=True).start()
+    last_read = _machine_reads(arrival, range(30, 35), every=0.8) - 0.8  # (3.2 s of reads)
+    assert arrival.done.wait(timeout=60), "the rest never arrived"
+    background = [f for f in fetched if f[2] == "prefetch"]
+    assert background and min(f[0] for f in background) < last_read - 1.0
+    os.close(arrival.fd)

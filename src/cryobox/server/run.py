@@ -12,6 +12,8 @@ import uvicorn
 
 from cryobox import config
 from cryobox.service import open_service
+from cryobox.store import lazy_ram
+from cryobox.store.objects import store_url
 
 from . import host_routes, slow_clients
 from .app import create_app
@@ -68,8 +70,10 @@ def serve(
             advertised,
             db.where,
         )
+    service = open_service()
+    lazy_ram.keep_spare_for(store_url())  # (its first start from the store waits for none)
     hub = Hub(
-        open_service(),
+        service,
         db,
         host=host,
         prices=Prices.from_env(),
