@@ -25,7 +25,7 @@ from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed, StoreEr
 from cryobox.snapshot import arriving
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.store import catalog, lazy_ram, transfer
+from cryobox.store import catalog, lazy_ram, start_hints, transfer
 from cryobox.store.chunkstore import ChunkStore
 from unit.test_store import MIB, make_snapshot, objects, random_windows, store
 from waiting import until
@@ -414,3 +414,65 @@ def test_prefetchers_give_way_for_a_bounded_time_to_a_machine_that_keeps_reading
     background = [f for f in fetched if f[2] == "prefetch"]
     assert background and min(f[0] for f in background) < last_read - 1.0
     os.close(arrival.fd)
+
+
+def _logged(line: str) -> bool:
+    path = lazy_ram.log_path()
+    return path.exists() and line in path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("objects", ["folder"], indirect=True)
+def test_a_start_fetches_ahead_what_the_last_start_of_its_snapshot_read_first(
+    store: ChunkStore,
+    local: LocalSnapshotStore,
+    servers: list[lazy_ram.Server],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A restored guest reads its busy windows one by one, each fetched while its vCPU
+    # waits: the first start records which, in order; the next fetches them ahead.
+    monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")  # nothing fetched unless read or hinted
+    windows = random_windows(12, start=20)
+    snapshot_id, _ = _stored_then_gone(store, local, windows)
+    first = _begin(store, local, snapshot_id, servers)
+    folder = local.folder(snapshot_id)
+    with open(folder / mf.MEMORY, "rb") as handle:
+        for index in (25, 21, 30):
+            assert os.pread(handle.fileno(), 4096, index * MIB) == windows[index][:4096]
+        until(lambda: _logged(f"{snapshot_id}: its start read 3 windows"), "the hint", timeout=30)
+    assert start_hints.load(store.objects, store.key, snapshot_id, 64) == [25, 21, 30]
+    local.delete(snapshot_id)
+    assert first.process.wait(timeout=30) == 0
+
+    # The next start of it (here, after its folder went) fetches them unread; then the
+    # store loses every chunk: those are here, the others cannot be had.
+    _begin(store, local, snapshot_id, servers)
+    until(lambda: _logged(f"{snapshot_id}: fetched ahead the 3 windows"), "the fetch", timeout=30)
+    for _, name, _ in store.find(snapshot_id).files[mf.MEMORY]["chunks"]:
+        store.objects.delete(catalog.chunk_key(store.tenant, name))
+    with open(folder / mf.MEMORY, "rb") as handle:
+        for index in (25, 21, 30):
+            assert os.pread(handle.fileno(), MIB, index * MIB) == windows[index]
+        with pytest.raises(OSError) as refused:
+            os.pread(handle.fileno(), MIB, 22 * MIB)
+        assert refused.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("objects", ["folder"], indirect=True)
+def test_a_start_hint_altered_or_foreign_is_taken_as_none_and_goes_with_its_snapshot(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    snapshot_id, _ = _stored_then_gone(store, local, random_windows(2))
+    other_id, _ = _stored_then_gone(store, local, random_windows(2, start=9))
+    start_hints.save(store.objects, store.key, snapshot_id, [5, 1, 5, 99, 3])
+    # Distinct, in range, in order: a hint only orders fetches.
+    assert start_hints.load(store.objects, store.key, snapshot_id, 64) == [5, 1, 3]
+    key = start_hints.hint_key(store.tenant, snapshot_id)
+    sealed = store.objects.get(key)
+    store.objects.put(start_hints.hint_key(store.tenant, other_id), sealed)  # moved over
+    assert start_hints.load(store.objects, store.key, other_id, 64) is None
+    altered = bytearray(sealed)
+    altered[-1] ^= 1
+    store.objects.put(key, bytes(altered))
+    assert start_hints.load(store.objects, store.key, snapshot_id, 64) is None
+    store.delete(snapshot_id)
+    assert not store.objects.exists(key)

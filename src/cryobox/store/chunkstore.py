@@ -17,7 +17,7 @@ from cryobox.errors import SnapshotNotFound
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.snapshot.store import looks_like_id
-from cryobox.store import catalog, transfer
+from cryobox.store import catalog, start_hints, transfer
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.keys import LOCAL_TENANT, DataKey, check_tenant, data_key, record_key
 from cryobox.store.objects import ObjectStore, open_objects
@@ -113,7 +113,10 @@ class ChunkStore:
         return manifest
 
     def delete(self, snapshot_id: str) -> None:
+        """Delete the snapshot's record (its chunks go at the next collection), and its
+        start hint with it (:mod:`.start_hints`)."""
         self.objects.delete(catalog.snapshot_key(self.tenant, snapshot_id))
+        self.objects.delete(start_hints.hint_key(self.tenant, snapshot_id))
 
     def delete_pause(self, sandbox_id: str) -> None:
         self.objects.delete(catalog.pause_key(self.tenant, sandbox_id))

@@ -11,7 +11,9 @@ window is fetched from the store the first time anything reads it, checked again
 name (a keyed BLAKE3, under AES-GCM) exactly as a pull checks it. The windows nobody
 asked for are fetched in the background, in order from the last one asked for on, once
 the machine's first reads are over (on two cores, fetching them meanwhile took the CPU
-its restore needed).
+its restore needed). The windows a start reads first are recorded by the first such
+start of a snapshot, and fetched ahead, several at once, by the next one on any host
+(:mod:`cryobox.store.start_hints`).
 
 Why FUSE, not userfaultfd: QEMU hands its guest RAM to no outside fault handler (its
 own userfaultfd serves postcopy migration only), while any process maps a file; and a
@@ -59,7 +61,7 @@ from cryobox.errors import SnapshotVerificationFailed, StoreError
 from cryobox.snapshot import arriving
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import drop_folder
-from cryobox.store import chunks, transfer
+from cryobox.store import chunks, start_hints, transfer
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.keys import DataKey
@@ -97,6 +99,8 @@ QUIET = 0.3
 FIRST_READ_WAIT = 2.0
 GIVE_WAY_FOR = 10.0
 PREFETCH_NICE = 19
+#: Threads fetching ahead what the last start of the same snapshot read first.
+HINT_FETCHERS = 4
 
 
 def prefetchers() -> int:
@@ -151,6 +155,11 @@ class Arrival:
         #: Set when nothing can read the file any more (its mount is gone).
         self.stopped = False
         self.fetched_bytes = 0
+        #: The windows the machine read, in the order it first did, while it started
+        #: (:meth:`record`): the next start's hint (:mod:`cryobox.store.start_hints`).
+        self.read_order: list[int] = []
+        self._read_seen = bytearray(count)
+        self.recording = True
         self._fetching: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self._next = 0
@@ -198,6 +207,13 @@ class Arrival:
             if finished:
                 self.done.set()
             return
+
+    def note_read(self, index: int) -> None:
+        """The machine read window ``index`` (here or not): kept in order while it starts."""
+        if self.recording and not self._read_seen[index]:
+            self._read_seen[index] = 1
+            if len(self.read_order) < start_hints.MAX_WINDOWS:
+                self.read_order.append(index)
 
     def asked(self, index: int) -> None:
         """A read needed window ``index``: the prefetchers go on from the next one, once
@@ -262,6 +278,39 @@ class Arrival:
         """Nobody can read the file any more: fetch nothing more."""
         self.stopped = True
         self.done.set()
+
+    def record(self) -> list[int]:
+        """Wait until the machine's start is over (its reads quiet, :meth:`_give_way`),
+        then stop recording; the windows it read meanwhile, in order (empty when it read
+        none that was not here, or the arrival ended first)."""
+        self._give_way()
+        self.recording = False
+        if self._last_read is None or self.failed is not None or self.stopped:
+            return []
+        return list(self.read_order)
+
+    def fetch_ahead(self, windows: list[int], threads: int) -> None:
+        """Fetch ``windows`` (a hint: what the last start read first), ``threads`` at
+        once, in order, at the machine's own priority: it is about to read them."""
+        pending = iter(windows)
+        lock = threading.Lock()
+
+        def fetch() -> None:
+            while not self.done.is_set():
+                with lock:
+                    index = next(pending, None)
+                if index is None:
+                    return
+                try:
+                    self.ensure(index)
+                except ArrivalFailed:
+                    return
+
+        workers = [threading.Thread(target=fetch, daemon=True) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
 
     def prefetch(self) -> None:
         """Fetch windows nobody asked for until all are here (one of several threads),
@@ -334,6 +383,7 @@ def _operations(arrival: Arrival) -> Any:
             if end <= offset:
                 return b""
             for index in range(offset // chunks.CHUNK, (end - 1) // chunks.CHUNK + 1):
+                arrival.note_read(index)
                 if not arrival.present[index]:
                     arrival.asked(index)
                     try:
@@ -438,9 +488,32 @@ class _Serving:
             drop_folder(folder)  # renamed out of the listing first, then removed
         self.hold.close()
 
+    def hint(self) -> None:
+        """In a thread: fetch ahead what the last start of this snapshot read first, or,
+        when none is known, record what this one reads and keep it for the next
+        (:mod:`cryobox.store.start_hints`). Best effort: a hint only orders fetches."""
+        arrival = self.arrival
+        count = len(arrival.present)
+        known = start_hints.load(arrival.objects, arrival.key, arrival.snapshot_id, count)
+        if known is not None:
+            arrival.recording = False
+            arrival.fetch_ahead(known, HINT_FETCHERS)
+            what = "%s: fetched ahead the %d windows its last start read first"
+            log.info(what, arrival.snapshot_id, len(known))
+            return
+        order = arrival.record()
+        if order:
+            try:
+                start_hints.save(arrival.objects, arrival.key, arrival.snapshot_id, order)
+            except (StoreError, OSError) as exc:
+                log.warning("the start hint of %s was not kept: %s", arrival.snapshot_id, exc)
+            else:
+                log.info("%s: its start read %d windows first", arrival.snapshot_id, len(order))
+
     async def serve(self) -> None:
         import pyfuse3
 
+        threading.Thread(target=self.hint, daemon=True).start()
         for _ in range(self.prefetchers):
             threading.Thread(target=self.arrival.prefetch, daemon=True).start()
         # Not a daemon: the file's own detach may end the mount (nothing mapped it), and
