@@ -29,7 +29,7 @@ from cryobox.errors import (
 from cryobox.snapshot import arriving, evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.store import catalog, collect, ram_cache, uploads
+from cryobox.store import catalog, collect, lazy_ram, ram_cache, uploads
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.uploads import SIDECAR
 from waiting import until
@@ -211,6 +211,11 @@ def _servers_of(snapshot_id: str) -> list[int]:
     return found
 
 
+def _lazy_log() -> str:
+    path = lazy_ram.log_path()
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def _stored_and_evicted(sbx: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Snapshot ``sbx``, push it in the foreground (a background uploader started by
     an earlier test may hold another store's settings), and drop its local files."""
@@ -244,6 +249,8 @@ def test_a_start_from_a_snapshot_only_in_s3_answers_before_its_ram_arrived(
     state = _state(first.id)
     assert state["memory_from"] == snap.id
     assert state["memory_arriving"] == arriving.served_by(folder)  # this arrival's token
+    # What its start read first is kept in the store for the next start (start_hints).
+    until(lambda: f"{snap.id}: its start read" in _lazy_log(), "the start's hint", timeout=30)
     first.kill()
     cli("snapshot", "evict", "store-lazy")  # never whole: goes, and so does its server
     until(lambda: not _servers_of(snap.id), "the RAM server to end", timeout=30)
@@ -253,6 +260,8 @@ def test_a_start_from_a_snapshot_only_in_s3_answers_before_its_ram_arrived(
     monkeypatch.delenv("CRYOBOX_LAZY_PREFETCH")
     second = sandbox_factory(from_snapshot="store-lazy", timeout=300)
     assert second.commands.run("kill -0 $(cat /root/pid) && echo alive").stdout == "alive\n"
+    # ...which this one fetched ahead, unasked.
+    until(lambda: f"{snap.id}: fetched ahead" in _lazy_log(), "the fetch ahead", timeout=30)
     until(lambda: not arriving.is_served(folder), "the RAM to arrive", timeout=120)
     assert not os.path.ismount(folder / "memory") and (folder / "memory").is_file()
     mf.verify(folder, mf.load(folder))  # the whole file hashed against its manifest
