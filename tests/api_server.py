@@ -139,6 +139,31 @@ def kill_vms(state: Path) -> None:
     kill_vms_of(state.glob("**/sandboxes/*/state.json"))
 
 
+#: The helper processes a service starts, which may outlive it.
+HELPERS = (b"cryobox.store.uploads", b"cryobox.service.refill", b"cryobox.store.lazy_ram")
+
+
+def end_helpers(root: Path) -> None:
+    """SIGKILL the helpers (uploaders, refills, servers of arriving RAM) whose state
+    folder is ``root`` or under it, and detach their FUSE files under it: a RAM still
+    arriving when its test's folder goes would keep its server and mount for good."""
+    from cryobox.snapshot import arriving
+
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if not any(helper in (proc / "cmdline").read_bytes() for helper in HELPERS):
+                continue
+            for variable in (proc / "environ").read_bytes().split(b"\0"):
+                name, _, value = variable.partition(b"=")
+                if name == b"CRYOBOX_STATE_DIR" and Path(value.decode()).is_relative_to(root):
+                    os.kill(int(proc.name), signal.SIGKILL)
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        where = line.split()[1]
+        if where.startswith(f"{root}/"):
+            with contextlib.suppress(OSError):
+                arriving.detach(Path(where))
+
+
 def kill_vms_of(records: Iterable[Path]) -> None:
     """SIGKILL the VM each of these sandbox records (``state.json``) names, if it runs."""
     for record in records:

@@ -7,10 +7,8 @@ the user's (building it takes a minute; its content key keeps it honest).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import Any
 import hypothesis  # noqa: F401
 import pytest
 
-from api_server import ApiServer, kill_vms, kill_vms_of, make_server
+from api_server import ApiServer, end_helpers, kill_vms, kill_vms_of, make_server
 
 STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
 os.environ["CRYOBOX_STATE_DIR"] = str(STATE)
@@ -37,22 +35,8 @@ os.environ["CRYOBOX_PAUSE_HOLD"] = "0"
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill anything a test left behind, then remove the state folder."""
-    from cryobox.snapshot import arriving
-
     kill_vms(STATE)  # other hosts' folders too; their supervisors then end
-    helpers = (b"cryobox.store.uploads", b"cryobox.service.refill", b"cryobox.store.lazy_ram")
-    for proc in Path("/proc").glob("[0-9]*"):  # uploaders, refills, RAM still arriving
-        with contextlib.suppress(OSError):
-            cmdline = (proc / "cmdline").read_bytes()
-            if any(helper in cmdline for helper in helpers) and (
-                f"CRYOBOX_STATE_DIR={STATE}".encode() in (proc / "environ").read_bytes()
-            ):
-                os.kill(int(proc.name), signal.SIGKILL)
-    for line in Path("/proc/self/mounts").read_text().splitlines():  # their FUSE files
-        where = line.split()[1]
-        if where.startswith(f"{STATE}/"):
-            with contextlib.suppress(OSError):
-                arriving.detach(Path(where))
+    end_helpers(STATE)  # uploaders, refills, RAM still arriving, and their FUSE files
     shutil.rmtree(STATE, ignore_errors=True)
 
 

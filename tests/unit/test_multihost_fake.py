@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api_server import CLI, ApiServer, kill_vms, make_server
+from api_server import CLI, ApiServer, end_helpers, kill_vms, make_server
 from cryobox import Sandbox
 from cryobox.errors import InvalidArgument, NoHostAvailable, QuotaExceeded, SandboxNotFound
 from cryobox.server.database import MIGRATIONS
@@ -320,6 +320,7 @@ def fleet_dir() -> Iterator[Path]:
     its folders far enough (:func:`cryobox.config.socket_room`)."""
     folder = Path(tempfile.mkdtemp(prefix="cbx-fleet-"))
     yield folder
+    end_helpers(folder)  # (a fork's RAM may still arrive through the store)
     shutil.rmtree(folder, ignore_errors=True)
 
 
