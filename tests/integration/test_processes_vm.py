@@ -194,6 +194,9 @@ def test_process_checkpoints_over_http_and_the_cli(
     checkpoint_id = cli("checkpoint", source.id, str(pid), "--name", "looper", "--kill")
     assert checkpoint_id.startswith("snap-")
     assert source.commands.run(f"kill -0 {pid}").exit_code != 0
+    # Its child as CRIU froze it ends too (a sleep of the loop's, none from before the dump).
+    sleeping = "ps -eo args= | grep -c '^sleep 0.2' || true"
+    assert source.commands.run(sleeping).stdout.strip() == "0"
     listed = json.loads(cli("ls", "--json"))
     assert [(c["id"], c["name"], c["pid"]) for c in listed] == [(checkpoint_id, "looper", pid)]
     with pytest.raises(InvalidArgument, match="is a process checkpoint"):
@@ -201,6 +204,8 @@ def test_process_checkpoints_over_http_and_the_cli(
             from_snapshot="looper", api_url=api_server.url, api_key=api_server.key
         )
     target = sandbox_factory(timeout=900, **remote)
+    # The loop may have had /root/n open as it was frozen: a restore needs it there.
+    target.files.write("/root/n", "0\n")
     assert cli("restore", "looper", target.id) == str(pid)
     until(lambda: count(target) > 0, "the restored loop's first write", timeout=60)
     before = count(target)

@@ -7,6 +7,9 @@ verified like any snapshot before a restore, uploaded to the chunk store (dedupl
 encrypted for the tenant), expired by the retention policy (as a memory snapshot) and
 counted in the tenant's stored bytes.
 
+What the checkpoint records of the tree (its pids, open files, mapped files, pipes) is
+read by CRIU's post-dump action while the tree is still frozen: the very state saved.
+
 What CRIU needs is checked before anything starts, and refused by name:
 
 - the files the processes map (their executable, libraries) must be the very ones in the
@@ -64,6 +67,8 @@ from cryobox.util import new_id
 #: CRIU's images (kept under CRIU's own names: no archive to pack and unpack under
 #: emulation, which cost more than the dump itself).
 CARRIED = "files.tar"
+#: The probe's description of the tree as CRIU froze it (beside the images, in the guest).
+FROZEN = "frozen.json"
 #: What a CRIU image's name may be (a hostile guest names the files the host keeps),
 #: and the prefix it is kept under (never one of the snapshot folder's own names).
 IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,120}")
@@ -190,6 +195,22 @@ def _description(answer: dict[str, Any], pid: int) -> dict[str, Any] | None:
         ) from exc
 
 
+def _answer(sandbox_id: str, code: int, output: str) -> dict[str, Any]:
+    """The probe's JSON answer (its last line of output).
+
+    :raises ProcessCheckpointFailed: when it failed or said something else.
+    """
+    try:
+        answer = json.loads(output.strip().splitlines()[-1]) if code == 0 else None
+    except (ValueError, IndexError, RecursionError):
+        answer = None
+    if not isinstance(answer, dict):
+        raise ProcessCheckpointFailed(
+            "inspection", sandbox_id, f"the guest's probe failed ({code}): {output[-500:]}"
+        )
+    return answer
+
+
 async def _chunks(path: Path) -> AsyncIterator[bytes]:
     """A file's bytes in the agent protocol's chunks, read off the event loop."""
     with open(path, "rb") as handle:
@@ -267,15 +288,7 @@ class Processes:
         code, output = await self._run(
             sandbox_id, [GUEST_PYTHON, "-I", "-c", _probe_source(), *args]
         )
-        try:
-            answer = json.loads(output.strip().splitlines()[-1]) if code == 0 else None
-        except (ValueError, IndexError, RecursionError):
-            answer = None
-        if not isinstance(answer, dict):
-            raise ProcessCheckpointFailed(
-                "inspection", sandbox_id, f"the guest's probe failed ({code}): {output[-500:]}"
-            )
-        return answer
+        return _answer(sandbox_id, code, output)
 
     def info(self, manifest: Manifest) -> ProcessCheckpointInfo:
         upload = self.persist.upload_state(manifest.id)
@@ -339,6 +352,15 @@ class Processes:
                     raise InvalidArgument(f"with_files: cannot carry them: {output[-500:]}")
             await self._dump(sandbox_id, pid, guest, leave_running=leave_running, tcp=tcp)
             try:
+                # The tree as CRIU froze and saved it: a busy process opens files, and
+                # starts children, between the first look and the dump.
+                code, output = await self._run(sandbox_id, ["cat", f"{guest}/{FROZEN}"])
+                frozen = _description(_answer(sandbox_id, code, output), pid)
+                if frozen is None:
+                    raise ProcessCheckpointFailed(
+                        "checkpoint", sandbox_id, f"the frozen tree of {pid} was not found"
+                    )
+                described, pids = frozen, [str(p) for p in frozen["pids"]]
                 images = await self._images(sandbox_id, f"{guest}/images", spec.memory_mib)
                 sources = {
                     f"{IMAGE_PREFIX}{image}": (f"{guest}/images/{image}", size)
@@ -390,7 +412,16 @@ class Processes:
     async def _dump(
         self, sandbox_id: str, pid: int, guest: str, *, leave_running: bool, tcp: str
     ) -> None:
-        options = ["--shell-job", "--file-locks", "-v2"]
+        # CRIU runs the post-dump action while the tree is still frozen, as it was saved.
+        await self.guest.write_file(
+            sandbox_id, f"{guest}/probe.py", [_probe_source().encode()], 0o600
+        )
+        action = (
+            '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+            f"exec {GUEST_PYTHON} -I {guest}/probe.py describe {pid} > {guest}/{FROZEN}\n"
+        )
+        await self.guest.write_file(sandbox_id, f"{guest}/action.sh", [action.encode()], 0o700)
+        options = ["--shell-job", "--file-locks", "-v2", "--action-script", f"{guest}/action.sh"]
         options.append("--leave-running" if leave_running else "--leave-stopped")
         if tcp == "established":
             options += ["--tcp-established", "--network-lock", "nftables"]
