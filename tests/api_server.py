@@ -10,8 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class ApiServer:
                 stderr=subprocess.STDOUT,
                 env=self.env,
             )
+        RUNNING.append(self)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
@@ -101,6 +103,8 @@ class ApiServer:
 
     def stop(self) -> None:
         """SIGTERM, as a service manager stops it (the sandboxes stay)."""
+        if self in RUNNING:
+            RUNNING.remove(self)
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -108,6 +112,36 @@ class ApiServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+#: The servers started and not stopped (whose stacks a failed test prints).
+RUNNING: list[ApiServer] = []
+#: The zygote's command line, which every supervisor forked from it keeps.
+ZYGOTE = b"cryobox.sandbox.zygote"
+
+
+def print_stacks(state: Path, lines: int = 400) -> None:
+    """Print where each running server is, and each supervisor and zygote under
+    ``state``: their threads' stacks (SIGUSR1, faulthandler) and a server's asyncio
+    tasks (SIGUSR2), as their logs got them. For a test that failed waiting: a request
+    or start that hangs says what it waits on."""
+    logs = {server.log: server.log.stat().st_size for server in RUNNING if server.log.exists()}
+    logs.update({log: log.stat().st_size for log in state.glob("**/supervisor-spare.log")})
+    for server in RUNNING:
+        if server.process is not None and server.process.poll() is None:
+            for signum in (signal.SIGUSR1, signal.SIGUSR2):
+                with contextlib.suppress(OSError):
+                    os.kill(server.process.pid, signum)
+    for pid in processes_under(state, ZYGOTE):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)  # the loop answers SIGUSR2 at its next turn
+    for log, size in logs.items():
+        with contextlib.suppress(OSError), open(log, "rb") as handle:
+            handle.seek(size)
+            said = handle.read().decode(errors="replace").splitlines()[-lines:]
+            if said:
+                print(f"\n===== {log} (stacks) =====\n" + "\n".join(said))
 
 
 def make_server(
@@ -133,6 +167,24 @@ def make_server(
     return server
 
 
+@contextlib.contextmanager
+def fake_server(prefix: str, tenant: str, env: dict[str, str] | None = None) -> Iterator[ApiServer]:
+    """A server over the fake VMM in a new state folder, with ``tenant``'s key; stopped,
+    its sandboxes killed and its folder removed after."""
+    state = Path(tempfile.mkdtemp(prefix=prefix))
+    made = make_server(
+        state / "server", {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), **(env or {})}
+    )
+    made.key = made.tenant(tenant)
+    made.start()
+    try:
+        yield made
+    finally:
+        made.stop()
+        kill_vms(state)
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
 def kill_vms(state: Path) -> None:
     """SIGKILL every VM the records under a state folder name (their supervisors then
     end): what tests left running, the server's sandboxes outliving it included."""
@@ -143,20 +195,30 @@ def kill_vms(state: Path) -> None:
 HELPERS = (b"cryobox.store.uploads", b"cryobox.service.refill", b"cryobox.store.lazy_ram")
 
 
+def processes_under(root: Path, *programs: bytes) -> list[int]:
+    """The pids of the processes whose command line names one of ``programs`` and whose
+    state folder (CRYOBOX_STATE_DIR) is ``root`` or under it."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            if not any(program in (proc / "cmdline").read_bytes() for program in programs):
+                continue
+            for variable in (proc / "environ").read_bytes().split(b"\0"):
+                name, _, value = variable.partition(b"=")
+                if name == b"CRYOBOX_STATE_DIR" and Path(value.decode()).is_relative_to(root):
+                    found.append(int(proc.name))
+    return found
+
+
 def end_helpers(root: Path) -> None:
     """SIGKILL the helpers (uploaders, refills, servers of arriving RAM) whose state
     folder is ``root`` or under it, and detach their FUSE files under it: a RAM still
     arriving when its test's folder goes would keep its server and mount for good."""
     from cryobox.snapshot import arriving
 
-    for proc in Path("/proc").glob("[0-9]*"):
+    for pid in processes_under(root, *HELPERS):
         with contextlib.suppress(OSError):
-            if not any(helper in (proc / "cmdline").read_bytes() for helper in HELPERS):
-                continue
-            for variable in (proc / "environ").read_bytes().split(b"\0"):
-                name, _, value = variable.partition(b"=")
-                if name == b"CRYOBOX_STATE_DIR" and Path(value.decode()).is_relative_to(root):
-                    os.kill(int(proc.name), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     for line in Path("/proc/self/mounts").read_text().splitlines():
         where = line.split()[1]
         if where.startswith(f"{root}/"):

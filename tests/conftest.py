@@ -20,7 +20,7 @@ from typing import Any
 import hypothesis  # noqa: F401
 import pytest
 
-from api_server import ApiServer, end_helpers, kill_vms, kill_vms_of, make_server
+from api_server import ApiServer, end_helpers, kill_vms, kill_vms_of, make_server, print_stacks
 
 STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
 os.environ["CRYOBOX_STATE_DIR"] = str(STATE)
@@ -78,6 +78,7 @@ def vm_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     if report is not None and report.failed:
         started = sorted(_sandbox_folders() - before)
         dump_consoles(request, started)
+        print_stacks(STATE)
         # A test that failed, or ran out of time, inside a create has no handle to kill:
         # a VM still starting (stuck, spinning) would take the cores from the next tests.
         kill_vms_of(folder / "state.json" for folder in started)

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from api_server import ApiServer, make_server
+from api_server import ApiServer, fake_server
 
 BODIES = [
     '{"timeout": NaN}',
@@ -40,12 +38,8 @@ STREAMS = re.compile(r"/(events|logs|watch|stream)\b")
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ApiServer]:
-    state = Path(tempfile.mkdtemp(prefix="cbx-bad-"))
-    made = make_server(state / "server", {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state)})
-    made.key = made.tenant("red")
-    made.start()
-    yield made
-    made.stop()
+    with fake_server("cbx-bad-", "red") as made:
+        yield made
 
 
 def _check(client: httpx.Client, method: str, path: str, body: str | None) -> str | None:

@@ -117,6 +117,23 @@ async def test_an_agent_restart_fails_requests_in_flight_at_once(
     assert not client.closed  # the new agent is served on the same channel
 
 
+async def test_a_peer_that_stops_reading_fails_requests_by_their_timeout(
+    scripted: tuple[AgentClient, socket.socket],
+) -> None:
+    """A guest whose port is not open (a boot), or that never reads: the socket fills, and
+    each request still ends by its timeout, so a boot's wait for its agent keeps its own."""
+    client, _peer = scripted  # never read
+    blob = b"x" * (p.MAX_PAYLOAD // 2)
+    with pytest.raises(ChannelError, match=r"read nothing within 0\.5 s"):
+        for _ in range(1000):  # until the socket is full: a write then waits in drain
+            await client.request("write", {"path": "/x"}, blob, timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(ChannelError, match=r"ping: the peer read nothing within 0\.5 s"):
+        await client.request(p.GuestOp.PING, timeout=0.5)
+    assert time.monotonic() - started < 5
+    await asyncio.wait_for(client.close(), 5)  # and the close does not wait on it either
+
+
 @settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -143,13 +143,20 @@ class AgentClient:
             raise InvalidArgument(f"{op}: {exc}") from exc
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(op, future, on_event)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
             try:
                 self._writer.write(frame)
-                await self._writer.drain()
+                # Within the timeout too: a peer that stops reading (a guest whose port
+                # is not open yet, or never reads) fills the socket, and drain waits.
+                await asyncio.wait_for(self._writer.drain(), timeout)
+            except TimeoutError:
+                raise ChannelError(f"{op}: the peer read nothing within {timeout} s") from None
             except (ConnectionError, OSError) as exc:
                 raise ChannelError(f"{op}: {exc}") from exc
-            answer = await asyncio.wait_for(future, timeout)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            answer = await asyncio.wait_for(future, left)
             if op in (p.GuestOp.PING, p.GuestOp.SYS_REFRESH):
                 self._hello(answer.get("pid"))  # the agent's pid, as a hello says it
             return answer
@@ -182,7 +189,10 @@ class AgentClient:
         self._reader_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reader_task
-        self._writer.close()
+        if self._writer.transport.get_write_buffer_size():
+            self._writer.transport.abort()  # a peer that reads nothing would hold the close
+        else:
+            self._writer.close()
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
 

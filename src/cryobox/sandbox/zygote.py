@@ -24,6 +24,7 @@ Started as ``python -m cryobox.sandbox.zygote --fd N``.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import logging
 import os
@@ -116,6 +117,9 @@ def main() -> None:
     # supervisor forked from here then knows it.
     control = supervisor.prepare("zygote")
     signal.signal(signal.SIGCHLD, _reap)
+    # ``kill -USR1`` writes the stack of this process or of any supervisor forked from
+    # it to supervisor-spare.log (its standard error): what a start that hangs waits on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     del supervisor
     gc.collect()
     gc.freeze()  # what is imported stays shared with every fork (no collector writes)

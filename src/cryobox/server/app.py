@@ -52,7 +52,7 @@ from cryobox.models import (
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.util import rechunked
 
-from . import host_routes, uploads
+from . import host_routes, stack_dump, uploads
 from .backlog import Backlog
 from .console import install_console
 from .extensions import Extension
@@ -184,6 +184,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        stack_dump.on_usr2_dump_tasks(asyncio.get_running_loop())
         await hub.start()
         monitor = asyncio.create_task(_monitor(hub, tick, storage_interval, collect_interval))
         stop = threading.Event()

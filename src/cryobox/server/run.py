@@ -15,7 +15,7 @@ from cryobox.service import open_service
 from cryobox.store import lazy_ram
 from cryobox.store.objects import store_url
 
-from . import host_routes, slow_clients
+from . import host_routes, slow_clients, stack_dump
 from .app import create_app
 from .databases import connect
 from .extensions import Extension
@@ -58,6 +58,7 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    stack_dump.on_usr1_dump_threads()
     advertised = advertise_url or os.environ.get("CRYOBOX_ADVERTISE_URL") or ""
     if not advertised:
         shown = host if host not in ("0.0.0.0", "::", "") else socket.getfqdn()
