@@ -477,6 +477,9 @@ def test_a_start_hint_altered_or_foreign_is_taken_as_none_and_goes_with_its_snap
     assert start_hints.load(store.objects, store.key, snapshot_id, 64) is None
     store.delete(snapshot_id)
     assert not store.objects.exists(key)
+    # A snapshot deleted while its first start recorded: the hint it then saves goes too.
+    start_hints.save(store.objects, store.key, snapshot_id, [1, 2])
+    assert not store.objects.exists(key)
 
 
 @pytest.mark.parametrize("objects", ["folder"], indirect=True)

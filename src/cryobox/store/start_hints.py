@@ -23,6 +23,7 @@ import logging
 import os
 
 from cryobox.errors import StoreError
+from cryobox.store import catalog
 from cryobox.store.keys import DataKey
 from cryobox.store.objects import ObjectMissing, ObjectStore
 
@@ -42,13 +43,19 @@ def _bound(key: DataKey, snapshot_id: str) -> bytes:
 
 
 def save(objects: ObjectStore, key: DataKey, snapshot_id: str, windows: list[int]) -> None:
-    """Keep ``windows`` (indexes, in the order read) as the snapshot's hint."""
+    """Keep ``windows`` (indexes, in the order read) as the snapshot's hint; none when
+    the snapshot's record went meanwhile (deleted while its first start recorded, which
+    :meth:`~cryobox.store.chunkstore.ChunkStore.delete` could not see: no hint is left
+    behind for a snapshot that is gone)."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     nonce = os.urandom(12)
     plain = json.dumps(windows[:MAX_WINDOWS]).encode()
     sealed = AESGCM(key.seal).encrypt(nonce, plain, _bound(key, snapshot_id))
-    objects.put(hint_key(key.tenant, snapshot_id), MAGIC + nonce + sealed)
+    where = hint_key(key.tenant, snapshot_id)
+    objects.put(where, MAGIC + nonce + sealed)
+    if not objects.exists(catalog.snapshot_key(key.tenant, snapshot_id)):
+        objects.delete(where)
 
 
 def load(objects: ObjectStore, key: DataKey, snapshot_id: str, count: int) -> list[int] | None:
