@@ -85,6 +85,7 @@ from cryobox.snapshot.store import (
 )
 from cryobox.store import uploads
 from cryobox.util import (
+    PAGE,
     check_space,
     copy_sparse,
     data_bytes,
@@ -1039,7 +1040,9 @@ class Machine:
 
     async def _save_files(self, temp: Path, memory: bool, timer: StepTimer) -> list[str]:
         """Copy the stopped machine's disk layer, RAM and device state into ``temp``;
-        the machine continues whatever happens."""
+        the machine continues whatever happens. The guest stops only for the copies:
+        the RAM copy's zeroed pages (memory the guest freed) are given back once it runs
+        on (the copy is the same file either way: a hole reads as zeros)."""
         assert self.vm is not None and self.record.disk
         await self.vm.stop_cpus()
         timer("stopped")
@@ -1054,9 +1057,7 @@ class Machine:
             crash_point("disk-copied")
             files = [mf.DISK]
             if memory and self.record.memory_shared:
-                await asyncio.to_thread(
-                    copy_sparse, self._memory_path(), temp / mf.MEMORY, skip_zero_pages=True
-                )
+                await asyncio.to_thread(copy_sparse, self._memory_path(), temp / mf.MEMORY)
                 timer("ram copied")
                 files.append(mf.MEMORY)
             if memory:
@@ -1064,9 +1065,12 @@ class Machine:
                 timer("device state")
                 files.append(mf.DEVICE_STATE)
             crash_point("state-saved")
-            return files
         finally:
             await self.vm.continue_cpus()
+        if mf.MEMORY in files:
+            await asyncio.to_thread(release_empty, temp / mf.MEMORY, PAGE)
+            timer("zero pages let go")
+        return files
 
     def _manifest(
         self,
