@@ -130,11 +130,9 @@ def print_stacks(state: Path, lines: int = 400) -> None:
     for server in RUNNING:
         if server.process is not None and server.process.poll() is None:
             for signum in (signal.SIGUSR1, signal.SIGUSR2):
-                with contextlib.suppress(OSError):
-                    os.kill(server.process.pid, signum)
+                _signal_if_caught(server.process.pid, signum)
     for pid in processes_under(state, ZYGOTE):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGUSR1)
+        _signal_if_caught(pid, signal.SIGUSR1)
     time.sleep(2)  # the loop answers SIGUSR2 at its next turn
     for log, size in logs.items():
         with contextlib.suppress(OSError), open(log, "rb") as handle:
@@ -142,6 +140,16 @@ def print_stacks(state: Path, lines: int = 400) -> None:
             said = handle.read().decode(errors="replace").splitlines()[-lines:]
             if said:
                 print(f"\n===== {log} (stacks) =====\n" + "\n".join(said))
+
+
+def _signal_if_caught(pid: int, signum: int) -> None:
+    """Send ``signum`` only to a process that handles it now (``SigCgt``): to one still
+    starting, or winding down, it would be the default action, an end."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1], 16)
+        if caught >> (signum - 1) & 1:
+            os.kill(pid, signum)
 
 
 def make_server(

@@ -218,7 +218,7 @@ def _segments(fd: int, start: int, end: int, unit: int) -> Iterator[tuple[int, m
     """``fd[start:end]``, read 1 MiB at a time, as the runs of whole zero ``unit``s and
     of data in between, in order and back to back (each ends where the next starts):
     (offset, None) for zeros, (offset, the bytes) for data."""
-    zeros, chunk = _ZEROS[unit], len(_ZERO_CHUNK)
+    zeros, chunk = _ZEROS.get(unit) or bytes(unit), len(_ZERO_CHUNK)
     for base in range(start, end, chunk):
         data = os.pread(fd, min(chunk, end - base), base)
         if data == _ZERO_CHUNK[: len(data)]:  # one memcmp for a chunk of zeros

@@ -132,6 +132,8 @@ def test_a_hostile_probe_answer_is_refused_field_by_field() -> None:
     assert _description({"error": "no process 7"}, 7) is None
     hostile = [
         {**good, "pids": [141, 140]},  # not the tree asked for
+        {**good, "pids": [140, 1]},  # init, which the host would signal
+        {**good, "pids": [140, 0]},  # (kill -- 0: every process of the group)
         {**good, "pids": ["140"]},
         {**good, "rss_bytes": -1},
         {**good, "maps": {"/x": "big"}},

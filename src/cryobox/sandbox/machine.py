@@ -1068,7 +1068,8 @@ class Machine:
         finally:
             await self.vm.continue_cpus()
         if mf.MEMORY in files:
-            await asyncio.to_thread(release_empty, temp / mf.MEMORY, PAGE)
+            with contextlib.suppress(OSError):  # best effort: the copy is sound either way
+                await asyncio.to_thread(release_empty, temp / mf.MEMORY, PAGE)
             timer("zero pages let go")
         return files
 

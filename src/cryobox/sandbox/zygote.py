@@ -111,15 +111,16 @@ def _reap(signum: int, frame: object) -> None:
 
 
 def main() -> None:
+    # First: ``kill -USR1`` writes the stack of this process, or of any supervisor forked
+    # from it, to supervisor-spare.log (its standard error): what a start that hangs
+    # waits on. (A process without the handler would end on it: see ``SigCgt``.)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from cryobox.sandbox import supervisor  # everything a supervisor needs, imported once
 
     # Before the reaper: preparing asks QEMU its version (a child of ours), and every
     # supervisor forked from here then knows it.
     control = supervisor.prepare("zygote")
     signal.signal(signal.SIGCHLD, _reap)
-    # ``kill -USR1`` writes the stack of this process or of any supervisor forked from
-    # it to supervisor-spare.log (its standard error): what a start that hangs waits on.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     del supervisor
     gc.collect()
     gc.freeze()  # what is imported stays shared with every fork (no collector writes)

@@ -167,6 +167,8 @@ def _description(answer: dict[str, Any], pid: int) -> dict[str, Any] | None:
         pids = [_number(p) for p in answer["pids"]][:MAX_PIDS]
         if not pids or pids[0] != pid:
             raise ValueError("the tree does not start at the pid asked for")
+        if min(pids) < 2:  # (the host signals them: never 0, the group, nor 1, init)
+            raise ValueError(f"pid {min(pids)} in the tree")
         maps = {
             _text(path): [_number(size), _number(mtime)]
             for path, (size, mtime) in list(dict(answer["maps"]).items())[:MAX_MAPS]
@@ -209,6 +211,17 @@ def _answer(sandbox_id: str, code: int, output: str) -> dict[str, Any]:
             "inspection", sandbox_id, f"the guest's probe failed ({code}): {output[-500:]}"
         )
     return answer
+
+
+def _refuse_the_guests_own(described: dict[str, Any], pid: int) -> None:
+    """:raises InvalidArgument: when ``pid``'s tree holds the sandbox's own agent."""
+    comms = described["comms"]
+    guest_own = [p for p, comm in comms.items() if comm.startswith("cryobox-")]
+    if guest_own:
+        raise InvalidArgument(
+            f"pid {pid}'s tree holds the sandbox's own {comms[guest_own[0]]} "
+            f"(pid {guest_own[0]}): checkpoint a process it started"
+        )
 
 
 async def _chunks(path: Path) -> AsyncIterator[bytes]:
@@ -330,13 +343,7 @@ class Processes:
         described = _description(await self._probe(sandbox_id, "describe", str(pid)), pid)
         if described is None:
             raise InvalidArgument(f"no process {pid} in sandbox {sandbox_id}")
-        comms = described["comms"]
-        guest_own = [p for p, comm in comms.items() if comm.startswith("cryobox-")]
-        if guest_own:
-            raise InvalidArgument(
-                f"pid {pid}'s tree holds the sandbox's own {comms[guest_own[0]]} "
-                f"(pid {guest_own[0]}): checkpoint a process it started"
-            )
+        _refuse_the_guests_own(described, pid)
         checkpoint_id = new_id("snap")
         guest = f"{GUEST_DIR}/{checkpoint_id}"
         pids = [str(p) for p in described["pids"]]
@@ -360,6 +367,7 @@ class Processes:
                     raise ProcessCheckpointFailed(
                         "checkpoint", sandbox_id, f"the frozen tree of {pid} was not found"
                     )
+                _refuse_the_guests_own(frozen, pid)
                 described, pids = frozen, [str(p) for p in frozen["pids"]]
                 images = await self._images(sandbox_id, f"{guest}/images", spec.memory_mib)
                 sources = {
@@ -398,8 +406,11 @@ class Processes:
                 )
             except BaseException:
                 if not leave_running:  # stopped by CRIU, not saved: they go on
+                    with contextlib.suppress(CryoboxError):  # (the tree as it is now, too)
+                        now = _description(await self._probe(sandbox_id, "describe", str(pid)), pid)
+                        pids += [str(p) for p in (now or {}).get("pids", ())]
                     with contextlib.suppress(CryoboxError):
-                        await self._run(sandbox_id, ["kill", "-CONT", "--", *pids])
+                        await self._run(sandbox_id, ["kill", "-CONT", "--", *set(pids)])
                 raise
             if not leave_running:
                 await self._run(sandbox_id, ["kill", "-KILL", "--", *pids])
