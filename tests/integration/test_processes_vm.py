@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -65,11 +66,17 @@ while True:
 
 
 def count(sbx: Sandbox) -> int:
-    """The counter's last value in ``sbx`` (0 before its first)."""
-    try:
-        return int(sbx.files.read_text("/root/n"))
-    except GuestFileNotFound:
-        return 0
+    """The counter's last value in ``sbx`` (0 before its first). The loop rewrites the
+    file (truncated, then written): a read that lands between the two is made again."""
+    for _ in range(40):
+        try:
+            text = sbx.files.read_text("/root/n")
+        except GuestFileNotFound:
+            return 0
+        if text.strip():
+            return int(text)
+        time.sleep(0.05)
+    raise AssertionError("/root/n stayed empty: the loop does not write it")
 
 
 def test_a_process_holding_200_mb_continues_in_a_fresh_sandbox(sandbox_factory: Any) -> None:
