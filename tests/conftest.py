@@ -40,18 +40,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(STATE, ignore_errors=True)
 
 
+#: VM test files that may run beside the others, once the unit tests are done: each has
+#: its own state, server and ports, no fixed host name or address, and waits in minutes.
+BESIDE_THE_VMS = ("tests/integration/test_readme_vm.py", "tests/integration/test_dockerfile_vm.py")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """How ``make test``'s two pytest-xdist workers share the tests: every test that boots
-    VMs (integration, compat) on one worker, in order, as without xdist; the unit tests on
-    the other beside them, each file together so its fixtures are made once. Under TCG a
-    VM keeps about 1.2 of the 2 cores busy: two at once starve each other (their tests'
-    deadlines were set for one), and some use fixed host names and ports."""
+    """How ``make test``'s two pytest-xdist workers share the tests: every other test that
+    boots VMs (integration, compat) on one worker, in order, as without xdist; the unit
+    tests, then ``BESIDE_THE_VMS``, on the other beside them, each file together so its
+    fixtures are made once. Under TCG a VM keeps about 1.2 of the 2 cores busy: two at
+    once starve each other (deadlines and timed loops were set for one), and some use
+    fixed host names and addresses (the network and fleet tests)."""
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
     class VmsApart(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return path if path.startswith("tests/unit/") else "vm"
+            return path if path.startswith("tests/unit/") or path in BESIDE_THE_VMS else "vm"
 
     return VmsApart(config, log)
 
