@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import shutil
 import sqlite3
 import tempfile
 import time
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api_server import ApiServer, make_server
+from api_server import ApiServer, kill_vms, make_server
 from cryobox.sandbox import registry
 
 pytestmark = pytest.mark.vm
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.vm
 
 @pytest.fixture
 def server() -> Iterator[ApiServer]:
-    made = make_server(Path(tempfile.mkdtemp(prefix="cbx-crash-")) / "server")
+    folder = Path(tempfile.mkdtemp(prefix="cbx-crash-"))  # short: socket paths
+    made = make_server(folder / "server")
     made.key = made.tenant("crashy", "--max-sandboxes", "3")
     yield made
     if made.process is not None and made.process.poll() is None:
@@ -33,6 +35,8 @@ def server() -> Iterator[ApiServer]:
             for info in client.get("/sandboxes").json():
                 client.delete(f"/sandboxes/{info['id']}")
     made.stop()
+    kill_vms(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _client(server: ApiServer) -> httpx.Client:

@@ -15,24 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api_server import ApiServer, make_server
+from api_server import ApiServer, fake_server, make_server
 
 TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ApiServer]:
-    state = Path(tempfile.mkdtemp(prefix="cbx-slow-"))
-    env = {
-        "CRYOBOX_VMM": "fake",
-        "CRYOBOX_STATE_DIR": str(state),
-        "CRYOBOX_HEADER_TIMEOUT": str(TIMEOUT),
-    }
-    made = make_server(state / "server", env)
-    made.key = made.tenant("slow")
-    made.start()
-    yield made
-    made.stop()
+    with fake_server("cbx-slow-", "slow", {"CRYOBOX_HEADER_TIMEOUT": str(TIMEOUT)}) as made:
+        yield made
 
 
 def _closed_by_server(sock: socket.socket, within: float) -> bool:
