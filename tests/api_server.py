@@ -189,8 +189,14 @@ def fake_server(prefix: str, tenant: str, env: dict[str, str] | None = None) -> 
         yield made
     finally:
         made.stop()
-        kill_vms(state)
-        subprocess.run(["rm", "-rf", str(state)], check=False)
+        remove_state(state)
+
+
+def remove_state(state: Path) -> None:
+    """Remove a test's state folder, the VMs its records name killed first (a supervisor
+    would write into it as it ends)."""
+    kill_vms(state)
+    subprocess.run(["rm", "-rf", str(state)], check=False)
 
 
 def kill_vms(state: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import shutil
 import sqlite3
 import tempfile
 import time
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api_server import ApiServer, kill_vms, make_server
+from api_server import ApiServer, make_server, remove_state
 from cryobox.sandbox import registry
 
 pytestmark = pytest.mark.vm
@@ -35,8 +34,7 @@ def server() -> Iterator[ApiServer]:
             for info in client.get("/sandboxes").json():
                 client.delete(f"/sandboxes/{info['id']}")
     made.stop()
-    kill_vms(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    remove_state(folder)
 
 
 def _client(server: ApiServer) -> httpx.Client:
