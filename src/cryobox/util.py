@@ -277,13 +277,24 @@ def new_id(prefix: str) -> str:
 
 async def rechunked(stream: AsyncIterator[bytes], size: int) -> AsyncIterator[bytes]:
     """The stream's bytes in pieces of ``size`` (the last may be shorter), whatever
-    pieces they came in: an HTTP body becomes the guest protocol's file chunks."""
+    pieces they came in: an HTTP body becomes the guest protocol's file chunks.
+
+    A piece is copied out of what is held through a view (slicing the ``bytearray``
+    first would copy it twice: uploads of hundreds of MB pass here)."""
     pending = bytearray()
     async for data in stream:
+        if not pending and len(data) == size and type(data) is bytes:
+            yield data  # already a piece (a stream cut once before)
+            continue
         pending += data
-        while len(pending) >= size:
-            yield bytes(pending[:size])
-            del pending[:size]
+        if len(pending) < size:
+            continue
+        whole = len(pending) - len(pending) % size
+        with memoryview(pending) as view:
+            pieces = [bytes(view[at : at + size]) for at in range(0, whole, size)]
+        del pending[:whole]
+        for piece in pieces:
+            yield piece
     if pending:
         yield bytes(pending)
 

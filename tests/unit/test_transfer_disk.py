@@ -65,16 +65,16 @@ async def pieces(data: bytes, size: int = p.CHUNK) -> AsyncIterator[bytes]:
         yield data[start : start + size]
 
 
-async def write(pair: Pair, path: Path, data: bytes) -> bool:
-    """What the service does: the first DISK_FROM bytes held, the rest streamed; the
-    upload aborted when the transfer fails."""
+async def write(pair: Pair, path: Path, data: bytes, piece: int = p.CHUNK) -> bool:
+    """What the service does: the first DISK_FROM bytes held, the rest streamed (in
+    pieces of ``piece`` bytes); the upload aborted when the transfer fails."""
     handle = await pair.client.ask(g.FileWriteBegin(str(path), 0o640))
     held = bytearray(data[: bulk.DISK_FROM])
     disk = TransferDisk.claim(pair.disk_path)
     assert disk is not None
     try:
         done = await bulk.write(
-            pair.client, handle, disk, str(path), held, pieces(data[bulk.DISK_FROM :])
+            pair.client, handle, disk, str(path), held, pieces(data[bulk.DISK_FROM :], piece)
         )
     except ChannelError:
         with contextlib.suppress(GuestError):  # "upload aborted": the temporary file went
@@ -116,6 +116,17 @@ async def test_files_go_both_ways_intact_at_every_size_around_a_slot(
     assert os.stat(pair.disk_path).st_blocks == 0
 
 
+async def test_a_stream_in_pieces_that_straddle_the_slots_arrives_intact(
+    pair: Pair, tmp_path: Path
+) -> None:
+    # Pieces of an odd size (as a caller's own chunks may be): a slot ends inside one,
+    # whose tail begins the next slot.
+    data = os.urandom(2 * SLOT + 12345)
+    target = tmp_path / "straddled.bin"
+    assert await write(pair, target, data, piece=100_003)
+    assert target.read_bytes() == data
+
+
 async def test_a_write_whose_slot_changed_on_the_way_is_refused_and_leaves_no_file(
     pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,25 +162,28 @@ async def test_a_read_whose_slot_changed_on_the_way_is_refused(
         await read(pair, target)
 
 
+@pytest.mark.parametrize("size", [SLOT + 3, 3 * SLOT + 1])
 async def test_without_a_disk_the_guest_says_so_and_the_bytes_are_kept_for_the_channel(
-    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
 ) -> None:
     os.close(pair.agent._transfer_disk)  # type: ignore[arg-type]
     pair.agent._transfer_disk = None
     monkeypatch.setattr(disk_copy, "find_disk", lambda: None)  # as on a machine without one
     pair.agent._transfer_disk = None
-    data = os.urandom(SLOT + 3)
+    data = os.urandom(size)
     handle = await pair.client.ask(g.FileWriteBegin(str(tmp_path / "f"), 0o644))
     held = bytearray(data[: bulk.DISK_FROM])
     disk = TransferDisk.claim(pair.disk_path)
     assert disk is not None
     try:
-        written = await bulk.write(
-            pair.client, handle, disk, "f", held, pieces(data[bulk.DISK_FROM :])
-        )
+        stream = pieces(data[bulk.DISK_FROM :])
+        written = await bulk.write(pair.client, handle, disk, "f", held, stream)
         assert not written
-        # What was taken from the stream to fill the first slot is handed back, in order.
-        assert bytes(held) == data[:SLOT]
+        # Every slot sent before the guest's first answer (two, and the third's bytes
+        # taken meanwhile) is handed back in order, ahead of what the stream still has.
+        rest = b"".join([piece async for piece in stream])
+        assert len(held) >= min(size, 2 * SLOT)
+        assert bytes(held) + rest == data
         (tmp_path / "r").write_bytes(data)
         assert await bulk.read(pair.client, str(tmp_path / "r"), disk) is None
     finally:

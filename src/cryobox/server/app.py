@@ -574,9 +574,7 @@ def create_app(
         """Write the streamed request body to ``path`` (replaced atomically)."""
         await hub.use(me, sandbox_id)
         async with hub.busy(sandbox_id):
-            await hub.service.guest.write_file(
-                sandbox_id, path, rechunked(request.stream(), p.CHUNK), mode
-            )
+            await hub.service.guest.write_file(sandbox_id, path, request.stream(), mode)
         return Response(status_code=204)
 
     @app.delete("/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])

@@ -25,7 +25,7 @@ from cryobox.service import bulk
 from cryobox.service.commands import CommandSession, OutputSink
 from cryobox.service.connections import GUEST_REQUEST_TIMEOUT, Connections
 from cryobox.service.watches import FolderWatch, WatchSink
-from cryobox.util import each_chunk
+from cryobox.util import each_chunk, rechunked
 
 #: Bytes of a file read held for a consumer that does not keep up, before the read ends.
 READ_BACKLOG = 64 * 1024 * 1024
@@ -122,10 +122,11 @@ class GuestOperations:
         owner: str | None = None,
         xattrs: Mapping[str, str] | None = None,
     ) -> None:
-        """Write a file from chunks (of at most the protocol's chunk size), under a
-        temporary name renamed at the end; missing parent folders are made. ``owner``: a
-        guest user to own the file and the folders made (else root); ``xattrs``: its
-        extended attributes (``user.*``; a file replaced loses the old one's)."""
+        """Write a file from chunks of any size (cut to the agent channel's where they
+        go over it), under a temporary name renamed at the end; missing parent folders
+        are made. ``owner``: a guest user to own the file and the folders made (else
+        root); ``xattrs``: its extended attributes (``user.*``; a file replaced loses
+        the old one's)."""
         channel = await self.connections.channel(sandbox_id)
         begin = g.FileWriteBegin(path, mode, owner=owner, xattrs=xattrs)
         handle = await channel.ask(begin, timeout=GUEST_REQUEST_TIMEOUT)
@@ -151,7 +152,7 @@ class GuestOperations:
         except BaseException:
             await self._abort_write(channel, handle)
             raise
-        await self._write_over_channel(channel, handle, _pieces(held), stream)
+        await self._write_over_channel(channel, handle, _pieces(held), rechunked(stream, CHUNK))
 
     async def _abort_write(self, channel: AgentClient, handle: int) -> None:
         """Remove the temporary file of a write that failed (the first error is the one)."""
