@@ -236,12 +236,18 @@ def test_supervisor_killed_while_folding_a_checkpoint_loses_no_point_of_the_hist
 
 
 def _sandbox_qemus() -> set[int]:
+    """The QEMUs of sandboxes under this test's state folder (not those of tests that
+    run beside it, each on a state folder of its own)."""
+    from cryobox import config
+
+    sandboxes = f"{config.state_dir()}/sandboxes/".encode()
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if argv[0].endswith(b"qemu-system-x86_64") and b"-name" in argv:
+                ours = any(sandboxes in arg for arg in argv)
+                if argv[0].endswith(b"qemu-system-x86_64") and b"-name" in argv and ours:
                     found.add(int(entry.name))
     return found
 

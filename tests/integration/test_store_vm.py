@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from api_server import processes_under
 from cryobox import Sandbox
 from cryobox import config as cryobox_config
 from cryobox.bench.s3_server import S3Server
@@ -118,14 +119,9 @@ def test_a_second_snapshot_stores_only_what_changed_and_comes_back(
 
 
 def _uploader_pids() -> list[int]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if b"cryobox.store.uploads" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+    """The uploaders of this test's state folder (not those of tests that run beside
+    it, each on a state folder of its own)."""
+    return processes_under(cryobox_config.state_dir(), b"cryobox.store.uploads")
 
 
 def test_a_paused_sandbox_resumes_from_s3_after_its_files_are_deleted(

@@ -34,15 +34,12 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
+from cryobox import sealing
 from cryobox.errors import (
     CryoboxError,
     HostUnavailable,
@@ -107,24 +104,21 @@ def seal(secret: str, sandbox_id: str, departure: Departure) -> str:
             "trust": departure.trust,
         }
     ).encode()
-    nonce = os.urandom(12)
-    return base64.b64encode(
-        nonce + AESGCM(_key(secret)).encrypt(nonce, plain, sandbox_id.encode())
-    ).decode()
+    return base64.b64encode(sealing.seal(_key(secret), plain, sandbox_id.encode())).decode()
 
 
 def unseal(secret: str, sandbox_id: str, text: str) -> Departure:
     """:raises ValueError: when it does not open (altered, or another sandbox's)."""
     try:
         raw = base64.b64decode(text)
-        value = json.loads(AESGCM(_key(secret)).decrypt(raw[:12], raw[12:], sandbox_id.encode()))
+        value = json.loads(sealing.unseal(_key(secret), raw, sandbox_id.encode()))
         return Departure(
             dict(value["spec"]),
             str(value["pause_id"]),
             value.get("timeout"),
             str(value.get("trust") or ""),
         )
-    except (InvalidTag, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"the saved state of {sandbox_id} does not open: {exc!r}") from exc
 
 

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any
 
-from cryobox import config
+from cryobox import config, sealing
 from cryobox.util import write_atomic
 
 KEY_FILE = "manifest.key"
@@ -76,21 +76,14 @@ def seal(purpose: str, data: bytes) -> str:
     ``purpose`` (AES-256-GCM), as text: what a state folder keeps of a secret (a
     sandbox's variables), so that a backup or a copied folder does not carry it in
     the clear."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    nonce = os.urandom(12)
-    sealed = AESGCM(_sealing_key(purpose)).encrypt(nonce, data, purpose.encode())
-    return base64.b64encode(nonce + sealed).decode()
+    return base64.b64encode(sealing.seal(_sealing_key(purpose), data, purpose.encode())).decode()
 
 
 def open_sealed(purpose: str, text: str) -> bytes:
     """What :func:`seal` sealed. :raises ValueError: when it does not open here (another
     host's key, or altered)."""
-    from cryptography.exceptions import InvalidTag
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
     try:
         raw = base64.b64decode(text, validate=True)
-        return AESGCM(_sealing_key(purpose)).decrypt(raw[:12], raw[12:], purpose.encode())
-    except (InvalidTag, ValueError) as exc:
+        return sealing.unseal(_sealing_key(purpose), raw, purpose.encode())
+    except ValueError as exc:
         raise ValueError(f"a sealed {purpose} does not open with this host's key") from exc

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryobox import config
+from cryobox import config, sealing
 from cryobox.errors import InvalidArgument, StoreError
 from cryobox.store.objects import ObjectMissing, ObjectStore
 from cryobox.util import write_json_atomic
@@ -95,16 +95,13 @@ def _new_id(prefix: str) -> str:
 
 
 def _wrap(kek: bytes, kek_id: str, tenant: str, key_id: str, data: bytes) -> dict[str, str]:
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # not at every start
-
-    nonce = os.urandom(12)
-    sealed = AESGCM(kek).encrypt(nonce, data, f"{tenant}/{key_id}".encode())
+    sealed = sealing.seal(kek, data, f"{tenant}/{key_id}".encode())
     return {
         "tenant": tenant,
         "id": key_id,
         "kek": kek_id,
-        "nonce": _b64(nonce),
-        "wrapped": _b64(sealed),
+        "nonce": _b64(sealed[: sealing.NONCE]),
+        "wrapped": _b64(sealed[sealing.NONCE :]),
     }
 
 
@@ -133,19 +130,17 @@ def data_key(objects: ObjectStore, tenant: str) -> DataKey:
 
 
 def _unwrap(record: dict[str, str], tenant: str, where: str) -> DataKey:
-    from cryptography.exceptions import InvalidTag
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
     kek = _kek(tenant, record["kek"])
     try:
-        raw = AESGCM(kek).decrypt(
-            base64.b64decode(record["nonce"]),
-            base64.b64decode(record["wrapped"]),
-            f"{tenant}/{record['id']}".encode(),
+        nonce = base64.b64decode(record["nonce"])
+        if len(nonce) != sealing.NONCE:
+            raise ValueError(f"a nonce of {len(nonce)} bytes")
+        raw = sealing.unseal(
+            kek, nonce + base64.b64decode(record["wrapped"]), f"{tenant}/{record['id']}".encode()
         )
         if len(raw) != 96:
             raise ValueError("not 96 bytes")
-    except (InvalidTag, ValueError) as exc:
+    except ValueError as exc:
         raise StoreError(
             where, f"opening tenant {tenant}'s data key", "it does not unwrap (altered?)"
         ) from exc

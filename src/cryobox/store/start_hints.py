@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
+from cryobox import sealing
 from cryobox.errors import StoreError
 from cryobox.store import catalog
 from cryobox.store.keys import DataKey
@@ -47,13 +47,9 @@ def save(objects: ObjectStore, key: DataKey, snapshot_id: str, windows: list[int
     the snapshot's record went meanwhile (deleted while its first start recorded, which
     :meth:`~cryobox.store.chunkstore.ChunkStore.delete` could not see: no hint is left
     behind for a snapshot that is gone)."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    nonce = os.urandom(12)
     plain = json.dumps(windows[:MAX_WINDOWS]).encode()
-    sealed = AESGCM(key.seal).encrypt(nonce, plain, _bound(key, snapshot_id))
     where = hint_key(key.tenant, snapshot_id)
-    objects.put(where, MAGIC + nonce + sealed)
+    objects.put(where, MAGIC + sealing.seal(key.seal, plain, _bound(key, snapshot_id)))
     if not objects.exists(catalog.snapshot_key(key.tenant, snapshot_id)):
         objects.delete(where)
 
@@ -61,9 +57,6 @@ def save(objects: ObjectStore, key: DataKey, snapshot_id: str, windows: list[int
 def load(objects: ObjectStore, key: DataKey, snapshot_id: str, count: int) -> list[int] | None:
     """The snapshot's hint: distinct window indexes below ``count``, in the order read;
     None when it has none. One that cannot be read is logged and taken as none."""
-    from cryptography.exceptions import InvalidTag
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
     try:
         blob = objects.get(hint_key(key.tenant, snapshot_id))
     except ObjectMissing:
@@ -74,11 +67,10 @@ def load(objects: ObjectStore, key: DataKey, snapshot_id: str, count: int) -> li
     try:
         if not blob.startswith(MAGIC):
             raise ValueError("not a start hint")
-        nonce, sealed = blob[len(MAGIC) : len(MAGIC) + 12], blob[len(MAGIC) + 12 :]
-        value = json.loads(AESGCM(key.seal).decrypt(nonce, sealed, _bound(key, snapshot_id)))
+        value = json.loads(sealing.unseal(key.seal, blob[len(MAGIC) :], _bound(key, snapshot_id)))
         if not isinstance(value, list):
             raise ValueError("not a list")
-    except (InvalidTag, ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         log.warning("the start hint of %s is refused: %s", snapshot_id, exc or "altered")
         return None
     windows = [i for i in value[:MAX_WINDOWS] if type(i) is int and 0 <= i < count]
