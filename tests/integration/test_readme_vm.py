@@ -114,7 +114,9 @@ def test_the_document_runs_as_written_and_leaves_nothing(
     # The checkout's virtualenv brought up to date here first: the blocks' `make demo`
     # would otherwise install into it through the link, as `tmp_path/.venv`, and leave
     # its scripts naming an interpreter under this test's folder, gone after it.
-    subprocess.run(["make", "-s", "-C", str(ROOT), ".venv/.pip-done"], check=True, timeout=900)
+    subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "VENV=.venv", ".venv/.pip-done"], check=True, timeout=900
+    )
     _checkout_view(tmp_path)
     env = {
         name: value

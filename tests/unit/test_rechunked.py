@@ -40,3 +40,6 @@ def test_pieces_from_one_large_read_and_from_many_small_ones() -> None:
     assert _cut([data], 4096) == [data[:4096], data[4096:8192], data[8192:]]
     assert _cut([data[i : i + 3] for i in range(0, len(data), 3)], 4096) == _cut([data], 4096)
     assert _cut([], 4096) == []
+    # A piece already of the size, nothing held before it, is passed on as it is.
+    whole = data[:4096]
+    assert _cut([whole, data[4096:4100]], 4096)[0] is whole

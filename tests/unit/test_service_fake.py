@@ -168,6 +168,7 @@ def test_the_state_folder_can_move(monkeypatch: pytest.MonkeyPatch, fake_vmm: Pa
     finally:
         # Back where the fixture's clean-up looks (it lists, and kills, what is left):
         # listing under the moved path would make its folders again once removed.
+        assert not fake_vmm.exists()  # (else the move would put it inside)
         shutil.move(str(moved), fake_vmm)
         monkeypatch.setenv("CRYOBOX_STATE_DIR", str(fake_vmm))
         discard_spare()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +145,41 @@ async def test_a_write_whose_slot_changed_on_the_way_is_refused_and_leaves_no_fi
         await write(pair, target, os.urandom(2 * SLOT))
     assert not target.exists()
     assert [f.name for f in tmp_path.iterdir() if "spoiled" in f.name] == []
+
+
+async def test_a_write_refused_at_its_first_slot_waits_for_the_copy_still_in_flight(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The second slot is sent before the first is answered. When the first is refused,
+    # the guest's copy of the second still writes into the upload's file: the write may
+    # end (and its caller close that file, and give up the disk) only once it answered.
+    put, copy = TransferDisk.put, disk_copy.disk_to_file
+    puts: list[int] = []
+    copied: list[int] = []
+
+    def put_then_spoil(self: TransferDisk, slot: int, data: bytes) -> int:
+        check = put(self, slot, data)
+        puts.append(slot)
+        if len(puts) == 1:  # the first slot: one byte differs from what the host checked
+            os.pwrite(self.fd, bytes([data[7] ^ 1]), slot + 7)
+        return check
+
+    def slow_copy(disk: int, slot: int, size: int, fd: int, direct: int | None, at: int) -> int:
+        if slot:
+            time.sleep(0.5)  # the second slot's copy ends well after the first's answer
+        check = copy(disk, slot, size, fd, direct, at)
+        copied.append(slot)
+        return check
+
+    monkeypatch.setattr(TransferDisk, "put", put_then_spoil)
+    monkeypatch.setattr(disk_copy, "disk_to_file", slow_copy)
+    target = tmp_path / "refused.bin"
+    with pytest.raises(ChannelError, match="Adler-32 of bytes 0-"):
+        await write(pair, target, os.urandom(3 * SLOT))
+    assert puts == [0, SLOT]  # the third slot never sent
+    assert sorted(copied) == [0, SLOT]  # and the second's copy was over before the end
+    assert not target.exists()
+    assert [f.name for f in tmp_path.iterdir() if "refused" in f.name] == []
 
 
 async def test_a_read_whose_slot_changed_on_the_way_is_refused(

@@ -67,7 +67,6 @@ from cryobox.server.hub import Hub
 from cryobox.server.response_cut import ResponseCut
 from cryobox.server.tenants import Tenant
 from cryobox.service.watches import FolderWatch
-from cryobox.util import rechunked
 
 from .records import E2bRecords, E2bSandbox
 
@@ -1119,7 +1118,7 @@ async def _write(
     await envd.hub.service.guest.write_file(
         caller.sandbox_id,
         target,
-        rechunked(chunks, p.CHUNK),
+        chunks,  # (cut to the agent channel's chunks where they go over it)
         0o644,
         owner=caller.user,
         xattrs=xattrs,

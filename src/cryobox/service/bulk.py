@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 
 from cryobox.errors import ChannelError, GuestError
 from cryobox.guest import protocol as p
@@ -63,6 +63,8 @@ async def _take(stream: AsyncIterator[bytes], held: bytearray) -> bytes:
             piece = await anext(stream)
         except StopAsyncIteration:
             break
+        if type(piece) is not bytes:  # a buffer the caller may fill again meanwhile
+            piece = bytes(piece)
         parts.append(piece)
         size += len(piece)
     if size > p.TRANSFER_SLOT:  # the last piece goes past the slot: its tail stays
@@ -73,6 +75,20 @@ async def _take(stream: AsyncIterator[bytes], held: bytearray) -> bytes:
     return b"".join(parts)
 
 
+async def _all_answered(futures: Iterable[asyncio.Future[DiskCopy]]) -> None:
+    """Wait until every one of ``futures`` has ended, even through a cancellation of
+    this task, which is raised once they have."""
+    waiting = asyncio.gather(*futures, return_exceptions=True)
+    cancelled = False
+    while not waiting.done():
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 async def _back_to_channel(
     in_flight: collections.deque[tuple[asyncio.Future[DiskCopy], int, int]],
     sent: list[bytes],
@@ -81,7 +97,7 @@ async def _back_to_channel(
     """After the guest said it cannot copy through the disk: its answers to the other
     slots sent awaited (each says the same), and every byte sent put back in front of
     ``held``, in order, for the agent channel. Always ``False``."""
-    await asyncio.gather(*(f for f, _, _ in in_flight), return_exceptions=True)
+    await _all_answered(f for f, _, _ in in_flight)
     in_flight.clear()
     held[:0] = b"".join(sent)
     return False
@@ -146,9 +162,10 @@ async def write(
                 raise
             unconfirmed = None
     except BaseException:
-        for future, _, _ in in_flight:
-            future.cancel()
-        await asyncio.gather(*(f for f, _, _ in in_flight), return_exceptions=True)
+        # Not cancelled: a copy the guest is still making writes into the upload's file
+        # and reads its slot, and the caller's abort closes that file and the caller
+        # gives the disk up. Each answer comes within SLOT_TIMEOUT, or the channel ends.
+        await _all_answered(f for f, _, _ in in_flight)
         raise
     return True
 
