@@ -93,14 +93,13 @@ async def _back_to_channel(
     in_flight: collections.deque[tuple[asyncio.Future[DiskCopy], int, int]],
     sent: list[bytes],
     held: bytearray,
-) -> bool:
+) -> None:
     """After the guest said it cannot copy through the disk: its answers to the other
     slots sent awaited (each says the same), and every byte sent put back in front of
-    ``held``, in order, for the agent channel. Always ``False``."""
+    ``held``, in order, for the agent channel."""
     await _all_answered(f for f, _, _ in in_flight)
     in_flight.clear()
     held[:0] = b"".join(sent)
-    return False
 
 
 async def write(
@@ -117,32 +116,39 @@ async def write(
     :raises ChannelError: when a slot's Adler-32 differs (the upload is to be aborted).
     """
     in_flight: collections.deque[tuple[asyncio.Future[DiskCopy], int, int]] = collections.deque()
-
-    async def settle() -> None:
-        future, check, offset = in_flight.popleft()
-        copied = await future
-        if copied.check != check:
-            raise ChannelError(
-                f"writing {path}: the guest's Adler-32 of bytes {offset}-{offset + copied.size} "
-                "differs from the host's"
-            )
-
     # Until the guest's first answer says it can copy through the disk at all, the bytes
     # sent are kept, to go over the agent channel instead; the next slot is sent before
     # that answer all the same (the first copy is the slowest: the guest's buffers are
     # made and its code paths run for the first time).
     unconfirmed: list[bytes] | None = []
+
+    async def settle(taken: bytes = b"") -> bool:
+        """The oldest slot's answer, checked. ``False`` when it is the guest's first and
+        says it cannot copy through the disk: every byte sent, then ``taken`` (read for
+        the next slot), is handed back in front of ``held``."""
+        nonlocal unconfirmed
+        future, check, offset = in_flight.popleft()
+        try:
+            copied = await future
+        except GuestError as exc:
+            if unconfirmed is None or not no_disk(exc):
+                raise
+            await _back_to_channel(in_flight, [*unconfirmed, taken], held)
+            return False
+        unconfirmed = None
+        if copied.check != check:
+            raise ChannelError(
+                f"writing {path}: the guest's Adler-32 of bytes {offset}-{offset + copied.size} "
+                "differs from the host's"
+            )
+        return True
+
     offset, index = 0, 0
     try:
         while data := await _take(stream, held):
-            if len(in_flight) == p.TRANSFER_SLOTS:
-                try:
-                    await settle()  # its slot is the one to fill now
-                except GuestError as exc:
-                    if unconfirmed is not None and no_disk(exc):
-                        return await _back_to_channel(in_flight, [*unconfirmed, data], held)
-                    raise
-                unconfirmed = None
+            # (the oldest slot is the one to fill now)
+            if len(in_flight) == p.TRANSFER_SLOTS and not await settle(data):
+                return False
             slot = _slot(index)
             check = await asyncio.to_thread(disk.put, slot, data)
             request = g.FileWriteDisk(handle, offset, slot, len(data))
@@ -154,13 +160,8 @@ async def write(
                 unconfirmed.append(data)
             offset, index = offset + len(data), index + 1
         while in_flight:
-            try:
-                await settle()
-            except GuestError as exc:
-                if unconfirmed is not None and no_disk(exc):
-                    return await _back_to_channel(in_flight, unconfirmed, held)
-                raise
-            unconfirmed = None
+            if not await settle():
+                return False
     except BaseException:
         # Not cancelled: a copy the guest is still making writes into the upload's file
         # and reads its slot, and the caller's abort closes that file and the caller
