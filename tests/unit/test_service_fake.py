@@ -7,7 +7,6 @@ whole path SDK -> transport -> service -> supervisor -> VMM is exercised in seco
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
@@ -52,14 +51,20 @@ def fake_vmm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     # The fixture's own folder, whatever a test pointed CRYOBOX_STATE_DIR at meanwhile:
     # listing another (removed) one would make its folders again.
     monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
+    _kill_every_sandbox()
+    discard_spare()
+    transport._local.clear()  # its service runs the fake: no later test may get it
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def _kill_every_sandbox() -> None:
+    """Kill every sandbox of the state folder CRYOBOX_STATE_DIR names (a test's clean-up:
+    a failure is reported, and the others are killed all the same)."""
     for info in Sandbox.list(all=True):
         try:
             Sandbox.connect(info.id, resume=False).kill()
         except Exception as exc:  # report, keep cleaning
             print(f"cleanup of {info.id} failed: {exc}")
-    discard_spare()
-    transport._local.clear()  # its service runs the fake: no later test may get it
-    shutil.rmtree(state, ignore_errors=True)
 
 
 def fail_at(monkeypatch: pytest.MonkeyPatch, *steps: str) -> None:
@@ -170,9 +175,7 @@ def test_the_state_folder_can_move(monkeypatch: pytest.MonkeyPatch, fake_vmm: Pa
         copy.kill()
         resumed.kill()
     finally:
-        for info in Sandbox.list(all=True):  # what a failure left there
-            with contextlib.suppress(Exception):
-                Sandbox.connect(info.id, resume=False).kill()
+        _kill_every_sandbox()  # what a failure left under the moved folder
         shutil.rmtree(moved.parent, ignore_errors=True)
 
 
