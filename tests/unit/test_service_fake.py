@@ -7,6 +7,7 @@ whole path SDK -> transport -> service -> supervisor -> VMM is exercised in seco
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -35,6 +36,10 @@ from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
 from cryobox.service import discard_spare, pool, service
 from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.store import uploads
+from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import open_objects
+from waiting import until
 
 
 @pytest.fixture(autouse=True)
@@ -146,6 +151,65 @@ def test_a_checkpoint_another_sandbox_builds_on_is_kept_until_nothing_needs_it()
     assert checkpoint.id not in {s.id for s in Sandbox.snapshots()}  # collected now
     with pytest.raises(SnapshotNotFound):
         Sandbox.create(from_snapshot=checkpoint.id)
+
+
+def _paused_on_a_stored_checkpoint() -> tuple[str, Sandbox, ChunkStore]:
+    """A checkpoint whose sandbox is gone and a sandbox started from it, paused: the
+    pause's upload stored the checkpoint its disk builds on as a layer. The checkpoint's
+    id, the paused sandbox and the store."""
+    a = Sandbox.create("base")
+    checkpoint = a.checkpoint("shared")
+    b = Sandbox.create(from_snapshot=checkpoint.id)
+    a.kill()
+    b.pause()
+    paused = registry.find(b.id).paused
+    until(lambda: uploads.state(paused).get("state") == "stored", "the pause stored", 120)
+    chunks = ChunkStore(config.LOCAL_TENANT, open_objects())
+    assert chunks.find(checkpoint.id).id == checkpoint.id  # stored as the pause's layer
+    return checkpoint.id, b, chunks
+
+
+def test_a_collected_checkpoint_leaves_the_store_too() -> None:
+    """Once nothing needs the checkpoint, its stored copy goes with the local one (else
+    a start by its id would pull it back, and the store would keep it forever)."""
+    checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
+    Sandbox.resume(b.id).kill()
+    assert checkpoint not in {s.id for s in Sandbox.snapshots()}
+    with pytest.raises(SnapshotNotFound):
+        chunks.find(checkpoint)
+    with pytest.raises(SnapshotNotFound):
+        Sandbox.create(from_snapshot=checkpoint)
+
+
+def test_a_collected_checkpoint_a_stored_pause_builds_on_stays_in_the_store() -> None:
+    """The store's copy stays while something stored builds on it: a pause, as another
+    host's paused sandbox's would (this one's stays until the store's collection)."""
+    checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
+    b.kill()
+    assert checkpoint not in {s.id for s in Sandbox.snapshots()}
+    assert chunks.find(checkpoint).id == checkpoint
+
+
+def test_what_an_unlisted_snapshot_builds_on_is_not_collected(fake_vmm: Path) -> None:
+    """A snapshot refused (here of another format, as after an upgrade) is not listed,
+    yet what it builds on stays: collecting that would make it unrestorable for good."""
+    a = Sandbox.create("base")
+    below = a.checkpoint("below")
+    b = Sandbox.create(from_snapshot=below.id)
+    above = b.checkpoint("above")
+    manifest = fake_vmm / "snapshots" / above.id / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    assert below.id in raw["disk_chain"]
+    manifest.write_text(json.dumps({**raw, "format_version": raw["format_version"] + 1}))
+    a.kill()
+    b.kill()
+    listed = {s.id for s in Sandbox.snapshots()}
+    assert above.id not in listed  # refused, so not listed
+    assert below.id in listed
+    with pytest.raises(SnapshotIncompatible, match="format_version"):
+        Sandbox.create(from_snapshot=above.id)
+    c = Sandbox.create(from_snapshot=below.id)
+    assert c.commands.run("true").exit_code == 0
 
 
 def test_deleting_a_snapshot_others_need_is_refused_naming_them() -> None:

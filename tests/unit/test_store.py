@@ -640,6 +640,26 @@ def test_collection_expires_old_snapshots_here_and_in_the_store(
     assert collect.check(store).problems == []
 
 
+def test_collection_keeps_an_expired_snapshot_a_refused_one_builds_on(
+    local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot of another format (say, after an upgrade) is refused and not listed;
+    what it builds on is not expired from under it (it could never be restored then)."""
+    from cryobox.service.persist import Persistence
+
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    old = make_snapshot(local, random_windows(1), "old", age_days=8)
+    refused = make_snapshot(local, random_windows(1), "refused", chain=(old.id,))
+    path = local.folder(refused.id) / mf.MANIFEST
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "format_version": raw["format_version"] + 1}))
+    assert [m.id for m in local.all()] == [old.id]
+    report = Persistence(local, f"t{uuid.uuid4().hex[:10]}").collect(Policy(), grace=0)
+    assert report.expired == []
+    assert "refused" in report.kept[old.id]
+    assert [m.id for m in local.all()] == [old.id]
+
+
 def test_with_several_hosts_only_one_collects_the_store_and_keeps_others_pauses(
     local: LocalSnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,8 @@ asked, and never while needed.
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from cryobox.sandbox.registry import SandboxRecord, SandboxSpec
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 
@@ -75,17 +77,20 @@ def collectable(
     snapshots: list[Manifest],
     sandboxes: list[tuple[SandboxSpec, SandboxRecord]],
     templates: set[str],
+    *,
+    pinned: Set[str] = frozenset(),
 ) -> list[Manifest]:
     """Checkpoints and fork snapshots that nothing needs and whose sandbox is gone (for a
     fork snapshot: whose forks are all gone), each before what it builds on: newest first
     (a disk chain unwinds in one pass), then again while a pass finds more (a folded
-    checkpoint builds on the newer one its RAM is laid over)."""
+    checkpoint builds on the newer one its RAM is laid over). Those ``pinned`` stay,
+    and so does what they build on (what an unlisted snapshot needs, say)."""
     alive = {spec.id for spec, record in sandboxes if not record.state.finished}
     found: list[Manifest] = []
     while True:
         before = len(found)
         for manifest in reversed(snapshots):
-            if manifest in found:
+            if manifest in found or manifest.id in pinned:
                 continue
             orphaned_template = (
                 manifest.purpose is SnapshotPurpose.TEMPLATE and manifest.id not in templates

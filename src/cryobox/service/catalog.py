@@ -132,15 +132,26 @@ class Catalog:
         """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
         self.store.sweep()
         named = template_snapshots(self.store.templates())
-        doomed = references.collectable(self.store.all(), registry.list_sandboxes(), named)
+        doomed = references.collectable(
+            self.store.all(),
+            registry.list_sandboxes(),
+            named,
+            pinned=self.store.needed_by_unlisted(),
+        )
         deleted = []
+        stored: dict[str, dict[str, object]] = {}  # those an upload stored as a layer
         for manifest in doomed:
+            mark = self.persist.upload_state(manifest.id)
             try:  # one a fold leaned on meanwhile stays (the next collection takes it)
                 await asyncio.to_thread(self.store.delete, manifest.id)
             except InvalidArgument as exc:
                 log.info("%s is kept: %s", manifest.id, exc)
                 continue
             deleted.append(manifest.id)
+            if mark.get("tenant"):
+                stored[manifest.id] = mark
+        if stored:  # (the store is listed only when one of them was stored)
+            await asyncio.to_thread(self.persist.forget_layers, stored)
         return deleted
 
     async def templates(self) -> list[TemplateInfo]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import threading
@@ -46,6 +47,8 @@ from cryobox.store.objects import open_objects, store_url
 from cryobox.store.retention import Policy, expired
 from cryobox.store.transfer import LocalSources, Progress, local_sources
 from cryobox.util import new_id
+
+log = logging.getLogger("cryobox.persist")
 
 #: Purposes uploaded after they are taken (checkpoints and forks live with their sandbox).
 UPLOADED = (
@@ -130,10 +133,10 @@ class Persistence:
             return self
         return Persistence(self.local, tenant, self._stores, self._pulling)
 
-    def chunks(self, tenant: str | None = None) -> ChunkStore:
-        """A tenant's (by default this one's) chunk store at ``CRYOBOX_STORE`` as set
-        now (one client each)."""
-        key = (store_url(), tenant or self.tenant)
+    def chunks(self, tenant: str | None = None, url: str | None = None) -> ChunkStore:
+        """A tenant's (by default this one's) chunk store at ``url`` (by default
+        ``CRYOBOX_STORE`` as set now); one client each."""
+        key = (url or store_url(), tenant or self.tenant)
         if key not in self._stores:
             self._stores[key] = ChunkStore(key[1], open_objects(key[0]))
         return self._stores[key]
@@ -445,6 +448,36 @@ class Persistence:
         with contextlib.suppress(StoreError):
             self.chunks().delete(snapshot_id)
 
+    def forget_layers(self, marks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Delete from the store the collected checkpoints and fork snapshots that an
+        upload stored as a layer below a pause or snapshot (``marks``: their upload
+        states, read before their local files went): nothing on this host needs them
+        any more, and a start by id would pull one back. One that something stored
+        still builds on stays (another host's paused sandbox, say). The ids deleted.
+        """
+        by_store: dict[tuple[str, str], list[str]] = {}
+        for snapshot_id, mark in marks.items():
+            if mark.get("tenant"):
+                where = (str(mark.get("store") or store_url()), str(mark["tenant"]))
+                by_store.setdefault(where, []).append(snapshot_id)
+        deleted: list[str] = []
+        for (url, tenant), ids in by_store.items():
+            try:
+                store = self.chunks(tenant, url)
+                needed = {
+                    layer
+                    for stored in store.all()
+                    if stored.id not in ids
+                    for layer in mf.builds_on(stored.manifest)
+                }
+                for snapshot_id in ids:
+                    if snapshot_id not in needed:
+                        store.delete(snapshot_id)
+                        deleted.append(snapshot_id)
+            except StoreError as exc:  # (left for the store's own collection)
+                log.warning("stored copies of %s kept: %s", ", ".join(ids), exc)
+        return deleted
+
     async def evict(self, ref: str) -> Manifest:
         """Delete a stored snapshot's local files (it comes back when used).
 
@@ -520,8 +553,11 @@ class Persistence:
         mine = [m for m in local if owned is None or m.id in owned]
         sandboxes = registry.list_sandboxes()
         named = template_snapshots(self.local.templates())
+        unlisted = self.local.needed_by_unlisted()  # (one refused today: kept restorable)
         for snapshot_id in expired([m.to_json() for m in mine], policy, now):
             needed = references.users(snapshot_id, local, sandboxes)
+            if snapshot_id in unlisted:
+                needed.append("a snapshot that is refused (not listed) builds on it")
             if snapshot_id in named or needed:
                 report.kept[snapshot_id] = ", ".join(needed) or "a template starts from it"
                 continue

@@ -139,6 +139,12 @@ class SnapshotStore(Protocol):
 
     def delete(self, snapshot_id: str) -> None: ...
 
+    def needed_by_unlisted(self) -> set[str]:
+        """What the snapshots :meth:`all` leaves out (a manifest that does not verify,
+        or of another format) build on, read unchecked: kept from collection, so that
+        one refused today (after an upgrade, say) is not made unrestorable as well."""
+        ...
+
     def fold_ram(
         self,
         snapshot_id: str,
@@ -281,6 +287,20 @@ class LocalSnapshotStore:
                 found.append(_load(folder))
         found.sort(key=lambda manifest: manifest.created_at)
         return found
+
+    def needed_by_unlisted(self) -> set[str]:
+        needed: set[str] = set()
+        for folder in self._dir("snapshots").iterdir():
+            if folder.name.startswith("."):
+                continue
+            try:
+                _load(folder)
+            except SnapshotNotFound:
+                continue  # (no snapshot there: deleted, or still arriving and abandoned)
+            except SnapshotError:
+                with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                    needed.update(mf.builds_on(json.loads((folder / mf.MANIFEST).read_text())))
+        return needed
 
     def _ram_lock(self, snapshot_id: str) -> IO[bytes]:
         """Held while a fold lays a checkpoint's RAM over ``snapshot_id``'s or folds
