@@ -449,7 +449,8 @@ import http.server, json, ssl, sys, threading
 class Echo(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def do_GET(self):
-        data = json.dumps({"headers": self.headers.items()}).encode()
+        data = json.dumps({"headers": self.headers.items(), "peer": self.client_address[0]})
+        data = data.encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -510,6 +511,9 @@ def test_headers_a_policy_sets_reach_the_destination_but_never_the_guest(
     sbx = sandbox_factory(timeout=600, ca_bundle=str(echo))
     https, http = f"https://{OUTSIDE}/headers", f"http://{OUTSIDE}/"
     assert ("X-Token", "from-the-guest") in headers_seen(sbx, https, "X-Token: from-the-guest")
+    # The destination sees the host's address (masqueraded), not the sandbox link's.
+    peer = json.loads(sbx.commands.run(f"curl -sS --max-time 20 {http}").stdout)["peer"]
+    assert peer == HOST_SIDE
     before = sbx.checkpoint("before-headers")  # its guest does not trust the egress CA
 
     kept = sbx.update_network({"headers": {OUTSIDE: {"X-Token": secret}}})

@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,27 @@ async def test_a_policy_change_without_a_link_makes_one(monkeypatch: pytest.Monk
     again = await namespace.change(1234, link, NetworkPolicy(mode="none"))
     assert again is link and made == [NetworkPolicy()]
     assert any("delete table inet sandbox" in text for text in applied)
+
+
+def test_every_cryobox_on_a_host_writes_the_same_host_table() -> None:
+    """The host-wide ``inet cryobox`` table does not depend on the sandbox subnet a
+    process was given: another state folder's service (another subnet) rewriting it
+    leaves every sandbox its way out (its masquerade). nftables accepts it as written."""
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from cryobox.network import namespace; print(namespace.HOST_RULES, end='')",
+        ],
+        env={**os.environ, "CRYOBOX_SANDBOX_SUBNET": "10.77.0.0/30"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert other == namespace.HOST_RULES
+    assert "10.213." not in namespace.HOST_RULES
+    if shutil.which("nft") and os.geteuid() == 0:
+        for only in ("drop", ""):
+            rules = namespace.HOST_RULES.replace("ONLY_SANDBOXES", only)
+            checked = subprocess.run(["nft", "-c", "-f", "-"], input=rules, text=True)
+            assert checked.returncode == 0

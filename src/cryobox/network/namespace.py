@@ -108,6 +108,9 @@ class Link:
 #: nothing but sandbox traffic. /run is emptied at boot, as the setting is.
 FORWARDING_MARK = Path("/run/cryobox-enabled-forwarding")
 
+#: The host's table names links, never this process's subnet
+#: (``CRYOBOX_SANDBOX_SUBNET``): every cryobox on the host (another state folder,
+#: another subnet) writes the same table, so none takes another's way out away.
 HOST_RULES = f"""
 table inet cryobox
 delete table inet cryobox
@@ -128,7 +131,7 @@ table inet cryobox {{
     }}
     chain postrouting {{
         type nat hook postrouting priority srcnat; policy accept;
-        ip saddr {SUBNET} oifname != "{LINK_PREFIX}*" masquerade
+        iifname "{LINK_PREFIX}*" oifname != "{LINK_PREFIX}*" masquerade
     }}
 }}
 """
