@@ -9,6 +9,7 @@ same server over real VMs is tested in ``tests/integration/test_server_vm.py``.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import sqlite3
 import subprocess
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from cryobox.errors import (
 )
 from cryobox.server.database import MIGRATIONS, SqliteDatabase
 from cryobox.server.databases import open_database
+from waiting import until
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -218,6 +221,36 @@ def test_concurrent_lifecycle_calls_on_one_sandbox_are_serialized(server: ApiSer
     else:  # the kill came first: the fork finds no sandbox (or a killed one)
         assert isinstance(left, SandboxNotFound | StateError | SandboxDead), left
     assert sbx.id not in {i.id for i in Sandbox.list(api_url=server.url, api_key=server.key)}
+
+
+def _lock_waiters(lock: Path) -> int:
+    """How many processes' threads wait for the ``flock`` on ``lock`` (``/proc/locks``)."""
+    inode = f":{lock.stat().st_ino} "
+    return sum("->" in line and inode in line for line in Path("/proc/locks").open())
+
+
+def test_calls_waiting_in_worker_threads_hold_up_no_other_call(server: ApiServer) -> None:
+    """Ten calls that wait in the server's worker threads at once (deletes of a snapshot
+    whose lock is held, as a long fold holds it) neither queue behind each other nor
+    hold up the calls after them: a 2-core host's default of six threads would."""
+    sbx = sdk(server)
+    saved = sbx.snapshot("held")
+    sbx.kill()
+    lock = Path(server.env["CRYOBOX_STATE_DIR"]) / "locks" / f"ram-{saved.id}.lock"
+    lock.parent.mkdir(mode=0o700, exist_ok=True)  # (made at the first lock taken)
+    with open(lock, "a+b") as held, ThreadPoolExecutor(10) as callers:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            deletes = [
+                callers.submit(client(server).delete, f"/snapshots/{saved.id}") for _ in range(10)
+            ]
+            until(lambda: _lock_waiters(lock) == 10, "ten deletes waiting in threads", 30)
+            assert client(server).get("/snapshots", timeout=15).status_code == 200
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        answers = [d.result().status_code for d in deletes]
+    assert set(answers) <= {200, 404} and 200 in answers, answers
+    assert saved.id not in {s["id"] for s in client(server).get("/snapshots").json()}
 
 
 def test_a_client_that_leaves_a_command_stream_kills_the_command(server: ApiServer) -> None:

@@ -22,6 +22,7 @@ import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Annotated, Any
@@ -76,6 +77,12 @@ STREAM_BACKLOG_LIMIT = 64 * 1024 * 1024
 WATCH_BACKLOG = 4 * 1024 * 1024
 #: Seconds of quiet after which a watch stream says it is still there.
 WATCH_KEEPALIVE = 15.0
+#: Threads for the blocking work the server hands off (``asyncio.to_thread``): a lock
+#: waited for behind a fold, a pull, a move's transfer, a delete. Python's default is
+#: the cores + 4 (6 on a 2-core host): six such calls at once would stall every other
+#: call that needs a thread, the monitor's idle pauses among them. Idle threads cost
+#: nothing (made when needed); 64 matches the order of Starlette's thread limit (40).
+WORKER_THREADS = 64
 
 STATUS: tuple[tuple[type[e.CryoboxError], int], ...] = (
     (e.AuthenticationError, 401),
@@ -184,7 +191,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        stack_dump.on_usr2_dump_tasks(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(
+            ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="cryobox-worker")
+        )
+        stack_dump.on_usr2_dump_tasks(loop)
         await hub.start()
         monitor = asyncio.create_task(_monitor(hub, tick, storage_interval, collect_interval))
         stop = threading.Event()
