@@ -164,6 +164,26 @@ def mem_available_mib() -> int:
     return _meminfo_mib("MemAvailable")
 
 
+def has_direct_io(folder: Path) -> bool:
+    """Whether files in ``folder`` open with O_DIRECT (tmpfs's do not): asked of a file
+    made there once per file system (device)."""
+    return _direct_io(os.stat(folder).st_dev, str(folder))
+
+
+@functools.cache
+def _direct_io(device: int, folder: str) -> bool:
+    fd, name = tempfile.mkstemp(prefix=".direct-io-", dir=folder)
+    try:
+        os.close(os.open(name, os.O_RDWR | os.O_DIRECT))
+    except OSError:
+        return False
+    else:
+        return True
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
 def punch(fd: int, start: int, length: int) -> None:
     """Give back the blocks of ``length`` bytes at ``start`` (they read as zeros after),
     keeping the file's size. Best effort: a file system without hole punching keeps them."""

@@ -177,6 +177,53 @@ def test_vcpus_take_turns_on_one_host_thread_when_asked(
         sandbox_factory()
 
 
+def disk_layers_direct(qemu_pid: int) -> dict[str, bool]:
+    """Each disk layer QEMU has open (path) and whether it opened it with O_DIRECT."""
+    found: dict[str, bool] = {}
+    for fd in Path(f"/proc/{qemu_pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.endswith(".qcow2"):
+                info = Path(f"/proc/{qemu_pid}/fdinfo/{fd.name}").read_text()
+                flags = int(info.split("flags:")[1].split()[0], 8)
+                found[target] = found.get(target, False) or bool(flags & os.O_DIRECT)
+    return found
+
+
+def test_the_writable_disk_layer_bypasses_the_hosts_cache_and_keeps_its_data(
+    sandbox_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QEMU opens a sandbox's writable layer O_DIRECT (the layers below, shared, through
+    the host's cache); what the guest wrote is there after a pause and in a fork, whose
+    QEMUs do the same; ``CRYOBOX_DISK_CACHE=host`` opens it through the host's cache."""
+    sbx = sandbox_factory()
+    folder = str(registry.find(sbx.id).path)
+
+    def writable_is_direct(info: Any) -> None:
+        layers = disk_layers_direct(info.vmm_pid)
+        own = {path: direct for path, direct in layers.items() if path.startswith(folder)}
+        assert list(own.values()) == [True], layers
+        assert not any(d for path, d in layers.items() if path not in own), layers
+
+    writable_is_direct(sbx.info())
+    sbx.commands.run("head -c 30000000 /dev/urandom > /root/data.bin && sync")
+    digest = sbx.commands.run("sha256sum /root/data.bin").stdout.split()[0]
+    sbx.pause()
+    sbx = Sandbox.resume(sbx.id)  # a new QEMU on the same writable layer
+    writable_is_direct(sbx.info())
+    assert sbx.commands.run("sha256sum /root/data.bin").stdout.split()[0] == digest
+    (copy,) = sbx.fork(1)
+    try:
+        folder = str(registry.find(copy.id).path)
+        writable_is_direct(copy.info())
+        assert copy.commands.run("sha256sum /root/data.bin").stdout.split()[0] == digest
+    finally:
+        copy.kill()
+    monkeypatch.setenv("CRYOBOX_DISK_CACHE", "host")
+    cached = sandbox_factory()
+    assert not any(disk_layers_direct(cached.info().vmm_pid).values())
+
+
 def test_output_streams_to_callbacks_as_it_comes(shared_sandbox: Sandbox) -> None:
     seen: list[tuple[float, str]] = []
     result = shared_sandbox.commands.run(

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from pathlib import Path
 
 import pytest
 
-from cryobox import config
+from cryobox import config, util
 from cryobox.errors import InvalidArgument, QemuNotInstalled
 from cryobox.network.policy import NetworkPolicy, parse_policy
 from cryobox.qemu import build_command
 from cryobox.qemu.accel import cpu_has_virtualization, detect_accelerator
 from cryobox.qemu.process import qemu_binary
+from cryobox.util import has_direct_io
 from cryobox.vmm import MachineSpec, PortForward
 from cryobox.vmm.base import new_layout
 
@@ -301,3 +304,49 @@ def test_a_machine_with_room_to_grow_and_what_was_added_since_its_boot() -> None
     assert f"memory-backend-ram,id=dimm0ram,size={512 << 20}" in option(argv, "-object")
     # The RAM file holds the boot memory only; the module's RAM rides in the device state.
     assert "memory-backend-file,id=mem0,size=512M,mem-path=/mem,share=on" in option(argv, "-object")
+
+
+def test_only_the_writable_layer_bypasses_the_hosts_cache_and_only_when_asked() -> None:
+    def layers(argv: list[str]) -> dict[str, str]:
+        found = {}
+        for value in option(argv, "-blockdev"):
+            fields = dict(part.split("=", 1) for part in value.split(","))
+            if fields["driver"] == "qcow2":
+                found[fields["file.filename"]] = fields.get("cache.direct", "")
+        return found
+
+    assert layers(build_command("qemu", spec())) == {"/d.qcow2": "off", "/base.qcow2": ""}
+    direct = build_command("qemu", spec(disk_direct=True))
+    assert layers(direct) == {"/d.qcow2": "on", "/base.qcow2": ""}  # forks share those below
+
+
+def test_the_disk_cache_setting_is_checked_before_a_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CRYOBOX_DISK_CACHE", raising=False)
+    assert config.disk_cache() == "direct"
+    monkeypatch.setenv("CRYOBOX_DISK_CACHE", "host")
+    assert config.disk_cache() == "host"
+    monkeypatch.setenv("CRYOBOX_DISK_CACHE", "none")
+    with pytest.raises(InvalidArgument, match="CRYOBOX_DISK_CACHE='none': must be one of"):
+        config.check_settings()
+
+
+def test_direct_io_is_found_where_the_file_system_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ext4 (these hosts' state folders) has O_DIRECT; a file system that refuses it
+    (tmpfs before Linux 6.6, say) gets the host's cache. The probe leaves no file."""
+    util._direct_io.cache_clear()
+    assert has_direct_io(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    util._direct_io.cache_clear()
+    opened = os.open
+
+    def no_direct(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return opened(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    assert not has_direct_io(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    util._direct_io.cache_clear()

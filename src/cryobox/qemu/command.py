@@ -81,12 +81,14 @@ def cpu_model(accelerator: str) -> str:
     return "host" if accelerator == "kvm" else os.environ.get("CRYOBOX_TCG_CPU", "max")
 
 
-def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
+def disk_chain_args(chain: tuple[Path, ...], *, direct: bool = False) -> list[str]:
     """``-blockdev`` options opening each layer as given, the bottom one first.
 
     Every layer names its backing node explicitly, so what a qcow2 header says about its
     backing file is never used: the chain is resolved from ids by the caller each time,
-    and a state folder can move without breaking it.
+    and a state folder can move without breaking it. ``direct``: the writable layer
+    bypasses the host's page cache (``config.disk_cache``); the read-only ones below
+    stay cached, as forks and restores share them.
     """
     args: list[str] = []
     below = None
@@ -103,7 +105,7 @@ def disk_chain_args(chain: tuple[Path, ...]) -> list[str]:
         if below:  # the image at the bottom has no backing of its own
             options.append(f"backing={below}")
         if top:
-            options += ["discard=unmap", "cache.direct=off"]
+            options += ["discard=unmap", f"cache.direct={'on' if direct else 'off'}"]
         args += ["-blockdev", ",".join(options)]
         below = node
     return args
@@ -260,7 +262,7 @@ def build_command(binary: str, spec: MachineSpec, runas: str | None = None) -> l
         f"file,id=console,path={spec.console_log},append=on",
         "-serial",
         "chardev:console",
-        *disk_chain_args(spec.disk_chain),
+        *disk_chain_args(spec.disk_chain, direct=spec.disk_direct),
         "-device",
         # A host disk that fills up is an I/O error for the guest, never a VM stopped by
         # QEMU (its default) while cryobox says it runs.

@@ -205,6 +205,9 @@ class MachineSpec:
     #: TCG's threading for this VM ("single" or "multi"); "" for the host's setting
     #: (``config.tcg_threads``).
     tcg_threads: str = ""
+    #: Open the writable disk layer with O_DIRECT (``config.disk_cache``): only where
+    #: its file system has it.
+    disk_direct: bool = False
     #: A raw file of ``TRANSFER_BYTES`` for bulk file transfers; ``None``: no such disk.
     transfer_disk: Path | None = None
     #: The sockets of the guest's volume ports, one per mount slot (every machine has
