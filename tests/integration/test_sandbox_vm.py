@@ -401,9 +401,10 @@ def test_a_transfer_spoiled_on_the_way_fails_and_leaves_no_file(
 
     put = TransferDisk.put
 
-    def put_then_spoil(self: TransferDisk, slot: int, data: bytes) -> int:
-        check = put(self, slot, data)
-        os.pwrite(self.fd, bytes([data[100] ^ 0xFF]), slot + 100)  # after its check
+    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes]) -> int:
+        check = put(self, slot, pieces)
+        byte = os.pread(self.fd, 1, slot + 100)[0]
+        os.pwrite(self.fd, bytes([byte ^ 0xFF]), slot + 100)  # after its check
         return check
 
     monkeypatch.setattr(TransferDisk, "put", put_then_spoil)

@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,15 +129,20 @@ async def test_a_stream_in_pieces_that_straddle_the_slots_arrives_intact(
     assert target.read_bytes() == data
 
 
+def spoil(fd: int, at: int) -> None:
+    """Flip a bit of the byte at ``at`` in the disk file."""
+    os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 1]), at)
+
+
 async def test_a_write_whose_slot_changed_on_the_way_is_refused_and_leaves_no_file(
     pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     put = TransferDisk.put
 
-    def put_then_spoil(self: TransferDisk, slot: int, data: bytes) -> int:
-        check = put(self, slot, data)
+    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes]) -> int:
+        check = put(self, slot, pieces)
         if slot:  # the second slot: one byte differs from what the host checked
-            os.pwrite(self.fd, bytes([data[7] ^ 1]), slot + 7)
+            spoil(self.fd, slot + 7)
         return check
 
     monkeypatch.setattr(TransferDisk, "put", put_then_spoil)
@@ -157,11 +163,11 @@ async def test_a_write_refused_at_its_first_slot_waits_for_the_copy_still_in_fli
     puts: list[int] = []
     copied: list[int] = []
 
-    def put_then_spoil(self: TransferDisk, slot: int, data: bytes) -> int:
-        check = put(self, slot, data)
+    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes]) -> int:
+        check = put(self, slot, pieces)
         puts.append(slot)
         if len(puts) == 1:  # the first slot: one byte differs from what the host checked
-            os.pwrite(self.fd, bytes([data[7] ^ 1]), slot + 7)
+            spoil(self.fd, slot + 7)
         return check
 
     def slow_copy(disk: int, slot: int, size: int, fd: int, direct: int | None, at: int) -> int:
@@ -271,3 +277,31 @@ def test_a_forged_size_in_a_copys_answer_is_refused_before_the_disk_is_read() ->
         ask_write.read_reply({"size": 4095, "check": 7})
     with pytest.raises(ProtocolError, match="check="):
         ask_write.read_reply({"size": 4096, "check": "7"})
+
+
+def test_a_slot_is_written_from_its_pieces_as_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More pieces than one ``pwritev`` takes, of odd sizes, and a write cut short: the
+    slot holds them joined, and the check is the Adler-32 of the whole."""
+    path = tmp_path / "disk.raw"
+    transfer_disk.fresh(path)
+    disk = TransferDisk.claim(path)
+    assert disk is not None
+    try:
+        pieces: list[bytes | memoryview] = [os.urandom(97 + i % 13) for i in range(3000)]
+        pieces[5] = memoryview(pieces[5])[3:]
+        whole = b"".join(pieces)
+        assert disk.put(SLOT, pieces) == zlib.adler32(whole)
+        assert os.pread(disk.fd, len(whole), SLOT) == whole
+        real = os.pwritev
+
+        def short(fd: int, buffers: list[bytes], at: int) -> int:
+            return real(fd, buffers[:2], at)  # as a full disk or a signal may
+
+        monkeypatch.setattr(os, "pwritev", short)
+        again = [os.urandom(5000) for _ in range(7)]
+        assert disk.put(0, again) == zlib.adler32(b"".join(again))
+        assert os.pread(disk.fd, 35000, 0) == b"".join(again)
+    finally:
+        disk.release()
