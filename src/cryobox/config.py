@@ -201,8 +201,8 @@ def disk_cache() -> str:
     which spent its time allocating page-cache pages for every block written; the
     guest's own read of that file, pause, checkpoint, rollback, restores and forks did
     not change (``docs/BENCHMARKS.md``, 2026-12-06). Where the file system has no
-    O_DIRECT (tmpfs), ``host`` is used. Flushes reach the disk either way. It applies to
-    VMs started after it is set.
+    O_DIRECT (tmpfs before Linux 6.6, some FUSE and network ones), ``host`` is used.
+    Flushes reach the disk either way. It applies to VMs started after it is set.
 
     :raises InvalidArgument: naming the variable, for another value.
     """

@@ -165,13 +165,19 @@ def mem_available_mib() -> int:
 
 
 def has_direct_io(folder: Path) -> bool:
-    """Whether files in ``folder`` open with O_DIRECT (tmpfs's do not): asked of a file
-    made there once per file system (device)."""
-    return _direct_io(os.stat(folder).st_dev, str(folder))
+    """Whether files in ``folder`` open with O_DIRECT (tmpfs's did not before Linux 6.6,
+    some FUSE and network file systems do not): asked of a file made there once per
+    file system (device) and process."""
+    device = os.stat(folder).st_dev
+    if device not in _DIRECT_IO:
+        _DIRECT_IO[device] = _opens_direct(folder)
+    return _DIRECT_IO[device]
 
 
-@functools.cache
-def _direct_io(device: int, folder: str) -> bool:
+_DIRECT_IO: dict[int, bool] = {}
+
+
+def _opens_direct(folder: Path) -> bool:
     fd, name = tempfile.mkstemp(prefix=".direct-io-", dir=folder)
     try:
         os.close(os.open(name, os.O_RDWR | os.O_DIRECT))

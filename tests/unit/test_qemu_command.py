@@ -334,11 +334,12 @@ def test_direct_io_is_found_where_the_file_system_has_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ext4 (these hosts' state folders) has O_DIRECT; a file system that refuses it
-    (tmpfs before Linux 6.6, say) gets the host's cache. The probe leaves no file."""
-    util._direct_io.cache_clear()
+    (tmpfs before Linux 6.6, say) gets the host's cache; asked once per file system.
+    The probe leaves no file."""
+    util._DIRECT_IO.clear()
     assert has_direct_io(tmp_path)
     assert list(tmp_path.iterdir()) == []
-    util._direct_io.cache_clear()
+    util._DIRECT_IO.clear()
     opened = os.open
 
     def no_direct(path: str, flags: int, *args: int) -> int:
@@ -349,4 +350,7 @@ def test_direct_io_is_found_where_the_file_system_has_it(
     monkeypatch.setattr(os, "open", no_direct)
     assert not has_direct_io(tmp_path)
     assert list(tmp_path.iterdir()) == []
-    util._direct_io.cache_clear()
+    monkeypatch.undo()
+    (tmp_path / "other").mkdir()
+    assert not has_direct_io(tmp_path / "other")  # the same file system: not asked again
+    util._DIRECT_IO.clear()

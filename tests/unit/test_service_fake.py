@@ -36,7 +36,7 @@ from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
 from cryobox.service import discard_spare, pool, service
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.store import uploads
+from cryobox.store import locks, uploads
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects
 from waiting import until
@@ -183,9 +183,21 @@ def test_a_collected_checkpoint_leaves_the_store_too() -> None:
 
 def test_a_collected_checkpoint_a_stored_pause_builds_on_stays_in_the_store() -> None:
     """The store's copy stays while something stored builds on it: a pause, as another
-    host's paused sandbox's would (this one's stays until the store's collection)."""
+    host's paused sandbox's would. (This one's is a dead sandbox's: the store's
+    collection drops it later, and leaves the checkpoint's copy: a leak, not a loss.)"""
     checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
     b.kill()
+    assert checkpoint not in {s.id for s in Sandbox.snapshots()}
+    assert chunks.find(checkpoint).id == checkpoint
+
+
+def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs() -> None:
+    """An upload checks before its commit that what it builds on is stored: while one
+    runs (its lease), the collected checkpoint's copy is not deleted from under it."""
+    checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
+    b = Sandbox.resume(b.id)
+    with locks.held(chunks.objects, chunks.tenant, "upload"):
+        b.kill()
     assert checkpoint not in {s.id for s in Sandbox.snapshots()}
     assert chunks.find(checkpoint).id == checkpoint
 

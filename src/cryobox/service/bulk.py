@@ -72,6 +72,8 @@ async def _take(stream: AsyncIterator[bytes], held: bytearray) -> Slot:
             piece = await anext(stream)
         except StopAsyncIteration:
             break
+        if not piece:
+            continue  # (a stream may end on an empty piece: no slot of nothing)
         if type(piece) is not bytes:  # a buffer the caller may fill again meanwhile
             piece = bytes(piece)
         parts.append(piece)

@@ -141,14 +141,14 @@ class Catalog:
         deleted = []
         stored: dict[str, dict[str, object]] = {}  # those an upload stored as a layer
         for manifest in doomed:
-            mark = self.persist.upload_state(manifest.id)
+            mark = self.persist.upload_state(manifest.id)  # (read before the folder goes)
             try:  # one a fold leaned on meanwhile stays (the next collection takes it)
                 await asyncio.to_thread(self.store.delete, manifest.id)
             except InvalidArgument as exc:
                 log.info("%s is kept: %s", manifest.id, exc)
                 continue
             deleted.append(manifest.id)
-            if mark.get("tenant"):
+            if mark.get("layer") and manifest.purpose in references.OWNED_BY_A_SANDBOX:
                 stored[manifest.id] = mark
         if stored:  # (the store is listed only when one of them was stored)
             await asyncio.to_thread(self.persist.forget_layers, stored)

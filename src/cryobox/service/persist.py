@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cryobox.errors import (
+    CryoboxError,
     InvalidArgument,
     SnapshotError,
     SnapshotNotFound,
@@ -37,7 +38,7 @@ from cryobox.snapshot import evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, template_snapshots
-from cryobox.store import archive, catalog, lazy_ram, ram_cache, transfer, uploads
+from cryobox.store import archive, catalog, lazy_ram, locks, ram_cache, transfer, uploads
 from cryobox.store import collect as chunk_collect
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
@@ -449,11 +450,17 @@ class Persistence:
             self.chunks().delete(snapshot_id)
 
     def forget_layers(self, marks: Mapping[str, Mapping[str, Any]]) -> list[str]:
-        """Delete from the store the collected checkpoints and fork snapshots that an
-        upload stored as a layer below a pause or snapshot (``marks``: their upload
-        states, read before their local files went): nothing on this host needs them
-        any more, and a start by id would pull one back. One that something stored
-        still builds on stays (another host's paused sandbox, say). The ids deleted.
+        """Delete from the store the checkpoints and fork snapshots just collected here
+        that an upload stored only as a layer below a pause or snapshot (``marks``: their
+        upload states, read before their local files went; pulled copies, pushed ones
+        and templates are not marked so): nothing on this host needs them any more, and
+        a start by id would pull one back. The ids deleted.
+
+        As a former recovery point leaves (``Mover._unstore``): under the store's
+        collection lease, and not at all while an upload runs (an upload checks before
+        its commit that what it builds on is stored); one that anything stored builds on
+        stays (another host's paused sandbox, say), and so does every one when a record
+        does not verify (it could be one that does). What stays is left to the store.
         """
         by_store: dict[tuple[str, str], list[str]] = {}
         for snapshot_id, mark in marks.items():
@@ -464,17 +471,22 @@ class Persistence:
         for (url, tenant), ids in by_store.items():
             try:
                 store = self.chunks(tenant, url)
-                needed = {
-                    layer
-                    for stored in store.all()
-                    if stored.id not in ids
-                    for layer in mf.builds_on(stored.manifest)
-                }
-                for snapshot_id in ids:
-                    if snapshot_id not in needed:
-                        store.delete(snapshot_id)
-                        deleted.append(snapshot_id)
-            except StoreError as exc:  # (left for the store's own collection)
+                if not store.has_key():
+                    continue  # (nothing stored: no key to make for that)
+                with locks.held(store.objects, store.tenant, "collect"):
+                    if locks.active(store.objects, store.tenant, "upload"):
+                        continue
+                    needed = {
+                        layer
+                        for stored in catalog.all_stored(store.objects, store.key, strict=True)
+                        if stored.id not in ids
+                        for layer in mf.builds_on(stored.manifest)
+                    }
+                    for snapshot_id in ids:
+                        if snapshot_id not in needed:
+                            store.delete(snapshot_id)
+                            deleted.append(snapshot_id)
+            except (CryoboxError, OSError) as exc:  # (left for the store's own collection)
                 log.warning("stored copies of %s kept: %s", ", ".join(ids), exc)
         return deleted
 
@@ -574,7 +586,7 @@ class Persistence:
             for chain in [mf.builds_on(s.manifest) for s in stored]
             + [m.builds_on for m in self.local.all()]
             for layer in chain
-        }
+        } | unlisted
         for snapshot_id in expired([s.manifest for s in stored if not s.sandbox], policy, now):
             if snapshot_id in below or snapshot_id in named:
                 report.kept.setdefault(snapshot_id, "a stored snapshot builds on it")

@@ -72,9 +72,11 @@ def set_state(folder: Path, *, durable: bool = True, **fields: Any) -> None:
         write_json_atomic(folder / SIDECAR, value, durable=durable)
 
 
-def mark(folder: Path, tenant: str, store: str | None = None) -> None:
+def mark(folder: Path, tenant: str, store: str | None = None, *, layer: bool = False) -> None:
     """Mark for upload by ``tenant`` into ``store`` (by default the one configured now,
-    ``CRYOBOX_STORE``) with this process's connection settings."""
+    ``CRYOBOX_STORE``) with this process's connection settings. ``layer``: stored only
+    because an upload builds on it (:func:`_store_layers_below`): its stored copy goes
+    when it is collected here (``Persistence.forget_layers``)."""
     set_state(
         folder,
         tenant=tenant,
@@ -85,6 +87,7 @@ def mark(folder: Path, tenant: str, store: str | None = None) -> None:
         total=0,
         attempts=0,
         error=None,
+        layer=layer,
     )
 
 
@@ -209,7 +212,7 @@ def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str, store: Chu
             "pending",
             "uploading",
         ):  # (a failed one, or one that left the store, is stored again)
-            mark(below, owner, url)
+            mark(below, owner, url, layer=True)
         if not upload(below):
             raise StoreError(url, f"storing layer {layer} first", str(state(below).get("error")))
 
