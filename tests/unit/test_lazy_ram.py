@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(
 
 #: Seconds a server may take to end once its RAM arrived and nobody maps it. Under a
 #: whole test run's load (VMs booting on the other worker) 30 s ran out twice
-#: (2026-12-06), the run alone takes about a second: a bound for a hang, not a timing.
+#: (2026-12-06; its 22 tests alone take a minute): a bound for a hang, not a timing.
 SERVER_EXIT = 120
 
 
