@@ -132,11 +132,12 @@ class Catalog:
         """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
         self.store.sweep()
         named = template_snapshots(self.store.templates())
+        listed = self.store.all()
         doomed = references.collectable(
-            self.store.all(),
+            listed,
             registry.list_sandboxes(),
             named,
-            pinned=self.store.needed_by_unlisted(),
+            pinned=self.store.needed_by_unlisted({m.id for m in listed}),
         )
         deleted = []
         stored: dict[str, dict[str, object]] = {}  # those an upload stored as a layer

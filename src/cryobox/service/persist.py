@@ -565,7 +565,8 @@ class Persistence:
         mine = [m for m in local if owned is None or m.id in owned]
         sandboxes = registry.list_sandboxes()
         named = template_snapshots(self.local.templates())
-        unlisted = self.local.needed_by_unlisted()  # (one refused today: kept restorable)
+        # (one refused today: kept restorable)
+        unlisted = self.local.needed_by_unlisted({m.id for m in local})
         for snapshot_id in expired([m.to_json() for m in mine], policy, now):
             needed = references.users(snapshot_id, local, sandboxes)
             if snapshot_id in unlisted:

@@ -22,7 +22,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -139,10 +139,11 @@ class SnapshotStore(Protocol):
 
     def delete(self, snapshot_id: str) -> None: ...
 
-    def needed_by_unlisted(self) -> set[str]:
-        """What the snapshots :meth:`all` leaves out (a manifest that does not verify,
-        or of another format) build on, read unchecked: kept from collection, so that
-        one refused today (after an upgrade, say) is not made unrestorable as well."""
+    def needed_by_unlisted(self, listed: Collection[str]) -> set[str]:
+        """What the snapshots :meth:`all` left out of ``listed`` (their ids) build on (a
+        manifest that does not verify, or of another format), read unchecked: kept from
+        collection, so that one refused today (after an upgrade, say) is not made
+        unrestorable as well. Only those folders are read: the listing did the rest."""
         ...
 
     def fold_ram(
@@ -288,18 +289,14 @@ class LocalSnapshotStore:
         found.sort(key=lambda manifest: manifest.created_at)
         return found
 
-    def needed_by_unlisted(self) -> set[str]:
+    def needed_by_unlisted(self, listed: Collection[str]) -> set[str]:
         needed: set[str] = set()
         for folder in self._dir("snapshots").iterdir():
-            if folder.name.startswith("."):
+            if folder.name.startswith(".") or folder.name in listed:
                 continue
-            try:
-                _load(folder)
-            except SnapshotNotFound:
-                continue  # (no snapshot there: deleted, or still arriving and abandoned)
-            except SnapshotError:
-                with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
-                    needed.update(mf.builds_on(json.loads((folder / mf.MANIFEST).read_text())))
+            # (one committed since the listing is a user as well: its bases stay)
+            with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                needed.update(mf.builds_on(json.loads((folder / mf.MANIFEST).read_text())))
         return needed
 
     def _ram_lock(self, snapshot_id: str) -> IO[bytes]:
