@@ -57,7 +57,7 @@ from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import SnapshotPurpose
-from cryobox.store import keys, locks, uploads
+from cryobox.store import keys, uploads
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 
@@ -526,17 +526,12 @@ class Mover:
         self.unstore_later.discard((tenant, checkpoint))
         try:
             chunks = self.hub.service.persist.of(tenant).chunks()
-            with locks.held(chunks.objects, chunks.tenant, "collect"):
-                if locks.active(chunks.objects, chunks.tenant, "upload"):
-                    self.unstore_later.add((tenant, checkpoint))
-                    return
-                if any(
-                    checkpoint in mf.builds_on(s.manifest)
-                    for s in chunks.all()
-                    if s.id != checkpoint
-                ):
-                    return
-                chunks.delete(checkpoint)
+            deleted = chunks.delete_unneeded([checkpoint], strict=False)
+            if deleted is None:  # (an upload runs)
+                self.unstore_later.add((tenant, checkpoint))
+                return
+            if not deleted:
+                return
         except (CryoboxError, OSError) as exc:
             log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
             return

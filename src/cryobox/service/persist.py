@@ -38,7 +38,7 @@ from cryobox.snapshot import evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, template_snapshots
-from cryobox.store import archive, catalog, lazy_ram, locks, ram_cache, transfer, uploads
+from cryobox.store import archive, catalog, lazy_ram, ram_cache, transfer, uploads
 from cryobox.store import collect as chunk_collect
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
@@ -471,21 +471,8 @@ class Persistence:
         for (url, tenant), ids in by_store.items():
             try:
                 store = self.chunks(tenant, url)
-                if not store.has_key():
-                    continue  # (nothing stored: no key to make for that)
-                with locks.held(store.objects, store.tenant, "collect"):
-                    if locks.active(store.objects, store.tenant, "upload"):
-                        continue
-                    needed = {
-                        layer
-                        for stored in catalog.all_stored(store.objects, store.key, strict=True)
-                        if stored.id not in ids
-                        for layer in mf.builds_on(stored.manifest)
-                    }
-                    for snapshot_id in ids:
-                        if snapshot_id not in needed:
-                            store.delete(snapshot_id)
-                            deleted.append(snapshot_id)
+                if store.has_key():  # (nothing stored: no key to make for that)
+                    deleted += store.delete_unneeded(ids) or []
             except (CryoboxError, OSError) as exc:  # (left for the store's own collection)
                 log.warning("stored copies of %s kept: %s", ", ".join(ids), exc)
         return deleted

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from cryobox.errors import SnapshotNotFound
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.snapshot.store import looks_like_id
-from cryobox.store import catalog, start_hints, transfer
+from cryobox.store import catalog, locks, start_hints, transfer
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.keys import LOCAL_TENANT, DataKey, check_tenant, data_key, record_key
 from cryobox.store.objects import ObjectStore, open_objects
@@ -117,6 +117,32 @@ class ChunkStore:
         start hint with it (:mod:`.start_hints`)."""
         self.objects.delete(catalog.snapshot_key(self.tenant, snapshot_id))
         self.objects.delete(start_hints.hint_key(self.tenant, snapshot_id))
+
+    def delete_unneeded(
+        self, snapshot_ids: Collection[str], *, strict: bool = True
+    ) -> list[str] | None:
+        """Delete those of ``snapshot_ids`` that no other stored record (snapshot or
+        pause) builds on; the ids deleted. ``None``, deleting nothing, while an upload
+        runs: an upload checks before its commit that what it builds on is stored,
+        which a delete between that check and the commit would undo. Under a collection
+        lease. ``strict``: a record that does not verify raises (it could be one that
+        builds on them) instead of being passed over.
+
+        :raises StoreError: :raises SnapshotError: (with ``strict``)
+        """
+        with locks.held(self.objects, self.tenant, "collect"):
+            if locks.active(self.objects, self.tenant, "upload"):
+                return None
+            needed = {
+                layer
+                for stored in catalog.all_stored(self.objects, self.key, strict=strict)
+                if stored.id not in snapshot_ids
+                for layer in mf.builds_on(stored.manifest)
+            }
+            deleted = [s for s in snapshot_ids if s not in needed]
+            for snapshot_id in deleted:
+                self.delete(snapshot_id)
+            return deleted
 
     def delete_pause(self, sandbox_id: str) -> None:
         self.objects.delete(catalog.pause_key(self.tenant, sandbox_id))
