@@ -10,7 +10,7 @@
 - ``CRYOBOX_TCG_THREADS``: ``multi`` (default) or ``single`` (see :func:`tcg_threads`);
   unset, a fork of at least as many copies as the host has cores starts them
   ``single`` (see :func:`fork_tcg_threads`).
-- ``CRYOBOX_DISK_CACHE``: ``host`` (default) or ``direct``: whether a sandbox's
+- ``CRYOBOX_DISK_CACHE``: ``direct`` (default) or ``host``: whether a sandbox's
   writable disk layer bypasses the host's page cache (see :func:`disk_cache`).
 """
 
@@ -191,7 +191,7 @@ DISK_CACHES = ("host", "direct")
 
 
 def disk_cache() -> str:
-    """``CRYOBOX_DISK_CACHE`` (default ``host``): how QEMU opens a sandbox's writable
+    """``CRYOBOX_DISK_CACHE`` (default ``direct``): how QEMU opens a sandbox's writable
     disk layer (the layers below it, shared by forks and restores, stay cached).
 
     ``direct`` (QEMU's ``cache.direct=on``, what libvirt calls ``cache=none``): the
@@ -200,16 +200,15 @@ def disk_cache() -> str:
     and 138-166 MB/s (embedded, over HTTP) against 135-149 and 113-118 MB/s through the
     host's cache, which spent its time allocating page-cache pages for every block
     written; the guest's own read of that file, pause, checkpoint, rollback, restores
-    and forks did not change (``docs/BENCHMARKS.md``, 2026-12-06). It is not the default
-    yet: in its first whole test run two tests of a history's folds failed once (a
-    checkpoint's disk layer not folded) and their cause was not found; they passed in
-    every run since, alone and together. Where the file system has no O_DIRECT (tmpfs
-    before Linux 6.6, some FUSE and network ones), ``host`` is used. Flushes reach the
-    disk either way. It applies to VMs started after it is set.
+    and forks did not change (``docs/BENCHMARKS.md``, 2026-12-06). What libvirt and
+    OpenStack default to as well. ``host`` keeps the host's cache (a host with RAM to
+    spare and a slow disk). Where the file system has no O_DIRECT (tmpfs before Linux
+    6.6, some FUSE and network ones), ``host`` is used. Flushes reach the disk either
+    way. It applies to VMs started after it is set.
 
     :raises InvalidArgument: naming the variable, for another value.
     """
-    return env_choice("CRYOBOX_DISK_CACHE", DISK_CACHES, "host")
+    return env_choice("CRYOBOX_DISK_CACHE", DISK_CACHES, "direct")
 
 
 def fork_tcg_threads(count: int) -> str:

@@ -7,6 +7,7 @@ and the snapshot is gone; a server killed midway leaves nothing listed."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -41,6 +42,34 @@ pytestmark = pytest.mark.skipif(
 #: whole test run's load (VMs booting on the other worker) 30 s ran out twice
 #: (2026-12-06; its 22 tests alone take a minute): a bound for a hang, not a timing.
 SERVER_EXIT = 120
+
+
+def _ended(server: lazy_ram.Server) -> int:
+    """The server's exit status, once it ends. One that has not within
+    :data:`SERVER_EXIT` s fails the test with what it was doing: its threads' stacks
+    (SIGUSR1, written to its log), their states and its CPU time and priority."""
+    try:
+        return server.process.wait(timeout=SERVER_EXIT)
+    except subprocess.TimeoutExpired:
+        pid = server.process.pid
+        threads = []
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+            with contextlib.suppress(OSError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                wchan = (task / "wchan").read_text()
+                # state, user and system ticks, nice; where in the kernel it sleeps
+                threads.append(
+                    f"{task.name} {fields[0]} {fields[11]}+{fields[12]} nice {fields[16]} {wchan}"
+                )
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        tail = lazy_ram.log_path().read_text(errors="replace").splitlines()[-120:]
+        pytest.fail(
+            f"the server {pid} did not end within {SERVER_EXIT} s\n"
+            + "\n".join(threads)
+            + "\n--- its log ---\n"
+            + "\n".join(tail)
+        )
 
 
 @pytest.fixture
@@ -126,7 +155,7 @@ def test_reads_before_and_after_the_arrival_are_the_snapshots_and_it_ends_a_plai
     assert not (folder / arriving.NOTE).exists()
     mf.verify(folder, local.get(snapshot_id))  # the whole file's digest, as a pull checks
     assert (folder / mf.MEMORY).read_bytes() == ram
-    assert server.process.wait(timeout=SERVER_EXIT) == 0  # nobody maps it: the server is done
+    assert _ended(server) == 0  # nobody maps it: the server is done
 
 
 def test_ram_nobody_reads_arrives_and_its_snapshot_stays_here_each_time(
@@ -137,7 +166,7 @@ def test_ram_nobody_reads_arrives_and_its_snapshot_stays_here_each_time(
     for _ in range(5):
         snapshot_id, ram = _stored_then_gone(store, local, random_windows(3, start=7))
         server = _begin(store, local, snapshot_id, servers)
-        assert server.process.wait(timeout=SERVER_EXIT) == 0
+        assert _ended(server) == 0
         folder = local.folder(snapshot_id)
         assert not arriving.abandoned(folder) and not arriving.is_served(folder)
         assert local.get(snapshot_id).id == snapshot_id
@@ -167,7 +196,7 @@ def test_a_spare_started_earlier_serves_under_the_settings_of_the_pull_that_take
         for index, data in windows.items():
             assert os.pread(handle.fileno(), MIB, index * MIB) == data
     until(lambda: not arriving.is_served(folder), "the RAM to arrive", timeout=60)
-    assert spare.process.wait(timeout=SERVER_EXIT) == 0
+    assert _ended(spare) == 0
 
 
 def test_a_mapping_made_while_it_arrived_is_served_after_the_plain_file_took_its_place(
@@ -201,7 +230,7 @@ def test_a_mapping_made_while_it_arrived_is_served_after_the_plain_file_took_its
     finally:
         ram_map.close()
         os.close(fd)
-    assert server.process.wait(timeout=SERVER_EXIT) == 0
+    assert _ended(server) == 0
 
 
 def test_a_later_arrival_at_the_same_place_is_never_touched_by_an_earlier_one(
@@ -228,11 +257,11 @@ def test_a_later_arrival_at_the_same_place_is_never_touched_by_an_earlier_one(
         assert first.process.poll() is None  # (our descriptor still needs it)
     finally:
         os.close(fd)
-    assert first.process.wait(timeout=SERVER_EXIT) == 0
+    assert _ended(first) == 0
     assert arriving.served_by(folder) == token
     assert (folder / mf.MEMORY).read_bytes() == ram  # the second arrival, read through
     until(lambda: not arriving.is_served(folder), "the second arrival", timeout=60)
-    assert second.process.wait(timeout=SERVER_EXIT) == 0
+    assert _ended(second) == 0
     mf.verify(folder, local.get(snapshot_id))
 
 
@@ -269,7 +298,7 @@ def test_an_altered_chunk_is_refused_by_name_never_read_as_zeros_and_the_snapsho
             os.pread(handle.fileno(), MIB, 7 * MIB)
     finally:
         handle.close()
-    assert server.process.wait(timeout=SERVER_EXIT) == 0
+    assert _ended(server) == 0
     assert not list(folder.parent.glob(".tmp-*"))
 
 
@@ -447,7 +476,7 @@ def test_a_start_fetches_ahead_what_the_last_start_of_its_snapshot_read_first(
         until(lambda: _logged(f"{snapshot_id}: its start read 3 windows"), "the hint", timeout=30)
     assert start_hints.load(store.objects, store.key, snapshot_id, 64) == [25, 21, 30]
     local.delete(snapshot_id)
-    assert first.process.wait(timeout=SERVER_EXIT) == 0
+    assert _ended(first) == 0
 
     # The next start of it (here, after its folder went) fetches them unread; then the
     # store loses every chunk: those are here, the others cannot be had.

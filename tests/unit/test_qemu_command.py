@@ -322,9 +322,9 @@ def test_only_the_writable_layer_bypasses_the_hosts_cache_and_only_when_asked() 
 
 def test_the_disk_cache_setting_is_checked_before_a_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CRYOBOX_DISK_CACHE", raising=False)
-    assert config.disk_cache() == "host"
-    monkeypatch.setenv("CRYOBOX_DISK_CACHE", "direct")
     assert config.disk_cache() == "direct"
+    monkeypatch.setenv("CRYOBOX_DISK_CACHE", "host")
+    assert config.disk_cache() == "host"
     monkeypatch.setenv("CRYOBOX_DISK_CACHE", "none")
     with pytest.raises(InvalidArgument, match="CRYOBOX_DISK_CACHE='none': must be one of"):
         config.check_settings()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,6 +40,8 @@ from cryobox.snapshot import arriving, evicted, ram_delta
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.util import check_space, data_bytes, fsync_dir, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"
 #: A temporary folder older than this was left by a writer that died.
@@ -369,22 +372,36 @@ class LocalSnapshotStore:
         if delta is None:
             return None
         written, dropped = [ram_delta.DELTA, ram_delta.PAGES], [mf.MEMORY]
-        if (
-            mf.DISK in manifest.files
-            and mf.DISK in onto_manifest.files
-            and disk_unused()
-            and ram_delta.write_delta(
-                folder / mf.DISK,
-                base / mf.DISK,
-                folder / ram_delta.DISK_DELTA,
-                ram_delta.DISK_PAGES,
-                same_size=False,
-            )
-        ):
+        both = mf.DISK in manifest.files and mf.DISK in onto_manifest.files
+        if both and self._fold_disk(folder, base, disk_unused):
             written += [ram_delta.DISK_DELTA, ram_delta.DISK_PAGES]
             dropped.append(mf.DISK)
         _switch_ram(folder, manifest, tuple(written), tuple(dropped), onto, step)
         return delta
+
+    @staticmethod
+    def _fold_disk(folder: Path, base: Path, disk_unused: Callable[[], bool]) -> bool:
+        """Write the delta of ``folder``'s disk layer from ``base``'s; whether it was
+        (why not is logged: a layer kept whole is sound, only larger)."""
+        if not disk_unused():
+            log.info("disk layer of %s kept whole: something builds on it", folder.name)
+            return False
+        delta = ram_delta.write_delta(
+            folder / mf.DISK,
+            base / mf.DISK,
+            folder / ram_delta.DISK_DELTA,
+            ram_delta.DISK_PAGES,
+            same_size=False,
+        )
+        if delta is None:
+            log.info(
+                "disk layer of %s kept whole: more than half of its %d bytes of data differ"
+                " from %s's",
+                folder.name,
+                data_bytes(folder / mf.DISK),
+                base.name,
+            )
+        return delta is not None
 
     def unfold_ram(self, snapshot_id: str) -> None:
         """As :meth:`fold_ram`, each step leaves a snapshot that verifies: the whole RAM

@@ -43,10 +43,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import faulthandler
 import json
 import logging
 import os
 import select
+import signal
 import stat
 import subprocess
 import sys
@@ -562,6 +564,8 @@ def main() -> int:
         level=logging.INFO, format="%(asctime)s lazy_ram[%(process)d] %(levelname)s %(message)s"
     )
     logging.getLogger("botocore").setLevel(logging.WARNING)
+    # Every thread's stack to its log on SIGUSR1 (it goes on): for a server that does not end.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # A spare waits at a low priority, so that it does not slow the start it follows:
     # its imports are done by the time a pull needs it.
     os.setpriority(os.PRIO_PROCESS, 0, SPARE_NICE)
