@@ -193,9 +193,16 @@ def fake_server(prefix: str, tenant: str, env: dict[str, str] | None = None) -> 
 
 
 def remove_state(state: Path) -> None:
-    """Remove a test's state folder, the VMs its records name killed first (a supervisor
-    would write into it as it ends)."""
+    """Remove a test's state folder, the VMs its records name killed and its helpers
+    ended first, then every cryobox process working in it waited for (SIGKILL after 5 s):
+    one that ends later (a supervisor, an uploader) would make the folder again."""
     kill_vms(state)
+    end_helpers(state)
+    if not _all_ended(state, 5.0):
+        for pid in processes_under(state, CRYOBOX_MODULES):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _all_ended(state, 5.0)
     subprocess.run(["rm", "-rf", str(state)], check=False)
 
 
@@ -203,6 +210,21 @@ def kill_vms(state: Path) -> None:
     """SIGKILL every VM the records under a state folder name (their supervisors then
     end): what tests left running, the server's sandboxes outliving it included."""
     kill_vms_of(state.glob("**/sandboxes/*/state.json"))
+
+
+#: What the command line of every process cryobox starts holds (``python -m cryobox.…``:
+#: servers, supervisors and their zygote, helpers).
+CRYOBOX_MODULES = b"-m\0cryobox."
+
+
+def _all_ended(state: Path, seconds: float) -> bool:
+    """Whether every cryobox process working under ``state`` ended within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while processes_under(state, CRYOBOX_MODULES):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 #: The helper processes a service starts, which may outlive it.
@@ -214,6 +236,8 @@ def processes_under(root: Path, *programs: bytes) -> list[int]:
     state folder (CRYOBOX_STATE_DIR) is ``root`` or under it."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
+        if proc.name == str(os.getpid()):
+            continue
         with contextlib.suppress(OSError, ValueError):
             if not any(program in (proc / "cmdline").read_bytes() for program in programs):
                 continue

@@ -8,7 +8,6 @@ the user's (building it takes a minute; its content key keeps it honest).
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import hypothesis  # noqa: F401
 import pytest
 
-from api_server import ApiServer, end_helpers, kill_vms, kill_vms_of, make_server, print_stacks
+from api_server import ApiServer, kill_vms_of, make_server, print_stacks, remove_state
 
 STATE = Path(tempfile.mkdtemp(prefix="cbx-"))
 os.environ["CRYOBOX_STATE_DIR"] = str(STATE)
@@ -34,10 +33,10 @@ os.environ["CRYOBOX_PAUSE_HOLD"] = "0"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Kill anything a test left behind, then remove the state folder."""
-    kill_vms(STATE)  # other hosts' folders too; their supervisors then end
-    end_helpers(STATE)  # uploaders, refills, RAM still arriving, and their FUSE files
-    shutil.rmtree(STATE, ignore_errors=True)
+    """Kill anything a test left behind, then remove the state folder: the VMs of every
+    host folder under it, uploaders, refills, RAM still arriving and their FUSE files,
+    and whatever supervisor or server still works in it (else it would make it again)."""
+    remove_state(STATE)
 
 
 #: VM test files that may run beside the others, once the unit tests are done: each has

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from api_server import remove_state
 from cryobox import Sandbox
 from cryobox.errors import StorageError
 from cryobox.service import discard_spare
@@ -45,6 +46,7 @@ def own_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield state
     kill_all()
     discard_spare()
+    remove_state(state)
 
 
 @pytest.fixture
@@ -148,4 +150,5 @@ def test_the_state_folder_moves_with_its_snapshots_and_pauses(
         copy.kill()
         resumed.kill()
     finally:
-        shutil.rmtree(moved.parent, ignore_errors=True)
+        discard_spare()  # (its supervisors' zygote works in the moved folder)
+        remove_state(moved.parent)

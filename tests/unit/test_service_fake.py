@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from api_server import remove_state
 from cryobox import Sandbox, config
 from cryobox.client import transport
 from cryobox.errors import (
@@ -59,7 +60,7 @@ def fake_vmm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     _kill_every_sandbox()
     discard_spare()
     transport._local.clear()  # its service runs the fake: no later test may get it
-    shutil.rmtree(state, ignore_errors=True)
+    remove_state(state)
 
 
 def _kill_every_sandbox() -> None:
@@ -252,7 +253,8 @@ def test_the_state_folder_can_move(monkeypatch: pytest.MonkeyPatch, fake_vmm: Pa
         resumed.kill()
     finally:
         _kill_every_sandbox()  # what a failure left under the moved folder
-        shutil.rmtree(moved.parent, ignore_errors=True)
+        discard_spare()  # (its supervisors' zygote works in the moved folder)
+        remove_state(moved.parent)
 
 
 def test_service_errors_reach_the_sdk_as_their_own_types(

@@ -6,13 +6,13 @@ environment variable chooses anything, and no supervisor process starts."""
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from api_server import remove_state
 from cryobox.errors import InvalidArgument, StateError
 from cryobox.models import CommandRequest, CreateRequest, NetworkJson, SnapshotPurpose
 from cryobox.sandbox import registry
@@ -62,7 +62,7 @@ async def parts(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SandboxService
                 await service.kill(info.id)
         await service.close()
         await launcher.close()
-        shutil.rmtree(state, ignore_errors=True)
+        remove_state(state)
 
 
 async def _run(service: SandboxService, sandbox_id: str, shell: str) -> str:

@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import os
 import pkgutil
+import shutil
 import sys
 import tempfile
 import threading
@@ -94,11 +95,16 @@ class Walk:
 def main() -> None:
     for name in ("CRYOBOX_API_URL", "CRYOBOX_API_KEY"):  # the walk is of this process's code
         os.environ.pop(name, None)
-    os.environ.update(
-        CRYOBOX_STATE_DIR=tempfile.mkdtemp(prefix="cbx-walk-"),
-        CRYOBOX_VMM="fake",
-        CRYOBOX_POOL_SIZE="0",
-    )
+    state = tempfile.mkdtemp(prefix="cbx-walk-")
+    os.environ.update(CRYOBOX_STATE_DIR=state, CRYOBOX_VMM="fake", CRYOBOX_POOL_SIZE="0")
+    try:
+        _walk()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _walk() -> None:
+    """Create a sandbox and fork it over the fake VMM, each walked; print both walks."""
     import cryobox
     from cryobox import AsyncSandbox
 
