@@ -78,14 +78,19 @@ def local(tmp_path: Path) -> LocalSnapshotStore:
 
 
 @pytest.fixture
-def servers() -> Iterator[list[lazy_ram.Server]]:
-    """The servers a test starts: killed after it, whatever it left mounted."""
+def servers(tmp_path: Path) -> Iterator[list[lazy_ram.Server]]:
+    """The servers a test starts: killed after it, and what they left mounted detached
+    (a killed server's mount stays, dead, until then)."""
     started: list[lazy_ram.Server] = []
     yield started
     for server in started:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        where = Path(line.split()[1])
+        if where.is_relative_to(tmp_path):
+            arriving.detach(where)
 
 
 def _stored_then_gone(
