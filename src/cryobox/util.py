@@ -164,17 +164,41 @@ def mem_available_mib() -> int:
     return _meminfo_mib("MemAvailable")
 
 
+#: File systems that checksum data as it is written. A guest may change a page while its
+#: write is in flight (ext4 and XFS guests do; QEMU hands guest memory to the host's write
+#: as it is), which such a file system then reads back as corrupt when the write went
+#: around its cache: btrfs's "csum failed" under VMs with ``cache=none`` until Linux 6.14,
+#: which since writes such files through its cache anyway.
+CHECKSUMMING_FILE_SYSTEMS = frozenset({"btrfs", "bcachefs", "zfs"})
+
+
 def has_direct_io(folder: Path) -> bool:
-    """Whether files in ``folder`` open with O_DIRECT (tmpfs's did not before Linux 6.6,
-    some FUSE and network file systems do not): asked of a file made there once per
-    file system (device) and process."""
+    """Whether a VM's disk in ``folder`` is written O_DIRECT: where files there open
+    with O_DIRECT (tmpfs's did not before Linux 6.6, some FUSE and network file systems
+    do not) and the file system does not checksum data (:data:`CHECKSUMMING_FILE_SYSTEMS`).
+    Asked of a file made there once per file system (device) and process."""
     device = os.stat(folder).st_dev
     if device not in _DIRECT_IO:
-        _DIRECT_IO[device] = _opens_direct(folder)
+        checksums = file_system_type(folder) in CHECKSUMMING_FILE_SYSTEMS
+        _DIRECT_IO[device] = not checksums and _opens_direct(folder)
     return _DIRECT_IO[device]
 
 
 _DIRECT_IO: dict[int, bool] = {}
+
+
+def file_system_type(path: Path) -> str:
+    """The type of the file system ``path`` is on (``ext4``, ``btrfs``...), as the
+    kernel's mount table names it for the deepest mount point above it."""
+    real, found, deepest = os.path.realpath(path), "", -1
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields, _, rest = line.partition(" - ")
+            where = fields.split()[4].replace("\\040", " ")
+            inside = real == where or real.startswith(where.rstrip("/") + "/")
+            if inside and len(where) >= deepest:  # (a later mount on the same point wins)
+                found, deepest = rest.split()[0], len(where)
+    return found
 
 
 def _opens_direct(folder: Path) -> bool:

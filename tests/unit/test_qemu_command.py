@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,43 @@ def test_direct_io_is_found_where_the_file_system_has_it(
     (tmp_path / "other").mkdir()
     assert not has_direct_io(tmp_path / "other")  # the same file system: not asked again
     util._DIRECT_IO.clear()
+
+
+@pytest.mark.parametrize("kind", sorted(util.CHECKSUMMING_FILE_SYSTEMS))
+def test_a_file_system_that_checksums_data_keeps_the_hosts_cache(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guest may change a page while its O_DIRECT write is in flight, which btrfs (and
+    other data-checksumming file systems) then read back as corrupt: there the writable
+    layer goes through the host's cache, without a probe."""
+    util._DIRECT_IO.clear()
+    monkeypatch.setattr(util, "file_system_type", lambda path: kind)
+    monkeypatch.setattr(util, "_opens_direct", lambda folder: pytest.fail("probed"))
+    try:
+        assert not has_direct_io(tmp_path)
+    finally:
+        util._DIRECT_IO.clear()
+
+
+def test_the_file_system_type_is_the_deepest_mounts(tmp_path: Path) -> None:
+    """As findmnt names it, for a folder and for a file inside a tmpfs mounted below it
+    (the mount table's deepest point above the path, not a prefix of its name)."""
+    found = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE", "-T", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert util.file_system_type(tmp_path) == found != "tmpfs"
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    inner = tmp_path / "in"
+    inner.mkdir()
+    (tmp_path / "in-not").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(inner)], check=True)
+    try:
+        (inner / "deep").mkdir()
+        assert util.file_system_type(inner / "deep") == "tmpfs"
+        assert util.file_system_type(tmp_path / "in-not") == found
+    finally:
+        subprocess.run(["umount", "-l", str(inner)], check=False)
