@@ -36,6 +36,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill anything a test left behind, then remove the state folder: the VMs of every
     host folder under it, uploaders, refills, RAM still arriving and their FUSE files,
     and whatever supervisor or server still works in it (else it would make it again)."""
+    from cryobox.service import discard_spare
+
+    discard_spare()  # (the warm supervisor of the session's own folder)
     remove_state(STATE)
 
 

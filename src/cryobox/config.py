@@ -200,12 +200,12 @@ def disk_cache() -> str:
     and 138-166 MB/s (embedded, over HTTP) against 135-149 and 113-118 MB/s through the
     host's cache, which spent its time allocating page-cache pages for every block
     written; the guest's own read of that file, pause, checkpoint, rollback, restores
-    and forks did not change (``docs/BENCHMARKS.md``, 2026-12-06). What libvirt and
-    OpenStack default to as well. ``host`` keeps the host's cache (a host with RAM to
+    and forks did not change (``docs/BENCHMARKS.md``, 2026-12-06). What OpenStack Nova
+    chooses where O_DIRECT works. ``host`` keeps the host's cache (a host with RAM to
     spare and a slow disk). ``host`` is used where the file system has no O_DIRECT
     (tmpfs before Linux 6.6, some FUSE and network ones) or checksums data (btrfs, ZFS,
     bcachefs: a page the guest changes while its write is in flight reads back as
-    corrupt there; ``util.has_direct_io``). Flushes reach the disk either way. It
+    corrupt there), and on overlayfs (``util.has_direct_io``). Flushes reach the disk either way. It
     applies to VMs started after it is set.
 
     :raises InvalidArgument: naming the variable, for another value.

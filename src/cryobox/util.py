@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from pathlib import Path
@@ -164,41 +165,50 @@ def mem_available_mib() -> int:
     return _meminfo_mib("MemAvailable")
 
 
-#: File systems that checksum data as it is written. A guest may change a page while its
-#: write is in flight (ext4 and XFS guests do; QEMU hands guest memory to the host's write
-#: as it is), which such a file system then reads back as corrupt when the write went
-#: around its cache: btrfs's "csum failed" under VMs with ``cache=none`` until Linux 6.14,
-#: which since writes such files through its cache anyway.
-CHECKSUMMING_FILE_SYSTEMS = frozenset({"btrfs", "bcachefs", "zfs"})
+#: File systems (``statfs`` magic numbers) that checksum data as it is written: btrfs,
+#: bcachefs, ZFS. A guest may change a page while its write is in flight (ext4 and XFS
+#: guests do; QEMU hands guest memory to the host's write as it is), which such a file
+#: system then reads back as corrupt when the write went around its cache: btrfs's
+#: "csum failed" under VMs with ``cache=none`` until Linux 6.14, which since writes such
+#: files through its cache anyway. Overlayfs is counted with them: what it writes lands
+#: on a file system below that ``statfs`` does not name.
+KEEP_CACHED_FILE_SYSTEMS = frozenset({0x9123683E, 0xCA451A4E, 0x2FC12FC1, 0x794C7630})
 
 
 def has_direct_io(folder: Path) -> bool:
     """Whether a VM's disk in ``folder`` is written O_DIRECT: where files there open
     with O_DIRECT (tmpfs's did not before Linux 6.6, some FUSE and network file systems
-    do not) and the file system does not checksum data (:data:`CHECKSUMMING_FILE_SYSTEMS`).
-    Asked of a file made there once per file system (device) and process."""
-    device = os.stat(folder).st_dev
-    if device not in _DIRECT_IO:
-        checksums = file_system_type(folder) in CHECKSUMMING_FILE_SYSTEMS
-        _DIRECT_IO[device] = not checksums and _opens_direct(folder)
-    return _DIRECT_IO[device]
+    do not) and the file system is none of :data:`KEEP_CACHED_FILE_SYSTEMS`. Asked of a
+    file made there once per file system (device) and process; a folder that cannot be
+    asked (no room for the probe's file, say) keeps the host's cache."""
+    try:
+        device = os.stat(folder).st_dev
+        if device not in _DIRECT_IO:
+            cached = file_system_magic(folder) in KEEP_CACHED_FILE_SYSTEMS
+            _DIRECT_IO[device] = not cached and _opens_direct(folder)
+        return _DIRECT_IO[device]
+    except OSError:
+        return False
 
 
 _DIRECT_IO: dict[int, bool] = {}
 
 
-def file_system_type(path: Path) -> str:
-    """The type of the file system ``path`` is on (``ext4``, ``btrfs``...), as the
-    kernel's mount table names it for the deepest mount point above it."""
-    real, found, deepest = os.path.realpath(path), "", -1
-    with open("/proc/self/mountinfo") as table:
-        for line in table:
-            fields, _, rest = line.partition(" - ")
-            where = fields.split()[4].replace("\\040", " ")
-            inside = real == where or real.startswith(where.rstrip("/") + "/")
-            if inside and len(where) >= deepest:  # (a later mount on the same point wins)
-                found, deepest = rest.split()[0], len(where)
-    return found
+def file_system_magic(path: Path) -> int:
+    """The magic number of the file system ``path`` is on (``statfs``'s ``f_type``:
+    0xEF53 for ext4, 0x01021994 for tmpfs...)."""
+    buffer = ctypes.create_string_buffer(256)  # (struct statfs: 120 bytes on x86-64)
+    if _statfs()(os.fsencode(path), buffer) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"statfs({path}): {os.strerror(err)}")
+    return int.from_bytes(buffer.raw[: ctypes.sizeof(ctypes.c_long)], sys.byteorder) & 0xFFFFFFFF
+
+
+@functools.cache
+def _statfs() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    return libc.statfs
 
 
 def _opens_direct(folder: Path) -> bool:

@@ -44,6 +44,9 @@ def own_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
     discard_spare()
     yield state
+    # Its own folder, whatever the test pointed CRYOBOX_STATE_DIR at meanwhile: listing
+    # another (removed) one would make its folders again.
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
     kill_all()
     discard_spare()
     remove_state(state)

@@ -357,41 +357,41 @@ def test_direct_io_is_found_where_the_file_system_has_it(
     util._DIRECT_IO.clear()
 
 
-@pytest.mark.parametrize("kind", sorted(util.CHECKSUMMING_FILE_SYSTEMS))
+@pytest.mark.parametrize("magic", sorted(util.KEEP_CACHED_FILE_SYSTEMS))
 def test_a_file_system_that_checksums_data_keeps_the_hosts_cache(
-    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    magic: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A guest may change a page while its O_DIRECT write is in flight, which btrfs (and
-    other data-checksumming file systems) then read back as corrupt: there the writable
-    layer goes through the host's cache, without a probe."""
+    other data-checksumming file systems, or an overlay over one) then read back as
+    corrupt: there the writable layer goes through the host's cache, without a probe.
+    A folder that cannot be asked keeps the host's cache too."""
     util._DIRECT_IO.clear()
-    monkeypatch.setattr(util, "file_system_type", lambda path: kind)
+    monkeypatch.setattr(util, "file_system_magic", lambda path: magic)
     monkeypatch.setattr(util, "_opens_direct", lambda folder: pytest.fail("probed"))
     try:
         assert not has_direct_io(tmp_path)
+        assert not has_direct_io(tmp_path / "gone")  # (stat fails: no error, no O_DIRECT)
     finally:
         util._DIRECT_IO.clear()
 
 
-def test_the_file_system_type_is_the_deepest_mounts(tmp_path: Path) -> None:
-    """As findmnt names it, for a folder and for a file inside a tmpfs mounted below it
-    (the mount table's deepest point above the path, not a prefix of its name)."""
-    found = subprocess.run(
-        ["findmnt", "-n", "-o", "FSTYPE", "-T", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert util.file_system_type(tmp_path) == found != "tmpfs"
+def test_the_file_system_is_the_one_the_path_is_on(tmp_path: Path) -> None:
+    """statfs's magic number: a tmpfs and a ramfs mounted below the test's folder (one
+    of them at a name the mount table would escape) are told apart from it and from
+    each other."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    inner = tmp_path / "in"
-    inner.mkdir()
-    (tmp_path / "in-not").mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(inner)], check=True)
+        pytest.skip("mounting needs root")
+    outer = util.file_system_magic(tmp_path)
+    mounts = {tmp_path / "tab\tx": ("tmpfs", 0x01021994), tmp_path / "r": ("ramfs", 0x858458F6)}
+    for where, (kind, _) in mounts.items():
+        where.mkdir()
+        subprocess.run(["mount", "-t", kind, kind, str(where)], check=True)
     try:
-        (inner / "deep").mkdir()
-        assert util.file_system_type(inner / "deep") == "tmpfs"
-        assert util.file_system_type(tmp_path / "in-not") == found
+        for where, (_, magic) in mounts.items():
+            (where / "deep").mkdir()
+            assert util.file_system_magic(where / "deep") == magic
+        (tmp_path / "r-not").mkdir()
+        assert util.file_system_magic(tmp_path / "r-not") == outer
     finally:
-        subprocess.run(["umount", "-l", str(inner)], check=False)
+        for where in mounts:
+            subprocess.run(["umount", "-l", str(where)], check=False)

@@ -100,6 +100,9 @@ def main() -> None:
     try:
         _walk()
     finally:
+        from cryobox.service import discard_spare
+
+        discard_spare()  # (its supervisors' zygote works in the folder)
         shutil.rmtree(state, ignore_errors=True)
 
 

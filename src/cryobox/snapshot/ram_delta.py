@@ -80,16 +80,18 @@ def write_delta(
 ) -> Delta | None:
     """Write the pages of ``current`` that differ from ``base``'s into ``target`` (and
     their map beside it, named ``pages``); None, with nothing written, when more than
-    :data:`MAX_SHARE` of the file's data differs, or when the files differ in size and
-    must not (RAM; a disk layer is compared with the base's bytes, zeros past its end)."""
+    :data:`MAX_SHARE` of the file's data differs, or when the files differ in size or
+    are not whole pages and must be (RAM). A disk layer is compared with the base's
+    bytes, zeros past its end; its last page may be partial (a qcow2 file the guest has
+    not written to yet ends a few bytes into one)."""
     pages_path = target.parent / pages
     with open(current, "rb") as now, open(base, "rb") as before:
         size = os.fstat(now.fileno()).st_size
-        if (same_size and os.fstat(before.fileno()).st_size != size) or size % PAGE:
+        if same_size and (os.fstat(before.fileno()).st_size != size or size % PAGE):
             return None
         used = sum(end - start for start, end in data_extents(now.fileno())) // PAGE
         allowed = int(used * MAX_SHARE)
-        changed = bytearray((size // PAGE + 7) // 8)
+        changed = bytearray((-(-size // PAGE) + 7) // 8)  # (a partial last page too)
         count = 0
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -180,7 +182,7 @@ def fill(
                 if os.fstat(fd).st_size != size:
                     os.ftruncate(fd, size)
                 for first, count in runs:
-                    end = (first + count) * PAGE
+                    end = min((first + count) * PAGE, size)  # (a layer's last page: partial)
                     for offset in range(first * PAGE, end, BLOCK):
                         length = min(BLOCK, end - offset)
                         data = os.pread(delta.fileno(), length, offset)

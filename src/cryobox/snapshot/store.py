@@ -395,8 +395,8 @@ class LocalSnapshotStore:
         )
         if delta is None:
             log.info(
-                "disk layer of %s kept whole: more than half of its %d bytes of data differ"
-                " from %s's",
+                "disk layer of %s kept whole: more than half of its %d bytes of data"
+                " differ from %s's",
                 folder.name,
                 data_bytes(folder / mf.DISK),
                 base.name,
