@@ -211,8 +211,10 @@ def test_process_checkpoints_over_http_and_the_cli(
             from_snapshot="looper", api_url=api_server.url, api_key=api_server.key
         )
     target = sandbox_factory(timeout=900, **remote)
-    # The loop may have had /root/n open as it was frozen: a restore needs it there.
-    target.files.write("/root/n", "0\n")
+    # The loop may have had /root/n open as it was frozen: a restore needs it there, of
+    # the size it had then (CRIU checks it), which the source's still has (the loop was
+    # killed at the dump). Frozen between its truncate and its write, that is empty.
+    target.files.write("/root/n", source.files.read_text("/root/n"))
     assert cli("restore", "looper", target.id) == str(pid)
     until(lambda: count(target) > 0, "the restored loop's first write", timeout=60)
     before = count(target)
