@@ -252,11 +252,17 @@ def end_helpers(root: Path) -> None:
     """SIGKILL the helpers (uploaders, refills, servers of arriving RAM) whose state
     folder is ``root`` or under it, and detach their FUSE files under it: a RAM still
     arriving when its test's folder goes would keep its server and mount for good."""
-    from cryobox.snapshot import arriving
-
     for pid in processes_under(root, *HELPERS):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    detach_mounts_under(root)
+
+
+def detach_mounts_under(root: Path) -> None:
+    """Detach every FUSE file (any mount) under ``root``: a killed server's stays,
+    dead, and keeps the folder from being removed."""
+    from cryobox.snapshot import arriving
+
     for line in Path("/proc/self/mounts").read_text().splitlines():
         where = line.split()[1]
         if where.startswith(f"{root}/"):

@@ -205,8 +205,8 @@ def disk_cache() -> str:
     spare and a slow disk). ``host`` is used where the file system has no O_DIRECT
     (tmpfs before Linux 6.6, some FUSE and network ones) or checksums data (btrfs, ZFS,
     bcachefs: a page the guest changes while its write is in flight reads back as
-    corrupt there), and on overlayfs (``util.has_direct_io``). Flushes reach the disk either way. It
-    applies to VMs started after it is set.
+    corrupt there), and on overlayfs (``util.has_direct_io``). Flushes reach the disk
+    either way. It applies to VMs started after it is set.
 
     :raises InvalidArgument: naming the variable, for another value.
     """

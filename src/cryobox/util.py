@@ -206,9 +206,14 @@ def file_system_magic(path: Path) -> int:
 
 @functools.cache
 def _statfs() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-    return libc.statfs
+    statfs = _libc().statfs
+    statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    return statfs
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _opens_direct(folder: Path) -> bool:
@@ -233,9 +238,9 @@ def punch(fd: int, start: int, length: int) -> None:
 
 @functools.cache
 def _fallocate() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return libc.fallocate
+    fallocate = _libc().fallocate
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fallocate
 
 
 def release_empty(path: Path, unit: int | None = None) -> None:
@@ -384,7 +389,7 @@ def without_huge_pages() -> None:
     guest (67 instead of 62 MiB, four forks, measured 2026-11-30). Guest RAM is a file
     mapping, which never used them. Best effort: a kernel without the option keeps them.
     """
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0)
+    _libc().prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0)
 
 
 def host_memory_mib(pids: tuple[int | None, ...]) -> float | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from api_server import detach_mounts_under
 from cryobox.errors import SnapshotNotFound, SnapshotVerificationFailed, StoreError
 from cryobox.snapshot import arriving
 from cryobox.snapshot import manifest as mf
@@ -63,13 +64,18 @@ def _ended(server: lazy_ram.Server) -> int:
                 )
         os.kill(pid, signal.SIGUSR1)
         time.sleep(1.0)
-        tail = lazy_ram.log_path().read_text(errors="replace").splitlines()[-120:]
         pytest.fail(
             f"the server {pid} did not end within {SERVER_EXIT} s\n"
             + "\n".join(threads)
             + "\n--- its log ---\n"
-            + "\n".join(tail)
+            + "\n".join(_log_tail(120))
         )
+
+
+def _log_tail(lines: int) -> list[str]:
+    """The servers' log's last ``lines`` lines (none before it exists)."""
+    log = lazy_ram.log_path()
+    return log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
 
 
 @pytest.fixture
@@ -87,11 +93,7 @@ def servers(tmp_path: Path) -> Iterator[list[lazy_ram.Server]]:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        where = Path(line.split()[1])
-        if where.is_relative_to(tmp_path):
-            with contextlib.suppress(OSError):
-                arriving.detach(where)
+    detach_mounts_under(tmp_path)
 
 
 def _stored_then_gone(
@@ -469,10 +471,7 @@ def _what_served(folder: Path, *started: lazy_ram.Server) -> str:
     told = [f"server {s.process.pid}: exit {s.process.poll()}" for s in started]
     told.append(f"note: {note.read_text() if note.exists() else 'none'}")
     told.append(f"mounted: {os.path.ismount(folder / mf.MEMORY)}")
-    log = lazy_ram.log_path()
-    if log.exists():
-        told += log.read_text(errors="replace").splitlines()[-60:]
-    return "\n".join(told)
+    return "\n".join(told + _log_tail(60))
 
 
 def _logged(line: str) -> bool:
