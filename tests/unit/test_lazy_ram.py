@@ -250,6 +250,12 @@ def test_a_later_arrival_at_the_same_place_is_never_touched_by_an_earlier_one(
     monkeypatch.setenv("CRYOBOX_LAZY_PREFETCH", "0")
     windows = random_windows(3, start=4)
     snapshot_id, ram = _stored_then_gone(store, local, windows)
+    # A start hint known to both, naming a window the store does not hold (zeros, here
+    # already): neither records one nor fetches ahead. Else the first records the reads
+    # below and keeps them as a hint 0.3 s later, and a second whose hint thread looked
+    # after that (under a whole run's load it did, 2026-12-06) fetches those windows
+    # itself and completes on its own: right, but not what this test is about.
+    start_hints.save(store.objects, store.key, snapshot_id, [0])
     first = _begin(store, local, snapshot_id, servers)
     folder = local.folder(snapshot_id)
     fd = os.open(folder / mf.MEMORY, os.O_RDONLY)  # a machine of the first arrival's
@@ -262,8 +268,7 @@ def test_a_later_arrival_at_the_same_place_is_never_touched_by_an_earlier_one(
             assert os.pread(fd, MIB, index * MIB) == data
         time.sleep(1.0)
         served = arriving.served_by(folder)
-        # (What each server did, should the second's arrival be gone: seen once under a
-        # whole run's load, 2026-12-06, cause not known.)
+        # (What each server did, should the second's arrival be gone.)
         assert served == token and os.path.ismount(folder / mf.MEMORY), _what_served(
             folder, first, second
         )
@@ -276,6 +281,7 @@ def test_a_later_arrival_at_the_same_place_is_never_touched_by_an_earlier_one(
     until(lambda: not arriving.is_served(folder), "the second arrival", timeout=60)
     assert _ended(second) == 0
     mf.verify(folder, local.get(snapshot_id))
+    assert not _logged(f"{snapshot_id}: its start read")  # (the hint kept them both from it)
 
 
 def test_an_altered_chunk_is_refused_by_name_never_read_as_zeros_and_the_snapshot_goes(
