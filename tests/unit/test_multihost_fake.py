@@ -10,6 +10,7 @@ own sandboxes. The same forwarding over real VMs is in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shutil
@@ -18,7 +19,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -29,6 +32,9 @@ from cryobox import Sandbox
 from cryobox.errors import InvalidArgument, NoHostAvailable, QuotaExceeded, SandboxNotFound
 from cryobox.server.database import MIGRATIONS
 from cryobox.server.databases import open_database
+from cryobox.server.moves import Mover
+from cryobox.service.persist import Persistence
+from cryobox.snapshot.store import LocalSnapshotStore
 from postgres_server import may_move, recovery_at
 
 
@@ -236,6 +242,31 @@ def test_hosts_starting_together_migrate_once(postgres: Any) -> None:
         db.close()
     with pytest.raises(InvalidArgument, match="newer than this cryobox knows"):
         open_database(url=url)
+
+
+def test_first_store_keys_of_more_tenants_at_once_than_the_pool_holds_are_all_made(
+    postgres: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server's thread pool is larger than its database pool (8): as many new tenants'
+    first uploads at once each make their store key and share it through the database,
+    none left waiting for a connection (each held one, and took a second inside it)."""
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
+    db = open_database(url=postgres.create_database("first_keys"))
+    hub = SimpleNamespace(db=db, service=SimpleNamespace(persist=Persistence(LocalSnapshotStore())))
+    mover = Mover(hub)  # type: ignore[arg-type]
+    tenants = {f"tn-first{i}" for i in range(12)}
+
+    async def all_at_once() -> None:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(len(tenants)))
+        await asyncio.gather(*(mover.key_ready(tenant) for tenant in tenants))
+
+    try:
+        asyncio.run(all_at_once())
+        rows = db.rows("SELECT name FROM secrets WHERE name LIKE ?", ("%tn-first%",))
+    finally:
+        db.close()
+    assert mover.keyed == tenants
+    assert {str(row["name"]).rsplit(":", 1)[-1] for row in rows} >= tenants, rows
 
 
 def test_an_unreachable_database_is_a_clear_error(

@@ -183,10 +183,11 @@ def _stale_cutoff() -> float:
 
 
 def fence(db: Database, sandbox_id: str, me: str) -> bool:
-    """Bump the epoch of a sandbox this host is about to resume, if it is still this
-    host's, and take back its departure (no host may claim it from now: a claim matches
-    the departure it read); whether it is still this host's (False: it moved, and must
-    not run here). Its host records the departure again at its next pause."""
+    """Bump the epoch of a sandbox this host is about to resume (or kill), if it is
+    still this host's, and take back its departure (no host may claim it from now: a
+    claim matches the departure it read); whether it is still this host's (False: it
+    moved, and must not run here, nor may its pause leave the store from here). Its
+    host records the departure again at its next pause."""
     if db.row("SELECT 1 FROM sandboxes WHERE id = ?", (sandbox_id,)) is None:
         return True  # not the server's (yet): nothing to fence
     return (
@@ -303,11 +304,15 @@ class Mover:
 
         def make() -> None:
             # One host at a time makes a tenant's first key (the store has no
-            # compare-and-set: two at once would each encrypt with its own).
-            with self.hub.db.transaction(lock="store-key-made"):
-                self.share_keys()  # another host's, if it made it
+            # compare-and-set: two at once would each encrypt with its own), and shares
+            # it before the next one looks. One transaction, one connection: a second
+            # one taken from inside it waited for the pool when as many first keys were
+            # made at once as it holds connections, each holding one (8 new tenants'
+            # first uploads at once on one host).
+            with self.hub.db.transaction(lock="store-keys") as conn:
+                self._take_keys(self._shared_keys(conn))  # another host's, if it made it
                 chunks.key  # noqa: B018 (made here when the store has none)
-            self.share_keys()
+                self._shared_keys(conn)
 
         try:
             await asyncio.to_thread(make)
@@ -325,26 +330,37 @@ class Mover:
         if not self.fleet or time.monotonic() - self._keys_shared < every:
             return
         self._keys_shared = time.monotonic()
-        db = self.hub.db
+        with self.hub.db.transaction(lock="store-keys") as conn:
+            shared = self._shared_keys(conn)
+        self._take_keys(shared)
+
+    @staticmethod
+    def _shared_keys(conn: Connection) -> dict[str, dict[str, str]]:
+        """In a transaction holding the ``store-keys`` lock: this host's KEKs added to
+        the ``secrets`` table; what the table held before, by tenant."""
         mine = keys.host_keks()
-        with db.transaction(lock="store-keys") as conn:
-            rows = conn.execute(
-                "SELECT name, value FROM secrets WHERE name LIKE ?", (f"{_KEKS}%",)
-            ).fetchall()
-            shared: dict[str, dict[str, str]] = {}
-            for r in rows:
-                try:
-                    shared[str(r["name"])[len(_KEKS) :]] = dict(json.loads(r["value"]))
-                except (ValueError, TypeError) as exc:
-                    log.error("secrets row %s is not a key record: %s", r["name"], exc)
-            for tenant, held in mine.items():
-                union = {**shared.get(tenant, {}), **held}
-                if union != shared.get(tenant):
-                    conn.execute(
-                        "INSERT INTO secrets (name, value) VALUES (?, ?) ON CONFLICT (name) "
-                        "DO UPDATE SET value = excluded.value",
-                        (_KEKS + tenant, json.dumps(union)),
-                    )
+        rows = conn.execute(
+            "SELECT name, value FROM secrets WHERE name LIKE ?", (f"{_KEKS}%",)
+        ).fetchall()
+        shared: dict[str, dict[str, str]] = {}
+        for r in rows:
+            try:
+                shared[str(r["name"])[len(_KEKS) :]] = dict(json.loads(r["value"]))
+            except (ValueError, TypeError) as exc:
+                log.error("secrets row %s is not a key record: %s", r["name"], exc)
+        for tenant, held in mine.items():
+            union = {**shared.get(tenant, {}), **held}
+            if union != shared.get(tenant):
+                conn.execute(
+                    "INSERT INTO secrets (name, value) VALUES (?, ?) ON CONFLICT (name) "
+                    "DO UPDATE SET value = excluded.value",
+                    (_KEKS + tenant, json.dumps(union)),
+                )
+        return shared
+
+    @staticmethod
+    def _take_keys(shared: dict[str, dict[str, str]]) -> None:
+        """The other hosts' KEKs into this host's key files."""
         for tenant, theirs in shared.items():
             with contextlib.suppress(InvalidArgument, StoreError, ValueError):
                 keys.add_keks(tenant, theirs)
