@@ -24,6 +24,8 @@ from api_server import CLI, ApiServer, make_server
 from cryobox import Sandbox, Volume
 from cryobox.errors import NoHostAvailable, SandboxNotFound
 from cryobox.sandbox import registry
+from cryobox.snapshot import manifest as mf
+from waiting import until
 
 from .guest_http import fetch_until_up
 
@@ -218,6 +220,23 @@ def test_a_tenants_snapshots_are_stored_under_its_own_key(api_server: ApiServer)
         assert ChunkStore(tenant).find(saved.id).manifest["name"] == "tenant-stored"
         with pytest.raises(SnapshotNotFound):  # not in the embedded (local) tenant's store
             ChunkStore("local").find(saved.id)
+        # Killed while paused, its stored pause goes, and the checkpoint stored below it
+        # (its disk builds on that checkpoint's after a rollback): nothing of it stays.
+        checkpoint = sbx.checkpoint()
+        sbx.rollback(checkpoint)
+        sbx.pause()
+        marked = cryobox_config.state_dir() / "sandboxes" / sbx.id / "paused" / "upload.json"
+        until(
+            lambda: marked.exists() and json.loads(marked.read_text())["state"] == "stored",
+            "the pause to be stored",
+            timeout=300,
+        )
+        assert checkpoint.id in mf.builds_on(ChunkStore(tenant).pause_of(sbx.id).manifest)
+        sbx.kill()
+        with pytest.raises(SnapshotNotFound):
+            ChunkStore(tenant).pause_of(sbx.id)
+        with pytest.raises(SnapshotNotFound):
+            ChunkStore(tenant).find(checkpoint.id)
     finally:
         sbx.kill()
         Sandbox.delete_snapshot("tenant-stored", api_url=api_server.url, api_key=api_server.key)

@@ -146,6 +146,33 @@ def test_a_paused_sandbox_resumes_from_s3_after_its_files_are_deleted(
         ChunkStore().pause_of(sbx.id)
 
 
+def test_a_sandbox_killed_while_paused_takes_its_stored_pause_and_checkpoint_along(
+    sandbox_factory: Any,
+) -> None:
+    # Rolled back to a checkpoint, its disk builds on that checkpoint's: its pause is
+    # stored with the checkpoint below it as a layer. Killed, neither may stay in the
+    # store (before, the pause stayed until `cryobox gc` and the checkpoint for good).
+    # What it was started from stays.
+    sbx = sandbox_factory(timeout=900)
+    sbx.commands.run("echo one > /root/one")
+    checkpoint = sbx.checkpoint()
+    sbx.commands.run("echo two > /root/two")
+    sbx.rollback(checkpoint)
+    sbx.pause()
+    wait_pause_stored(sbx.id)
+    store = ChunkStore()
+    layers = mf.builds_on(store.pause_of(sbx.id).manifest)
+    assert checkpoint.id in layers
+    assert store.find(checkpoint.id).id == checkpoint.id
+    sbx.kill()
+    with pytest.raises(SnapshotNotFound):
+        store.pause_of(sbx.id)
+    with pytest.raises(SnapshotNotFound):
+        store.find(checkpoint.id)
+    for layer in set(layers) - {checkpoint.id}:  # (the template's: every sandbox's)
+        assert ChunkStore(cryobox_config.LOCAL_TENANT).find(layer).id == layer
+
+
 def test_an_altered_chunk_in_s3_is_refused_and_nothing_starts(
     sandbox_factory: Any, s3_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,6 +36,7 @@ from cryobox.errors import (
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
 from cryobox.service import discard_spare, pool, service
+from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import locks, uploads
 from cryobox.store.chunkstore import ChunkStore
@@ -182,14 +183,33 @@ def test_a_collected_checkpoint_leaves_the_store_too() -> None:
         Sandbox.create(from_snapshot=checkpoint)
 
 
-def test_a_collected_checkpoint_a_stored_pause_builds_on_stays_in_the_store() -> None:
-    """The store's copy stays while something stored builds on it: a pause, as another
-    host's paused sandbox's would. (This one's is a dead sandbox's: the store's
-    collection drops it later, and leaves the checkpoint's copy: a leak, not a loss.)"""
+def test_a_sandbox_killed_while_paused_takes_its_stored_pause_and_the_checkpoint_below() -> None:
+    """Its pause leaves the store as it is killed, then the checkpoint stored only below
+    it goes with its local copy (left to the store's collection, the pause went later
+    and the checkpoint stayed for good)."""
     checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
+    b.kill()
+    with pytest.raises(SnapshotNotFound):
+        chunks.pause_of(b.id)
+    with pytest.raises(SnapshotNotFound):
+        chunks.find(checkpoint)
+
+
+def test_a_collected_checkpoint_a_stored_pause_builds_on_stays_in_the_store() -> None:
+    """The store's copy stays while something stored builds on it: here the pause of a
+    sandbox that another host has now (its folder is not on this one)."""
+    checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
+    c = Sandbox.create(from_snapshot=checkpoint)
+    c.pause()
+    paused = registry.find(c.id).paused
+    until(lambda: uploads.state(paused).get("state") == "stored", "the pause stored", 120)
+    shutil.rmtree(registry.find(c.id).path)  # (moved away: its pause is that host's)
     b.kill()
     assert checkpoint not in {s.id for s in Sandbox.snapshots()}
     assert chunks.find(checkpoint).id == checkpoint
+    assert checkpoint in mf.builds_on(chunks.pause_of(c.id).manifest)
+    with pytest.raises(SnapshotNotFound):
+        chunks.pause_of(b.id)
 
 
 def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs() -> None:

@@ -150,7 +150,7 @@ class LocalTransport:
         return await self.service.list(all=all)
 
     async def kill(self, sandbox_id: str) -> None:
-        await self.service.kill(sandbox_id)
+        await self.service.kill(sandbox_id, stored_pause=True)  # (no other host takes it)
 
     async def pause(self, sandbox_id: str, memory: bool = True) -> None:
         await self.service.pause(sandbox_id, memory=memory)

@@ -671,8 +671,12 @@ class Hub:
                 ended = (await self.service.get(sandbox_id)).state in ("killed", "dead")
             except SandboxNotFound:
                 ended = True
+            # No host may take its pause over from now (a claim matches the departure it
+            # read): then that pause may leave the store with it. (False: another host
+            # claimed it meanwhile and may be pulling it; the store's collection has it.)
+            ours = await asyncio.to_thread(fence, self.db, sandbox_id, self.me)
             with contextlib.suppress(SandboxNotFound):
-                await self.service.kill(sandbox_id)
+                await self.service.kill(sandbox_id, stored_pause=ours)
             if ended:
                 await self._forget(tenant.id, sandbox_id, "killed")
                 return

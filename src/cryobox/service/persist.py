@@ -429,6 +429,25 @@ class Persistence:
         with contextlib.suppress(StoreError, SnapshotError):
             self.chunks().delete_pause(folder.id)
 
+    def forget_pause(self, folder: SandboxDir, pause_id: str) -> None:
+        """A sandbox killed while paused: its stored pause leaves the store now, if it is
+        ``pause_id`` (the one this host took), before its local files are collected. Then
+        the checkpoints that pause was stored on as layers go with their local copies
+        (:meth:`forget_layers`); left to the store's collection, the pause went later
+        and those checkpoints stayed for good. Best effort: one it cannot reach is left
+        to that collection (it forgets the pauses of killed sandboxes)."""
+        marked = uploads.state(folder.paused)
+        if not marked.get("tenant"):
+            return  # never marked for the store
+        try:
+            store = self.chunks(str(marked["tenant"]), str(marked.get("store") or "") or None)
+            if store.pause_of(folder.id).id == pause_id:
+                store.delete_pause(folder.id)
+        except SnapshotNotFound:
+            return  # not stored (yet: an upload still running is the collection's)
+        except (CryoboxError, OSError) as exc:
+            log.warning("%s: its stored pause is left to the collection: %s", folder.id, exc)
+
     def stored_users(self, snapshot_ids: Iterable[str]) -> dict[str, list[str]]:
         """For each id, the stored snapshots not on this host whose disk layers build on
         it (one listing of the store for all of them)."""

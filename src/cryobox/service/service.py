@@ -779,7 +779,9 @@ class SandboxService:
             if (all or not record.state.finished) and not spec.pool and spec.id not in gone
         ]
 
-    async def kill(self, sandbox_id: str, *, keep_record: bool = True) -> None:
+    async def kill(
+        self, sandbox_id: str, *, keep_record: bool = True, stored_pause: bool = False
+    ) -> None:
         """Stop the VM and remove the sandbox's disk, memory and the checkpoints nothing
         else builds on; returns once they are gone.
 
@@ -787,9 +789,13 @@ class SandboxService:
         ``config.finished_keep()`` seconds, as timed-out and dead sandboxes are (then
         forgotten); ``keep_record=False`` forgets it at once (a sandbox the caller never
         saw, a pool member). Killing a sandbox that has already ended forgets it.
+        ``stored_pause``: a paused one's pause leaves the store too, with the checkpoints
+        stored only below it (the caller knows no other host may take that pause over:
+        not so for a copy that moved away, whose new host may be pulling it).
         """
         folder = registry.find(sandbox_id)
         spec, was = folder.spec(), folder.reconcile()
+        paused = was.pause_id if stored_pause and was.state is SandboxState.PAUSED else None
         if was.state.finished or spec.pool:
             keep_record = False
         # A fork's copy is asked whenever its supervisor lives (paused with its VM held,
@@ -819,6 +825,8 @@ class SandboxService:
         if record.qemu_pid and registry.process_alive(record.qemu_pid, folder.id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.qemu_pid, signal.SIGKILL)
+        if paused:
+            await asyncio.to_thread(self.persist.forget_pause, folder, paused)
         if keep_record:
             folder.bury()
         else:
