@@ -35,7 +35,10 @@ from cryobox.server.databases import open_database
 from cryobox.server.moves import Mover
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.store import LocalSnapshotStore
+from cryobox.store import locks
+from cryobox.store.objects import open_objects
 from postgres_server import may_move, recovery_at
+from waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -552,6 +555,60 @@ def test_a_former_recovery_point_is_folded_once_it_leaves_the_store(
         assert (snapshots / point / "memory.delta").exists()
         sbx.rewind(point)  # and it comes back as it was saved
         assert sbx.commands.run("echo back").stdout == "back\n"
+
+
+def test_a_former_recovery_point_put_off_while_an_upload_ran_leaves_the_store_after_a_restart(
+    postgres: Any, fleet_dir: Path
+) -> None:
+    """A sandbox with a history on b, while an upload runs (its lease held here): each
+    newer recovery point replaces the one before, whose removal from the store is put
+    off. The first one's local copy expires meanwhile (``keep_checkpoints=2``); b's
+    server restarts, then the upload ends, and the first point leaves the store. (The
+    removals put off were kept in the server's memory: lost with a restart, such a point
+    stayed in the store for good.)"""
+    import psycopg
+
+    with lossy_pair(postgres, fleet_dir, "hosts_unstore_restart") as (_, b):
+        assert b.database_url is not None
+        with psycopg.connect(b.database_url) as conn:
+            found = conn.execute(
+                "SELECT id FROM tenants WHERE name = %s", ("hosts-unstore-restart",)
+            ).fetchone()
+        assert found is not None
+        tenant = str(found[0])
+        records = fleet_dir / "store" / "snapshots" / tenant
+        snapshots = fleet_dir / "b" / "snapshots"
+        seen: list[str] = []  # the sandbox's automatic checkpoints, in the order seen here
+
+        def look() -> tuple[set[str], set[str]]:
+            """Its points here, and its points in the store."""
+            here = set()
+            for folder in sorted(snapshots.iterdir(), key=lambda f: f.stat().st_mtime):
+                with contextlib.suppress(OSError, ValueError):
+                    manifest = json.loads((folder / "manifest.json").read_text())
+                    if manifest.get("source_sandbox") == sbx.id and manifest.get("automatic"):
+                        here.add(folder.name)
+                        if folder.name not in seen:
+                            seen.append(folder.name)
+            stored = {p.stem for p in records.glob("snap-*.json")} & set(seen)
+            return here, stored
+
+        with locks.held(open_objects(str(fleet_dir / "store")), tenant, "upload"):
+            sbx = Sandbox.create(
+                api_url=b.url, api_key=b.key, checkpoint_every=5, keep_checkpoints=2
+            )
+            deadline = time.monotonic() + 180
+            while True:  # the first point stored, gone here, and two newer ones stored
+                here, stored = look()
+                first = next((point for point in seen if point in stored), None)
+                if first is not None and first not in here and len(stored - {first}) >= 2:
+                    break
+                assert time.monotonic() < deadline, (seen, here, stored)
+                time.sleep(0.3)
+            b.stop()
+        b.start()
+        until(lambda: first not in look()[1], "the first recovery point to leave", timeout=60)
+        assert sbx.commands.run("echo on").stdout == "on\n"
 
 
 def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_the_store(

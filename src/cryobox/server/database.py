@@ -215,6 +215,17 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE hosts ADD COLUMN platform TEXT NOT NULL DEFAULT '';
     ALTER TABLE sandboxes ADD COLUMN platform TEXT NOT NULL DEFAULT '';
     """,
+    # 14: former recovery points whose removal from the store was put off while an
+    # upload ran (cryobox.server.moves.Mover._unstore): retried by the host that put
+    # each off, after a restart too (kept in its memory, they stayed in the store).
+    """
+    CREATE TABLE unstores (
+        tenant_id TEXT NOT NULL,
+        snapshot_id TEXT NOT NULL,
+        host_id TEXT NOT NULL,
+        PRIMARY KEY (tenant_id, snapshot_id)
+    );
+    """,
 )
 
 

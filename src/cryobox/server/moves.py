@@ -286,11 +286,18 @@ class Mover:
         #: :meth:`record_recovery`).
         self.recovered: dict[str, str] = {}
         #: Former recovery points that could not leave the store yet (an upload ran,
-        #: which may be storing a checkpoint whose RAM leans on one): (tenant, id).
+        #: which may be storing a checkpoint whose RAM leans on one): (tenant, id). Kept
+        #: in the ``unstores`` table too, read back at start.
         self.unstore_later: set[tuple[str, str]] = set()
 
     async def start(self) -> None:
         self.secret = self.hub._shared_secret("departures")
+        rows = await asyncio.to_thread(
+            self.hub.db.rows,
+            "SELECT tenant_id, snapshot_id FROM unstores WHERE host_id = ?",
+            (self.hub.me,),
+        )
+        self.unstore_later = {(str(r["tenant_id"]), str(r["snapshot_id"])) for r in rows}
         await self.key_ready(keys.LOCAL_TENANT)  # the host's templates are stored as its
         await self.drop_moved()
 
@@ -524,9 +531,7 @@ class Mover:
 
     def retry_unstores(self) -> None:
         """Remove from the store the former recovery points put off while an upload ran
-        (each monitor tick). Kept in this process only: a server restarted meanwhile
-        leaves them in the store (the recovery point of a sandbox that runs on is
-        replaced and removed as usual)."""
+        (each monitor tick; after a restart too: they are in the ``unstores`` table)."""
         for tenant, checkpoint in sorted(self.unstore_later):
             self._unstore(tenant, checkpoint)
 
@@ -536,20 +541,20 @@ class Mover:
         to it, a pause, a fork's snapshot; or its RAM: a folded checkpoint); its local
         copy, if any, reads as local again, marked ``unstored``: left whole while it was
         stored, it is folded at the sandbox's next checkpoint. Under a collection lease,
-        and put off while an upload
-        runs: an upload checks before its commit that what it builds on is stored, which
-        a delete between that check and the commit would undo."""
-        self.unstore_later.discard((tenant, checkpoint))
+        and put off while an upload runs (:meth:`_put_off`): an upload checks before its
+        commit that what it builds on is stored, which a delete between that check and
+        the commit would undo."""
         try:
             chunks = self.hub.service.persist.of(tenant).chunks()
             deleted = chunks.delete_unneeded([checkpoint], strict=False)
             if deleted is None:  # (an upload runs)
-                self.unstore_later.add((tenant, checkpoint))
-                return
-            if not deleted:
+                self._put_off(tenant, checkpoint)
                 return
         except (CryoboxError, OSError) as exc:
             log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
+            deleted = []
+        self._done_with(tenant, checkpoint)
+        if not deleted:
             return
         with contextlib.suppress(CryoboxError, OSError):
             # (its supervisor folds it at the sandbox's next checkpoint, as it folds the
@@ -557,6 +562,25 @@ class Mover:
             uploads.set_state(
                 self.hub.service.store.folder(checkpoint), state="local", unstored=True
             )
+
+    def _put_off(self, tenant: str, checkpoint: str) -> None:
+        """Retry removing ``checkpoint`` at the next monitor tick (and after a restart)."""
+        if (tenant, checkpoint) not in self.unstore_later:
+            self.hub.db.execute(
+                "INSERT INTO unstores (tenant_id, snapshot_id, host_id) VALUES (?, ?, ?) "
+                "ON CONFLICT (tenant_id, snapshot_id) DO UPDATE SET host_id = excluded.host_id",
+                (tenant, checkpoint, self.hub.me),
+            )
+            self.unstore_later.add((tenant, checkpoint))
+
+    def _done_with(self, tenant: str, checkpoint: str) -> None:
+        """``checkpoint`` left the store, or stays there for good reason: no retry."""
+        if (tenant, checkpoint) in self.unstore_later:
+            self.hub.db.execute(
+                "DELETE FROM unstores WHERE tenant_id = ? AND snapshot_id = ?",
+                (tenant, checkpoint),
+            )
+            self.unstore_later.discard((tenant, checkpoint))
 
     # -- where a request goes
 
