@@ -35,12 +35,12 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
-from cryobox.service import discard_spare, pool, service
+from cryobox.service import discard_spare, pool, removals, service
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import locks, uploads
 from cryobox.store.chunkstore import ChunkStore
-from cryobox.store.objects import open_objects
+from cryobox.store.objects import open_objects, store_url
 from waiting import until
 
 
@@ -212,15 +212,30 @@ def test_a_collected_checkpoint_a_stored_pause_builds_on_stays_in_the_store() ->
         chunks.pause_of(b.id)
 
 
-def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs() -> None:
+def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs_then_goes() -> None:
     """An upload checks before its commit that what it builds on is stored: while one
-    runs (its lease), the collected checkpoint's copy is not deleted from under it."""
+    runs (its lease), the collected checkpoint's copy is not deleted from under it. The
+    removal is put off, to the next collection (here the next kill), in another process
+    too; before, it was dropped, and the copy stayed in the store for good."""
     checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
     b = Sandbox.resume(b.id)
     with locks.held(chunks.objects, chunks.tenant, "upload"):
         b.kill()
-    assert checkpoint not in {s.id for s in Sandbox.snapshots()}
-    assert chunks.find(checkpoint).id == checkpoint
+        assert checkpoint not in {s.id for s in Sandbox.snapshots()}
+        assert chunks.find(checkpoint).id == checkpoint
+        assert checkpoint in removals.waiting()[(store_url(), chunks.tenant)]
+        Sandbox.create("base").kill()  # (a collection while the upload still runs)
+        assert chunks.find(checkpoint).id == checkpoint
+    other = subprocess.run(
+        [sys.executable, "-c", "from cryobox import Sandbox; Sandbox.create('base').kill()"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == 0, other.stderr
+    with pytest.raises(SnapshotNotFound):
+        chunks.find(checkpoint)
+    assert not removals.waiting()
 
 
 def test_what_an_unlisted_snapshot_builds_on_is_not_collected(fake_vmm: Path) -> None:

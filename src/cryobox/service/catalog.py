@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from cryobox.errors import CryoboxError, InvalidArgument
 from cryobox.models import LineageNode, SnapshotInfo, TemplateInfo
 from cryobox.sandbox import references, registry
+from cryobox.service import removals
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, template_snapshots
@@ -151,7 +152,8 @@ class Catalog:
             deleted.append(manifest.id)
             if mark.get("layer") and manifest.purpose in references.OWNED_BY_A_SANDBOX:
                 stored[manifest.id] = mark
-        if stored:  # (the store is listed only when one of them was stored)
+        # (the store is listed only when one of them was stored, or removals wait)
+        if stored or removals.waiting():
             await asyncio.to_thread(self.persist.forget_layers, stored)
         return deleted
 

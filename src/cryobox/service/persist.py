@@ -34,6 +34,7 @@ from cryobox.errors import (
 from cryobox.sandbox import references, registry
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
+from cryobox.service import removals
 from cryobox.snapshot import evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
@@ -476,24 +477,40 @@ class Persistence:
         a start by id would pull one back. The ids deleted.
 
         As a former recovery point leaves (``Mover._unstore``): under the store's
-        collection lease, and not at all while an upload runs (an upload checks before
-        its commit that what it builds on is stored); one that anything stored builds on
-        stays (another host's paused sandbox, say), and so does every one when a record
-        does not verify (it could be one that does). What stays is left to the store.
+        collection lease, and not while an upload runs (an upload checks before its
+        commit that what it builds on is stored): those are put off to the next
+        collection (:mod:`cryobox.service.removals`), as are those a store that did not
+        answer kept. One that anything stored builds on stays (another host's paused
+        sandbox, say), and so does every one when a record does not verify (it could be
+        one that does): those are left to the store.
         """
-        by_store: dict[tuple[str, str], list[str]] = {}
+        by_store: dict[removals.Where, set[str]] = {
+            where: set(ids) for where, ids in removals.waiting().items()
+        }
         for snapshot_id, mark in marks.items():
             if mark.get("tenant"):
                 where = (str(mark.get("store") or store_url()), str(mark["tenant"]))
-                by_store.setdefault(where, []).append(snapshot_id)
+                by_store.setdefault(where, set()).add(snapshot_id)
         deleted: list[str] = []
+        put_off: dict[removals.Where, set[str]] = {}
+        done: dict[removals.Where, set[str]] = {}
         for (url, tenant), ids in by_store.items():
+            named = ", ".join(sorted(ids))
             try:
                 store = self.chunks(tenant, url)
-                if store.has_key():  # (nothing stored: no key to make for that)
-                    deleted += store.delete_unneeded(ids) or []
+                gone = store.delete_unneeded(sorted(ids)) if store.has_key() else []
+            except StoreError as exc:
+                log.warning("stored copies of %s kept for now: %s", named, exc)
+                gone = None
             except (CryoboxError, OSError) as exc:  # (left for the store's own collection)
-                log.warning("stored copies of %s kept: %s", ", ".join(ids), exc)
+                log.warning("stored copies of %s kept: %s", named, exc)
+                gone = []
+            if gone is None:  # (an upload runs, or the store did not answer)
+                put_off[(url, tenant)] = ids
+            else:
+                deleted += gone
+                done[(url, tenant)] = ids
+        removals.settle(put_off, done)
         return deleted
 
     async def evict(self, ref: str) -> Manifest:
