@@ -25,17 +25,25 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from api_server import CLI, ApiServer, end_helpers, kill_vms, make_server
 from cryobox import Sandbox
-from cryobox.errors import InvalidArgument, NoHostAvailable, QuotaExceeded, SandboxNotFound
+from cryobox.errors import (
+    InvalidArgument,
+    NoHostAvailable,
+    QuotaExceeded,
+    SandboxNotFound,
+    SnapshotNotFound,
+)
 from cryobox.server.database import MIGRATIONS
 from cryobox.server.databases import open_database
 from cryobox.server.moves import Mover
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import locks
+from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects
 from postgres_server import may_move, recovery_at
 from waiting import until
@@ -478,7 +486,6 @@ def test_a_sandbox_killed_while_its_host_is_lost_never_runs_there_again(
         listed = {i["id"]: i["state"] for i in http(a).get("/sandboxes?all=true").json()}
         assert listed == {kept.id: "running"}
         # Told once: b's tombstone is gone, and a restart of b changes nothing.
-        import psycopg
 
         assert a.database_url is not None
         with psycopg.connect(a.database_url) as conn:
@@ -566,7 +573,6 @@ def test_a_former_recovery_point_put_off_while_an_upload_ran_leaves_the_store_af
     server restarts, then the upload ends, and the first point leaves the store. (The
     removals put off were kept in the server's memory: lost with a restart, such a point
     stayed in the store for good.)"""
-    import psycopg
 
     with lossy_pair(postgres, fleet_dir, "hosts_unstore_restart") as (_, b):
         assert b.database_url is not None
@@ -583,13 +589,14 @@ def test_a_former_recovery_point_put_off_while_an_upload_ran_leaves_the_store_af
         def look() -> tuple[set[str], set[str]]:
             """Its points here, and its points in the store."""
             here = set()
-            for folder in sorted(snapshots.iterdir(), key=lambda f: f.stat().st_mtime):
+            taken = []
+            for folder in snapshots.iterdir():  # (one may go meanwhile: the history's)
                 with contextlib.suppress(OSError, ValueError):
                     manifest = json.loads((folder / "manifest.json").read_text())
                     if manifest.get("source_sandbox") == sbx.id and manifest.get("automatic"):
                         here.add(folder.name)
-                        if folder.name not in seen:
-                            seen.append(folder.name)
+                        taken.append((float(manifest["created_at"]), folder.name))
+            seen.extend(name for _, name in sorted(taken) if name not in seen)
             stored = {p.stem for p in records.glob("snap-*.json")} & set(seen)
             return here, stored
 
@@ -636,6 +643,35 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_th
         with pytest.raises(NoHostAvailable, match="fit neither this host") as refused:
             parent.fork(1)
         assert "vCPUs in use" in str(refused.value) and a_id in str(refused.value)
+
+
+def test_a_paused_sandbox_moved_to_another_host_and_killed_there_leaves_no_stored_pause(
+    postgres: Any, fleet_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paused on b (its pause stored), b is gone quiet (its server stopped: a host
+    restarting); a kill through a takes it over and kills it there. Its stored pause
+    goes with it: the copy a holds was never uploaded from a (no upload mark), so the
+    pause is found in the tenant's store by its owner."""
+    with lossy_pair(postgres, fleet_dir, "hosts_moved_killed") as (a, b):
+        url = a.database_url
+        assert url is not None
+        sbx = Sandbox.create(api_url=b.url, api_key=b.key)
+        sbx.pause()
+        until(lambda: may_move(url, sbx.id), "b's pause to be stored", timeout=60)
+        with psycopg.connect(url) as conn:
+            found = conn.execute(
+                "SELECT id FROM tenants WHERE name = %s", ("hosts-moved-killed",)
+            ).fetchone()
+        assert found is not None
+        monkeypatch.setenv("CRYOBOX_STATE_DIR", str(fleet_dir / "b"))  # (its keys, to read)
+        stored = ChunkStore(str(found[0]), open_objects(str(fleet_dir / "store")))
+        assert stored.pause_of(sbx.id).id
+        b.stop()
+        wait_for_state(a, sbx.id, "paused", "a never answers for it")  # (b is seen gone)
+        assert http(a).delete(f"/sandboxes/{sbx.id}").status_code == 204
+        assert (fleet_dir / "a" / "sandboxes" / sbx.id).exists()  # (killed there)
+        with pytest.raises(SnapshotNotFound):
+            stored.pause_of(sbx.id)
 
 
 def test_a_recovery_is_placed_as_a_create_is(postgres: Any, fleet_dir: Path) -> None:

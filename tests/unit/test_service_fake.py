@@ -219,13 +219,22 @@ def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs_then_goe
     too; before, it was dropped, and the copy stayed in the store for good."""
     checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
     b = Sandbox.resume(b.id)
+    waiting = config.state_dir() / removals.FILE
     with locks.held(chunks.objects, chunks.tenant, "upload"):
         b.kill()
         assert checkpoint not in {s.id for s in Sandbox.snapshots()}
         assert chunks.find(checkpoint).id == checkpoint
-        assert checkpoint in removals.waiting()[(store_url(), chunks.tenant)]
+        (entry,) = json.loads(waiting.read_text())
+        assert (entry["id"], entry["tenant"], entry["store"]) == (
+            checkpoint,
+            chunks.tenant,
+            store_url(),
+        )
         Sandbox.create("base").kill()  # (a collection while the upload still runs)
         assert chunks.find(checkpoint).id == checkpoint
+    # A minute later (each is tried at most once a minute: a kill does not wait on a
+    # store that is down at each try), the next collection, in another process.
+    waiting.write_text(json.dumps([{**entry, "tried": entry["tried"] - 60}]))
     other = subprocess.run(
         [sys.executable, "-c", "from cryobox import Sandbox; Sandbox.create('base').kill()"],
         capture_output=True,
@@ -235,7 +244,7 @@ def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs_then_goe
     assert other.returncode == 0, other.stderr
     with pytest.raises(SnapshotNotFound):
         chunks.find(checkpoint)
-    assert not removals.waiting()
+    assert not waiting.exists()
 
 
 def test_what_an_unlisted_snapshot_builds_on_is_not_collected(fake_vmm: Path) -> None:

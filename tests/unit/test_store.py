@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +341,26 @@ def test_a_sweep_removes_only_unreferenced_chunks(
     assert collect.check(store).problems == []
     local.delete(kept.id)
     assert pull_into(store, local, kept.id).id == kept.id
+
+
+@pytest.mark.parametrize("objects", ["folder"], indirect=True)
+def test_removing_unneeded_records_keeps_the_bases_of_those_kept(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    # z's RAM is laid over y's, y's over x's (folded checkpoints): a record names only
+    # its own base. Asked to remove x and y, with z staying: y is kept (z builds on it),
+    # and so is x, y's base (it used to go: z could not be restored).
+    made = [make_snapshot(local, random_windows(1), name) for name in "xyz"]
+    for manifest in made:
+        store.push(local.folder(manifest.id), manifest)
+    x, y, z = (store.find(m.id) for m in made)
+    for stored, base in ((y, x.id), (z, y.id)):
+        laid = replace(stored, manifest={**stored.manifest, "memory_base": base})
+        store.objects.put(stored.object_key, catalog.encode(store.key, laid))
+    assert store.delete_unneeded([x.id, y.id]) == []
+    assert {s.id for s in store.all()} >= {x.id, y.id, z.id}
+    store.delete(z.id)
+    assert store.delete_unneeded([x.id, y.id]) == [x.id, y.id]
 
 
 def test_a_sweep_waits_for_uploads_and_uploads_wait_for_sweeps(store: ChunkStore) -> None:

@@ -672,11 +672,14 @@ class Hub:
             except SandboxNotFound:
                 ended = True
             # No host may take its pause over from now (a claim matches the departure it
-            # read): then that pause may leave the store with it. (False: another host
-            # claimed it meanwhile and may be pulling it; the store's collection has it.)
-            ours = await asyncio.to_thread(fence, self.db, sandbox_id, self.me)
+            # read): then that pause may leave the store with it. One another host claimed
+            # meanwhile is that host's (it may be pulling the pause): the kill goes there,
+            # and this host's copy goes as any copy that moved away does (drop_moved).
+            if not await asyncio.to_thread(fence, self.db, sandbox_id, self.me):
+                raise HostUnavailable(sandbox_id, "it moved to another host; retry the request")
+            self.mover.departed.pop(sandbox_id, None)  # (the fence took it back)
             with contextlib.suppress(SandboxNotFound):
-                await self.service.kill(sandbox_id, stored_pause=ours)
+                await self.service.kill(sandbox_id, stored_pause=True)
             if ended:
                 await self._forget(tenant.id, sandbox_id, "killed")
                 return

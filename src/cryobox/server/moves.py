@@ -289,6 +289,9 @@ class Mover:
         #: which may be storing a checkpoint whose RAM leans on one): (tenant, id). Kept
         #: in the ``unstores`` table too, read back at start.
         self.unstore_later: set[tuple[str, str]] = set()
+        #: One first key made at a time by this host (each holds a database connection
+        #: while it waits for the fleet's lock: many at once would hold the whole pool).
+        self._making_keys = asyncio.Lock()
 
     async def start(self) -> None:
         self.secret = self.hub._shared_secret("departures")
@@ -297,7 +300,7 @@ class Mover:
             "SELECT tenant_id, snapshot_id FROM unstores WHERE host_id = ?",
             (self.hub.me,),
         )
-        self.unstore_later = {(str(r["tenant_id"]), str(r["snapshot_id"])) for r in rows}
+        self.unstore_later |= {(str(r["tenant_id"]), str(r["snapshot_id"])) for r in rows}
         await self.key_ready(keys.LOCAL_TENANT)  # the host's templates are stored as its
         await self.drop_moved()
 
@@ -321,12 +324,15 @@ class Mover:
                 chunks.key  # noqa: B018 (made here when the store has none)
                 self._shared_keys(conn)
 
-        try:
-            await asyncio.to_thread(make)
-        except (CryoboxError, OSError) as exc:
-            log.warning("the store key of %s is not ready: %s", tenant, exc)
-            return
-        self.keyed.add(tenant)
+        async with self._making_keys:
+            if tenant in self.keyed:  # (made while this call waited)
+                return
+            try:
+                await asyncio.to_thread(make)
+            except (CryoboxError, OSError) as exc:
+                log.warning("the store key of %s is not ready: %s", tenant, exc)
+                return
+            self.keyed.add(tenant)
 
     # -- the store's keys
 
@@ -547,12 +553,15 @@ class Mover:
         try:
             chunks = self.hub.service.persist.of(tenant).chunks()
             deleted = chunks.delete_unneeded([checkpoint], strict=False)
-            if deleted is None:  # (an upload runs)
-                self._put_off(tenant, checkpoint)
-                return
+        except StoreError as exc:  # (tried again at the next tick)
+            log.warning("checkpoint %s could not leave the store yet: %s", checkpoint, exc)
+            deleted = None
         except (CryoboxError, OSError) as exc:
             log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
             deleted = []
+        if deleted is None:  # (an upload runs, or the store did not answer)
+            self._put_off(tenant, checkpoint)
+            return
         self._done_with(tenant, checkpoint)
         if not deleted:
             return
@@ -564,23 +573,33 @@ class Mover:
             )
 
     def _put_off(self, tenant: str, checkpoint: str) -> None:
-        """Retry removing ``checkpoint`` at the next monitor tick (and after a restart)."""
-        if (tenant, checkpoint) not in self.unstore_later:
+        """Retry removing ``checkpoint`` at the next monitor tick (and after a restart:
+        recorded in the database, best effort: the tick retries it all the same)."""
+        if (tenant, checkpoint) in self.unstore_later:
+            return
+        self.unstore_later.add((tenant, checkpoint))
+        try:
             self.hub.db.execute(
                 "INSERT INTO unstores (tenant_id, snapshot_id, host_id) VALUES (?, ?, ?) "
                 "ON CONFLICT (tenant_id, snapshot_id) DO UPDATE SET host_id = excluded.host_id",
                 (tenant, checkpoint, self.hub.me),
             )
-            self.unstore_later.add((tenant, checkpoint))
+        except Exception as exc:  # (the database's own errors: psycopg's, sqlite3's)
+            log.warning("the removal of %s put off is not recorded: %s", checkpoint, exc)
 
     def _done_with(self, tenant: str, checkpoint: str) -> None:
         """``checkpoint`` left the store, or stays there for good reason: no retry."""
-        if (tenant, checkpoint) in self.unstore_later:
+        if (tenant, checkpoint) not in self.unstore_later:
+            return
+        try:
             self.hub.db.execute(
                 "DELETE FROM unstores WHERE tenant_id = ? AND snapshot_id = ?",
                 (tenant, checkpoint),
             )
-            self.unstore_later.discard((tenant, checkpoint))
+        except Exception as exc:  # (kept: retried, found done, and removed again)
+            log.warning("the removal of %s is still recorded: %s", checkpoint, exc)
+            return
+        self.unstore_later.discard((tenant, checkpoint))
 
     # -- where a request goes
 

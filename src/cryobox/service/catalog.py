@@ -153,7 +153,7 @@ class Catalog:
             if mark.get("layer") and manifest.purpose in references.OWNED_BY_A_SANDBOX:
                 stored[manifest.id] = mark
         # (the store is listed only when one of them was stored, or removals wait)
-        if stored or removals.waiting():
+        if stored or removals.any_waiting():
             await asyncio.to_thread(self.persist.forget_layers, stored)
         return deleted
 

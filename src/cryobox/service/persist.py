@@ -45,7 +45,7 @@ from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.collect import CheckResult, TenantUsage
 from cryobox.store.keys import LOCAL_TENANT, rotate
-from cryobox.store.objects import open_objects, store_url
+from cryobox.store.objects import connection, open_objects, store_url
 from cryobox.store.retention import Policy, expired
 from cryobox.store.transfer import LocalSources, Progress, local_sources
 from cryobox.util import new_id
@@ -430,18 +430,24 @@ class Persistence:
         with contextlib.suppress(StoreError, SnapshotError):
             self.chunks().delete_pause(folder.id)
 
-    def forget_pause(self, folder: SandboxDir, pause_id: str) -> None:
+    def forget_pause(self, folder: SandboxDir, pause_id: str, owner: str) -> None:
         """A sandbox killed while paused: its stored pause leaves the store now, if it is
-        ``pause_id`` (the one this host took), before its local files are collected. Then
-        the checkpoints that pause was stored on as layers go with their local copies
-        (:meth:`forget_layers`); left to the store's collection, the pause went later
-        and those checkpoints stayed for good. Best effort: one it cannot reach is left
-        to that collection (it forgets the pauses of killed sandboxes)."""
+        ``pause_id`` (the one this host took, or took over), before its local files are
+        collected. Then the checkpoints that pause was stored on as layers go with their
+        local copies (:meth:`forget_layers`); left to the store's collection, the pause
+        went later and those checkpoints stayed for good. Best effort, with short
+        timeouts (a kill does not wait on a store that is down): one it cannot reach is
+        left to that collection (it forgets the pauses of killed sandboxes).
+        ``owner``: the sandbox's tenant, for a pause with no upload mark (one taken over
+        from another host: the store it came from is the configured one).
+        """
         marked = uploads.state(folder.paused)
-        if not marked.get("tenant"):
-            return  # never marked for the store
+        tenant = str(marked.get("tenant") or owner or self.tenant)
+        url = str(marked.get("store") or "") or store_url()
         try:
-            store = self.chunks(str(marked["tenant"]), str(marked.get("store") or "") or None)
+            store = ChunkStore(tenant, open_objects(url, read_timeout=10.0, attempts=2))
+            if not store.has_key():
+                return  # (the tenant never stored anything there)
             if store.pause_of(folder.id).id == pause_id:
                 store.delete_pause(folder.id)
         except SnapshotNotFound:
@@ -484,20 +490,32 @@ class Persistence:
         sandbox, say), and so does every one when a record does not verify (it could be
         one that does): those are left to the store.
         """
-        by_store: dict[removals.Where, set[str]] = {
-            where: set(ids) for where, ids in removals.waiting().items()
-        }
+        mine = connection()
+        by_store = removals.due(mine)
         for snapshot_id, mark in marks.items():
             if mark.get("tenant"):
-                where = (str(mark.get("store") or store_url()), str(mark["tenant"]))
+                where = removals.Where(
+                    str(mark.get("store") or store_url()),
+                    str(mark["tenant"]),
+                    str(mark.get("connection") or mine),
+                )
                 by_store.setdefault(where, set()).add(snapshot_id)
         deleted: list[str] = []
         put_off: dict[removals.Where, set[str]] = {}
         done: dict[removals.Where, set[str]] = {}
-        for (url, tenant), ids in by_store.items():
+        for where, ids in by_store.items():
+            # One here again (pulled back meanwhile: a start from it by id) keeps its
+            # stored copy, as a pulled one does; a lazy start still reads its chunks.
+            back = {snapshot_id for snapshot_id in ids if self._is_here(snapshot_id)}
+            done[where], ids = back, ids - back
+            if not ids:
+                continue
+            if where.connection != mine:  # (marked under other S3 settings: theirs to do)
+                put_off[where] = ids
+                continue
             named = ", ".join(sorted(ids))
             try:
-                store = self.chunks(tenant, url)
+                store = self.chunks(where.tenant, where.store)
                 gone = store.delete_unneeded(sorted(ids)) if store.has_key() else []
             except StoreError as exc:
                 log.warning("stored copies of %s kept for now: %s", named, exc)
@@ -506,10 +524,10 @@ class Persistence:
                 log.warning("stored copies of %s kept: %s", named, exc)
                 gone = []
             if gone is None:  # (an upload runs, or the store did not answer)
-                put_off[(url, tenant)] = ids
+                put_off[where] = ids
             else:
                 deleted += gone
-                done[(url, tenant)] = ids
+                done[where] |= ids
         removals.settle(put_off, done)
         return deleted
 

@@ -4,9 +4,13 @@ A checkpoint (or fork snapshot) collected on this host that an upload had stored
 as a layer leaves the store with it (:meth:`~cryobox.service.persist.Persistence.forget_layers`),
 but not while an upload of its tenant runs: an upload checks before its commit that
 what it builds on is stored, which a delete in between would undo. The removals put
-off are kept here, in the state folder, and tried again at the next collection (each
-kill collects, and so do ``cryobox gc`` and the server's collection tick); before, they
-were dropped, and such a copy stayed in the store for good. One file for every process
+off (and those a store that did not answer kept) wait here, in the state folder, for
+a later collection (each kill collects, and so do ``cryobox gc`` and the server's
+collection tick); before, they were dropped, and such a copy stayed in the store for
+good. Each is tried at most every :data:`RETRY_EVERY` seconds (a kill must not wait on
+a store that is down at each try), only by a process whose store connection settings
+are the ones that marked it (another's may reach another endpoint), and given up after
+:data:`GIVE_UP_AFTER` (left to the store's own collection). One file for every process
 of the host, read and changed under a lock, never held across a store request.
 """
 
@@ -15,20 +19,45 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
+import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryobox import config
 from cryobox.util import write_json_atomic
 
-#: Where a removal is to be made: (the store's URL, the tenant).
-Where = tuple[str, str]
+log = logging.getLogger(__name__)
 
 FILE = "store-removals.json"
+RETRY_EVERY = 60.0
+GIVE_UP_AFTER = 86400.0
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a removal is to be made: the store's URL, the tenant, and the connection
+    settings (:func:`cryobox.store.objects.connection`) of the process that marked it."""
+
+    store: str
+    tenant: str
+    connection: str
+
+
+@dataclass
+class _Waiting:
+    since: float
+    tried: float
 
 
 def _path() -> Path:
     return config.state_dir() / FILE
+
+
+def any_waiting() -> bool:
+    """Whether removals wait (one look at the folder: fit for an event loop)."""
+    return _path().exists()
 
 
 @contextlib.contextmanager
@@ -38,44 +67,82 @@ def _locked() -> Iterator[None]:
         yield
 
 
-def _read() -> dict[Where, set[str]]:
+def _read() -> dict[tuple[Where, str], _Waiting]:
     try:
         raw = json.loads(_path().read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    found: dict[Where, set[str]] = {}
+    except (OSError, ValueError) as exc:
+        log.warning("%s is unreadable, its removals left to the store: %s", _path(), exc)
+        return {}
+    found: dict[tuple[Where, str], _Waiting] = {}
     for entry in raw if isinstance(raw, list) else []:
-        with contextlib.suppress(KeyError, TypeError):
-            where = (str(entry["store"]), str(entry["tenant"]))
-            found.setdefault(where, set()).add(str(entry["id"]))
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            where = Where(str(entry["store"]), str(entry["tenant"]), str(entry["connection"]))
+            found[(where, str(entry["id"]))] = _Waiting(
+                float(entry["since"]), float(entry["tried"])
+            )
     return found
 
 
-def waiting() -> dict[Where, set[str]]:
-    """The removals put off, by store and tenant (none: an empty mapping)."""
-    if not _path().exists():
+def due(connection: str) -> dict[Where, set[str]]:
+    """The removals this process may try now (its ``connection``, not tried for
+    :data:`RETRY_EVERY` s), by store and tenant."""
+    if not any_waiting():
         return {}
+    now = time.time()
     with _locked():
-        return _read()
+        waiting = _read()
+    found: dict[Where, set[str]] = {}
+    for (where, snapshot_id), when in waiting.items():
+        if where.connection == connection and now - when.tried >= RETRY_EVERY:
+            found.setdefault(where, set()).add(snapshot_id)
+    return found
 
 
 def settle(put_off: Mapping[Where, set[str]], done: Mapping[Where, set[str]]) -> None:
-    """Record the removals ``put_off`` (to try again) and forget those ``done`` (made,
-    or not to be made: something stored builds on the copy)."""
-    if not any(put_off.values()) and not any(done.values()) and not _path().exists():
+    """Record the removals ``put_off`` (tried now, to try again) and forget those
+    ``done`` (made, or not to be made: something stored builds on the copy, it is on
+    this host again...). Those waiting past :data:`GIVE_UP_AFTER` are given up."""
+    if not any(put_off.values()) and not any_waiting():
         return
-    with _locked():
-        pending = _read()
-        for where, ids in put_off.items():
-            pending.setdefault(where, set()).update(ids)
-        for where, ids in done.items():
-            pending.get(where, set()).difference_update(ids)
-        entries = [
-            {"store": store, "tenant": tenant, "id": snapshot_id}
-            for (store, tenant), ids in sorted(pending.items())
-            for snapshot_id in sorted(ids)
-        ]
-        if entries:
-            write_json_atomic(_path(), entries)
-        else:
-            _path().unlink(missing_ok=True)
+    now = time.time()
+    try:
+        with _locked():
+            waiting = _read()
+            for where, ids in done.items():
+                for snapshot_id in ids:
+                    waiting.pop((where, snapshot_id), None)
+            for where, ids in put_off.items():
+                for snapshot_id in ids:
+                    earlier = waiting.get((where, snapshot_id))
+                    waiting[(where, snapshot_id)] = _Waiting(earlier.since if earlier else now, now)
+            for (where, snapshot_id), when in list(waiting.items()):
+                if now - when.since > GIVE_UP_AFTER:
+                    log.warning(
+                        "the stored copy of %s is left to the store's collection: it could "
+                        "not be removed for %d h",
+                        snapshot_id,
+                        GIVE_UP_AFTER // 3600,
+                    )
+                    del waiting[(where, snapshot_id)]
+            entries = [
+                {
+                    "store": where.store,
+                    "tenant": where.tenant,
+                    "connection": where.connection,
+                    "id": snapshot_id,
+                    "since": when.since,
+                    "tried": when.tried,
+                }
+                for (where, snapshot_id), when in sorted(
+                    waiting.items(),
+                    key=lambda item: (item[0][0].store, item[0][0].tenant, item[0][1]),
+                )
+            ]
+            if entries:
+                write_json_atomic(_path(), entries)
+            else:
+                _path().unlink(missing_ok=True)
+    except OSError as exc:  # (a collection goes on: what waits here waits longer)
+        log.warning("the removals put off could not be recorded: %s", exc)

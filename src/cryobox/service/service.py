@@ -826,7 +826,7 @@ class SandboxService:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.qemu_pid, signal.SIGKILL)
         if paused:
-            await asyncio.to_thread(self.persist.forget_pause, folder, paused)
+            await asyncio.to_thread(self.persist.forget_pause, folder, paused, spec.owner)
         if keep_record:
             folder.bury()
         else:

@@ -133,12 +133,25 @@ class ChunkStore:
         with locks.held(self.objects, self.tenant, "collect"):
             if locks.active(self.objects, self.tenant, "upload"):
                 return None
+            every = catalog.all_stored(self.objects, self.key, strict=strict)
             needed = {
                 layer
-                for stored in catalog.all_stored(self.objects, self.key, strict=strict)
+                for stored in every
                 if stored.id not in snapshot_ids
                 for layer in mf.builds_on(stored.manifest)
             }
+            # One of them kept (something else builds on it) keeps what it builds on.
+            kept = [s for s in every if s.id in snapshot_ids]
+            while (
+                grown := {
+                    layer
+                    for stored in kept
+                    if stored.id in needed
+                    for layer in mf.builds_on(stored.manifest)
+                }
+                - needed
+            ):
+                needed |= grown
             deleted = [s for s in snapshot_ids if s not in needed]
             for snapshot_id in deleted:
                 self.delete(snapshot_id)
