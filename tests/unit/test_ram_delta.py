@@ -523,6 +523,7 @@ def test_a_former_recovery_point_leaves_the_store_only_while_no_upload_runs(
     from types import SimpleNamespace
 
     from cryobox.errors import SnapshotNotFound
+    from cryobox.server.databases import open_database
     from cryobox.server.moves import Mover
     from cryobox.service.persist import Persistence
     from cryobox.store import locks, uploads
@@ -534,18 +535,21 @@ def test_a_former_recovery_point_leaves_the_store_only_while_no_upload_runs(
     uploads.mark(store.folder("snap-newer"), tenant)
     assert uploads.upload(store.folder("snap-newer"))
     persist = Persistence(store)
-    hub = SimpleNamespace(
-        db=SimpleNamespace(engine="sqlite"), service=SimpleNamespace(persist=persist, store=store)
-    )
+    db = open_database(tmp_path / "server.db")
+    hub = SimpleNamespace(db=db, me="host-a", service=SimpleNamespace(persist=persist, store=store))
     mover = Mover(hub)  # type: ignore[arg-type]
     chunks = persist.of(tenant).chunks()
+    put_off = "SELECT tenant_id, snapshot_id, host_id FROM unstores"
 
     with locks.held(chunks.objects, tenant, "upload"):
         mover._unstore(tenant, "snap-newer")
     assert chunks.find("snap-newer").id == "snap-newer"  # kept while the upload ran
     assert mover.unstore_later == {(tenant, "snap-newer")}
+    assert [tuple(row) for row in db.rows(put_off)] == [(tenant, "snap-newer", "host-a")]
     mover.retry_unstores()  # (the next monitor tick)
     with pytest.raises(SnapshotNotFound):
         chunks.find("snap-newer")
     assert uploads.state(store.folder("snap-newer"))["state"] == "local"
     assert mover.unstore_later == set()
+    assert db.rows(put_off) == []
+    db.close()
