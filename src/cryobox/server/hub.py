@@ -676,7 +676,9 @@ class Hub:
             # meanwhile is that host's (it may be pulling the pause): the kill goes there,
             # and this host's copy goes as any copy that moved away does (drop_moved).
             if not await asyncio.to_thread(fence, self.db, sandbox_id, self.me):
-                raise HostUnavailable(sandbox_id, "it moved to another host; retry the request")
+                raise HostUnavailable(  # (nothing done: the retry reaches its new host)
+                    sandbox_id, "it moved to another host; retry the request", retry_after=1.0
+                )
             self.mover.departed.pop(sandbox_id, None)  # (the fence took it back)
             with contextlib.suppress(SandboxNotFound):
                 await self.service.kill(sandbox_id, stored_pause=True)

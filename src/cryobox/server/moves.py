@@ -292,6 +292,9 @@ class Mover:
         #: One first key made at a time by this host (each holds a database connection
         #: while it waits for the fleet's lock: many at once would hold the whole pool).
         self._making_keys = asyncio.Lock()
+        #: When each tenant's key last failed to be made (not tried again for a while:
+        #: the next caller would wait on the same store, behind the lock).
+        self._key_failed: dict[str, float] = {}
 
     async def start(self) -> None:
         self.secret = self.hub._shared_secret("departures")
@@ -327,10 +330,13 @@ class Mover:
         async with self._making_keys:
             if tenant in self.keyed:  # (made while this call waited)
                 return
+            if time.monotonic() - self._key_failed.get(tenant, -KEY_RETRY_AFTER) < KEY_RETRY_AFTER:
+                return  # (its upload fails, as after the failure itself)
             try:
                 await asyncio.to_thread(make)
             except (CryoboxError, OSError) as exc:
                 log.warning("the store key of %s is not ready: %s", tenant, exc)
+                self._key_failed[tenant] = time.monotonic()
                 return
             self.keyed.add(tenant)
 
@@ -553,13 +559,11 @@ class Mover:
         try:
             chunks = self.hub.service.persist.of(tenant).chunks()
             deleted = chunks.delete_unneeded([checkpoint], strict=False)
-        except StoreError as exc:  # (tried again at the next tick)
-            log.warning("checkpoint %s could not leave the store yet: %s", checkpoint, exc)
-            deleted = None
         except (CryoboxError, OSError) as exc:
+            # (not retried: each monitor tick would wait on a store that is down)
             log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
             deleted = []
-        if deleted is None:  # (an upload runs, or the store did not answer)
+        if deleted is None:  # (an upload runs)
             self._put_off(tenant, checkpoint)
             return
         self._done_with(tenant, checkpoint)
@@ -1080,3 +1084,5 @@ def _when(seconds: float) -> str:
 
 #: The ``secrets`` rows holding each tenant's store KEKs (by id), shared by the hosts.
 _KEKS = "store-keks:"
+#: Seconds before a tenant's first key that failed to be made is tried again.
+KEY_RETRY_AFTER = 30.0

@@ -433,27 +433,26 @@ class Persistence:
     def forget_pause(self, folder: SandboxDir, pause_id: str, owner: str) -> None:
         """A sandbox killed while paused: its stored pause leaves the store now, if it is
         ``pause_id`` (the one this host took, or took over), before its local files are
-        collected. Then the checkpoints that pause was stored on as layers go with their
-        local copies (:meth:`forget_layers`); left to the store's collection, the pause
-        went later and those checkpoints stayed for good. Best effort, with short
-        timeouts (a kill does not wait on a store that is down): one it cannot reach is
-        left to that collection (it forgets the pauses of killed sandboxes).
-        ``owner``: the sandbox's tenant, for a pause with no upload mark (one taken over
-        from another host: the store it came from is the configured one).
+        collected. Then the checkpoints that pause was stored on as layers here go with
+        their local copies (:meth:`forget_layers`); left to the store's collection, the
+        pause went later and those checkpoints stayed for good. Best effort: one it
+        cannot reach is left to that collection (it forgets the pauses of killed
+        sandboxes). ``owner``: the sandbox's tenant, for a pause with no upload mark (one
+        taken over from another host: the store it came from is the configured one).
         """
         marked = uploads.state(folder.paused)
         tenant = str(marked.get("tenant") or owner or self.tenant)
         url = str(marked.get("store") or "") or store_url()
         try:
-            store = ChunkStore(tenant, open_objects(url, read_timeout=10.0, attempts=2))
+            store = self.chunks(tenant, url)
             if not store.has_key():
                 return  # (the tenant never stored anything there)
             if store.pause_of(folder.id).id == pause_id:
                 store.delete_pause(folder.id)
         except SnapshotNotFound:
             return  # not stored (yet: an upload still running is the collection's)
-        except (CryoboxError, OSError) as exc:
-            log.warning("%s: its stored pause is left to the collection: %s", folder.id, exc)
+        except Exception as exc:  # (the kill goes on: its VM is gone already)
+            log.warning("%s: its stored pause is left to the collection: %r", folder.id, exc)
 
     def stored_users(self, snapshot_ids: Iterable[str]) -> dict[str, list[str]]:
         """For each id, the stored snapshots not on this host whose disk layers build on
@@ -523,6 +522,9 @@ class Persistence:
             except (CryoboxError, OSError) as exc:  # (left for the store's own collection)
                 log.warning("stored copies of %s kept: %s", named, exc)
                 gone = []
+            except Exception as exc:  # (a client's own error: tried again, then given up)
+                log.warning("stored copies of %s kept for now: %r", named, exc)
+                gone = None
             if gone is None:  # (an upload runs, or the store did not answer)
                 put_off[where] = ids
             else:

@@ -7,8 +7,8 @@ what it builds on is stored, which a delete in between would undo. The removals 
 off (and those a store that did not answer kept) wait here, in the state folder, for
 a later collection (each kill collects, and so do ``cryobox gc`` and the server's
 collection tick); before, they were dropped, and such a copy stayed in the store for
-good. Each is tried at most every :data:`RETRY_EVERY` seconds (a kill must not wait on
-a store that is down at each try), only by a process whose store connection settings
+good. Each is tried at most every :data:`RETRY_EVERY` seconds (so that each kill does
+not try again a store that is down), only by a process whose store connection settings
 are the ones that marked it (another's may reach another endpoint), and given up after
 :data:`GIVE_UP_AFTER` (left to the store's own collection). One file for every process
 of the host, read and changed under a lock, never held across a store request.
