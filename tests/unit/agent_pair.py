@@ -5,9 +5,11 @@ guest/front.c as the image build does) with the Python agent behind it."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,12 +43,14 @@ async def serve_agent() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
 #: /etc/cryobox/defaults.json): absent unless a test writes it.
 COMMAND_DEFAULTS = Path(tempfile.mkdtemp(prefix="cryobox-defaults-test-")) / "defaults.json"
 os.environ["CRYOBOX_COMMAND_DEFAULTS"] = str(COMMAND_DEFAULTS)
+atexit.register(shutil.rmtree, COMMAND_DEFAULTS.parent, ignore_errors=True)
 
 
 @functools.cache
 def front_binary() -> Path:
     """The front, compiled once per test session."""
     folder = Path(tempfile.mkdtemp(prefix="cryobox-front-test-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     binary = folder / "cryobox-agent"
     build.compile_front(binary)
     return binary

@@ -122,6 +122,7 @@ def test_a_sandbox_is_reached_through_any_host(hosts: tuple[ApiServer, ApiServer
         assert result.stdout == "one\ntwo\n" and "".join(seen) == "one\ntwo\n"
         via_b.files.write("/tmp/from-b", b"written through b")
         assert sbx.files.read("/tmp/from-b") == b"written through b"
+        via_b.files.remove("/tmp/from-b")  # (the fake VMM's guest is the host: its /tmp)
         assert sbx.id in [i.id for i in Sandbox.list(api_url=b.url, api_key=b.key)]
         time.sleep(1)  # b's monitor ticks (0.2 s) and must leave a's sandbox alone
         assert sbx.info().state == "running"
@@ -232,6 +233,7 @@ def test_e2b_paths_are_forwarded_too(hosts: tuple[ApiServer, ApiServer]) -> None
             assert sandbox.commands.run("echo via b", **root).stdout == "via b\n"
             sandbox.files.write("/tmp/e2b-via-b", "written", **root)
             assert sandbox.files.read("/tmp/e2b-via-b", **root) == "written"
+            sandbox.files.remove("/tmp/e2b-via-b", **root)
     finally:
         assert http(b).delete(f"/e2b/sandboxes/{sandbox_id}").status_code == 204
 

@@ -175,6 +175,7 @@ def test_the_sdk_works_over_http(server: ApiServer, tmp_path: Path) -> None:
         sbx.files.write("/tmp/blob", payload)
         assert sbx.files.read("/tmp/blob") == payload
         assert sbx.files.stat("/tmp/blob").size == len(payload)
+        sbx.files.remove("/tmp/blob")  # (the fake VMM's guest is the host: its /tmp)
         checkpoint = sbx.checkpoint("before")
         sbx.rollback("before")
         assert [c.id for c in sbx.checkpoints()] == [checkpoint.id]

@@ -26,6 +26,7 @@ class S3Server:
         self.folder = Path(tempfile.mkdtemp(prefix="cbx-s3-"))
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.ports: dict[str, int] = {}
 
     @property
     def endpoint(self) -> str:
@@ -57,8 +58,14 @@ class S3Server:
             "admin.port": free_port(),
             "admin.port.grpc": free_port(),
         }
+        self.ports = ports
         args = [f"-{name}={port}" for name, port in ports.items()]
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "TMPDIR": str(self.folder),  # (its logs there, not in /tmp: removed with it)
+        }
         self.process = subprocess.Popen(
             [
                 str(weed),
@@ -114,3 +121,7 @@ class S3Server:
                 self.process.kill()
                 self.process.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+        # Its local sockets are in /tmp whatever TMPDIR says (named by their ports).
+        for port in self.ports.values():
+            for socket in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                socket.unlink(missing_ok=True)

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -325,6 +326,8 @@ def run(minutes: float, *, server_faults_every: float = 60.0, fork_every: int = 
             sbx.kill()
         finally:
             load.stop()
+            if not report.losses:  # (after a loss, its server's log is what to look at)
+                shutil.rmtree(folder, ignore_errors=True)
     return report
 
 
