@@ -93,6 +93,17 @@ def may_move(url: str, sandbox_id: str) -> bool:
     return bool(row and row[0])
 
 
+def tenant_id(url: str, name: str) -> str:
+    """The id of the tenant named ``name`` in a fleet database (the store keeps its
+    records under it)."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT id FROM tenants WHERE name = %s", (name,)).fetchone()
+    assert row is not None, f"no tenant {name}"
+    return str(row[0])
+
+
 def recovery_at(url: str, sandbox_id: str) -> float:
     """When the fleet database's recorded recovery point of a running sandbox was taken
     (its newest stored automatic checkpoint: ``sandboxes.recovery``); 0 when none is."""

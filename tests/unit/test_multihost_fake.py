@@ -45,7 +45,7 @@ from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import locks
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects
-from postgres_server import may_move, recovery_at
+from postgres_server import may_move, recovery_at, tenant_id
 from waiting import until
 
 
@@ -578,12 +578,7 @@ def test_a_former_recovery_point_put_off_while_an_upload_ran_leaves_the_store_af
 
     with lossy_pair(postgres, fleet_dir, "hosts_unstore_restart") as (_, b):
         assert b.database_url is not None
-        with psycopg.connect(b.database_url) as conn:
-            found = conn.execute(
-                "SELECT id FROM tenants WHERE name = %s", ("hosts-unstore-restart",)
-            ).fetchone()
-        assert found is not None
-        tenant = str(found[0])
+        tenant = tenant_id(b.database_url, "hosts-unstore-restart")
         records = fleet_dir / "store" / "snapshots" / tenant
         snapshots = fleet_dir / "b" / "snapshots"
         seen: list[str] = []  # the sandbox's automatic checkpoints, in the order seen here
@@ -660,13 +655,9 @@ def test_a_paused_sandbox_moved_to_another_host_and_killed_there_leaves_no_store
         sbx = Sandbox.create(api_url=b.url, api_key=b.key)
         sbx.pause()
         until(lambda: may_move(url, sbx.id), "b's pause to be stored", timeout=60)
-        with psycopg.connect(url) as conn:
-            found = conn.execute(
-                "SELECT id FROM tenants WHERE name = %s", ("hosts-moved-killed",)
-            ).fetchone()
-        assert found is not None
+        tenant = tenant_id(url, "hosts-moved-killed")
         monkeypatch.setenv("CRYOBOX_STATE_DIR", str(fleet_dir / "b"))  # (its keys, to read)
-        stored = ChunkStore(str(found[0]), open_objects(str(fleet_dir / "store")))
+        stored = ChunkStore(tenant, open_objects(str(fleet_dir / "store")))
         assert stored.pause_of(sbx.id).id
         b.stop()
         wait_for_state(a, sbx.id, "paused", "a never answers for it")  # (b is seen gone)

@@ -442,9 +442,8 @@ class Persistence:
         """
         marked = uploads.state(folder.paused)
         tenant = str(marked.get("tenant") or owner or self.tenant)
-        url = str(marked.get("store") or "") or store_url()
         try:
-            store = self.chunks(tenant, url)
+            store = self.chunks(tenant, str(marked.get("store") or store_url()))
             if not store.has_key():
                 return  # (the tenant never stored anything there)
             if store.pause_of(folder.id).id == pause_id:

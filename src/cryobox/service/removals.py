@@ -35,7 +35,7 @@ RETRY_EVERY = 60.0
 GIVE_UP_AFTER = 86400.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Where:
     """Where a removal is to be made: the store's URL, the tenant, and the connection
     settings (:func:`cryobox.store.objects.connection`) of the process that marked it."""
@@ -135,10 +135,7 @@ def settle(put_off: Mapping[Where, set[str]], done: Mapping[Where, set[str]]) ->
                     "since": when.since,
                     "tried": when.tried,
                 }
-                for (where, snapshot_id), when in sorted(
-                    waiting.items(),
-                    key=lambda item: (item[0][0].store, item[0][0].tenant, item[0][1]),
-                )
+                for (where, snapshot_id), when in sorted(waiting.items())  # (keys unique)
             ]
             if entries:
                 write_json_atomic(_path(), entries)
