@@ -74,13 +74,14 @@ async def _run(service: SandboxService, sandbox_id: str, shell: str) -> str:
     return out.decode()
 
 
-async def test_a_lifecycle_with_every_part_injected(parts: SandboxService) -> None:
+async def test_a_lifecycle_with_every_part_injected(parts: SandboxService, tmp_path: Path) -> None:
     service = parts
+    note = str(tmp_path / "note")  # (the fake VMM's guest is the host: not its /tmp)
     info = await service.create(CreateRequest(template="base"))
     assert info.state == "running"
     assert info.supervisor_pid == os.getpid()  # served in this process, by a task
     assert await _run(service, info.id, "echo hi") == "hi\n"
-    await service.guest.write_file(info.id, "/tmp/note", [b"kept"], 0o644)
+    await service.guest.write_file(info.id, note, [b"kept"], 0o644)
     checkpoint = await service.capture(info.id, SnapshotPurpose.CHECKPOINT, "one")
     assert service.store.get(checkpoint.id).source_sandbox == info.id  # the injected store
     await service.rollback(info.id, "one")
@@ -90,12 +91,12 @@ async def test_a_lifecycle_with_every_part_injected(parts: SandboxService) -> No
         await service.guest.start_command(info.id, CommandRequest(shell="true"), print)
     resumed = await service.resume(info.id)
     assert resumed.state == "running"
-    assert await _run(service, info.id, "cat /tmp/note") == "kept"
+    assert await _run(service, info.id, f"cat {note}") == "kept"
     copies = await service.fork(info.id, 2)
     assert len({c.id for c in copies}) == 2
     for copy in copies:
         assert (await service.get(copy.id)).forked_from == info.id
-        assert await _run(service, copy.id, "cat /tmp/note") == "kept"
+        assert await _run(service, copy.id, f"cat {note}") == "kept"
     for each in (info, *copies):
         await service.kill(each.id)
         assert (await service.get(each.id)).state == "killed"
