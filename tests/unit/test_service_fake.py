@@ -41,6 +41,7 @@ from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import locks, uploads
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects, store_url
+from silent_store import SilentStore
 from waiting import until
 
 
@@ -245,6 +246,32 @@ def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs_then_goe
     with pytest.raises(SnapshotNotFound):
         chunks.find(checkpoint)
     assert not waiting.exists()
+
+
+def test_a_resume_and_a_kill_do_not_wait_on_a_store_that_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resume forgets the stored pause and a kill of a paused sandbox deletes it (and
+    what only it builds on): housekeeping, tried briefly. On the S3 client's own
+    patience (five tries of a minute each) a kill waited more than 5 minutes per
+    request, and a resume held the server's event loop as long."""
+    with SilentStore() as store:
+        for name, value in store.settings().items():
+            monkeypatch.setenv(name, value)
+        sbx = Sandbox.create("base")
+        sbx.pause()
+        started = time.monotonic()
+        sbx = Sandbox.resume(sbx.id)
+        resumed_in = time.monotonic() - started
+        assert sbx.commands.run("echo on").stdout == "on\n"
+        sbx.pause()
+        started = time.monotonic()
+        sbx.kill()
+        killed_in = time.monotonic() - started
+        assert sbx.info().state == "killed"
+        assert store.asked and not store.waiting()  # (it was asked, and given up on)
+        # (a bound far from both: a hang, not a speed, is what this catches)
+        assert resumed_in < 90 and killed_in < 90, (resumed_in, killed_in)
 
 
 def test_what_an_unlisted_snapshot_builds_on_is_not_collected(fake_vmm: Path) -> None:

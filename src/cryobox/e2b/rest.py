@@ -316,7 +316,7 @@ def e2b_router(hub: Hub, records: E2bRecords, forget: Callable[[str], None]) -> 
         )
         if template != "base":
             try:
-                snapshot = hub.find_snapshot(me, template, prefix=False)
+                snapshot = await hub.find_snapshot(me, template, prefix=False)
                 request = dataclasses.replace(request, from_snapshot=snapshot.id)
             except SnapshotNotFound:
                 request = dataclasses.replace(request, template=template)

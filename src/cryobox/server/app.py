@@ -764,7 +764,7 @@ def create_app(
     @app.post("/volumes", status_code=201, tags=["volumes"])
     async def create_volume(body: s.CreateVolume, me: Me) -> VolumeInfo:
         """An empty volume, or one holding a volume snapshot's files (``from_snapshot``)."""
-        source = hub.find_snapshot(me, body.from_snapshot) if body.from_snapshot else None
+        source = await hub.find_snapshot(me, body.from_snapshot) if body.from_snapshot else None
         return await hub.volumes.create(
             me, body.name, body.size_gib, hub.stored_bytes(me), from_snapshot=source
         )

@@ -395,9 +395,14 @@ class Hub:
         ]
         return [*self.tenants.owned(tenant.id, "snapshot"), *automatic]
 
-    def find_snapshot(self, tenant: Tenant, ref: str, *, prefix: bool = True) -> Manifest:
+    async def find_snapshot(self, tenant: Tenant, ref: str, *, prefix: bool = True) -> Manifest:
         """One of the tenant's snapshots by id or name (the newest of that name), or by
-        a unique id prefix (unless ``prefix`` is False: E2B's template names)."""
+        a unique id prefix (unless ``prefix`` is False: E2B's template names). Looked
+        for off the event loop: those evicted from this host are read from the store
+        (a request each), and one that does not answer must not hold up the server."""
+        return await asyncio.to_thread(self._find_snapshot, tenant, ref, prefix)
+
+    def _find_snapshot(self, tenant: Tenant, ref: str, prefix: bool) -> Manifest:
         mine: list[Manifest] = []
         unread: list[str] = []
         for snapshot_id in self._snapshots_of(tenant):
@@ -607,7 +612,7 @@ class Hub:
             volumes=self.volumes.mounts_inside(tenant, request.volumes),
             template=template,
             from_snapshot=(
-                self.find_snapshot(tenant, request.from_snapshot).id
+                (await self.find_snapshot(tenant, request.from_snapshot)).id
                 if request.from_snapshot
                 else None
             ),
@@ -919,7 +924,7 @@ class Hub:
     async def restore_process(self, tenant: Tenant, sandbox_id: str, ref: str) -> int:
         """Restore one of the tenant's process checkpoints into its sandbox; the pid."""
         await self.use(tenant, sandbox_id)
-        manifest = self.find_snapshot(tenant, ref)
+        manifest = await self.find_snapshot(tenant, ref)
         async with self._locks[sandbox_id]:
             pid = await self.service.processes.restore(manifest.id, sandbox_id, tenant=tenant.id)
         self.events.publish(
@@ -931,7 +936,7 @@ class Hub:
         return await self.service.processes.list(set(self._snapshots_of(tenant)))
 
     async def delete_process_checkpoint(self, tenant: Tenant, ref: str) -> None:
-        manifest = self.find_snapshot(tenant, ref)
+        manifest = await self.find_snapshot(tenant, ref)
         if manifest.purpose is not SnapshotPurpose.PROCESS:
             raise InvalidArgument(
                 f"{ref!r} is a {manifest.purpose.value}, not a process checkpoint"
@@ -940,7 +945,7 @@ class Hub:
 
     async def rollback(self, tenant: Tenant, sandbox_id: str, ref: str) -> None:
         await self.use(tenant, sandbox_id)
-        manifest = self.find_snapshot(tenant, ref)
+        manifest = await self.find_snapshot(tenant, ref)
         async with self._locks[sandbox_id]:
             await self.service.rollback(sandbox_id, manifest.id)
         self.events.publish(tenant.id, sandbox_id, "rolled back", snapshot_id=manifest.id)
@@ -1078,7 +1083,7 @@ class Hub:
         return found
 
     async def snapshot(self, tenant: Tenant, ref: str) -> SnapshotInfo:
-        manifest = self.find_snapshot(tenant, ref)
+        manifest = await self.find_snapshot(tenant, ref)
         for snapshot in await self.service.catalog.snapshots():
             if snapshot.id == manifest.id:
                 return snapshot
@@ -1087,7 +1092,7 @@ class Hub:
     async def delete_snapshot(
         self, tenant: Tenant, ref: str, *, cascade: bool = False
     ) -> builtins.list[str]:
-        manifest = self.find_snapshot(tenant, ref)
+        manifest = await self.find_snapshot(tenant, ref)
         deleted = await self.service.catalog.delete_snapshot(
             manifest.id, cascade=cascade, tenant=tenant.id
         )

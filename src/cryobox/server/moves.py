@@ -557,7 +557,7 @@ class Mover:
         commit that what it builds on is stored, which a delete between that check and
         the commit would undo."""
         try:
-            chunks = self.hub.service.persist.of(tenant).chunks()
+            chunks = self.hub.service.persist.of(tenant).chunks(brief=True)
             deleted = chunks.delete_unneeded([checkpoint], strict=False)
         except (CryoboxError, OSError) as exc:
             # (not retried: each monitor tick would wait on a store that is down)
@@ -927,7 +927,7 @@ class Mover:
             if point is not None:
                 await asyncio.to_thread(self._unstore, tenant, point[1])
             with contextlib.suppress(CryoboxError, OSError):
-                await asyncio.to_thread(persist.chunks().delete_pause, sandbox_id)
+                await asyncio.to_thread(persist.chunks(brief=True).delete_pause, sandbox_id)
         log.warning("%s killed while its host %s is lost", sandbox_id, home)
         return True
 

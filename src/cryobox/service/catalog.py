@@ -104,7 +104,8 @@ class Catalog:
         leaning = [m for m in leaning if m.id not in ids]
         sandboxes = registry.list_sandboxes()
         persist = self.persist.of(tenant)
-        stored_children = persist.stored_users(m.id for m in doomed)
+        # (a listing of the tenant's store: off the event loop, as each removal from it)
+        stored_children = await asyncio.to_thread(persist.stored_users, [m.id for m in doomed])
         kept = [m for m in every if m.id not in ids and m not in leaning]
         for each in doomed:
             needed_by = references.users(each.id, kept, sandboxes)
@@ -122,8 +123,8 @@ class Catalog:
             # (a fold onto it holds its lock until done: waited for off the event loop)
             await asyncio.to_thread(self.store.delete, each.id)
             for child in stored_children[each.id]:  # evicted ones: in the store only
-                persist.forget(child)
-            persist.forget(each.id)
+                await asyncio.to_thread(persist.forget, child)
+            await asyncio.to_thread(persist.forget, each.id)
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:
                     self.store.delete_template(str(template["name"]))

@@ -65,6 +65,13 @@ T = TypeVar("T")
 #: Seconds between two looks at whether another pull has finished.
 PULL_TURN_POLL = 0.05
 
+#: The patience of housekeeping a caller waits on (see :meth:`Persistence.chunks`):
+#: each S3 request read for at most this many seconds, and tried this many times.
+#: A store that does not answer then holds a resume or a kill for about 20 s per
+#: request, not 5 minutes (five tries of a minute, the S3 client's own patience).
+BRIEF_READ = 5.0
+BRIEF_ATTEMPTS = 2
+
 
 def _arrives_lazily(stored: StoredSnapshot) -> bool:
     """Whether a start from ``stored`` can begin before its RAM is here: a memory
@@ -115,13 +122,14 @@ class Persistence:
         self,
         local: SnapshotStore,
         tenant: str = LOCAL_TENANT,
-        clients: dict[tuple[str, str], ChunkStore] | None = None,
+        clients: dict[tuple[str, str, bool], ChunkStore] | None = None,
         pulling: threading.Lock | None = None,
     ) -> None:
         self.local = local
         self.tenant = tenant
-        #: Chunk store clients by (store URL, tenant), shared by every tenant's view.
-        self._stores: dict[tuple[str, str], ChunkStore] = {} if clients is None else clients
+        #: Chunk store clients by (store URL, tenant, brief), shared by every tenant's
+        #: view.
+        self._stores: dict[tuple[str, str, bool], ChunkStore] = {} if clients is None else clients
         #: Held by a pull (shared by every tenant's view): two pulls of one snapshot, or
         #: of two built on one layer, would write the same folders (several creates from
         #: one stored snapshot at once); the second finds what the first pulled. Waited
@@ -135,12 +143,23 @@ class Persistence:
             return self
         return Persistence(self.local, tenant, self._stores, self._pulling)
 
-    def chunks(self, tenant: str | None = None, url: str | None = None) -> ChunkStore:
+    def chunks(
+        self, tenant: str | None = None, url: str | None = None, *, brief: bool = False
+    ) -> ChunkStore:
         """A tenant's (by default this one's) chunk store at ``url`` (by default
-        ``CRYOBOX_STORE`` as set now); one client each."""
-        key = (url or store_url(), tenant or self.tenant)
+        ``CRYOBOX_STORE`` as set now); one client each. ``brief``: a client for
+        housekeeping a caller waits on and a later collection can do as well
+        (forgetting a pause, removing what nothing needs): an S3 store's requests are
+        tried :data:`BRIEF_ATTEMPTS` times, each read for at most :data:`BRIEF_READ`
+        seconds, instead of the S3 client's patience of several minutes each."""
+        key = (url or store_url(), tenant or self.tenant, brief)
         if key not in self._stores:
-            self._stores[key] = ChunkStore(key[1], open_objects(key[0]))
+            objects = (
+                open_objects(key[0], read_timeout=BRIEF_READ, attempts=BRIEF_ATTEMPTS)
+                if brief
+                else open_objects(key[0])
+            )
+            self._stores[key] = ChunkStore(key[1], objects)
         return self._stores[key]
 
     # ------------------------------------------------------------------ uploads
@@ -191,7 +210,7 @@ class Persistence:
             manifest = self.local.get(ref)
         except SnapshotNotFound:
             store = self.chunks()
-            if not store.has_key():
+            if not await asyncio.to_thread(store.has_key):  # (asked off the event loop)
                 raise  # this tenant never stored anything
         else:
             await self.ram_here(manifest.id)
@@ -426,9 +445,13 @@ class Persistence:
         uploads.set_state(folder.paused, tenant=store.tenant, state="stored")
 
     def after_resume(self, folder: SandboxDir) -> None:
-        """The stored pause is history once the machine runs again."""
-        with contextlib.suppress(StoreError, SnapshotError):
-            self.chunks().delete_pause(folder.id)
+        """The stored pause is history once the machine runs again (one the store did
+        not answer for is left to its collection, which forgets the pauses of sandboxes
+        that are not paused)."""
+        try:
+            self.chunks(brief=True).delete_pause(folder.id)
+        except (StoreError, SnapshotError) as exc:
+            log.warning("%s: its stored pause is left to the collection: %s", folder.id, exc)
 
     def forget_pause(self, folder: SandboxDir, pause_id: str, owner: str) -> None:
         """A sandbox killed while paused: its stored pause leaves the store now, if it is
@@ -443,7 +466,7 @@ class Persistence:
         marked = uploads.state(folder.paused)
         tenant = str(marked.get("tenant") or owner or self.tenant)
         try:
-            store = self.chunks(tenant, str(marked.get("store") or store_url()))
+            store = self.chunks(tenant, str(marked.get("store") or store_url()), brief=True)
             if not store.has_key():
                 return  # (the tenant never stored anything there)
             if store.pause_of(folder.id).id == pause_id:
@@ -513,7 +536,7 @@ class Persistence:
                 continue
             named = ", ".join(sorted(ids))
             try:
-                store = self.chunks(where.tenant, where.store)
+                store = self.chunks(where.tenant, where.store, brief=True)
                 gone = store.delete_unneeded(sorted(ids)) if store.has_key() else []
             except StoreError as exc:
                 log.warning("stored copies of %s kept for now: %s", named, exc)
@@ -540,7 +563,7 @@ class Persistence:
         """
         manifest = self.local.get(ref)
         try:
-            self.chunks().find(manifest.id)
+            await asyncio.to_thread(self.chunks().find, manifest.id)
         except SnapshotNotFound:
             raise InvalidArgument(
                 f"snapshot {manifest.id} is not in the store yet: `cryobox snapshot push` it first"

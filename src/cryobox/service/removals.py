@@ -67,6 +67,13 @@ def _locked() -> Iterator[None]:
         yield
 
 
+def _sweep_cut_short() -> None:
+    """Remove the temporary files of writes cut short (a process killed with -9 while
+    it wrote): only the lock's holder writes, so under it every one is a leftover."""
+    for leftover in config.state_dir().glob(f".{FILE}.*.tmp"):
+        leftover.unlink(missing_ok=True)
+
+
 def _read() -> dict[tuple[Where, str], _Waiting]:
     try:
         raw = json.loads(_path().read_text())
@@ -109,6 +116,7 @@ def settle(put_off: Mapping[Where, set[str]], done: Mapping[Where, set[str]]) ->
     now = time.time()
     try:
         with _locked():
+            _sweep_cut_short()
             waiting = _read()
             for where, ids in done.items():
                 for snapshot_id in ids:

@@ -873,13 +873,13 @@ class SandboxService:
         persist = self.persist.of(tenant)
         woken = await self._wake(folder)
         if woken is not None:
-            persist.after_resume(folder)
+            await asyncio.to_thread(persist.after_resume, folder)
             return sandbox_info(folder.spec(), woken, folder)
         await persist.paused_here(folder)  # its files deleted here: from the store
         record = await self.launcher.start(
             folder, backend=self.vmm.name, resume=True, progress=progress
         )
-        persist.after_resume(folder)
+        await asyncio.to_thread(persist.after_resume, folder)  # (off the event loop)
         await self._keep_egress_trust(sandbox_id)
         return sandbox_info(folder.spec(), record, folder)
 
