@@ -23,6 +23,7 @@ class SilentStore:
         self._lock = threading.Lock()
         self._requests: dict[socket.socket, bytes] = {}  # open connections: what they sent
         self.asked = 0  # connections taken so far
+        self._given_up: list[bytes] = []  # what the connections their clients closed sent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
@@ -60,7 +61,13 @@ class SilentStore:
         wait for an answer."""
         with self._lock:
             sent = list(self._requests.values())
-        return [each.split(b"\r\n", 1)[0].decode(errors="replace") for each in sent]
+        return [_line(each) for each in sent]
+
+    def given_up(self) -> list[str]:
+        """The request lines of the clients that stopped waiting (closed)."""
+        with self._lock:
+            sent = list(self._given_up)
+        return [_line(each) for each in sent]
 
     def _serve(self) -> None:
         with selectors.DefaultSelector() as selector:
@@ -85,6 +92,10 @@ class SilentStore:
                             kept = self._requests[connection] + data
                             self._requests[connection] = kept[:4096]
                             continue
-                        del self._requests[connection]  # the client gave up
+                        self._given_up.append(self._requests.pop(connection))  # gave up
                     selector.unregister(connection)
                     connection.close()
+
+
+def _line(sent: bytes) -> str:
+    return sent.split(b"\r\n", 1)[0].decode(errors="replace")

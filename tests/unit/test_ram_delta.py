@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -514,30 +515,41 @@ def test_an_upload_stores_the_ram_base_again_when_it_left_the_store(
     assert sorted(s.id for s in chunks.all()) == ["snap-newer", "snap-older"]
 
 
+def _a_stored_point_and_a_mover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[LocalSnapshotStore, Any, Any, Any]:
+    """A history of two checkpoints, the newer stored for tenant-a (a recovery point),
+    and a fleet host's mover over a real SQLite database: the local store, the
+    persistence, the database and the mover."""
+    from types import SimpleNamespace
+
+    from cryobox.server.databases import open_database
+    from cryobox.server.moves import Mover
+    from cryobox.service.persist import Persistence
+    from cryobox.store import uploads
+
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
+    store, _, _ = _history_of_two(tmp_path)
+    uploads.mark(store.folder("snap-newer"), "tenant-a")
+    assert uploads.upload(store.folder("snap-newer"))
+    persist = Persistence(store)
+    db = open_database(tmp_path / "server.db")
+    hub = SimpleNamespace(db=db, me="host-a", service=SimpleNamespace(persist=persist, store=store))
+    return store, persist, db, Mover(hub)  # type: ignore[arg-type]
+
+
 def test_a_former_recovery_point_leaves_the_store_only_while_no_upload_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fleet removes a sandbox's former recovery point from the store under a
     collection lease: while an upload holds its lease (it may be storing a checkpoint
     that leans on it) the removal is put off, and done at a later tick."""
-    from types import SimpleNamespace
-
     from cryobox.errors import SnapshotNotFound
-    from cryobox.server.databases import open_database
-    from cryobox.server.moves import Mover
-    from cryobox.service.persist import Persistence
     from cryobox.store import locks, uploads
 
-    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("CRYOBOX_STORE", str(tmp_path / "store"))
-    store, _, _ = _history_of_two(tmp_path)
+    store, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
     tenant = "tenant-a"
-    uploads.mark(store.folder("snap-newer"), tenant)
-    assert uploads.upload(store.folder("snap-newer"))
-    persist = Persistence(store)
-    db = open_database(tmp_path / "server.db")
-    hub = SimpleNamespace(db=db, me="host-a", service=SimpleNamespace(persist=persist, store=store))
-    mover = Mover(hub)  # type: ignore[arg-type]
     chunks = persist.of(tenant).chunks()
     put_off = "SELECT tenant_id, snapshot_id, host_id FROM unstores"
 
@@ -552,4 +564,49 @@ def test_a_former_recovery_point_leaves_the_store_only_while_no_upload_runs(
     assert uploads.state(store.folder("snap-newer"))["state"] == "local"
     assert mover.unstore_later == set()
     assert db.rows(put_off) == []
+    db.close()
+
+
+def test_a_former_recovery_point_the_store_did_not_answer_for_leaves_it_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tried briefly, a removal the store does not answer for is put off (it was
+    dropped: the point stayed in the store for good), and tried again once a minute,
+    not at every monitor tick."""
+    from cryobox.errors import SnapshotNotFound, StoreError
+    from cryobox.server import moves
+
+    _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
+    tenant = "tenant-a"
+    chunks = persist.of(tenant).chunks()
+    brief = persist.of(tenant).chunks(brief=True)  # (the client a removal uses)
+    answering = brief.objects
+
+    class NotAnswering:
+        """The store behind a network fault: every request times out."""
+
+        url = answering.url
+
+        def __getattr__(self, name: str) -> Any:
+            def timed_out(*args: object, **kwargs: object) -> None:
+                raise StoreError(answering.url, name, "read timed out")
+
+            return timed_out
+
+    brief.objects = NotAnswering()
+    mover._unstore(tenant, "snap-newer")
+    assert chunks.find("snap-newer").id == "snap-newer"
+    assert mover.unstore_later == {(tenant, "snap-newer")}
+    assert [tuple(r) for r in db.rows("SELECT tenant_id, snapshot_id FROM unstores")] == [
+        (tenant, "snap-newer")
+    ]
+    brief.objects = answering  # it answers again
+    mover.retry_unstores()  # (a tick within the minute: not tried)
+    assert chunks.find("snap-newer").id == "snap-newer"
+    mover._unstore_failed[(tenant, "snap-newer")] -= moves.UNSTORE_RETRY_AFTER
+    mover.retry_unstores()  # (a minute later)
+    with pytest.raises(SnapshotNotFound):
+        chunks.find("snap-newer")
+    assert mover.unstore_later == set()
+    assert db.rows("SELECT tenant_id FROM unstores") == []
     db.close()

@@ -32,6 +32,7 @@ from cryobox.errors import (
     SnapshotNotFound,
     StateError,
     StorageError,
+    StoreError,
 )
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
@@ -248,6 +249,57 @@ def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs_then_goe
     assert not waiting.exists()
 
 
+def test_a_pause_the_store_did_not_answer_for_at_the_kill_goes_later_then_its_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kill of a paused sandbox while its store does not answer: the pause's removal
+    waits with its layer's, and a later collection (another process, a minute later)
+    deletes the pause, then the checkpoint it built on. (The pause was left to the
+    store's collection, and the checkpoint, kept while the pause built on it, stayed in
+    the store for good.)"""
+    checkpoint, b, chunks = _paused_on_a_stored_checkpoint()
+    pause_id = chunks.pause_of(b.id).id
+
+    def not_answering(self: ChunkStore) -> bool:
+        raise StoreError(str(self.objects.url), "looking up the key", "read timed out")
+
+    with monkeypatch.context() as fault:
+        fault.setattr(ChunkStore, "has_key", not_answering)
+        b.kill()
+    assert chunks.pause_of(b.id).id == pause_id  # (both still stored)
+    assert chunks.find(checkpoint).id == checkpoint
+    waiting = config.state_dir() / removals.FILE
+    entries = json.loads(waiting.read_text())
+    assert {e["id"] for e in entries} == {removals.pause_entry(b.id, pause_id), checkpoint}
+
+    def collection_in_another_process() -> None:
+        other = subprocess.run(
+            [sys.executable, "-c", "from cryobox import Sandbox; Sandbox.create('base').kill()"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert other.returncode == 0, other.stderr
+
+    def a_minute_later(*ids: str) -> None:
+        entries = json.loads(waiting.read_text())
+        moved = [{**e, "tried": e["tried"] - 60} if e["id"] in ids else e for e in entries]
+        waiting.write_text(json.dumps(moved))
+
+    # The checkpoint's turn before the pause's: it waits on (the pause builds on it).
+    a_minute_later(checkpoint)
+    collection_in_another_process()
+    assert chunks.find(checkpoint).id == checkpoint
+    assert checkpoint in {e["id"] for e in json.loads(waiting.read_text())}
+    a_minute_later(checkpoint, removals.pause_entry(b.id, pause_id))
+    collection_in_another_process()
+    with pytest.raises(SnapshotNotFound):
+        chunks.pause_of(b.id)
+    with pytest.raises(SnapshotNotFound):
+        chunks.find(checkpoint)
+    assert not waiting.exists()
+
+
 def test_a_resume_and_a_kill_do_not_wait_on_a_store_that_does_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -269,7 +321,8 @@ def test_a_resume_and_a_kill_do_not_wait_on_a_store_that_does_not_answer(
         sbx.kill()
         killed_in = time.monotonic() - started
         assert sbx.info().state == "killed"
-        assert store.asked and not store.waiting()  # (it was asked, and given up on)
+        assert store.asked  # (it was asked, and given up on)
+        until(lambda: not store.waiting(), "every request to the store given up")
         # (a bound far from both: a hang, not a speed, is what this catches)
         assert resumed_in < 90 and killed_in < 90, (resumed_in, killed_in)
 

@@ -68,6 +68,7 @@ from cryobox.service.service import (
 )
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import one_by_id_prefix
+from cryobox.store.collect import TenantUsage
 from cryobox.store.retention import Policy
 from cryobox.wire import SandboxUsage, UsageReport
 
@@ -177,6 +178,9 @@ class Hub:
         self._busy: Counter[str] = Counter()
         self._swept = 0.0
         self._stored: dict[str, int] = {}
+        #: Each tenant's usage of the store as last measured: counted again while the
+        #: store does not answer (rather than nothing).
+        self._store_usage: dict[str, TenantUsage | None] = {}
         self._peers: httpx.AsyncClient | None = None
         self.forward_secret = ""
         #: Paused sandboxes waking on another host (:mod:`.moves`).
@@ -403,15 +407,24 @@ class Hub:
         return await asyncio.to_thread(self._find_snapshot, tenant, ref, prefix)
 
     def _find_snapshot(self, tenant: Tenant, ref: str, prefix: bool) -> Manifest:
+        owned = self._snapshots_of(tenant)
+        if ref in owned:  # an id, here: nothing else to read
+            with contextlib.suppress(SnapshotNotFound):
+                return self.service.store.get(ref)
         mine: list[Manifest] = []
         unread: list[str] = []
-        for snapshot_id in self._snapshots_of(tenant):
+        store_down = False  # (then the others evicted are not asked for: unread too)
+        for snapshot_id in owned:
             try:
                 manifest = self.service.store.get(snapshot_id)
             except SnapshotNotFound:
+                if store_down:
+                    unread.append(snapshot_id)
+                    continue
                 try:  # evicted from this host, still in the store
                     stored = self.service.persist.chunks(tenant.id).find(snapshot_id)
-                except (SnapshotError, StoreError):
+                except (SnapshotError, StoreError) as exc:
+                    store_down = isinstance(exc, StoreError)
                     unread.append(snapshot_id)
                     continue
                 manifest = Manifest.from_json(stored.manifest)
@@ -1391,12 +1404,20 @@ class Hub:
         the chunk store (each chunk once; counted by one host per shared store), plus what
         is only on this host so far (paused machines and owned snapshots not stored yet)."""
         leads = await asyncio.to_thread(self.hosts.leads_store)
+        store_down = False  # (then the rest of the round counts what was last measured)
         for tenant in self.tenants.all():
-            try:
-                stored = await asyncio.to_thread(self.service.persist.usage_of, tenant.id)
-            except CryoboxError as exc:
-                log.warning("store usage of %s unknown: %s", tenant.id, exc)
-                stored = None
+            stored = self._store_usage.get(tenant.id)
+            if not store_down:
+                try:  # (briefly: the monitor's tick, idle pauses and timeouts wait on it)
+                    stored = await asyncio.to_thread(
+                        self.service.persist.usage_of, tenant.id, brief=True
+                    )
+                    self._store_usage[tenant.id] = stored
+                except StoreError as exc:
+                    log.warning("store usage unknown, the last measured is counted: %s", exc)
+                    store_down = True
+                except CryoboxError as exc:
+                    log.warning("store usage of %s unknown: %s", tenant.id, exc)
             pauses = {u.sandbox: u.unique_bytes for u in stored.snapshots} if stored else {}
             in_store = {u.id for u in stored.snapshots} if stored else set()
             by_sandbox: dict[str, int] = {}

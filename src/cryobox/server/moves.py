@@ -289,6 +289,10 @@ class Mover:
         #: which may be storing a checkpoint whose RAM leans on one): (tenant, id). Kept
         #: in the ``unstores`` table too, read back at start.
         self.unstore_later: set[tuple[str, str]] = set()
+        #: When each of those was last tried and the store did not answer (tried again
+        #: after :data:`UNSTORE_RETRY_AFTER`, so that a monitor tick does not wait on a
+        #: store that is down for each of them).
+        self._unstore_failed: dict[tuple[str, str], float] = {}
         #: One first key made at a time by this host (each holds a database connection
         #: while it waits for the fleet's lock: many at once would hold the whole pool).
         self._making_keys = asyncio.Lock()
@@ -543,11 +547,19 @@ class Mover:
 
     def retry_unstores(self) -> None:
         """Remove from the store the former recovery points put off while an upload ran
-        (each monitor tick; after a restart too: they are in the ``unstores`` table)."""
+        or the store did not answer (each monitor tick; after a restart too: they are in
+        the ``unstores`` table). One the store did not answer for waits
+        :data:`UNSTORE_RETRY_AFTER`, and the first such answer ends the round: the rest
+        wait for a later tick, not each on a store that is down."""
+        now = time.monotonic()
         for tenant, checkpoint in sorted(self.unstore_later):
-            self._unstore(tenant, checkpoint)
+            failed = self._unstore_failed.get((tenant, checkpoint))
+            if failed is not None and now - failed < UNSTORE_RETRY_AFTER:
+                continue
+            if not self._unstore(tenant, checkpoint):
+                return
 
-    def _unstore(self, tenant: str, checkpoint: str) -> None:
+    def _unstore(self, tenant: str, checkpoint: str) -> bool:
         """Delete a former recovery point (an automatic checkpoint) from the store, unless
         another stored snapshot builds on it (its disk: a later checkpoint after a rewind
         to it, a pause, a fork's snapshot; or its RAM: a folded checkpoint); its local
@@ -555,26 +567,32 @@ class Mover:
         stored, it is folded at the sandbox's next checkpoint. Under a collection lease,
         and put off while an upload runs (:meth:`_put_off`): an upload checks before its
         commit that what it builds on is stored, which a delete between that check and
-        the commit would undo."""
+        the commit would undo. One the store did not answer for (tried briefly) is put
+        off too; whether the store answered."""
         try:
             chunks = self.hub.service.persist.of(tenant).chunks(brief=True)
             deleted = chunks.delete_unneeded([checkpoint], strict=False)
-        except (CryoboxError, OSError) as exc:
-            # (not retried: each monitor tick would wait on a store that is down)
-            log.warning("checkpoint %s could not leave the store: %s", checkpoint, exc)
+        except (StoreError, OSError) as exc:
+            log.warning("checkpoint %s leaves the store later: %s", checkpoint, exc)
+            self._unstore_failed[(tenant, checkpoint)] = time.monotonic()
+            self._put_off(tenant, checkpoint)
+            return False
+        except CryoboxError as exc:  # (a record that does not verify: the store's to judge)
+            log.warning("checkpoint %s is left to the store's collection: %s", checkpoint, exc)
             deleted = []
         if deleted is None:  # (an upload runs)
             self._put_off(tenant, checkpoint)
-            return
+            return True
         self._done_with(tenant, checkpoint)
         if not deleted:
-            return
+            return True
         with contextlib.suppress(CryoboxError, OSError):
             # (its supervisor folds it at the sandbox's next checkpoint, as it folds the
             # one before that checkpoint: it was left whole while it was stored)
             uploads.set_state(
                 self.hub.service.store.folder(checkpoint), state="local", unstored=True
             )
+        return True
 
     def _put_off(self, tenant: str, checkpoint: str) -> None:
         """Retry removing ``checkpoint`` at the next monitor tick (and after a restart:
@@ -604,6 +622,7 @@ class Mover:
             log.warning("the removal of %s is still recorded: %s", checkpoint, exc)
             return
         self.unstore_later.discard((tenant, checkpoint))
+        self._unstore_failed.pop((tenant, checkpoint), None)
 
     # -- where a request goes
 
@@ -924,10 +943,11 @@ class Mover:
             )
             await asyncio.to_thread(SandboxDir.arrive, spec, record)
             persist = hub.service.persist.of(tenant)
-            if point is not None:
-                await asyncio.to_thread(self._unstore, tenant, point[1])
+            # The pause first: it may build on the recovery point, which then stays.
             with contextlib.suppress(CryoboxError, OSError):
                 await asyncio.to_thread(persist.chunks(brief=True).delete_pause, sandbox_id)
+            if point is not None:
+                await asyncio.to_thread(self._unstore, tenant, point[1])
         log.warning("%s killed while its host %s is lost", sandbox_id, home)
         return True
 
@@ -1086,3 +1106,5 @@ def _when(seconds: float) -> str:
 _KEKS = "store-keks:"
 #: Seconds before a tenant's first key that failed to be made is tried again.
 KEY_RETRY_AFTER = 30.0
+#: Seconds before a former recovery point the store did not answer for is tried again.
+UNSTORE_RETRY_AFTER = 60.0

@@ -92,25 +92,24 @@ class Catalog:
             get its whole RAM back (nothing deleted).
         """
         manifest = self.store.get(ref)
+        persist = self.persist.of(tenant)
+        # The store is asked first (a listing, off the event loop); what this host holds
+        # is read after it, and checked with no wait before the deletes begin: a create
+        # or a fork from the snapshot that starts while the store answers is seen.
+        asked = [m.id for m in _doomed(manifest, cascade, self.store.all())]
+        stored_children = await asyncio.to_thread(persist.stored_users, asked)
         every = self.store.all()
-        doomed = [manifest]
-        if cascade:  # each before what it builds on (a folded checkpoint: a newer one)
-            doomed = references.builders_first(
-                [m for m in every if manifest.id in m.disk_chain] + doomed
-            )
+        doomed = _doomed(manifest, cascade, every)
         ids = {m.id for m in doomed}
         # Folded checkpoints whose RAM is laid over one of these get theirs back first.
         leaning = [m for each in doomed for m in references.leaning_on(each.id, every)]
         leaning = [m for m in leaning if m.id not in ids]
         sandboxes = registry.list_sandboxes()
-        persist = self.persist.of(tenant)
-        # (a listing of the tenant's store: off the event loop, as each removal from it)
-        stored_children = await asyncio.to_thread(persist.stored_users, [m.id for m in doomed])
         kept = [m for m in every if m.id not in ids and m not in leaning]
         for each in doomed:
             needed_by = references.users(each.id, kept, sandboxes)
             if not cascade:
-                needed_by += [f"stored snapshot {s}" for s in stored_children[each.id]]
+                needed_by += [f"stored snapshot {s}" for s in stored_children.get(each.id, [])]
             if needed_by:
                 hint = "" if cascade else " (or delete with cascade)"
                 raise InvalidArgument(
@@ -122,7 +121,7 @@ class Catalog:
         for each in doomed:
             # (a fold onto it holds its lock until done: waited for off the event loop)
             await asyncio.to_thread(self.store.delete, each.id)
-            for child in stored_children[each.id]:  # evicted ones: in the store only
+            for child in stored_children.get(each.id, []):  # evicted: in the store only
                 await asyncio.to_thread(persist.forget, child)
             await asyncio.to_thread(persist.forget, each.id)
             for template in self.store.templates():
@@ -188,3 +187,11 @@ class Catalog:
             for m in self.store.all()
         ]
         return nodes
+
+
+def _doomed(manifest: Manifest, cascade: bool, every: list[Manifest]) -> list[Manifest]:
+    """What deleting ``manifest`` deletes: it, and with ``cascade`` every snapshot built
+    on it, each before what it builds on (a folded checkpoint: a newer one)."""
+    if not cascade:
+        return [manifest]
+    return references.builders_first([m for m in every if manifest.id in m.disk_chain] + [manifest])

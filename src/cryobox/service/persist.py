@@ -72,6 +72,10 @@ PULL_TURN_POLL = 0.05
 BRIEF_READ = 5.0
 BRIEF_ATTEMPTS = 2
 
+#: Held while a store client is looked up or made (no network: boto3 makes its clients
+#: without asking the server).
+_MAKING_CLIENTS = threading.Lock()
+
 
 def _arrives_lazily(stored: StoredSnapshot) -> bool:
     """Whether a start from ``stored`` can begin before its RAM is here: a memory
@@ -153,14 +157,15 @@ class Persistence:
         tried :data:`BRIEF_ATTEMPTS` times, each read for at most :data:`BRIEF_READ`
         seconds, instead of the S3 client's patience of several minutes each."""
         key = (url or store_url(), tenant or self.tenant, brief)
-        if key not in self._stores:
-            objects = (
-                open_objects(key[0], read_timeout=BRIEF_READ, attempts=BRIEF_ATTEMPTS)
-                if brief
-                else open_objects(key[0])
-            )
-            self._stores[key] = ChunkStore(key[1], objects)
-        return self._stores[key]
+        with _MAKING_CLIENTS:  # (worker threads ask too: one client each, made once)
+            if key not in self._stores:
+                objects = (
+                    open_objects(key[0], read_timeout=BRIEF_READ, attempts=BRIEF_ATTEMPTS)
+                    if brief
+                    else open_objects(key[0])
+                )
+                self._stores[key] = ChunkStore(key[1], objects)
+            return self._stores[key]
 
     # ------------------------------------------------------------------ uploads
 
@@ -458,22 +463,27 @@ class Persistence:
         ``pause_id`` (the one this host took, or took over), before its local files are
         collected. Then the checkpoints that pause was stored on as layers here go with
         their local copies (:meth:`forget_layers`); left to the store's collection, the
-        pause went later and those checkpoints stayed for good. Best effort: one it
-        cannot reach is left to that collection (it forgets the pauses of killed
-        sandboxes). ``owner``: the sandbox's tenant, for a pause with no upload mark (one
+        pause went later and those checkpoints stayed for good. A store that does not
+        answer (tried briefly) has the pause's removal wait with theirs
+        (:mod:`cryobox.service.removals`): a later collection deletes it first, then
+        them. ``owner``: the sandbox's tenant, for a pause with no upload mark (one
         taken over from another host: the store it came from is the configured one).
         """
         marked = uploads.state(folder.paused)
-        tenant = str(marked.get("tenant") or owner or self.tenant)
+        where = removals.Where(
+            str(marked.get("store") or store_url()),
+            str(marked.get("tenant") or owner or self.tenant),
+            str(marked.get("connection") or connection()),
+        )
         try:
-            store = self.chunks(tenant, str(marked.get("store") or store_url()), brief=True)
-            if not store.has_key():
-                return  # (the tenant never stored anything there)
-            if store.pause_of(folder.id).id == pause_id:
-                store.delete_pause(folder.id)
-        except SnapshotNotFound:
-            return  # not stored (yet: an upload still running is the collection's)
-        except Exception as exc:  # (the kill goes on: its VM is gone already)
+            store = self.chunks(where.tenant, where.store, brief=True)
+            if store.has_key():  # (else the tenant never stored anything there)
+                _forget_stored_pause(store, folder.id, pause_id)
+        except (StoreError, OSError) as exc:  # (the kill goes on: its VM is gone already)
+            # Tried again by a later collection, before the layers it builds on.
+            log.warning("%s: its stored pause leaves the store later: %s", folder.id, exc)
+            removals.settle({where: {removals.pause_entry(folder.id, pause_id)}}, {})
+        except Exception as exc:
             log.warning("%s: its stored pause is left to the collection: %r", folder.id, exc)
 
     def stored_users(self, snapshot_ids: Iterable[str]) -> dict[str, list[str]]:
@@ -524,20 +534,33 @@ class Persistence:
         deleted: list[str] = []
         put_off: dict[removals.Where, set[str]] = {}
         done: dict[removals.Where, set[str]] = {}
+        waiting_pauses = removals.pauses_waiting()
         for where, ids in by_store.items():
+            pauses = {entry for entry in ids if removals.pause_of(entry)}
+            ids = ids - pauses
             # One here again (pulled back meanwhile: a start from it by id) keeps its
             # stored copy, as a pulled one does; a lazy start still reads its chunks.
             back = {snapshot_id for snapshot_id in ids if self._is_here(snapshot_id)}
             done[where], ids = back, ids - back
-            if not ids:
+            if not ids and not pauses:
                 continue
             if where.connection != mine:  # (marked under other S3 settings: theirs to do)
-                put_off[where] = ids
+                put_off[where] = ids | pauses
                 continue
-            named = ", ".join(sorted(ids))
+            if waiting_pauses.get(where, set()) - pauses:
+                # A pause that waits to leave (not due yet) still builds on some: kept
+                # now, they would stay for good once it goes.
+                put_off[where] = ids | pauses
+                continue
+            named = ", ".join(sorted(ids | pauses))
             try:
                 store = self.chunks(where.tenant, where.store, brief=True)
-                gone = store.delete_unneeded(sorted(ids)) if store.has_key() else []
+                if store.has_key():
+                    for entry in sorted(pauses):  # (first: they build on the others)
+                        _forget_stored_pause(store, *(removals.pause_of(entry) or ("", "")))
+                    gone = store.delete_unneeded(sorted(ids)) if ids else []
+                else:
+                    gone = []
             except StoreError as exc:
                 log.warning("stored copies of %s kept for now: %s", named, exc)
                 gone = None
@@ -548,10 +571,10 @@ class Persistence:
                 log.warning("stored copies of %s kept for now: %r", named, exc)
                 gone = None
             if gone is None:  # (an upload runs, or the store did not answer)
-                put_off[where] = ids
+                put_off[where] = ids | pauses
             else:
                 deleted += gone
-                done[where] |= ids
+                done[where] |= ids | pauses
         removals.settle(put_off, done)
         return deleted
 
@@ -684,9 +707,10 @@ class Persistence:
     def usage(self) -> TenantUsage:
         return chunk_collect.usage(self.chunks())
 
-    def usage_of(self, tenant: str) -> TenantUsage | None:
-        """A tenant's bytes in the store; None when it has stored nothing."""
-        store = self.chunks(tenant)
+    def usage_of(self, tenant: str, *, brief: bool = False) -> TenantUsage | None:
+        """A tenant's bytes in the store; None when it has stored nothing. ``brief``: as
+        for :meth:`chunks`."""
+        store = self.chunks(tenant, brief=brief)
         if not store.has_key():
             return None
         return chunk_collect.usage(store)
@@ -694,6 +718,14 @@ class Persistence:
     def rotate_key(self) -> str:
         store = self.chunks()
         return rotate(store.objects, store.tenant)
+
+
+def _forget_stored_pause(store: ChunkStore, sandbox_id: str, pause_id: str) -> None:
+    """Delete the sandbox's stored pause if it is ``pause_id`` (a later one is another
+    host's, which took the sandbox over)."""
+    with contextlib.suppress(SnapshotNotFound):  # (not stored: an upload may still run)
+        if store.pause_of(sandbox_id).id == pause_id:
+            store.delete_pause(sandbox_id)
 
 
 _FINISHED = (SandboxState.KILLED, SandboxState.DEAD)

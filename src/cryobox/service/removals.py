@@ -51,6 +51,25 @@ class _Waiting:
     tried: float
 
 
+#: An entry that names a sandbox's stored pause (``pause:SANDBOX:PAUSE``), to delete if
+#: it is still that pause, rather than a snapshot: a kill of a paused sandbox whose
+#: store did not answer. Its layers wait with it, and go after it (while it stays in
+#: the store it builds on them, and they would be kept for good).
+PAUSE = "pause:"
+
+
+def pause_entry(sandbox_id: str, pause_id: str) -> str:
+    return f"{PAUSE}{sandbox_id}:{pause_id}"
+
+
+def pause_of(entry: str) -> tuple[str, str] | None:
+    """The sandbox and pause an entry names, or None for a snapshot's."""
+    if not entry.startswith(PAUSE):
+        return None
+    sandbox_id, _, pause_id = entry[len(PAUSE) :].partition(":")
+    return sandbox_id, pause_id
+
+
 def _path() -> Path:
     return config.state_dir() / FILE
 
@@ -104,6 +123,19 @@ def due(connection: str) -> dict[Where, set[str]]:
     for (where, snapshot_id), when in waiting.items():
         if where.connection == connection and now - when.tried >= RETRY_EVERY:
             found.setdefault(where, set()).add(snapshot_id)
+    return found
+
+
+def pauses_waiting() -> dict[Where, set[str]]:
+    """The pause entries waiting, due or not, by store and tenant."""
+    if not any_waiting():
+        return {}
+    with _locked():
+        waiting = _read()
+    found: dict[Where, set[str]] = {}
+    for where, entry in waiting:
+        if pause_of(entry):
+            found.setdefault(where, set()).add(entry)
     return found
 
 

@@ -8,8 +8,8 @@ the host, and where it comes back from when the local files are gone.
 
 from __future__ import annotations
 
-import functools
 import shutil
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -28,10 +28,20 @@ class ChunkStore:
     def __init__(self, tenant: str = LOCAL_TENANT, objects: ObjectStore | None = None) -> None:
         self.tenant = check_tenant(tenant)
         self.objects = objects or open_objects()
+        self._key: DataKey | None = None
+        self._key_lock = threading.Lock()
 
-    @functools.cached_property
+    @property
     def key(self) -> DataKey:
-        return data_key(self.objects, self.tenant)
+        """The tenant's data key, read (or made) once. Under a lock of this instance
+        only: Python 3.11's ``cached_property`` held one lock for every instance, so a
+        client giving up after seconds waited behind another one's store that did not
+        answer for minutes."""
+        if self._key is None:
+            with self._key_lock:
+                if self._key is None:
+                    self._key = data_key(self.objects, self.tenant)
+        return self._key
 
     def has_key(self) -> bool:
         """Whether the tenant has a data key in the store (it never stored anything else)."""

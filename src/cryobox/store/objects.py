@@ -253,6 +253,10 @@ class LocalObjects:
                     path.unlink()
 
 
+#: Held while an S3 client is made (see :class:`S3Objects`).
+_MAKING_CLIENTS = threading.Lock()
+
+
 class S3Objects:
     """Objects in a bucket of an S3-compatible server, under an optional prefix."""
 
@@ -264,12 +268,21 @@ class S3Objects:
         self, bucket: str, prefix: str = "", *, read_timeout: float = 60.0, attempts: int = 5
     ) -> None:
         import boto3
-        from botocore.config import Config
 
         self.bucket = bucket
         self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}"
-        self._client: Any = boto3.client(
+        # boto3's default session is not safe to make clients from in two threads at
+        # once (a worker thread may be the first to ask for a store): one at a time. (A
+        # session of each client's own costs 0.14 s to make, the default's next 0.01 s.)
+        with _MAKING_CLIENTS:
+            self._client: Any = self._made(boto3, read_timeout, attempts)
+
+    @staticmethod
+    def _made(boto3: Any, read_timeout: float, attempts: int) -> Any:
+        from botocore.config import Config
+
+        return boto3.client(
             "s3",
             region_name=os.environ.get("AWS_REGION") or "us-east-1",
             config=Config(
@@ -308,8 +321,14 @@ class S3Objects:
         """Nothing to do: a PUT is durable when it answers."""
 
     def get(self, key: str) -> bytes:
-        answer = self._call(f"reading {key}", "get_object", Key=self.prefix + _check_key(key))
-        body: bytes = answer["Body"].read()
+        from botocore.exceptions import BotoCoreError
+
+        doing = f"reading {key}"
+        answer = self._call(doing, "get_object", Key=self.prefix + _check_key(key))
+        try:  # (the body arrives after the answer: its faults are the store's as well)
+            body: bytes = answer["Body"].read()
+        except (BotoCoreError, OSError) as exc:
+            raise StoreError(self.url, doing, str(exc)) from exc
         return body
 
     def exists(self, key: str) -> bool:
