@@ -214,6 +214,17 @@ def test_a_collected_checkpoint_a_stored_pause_builds_on_stays_in_the_store() ->
         chunks.pause_of(b.id)
 
 
+def _collection_in_another_process() -> None:
+    """A kill in a process of its own: it collects, as every kill does."""
+    other = subprocess.run(
+        [sys.executable, "-c", "from cryobox import Sandbox; Sandbox.create('base').kill()"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == 0, other.stderr
+
+
 def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs_then_goes() -> None:
     """An upload checks before its commit that what it builds on is stored: while one
     runs (its lease), the collected checkpoint's copy is not deleted from under it. The
@@ -237,13 +248,7 @@ def test_a_collected_checkpoint_stays_in_the_store_while_an_upload_runs_then_goe
     # A minute later (each is tried at most once a minute: a kill does not wait on a
     # store that is down at each try), the next collection, in another process.
     waiting.write_text(json.dumps([{**entry, "tried": entry["tried"] - 60}]))
-    other = subprocess.run(
-        [sys.executable, "-c", "from cryobox import Sandbox; Sandbox.create('base').kill()"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert other.returncode == 0, other.stderr
+    _collection_in_another_process()
     with pytest.raises(SnapshotNotFound):
         chunks.find(checkpoint)
     assert not waiting.exists()
@@ -272,15 +277,6 @@ def test_a_pause_the_store_did_not_answer_for_at_the_kill_goes_later_then_its_la
     entries = json.loads(waiting.read_text())
     assert {e["id"] for e in entries} == {removals.pause_entry(b.id, pause_id), checkpoint}
 
-    def collection_in_another_process() -> None:
-        other = subprocess.run(
-            [sys.executable, "-c", "from cryobox import Sandbox; Sandbox.create('base').kill()"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert other.returncode == 0, other.stderr
-
     def a_minute_later(*ids: str) -> None:
         entries = json.loads(waiting.read_text())
         moved = [{**e, "tried": e["tried"] - 60} if e["id"] in ids else e for e in entries]
@@ -288,11 +284,11 @@ def test_a_pause_the_store_did_not_answer_for_at_the_kill_goes_later_then_its_la
 
     # The checkpoint's turn before the pause's: it waits on (the pause builds on it).
     a_minute_later(checkpoint)
-    collection_in_another_process()
+    _collection_in_another_process()
     assert chunks.find(checkpoint).id == checkpoint
     assert checkpoint in {e["id"] for e in json.loads(waiting.read_text())}
     a_minute_later(checkpoint, removals.pause_entry(b.id, pause_id))
-    collection_in_another_process()
+    _collection_in_another_process()
     with pytest.raises(SnapshotNotFound):
         chunks.pause_of(b.id)
     with pytest.raises(SnapshotNotFound):
