@@ -603,7 +603,8 @@ def test_a_former_recovery_point_the_store_did_not_answer_for_leaves_it_later(
     brief.objects = answering  # it answers again
     mover.retry_unstores()  # (a tick within the minute: not tried)
     assert chunks.find("snap-newer").id == "snap-newer"
-    mover._unstore_failed[(tenant, "snap-newer")] -= moves.UNSTORE_RETRY_AFTER
+    assert mover._unstores_failed_at is not None
+    mover._unstores_failed_at -= moves.UNSTORE_RETRY_AFTER
     mover.retry_unstores()  # (a minute later)
     with pytest.raises(SnapshotNotFound):
         chunks.find("snap-newer")

@@ -278,8 +278,10 @@ def test_a_pause_the_store_did_not_answer_for_at_the_kill_goes_later_then_its_la
     assert {e["id"] for e in entries} == {removals.pause_entry(b.id, pause_id), checkpoint}
 
     def a_minute_later(*ids: str) -> None:
+        """Those due, and the others not for an hour (whatever the clock says)."""
         entries = json.loads(waiting.read_text())
-        moved = [{**e, "tried": e["tried"] - 60} if e["id"] in ids else e for e in entries]
+        now = time.time()
+        moved = [{**e, "tried": now - 60 if e["id"] in ids else now + 3600} for e in entries]
         waiting.write_text(json.dumps(moved))
 
     # The checkpoint's turn before the pause's: it waits on (the pause builds on it).

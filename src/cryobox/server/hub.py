@@ -430,7 +430,7 @@ class Hub:
                 manifest = Manifest.from_json(stored.manifest)
             mine.append(manifest)
         found = [m for m in mine if ref in (m.id, m.name)]
-        if not found and ref in unread and self.mover.fleet:
+        if not found and ref in unread and self.mover.fleet and not store_down:
             # Stored by another host a moment ago, maybe under the tenant's first key,
             # which this host takes at its next heartbeat: take it now.
             self.mover.share_keys()
@@ -684,7 +684,6 @@ class Hub:
             return
         self._sandbox(tenant, sandbox_id)
         async with self._locks[sandbox_id]:
-            await asyncio.to_thread(self.mover.drop_recovery, sandbox_id)
             try:
                 ended = (await self.service.get(sandbox_id)).state in ("killed", "dead")
             except SandboxNotFound:
@@ -700,6 +699,9 @@ class Hub:
             self.mover.departed.pop(sandbox_id, None)  # (the fence took it back)
             with contextlib.suppress(SandboxNotFound):
                 await self.service.kill(sandbox_id, stored_pause=True)
+            # Its recovery point after its pause, which may build on it (kept then, the
+            # point stayed in the store for good).
+            await asyncio.to_thread(self.mover.drop_recovery, sandbox_id)
             if ended:
                 await self._forget(tenant.id, sandbox_id, "killed")
                 return

@@ -55,11 +55,13 @@ from cryobox.sandbox.machine import crash_point
 from cryobox.sandbox.records import SEALED_ENVS, SandboxRecord, SandboxSpec
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.sandbox.state import SandboxState
+from cryobox.service import removals
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import SnapshotPurpose
 from cryobox.store import keys, uploads
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.chunkstore import ChunkStore
+from cryobox.store.objects import connection, store_url
 
 from .database import Connection, Database
 from .hosts import STALE_AFTER, platform_of
@@ -289,10 +291,10 @@ class Mover:
         #: which may be storing a checkpoint whose RAM leans on one): (tenant, id). Kept
         #: in the ``unstores`` table too, read back at start.
         self.unstore_later: set[tuple[str, str]] = set()
-        #: When each of those was last tried and the store did not answer (tried again
-        #: after :data:`UNSTORE_RETRY_AFTER`, so that a monitor tick does not wait on a
-        #: store that is down for each of them).
-        self._unstore_failed: dict[tuple[str, str], float] = {}
+        #: When the store last did not answer for one of those (none is tried again for
+        #: :data:`UNSTORE_RETRY_AFTER`: a monitor tick does not wait on a store that is
+        #: down for each of them in turn).
+        self._unstores_failed_at: float | None = None
         #: One first key made at a time by this host (each holds a database connection
         #: while it waits for the fleet's lock: many at once would hold the whole pool).
         self._making_keys = asyncio.Lock()
@@ -548,15 +550,16 @@ class Mover:
     def retry_unstores(self) -> None:
         """Remove from the store the former recovery points put off while an upload ran
         or the store did not answer (each monitor tick; after a restart too: they are in
-        the ``unstores`` table). One the store did not answer for waits
-        :data:`UNSTORE_RETRY_AFTER`, and the first such answer ends the round: the rest
-        wait for a later tick, not each on a store that is down."""
-        now = time.monotonic()
+        the ``unstores`` table). Once the store did not answer, none is tried for
+        :data:`UNSTORE_RETRY_AFTER`, and a round ends at the first it does not answer
+        for. A tenant's wait while a pause of it waits to leave the store (a kill whose
+        store did not answer: :mod:`cryobox.service.removals`), which may build on them."""
+        failed = self._unstores_failed_at
+        if failed is not None and time.monotonic() - failed < UNSTORE_RETRY_AFTER:
+            return
+        behind = {where.tenant for where in removals.pauses_waiting()}
         for tenant, checkpoint in sorted(self.unstore_later):
-            failed = self._unstore_failed.get((tenant, checkpoint))
-            if failed is not None and now - failed < UNSTORE_RETRY_AFTER:
-                continue
-            if not self._unstore(tenant, checkpoint):
+            if tenant not in behind and not self._unstore(tenant, checkpoint):
                 return
 
     def _unstore(self, tenant: str, checkpoint: str) -> bool:
@@ -574,7 +577,7 @@ class Mover:
             deleted = chunks.delete_unneeded([checkpoint], strict=False)
         except (StoreError, OSError) as exc:
             log.warning("checkpoint %s leaves the store later: %s", checkpoint, exc)
-            self._unstore_failed[(tenant, checkpoint)] = time.monotonic()
+            self._unstores_failed_at = time.monotonic()
             self._put_off(tenant, checkpoint)
             return False
         except CryoboxError as exc:  # (a record that does not verify: the store's to judge)
@@ -622,7 +625,7 @@ class Mover:
             log.warning("the removal of %s is still recorded: %s", checkpoint, exc)
             return
         self.unstore_later.discard((tenant, checkpoint))
-        self._unstore_failed.pop((tenant, checkpoint), None)
+        self._unstores_failed_at = None  # (the store answered)
 
     # -- where a request goes
 
@@ -942,14 +945,31 @@ class Mover:
                 error=f"killed while its host {home} was lost",
             )
             await asyncio.to_thread(SandboxDir.arrive, spec, record)
-            persist = hub.service.persist.of(tenant)
             # The pause first: it may build on the recovery point, which then stays.
-            with contextlib.suppress(CryoboxError, OSError):
-                await asyncio.to_thread(persist.chunks(brief=True).delete_pause, sandbox_id)
-            if point is not None:
-                await asyncio.to_thread(self._unstore, tenant, point[1])
+            await asyncio.to_thread(self._forget_lost_pause, tenant, sandbox_id, point)
         log.warning("%s killed while its host %s is lost", sandbox_id, home)
         return True
+
+    def _forget_lost_pause(
+        self, tenant: str, sandbox_id: str, point: tuple[SandboxSpec, str, float] | None
+    ) -> None:
+        """A sandbox killed while its host is lost: its stored pause leaves the store,
+        then its recovery point. A store that does not answer has the pause wait in this
+        host's removals (:mod:`cryobox.service.removals`), and the point behind it."""
+        persist = self.hub.service.persist.of(tenant)
+        try:
+            persist.chunks(brief=True).delete_pause(sandbox_id)
+        except (StoreError, OSError) as exc:
+            log.warning("%s: its stored pause leaves the store later: %s", sandbox_id, exc)
+            where = removals.Where(store_url(), tenant, connection())
+            removals.settle({where: {removals.pause_entry(sandbox_id, "")}}, {})
+            if point is not None:
+                self._put_off(tenant, point[1])
+            return
+        except CryoboxError as exc:
+            log.warning("%s: its stored pause is left to the collection: %s", sandbox_id, exc)
+        if point is not None:
+            self._unstore(tenant, point[1])
 
     async def _locate(self, sandbox_id: str) -> str | None:
         return await asyncio.to_thread(self.hub.locate, sandbox_id)

@@ -67,8 +67,9 @@ PULL_TURN_POLL = 0.05
 
 #: The patience of housekeeping a caller waits on (see :meth:`Persistence.chunks`):
 #: each S3 request read for at most this many seconds, and tried this many times.
-#: A store that does not answer then holds a resume or a kill for about 20 s per
-#: request, not 5 minutes (five tries of a minute, the S3 client's own patience).
+#: A store that does not answer then holds a resume or a kill for about 10 s per
+#: request (20 s when connecting times out too), not 5 minutes (five tries of a
+#: minute, the S3 client's own patience).
 BRIEF_READ = 5.0
 BRIEF_ATTEMPTS = 2
 
@@ -547,10 +548,13 @@ class Persistence:
             if where.connection != mine:  # (marked under other S3 settings: theirs to do)
                 put_off[where] = ids | pauses
                 continue
-            if waiting_pauses.get(where, set()) - pauses:
-                # A pause that waits to leave (not due yet) still builds on some: kept
-                # now, they would stay for good once it goes.
-                put_off[where] = ids | pauses
+            pending = waiting_pauses.get(where, set())
+            if pauses:  # one pause due: every one waiting here is tried (in step)
+                pauses |= pending
+            elif pending:
+                # A pause that waits to leave (not due yet) may build on them: kept now,
+                # they would stay for good once it goes. They wait behind it.
+                put_off[where] = ids
                 continue
             named = ", ".join(sorted(ids | pauses))
             try:
@@ -722,9 +726,10 @@ class Persistence:
 
 def _forget_stored_pause(store: ChunkStore, sandbox_id: str, pause_id: str) -> None:
     """Delete the sandbox's stored pause if it is ``pause_id`` (a later one is another
-    host's, which took the sandbox over)."""
+    host's, which took the sandbox over); any, when ``pause_id`` is empty (a sandbox
+    killed while its host was lost: no other host has it)."""
     with contextlib.suppress(SnapshotNotFound):  # (not stored: an upload may still run)
-        if store.pause_of(sandbox_id).id == pause_id:
+        if not pause_id or store.pause_of(sandbox_id).id == pause_id:
             store.delete_pause(sandbox_id)
 
 
