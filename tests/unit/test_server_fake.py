@@ -283,6 +283,7 @@ def test_idle_sandboxes_pause_and_the_next_call_wakes_them(server: ApiServer) ->
         assert sbx.info().state == "paused"
         assert sbx.files.read("/tmp/shell-pid")  # the call wakes it
         assert sbx.info().state == "running"
+        sbx.files.remove("/tmp/shell-pid")  # (the fake VMM's guest is the host: its /tmp)
 
 
 def test_events_stream_state_changes(server: ApiServer) -> None:
