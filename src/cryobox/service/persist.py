@@ -537,7 +537,7 @@ class Persistence:
         done: dict[removals.Where, set[str]] = {}
         waiting_pauses = removals.pauses_waiting()
         for where, ids in by_store.items():
-            pauses = {entry for entry in ids if removals.pause_of(entry)}
+            pauses = {entry for entry in ids if removals.named_pause(entry)}
             ids = ids - pauses
             # One here again (pulled back meanwhile: a start from it by id) keeps its
             # stored copy, as a pulled one does; a lazy start still reads its chunks.
@@ -561,7 +561,8 @@ class Persistence:
                 store = self.chunks(where.tenant, where.store, brief=True)
                 if store.has_key():
                     for entry in sorted(pauses):  # (first: they build on the others)
-                        _forget_stored_pause(store, *(removals.pause_of(entry) or ("", "")))
+                        if pause := removals.named_pause(entry):
+                            _forget_stored_pause(store, *pause)
                     gone = store.delete_unneeded(sorted(ids)) if ids else []
                 else:
                     gone = []

@@ -62,7 +62,7 @@ def pause_entry(sandbox_id: str, pause_id: str) -> str:
     return f"{PAUSE}{sandbox_id}:{pause_id}"
 
 
-def pause_of(entry: str) -> tuple[str, str] | None:
+def named_pause(entry: str) -> tuple[str, str] | None:
     """The sandbox and pause an entry names, or None for a snapshot's."""
     if not entry.startswith(PAUSE):
         return None
@@ -134,7 +134,7 @@ def pauses_waiting() -> dict[Where, set[str]]:
         waiting = _read()
     found: dict[Where, set[str]] = {}
     for where, entry in waiting:
-        if pause_of(entry):
+        if named_pause(entry):
             found.setdefault(where, set()).add(entry)
     return found
 
