@@ -15,8 +15,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,9 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
+from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import discard_spare, pool, removals, service
+from cryobox.service.persist import Persistence
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import locks, uploads
@@ -277,25 +281,122 @@ def test_a_pause_the_store_did_not_answer_for_at_the_kill_goes_later_then_its_la
     entries = json.loads(waiting.read_text())
     assert {e["id"] for e in entries} == {removals.pause_entry(b.id, pause_id), checkpoint}
 
-    def a_minute_later(*ids: str) -> None:
-        """Those due, and the others not for an hour (whatever the clock says)."""
-        entries = json.loads(waiting.read_text())
-        now = time.time()
-        moved = [{**e, "tried": now - 60 if e["id"] in ids else now + 3600} for e in entries]
-        waiting.write_text(json.dumps(moved))
-
     # The checkpoint's turn before the pause's: it waits on (the pause builds on it).
-    a_minute_later(checkpoint)
+    _a_minute_later(checkpoint)
     _collection_in_another_process()
     assert chunks.find(checkpoint).id == checkpoint
     assert checkpoint in {e["id"] for e in json.loads(waiting.read_text())}
-    a_minute_later(checkpoint, removals.pause_entry(b.id, pause_id))
+    _a_minute_later(checkpoint, removals.pause_entry(b.id, pause_id))
     _collection_in_another_process()
     with pytest.raises(SnapshotNotFound):
         chunks.pause_of(b.id)
     with pytest.raises(SnapshotNotFound):
         chunks.find(checkpoint)
     assert not waiting.exists()
+
+
+def _a_minute_later(*ids: str) -> None:
+    """The removals of ``ids`` due, and the others not for an hour (whatever the clock
+    says)."""
+    waiting = config.state_dir() / removals.FILE
+    entries = json.loads(waiting.read_text())
+    now = time.time()
+    moved = [{**e, "tried": now - 60 if e["id"] in ids else now + 3600} for e in entries]
+    waiting.write_text(json.dumps(moved))
+
+
+@pytest.mark.parametrize("fault", ["the store did not answer", "the process died"])
+def test_a_deleted_snapshots_stored_copy_leaves_the_store_later_when_it_could_not_then(
+    monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """A delete of a stored snapshot whose stored copy could not be deleted with it (the
+    store did not answer, or the process died between the local delete and the store's):
+    a later collection, in another process, deletes it. Before, it stayed in the store
+    for good (and a start by its id pulled the deleted snapshot back)."""
+    a = Sandbox.create("base")
+    saved = a.snapshot("saved")
+    folder = config.state_dir() / "snapshots" / saved.id
+    until(lambda: uploads.state(folder).get("state") == "stored", "the snapshot stored", 120)
+    a.kill()
+    chunks = ChunkStore(config.LOCAL_TENANT, open_objects())
+
+    def not_answering(self: ChunkStore, snapshot_id: str) -> None:
+        raise StoreError(str(self.objects.url), f"deleting {snapshot_id}", "read timed out")
+
+    def died(self: Persistence, where: removals.Where, snapshot_ids: list[str]) -> None:
+        """What a process killed after the local delete did next: nothing."""
+
+    with monkeypatch.context() as broken:
+        if fault == "the process died":
+            broken.setattr(Persistence, "forget", died)
+        else:
+            broken.setattr(ChunkStore, "delete", not_answering)
+        assert Sandbox.delete_snapshot(saved.id) == [saved.id]
+    assert saved.id not in {s.id for s in Sandbox.snapshots()}
+    assert chunks.find(saved.id).id == saved.id  # still stored
+    waiting = config.state_dir() / removals.FILE
+    assert [e["id"] for e in json.loads(waiting.read_text())] == [saved.id]
+    _a_minute_later(saved.id)
+    _collection_in_another_process()
+    with pytest.raises(SnapshotNotFound):
+        chunks.find(saved.id)
+    assert not waiting.exists()
+    with pytest.raises(SnapshotNotFound):
+        Sandbox.create(from_snapshot=saved.id)
+
+
+def test_a_delete_does_not_wait_on_a_store_that_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A delete asks the store what builds on the snapshot and deletes its stored copy:
+    briefly. On the S3 client's own patience it waited more than 5 minutes per request;
+    now the snapshot goes here at once and its stored copy's removal waits."""
+    with SilentStore() as store:
+        for name, value in store.settings().items():
+            monkeypatch.setenv(name, value)
+        a = Sandbox.create("base")
+        saved = a.snapshot("saved")
+        a.kill()
+        started = time.monotonic()
+        assert Sandbox.delete_snapshot(saved.id) == [saved.id]
+        deleted_in = time.monotonic() - started
+        assert Sandbox.snapshots() == []
+        entries = json.loads((config.state_dir() / removals.FILE).read_text())
+        assert [(e["id"], e["store"]) for e in entries] == [(saved.id, "s3://cryobox-test")]
+        assert store.asked
+        until(lambda: not store.waiting(), "every request to the store given up")
+        assert deleted_in < 90, deleted_in  # (a hang, not a speed, is what this catches)
+
+
+def test_other_calls_are_answered_while_a_kill_clears_the_sandboxs_folder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kill removes what the sandbox held on this host (a RAM file of gigabytes, on a
+    disk that may be slow) off the event loop: every other call of the service (or of
+    the server, every tenant's) waited for it."""
+    a, b = Sandbox.create("base"), Sandbox.create("base")
+    clearing, cleared = threading.Event(), threading.Event()
+    bury = SandboxDir.bury
+
+    def slow(self: SandboxDir) -> None:
+        clearing.set()
+        cleared.wait(10)
+        bury(self)
+
+    folder = registry.find(a.id).path
+    assert {f.name for f in folder.iterdir()} - set(registry.RECORD_FILES)  # to clear
+    monkeypatch.setattr(SandboxDir, "bury", slow)
+    with ThreadPoolExecutor(1) as background:
+        killing = background.submit(a.kill)
+        assert clearing.wait(60), "the kill never clears the folder"
+        started = time.monotonic()
+        assert b.commands.run("echo on").stdout == "on\n"
+        answered_in = time.monotonic() - started
+        cleared.set()
+        killing.result(60)
+    assert answered_in < 8, answered_in  # (without: once the folder was cleared, 10 s)
+    assert a.info().state == "killed"
+    assert {f.name for f in folder.iterdir()} <= set(registry.RECORD_FILES)
 
 
 def test_a_resume_and_a_kill_do_not_wait_on_a_store_that_does_not_answer(

@@ -90,6 +90,9 @@ class Catalog:
         :raises InvalidArgument: naming the sandboxes or snapshots that still use it.
         :raises StorageError: when a folded checkpoint that leans on it has no room to
             get its whole RAM back (nothing deleted).
+
+        The store is asked briefly (:meth:`Persistence.forget`): when it does not
+        answer, the stored copies' removal waits for a later collection.
         """
         manifest = self.store.get(ref)
         persist = self.persist.of(tenant)
@@ -98,6 +101,8 @@ class Catalog:
         # or a fork from the snapshot that starts while the store answers is seen.
         asked = [m.id for m in _doomed(manifest, cascade, self.store.all())]
         stored_children = await asyncio.to_thread(persist.stored_users, asked)
+        answered = stored_children is not None
+        stored_children = stored_children or {}
         every = self.store.all()
         doomed = _doomed(manifest, cascade, every)
         ids = {m.id for m in doomed}
@@ -116,17 +121,23 @@ class Catalog:
                     f"snapshot {each.id} is the base of {', '.join(needed_by)}; "
                     f"delete those first{hint}"
                 )
+        # Their stored copies, and those of the evicted snapshots built on them (first),
+        # leave the store too: recorded before anything is deleted here.
+        forgotten = [c for each in doomed for c in stored_children.get(each.id, [])]
+        forgotten += [m.id for m in doomed]
+        where = await asyncio.to_thread(persist.will_forget, forgotten)
         for older in leaning:  # (a GB copied and hashed: not on the event loop)
             await asyncio.to_thread(self.store.unfold_ram, older.id)
         for each in doomed:
             # (a fold onto it holds its lock until done: waited for off the event loop)
             await asyncio.to_thread(self.store.delete, each.id)
-            for child in stored_children.get(each.id, []):  # evicted: in the store only
-                await asyncio.to_thread(persist.forget, child)
-            await asyncio.to_thread(persist.forget, each.id)
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:
                     self.store.delete_template(str(template["name"]))
+        # A store that did not say what builds on them is not asked again now: a later
+        # collection deletes them once nothing stored does.
+        if answered:
+            await asyncio.to_thread(persist.forget, where, forgotten)
         return [m.id for m in doomed]
 
     async def collect_garbage(self) -> list[str]:

@@ -487,25 +487,52 @@ class Persistence:
         except Exception as exc:
             log.warning("%s: its stored pause is left to the collection: %r", folder.id, exc)
 
-    def stored_users(self, snapshot_ids: Iterable[str]) -> dict[str, list[str]]:
+    def stored_users(self, snapshot_ids: Iterable[str]) -> dict[str, list[str]] | None:
         """For each id, the stored snapshots not on this host whose disk layers build on
-        it (one listing of the store for all of them)."""
+        it (one listing of the store for all of them); None when the store did not
+        answer (asked briefly: a delete does not wait minutes on a store that is down)."""
         users: dict[str, list[str]] = {snapshot_id: [] for snapshot_id in snapshot_ids}
-        store = self.chunks()
+        store = self.chunks(brief=True)
         try:
             if not store.has_key():
                 return users  # this tenant never stored anything
             stored = [s for s in store.all() if not s.sandbox and not self._is_here(s.id)]
-        except StoreError:
-            return users
+        except StoreError as exc:
+            log.warning("the store did not say what builds on %s: %s", ", ".join(users), exc)
+            return None
         for snapshot_id, found in users.items():
             found += [s.id for s in stored if snapshot_id in mf.builds_on(s.manifest)]
         return users
 
-    def forget(self, snapshot_id: str) -> None:
-        """Delete a snapshot from the store too (asked by a delete)."""
-        with contextlib.suppress(StoreError):
-            self.chunks().delete(snapshot_id)
+    def will_forget(self, snapshot_ids: Iterable[str]) -> removals.Where:
+        """Record that these snapshots leave the store (:mod:`~cryobox.service.removals`),
+        before their local files go: a process that dies before :meth:`forget` leaves
+        their removal to a later collection, not their stored copies to the store for
+        good. Where they are to be removed from."""
+        where = removals.Where(store_url(), self.tenant, connection())
+        removals.settle({where: set(snapshot_ids)}, {})
+        return where
+
+    def forget(self, where: removals.Where, snapshot_ids: Iterable[str]) -> None:
+        """Delete snapshots recorded by :meth:`will_forget` from the store too (asked by
+        a delete), in this order; tried briefly. Those a store that did not answer kept
+        wait for a later collection, which deletes them once nothing stored builds on
+        them (before, a delete waited minutes per request on such a store and left the
+        copy in it for good)."""
+        ordered = list(snapshot_ids)
+        gone: set[str] = set()
+        try:
+            store = self.chunks(where.tenant, where.store, brief=True)
+            for snapshot_id in ordered:
+                store.delete(snapshot_id)
+                gone.add(snapshot_id)
+        except (StoreError, OSError) as exc:
+            left = ", ".join(s for s in ordered if s not in gone)
+            log.warning("stored copies of %s leave the store later: %s", left, exc)
+        except Exception as exc:  # (a client's own error: a later collection tries again)
+            left = ", ".join(s for s in ordered if s not in gone)
+            log.warning("stored copies of %s leave the store later: %r", left, exc)
+        removals.settle({}, {where: gone})
 
     def forget_layers(self, marks: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Delete from the store the checkpoints and fork snapshots just collected here
