@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,13 +176,17 @@ def make_server(
 
 
 @contextlib.contextmanager
-def fake_server(prefix: str, tenant: str, env: dict[str, str] | None = None) -> Iterator[ApiServer]:
-    """A server over the fake VMM in a new state folder, with ``tenant``'s key; stopped,
-    its sandboxes killed and its folder removed after."""
+def fake_server(
+    prefix: str, tenant: str, env: dict[str, str] | None = None, options: Sequence[str] = ()
+) -> Iterator[ApiServer]:
+    """A server over the fake VMM in a new state folder, with ``tenant``'s key (and more
+    ``cryobox server`` ``options``); stopped, its sandboxes killed and its folder removed
+    after."""
     state = Path(tempfile.mkdtemp(prefix=prefix))
     made = make_server(
         state / "server", {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state), **(env or {})}
     )
+    made.options = list(options)
     made.key = made.tenant(tenant)
     made.start()
     try:

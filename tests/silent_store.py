@@ -7,6 +7,7 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+import time
 from types import TracebackType
 
 
@@ -22,6 +23,7 @@ class SilentStore:
         self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
         self._lock = threading.Lock()
         self._requests: dict[socket.socket, bytes] = {}  # open connections: what they sent
+        self._since: dict[socket.socket, float] = {}  # open connections: when taken
         self.asked = 0  # connections taken so far
         self._given_up: list[bytes] = []  # what the connections their clients closed sent
         self._stop = threading.Event()
@@ -43,6 +45,7 @@ class SilentStore:
             for connection in self._requests:
                 connection.close()
             self._requests.clear()
+            self._since.clear()
         self._server.close()
 
     def settings(self) -> dict[str, str]:
@@ -63,6 +66,12 @@ class SilentStore:
             sent = list(self._requests.values())
         return [_line(each) for each in sent]
 
+    def longest_wait(self) -> float:
+        """How long the client that has waited longest so far has waited, in seconds."""
+        with self._lock:
+            taken = list(self._since.values())
+        return time.monotonic() - min(taken) if taken else 0.0
+
     def given_up(self) -> list[str]:
         """The request lines of the clients that stopped waiting (closed)."""
         with self._lock:
@@ -80,6 +89,7 @@ class SilentStore:
                         selector.register(connection, selectors.EVENT_READ)
                         with self._lock:
                             self._requests[connection] = b""
+                            self._since[connection] = time.monotonic()
                             self.asked += 1
                         continue
                     connection = key.fileobj  # type: ignore[assignment]
@@ -93,6 +103,7 @@ class SilentStore:
                             self._requests[connection] = kept[:4096]
                             continue
                         self._given_up.append(self._requests.pop(connection))  # gave up
+                        del self._since[connection]
                     selector.unregister(connection)
                     connection.close()
 

@@ -65,3 +65,22 @@ def test_an_idle_sandbox_is_paused_while_the_store_does_not_answer(
     until(lambda: sbx.info().state == "paused", "the idle sandbox paused", 90, every=0.5)
     assert any("/keys/" in line for line in store.given_up())  # (it asked the store)
     sbx.kill()
+
+
+def test_the_monitor_goes_on_while_a_collection_waits_on_the_store() -> None:
+    """The server's collection (retention, then the chunks nothing names) waits on the
+    store with the S3 client's patience: a minute per read, five tries. It runs beside
+    the monitor's tick, which went on (idle pauses, metering) only after it."""
+    store = SilentStore()
+    with (
+        fake_server(
+            "cbx-collect-", "collect", store.settings(), ["--collect-interval", "1"]
+        ) as server,
+        store,
+    ):
+        # A request older than the brief client's two 5 s reads: the collection's.
+        until(lambda: store.longest_wait() > 15, "the collection waiting on the store", 60)
+        sbx = Sandbox.create(api_url=server.url, api_key=server.key, idle_timeout=1)
+        until(lambda: sbx.info().state == "paused", "the idle sandbox paused", 60, every=0.5)
+        assert store.longest_wait() > 15  # (and it still waits)
+        sbx.kill()

@@ -849,19 +849,31 @@ async def _event_stream(
 
 async def _monitor(hub: Hub, tick: float, storage_interval: float, collect_interval: float) -> None:
     """The server's clock: every ``tick``, state changes, metering and idle pauses; every
-    ``collect_interval``, retention and collection of the chunk store."""
+    ``collect_interval``, retention and collection of the chunk store, in a task of its
+    own (one at a time): it waits on the store with the S3 client's patience, minutes
+    per request when the store does not answer, and the tick's idle pauses and timeouts
+    went on only after it."""
     last_storage = last_collect = asyncio.get_running_loop().time()
-    await _guarded(hub.measure_storage, 0.0)
-    while True:
-        await asyncio.sleep(tick)
-        await _guarded(hub.observe)
-        now = asyncio.get_running_loop().time()
-        if now - last_storage >= storage_interval:
-            await _guarded(hub.measure_storage, now - last_storage)
-            last_storage = now
-        if collect_interval > 0 and now - last_collect >= collect_interval:
-            await _guarded(hub.collect)
-            last_collect = now
+    collecting: asyncio.Task[None] | None = None
+    try:
+        await _guarded(hub.measure_storage, 0.0)
+        while True:
+            await asyncio.sleep(tick)
+            await _guarded(hub.observe)
+            now = asyncio.get_running_loop().time()
+            if now - last_storage >= storage_interval:
+                await _guarded(hub.measure_storage, now - last_storage)
+                last_storage = now
+            if (
+                collect_interval > 0
+                and now - last_collect >= collect_interval
+                and (collecting is None or collecting.done())
+            ):
+                collecting = asyncio.create_task(_guarded(hub.collect), name="collection")
+                last_collect = now
+    finally:
+        if collecting is not None:
+            collecting.cancel()
 
 
 def _heartbeat(hub: Hub, stop: threading.Event) -> None:
