@@ -535,7 +535,12 @@ def _a_stored_point_and_a_mover(
     assert uploads.upload(store.folder("snap-newer"))
     persist = Persistence(store)
     db = open_database(tmp_path / "server.db")
-    hub = SimpleNamespace(db=db, me="host-a", service=SimpleNamespace(persist=persist, store=store))
+    hub = SimpleNamespace(
+        db=db,
+        me="host-a",
+        hosts=SimpleNamespace(store="the-store"),
+        service=SimpleNamespace(persist=persist, store=store),
+    )
     return store, persist, db, Mover(hub)  # type: ignore[arg-type]
 
 
@@ -610,4 +615,43 @@ def test_a_former_recovery_point_the_store_did_not_answer_for_leaves_it_later(
         chunks.find("snap-newer")
     assert mover.unstore_later == set()
     assert db.rows("SELECT tenant_id FROM unstores") == []
+    db.close()
+
+
+def test_a_former_recovery_point_a_silent_host_put_off_is_removed_by_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host b put off the removal of a former recovery point, then fell silent (lost, or
+    stopped for good): host a, on the same store, takes it over once b has been silent
+    for the fleet's cutoff, and removes it. (It stayed in the store until b came back.)
+    A host on another store is not a's to take over."""
+    from cryobox.errors import SnapshotNotFound
+
+    _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
+    tenant = "tenant-a"
+    now = time.time()
+    for host, store, seen in [("host-b", "the-store", now), ("host-c", "another", 1.0)]:
+        db.execute(
+            "INSERT INTO hosts (id, url, store, started_at, seen_at) VALUES (?, ?, ?, ?, ?)",
+            (host, f"http://{host}", store, now, seen),
+        )
+    for host, snapshot_id in [("host-b", "snap-newer"), ("host-c", "snap-elsewhere")]:
+        db.execute(
+            "INSERT INTO unstores (tenant_id, snapshot_id, host_id) VALUES (?, ?, ?)",
+            (tenant, snapshot_id, host),
+        )
+    put_off = "SELECT snapshot_id, host_id FROM unstores ORDER BY snapshot_id"
+    mover.adopt_unstores()  # b beats: its own still
+    assert mover.unstore_later == set()
+    assert [tuple(r) for r in db.rows(put_off)] == [
+        ("snap-elsewhere", "host-c"),
+        ("snap-newer", "host-b"),
+    ]
+    db.execute("UPDATE hosts SET seen_at = 0 WHERE id = 'host-b'")  # b stops
+    mover.adopt_unstores()
+    assert mover.unstore_later == {(tenant, "snap-newer")}
+    mover.retry_unstores()
+    with pytest.raises(SnapshotNotFound):
+        persist.of(tenant).chunks().find("snap-newer")
+    assert [tuple(r) for r in db.rows(put_off)] == [("snap-elsewhere", "host-c")]
     db.close()

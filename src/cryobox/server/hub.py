@@ -1228,6 +1228,7 @@ class Hub:
         if now - self._dropped > HEARTBEAT:
             self._dropped = now
             await self.mover.drop_moved()
+            await asyncio.to_thread(self.mover.adopt_unstores)
         here = await asyncio.to_thread(self.hosts.get, self.me)
         if here is None or here.state != "draining":
             self._drained.clear()

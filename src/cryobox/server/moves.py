@@ -562,6 +562,27 @@ class Mover:
             if tenant not in behind and not self._unstore(tenant, checkpoint):
                 return
 
+    def adopt_unstores(self) -> None:
+        """Take over the former recovery points whose removal a silent host put off (one
+        of this host's store not seen for :data:`STALE_AFTER`: lost, or stopped by its
+        operator): left to it, they stayed in the store until it came back, if ever. A
+        host that does come back and tries one again finds it gone or done: each
+        removal deletes only what nothing stored builds on."""
+        me = self.hub.me
+        try:
+            self.hub.db.execute(
+                "UPDATE unstores SET host_id = ? WHERE host_id IN (SELECT id FROM hosts "
+                "WHERE id != ? AND store = ? AND seen_at < ?)",
+                (me, me, self.hub.hosts.store, _stale_cutoff()),
+            )
+            rows = self.hub.db.rows(
+                "SELECT tenant_id, snapshot_id FROM unstores WHERE host_id = ?", (me,)
+            )
+        except Exception as exc:  # (the database's own errors: the next beat tries again)
+            log.warning("the removals silent hosts put off are not taken over: %s", exc)
+            return
+        self.unstore_later |= {(str(r["tenant_id"]), str(r["snapshot_id"])) for r in rows}
+
     def _unstore(self, tenant: str, checkpoint: str) -> bool:
         """Delete a former recovery point (an automatic checkpoint) from the store, unless
         another stored snapshot builds on it (its disk: a later checkpoint after a rewind
