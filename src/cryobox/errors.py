@@ -250,6 +250,12 @@ class StoreError(CryoboxError):
         super().__init__(f"snapshot store {url}: {doing} failed: {reason}")
 
 
+class StoreKeyNotHere(StoreError):
+    """The tenant's data key in the store is sealed with a key this host does not hold:
+    the store answered (a fleet's hosts share each tenant's keys at their heartbeat, so
+    a host may not hold one another host made a moment ago)."""
+
+
 class NoHostAvailable(CryoboxError):
     """No host of the fleet can take a new sandbox now (each host and why is named):
     all draining, gone, full, or none labelled for the tenant."""

@@ -644,6 +644,33 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_th
         assert "vCPUs in use" in str(refused.value) and a_id in str(refused.value)
 
 
+def test_a_snapshot_stored_under_a_key_this_host_does_not_hold_yet_starts_here(
+    postgres: Any, fleet_dir: Path
+) -> None:
+    """Host b stores a snapshot under the tenant's key; a start from it through host a
+    before a holds that key (the hosts share keys at their heartbeat: b made it a
+    moment ago) takes the key then and starts. It was refused as not found: the key a
+    lacked was taken for a store that did not answer (the fork-away test above saw it
+    once, under load)."""
+    with lossy_pair(postgres, fleet_dir, "hosts_key_late") as (a, b):
+        assert a.database_url is not None
+        tenant = tenant_id(a.database_url, "hosts-key-late")
+        saved = Sandbox.create(api_url=b.url, api_key=b.key).snapshot("saved")
+
+        def stored() -> bool:
+            listed = Sandbox.snapshots(api_url=b.url, api_key=b.key)
+            return any(s.id == saved.id and s.location == "stored" for s in listed)
+
+        until(stored, "the snapshot stored", 60)
+        held = fleet_dir / "a" / "keys" / "store" / f"{tenant}.json"
+        until(held.exists, "a to take the tenant's key at its heartbeat", 30)
+        held.unlink()  # (as before a's next heartbeat)
+        copy = Sandbox.create(from_snapshot=saved.id, api_url=a.url, api_key=a.key)
+        assert copy.info().host == (fleet_dir / "a" / "host-id").read_text().strip()
+        assert copy.commands.run("echo here").stdout == "here\n"
+        assert held.exists()
+
+
 def test_a_paused_sandbox_moved_to_another_host_and_killed_there_leaves_no_stored_pause(
     postgres: Any, fleet_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -44,6 +44,7 @@ from cryobox.errors import (
     SnapshotError,
     SnapshotNotFound,
     StoreError,
+    StoreKeyNotHere,
     TemplateNotFound,
 )
 from cryobox.models import (
@@ -424,7 +425,10 @@ class Hub:
                 try:  # evicted from this host, still in the store
                     stored = self.service.persist.chunks(tenant.id).find(snapshot_id)
                 except (SnapshotError, StoreError) as exc:
-                    store_down = isinstance(exc, StoreError)
+                    # (a key this host does not hold yet: the store answered)
+                    store_down = isinstance(exc, StoreError) and not isinstance(
+                        exc, StoreKeyNotHere
+                    )
                     unread.append(snapshot_id)
                     continue
                 manifest = Manifest.from_json(stored.manifest)

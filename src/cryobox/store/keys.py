@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryobox import config, sealing
-from cryobox.errors import InvalidArgument, StoreError
+from cryobox.errors import InvalidArgument, StoreError, StoreKeyNotHere
 from cryobox.store.objects import ObjectMissing, ObjectStore
 from cryobox.util import write_json_atomic
 
@@ -108,7 +108,7 @@ def _wrap(kek: bytes, kek_id: str, tenant: str, key_id: str, data: bytes) -> dic
 def _kek(tenant: str, kek_id: str) -> bytes:
     keys = _keks(tenant).get("keys")
     if not isinstance(keys, dict) or kek_id not in keys:
-        raise StoreError(
+        raise StoreKeyNotHere(
             str(_kek_file(tenant)),
             f"opening tenant {tenant}'s data key",
             f"this host has no key {kek_id}: copy the tenant's key file from the host "
