@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
-from cryobox.errors import CryoboxError, InvalidArgument
+from cryobox.errors import CryoboxError, InvalidArgument, StoreError
 from cryobox.models import LineageNode, SnapshotInfo, TemplateInfo
 from cryobox.sandbox import references, registry
 from cryobox.service import removals
@@ -21,6 +21,7 @@ from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import SnapshotStore, template_snapshots
 from cryobox.store.keys import LOCAL_TENANT
+from cryobox.store.objects import store_url
 
 log = logging.getLogger("cryobox.catalog")
 
@@ -92,7 +93,12 @@ class Catalog:
             get its whole RAM back (nothing deleted).
 
         The store is asked briefly (:meth:`Persistence.forget`): when it does not
-        answer, the stored copies' removal waits for a later collection.
+        answer, the stored copies' removal waits for a later collection, which makes
+        it once nothing stored builds on them; the refusal for evicted snapshots built
+        on it is not made then (their base's stored copy stays while they do).
+
+        :raises StoreError: for a cascade while the store does not answer (nothing
+            deleted: what is built on it in the store is not known).
         """
         manifest = self.store.get(ref)
         persist = self.persist.of(tenant)
@@ -121,22 +127,30 @@ class Catalog:
                     f"snapshot {each.id} is the base of {', '.join(needed_by)}; "
                     f"delete those first{hint}"
                 )
-        # Their stored copies, and those of the evicted snapshots built on them (first),
-        # leave the store too: recorded before anything is deleted here.
-        forgotten = [c for each in doomed for c in stored_children.get(each.id, [])]
-        forgotten += [m.id for m in doomed]
-        where = await asyncio.to_thread(persist.will_forget, forgotten)
+        if not answered and cascade:  # (what to cascade to in the store is not known)
+            raise StoreError(
+                store_url(),
+                f"listing the stored snapshots built on {manifest.id}",
+                "no answer (nothing deleted): try the cascade again",
+            )
         for older in leaning:  # (a GB copied and hashed: not on the event loop)
             await asyncio.to_thread(self.store.unfold_ram, older.id)
+        where, forgotten = None, []
         for each in doomed:
             # (a fold onto it holds its lock until done: waited for off the event loop)
             await asyncio.to_thread(self.store.delete, each.id)
+            # Its stored copy, and those of the evicted snapshots built on it (first),
+            # leave the store too: recorded once it is gone here, so that a process
+            # killed before the store's delete leaves that to a later collection.
+            leaving = [*stored_children.get(each.id, []), each.id]
+            where = await asyncio.to_thread(persist.will_forget, leaving)
+            forgotten += leaving
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:
                     self.store.delete_template(str(template["name"]))
         # A store that did not say what builds on them is not asked again now: a later
         # collection deletes them once nothing stored does.
-        if answered:
+        if answered and where is not None:
             await asyncio.to_thread(persist.forget, where, forgotten)
         return [m.id for m in doomed]
 

@@ -505,34 +505,37 @@ class Persistence:
         return users
 
     def will_forget(self, snapshot_ids: Iterable[str]) -> removals.Where:
-        """Record that these snapshots leave the store (:mod:`~cryobox.service.removals`),
-        before their local files go: a process that dies before :meth:`forget` leaves
-        their removal to a later collection, not their stored copies to the store for
-        good. Where they are to be removed from."""
+        """Record that these snapshots, just deleted here, leave the store
+        (:mod:`~cryobox.service.removals`): a process that dies before :meth:`forget`
+        leaves their removal to a later collection, not their stored copies to the
+        store for good. Where they are to be removed from."""
         where = removals.Where(store_url(), self.tenant, connection())
         removals.settle({where: set(snapshot_ids)}, {})
         return where
 
     def forget(self, where: removals.Where, snapshot_ids: Iterable[str]) -> None:
-        """Delete snapshots recorded by :meth:`will_forget` from the store too (asked by
-        a delete), in this order; tried briefly. Those a store that did not answer kept
-        wait for a later collection, which deletes them once nothing stored builds on
-        them (before, a delete waited minutes per request on such a store and left the
-        copy in it for good)."""
-        ordered = list(snapshot_ids)
-        gone: set[str] = set()
+        """Delete from the store the snapshots :meth:`will_forget` recorded (asked by a
+        delete), unless another stored record builds on them (another host's pause,
+        say: the store's to keep); tried briefly, under the store's collection lease.
+        While an upload runs, or when the store does not answer, they wait for a later
+        collection (before, a delete waited minutes per request on such a store and
+        left the copy in it for good)."""
+        ids = list(snapshot_ids)
+        named = ", ".join(ids)
         try:
             store = self.chunks(where.tenant, where.store, brief=True)
-            for snapshot_id in ordered:
-                store.delete(snapshot_id)
-                gone.add(snapshot_id)
+            gone = store.delete_unneeded(ids) if store.has_key() else []
         except (StoreError, OSError) as exc:
-            left = ", ".join(s for s in ordered if s not in gone)
-            log.warning("stored copies of %s leave the store later: %s", left, exc)
+            log.warning("stored copies of %s leave the store later: %s", named, exc)
+            return
+        except CryoboxError as exc:  # (a record that does not verify: the store's to judge)
+            log.warning("stored copies of %s kept: %s", named, exc)
+            gone = []
         except Exception as exc:  # (a client's own error: a later collection tries again)
-            left = ", ".join(s for s in ordered if s not in gone)
-            log.warning("stored copies of %s leave the store later: %r", left, exc)
-        removals.settle({}, {where: gone})
+            log.warning("stored copies of %s leave the store later: %r", named, exc)
+            return
+        if gone is not None:  # (None: an upload runs)
+            removals.settle({}, {where: set(ids)})
 
     def forget_layers(self, marks: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Delete from the store the checkpoints and fork snapshots just collected here

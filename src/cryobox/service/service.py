@@ -827,8 +827,10 @@ class SandboxService:
                 os.kill(record.qemu_pid, signal.SIGKILL)
         if paused:
             await asyncio.to_thread(self.persist.forget_pause, folder, paused, spec.owner)
-        # (a RAM file of gigabytes unlinked, a record fsynced: not on the event loop)
-        await asyncio.to_thread(folder.bury if keep_record else folder.remove)
+        if keep_record:
+            folder.bury()
+        else:
+            folder.remove()
         await self.catalog.collect_garbage()
 
     async def pause(
