@@ -24,6 +24,7 @@ class SilentStore:
         self._lock = threading.Lock()
         self._requests: dict[socket.socket, bytes] = {}  # open connections: what they sent
         self._since: dict[socket.socket, float] = {}  # open connections: when taken
+        self._longest_closed = 0.0  # the longest wait of a client that gave up
         self.asked = 0  # connections taken so far
         self._given_up: list[bytes] = []  # what the connections their clients closed sent
         self._stop = threading.Event()
@@ -67,10 +68,12 @@ class SilentStore:
         return [_line(each) for each in sent]
 
     def longest_wait(self) -> float:
-        """How long the client that has waited longest so far has waited, in seconds."""
+        """The longest any client has waited so far (still waiting or given up), in
+        seconds."""
         with self._lock:
             taken = list(self._since.values())
-        return time.monotonic() - min(taken) if taken else 0.0
+            closed = self._longest_closed
+        return max([closed, *(time.monotonic() - each for each in taken)])
 
     def given_up(self) -> list[str]:
         """The request lines of the clients that stopped waiting (closed)."""
@@ -103,7 +106,8 @@ class SilentStore:
                             self._requests[connection] = kept[:4096]
                             continue
                         self._given_up.append(self._requests.pop(connection))  # gave up
-                        del self._since[connection]
+                        waited = time.monotonic() - self._since.pop(connection)
+                        self._longest_closed = max(self._longest_closed, waited)
                     selector.unregister(connection)
                     connection.close()
 

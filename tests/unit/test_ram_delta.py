@@ -647,11 +647,63 @@ def test_a_former_recovery_point_a_silent_host_put_off_is_removed_by_another(
         ("snap-elsewhere", "host-c"),
         ("snap-newer", "host-b"),
     ]
-    db.execute("UPDATE hosts SET seen_at = 0 WHERE id = 'host-b'")  # b stops
+    lost = time.time() - 3600  # (the fleet's cutoff is a minute here)
+    db.execute("UPDATE hosts SET seen_at = ? WHERE id = 'host-b'", (lost,))  # b is lost
     mover.adopt_unstores()
     assert mover.unstore_later == {(tenant, "snap-newer")}
     mover.retry_unstores()
     with pytest.raises(SnapshotNotFound):
         persist.of(tenant).chunks().find("snap-newer")
     assert [tuple(r) for r in db.rows(put_off)] == [("snap-elsewhere", "host-c")]
+    db.close()
+
+
+def test_a_lost_hosts_pause_the_store_did_not_answer_for_goes_later_then_its_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox killed while its host is lost, and the store does not answer: its
+    stored pause waits in this host's removals, and its recovery point (which the pause
+    may build on) waits behind it; once the pause has left, the point does."""
+    import json
+    from types import SimpleNamespace
+
+    from cryobox import config
+    from cryobox.errors import SnapshotNotFound, StoreError
+    from cryobox.service import removals
+
+    _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
+    tenant = "tenant-a"
+    chunks = persist.of(tenant).chunks()
+    brief = persist.of(tenant).chunks(brief=True)  # (the client both removals use)
+    answering = brief.objects
+
+    class NotAnswering:
+        url = answering.url
+
+        def __getattr__(self, name: str) -> Any:
+            def timed_out(*args: object, **kwargs: object) -> None:
+                raise StoreError(answering.url, name, "read timed out")
+
+            return timed_out
+
+    brief.objects = NotAnswering()
+    point = SimpleNamespace(), "snap-newer", 0.0
+    mover._forget_lost_pause(tenant, "sbx-lost", point)
+    waiting = config.state_dir() / removals.FILE
+    entries = json.loads(waiting.read_text())
+    assert [(e["id"], e["tenant"]) for e in entries] == [("pause:sbx-lost:", tenant)]
+    assert mover.unstore_later == {(tenant, "snap-newer")}
+    assert chunks.find("snap-newer").id == "snap-newer"
+
+    brief.objects = answering  # it answers again
+    assert mover._unstores_failed_at is None  # (the pause failed, not a point)
+    mover.retry_unstores()  # the point waits behind the pause
+    assert chunks.find("snap-newer").id == "snap-newer"
+    waiting.write_text(json.dumps([{**e, "tried": e["tried"] - 60} for e in entries]))
+    persist.forget_layers({})  # a collection: the pause goes
+    assert not waiting.exists()
+    mover.retry_unstores()
+    with pytest.raises(SnapshotNotFound):
+        chunks.find("snap-newer")
+    assert mover.unstore_later == set()
     db.close()

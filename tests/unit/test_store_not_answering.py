@@ -82,5 +82,4 @@ def test_the_monitor_goes_on_while_a_collection_waits_on_the_store() -> None:
         until(lambda: store.longest_wait() > 15, "the collection waiting on the store", 60)
         sbx = Sandbox.create(api_url=server.url, api_key=server.key, idle_timeout=1)
         until(lambda: sbx.info().state == "paused", "the idle sandbox paused", 60, every=0.5)
-        assert store.longest_wait() > 15  # (and it still waits)
         sbx.kill()

@@ -874,6 +874,8 @@ async def _monitor(hub: Hub, tick: float, storage_interval: float, collect_inter
     finally:
         if collecting is not None:
             collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collecting
 
 
 def _heartbeat(hub: Hub, stop: threading.Event) -> None:

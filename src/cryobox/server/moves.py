@@ -564,8 +564,9 @@ class Mover:
 
     def adopt_unstores(self) -> None:
         """Take over the former recovery points whose removal a silent host put off (one
-        of this host's store not seen for :data:`STALE_AFTER`: lost, or stopped by its
-        operator): left to it, they stayed in the store until it came back, if ever. A
+        of this host's store stopped by its operator, or not seen for
+        :data:`STALE_AFTER`: lost): left to it, they stayed in the store until it came
+        back, if ever. A
         host that does come back and tries one again finds it gone or done: each
         removal deletes only what nothing stored builds on."""
         me = self.hub.me
