@@ -515,6 +515,21 @@ def test_an_upload_stores_the_ram_base_again_when_it_left_the_store(
     assert sorted(s.id for s in chunks.all()) == ["snap-newer", "snap-older"]
 
 
+class _NotAnswering:
+    """Objects of a store behind a network fault: every request times out."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __getattr__(self, name: str) -> Any:
+        from cryobox.errors import StoreError
+
+        def timed_out(*args: object, **kwargs: object) -> None:
+            raise StoreError(self.url, name, "read timed out")
+
+        return timed_out
+
+
 def _a_stored_point_and_a_mover(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[LocalSnapshotStore, Any, Any, Any]:
@@ -578,7 +593,7 @@ def test_a_former_recovery_point_the_store_did_not_answer_for_leaves_it_later(
     """Tried briefly, a removal the store does not answer for is put off (it was
     dropped: the point stayed in the store for good), and tried again once a minute,
     not at every monitor tick."""
-    from cryobox.errors import SnapshotNotFound, StoreError
+    from cryobox.errors import SnapshotNotFound
     from cryobox.server import moves
 
     _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
@@ -587,18 +602,7 @@ def test_a_former_recovery_point_the_store_did_not_answer_for_leaves_it_later(
     brief = persist.of(tenant).chunks(brief=True)  # (the client a removal uses)
     answering = brief.objects
 
-    class NotAnswering:
-        """The store behind a network fault: every request times out."""
-
-        url = answering.url
-
-        def __getattr__(self, name: str) -> Any:
-            def timed_out(*args: object, **kwargs: object) -> None:
-                raise StoreError(answering.url, name, "read timed out")
-
-            return timed_out
-
-    brief.objects = NotAnswering()
+    brief.objects = _NotAnswering(answering.url)
     mover._unstore(tenant, "snap-newer")
     assert chunks.find("snap-newer").id == "snap-newer"
     assert mover.unstore_later == {(tenant, "snap-newer")}
@@ -668,7 +672,7 @@ def test_a_lost_hosts_pause_the_store_did_not_answer_for_goes_later_then_its_poi
     from types import SimpleNamespace
 
     from cryobox import config
-    from cryobox.errors import SnapshotNotFound, StoreError
+    from cryobox.errors import SnapshotNotFound
     from cryobox.service import removals
 
     _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
@@ -677,16 +681,7 @@ def test_a_lost_hosts_pause_the_store_did_not_answer_for_goes_later_then_its_poi
     brief = persist.of(tenant).chunks(brief=True)  # (the client both removals use)
     answering = brief.objects
 
-    class NotAnswering:
-        url = answering.url
-
-        def __getattr__(self, name: str) -> Any:
-            def timed_out(*args: object, **kwargs: object) -> None:
-                raise StoreError(answering.url, name, "read timed out")
-
-            return timed_out
-
-    brief.objects = NotAnswering()
+    brief.objects = _NotAnswering(answering.url)
     point = SimpleNamespace(), "snap-newer", 0.0
     mover._forget_lost_pause(tenant, "sbx-lost", point)
     waiting = config.state_dir() / removals.FILE
