@@ -15,8 +15,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -367,6 +369,42 @@ def test_a_delete_does_not_wait_on_a_store_that_does_not_answer(
         assert store.asked
         until(lambda: not store.waiting(), "every request to the store given up")
         assert deleted_in < 120, deleted_in  # (a hang, not a speed, is what this catches)
+
+
+def test_a_kill_removes_what_the_sandbox_held_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kill renames what the sandbox held away at once (its folder keeps its record
+    and logs, and reads as killed), then removes it off the event loop: a RAM file of
+    a gigabyte takes most of a second to unlink, and every other call waited. What a
+    process killed meanwhile left aside goes at the next kill."""
+    a, b = Sandbox.create("base"), Sandbox.create("base")
+    folder = registry.find(a.id).path
+    assert {f.name for f in folder.iterdir()} - registry.RECORD_FILES  # (to remove)
+    left = config.state_dir() / registry.ASIDE / "sbx-of-a-process-killed-0000"
+    left.mkdir(parents=True)
+    (left / "memory").write_bytes(b"\0" * 4096)
+    clearing, cleared = threading.Event(), threading.Event()
+    clear = registry.clear_aside
+
+    def slow() -> None:
+        clearing.set()
+        cleared.wait(30)
+        clear()
+
+    monkeypatch.setattr(registry, "clear_aside", slow)
+    with ThreadPoolExecutor(1) as background:
+        killing = background.submit(a.kill)
+        assert clearing.wait(60), "the kill never removes what the sandbox held"
+        assert {f.name for f in folder.iterdir()} <= registry.RECORD_FILES
+        started = time.monotonic()
+        assert b.commands.run("echo on").stdout == "on\n"
+        answered_in = time.monotonic() - started
+        assert a.info().state == "killed"
+        cleared.set()
+        killing.result(60)
+    assert answered_in < 20, answered_in  # (on the event loop: 30 s)
+    assert list((config.state_dir() / registry.ASIDE).iterdir()) == []
 
 
 def test_a_resume_and_a_kill_do_not_wait_on_a_store_that_does_not_answer(

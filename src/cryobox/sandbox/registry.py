@@ -35,11 +35,14 @@ from cryobox.volume.mounts import socket_name
 
 __all__ = [
     "ADOPTABLE",
+    "ASIDE",
     "RECORD_FILES",
     "SEALED_ENVS",
     "SandboxDir",
     "SandboxRecord",
     "SandboxSpec",
+    "aside_folder",
+    "clear_aside",
     "find",
     "forget_finished",
     "kill_vm",
@@ -272,13 +275,15 @@ class SandboxDir:
         while not self.record().state.finished and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    def bury(self) -> None:
+    def bury(self, aside: Path | None = None) -> None:
         """Reduce a killed sandbox's folder to its record and logs (:data:`RECORD_FILES`),
-        marked killed; its VM killed first if one still runs."""
+        marked killed; its VM killed first if one still runs. ``aside``: what goes is
+        moved there (:func:`aside_folder`), for the caller to remove off its event loop
+        (:func:`clear_aside`), instead of being removed now."""
         self._kill_recorded_vm()
         record = self.record()
         for path in list(self.path.iterdir()):
-            if path.name in RECORD_FILES:
+            if path.name in RECORD_FILES or _moved(path, aside):
                 continue
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -303,10 +308,12 @@ class SandboxDir:
         except OSError:  # a record that cannot be written is a sandbox forgotten
             self.remove()
 
-    def remove(self) -> None:
-        """Remove the folder, and the VM first if a failed start left one running."""
+    def remove(self, aside: Path | None = None) -> None:
+        """Remove the folder, and the VM first if a failed start left one running
+        (``aside``: moved there, as by :meth:`bury`)."""
         self._kill_recorded_vm()
-        shutil.rmtree(self.path, ignore_errors=True)
+        if not _moved(self.path, aside):
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def _kill_recorded_vm(self) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -325,6 +332,39 @@ class SandboxDir:
         write_json_atomic(
             self.state_file, replace(record, updated_at=time.time()).to_json(), durable=durable
         )
+
+
+#: Where the files of killed sandboxes wait to be removed, under the state folder (not
+#: under ``sandboxes/``: nothing that lists those may see them).
+ASIDE = ".cleared"
+
+
+def aside_folder(sandbox_id: str) -> Path:
+    """A new folder (not made yet) to move a killed sandbox's files into: renamed away
+    at once, they are removed later, off an event loop (a RAM file of a gigabyte takes
+    most of a second to unlink; every request of the server waited)."""
+    return config.state_dir() / ASIDE / f"{sandbox_id}-{os.urandom(4).hex()}"
+
+
+def clear_aside() -> None:
+    """Remove every folder moved aside, this process's and those a process that died
+    left (blocking: for a worker thread)."""
+    with contextlib.suppress(FileNotFoundError):
+        for folder in (config.state_dir() / ASIDE).iterdir():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _moved(path: Path, aside: Path | None) -> bool:
+    """Whether ``path`` was moved into ``aside`` (made if need be); not when there is
+    none, or it cannot be renamed there (a mount point, another file system)."""
+    if aside is None:
+        return False
+    try:
+        aside.mkdir(parents=True, exist_ok=True)
+        path.rename(aside / path.name)
+    except OSError:
+        return False
+    return True
 
 
 def process_stat(pid: int) -> list[str] | None:

@@ -827,10 +827,14 @@ class SandboxService:
                 os.kill(record.qemu_pid, signal.SIGKILL)
         if paused:
             await asyncio.to_thread(self.persist.forget_pause, folder, paused, spec.owner)
+        # What it held is renamed away here, and removed off the event loop: a RAM file
+        # of a gigabyte takes most of a second to unlink.
+        aside = registry.aside_folder(sandbox_id)
         if keep_record:
-            folder.bury()
+            folder.bury(aside)
         else:
-            folder.remove()
+            folder.remove(aside)
+        await asyncio.to_thread(registry.clear_aside)
         await self.catalog.collect_garbage()
 
     async def pause(
