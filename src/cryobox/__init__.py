@@ -46,6 +46,7 @@ ERRORS = (
     "ProcessCheckpointFailed",
     "StorageError",
     "StoreError",
+    "StoreKeyNotHere",
     "HostUnavailable",
     "NoHostAvailable",
     "NetworkError",
