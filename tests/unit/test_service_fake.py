@@ -38,6 +38,7 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.sandbox import registry
+from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import discard_spare, pool, removals, service
 from cryobox.service.persist import Persistence
 from cryobox.snapshot import manifest as mf
@@ -344,6 +345,70 @@ def test_a_deleted_snapshots_stored_copy_leaves_the_store_later_when_it_could_no
         Sandbox.create(from_snapshot=saved.id)
 
 
+def test_a_deleted_snapshots_stored_copy_a_stored_one_builds_on_leaves_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snapshot deleted while the store did not say what builds on it (here a snapshot
+    evicted from this host, in the store only, does): its stored copy stays while that
+    one does (else it could not start any more), and its removal waits; once that one
+    has left the store, a later collection removes it. (Kept once, it was given up, and
+    stayed in the store for good.)"""
+    a = Sandbox.create("base")
+    base = a.snapshot("base")
+    b = Sandbox.create(from_snapshot=base.id)
+    child = b.snapshot("child")
+    for each in (base, child):
+        folder = config.state_dir() / "snapshots" / each.id
+        until(lambda: uploads.state(folder).get("state") == "stored", "stored", 120)  # noqa: B023
+    a.kill()
+    b.kill()
+    evicted = subprocess.run(
+        [sys.executable, "-m", "cryobox.cli.main", "snapshot", "evict", child.id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert evicted.returncode == 0, evicted.stderr
+    chunks = ChunkStore(config.LOCAL_TENANT, open_objects())
+    assert base.id in mf.builds_on(chunks.find(child.id).manifest)
+    with monkeypatch.context() as fault:
+        fault.setattr(Persistence, "stored_users", lambda self, ids: None)
+        assert Sandbox.delete_snapshot(base.id) == [base.id]
+    waiting = config.state_dir() / removals.FILE
+    for _ in range(2):  # the child keeps it: it waits on
+        _a_minute_later(base.id)
+        _collection_in_another_process()
+        assert chunks.find(base.id).id == base.id
+        assert [e["id"] for e in json.loads(waiting.read_text())] == [base.id]
+    chunks.delete(child.id)  # (its retention ended, say)
+    _a_minute_later(base.id)
+    _collection_in_another_process()
+    with pytest.raises(SnapshotNotFound):
+        chunks.find(base.id)
+    assert not waiting.exists()
+
+
+def test_a_kill_on_a_full_disk_keeps_the_sandboxs_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill moves what the sandbox held aside before it writes the killed record: on a
+    full disk nothing was freed yet, so when that write fails, what was moved aside is
+    removed and the record written again (the sandbox was forgotten: its id unknown)."""
+    sbx = Sandbox.create("base")
+    write = SandboxDir.write_record
+    refused: list[str] = []
+
+    def full_once(self: SandboxDir, record: registry.SandboxRecord) -> None:
+        if record.state.finished and not refused:
+            refused.append(record.id)
+            raise OSError(28, "No space left on device")
+        write(self, record)
+
+    monkeypatch.setattr(SandboxDir, "write_record", full_once)
+    sbx.kill()
+    assert refused == [sbx.id]
+    assert sbx.info().state == "killed"
+    assert list((config.state_dir() / registry.ASIDE).iterdir()) == []
+
+
 def test_a_delete_does_not_wait_on_a_store_that_does_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -380,23 +445,30 @@ def test_a_kill_removes_what_the_sandbox_held_off_the_event_loop(
     process killed meanwhile left aside goes at the next kill."""
     a, b = Sandbox.create("base"), Sandbox.create("base")
     folder = registry.find(a.id).path
-    assert {f.name for f in folder.iterdir()} - registry.RECORD_FILES  # (to remove)
-    left = config.state_dir() / registry.ASIDE / "sbx-of-a-process-killed-0000"
-    left.mkdir(parents=True)
-    (left / "memory").write_bytes(b"\0" * 4096)
+    held = {f.name for f in folder.iterdir()} - registry.RECORD_FILES
+    assert held  # (to remove)
+    aside = config.state_dir() / registry.ASIDE
+    dead = aside / "4194305-sbx-of-a-process-killed-0000"  # (above the kernel's pid_max)
+    alive = aside / "1-sbx-of-a-process-still-moving-files-in-0000"
+    for left in (dead, alive):
+        left.mkdir(parents=True)
+        (left / "memory").write_bytes(b"\0" * 4096)
     clearing, cleared = threading.Event(), threading.Event()
     clear = registry.clear_aside
 
-    def slow() -> None:
-        clearing.set()
-        cleared.wait(30)
-        clear()
+    def slow(mine: Path | None = None) -> None:
+        if mine is not None:  # (the kill's: a collection clears the dead's too)
+            clearing.set()
+            cleared.wait(30)
+        clear(mine)
 
     monkeypatch.setattr(registry, "clear_aside", slow)
     with ThreadPoolExecutor(1) as background:
         killing = background.submit(a.kill)
         assert clearing.wait(60), "the kill never removes what the sandbox held"
         assert {f.name for f in folder.iterdir()} <= registry.RECORD_FILES
+        (moved,) = aside.glob(f"{os.getpid()}-{a.id}-*")  # (renamed, not removed yet)
+        assert {f.name for f in moved.iterdir()} & held
         started = time.monotonic()
         assert b.commands.run("echo on").stdout == "on\n"
         answered_in = time.monotonic() - started
@@ -404,7 +476,7 @@ def test_a_kill_removes_what_the_sandbox_held_off_the_event_loop(
         cleared.set()
         killing.result(60)
     assert answered_in < 20, answered_in  # (on the event loop: 30 s)
-    assert list((config.state_dir() / registry.ASIDE).iterdir()) == []
+    assert list(aside.iterdir()) == [alive]  # (another live process's is its own)
 
 
 def test_a_resume_and_a_kill_do_not_wait_on_a_store_that_does_not_answer(

@@ -301,12 +301,18 @@ class SandboxDir:
             pause_id=None,
             ports={},
         )
-        try:
-            self.write_record(ended)
-        except StateError:  # its supervisor recorded its end meanwhile: that record stands
-            pass
-        except OSError:  # a record that cannot be written is a sandbox forgotten
-            self.remove()
+        for attempt in range(2):
+            try:
+                self.write_record(ended)
+                return
+            except StateError:  # its supervisor recorded its end meanwhile: that stands
+                return
+            except OSError:
+                if attempt or aside is None:
+                    break
+                # What it held was only moved so far: on a full disk, room for the record.
+                shutil.rmtree(aside, ignore_errors=True)
+        self.remove()  # a record that cannot be written is a sandbox forgotten
 
     def remove(self, aside: Path | None = None) -> None:
         """Remove the folder, and the VM first if a failed start left one running
@@ -342,16 +348,31 @@ ASIDE = ".cleared"
 def aside_folder(sandbox_id: str) -> Path:
     """A new folder (not made yet) to move a killed sandbox's files into: renamed away
     at once, they are removed later, off an event loop (a RAM file of a gigabyte takes
-    most of a second to unlink; every request of the server waited)."""
-    return config.state_dir() / ASIDE / f"{sandbox_id}-{os.urandom(4).hex()}"
+    most of a second to unlink; every request of the server waited). Named for this
+    process, so that only its own, and those of processes that died, are cleared."""
+    return config.state_dir() / ASIDE / f"{os.getpid()}-{sandbox_id}-{os.urandom(4).hex()}"
 
 
-def clear_aside() -> None:
-    """Remove every folder moved aside, this process's and those a process that died
-    left (blocking: for a worker thread)."""
+def clear_aside(aside: Path | None = None) -> None:
+    """Remove ``aside``, and the folders processes that died left aside (blocking: for
+    a worker thread). Another live process's are its own: it may still move files in."""
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         for folder in (config.state_dir() / ASIDE).iterdir():
-            shutil.rmtree(folder, ignore_errors=True)
+            owner = folder.name.partition("-")[0]
+            if not owner.isdigit() or not _pid_alive(int(owner)):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _moved(path: Path, aside: Path | None) -> bool:

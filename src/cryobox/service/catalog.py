@@ -155,7 +155,9 @@ class Catalog:
         return [m.id for m in doomed]
 
     async def collect_garbage(self) -> list[str]:
-        """Delete the checkpoints and fork snapshots nothing needs any more; their ids."""
+        """Delete the checkpoints and fork snapshots nothing needs any more; their ids.
+        What killed sandboxes held that a process that died left aside goes too."""
+        await asyncio.to_thread(registry.clear_aside)
         self.store.sweep()
         named = template_snapshots(self.store.templates())
         listed = self.store.all()

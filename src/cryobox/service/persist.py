@@ -524,18 +524,19 @@ class Persistence:
         named = ", ".join(ids)
         try:
             store = self.chunks(where.tenant, where.store, brief=True)
-            gone = store.delete_unneeded(ids) if store.has_key() else []
+            gone = store.delete_unneeded(ids) if store.has_key() else ids
         except (StoreError, OSError) as exc:
             log.warning("stored copies of %s leave the store later: %s", named, exc)
             return
         except CryoboxError as exc:  # (a record that does not verify: the store's to judge)
             log.warning("stored copies of %s kept: %s", named, exc)
-            gone = []
+            gone = ids
         except Exception as exc:  # (a client's own error: a later collection tries again)
             log.warning("stored copies of %s leave the store later: %r", named, exc)
             return
         if gone is not None:  # (None: an upload runs)
-            removals.settle({}, {where: set(ids)})
+            # Those something stored builds on wait on (it may go: then so can they).
+            removals.settle({where: set(ids) - set(gone)}, {where: set(gone)})
 
     def forget_layers(self, marks: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Delete from the store the checkpoints and fork snapshots just collected here
@@ -548,9 +549,10 @@ class Persistence:
         collection lease, and not while an upload runs (an upload checks before its
         commit that what it builds on is stored): those are put off to the next
         collection (:mod:`cryobox.service.removals`), as are those a store that did not
-        answer kept. One that anything stored builds on stays (another host's paused
-        sandbox, say), and so does every one when a record does not verify (it could be
-        one that does): those are left to the store.
+        answer kept. One that anything stored builds on (another host's paused sandbox,
+        say) waits too, tried again at later collections (it may go, and then so can
+        this one; given up after a day); every one stays when a record does not verify
+        (it could be one that builds on them): those are left to the store.
         """
         mine = connection()
         by_store = removals.due(mine)
@@ -589,11 +591,13 @@ class Persistence:
             named = ", ".join(sorted(ids | pauses))
             try:
                 store = self.chunks(where.tenant, where.store, brief=True)
+                kept: set[str] = set()
                 if store.has_key():
                     for entry in sorted(pauses):  # (first: they build on the others)
                         if pause := removals.named_pause(entry):
                             _forget_stored_pause(store, *pause)
                     gone = store.delete_unneeded(sorted(ids)) if ids else []
+                    kept = ids - set(gone) if gone is not None else set()
                 else:
                     gone = []
             except StoreError as exc:
@@ -601,7 +605,7 @@ class Persistence:
                 gone = None
             except (CryoboxError, OSError) as exc:  # (left for the store's own collection)
                 log.warning("stored copies of %s kept: %s", named, exc)
-                gone = []
+                gone, kept = [], set()
             except Exception as exc:  # (a client's own error: tried again, then given up)
                 log.warning("stored copies of %s kept for now: %r", named, exc)
                 gone = None
@@ -609,7 +613,9 @@ class Persistence:
                 put_off[where] = ids | pauses
             else:
                 deleted += gone
-                done[where] |= ids | pauses
+                done[where] |= (ids - kept) | pauses
+                if kept:  # (something stored builds on them: once it goes, so can they)
+                    put_off[where] = kept
         removals.settle(put_off, done)
         return deleted
 

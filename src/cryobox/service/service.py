@@ -834,7 +834,7 @@ class SandboxService:
             folder.bury(aside)
         else:
             folder.remove(aside)
-        await asyncio.to_thread(registry.clear_aside)
+        await asyncio.to_thread(registry.clear_aside, aside)
         await self.catalog.collect_garbage()
 
     async def pause(
