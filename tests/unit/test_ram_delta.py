@@ -559,6 +559,19 @@ def _a_stored_point_and_a_mover(
     return store, persist, db, Mover(hub)  # type: ignore[arg-type]
 
 
+def _a_mover_whose_store_does_not_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, Any, Any, Any, Any]:
+    """As :func:`_a_stored_point_and_a_mover`, with tenant-a's brief client (the one
+    the removals use) behind a network fault: the persistence, the database, the mover,
+    that client, and its objects as they answer (to give back to it)."""
+    _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
+    brief = persist.of("tenant-a").chunks(brief=True)
+    answering = brief.objects
+    brief.objects = _NotAnswering(answering.url)
+    return persist, db, mover, brief, answering
+
+
 def test_a_former_recovery_point_leaves_the_store_only_while_no_upload_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -596,13 +609,11 @@ def test_a_former_recovery_point_the_store_did_not_answer_for_leaves_it_later(
     from cryobox.errors import SnapshotNotFound
     from cryobox.server import moves
 
-    _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
+    persist, db, mover, brief, answering = _a_mover_whose_store_does_not_answer(
+        tmp_path, monkeypatch
+    )
     tenant = "tenant-a"
     chunks = persist.of(tenant).chunks()
-    brief = persist.of(tenant).chunks(brief=True)  # (the client a removal uses)
-    answering = brief.objects
-
-    brief.objects = _NotAnswering(answering.url)
     mover._unstore(tenant, "snap-newer")
     assert chunks.find("snap-newer").id == "snap-newer"
     assert mover.unstore_later == {(tenant, "snap-newer")}
@@ -675,13 +686,11 @@ def test_a_lost_hosts_pause_the_store_did_not_answer_for_goes_later_then_its_poi
     from cryobox.errors import SnapshotNotFound
     from cryobox.service import removals
 
-    _, persist, db, mover = _a_stored_point_and_a_mover(tmp_path, monkeypatch)
+    persist, db, mover, brief, answering = _a_mover_whose_store_does_not_answer(
+        tmp_path, monkeypatch
+    )
     tenant = "tenant-a"
     chunks = persist.of(tenant).chunks()
-    brief = persist.of(tenant).chunks(brief=True)  # (the client both removals use)
-    answering = brief.objects
-
-    brief.objects = _NotAnswering(answering.url)
     point = SimpleNamespace(), "snap-newer", 0.0
     mover._forget_lost_pause(tenant, "sbx-lost", point)
     waiting = config.state_dir() / removals.FILE

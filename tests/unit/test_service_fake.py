@@ -456,10 +456,9 @@ def test_a_kill_removes_what_the_sandbox_held_off_the_event_loop(
     clearing, cleared = threading.Event(), threading.Event()
     clear = registry.clear_aside
 
-    def slow(mine: Path | None = None) -> None:
-        if mine is not None:  # (the kill's: a collection clears the dead's too)
-            clearing.set()
-            cleared.wait(30)
+    def slow(mine: Path) -> None:
+        clearing.set()
+        cleared.wait(30)
         clear(mine)
 
     monkeypatch.setattr(registry, "clear_aside", slow)

@@ -43,6 +43,7 @@ __all__ = [
     "SandboxSpec",
     "aside_folder",
     "clear_aside",
+    "clear_left_aside",
     "find",
     "forget_finished",
     "kill_vm",
@@ -353,11 +354,14 @@ def aside_folder(sandbox_id: str) -> Path:
     return config.state_dir() / ASIDE / f"{os.getpid()}-{sandbox_id}-{os.urandom(4).hex()}"
 
 
-def clear_aside(aside: Path | None = None) -> None:
-    """Remove ``aside``, and the folders processes that died left aside (blocking: for
-    a worker thread). Another live process's are its own: it may still move files in."""
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+def clear_aside(aside: Path) -> None:
+    """Remove a folder of :func:`aside_folder` (blocking: for a worker thread)."""
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def clear_left_aside() -> None:
+    """Remove the folders processes that died left aside (blocking: for a worker
+    thread). Another live process's are its own: it may still move files in."""
     with contextlib.suppress(FileNotFoundError):
         for folder in (config.state_dir() / ASIDE).iterdir():
             owner = folder.name.partition("-")[0]

@@ -304,12 +304,7 @@ class Mover:
 
     async def start(self) -> None:
         self.secret = self.hub._shared_secret("departures")
-        rows = await asyncio.to_thread(
-            self.hub.db.rows,
-            "SELECT tenant_id, snapshot_id FROM unstores WHERE host_id = ?",
-            (self.hub.me,),
-        )
-        self.unstore_later |= {(str(r["tenant_id"]), str(r["snapshot_id"])) for r in rows}
+        self.unstore_later |= await asyncio.to_thread(self._unstores_here)
         await self.key_ready(keys.LOCAL_TENANT)  # the host's templates are stored as its
         await self.drop_moved()
 
@@ -566,9 +561,8 @@ class Mover:
         """Take over the former recovery points whose removal a silent host put off (one
         of this host's store stopped by its operator, or not seen for
         :data:`STALE_AFTER`: lost): left to it, they stayed in the store until it came
-        back, if ever. A
-        host that does come back and tries one again finds it gone or done: each
-        removal deletes only what nothing stored builds on."""
+        back, if ever. A host that does come back and tries one again finds it gone or
+        done: each removal deletes only what nothing stored builds on."""
         me = self.hub.me
         try:
             self.hub.db.execute(
@@ -576,13 +570,16 @@ class Mover:
                 "WHERE id != ? AND store = ? AND seen_at < ?)",
                 (me, me, self.hub.hosts.store, _stale_cutoff()),
             )
-            rows = self.hub.db.rows(
-                "SELECT tenant_id, snapshot_id FROM unstores WHERE host_id = ?", (me,)
-            )
+            self.unstore_later |= self._unstores_here()
         except Exception as exc:  # (the database's own errors: the next beat tries again)
             log.warning("the removals silent hosts put off are not taken over: %s", exc)
-            return
-        self.unstore_later |= {(str(r["tenant_id"]), str(r["snapshot_id"])) for r in rows}
+
+    def _unstores_here(self) -> set[tuple[str, str]]:
+        """The removals recorded in the ``unstores`` table as this host's to make."""
+        rows = self.hub.db.rows(
+            "SELECT tenant_id, snapshot_id FROM unstores WHERE host_id = ?", (self.hub.me,)
+        )
+        return {(str(r["tenant_id"]), str(r["snapshot_id"])) for r in rows}
 
     def _unstore(self, tenant: str, checkpoint: str) -> bool:
         """Delete a former recovery point (an automatic checkpoint) from the store, unless

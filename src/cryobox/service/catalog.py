@@ -157,7 +157,7 @@ class Catalog:
     async def collect_garbage(self) -> list[str]:
         """Delete the checkpoints and fork snapshots nothing needs any more; their ids.
         What killed sandboxes held that a process that died left aside goes too."""
-        await asyncio.to_thread(registry.clear_aside)
+        await asyncio.to_thread(registry.clear_left_aside)
         self.store.sweep()
         named = template_snapshots(self.store.templates())
         listed = self.store.all()
