@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -20,7 +21,10 @@ import pytest
 from api_server import CLI, ApiServer
 from cryobox import Sandbox
 from cryobox.errors import CryoboxError, InvalidArgument
+from cryobox.guest import protocol as p
+from cryobox.guest.requests import DiskCopy
 from cryobox.image.build import images_dir
+from cryobox.sandbox.transfer_disk import TransferDisk
 
 from .guest_http import fetch_until_up
 
@@ -112,7 +116,7 @@ def cleanup() -> Iterator[list[str]]:
 
 
 def test_a_container_image_runs_as_a_sandbox_that_pauses_resumes_and_forks(
-    tmp_path: Path, cleanup: list[str]
+    tmp_path: Path, cleanup: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     archive = make_archive(tmp_path)
     cleanup.append("oci-app")
@@ -137,6 +141,21 @@ def test_a_container_image_runs_as_a_sandbox_that_pauses_resumes_and_forks(
         assert served.split()[:2] == ["app", "/bin/httpd"], served
         pid = sbx.commands.run("pidof httpd").stdout.strip()
         sbx.files.write("/tmp/note.txt", "before the pause\n")
+        # Megabytes go through the transfer disk, copied by the Python cryobox carries
+        # in: with its xxhash, each slot's digest is XXH64.
+        digests: list[str] = []
+        take = TransferDisk.take
+
+        def noted(self: TransferDisk, slot: int, copied: DiskCopy) -> bytes:
+            digests.append(copied.digest)
+            return take(self, slot, copied)
+
+        monkeypatch.setattr(TransferDisk, "take", noted)
+        data = os.urandom(3 << 20)
+        sbx.files.write("/tmp/big.bin", data)
+        assert sbx.files.read("/tmp/big.bin") == data
+        assert digests == [p.DIGEST_XXH64]
+        monkeypatch.undo()
 
         sbx.pause()
         sbx = Sandbox.resume(sbx.id)

@@ -87,10 +87,12 @@ def start_front(helper: tuple[str, ...] = HELPER) -> Front:
 
 
 @contextlib.asynccontextmanager
-async def served_front() -> AsyncIterator[tuple[Front, asyncio.StreamReader, asyncio.StreamWriter]]:
+async def served_front(
+    helper: tuple[str, ...] = HELPER,
+) -> AsyncIterator[tuple[Front, asyncio.StreamReader, asyncio.StreamWriter]]:
     """A front for one test, as streams on this loop; killed (its Python agent with it)
     at the end."""
-    front = start_front()
+    front = start_front(helper)
     try:
         reader, writer = await asyncio.open_unix_connection(
             sock=front.sock.dup(), limit=STREAM_LIMIT

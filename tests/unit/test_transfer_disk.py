@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from cryobox.errors import ChannelError, GuestError, ProtocolError
 from cryobox.guest import agent as guest_agent
@@ -31,7 +33,7 @@ from cryobox.sandbox import transfer_disk
 from cryobox.sandbox.transfer_disk import TransferDisk
 from cryobox.service import bulk
 
-from .agent_pair import STREAM_LIMIT
+from .agent_pair import STREAM_LIMIT, served_front
 
 SLOT = p.TRANSFER_SLOT
 
@@ -129,6 +131,66 @@ async def test_a_stream_in_pieces_that_straddle_the_slots_arrives_intact(
     assert target.read_bytes() == data
 
 
+async def test_an_agent_without_xxhash_answers_adler_32_and_is_checked_all_the_same(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As an agent saved in a snapshot before XXH64 answers, or one on a guest without
+    # python3-xxhash: the host checks the Adler-32 it names, both ways.
+    monkeypatch.setattr(disk_copy, "xxhash", None)
+    answers: list[g.DiskCopy] = []
+    take = TransferDisk.take
+
+    def noted(self: TransferDisk, slot: int, copied: g.DiskCopy) -> bytes:
+        answers.append(copied)
+        return take(self, slot, copied)
+
+    monkeypatch.setattr(TransferDisk, "take", noted)
+    data = os.urandom(2 * SLOT + 4097)
+    target = tmp_path / "old.bin"
+    assert await write(pair, target, data)
+    assert target.read_bytes() == data
+    assert await read(pair, target) == data
+    assert {copied.digest for copied in answers} == {p.DIGEST_ADLER32}
+    assert [copied.check for copied in answers] == [
+        zlib.adler32(data[i : i + SLOT]) for i in range(0, len(data), SLOT)
+    ]
+    # A slot that differs from what the host put there is refused by its Adler-32 too.
+    put = TransferDisk.put
+
+    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes], name: str) -> int:
+        check = put(self, slot, pieces, name)
+        spoil(self.fd, slot + 7)
+        return check
+
+    monkeypatch.setattr(TransferDisk, "put", put_then_spoil)
+    with pytest.raises(ChannelError, match="the guest's Adler-32 of bytes 0-"):
+        await write(pair, tmp_path / "spoiled.bin", data)
+    assert not (tmp_path / "spoiled.bin").exists()
+
+
+async def test_files_go_both_ways_through_the_compiled_front(tmp_path: Path) -> None:
+    # In the guest the front (guest/front.c) relays the Python agent's answers: each must
+    # be JSON its parser takes (a digest as a number past 2**63 was not: the answer was
+    # dropped and the copy never answered).
+    disk_path = tmp_path / "disk.raw"
+    transfer_disk.fresh(disk_path)
+    helper = (
+        sys.executable,
+        "-c",
+        "from cryobox.guest import disk_copy, agent; "
+        f"disk_copy.find_disk = lambda: {str(disk_path)!r}; agent.serve(3)",
+    )
+    async with served_front(helper) as (_, reader, writer):
+        client = AgentClient(reader, writer)
+        front = Pair(guest_agent.Agent(), client, disk_path)  # (its agent is the front's)
+        for seed in range(4):  # XXH64s of either sign as a signed 64-bit number
+            data = os.urandom(SLOT + 4097) + bytes([seed])
+            target = tmp_path / f"front-{seed}.bin"
+            assert await asyncio.wait_for(write(front, target, data), 60)
+            assert target.read_bytes() == data
+            assert await asyncio.wait_for(read(front, target), 60) == data
+
+
 def spoil(fd: int, at: int) -> None:
     """Flip a bit of the byte at ``at`` in the disk file."""
     os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 1]), at)
@@ -139,15 +201,15 @@ async def test_a_write_whose_slot_changed_on_the_way_is_refused_and_leaves_no_fi
 ) -> None:
     put = TransferDisk.put
 
-    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes]) -> int:
-        check = put(self, slot, pieces)
+    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes], name: str) -> int:
+        check = put(self, slot, pieces, name)
         if slot:  # the second slot: one byte differs from what the host checked
             spoil(self.fd, slot + 7)
         return check
 
     monkeypatch.setattr(TransferDisk, "put", put_then_spoil)
     target = tmp_path / "spoiled.bin"
-    with pytest.raises(ChannelError, match=f"writing {target}: the guest's Adler-32 of bytes"):
+    with pytest.raises(ChannelError, match=f"writing {target}: the guest's XXH64 of bytes"):
         await write(pair, target, os.urandom(2 * SLOT))
     assert not target.exists()
     assert [f.name for f in tmp_path.iterdir() if "spoiled" in f.name] == []
@@ -163,14 +225,16 @@ async def test_a_write_refused_at_its_first_slot_waits_for_the_copy_still_in_fli
     puts: list[int] = []
     copied: list[int] = []
 
-    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes]) -> int:
-        check = put(self, slot, pieces)
+    def put_then_spoil(self: TransferDisk, slot: int, pieces: list[bytes], name: str) -> int:
+        check = put(self, slot, pieces, name)
         puts.append(slot)
         if len(puts) == 1:  # the first slot: one byte differs from what the host checked
             spoil(self.fd, slot + 7)
         return check
 
-    def slow_copy(disk: int, slot: int, size: int, fd: int, direct: int | None, at: int) -> int:
+    def slow_copy(
+        disk: int, slot: int, size: int, fd: int, direct: int | None, at: int
+    ) -> disk_copy.Digest:
         if slot:
             time.sleep(0.5)  # the second slot's copy ends well after the first's answer
         check = copy(disk, slot, size, fd, direct, at)
@@ -180,7 +244,7 @@ async def test_a_write_refused_at_its_first_slot_waits_for_the_copy_still_in_fli
     monkeypatch.setattr(TransferDisk, "put", put_then_spoil)
     monkeypatch.setattr(disk_copy, "disk_to_file", slow_copy)
     target = tmp_path / "refused.bin"
-    with pytest.raises(ChannelError, match="Adler-32 of bytes 0-"):
+    with pytest.raises(ChannelError, match="XXH64 of bytes 0-"):
         await write(pair, target, os.urandom(3 * SLOT))
     assert puts == [0, SLOT]  # the third slot never sent
     assert sorted(copied) == [0, SLOT]  # and the second's copy was over before the end
@@ -268,22 +332,31 @@ def test_one_transfer_at_a_time_holds_the_disk_across_processes(tmp_path: Path) 
 def test_a_forged_size_in_a_copys_answer_is_refused_before_the_disk_is_read() -> None:
     # The host reads as many bytes as the answer says: never more than it asked for.
     ask_read = g.FileReadDisk("/f", 0, 0, SLOT)
-    assert ask_read.read_reply({"size": 5, "check": 7}) == g.DiskCopy(5, 7)
+    assert ask_read.read_reply({"size": 5, "xxh64": "ffffffffffffff0e"}) == g.DiskCopy(
+        5, 2**64 - 242
+    )
+    # (an agent without xxhash, or saved in a snapshot before it, answers Adler-32)
+    assert ask_read.read_reply({"size": 5, "check": 7}) == g.DiskCopy(5, 7, "check")
     for size in (SLOT + 1, -1, 10**18):
         with pytest.raises(ProtocolError, match=f"size={size} bytes, of {SLOT} asked"):
-            ask_read.read_reply({"size": size, "check": 7})
+            ask_read.read_reply({"size": size, "xxh64": "0000000000000007"})
     ask_write = g.FileWriteDisk(1, 0, 0, 4096)
     with pytest.raises(ProtocolError, match="size=4095"):
-        ask_write.read_reply({"size": 4095, "check": 7})
+        ask_write.read_reply({"size": 4095, "xxh64": "0000000000000007"})
     with pytest.raises(ProtocolError, match="check="):
         ask_write.read_reply({"size": 4096, "check": "7"})
+    for forged in (7, "7", "-000000000000007", "000000000000000g", "0x00000000000007", " " * 16):
+        with pytest.raises(ProtocolError, match="xxh64="):
+            ask_write.read_reply({"size": 4096, "xxh64": forged})
+    with pytest.raises(ProtocolError, match="no digest of the bytes it copied"):
+        ask_write.read_reply({"size": 4096})
 
 
 def test_a_slot_is_written_from_its_pieces_as_they_are(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """More pieces than one ``pwritev`` takes, of odd sizes, and a write cut short: the
-    slot holds them joined, and the check is the Adler-32 of the whole."""
+    slot holds them joined, and the check is the XXH64 of the whole."""
     path = tmp_path / "disk.raw"
     transfer_disk.fresh(path)
     disk = TransferDisk.claim(path)
@@ -292,7 +365,7 @@ def test_a_slot_is_written_from_its_pieces_as_they_are(
         pieces: list[bytes | memoryview] = [os.urandom(97 + i % 13) for i in range(3000)]
         pieces[5] = memoryview(pieces[5])[3:]
         whole = b"".join(pieces)
-        assert disk.put(SLOT, pieces) == zlib.adler32(whole)
+        assert disk.put(SLOT, pieces) == xxhash.xxh64_intdigest(whole)
         assert os.pread(disk.fd, len(whole), SLOT) == whole
         real = os.pwritev
 
@@ -301,7 +374,7 @@ def test_a_slot_is_written_from_its_pieces_as_they_are(
 
         monkeypatch.setattr(os, "pwritev", short)
         again = [os.urandom(5000) for _ in range(7)]
-        assert disk.put(0, again) == zlib.adler32(b"".join(again))
+        assert disk.put(0, again) == xxhash.xxh64_intdigest(b"".join(again))
         assert os.pread(disk.fd, 35000, 0) == b"".join(again)
     finally:
         disk.release()

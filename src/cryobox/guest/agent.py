@@ -1051,7 +1051,8 @@ class Agent:
             )
         except OSError as exc:  # a full disk, most likely: said of the user's path
             raise os_error(exc, path) from exc
-        return {"size": size, "check": check}
+        name, value = check
+        return {"size": size, name: value}
 
     async def file_read_disk(
         self, rid: int, args: dict[str, Any], payload: bytes
@@ -1069,7 +1070,8 @@ class Agent:
             lambda: disk_copy.file_to_disk(path, at, disk, slot, size),
             min(size, info.st_size - at),
         )
-        return {"size": got, "check": check}
+        name, value = check
+        return {"size": got, name: value}
 
     async def file_write_end(
         self, rid: int, args: dict[str, Any], payload: bytes

@@ -42,6 +42,13 @@ TRANSFER_SLOTS = 2
 TRANSFER_BYTES = TRANSFER_SLOT * TRANSFER_SLOTS
 #: The serial number the guest finds its transfer disk by (``/sys/block/*/serial``).
 TRANSFER_SERIAL = "cryobox-transfer"
+#: The key of a copy's answer that holds the digest of the bytes it moved, by digest:
+#: XXH64 where the guest has xxhash (the image does), Adler-32 where it has not (and in
+#: the agent of a snapshot saved before XXH64: the host takes either).
+DIGEST_XXH64 = "xxh64"
+DIGEST_ADLER32 = "check"
+#: Each digest's name, for messages.
+DIGEST_NAMES = {DIGEST_XXH64: "XXH64", DIGEST_ADLER32: "Adler-32"}
 
 
 #: Every command's PATH in the guest unless it sets its own (front.c has the same).

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 from cryobox.errors import ProtocolError
 from cryobox.guest import answers
-from cryobox.guest.protocol import GuestOp
+from cryobox.guest.protocol import DIGEST_ADLER32, DIGEST_XXH64, GuestOp
 from cryobox.models import CommandRequest, EntryInfo, ExitStatus
 
 Reply = TypeVar("Reply", covariant=True)
@@ -130,11 +130,13 @@ class FileWriteChunk(_NoReply):
 
 @dataclass(frozen=True)
 class DiskCopy:
-    """What a copy through the transfer disk moved: its bytes and their Adler-32 as the
-    guest computed it (checked by the host against its own)."""
+    """What a copy through the transfer disk moved: its bytes and their digest as the
+    guest computed it (checked by the host against its own), XXH64 or, from an agent
+    without xxhash, Adler-32 (``digest`` names which: ``protocol.DIGEST_*``)."""
 
     size: int
     check: int
+    digest: str = DIGEST_XXH64
 
 
 def _disk_copy(answer: dict[str, Any], op: str, least: int, most: int) -> DiskCopy:
@@ -143,7 +145,14 @@ def _disk_copy(answer: dict[str, Any], op: str, least: int, most: int) -> DiskCo
     size = answers.whole(answer, "size", op)
     if not least <= size <= most:
         raise ProtocolError(f"{op}: the guest copied size={size} bytes, of {most} asked")
-    return DiskCopy(size, answers.whole(answer, "check", op))
+    if DIGEST_XXH64 in answer:  # (16 hex digits: a number past 2**63 is no JSON of ours)
+        text = answers.text(answer, DIGEST_XXH64, op)
+        if len(text) != 16 or text.strip("0123456789abcdef"):
+            raise ProtocolError(f"{op}: the guest sent {DIGEST_XXH64}={text!r}, not a digest")
+        return DiskCopy(size, int(text, 16), DIGEST_XXH64)
+    if DIGEST_ADLER32 in answer:
+        return DiskCopy(size, answers.whole(answer, DIGEST_ADLER32, op), DIGEST_ADLER32)
+    raise ProtocolError(f"{op}: the guest sent no digest of the bytes it copied")
 
 
 @dataclass(frozen=True)

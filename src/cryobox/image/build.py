@@ -52,6 +52,8 @@ ROOTFS_PACKAGES = (
     "python3",
     # The guest agent's event loop (compiled: see cryobox.guest.agent.new_loop).
     "python3-uvloop",
+    # The digest of a bulk transfer's slots (XXH64: cryobox.guest.disk_copy).
+    "python3-xxhash",
     "coreutils",
     "procps",
     "iproute2",

@@ -1,6 +1,6 @@
 """The runtime cryobox carries into a root file system that is not its own.
 
-The guest agent is Python (3.11, with uvloop) and sets the guest up with a few programs
+The guest agent is Python (3.11, with uvloop and xxhash) and sets the guest up with a few programs
 (``ip``, ``resize2fs``, ``setsid``). cryobox's own image has them; a container image
 may have another Python, no Python at all, another C library or none (busy box images,
 distroless ones, Alpine's musl). So a root file system made from a container image gets
@@ -16,6 +16,8 @@ guest image and kept in the cache.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -36,10 +38,12 @@ PROGRAMS = {
     "/usr/sbin/resize2fs": "resize2fs",
     "/usr/bin/setsid": "setsid",
 }
-#: Folders of Python: the standard library and uvloop (the agent's event loop).
+#: Folders of Python: the standard library, uvloop (the agent's event loop) and xxhash
+#: (the digest of a bulk transfer's slots; its libxxhash comes as a library it needs).
 PYTHON_TREES = {
     "/usr/lib/python3.11": "lib/python3.11",
     "/usr/lib/python3/dist-packages/uvloop": "lib/python3/dist-packages/uvloop",
+    "/usr/lib/python3/dist-packages/xxhash": "lib/python3/dist-packages/xxhash",
 }
 LIBRARIES = "/usr/lib/x86_64-linux-gnu"
 _NEEDED = re.compile(r"\(NEEDED\)\s+Shared library: \[(.+?)\]")
@@ -51,7 +55,7 @@ def guest_runtime(image: Image) -> Path:
 
     :raises ImageError: when a tool is missing or the image lacks a file the runtime needs.
     """
-    target = config.cache_dir() / "runtime" / image.id
+    target = config.cache_dir() / "runtime" / f"{image.id}-{_recipe()}"
     if (target / "bin/python3").exists():
         return target
     for tool in ("debugfs", "patchelf", "readelf", "qemu-img"):
@@ -95,6 +99,13 @@ def guest_runtime(image: Image) -> Path:
             library.chmod(0o755)
         os.replace(tree, target)
     return target
+
+
+def _recipe() -> str:
+    """A key of what the tree holds beside the image's files: a tree made with other
+    programs or folders (xxhash came later than uvloop) is made again."""
+    listed = json.dumps([PROGRAMS, PYTHON_TREES, LIBRARIES, GUEST_DIR], sort_keys=True)
+    return hashlib.sha256(listed.encode()).hexdigest()[:12]
 
 
 def _debugfs(raw: Path, request: str) -> None:

@@ -15,6 +15,8 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
+import xxhash
+
 from cryobox.errors import ChannelError
 from cryobox.guest import protocol as p
 from cryobox.guest.requests import DiskCopy
@@ -32,6 +34,20 @@ def fresh(path: Path) -> None:
         os.ftruncate(fd, p.TRANSFER_BYTES)
     finally:
         os.close(fd)
+
+
+def digest(pieces: Sequence[bytes | memoryview], name: str) -> int:
+    """The digest ``name`` (``protocol.DIGEST_*``: the one a copy's answer names) of
+    ``pieces`` one after the other."""
+    if name == p.DIGEST_XXH64:
+        hashed = xxhash.xxh64()
+        for piece in pieces:
+            hashed.update(piece)
+        return hashed.intdigest()
+    check = zlib.adler32(b"")
+    for piece in pieces:
+        check = zlib.adler32(piece, check)
+    return check
 
 
 class TransferDisk:
@@ -56,9 +72,12 @@ class TransferDisk:
             return None
         return cls(fd)
 
-    def put(self, slot: int, pieces: Sequence[bytes | memoryview]) -> int:
-        """Write ``pieces``, one after the other, into a slot; their Adler-32. Written as
-        they are (``pwritev``), not joined first: a copy of every byte fewer."""
+    def put(
+        self, slot: int, pieces: Sequence[bytes | memoryview], name: str = p.DIGEST_XXH64
+    ) -> int:
+        """Write ``pieces``, one after the other, into a slot; their digest ``name``
+        (``protocol.DIGEST_*``). Written as they are (``pwritev``), not joined first: a
+        copy of every byte fewer."""
         at = slot
         for start in range(0, len(pieces), _IOV_MAX):
             batch = pieces[start : start + _IOV_MAX]
@@ -70,20 +89,17 @@ class TransferDisk:
                     done = os.pwrite(self.fd, rest, at + size - len(rest))
                     rest = rest[done:]
             at += size
-        check = zlib.adler32(b"")
-        for piece in pieces:
-            check = zlib.adler32(piece, check)
-        return check
+        return digest(pieces, name)
 
     def take(self, slot: int, copied: DiskCopy) -> bytes:
-        """The bytes the guest put in a slot, checked against its Adler-32.
+        """The bytes the guest put in a slot, checked against its digest of them.
 
         :raises ChannelError: when they are not what the guest says it wrote."""
         data = os.pread(self.fd, copied.size, slot)
-        if len(data) != copied.size or zlib.adler32(data) != copied.check:
+        if len(data) != copied.size or digest([data], copied.digest) != copied.check:
             raise ChannelError(
                 f"the transfer disk's slot at {slot} does not hold the {copied.size} bytes "
-                "the guest copied into it (Adler-32 differs)"
+                f"the guest copied into it ({p.DIGEST_NAMES[copied.digest]} differs)"
             )
         return data
 

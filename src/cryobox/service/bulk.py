@@ -6,7 +6,8 @@ A write puts a slot's worth of the file's bytes in a slot and asks the agent to 
 that slot into the file while it fills the next one; a read asks for a slot's worth of
 the file in a slot and reads it there while the agent fills the next one. The guest
 moves slots with O_DIRECT (:mod:`cryobox.guest.disk_copy`); each copy answers with the
-Adler-32 of what it moved, checked here against the bytes the host sent or read.
+digest of what it moved (XXH64; Adler-32 from an agent without xxhash), checked here
+against the bytes the host sent or read.
 
 Chosen over a second virtio-serial port, vsock or the guest network, each of which
 still has the guest's CPU copy every byte through a socket under TCG (the agent
@@ -31,7 +32,7 @@ from cryobox.guest import protocol as p
 from cryobox.guest import requests as g
 from cryobox.guest.client import AgentClient
 from cryobox.guest.requests import DiskCopy
-from cryobox.sandbox.transfer_disk import TransferDisk
+from cryobox.sandbox.transfer_disk import TransferDisk, digest
 
 #: Files up to this size go over the agent channel: a disk round trip costs more.
 DISK_FROM = 1 << 20
@@ -124,7 +125,7 @@ async def write(
     """Write the bytes in ``held``, then the rest of ``stream``, into the upload
     ``handle``. ``False`` when the guest cannot (nothing written: send them otherwise).
 
-    :raises ChannelError: when a slot's Adler-32 differs (the upload is to be aborted).
+    :raises ChannelError: when a slot's digest differs (the upload is to be aborted).
     """
     in_flight: collections.deque[tuple[asyncio.Future[DiskCopy], int, int]] = collections.deque()
     # Until the guest's first answer says it can copy through the disk at all, the bytes
@@ -132,12 +133,14 @@ async def write(
     # that answer all the same (the first copy is the slowest: the guest's buffers are
     # made and its code paths run for the first time).
     unconfirmed: list[Slot] | None = []
+    # The digest the guest answers with: XXH64 but from an agent without xxhash.
+    name = p.DIGEST_XXH64
 
     async def settle(taken: Slot | None = None) -> bool:
         """The oldest slot's answer, checked. ``False`` when it is the guest's first and
         says it cannot copy through the disk: every byte sent, then ``taken`` (read for
         the next slot), is handed back in front of ``held``."""
-        nonlocal unconfirmed
+        nonlocal unconfirmed, name
         future, check, offset = in_flight.popleft()
         try:
             copied = await future
@@ -146,11 +149,22 @@ async def write(
                 raise
             await _back_to_channel(in_flight, [*unconfirmed, taken or []], held)
             return False
+        if unconfirmed is not None and copied.digest != name:
+            # The first answer names Adler-32 (an agent saved in a snapshot before
+            # XXH64): the slots sent so far are digested its way again, the rest put so.
+            name = copied.digest
+            check = await asyncio.to_thread(digest, unconfirmed[0], name)
+            again = [
+                (f, await asyncio.to_thread(digest, data, name), at)
+                for (f, _, at), data in zip(in_flight, unconfirmed[1:], strict=True)
+            ]
+            in_flight.clear()
+            in_flight.extend(again)
         unconfirmed = None
-        if copied.check != check:
+        if copied.digest != name or copied.check != check:
             raise ChannelError(
-                f"writing {path}: the guest's Adler-32 of bytes {offset}-{offset + copied.size} "
-                "differs from the host's"
+                f"writing {path}: the guest's {p.DIGEST_NAMES[copied.digest]} of bytes "
+                f"{offset}-{offset + copied.size} differs from the host's"
             )
         return True
 
@@ -161,7 +175,7 @@ async def write(
             if len(in_flight) == p.TRANSFER_SLOTS and not await settle(data):
                 return False
             slot, size = _slot(index), _size(data)
-            check = await asyncio.to_thread(disk.put, slot, data)
+            check = await asyncio.to_thread(disk.put, slot, data, name)
             request = g.FileWriteDisk(handle, offset, slot, size)
             future: asyncio.Future[DiskCopy] = asyncio.ensure_future(
                 channel.ask(request, timeout=SLOT_TIMEOUT)
