@@ -478,6 +478,61 @@ def test_a_kill_removes_what_the_sandbox_held_off_the_event_loop(
     assert list(aside.iterdir()) == [alive]  # (another live process's is its own)
 
 
+#: A kill in a process of its own, held where it removes what it moved aside.
+KILL_HELD_AT_ITS_CLEARING = """
+import sys, threading
+from cryobox import Sandbox
+from cryobox.sandbox import registry
+
+def held(aside):
+    print(aside, flush=True)
+    threading.Event().wait()
+
+registry.clear_aside = held
+Sandbox.connect(sys.argv[1], resume=False).kill()
+"""
+
+
+def test_a_process_killed_with_9_while_it_clears_a_kill_leaves_it_to_a_collection(
+    fake_vmm: Path,
+) -> None:
+    """A kill -9 of the process that killed a sandbox, once its files are moved aside
+    and before they are removed: the sandbox reads as killed and holds only its record,
+    and the next collection (``cryobox gc``, here in a third process) removes what the
+    dead process left; a live process's folder is its own and stays."""
+    sbx = Sandbox.create("base")
+    folder = registry.find(sbx.id).path
+    held = {f.name for f in folder.iterdir()} - registry.RECORD_FILES
+    killer = subprocess.Popen(
+        [sys.executable, "-c", KILL_HELD_AT_ITS_CLEARING, sbx.id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert killer.stdout is not None
+        said = killer.stdout.readline().strip()  # (where it moved them: then held)
+        assert said, killer.communicate(timeout=30)
+    finally:
+        killer.kill()
+        killer.wait(30)
+    moved = Path(said)
+    assert moved.name.startswith(f"{killer.pid}-{sbx.id}-") and moved.is_dir()
+    assert {f.name for f in moved.iterdir()} & held
+    assert sbx.info().state == "killed"
+    assert {f.name for f in folder.iterdir()} <= registry.RECORD_FILES
+    alive = moved.parent / f"{os.getpid()}-sbx-still-moving-files-in-0000"
+    alive.mkdir()
+    collected = subprocess.run(
+        [sys.executable, "-m", "cryobox.cli.main", "gc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert collected.returncode == 0, collected.stderr
+    assert list(moved.parent.iterdir()) == [alive]
+
+
 def test_a_resume_and_a_kill_do_not_wait_on_a_store_that_does_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
