@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,9 +23,9 @@ from api_server import CLI, ApiServer
 from cryobox import Sandbox
 from cryobox.errors import CryoboxError, InvalidArgument
 from cryobox.guest import protocol as p
+from cryobox.guest import requests
 from cryobox.guest.requests import DiskCopy
 from cryobox.image.build import images_dir
-from cryobox.sandbox.transfer_disk import TransferDisk
 
 from .guest_http import fetch_until_up
 
@@ -142,19 +143,20 @@ def test_a_container_image_runs_as_a_sandbox_that_pauses_resumes_and_forks(
         pid = sbx.commands.run("pidof httpd").stdout.strip()
         sbx.files.write("/tmp/note.txt", "before the pause\n")
         # Megabytes go through the transfer disk, copied by the Python cryobox carries
-        # in: with its xxhash, each slot's digest is XXH64.
-        digests: list[str] = []
-        take = TransferDisk.take
+        # in: with its xxhash, each slot's digest is XXH64, both ways.
+        digests: list[tuple[str, str]] = []
+        answered = requests._disk_copy
 
-        def noted(self: TransferDisk, slot: int, copied: DiskCopy) -> bytes:
-            digests.append(copied.digest)
-            return take(self, slot, copied)
+        def noted(answer: dict[str, Any], op: str, least: int, most: int) -> DiskCopy:
+            copied = answered(answer, op, least, most)
+            digests.append((op, copied.digest))
+            return copied
 
-        monkeypatch.setattr(TransferDisk, "take", noted)
+        monkeypatch.setattr(requests, "_disk_copy", noted)
         data = os.urandom(3 << 20)
         sbx.files.write("/tmp/big.bin", data)
         assert sbx.files.read("/tmp/big.bin") == data
-        assert digests == [p.DIGEST_XXH64]
+        assert digests == [("write", p.DIGEST_XXH64), ("read", p.DIGEST_XXH64)]
         monkeypatch.undo()
 
         sbx.pause()

@@ -19,6 +19,7 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -250,6 +251,64 @@ async def test_a_write_refused_at_its_first_slot_waits_for_the_copy_still_in_fli
     assert sorted(copied) == [0, SLOT]  # and the second's copy was over before the end
     assert not target.exists()
     assert [f.name for f in tmp_path.iterdir() if "refused" in f.name] == []
+
+
+#: Where a transfer is cancelled: the call that starts it (the nth of its kind) and the
+#: one that is slow (its copy still runs when the cancellation comes).
+CANCELLED_AT = {
+    "a write's put": ("write", ("put", 1), None),
+    "a write awaiting a copy": ("write", ("copy", 2), ("copy", 1)),
+    "a read's take": ("read", ("take", 1), ("take", 1)),
+    "a read awaiting a copy": ("read", ("copy", 3), ("copy", 2)),
+}
+
+
+@pytest.mark.parametrize("at", list(CANCELLED_AT))
+async def test_a_transfer_cancelled_midway_ends_once_nothing_uses_the_disk(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    # A client that goes away cancels its transfer; the caller then gives the disk up
+    # (its descriptor closed: the number free for another file). A put or take still
+    # in its thread, or a copy the guest still makes (the one awaited when the
+    # cancellation came included), must have ended by then.
+    way, trigger, slow_one = CANCELLED_AT[at]
+    running = {"put": 0, "take": 0, "copy": 0}
+    calls = {"put": 0, "take": 0, "copy": 0}
+    started = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slowed(kind: str, work: Any) -> Any:
+        def run(*args: Any) -> Any:
+            calls[kind] += 1
+            running[kind] += 1
+            this = (kind, calls[kind])
+            if this == trigger:
+                loop.call_soon_threadsafe(started.set)
+            time.sleep(1.0 if this == slow_one else 0.3)
+            try:
+                return work(*args)
+            finally:
+                running[kind] -= 1
+
+        return run
+
+    monkeypatch.setattr(TransferDisk, "put", slowed("put", TransferDisk.put))
+    monkeypatch.setattr(TransferDisk, "take", slowed("take", TransferDisk.take))
+    monkeypatch.setattr(disk_copy, "disk_to_file", slowed("copy", disk_copy.disk_to_file))
+    monkeypatch.setattr(disk_copy, "file_to_disk", slowed("copy", disk_copy.file_to_disk))
+    data = os.urandom(4 * SLOT)
+    target = tmp_path / "cancelled.bin"
+    transfer: asyncio.Future[Any]
+    if way == "read":
+        target.write_bytes(data)
+        transfer = asyncio.ensure_future(read(pair, target))
+    else:
+        transfer = asyncio.ensure_future(write(pair, target, data))
+    await asyncio.wait_for(started.wait(), 30)
+    transfer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await transfer
+    assert running == {"put": 0, "take": 0, "copy": 0}
 
 
 async def test_a_read_whose_slot_changed_on_the_way_is_refused(

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from typing import TypeVar
 
 from cryobox.errors import ChannelError, GuestError
 from cryobox.guest import protocol as p
@@ -33,6 +34,8 @@ from cryobox.guest import requests as g
 from cryobox.guest.client import AgentClient
 from cryobox.guest.requests import DiskCopy
 from cryobox.sandbox.transfer_disk import TransferDisk, digest
+
+T = TypeVar("T")
 
 #: Files up to this size go over the agent channel: a disk round trip costs more.
 DISK_FROM = 1 << 20
@@ -85,6 +88,23 @@ async def _take(stream: AsyncIterator[bytes], held: bytearray) -> Slot:
         parts.append(last[:keep])
         held += last[keep:]
     return parts
+
+
+async def _to_the_end(work: Awaitable[T]) -> T:
+    """``work``'s result, awaited to its end even when this task is cancelled meanwhile
+    (the cancellation is raised once it ended). A copy the guest makes, or a thread that
+    writes or reads the disk, goes on regardless, and the caller gives the disk up (its
+    file descriptor closed, its number free for another file) once this returns."""
+    future = asyncio.ensure_future(work)
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return future.result()
 
 
 async def _all_answered(futures: Iterable[asyncio.Future[DiskCopy]]) -> None:
@@ -141,14 +161,15 @@ async def write(
         says it cannot copy through the disk: every byte sent, then ``taken`` (read for
         the next slot), is handed back in front of ``held``."""
         nonlocal unconfirmed, name
-        future, check, offset = in_flight.popleft()
-        try:
-            copied = await future
+        future, check, offset = in_flight[0]  # (taken off once answered: until then, a
+        try:  # cancellation waits for it below, as for the others in flight)
+            copied = await _to_the_end(future)
         except GuestError as exc:
             if unconfirmed is None or not no_disk(exc):
                 raise
             await _back_to_channel(in_flight, [*unconfirmed, taken or []], held)
             return False
+        in_flight.popleft()
         if unconfirmed is not None and copied.digest != name:
             # The first answer names Adler-32 (an agent saved in a snapshot before
             # XXH64): the slots sent so far are digested its way again, the rest put so.
@@ -175,7 +196,7 @@ async def write(
             if len(in_flight) == p.TRANSFER_SLOTS and not await settle(data):
                 return False
             slot, size = _slot(index), _size(data)
-            check = await asyncio.to_thread(disk.put, slot, data, name)
+            check = await _to_the_end(asyncio.to_thread(disk.put, slot, data, name))
             request = g.FileWriteDisk(handle, offset, slot, size)
             future: asyncio.Future[DiskCopy] = asyncio.ensure_future(
                 channel.ask(request, timeout=SLOT_TIMEOUT)
@@ -208,9 +229,8 @@ async def read(
         request = g.FileReadDisk(path, offset, _slot(index), p.TRANSFER_SLOT)
         return asyncio.ensure_future(channel.ask(request, timeout=SLOT_TIMEOUT))
 
-    first = ask(0, 0)
     try:
-        copied = await first
+        copied = await _to_the_end(ask(0, 0))
     except GuestError as exc:
         if no_disk(exc):
             return None
@@ -225,7 +245,7 @@ async def read(
             pending.extend(ask(i * p.TRANSFER_SLOT, i) for i in range(1, p.TRANSFER_SLOTS))
         try:
             while True:
-                data = await asyncio.to_thread(disk.take, _slot(index), result)
+                data = await _to_the_end(asyncio.to_thread(disk.take, _slot(index), result))
                 if data:
                     yield data
                 if result.size < p.TRANSFER_SLOT:
@@ -233,7 +253,8 @@ async def read(
                 ahead = index + p.TRANSFER_SLOTS  # into the slot just read (empty past the end)
                 pending.append(ask(ahead * p.TRANSFER_SLOT, ahead))
                 index += 1
-                result = await pending.popleft()
+                result = await _to_the_end(pending[0])
+                pending.popleft()
         finally:
             # Not cancelled: a copy the guest is still making would land in a slot the
             # next transfer may be using by then.
