@@ -110,15 +110,7 @@ async def _to_the_end(work: Awaitable[T]) -> T:
 async def _all_answered(futures: Iterable[asyncio.Future[DiskCopy]]) -> None:
     """Wait until every one of ``futures`` has ended, even through a cancellation of
     this task, which is raised once they have."""
-    waiting = asyncio.gather(*futures, return_exceptions=True)
-    cancelled = False
-    while not waiting.done():
-        try:
-            await asyncio.shield(waiting)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+    await _to_the_end(asyncio.gather(*futures, return_exceptions=True))
 
 
 async def _back_to_channel(
