@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,38 @@ def test_its_python_part_dying_fails_only_its_requests_and_comes_back(peer: Peer
         assert time.monotonic() < deadline, answer
         time.sleep(0.2)
     assert answer["result"]["type"] == "dir"
+
+
+#: A Python part that answers every request with a number jansson (the front's JSON
+#: parser) refuses, and Python's json writes and reads.
+HUGE_ANSWERS = (
+    sys.executable,
+    "-c",
+    """
+import os, socket
+from cryobox.guest import protocol as p
+port = socket.socket(fileno=3)
+port.setblocking(True)
+port.sendall(p.encode({"id": None, "event": "hello", "pid": os.getpid()}))
+decoder = p.Decoder()
+while data := port.recv(1 << 16):
+    for frame in decoder.feed(data):
+        port.sendall(p.encode({"id": frame.id, "ok": True, "result": {"big": 2**64 - 1}}))
+""",
+)
+
+
+def test_an_answer_the_front_cannot_parse_reaches_the_host_as_its_python_part_sent_it() -> None:
+    """Python's json writes integers past 2**63, which jansson refuses: such an answer
+    was dropped, and its request waited for the host's timeout (120 s for a copy
+    through the transfer disk, whose digest was one)."""
+    front = start_front(helper=HUGE_ANSWERS)
+    try:
+        peer = Peer(front)
+        answer = peer.request(7, "file.stat", {"path": "/tmp"})
+        assert answer == {"id": 7, "ok": True, "result": {"big": 2**64 - 1}}
+    finally:
+        front.stop()
 
 
 def test_without_its_python_part_it_still_answers_after_three_tries() -> None:

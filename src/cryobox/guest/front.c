@@ -637,8 +637,15 @@ static void open_port(void);
 
 /* A frame the helper sent: its hello is ours to say, the rest goes to the host. */
 static void from_helper_frame(const struct frame_in *frame) {
-    if (frame->garbage || !frame->header) {
+    if (frame->garbage) {
         fprintf(stderr, "cryobox-agent: the Python agent sent a bad frame: %s\n", frame->error);
+        return;
+    }
+    if (!frame->header) {
+        /* A whole frame whose header jansson refuses but Python's json wrote, so reads
+         * (an integer past 2**63, NaN): the host's to read, as sent. Dropped, its
+         * request went unanswered until the host's timeout. */
+        send_frame(copy_raw(frame), frame->raw_len, false);
         return;
     }
     json_t *id = json_object_get(frame->header, "id");
