@@ -187,6 +187,11 @@ def test_an_answer_the_front_cannot_parse_reaches_the_host_as_its_python_part_se
         peer = Peer(front)
         answer = peer.request(7, "file.stat", {"path": "/tmp"})
         assert answer == {"id": 7, "ok": True, "result": {"big": 2**64 - 1}}
+        # Answered, it is no longer pending: its Python part's death answers it no more.
+        os.kill(front.helper_pid(), signal.SIGKILL)
+        time.sleep(1)
+        assert peer.request(8, "ping")["ok"]
+        assert [frame.header for frame in peer.frames if frame.id == 7] == []
     finally:
         front.stop()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import xxhash
 
@@ -97,7 +98,10 @@ async def read(pair: Pair, path: Path) -> bytes | None:
     assert disk is not None
     try:
         stream = await bulk.read(pair.client, str(path), disk)
-        return None if stream is None else b"".join([chunk async for chunk in stream])
+        if stream is None:
+            return None
+        async with contextlib.aclosing(stream):  # (as the service reads one)
+            return b"".join([chunk async for chunk in stream])
     finally:
         disk.release()
 
@@ -259,18 +263,22 @@ CANCELLED_AT = {
     "a write's put": ("write", ("put", 1), None),
     "a write awaiting a copy": ("write", ("copy", 2), ("copy", 1)),
     "a read's take": ("read", ("take", 1), ("take", 1)),
+    "a read's take, a copy behind it": ("read", ("take", 1), ("copy", 2)),
     "a read awaiting a copy": ("read", ("copy", 3), ("copy", 2)),
 }
 
 
+@pytest.mark.parametrize("how", ["a task's cancel", "an anyio scope's"])
 @pytest.mark.parametrize("at", list(CANCELLED_AT))
 async def test_a_transfer_cancelled_midway_ends_once_nothing_uses_the_disk(
-    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str, how: str
 ) -> None:
     # A client that goes away cancels its transfer; the caller then gives the disk up
     # (its descriptor closed: the number free for another file). A put or take still
     # in its thread, or a copy the guest still makes (the one awaited when the
-    # cancellation came included), must have ended by then.
+    # cancellation came included), must have ended by then. Under the server, the
+    # cancellation is a Starlette response's task group's: anyio's, delivered again at
+    # every wait.
     way, trigger, slow_one = CANCELLED_AT[at]
     running = {"put": 0, "take": 0, "copy": 0}
     calls = {"put": 0, "take": 0, "copy": 0}
@@ -298,17 +306,61 @@ async def test_a_transfer_cancelled_midway_ends_once_nothing_uses_the_disk(
     monkeypatch.setattr(disk_copy, "file_to_disk", slowed("copy", disk_copy.file_to_disk))
     data = os.urandom(4 * SLOT)
     target = tmp_path / "cancelled.bin"
-    transfer: asyncio.Future[Any]
     if way == "read":
         target.write_bytes(data)
-        transfer = asyncio.ensure_future(read(pair, target))
-    else:
-        transfer = asyncio.ensure_future(write(pair, target, data))
+    scopes: list[anyio.CancelScope] = []
+
+    async def transfer() -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            await (read(pair, target) if way == "read" else write(pair, target, data))
+
+    running_transfer = asyncio.ensure_future(transfer())
     await asyncio.wait_for(started.wait(), 30)
-    transfer.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await transfer
+    if how == "a task's cancel":
+        running_transfer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running_transfer
+    else:
+        scopes[0].cancel()
+        await running_transfer  # (the scope takes its own cancellation back)
     assert running == {"put": 0, "take": 0, "copy": 0}
+
+
+async def test_a_cancelled_wait_for_a_transfers_step_raises_the_cancellation_and_does_not_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A step that fails after the cancellation came: the caller was cancelled, and is
+    # told so (its error would have it go on, over the agent channel, for a client gone).
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def failing() -> None:
+        await gate
+        raise GuestError("file.read.disk", p.UNSUPPORTED, "this machine has no transfer disk")
+
+    waiting = asyncio.ensure_future(bulk._to_the_end(failing()))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # (the step still runs)
+    gate.set_result(None)
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    # In an anyio scope cancelled meanwhile, the wait is one wait, not a spin.
+    waits = 0
+    wait = asyncio.wait
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal waits
+        waits += 1
+        return await wait(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "wait", counted)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        assert await bulk._to_the_end(asyncio.sleep(0.2, "slept")) == "slept"
+    monkeypatch.undo()
+    assert waits == 1
 
 
 async def test_a_read_whose_slot_changed_on_the_way_is_refused(

@@ -642,9 +642,25 @@ static void from_helper_frame(const struct frame_in *frame) {
         return;
     }
     if (!frame->header) {
-        /* A whole frame whose header jansson refuses but Python's json wrote, so reads
-         * (an integer past 2**63, NaN): the host's to read, as sent. Dropped, its
-         * request went unanswered until the host's timeout. */
+        /* A whole frame whose header jansson refuses with its integers as integers (one
+         * past 2**63: Python's json writes and reads it): the host's to read, as sent.
+         * Dropped, its request went unanswered until the host's timeout. Read again
+         * with its numbers as reals for its id, no longer pending once answered (or the
+         * Python agent's death later would answer it a second time). */
+        json_error_t err;
+        size_t header_len = (size_t)(frame->payload - frame->raw) - PREFIX_SIZE;
+        json_t *lenient = json_loadb(frame->raw + PREFIX_SIZE, header_len,
+                                     JSON_ALLOW_NUL | JSON_DECODE_INT_AS_REAL, &err);
+        if (!json_is_object(lenient)) {
+            fprintf(stderr, "cryobox-agent: the Python agent sent a bad frame: %s\n",
+                    lenient ? "its header is not an object" : err.text);
+            json_decref(lenient);
+            return;
+        }
+        json_t *id = json_object_get(lenient, "id");
+        if (json_is_number(id) && json_object_get(lenient, "ok"))
+            pending_remove((int64_t)json_number_value(id));
+        json_decref(lenient);
         send_frame(copy_raw(frame), frame->raw_len, false);
         return;
     }

@@ -28,6 +28,8 @@ import collections
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
 from typing import TypeVar
 
+import anyio
+
 from cryobox.errors import ChannelError, GuestError
 from cryobox.guest import protocol as p
 from cryobox.guest import requests as g
@@ -92,16 +94,22 @@ async def _take(stream: AsyncIterator[bytes], held: bytearray) -> Slot:
 
 async def _to_the_end(work: Awaitable[T]) -> T:
     """``work``'s result, awaited to its end even when this task is cancelled meanwhile
-    (the cancellation is raised once it ended). A copy the guest makes, or a thread that
-    writes or reads the disk, goes on regardless, and the caller gives the disk up (its
-    file descriptor closed, its number free for another file) once this returns."""
+    (the cancellation is raised once it ended, whatever the work's own outcome). A copy
+    the guest makes, or a thread that writes or reads the disk, goes on regardless, and
+    the caller gives the disk up (its file descriptor closed, its number free for
+    another file) once this returns.
+
+    Shielded from anyio's cancellation too: a cancelled scope (a Starlette response's
+    task group, once its client went away) delivers it again at every wait, which
+    would make this loop spin."""
     future = asyncio.ensure_future(work)
     cancelled = False
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            cancelled = True
+    with anyio.CancelScope(shield=True):
+        while not future.done():
+            try:
+                await asyncio.wait([future])  # (never raises the work's own error)
+            except asyncio.CancelledError:
+                cancelled = True
     if cancelled:
         raise asyncio.CancelledError
     return future.result()
@@ -250,6 +258,6 @@ async def read(
         finally:
             # Not cancelled: a copy the guest is still making would land in a slot the
             # next transfer may be using by then.
-            await asyncio.gather(*pending, return_exceptions=True)
+            await _all_answered(pending)
 
     return rest()
