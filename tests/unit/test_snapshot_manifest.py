@@ -69,6 +69,34 @@ def test_digest_ignores_how_holes_are_laid_out(tmp_path: Path) -> None:
     assert mf.file_digest(sparse) != mf.file_digest(dense)
 
 
+def test_a_digest_taken_a_window_at_a_time_is_the_files(tmp_path: Path) -> None:
+    """A pull hashes each window as its chunks arrive; it must agree with the digest
+    of the whole file, whatever windows hold data, zeros or nothing."""
+    block = mf.HASH_BLOCK
+    size = 5 * block + 12345  # (a short last window)
+    path = tmp_path / "memory"
+    written = {0: os.urandom(block), 2 * block: bytes(block), 3 * block + 7: b"x" * 100}
+    written[5 * block] = os.urandom(12345)
+    with open(path, "wb") as handle:
+        handle.truncate(size)
+        for offset, data in written.items():
+            handle.seek(offset)
+            handle.write(data)
+    whole = path.read_bytes()
+    for windows in ([0, 3 * block, 5 * block], list(range(0, size, block))):
+        digest = mf.FileDigest(size)
+        for window in windows:
+            digest.add(window, whole[window : window + block])
+        assert digest.hexdigest() == mf.file_digest(path)
+    digest = mf.FileDigest(size)
+    digest.add(0, whole[:block])  # one window left out is zeros, not this file
+    assert digest.hexdigest() != mf.file_digest(path)
+    with pytest.raises(ValueError, match="not the next window"):
+        digest.add(0, whole[:block])
+    with pytest.raises(ValueError, match="not the next window"):
+        digest.add(block + 1, b"y")
+
+
 def committed(tmp_path: Path, name: str = "snap-1") -> tuple[Path, mf.Manifest]:
     temp, final = tmp_path / f".tmp-{name}", tmp_path / name
     temp.mkdir()

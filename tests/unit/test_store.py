@@ -29,7 +29,14 @@ from cryobox.snapshot.manifest import Manifest, SnapshotKind, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore
 from cryobox.store import archive, catalog, chunks, collect, keys, locks, uploads
 from cryobox.store.chunkstore import ChunkStore
-from cryobox.store.objects import LocalObjects, ObjectInfo, ObjectStore, S3Objects, connection
+from cryobox.store.objects import (
+    LocalObjects,
+    ObjectInfo,
+    ObjectMissing,
+    ObjectStore,
+    S3Objects,
+    connection,
+)
 from cryobox.store.retention import DAY, Policy, expired
 from cryobox.util import new_id
 
@@ -244,6 +251,105 @@ class Counting:
 
     def discard(self) -> None:
         self.inner.discard()
+
+
+def test_a_pool_block_ends_only_once_no_worker_runs_even_when_one_fails() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cryobox.store.transfer import _in_order
+
+    running: set[int] = set()
+
+    def work(item: int) -> int:
+        running.add(item)
+        try:
+            if item == 0:
+                raise OSError("the first fails at once")
+            time.sleep(0.3)  # while the others are still under way
+            return item
+        finally:
+            running.discard(item)
+
+    with ThreadPoolExecutor(4) as pool:
+        with (
+            pytest.raises(OSError, match="fails at once"),
+            _in_order(pool, work, range(12)) as done,
+        ):
+            list(done)
+        assert not running  # (before the pool itself is shut down)
+        with _in_order(pool, work, range(1, 6)) as done:
+            assert list(done) == [1, 2, 3, 4, 5]
+
+
+class Slowed(Counting):
+    """Gets that take a while, and one chunk that is missing: a pull fails while
+    fetches are still under way. Each get notes whether the file being rebuilt is
+    still open in this process when it returns."""
+
+    def __init__(self, inner: ObjectStore, missing: str, slowed: set[str], folder: Path) -> None:
+        super().__init__(inner)
+        self.missing, self.slowed, self.folder = missing, slowed, folder
+        self.open_at_return: list[bool] = []
+
+    def get(self, key: str) -> bytes:
+        if key == self.missing:
+            raise ObjectMissing(key)
+        data = super().get(key)
+        if key in self.slowed:
+            time.sleep(0.2)
+            self.open_at_return.append(_rebuilding_open(self.folder))
+        return data
+
+
+def _rebuilding_open(folder: Path) -> bool:
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(folder)) and target.endswith(f"/{mf.MEMORY}"):
+            return True
+    return False
+
+
+def test_a_failed_pull_keeps_its_file_open_until_every_fetch_has_returned(
+    store: ChunkStore, local: LocalSnapshotStore
+) -> None:
+    """Else a fetch that returns later writes its chunk through a closed descriptor,
+    whose number another file may have taken meanwhile."""
+    snap = make_snapshot(local, random_windows(12))
+    stored = store.push(local.folder(snap.id), snap)
+    local.delete(snap.id)
+    names = [catalog.chunk_key(store.tenant, c[1]) for c in stored.files[mf.MEMORY]["chunks"]]
+    slowed = Slowed(store.objects, names[0], set(names[1:]), local.root)
+    with pytest.raises(SnapshotVerificationFailed, match="missing from the store"):
+        pull_into(ChunkStore(store.tenant, slowed), local, snap.id)
+    assert len(slowed.open_at_return) >= 2 and all(slowed.open_at_return)
+    assert not local.folder(snap.id).exists()
+
+
+def test_a_pull_whose_sync_behind_fails_is_refused_and_leaves_nothing(
+    store: ChunkStore, local: LocalSnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuilt file is synced behind its writes; a writeback error there (reported
+    once by Linux: the final sync would pass) fails the pull."""
+    import errno
+
+    snap = make_snapshot(local, random_windows(48))  # past one step of the sync behind
+    store.push(local.folder(snap.id), snap)
+    local.delete(snap.id)
+    syncs: list[int] = []
+
+    def failing(fd: int) -> None:
+        syncs.append(fd)
+        raise OSError(errno.EIO, "a writeback error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError, match="writeback error"):
+        pull_into(store, local, snap.id)
+    assert syncs
+    assert not local.folder(snap.id).exists()
+    assert not list(local.folder(snap.id).parent.glob(".tmp-*"))
 
 
 def test_an_altered_chunk_is_refused_by_name_and_nothing_is_left(

@@ -149,20 +149,46 @@ def file_digest(path: Path) -> str:
     not SHA-256: a pause hashes the guest's whole RAM while the machine is frozen, and
     BLAKE3 does it 2.5x as fast here (3.4 vs 1.4 GB/s on this 2-core host, all cores).
     """
-    digest = blake3(max_threads=blake3.AUTO)
     with open(path, "rb") as handle:
-        digest.update(os.fstat(handle.fileno()).st_size.to_bytes(8, "big"))
+        digest = FileDigest(os.fstat(handle.fileno()).st_size)
         window = 0  # windows below this offset are hashed already
         for start, end in data_extents(handle.fileno()):
             window = max(window, start - start % HASH_BLOCK)
             while window < end:
                 handle.seek(window)
-                block = handle.read(HASH_BLOCK)
-                if block != _ZERO_BLOCK[: len(block)]:  # memcmp, not a byte count
-                    digest.update(window.to_bytes(8, "big"))
-                    digest.update(block)
+                digest.add(window, handle.read(HASH_BLOCK))
                 window += HASH_BLOCK
     return digest.hexdigest()
+
+
+class FileDigest:
+    """:func:`file_digest` taken a window at a time, for a file whose windows are known
+    as it is written (a pull hashes each window once its chunks are in, while the next
+    are fetched, instead of reading the whole file again at the end).
+
+    Windows are added in increasing order; one never added counts as zeros.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._digest = blake3(max_threads=blake3.AUTO)
+        self._digest.update(size.to_bytes(8, "big"))
+        self._next = 0
+
+    def add(self, window: int, block: bytes) -> None:
+        """The bytes of the window at ``window`` (a multiple of :data:`HASH_BLOCK`; the
+        last one may be short).
+
+        :raises ValueError: when it is out of order or not a window's start.
+        """
+        if window % HASH_BLOCK or window < self._next:
+            raise ValueError(f"window at {window} is not the next window's start")
+        self._next = window + HASH_BLOCK
+        if block != _ZERO_BLOCK[: len(block)]:  # memcmp, not a byte count
+            self._digest.update(window.to_bytes(8, "big"))
+            self._digest.update(block)
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def describe_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
