@@ -190,3 +190,24 @@ def test_a_host_without_an_imported_image_says_where_it_came_from() -> None:
 
     with pytest.raises(ImageError, match="imported from a container image on another host"):
         QemuVmm().load_image("0123abcd-" + "f" * 64)
+
+
+def test_a_runtime_tree_of_an_older_recipe_goes_once_the_current_one_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime cryobox copies into an imported image is cached per image and per
+    recipe (what it holds); a recipe's change (xxhash was added, say) made a new tree
+    and kept the old one for good, 56 MiB each."""
+    from cryobox.image import runtime
+
+    monkeypatch.setenv("CRYOBOX_CACHE_DIR", str(tmp_path))
+    image = Image(id="0123456789abcdef", path=tmp_path / "image", kernel_version="", manifest={})
+    folder = tmp_path / "runtime"
+    current = folder / f"{image.id}-{runtime._recipe()}"
+    kept = [current, folder / "fedcba9876543210-000000000000", folder / ".runtime-abc"]
+    stale = [folder / image.id, folder / f"{image.id}-000000000000", folder / ".stale-x-1"]
+    for tree in kept + stale:
+        (tree / "bin").mkdir(parents=True)
+        (tree / "bin" / "python3").write_text("#!")
+    assert runtime.guest_runtime(image) == current
+    assert sorted(folder.iterdir()) == sorted(kept)

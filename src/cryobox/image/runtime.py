@@ -57,6 +57,7 @@ def guest_runtime(image: Image) -> Path:
     """
     target = config.cache_dir() / "runtime" / f"{image.id}-{_recipe()}"
     if (target / "bin/python3").exists():
+        _remove_stale(target)
         return target
     for tool in ("debugfs", "patchelf", "readelf", "qemu-img"):
         if shutil.which(tool) is None:
@@ -98,7 +99,27 @@ def guest_runtime(image: Image) -> Path:
         for library in (tree / "lib").glob("*.so*"):
             library.chmod(0o755)
         os.replace(tree, target)
+    _remove_stale(target)
     return target
+
+
+def _remove_stale(target: Path) -> None:
+    """Remove the trees made for the same image by another recipe (an older cryobox's:
+    56 MiB each, otherwise kept for good). Each is renamed first, so no tree is ever
+    seen half removed under its own name; trees of other images, and trees being made
+    (``.runtime-*``), are left alone."""
+    image_id = target.name.rsplit("-", 1)[0]
+    for tree in target.parent.iterdir():
+        stale = tree != target and (tree.name == image_id or tree.name.startswith(f"{image_id}-"))
+        if stale:
+            doomed = tree.with_name(f".stale-{tree.name}-{os.getpid()}")
+            try:
+                tree.rename(doomed)
+            except OSError:  # (removed by another process meanwhile)
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+        elif tree.name.startswith(".stale-"):  # (left by a process that died removing it)
+            shutil.rmtree(tree, ignore_errors=True)
 
 
 def _recipe() -> str:
