@@ -95,6 +95,10 @@ def test_a_digest_taken_a_window_at_a_time_is_the_files(tmp_path: Path) -> None:
         digest.add(0, whole[:block])
     with pytest.raises(ValueError, match="not the next window"):
         digest.add(block + 1, b"y")
+    with pytest.raises(ValueError, match="bytes long"):  # (a window's, whole)
+        digest.add(block, b"y")
+    with pytest.raises(ValueError, match="not the next window"):  # (past the end)
+        digest.add(6 * block, b"y")
 
 
 def committed(tmp_path: Path, name: str = "snap-1") -> tuple[Path, mf.Manifest]:

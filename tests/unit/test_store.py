@@ -328,6 +328,38 @@ def test_a_failed_pull_keeps_its_file_open_until_every_fetch_has_returned(
     assert not local.folder(snap.id).exists()
 
 
+@pytest.mark.parametrize("fault", ["off its window", "longer than its window"])
+def test_a_chunk_list_whose_chunk_leaves_its_window_is_refused(
+    store: ChunkStore, local: LocalSnapshotStore, tmp_path: Path, fault: str
+) -> None:
+    """A pull hashes the windows its chunks start in: a chunk reaching into another
+    window (a writer's bug: the list is authenticated) would put bytes there that are
+    never hashed. Such a list is refused, and no file is written from it."""
+    from cryobox.store import transfer
+
+    snap = make_snapshot(local, {0: os.urandom(MIB), 7: os.urandom(MIB)})
+    stored = store.push(local.folder(snap.id), snap)
+    entry = stored.files[mf.MEMORY]
+    (first, name, length), *rest = entry["chunks"]
+    if fault == "off its window":  # (its bytes then reach into the next window)
+        listed = [[first + 3 * MIB + MIB // 2, name, length], *rest]
+    else:  # a chunk of 2 MiB where one of 1 MiB is: stored under its own name
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        data, nonce = os.urandom(2 * MIB), os.urandom(12)
+        named = chunks.name_of(store.key, data)  # (sealed by hand: a push never makes one)
+        body = AESGCM(store.key.seal).encrypt(nonce, chunks.RAW + data, named.encode())
+        sealed = chunks.MAGIC + nonce + body
+        store.objects.put(catalog.chunk_key(store.tenant, named), sealed)
+        listed = [[first, named, len(sealed)], *rest]
+    forged = replace(stored, files={**stored.files, mf.MEMORY: {**entry, "chunks": listed}})
+    temp = tmp_path / "pulled"
+    temp.mkdir()
+    with pytest.raises(SnapshotVerificationFailed, match=fault.split()[0]):
+        transfer.pull(store.objects, store.key, forged, temp)
+    assert not (temp / mf.MEMORY).exists() or fault != "off its window"
+
+
 def test_a_pull_whose_sync_behind_fails_is_refused_and_leaves_nothing(
     store: ChunkStore, local: LocalSnapshotStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -156,7 +156,7 @@ def file_digest(path: Path) -> str:
             window = max(window, start - start % HASH_BLOCK)
             while window < end:
                 handle.seek(window)
-                digest.add(window, handle.read(HASH_BLOCK))
+                digest.hash(window, handle.read(HASH_BLOCK))  # (as read, changed or not)
                 window += HASH_BLOCK
     return digest.hexdigest()
 
@@ -172,16 +172,25 @@ class FileDigest:
     def __init__(self, size: int) -> None:
         self._digest = blake3(max_threads=blake3.AUTO)
         self._digest.update(size.to_bytes(8, "big"))
+        self._size = size
         self._next = 0
 
     def add(self, window: int, block: bytes) -> None:
         """The bytes of the window at ``window`` (a multiple of :data:`HASH_BLOCK`; the
-        last one may be short).
+        last one ends with the file).
 
-        :raises ValueError: when it is out of order or not a window's start.
+        :raises ValueError: when it is out of order, not a window's start, or not as
+            long as that window.
         """
-        if window % HASH_BLOCK or window < self._next:
+        if window % HASH_BLOCK or window < self._next or window >= self._size:
             raise ValueError(f"window at {window} is not the next window's start")
+        if len(block) != min(HASH_BLOCK, self._size - window):
+            raise ValueError(f"window at {window} is {len(block)} bytes long")
+        self.hash(window, block)
+
+    def hash(self, window: int, block: bytes) -> None:
+        """:meth:`add` unchecked: a file read while it changes hashes as it was read (and
+        then differs from its manifest), rather than failing here."""
         self._next = window + HASH_BLOCK
         if block != _ZERO_BLOCK[: len(block)]:  # memcmp, not a byte count
             self._digest.update(window.to_bytes(8, "big"))
