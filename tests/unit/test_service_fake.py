@@ -37,6 +37,7 @@ from cryobox.errors import (
     StoreError,
 )
 from cryobox.guest import protocol as p
+from cryobox.models import SnapshotInfo
 from cryobox.sandbox import registry
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import discard_spare, pool, removals, service
@@ -305,6 +306,16 @@ def _a_minute_later(*ids: str) -> None:
     waiting.write_text(json.dumps(moved))
 
 
+def _a_stored_snapshot() -> SnapshotInfo:
+    """A snapshot of a sandbox since killed, once its upload has stored it."""
+    a = Sandbox.create("base")
+    saved = a.snapshot("saved")
+    folder = config.state_dir() / "snapshots" / saved.id
+    until(lambda: uploads.state(folder).get("state") == "stored", "the snapshot stored", 120)
+    a.kill()
+    return saved
+
+
 @pytest.mark.parametrize("fault", ["the store did not answer", "the process died"])
 def test_a_deleted_snapshots_stored_copy_leaves_the_store_later_when_it_could_not_then(
     monkeypatch: pytest.MonkeyPatch, fault: str
@@ -313,11 +324,7 @@ def test_a_deleted_snapshots_stored_copy_leaves_the_store_later_when_it_could_no
     store did not answer, or the process died between the local delete and the store's):
     a later collection, in another process, deletes it. Before, it stayed in the store
     for good (and a start by its id pulled the deleted snapshot back)."""
-    a = Sandbox.create("base")
-    saved = a.snapshot("saved")
-    folder = config.state_dir() / "snapshots" / saved.id
-    until(lambda: uploads.state(folder).get("state") == "stored", "the snapshot stored", 120)
-    a.kill()
+    saved = _a_stored_snapshot()
     chunks = ChunkStore(config.LOCAL_TENANT, open_objects())
 
     def not_answering(self: ChunkStore, snapshot_id: str) -> None:
@@ -343,6 +350,65 @@ def test_a_deleted_snapshots_stored_copy_leaves_the_store_later_when_it_could_no
     assert not waiting.exists()
     with pytest.raises(SnapshotNotFound):
         Sandbox.create(from_snapshot=saved.id)
+
+
+@pytest.mark.parametrize("step", ["catalog-delete-recorded", "catalog-delete-done-here"])
+def test_a_delete_killed_with_9_leaves_the_snapshot_whole_or_its_stored_copy_to_go_later(
+    step: str,
+) -> None:
+    """A process killed with -9 in the middle of a stored snapshot's delete: before its
+    local files went, the snapshot is still there, stored copy included (a collection
+    does not take it); after, its stored copy leaves at a later collection. Before, the
+    removal was recorded only after the local delete: a kill in between kept the copy
+    in the store for good, and a start by its id pulled the deleted snapshot back."""
+    saved = _a_stored_snapshot()
+    chunks = ChunkStore(config.LOCAL_TENANT, open_objects())
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from cryobox import Sandbox; Sandbox.delete_snapshot({saved.id!r})",
+        ],
+        env={**os.environ, "CRYOBOX_TEST_CRASH_AT": step},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _a_minute_later(saved.id)
+    _collection_in_another_process()
+    waiting = config.state_dir() / removals.FILE
+    assert not waiting.exists() or not json.loads(waiting.read_text())
+    if step == "catalog-delete-recorded":
+        assert saved.id in {s.id for s in Sandbox.snapshots()}
+        assert chunks.find(saved.id).id == saved.id
+        Sandbox.create(from_snapshot=saved.id).kill()  # (it still starts)
+    else:
+        assert saved.id not in {s.id for s in Sandbox.snapshots()}
+        with pytest.raises(SnapshotNotFound):
+            chunks.find(saved.id)
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(from_snapshot=saved.id)
+
+
+def test_a_refused_delete_leaves_no_removal_of_its_stored_copy_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A delete refused once its removal from the store was recorded (a fold leant on
+    the snapshot meanwhile, say) takes that record back: the stored copy stays, and no
+    collection has anything to do for it."""
+    saved = _a_stored_snapshot()
+
+    def refused(self: LocalSnapshotStore, snapshot_id: str) -> None:
+        raise InvalidArgument(f"snapshot {snapshot_id} is being folded onto; try again")
+
+    with monkeypatch.context() as fault:
+        fault.setattr(LocalSnapshotStore, "delete", refused)
+        with pytest.raises(InvalidArgument, match="being folded onto"):
+            Sandbox.delete_snapshot(saved.id)
+    assert not removals.any_waiting()
+    assert saved.id in {s.id for s in Sandbox.snapshots()}
+    assert ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id).id == saved.id
 
 
 def test_a_deleted_snapshots_stored_copy_a_stored_one_builds_on_leaves_after_it(

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from cryobox.errors import CryoboxError, InvalidArgument, StoreError
 from cryobox.models import LineageNode, SnapshotInfo, TemplateInfo
 from cryobox.sandbox import references, registry
+from cryobox.sandbox.machine import crash_point
 from cryobox.service import removals
 from cryobox.service.persist import Persistence
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
@@ -137,13 +138,21 @@ class Catalog:
             await asyncio.to_thread(self.store.unfold_ram, older.id)
         where, forgotten = None, []
         for each in doomed:
-            # (a fold onto it holds its lock until done: waited for off the event loop)
-            await asyncio.to_thread(self.store.delete, each.id)
             # Its stored copy, and those of the evicted snapshots built on it (first),
-            # leave the store too: recorded once it is gone here, so that a process
-            # killed before the store's delete leaves that to a later collection.
+            # leave the store too. That is recorded before it goes here, so that a
+            # process killed at any step leaves the store's delete to a later
+            # collection, which keeps the copy of one still here (its delete did not
+            # happen). Recorded after, a kill in between kept the copy for good, and a
+            # start by its id brought the deleted snapshot back.
             leaving = [*stored_children.get(each.id, []), each.id]
             where = await asyncio.to_thread(persist.will_forget, leaving)
+            crash_point("catalog-delete-recorded")
+            try:  # (a fold onto it holds its lock until done: waited for off the event loop)
+                await asyncio.to_thread(self.store.delete, each.id)
+            except Exception:  # (kept here: refused, say, as a fold leant on it meanwhile)
+                await asyncio.to_thread(removals.settle, {}, {where: set(leaving)})
+                raise
+            crash_point("catalog-delete-done-here")
             forgotten += leaving
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:

@@ -505,10 +505,11 @@ class Persistence:
         return users
 
     def will_forget(self, snapshot_ids: Iterable[str]) -> removals.Where:
-        """Record that these snapshots, just deleted here, leave the store
+        """Record that these snapshots, about to be deleted here, leave the store
         (:mod:`~cryobox.service.removals`): a process that dies before :meth:`forget`
         leaves their removal to a later collection, not their stored copies to the
-        store for good. Where they are to be removed from."""
+        store for good; that collection keeps the copy of one still here (its delete
+        did not happen). Where they are to be removed from."""
         where = removals.Where(store_url(), self.tenant, connection())
         removals.settle({where: set(snapshot_ids)}, {})
         return where
@@ -520,7 +521,15 @@ class Persistence:
         While an upload runs, or when the store does not answer, they wait for a later
         collection (before, a delete waited minutes per request on such a store and
         left the copy in it for good)."""
-        ids = list(snapshot_ids)
+        # One here again (pulled back meanwhile: a start from it by id) keeps its stored
+        # copy, as in :meth:`forget_layers`: a lazy start still reads its chunks.
+        listed = list(snapshot_ids)
+        back = {snapshot_id for snapshot_id in listed if self._is_here(snapshot_id)}
+        ids = [snapshot_id for snapshot_id in listed if snapshot_id not in back]
+        if back:
+            removals.settle({}, {where: back})
+        if not ids:
+            return
         named = ", ".join(ids)
         try:
             store = self.chunks(where.tenant, where.store, brief=True)
