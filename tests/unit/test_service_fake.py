@@ -306,6 +306,17 @@ def _a_minute_later(*ids: str) -> None:
     waiting.write_text(json.dumps(moved))
 
 
+def _evict_in_another_process(snapshot_id: str) -> None:
+    """``cryobox snapshot evict``: the snapshot's local files go, its stored copy stays."""
+    evicted = subprocess.run(
+        [sys.executable, "-m", "cryobox.cli.main", "snapshot", "evict", snapshot_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert evicted.returncode == 0, evicted.stderr
+
+
 def _a_stored_snapshot() -> SnapshotInfo:
     """A snapshot of a sandbox since killed, once its upload has stored it."""
     a = Sandbox.create("base")
@@ -391,24 +402,71 @@ def test_a_delete_killed_with_9_leaves_the_snapshot_whole_or_its_stored_copy_to_
             Sandbox.create(from_snapshot=saved.id)
 
 
-def test_a_refused_delete_leaves_no_removal_of_its_stored_copy_waiting(
+def test_a_refused_delete_records_no_removal_of_its_stored_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A delete refused once its removal from the store was recorded (a fold leant on
-    the snapshot meanwhile, say) takes that record back: the stored copy stays, and no
-    collection has anything to do for it."""
+    """A delete refused under the snapshot's lock (a fold laid a checkpoint's RAM over
+    it meanwhile) records nothing: the stored copy stays, and no collection has anything
+    to do for it."""
     saved = _a_stored_snapshot()
-
-    def refused(self: LocalSnapshotStore, snapshot_id: str) -> None:
-        raise InvalidArgument(f"snapshot {snapshot_id} is being folded onto; try again")
-
     with monkeypatch.context() as fault:
-        fault.setattr(LocalSnapshotStore, "delete", refused)
-        with pytest.raises(InvalidArgument, match="being folded onto"):
+        fault.setattr(LocalSnapshotStore, "_leaning_on", lambda self, snapshot_id: ["ckpt-x"])
+        with pytest.raises(InvalidArgument, match="RAM base of ckpt-x"):
             Sandbox.delete_snapshot(saved.id)
     assert not removals.any_waiting()
     assert saved.id in {s.id for s in Sandbox.snapshots()}
     assert ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id).id == saved.id
+
+
+def test_a_delete_that_waits_for_its_snapshots_lock_records_its_removal_only_after() -> None:
+    """A delete waits for the snapshot's lock (held by a pull of its RAM, a fold...),
+    maybe for minutes. Its removal from the store is recorded once it has the lock:
+    recorded before, a collection meanwhile took the record as stale (the snapshot was
+    still here) and dropped it, and a kill after the local delete then kept the stored
+    copy for good."""
+    import fcntl
+
+    saved = _a_stored_snapshot()
+    lock = config.state_dir() / "locks" / f"ram-{saved.id}.lock"
+    lock.parent.mkdir(exist_ok=True)
+    argv = [sys.executable, "-c", f"import cryobox; cryobox.Sandbox.delete_snapshot({saved.id!r})"]
+    with open(lock, "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        deleting = subprocess.Popen(
+            argv, env={**os.environ, "CRYOBOX_TEST_CRASH_AT": "catalog-delete-done-here"}
+        )
+        try:
+            time.sleep(3)  # (it waits for the lock)
+            assert deleting.poll() is None
+            assert not removals.any_waiting()
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        assert deleting.wait(60) == -signal.SIGKILL  # killed right after its local delete
+    _a_minute_later(saved.id)
+    _collection_in_another_process()
+    with pytest.raises(SnapshotNotFound):
+        ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id)
+
+
+def test_an_evict_after_a_killed_delete_keeps_the_only_stored_copy() -> None:
+    """A delete killed with -9 once it recorded the stored copy's removal leaves the
+    snapshot here, and that record waiting. An evict then leaves the stored copy as the
+    only one: it drops the record, so that no later collection takes that copy."""
+    saved = _a_stored_snapshot()
+    killed = subprocess.run(
+        [sys.executable, "-c", f"import cryobox; cryobox.Sandbox.delete_snapshot({saved.id!r})"],
+        env={**os.environ, "CRYOBOX_TEST_CRASH_AT": "catalog-delete-recorded"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert removals.any_waiting()
+    _evict_in_another_process(saved.id)
+    assert not removals.any_waiting()
+    _collection_in_another_process()
+    assert ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id).id == saved.id
+    Sandbox.create(from_snapshot=saved.id).kill()  # (pulled back from the store)
 
 
 def test_a_deleted_snapshots_stored_copy_a_stored_one_builds_on_leaves_after_it(
@@ -428,13 +486,7 @@ def test_a_deleted_snapshots_stored_copy_a_stored_one_builds_on_leaves_after_it(
         until(lambda: uploads.state(folder).get("state") == "stored", "stored", 120)  # noqa: B023
     a.kill()
     b.kill()
-    evicted = subprocess.run(
-        [sys.executable, "-m", "cryobox.cli.main", "snapshot", "evict", child.id],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert evicted.returncode == 0, evicted.stderr
+    _evict_in_another_process(child.id)
     chunks = ChunkStore(config.LOCAL_TENANT, open_objects())
     assert base.id in mf.builds_on(chunks.find(child.id).manifest)
     with monkeypatch.context() as fault:

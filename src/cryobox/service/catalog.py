@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable
 
@@ -139,20 +140,19 @@ class Catalog:
         where, forgotten = None, []
         for each in doomed:
             # Its stored copy, and those of the evicted snapshots built on it (first),
-            # leave the store too. That is recorded before it goes here, so that a
-            # process killed at any step leaves the store's delete to a later
-            # collection, which keeps the copy of one still here (its delete did not
-            # happen). Recorded after, a kill in between kept the copy for good, and a
-            # start by its id brought the deleted snapshot back.
+            # leave the store too. That is recorded under the snapshot's lock, once
+            # nothing can refuse its delete, just before its folder goes: a process
+            # killed then leaves the store's delete to a later collection, which keeps
+            # the copy of one still here (its delete did not happen). Recorded after, a
+            # kill in between kept the copy for good, and a start by its id brought the
+            # deleted snapshot back; recorded before the lock, a wait for it (a pull of
+            # its RAM, a fold) could outlast the record's first retry.
             leaving = [*stored_children.get(each.id, []), each.id]
-            where = await asyncio.to_thread(persist.will_forget, leaving)
-            crash_point("catalog-delete-recorded")
-            try:  # (a fold onto it holds its lock until done: waited for off the event loop)
-                await asyncio.to_thread(self.store.delete, each.id)
-            except Exception:  # (kept here: refused, say, as a fold leant on it meanwhile)
-                await asyncio.to_thread(removals.settle, {}, {where: set(leaving)})
-                raise
+            record = functools.partial(_will_forget, persist, leaving)
+            # (a fold onto it holds its lock until done: waited for off the event loop)
+            await asyncio.to_thread(self.store.delete, each.id, before=record)
             crash_point("catalog-delete-done-here")
+            where = persist.removals_at()
             forgotten += leaving
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:
@@ -223,6 +223,12 @@ class Catalog:
             for m in self.store.all()
         ]
         return nodes
+
+
+def _will_forget(persist: Persistence, snapshot_ids: list[str]) -> None:
+    """Record that these snapshots leave the store (a crash-safety test dies after)."""
+    persist.will_forget(snapshot_ids)
+    crash_point("catalog-delete-recorded")
 
 
 def _doomed(manifest: Manifest, cascade: bool, every: list[Manifest]) -> list[Manifest]:

@@ -285,6 +285,14 @@ class Persistence:
             return False
         return True
 
+    def _may_be_here(self, snapshot_id: str) -> bool:
+        """Whether the snapshot is on this host, a folder of it that does not read
+        counting as here (before its stored copy goes: that may be all of its RAM)."""
+        try:
+            return self._is_here(snapshot_id)
+        except CryoboxError:
+            return True
+
     def _refuse_if_here(self, snapshot_id: str) -> None:
         """:raises InvalidArgument: when the snapshot is on this host already."""
         with contextlib.suppress(SnapshotNotFound):
@@ -505,14 +513,20 @@ class Persistence:
         return users
 
     def will_forget(self, snapshot_ids: Iterable[str]) -> removals.Where:
-        """Record that these snapshots, about to be deleted here, leave the store
+        """Record that these snapshots, about to be deleted here (or only stored, built
+        on one that is), leave the store
         (:mod:`~cryobox.service.removals`): a process that dies before :meth:`forget`
         leaves their removal to a later collection, not their stored copies to the
         store for good; that collection keeps the copy of one still here (its delete
         did not happen). Where they are to be removed from."""
-        where = removals.Where(store_url(), self.tenant, connection())
+        where = self.removals_at()
         removals.settle({where: set(snapshot_ids)}, {})
         return where
+
+    def removals_at(self) -> removals.Where:
+        """Where :meth:`will_forget` records removals: this tenant's store, as this
+        process reaches it."""
+        return removals.Where(store_url(), self.tenant, connection())
 
     def forget(self, where: removals.Where, snapshot_ids: Iterable[str]) -> None:
         """Delete from the store the snapshots :meth:`will_forget` recorded (asked by a
@@ -524,7 +538,7 @@ class Persistence:
         # One here again (pulled back meanwhile: a start from it by id) keeps its stored
         # copy, as in :meth:`forget_layers`: a lazy start still reads its chunks.
         listed = list(snapshot_ids)
-        back = {snapshot_id for snapshot_id in listed if self._is_here(snapshot_id)}
+        back = {snapshot_id for snapshot_id in listed if self._may_be_here(snapshot_id)}
         ids = [snapshot_id for snapshot_id in listed if snapshot_id not in back]
         if back:
             removals.settle({}, {where: back})
@@ -536,14 +550,17 @@ class Persistence:
             gone = store.delete_unneeded(ids) if store.has_key() else ids
         except (StoreError, OSError) as exc:
             log.warning("stored copies of %s leave the store later: %s", named, exc)
-            return
+            gone = None
         except CryoboxError as exc:  # (a record that does not verify: the store's to judge)
             log.warning("stored copies of %s kept: %s", named, exc)
             gone = ids
         except Exception as exc:  # (a client's own error: a later collection tries again)
             log.warning("stored copies of %s leave the store later: %r", named, exc)
-            return
-        if gone is not None:  # (None: an upload runs)
+            gone = None
+        if gone is None:  # (an upload runs, or the store did not answer: recorded again,
+            # as a collection may have settled the first record meanwhile)
+            removals.settle({where: set(ids)}, {})
+        else:
             # Those something stored builds on wait on (it may go: then so can they).
             removals.settle({where: set(ids) - set(gone)}, {where: set(gone)})
 
@@ -582,7 +599,7 @@ class Persistence:
             ids = ids - pauses
             # One here again (pulled back meanwhile: a start from it by id) keeps its
             # stored copy, as a pulled one does; a lazy start still reads its chunks.
-            back = {snapshot_id for snapshot_id in ids if self._is_here(snapshot_id)}
+            back = {snapshot_id for snapshot_id in ids if self._may_be_here(snapshot_id)}
             done[where], ids = back, ids - back
             if not ids and not pauses:
                 continue
@@ -646,7 +663,9 @@ class Persistence:
             raise InvalidArgument(
                 f"snapshot {manifest.id} is in use by {', '.join(needed)}; its files stay"
             )
-        self.local.delete(manifest.id)
+        # A removal of its stored copy still waiting (a delete of it killed before its
+        # files went) would take the only copy once these are gone: dropped first.
+        self.local.delete(manifest.id, before=lambda: removals.drop({manifest.id}))
         return manifest
 
     # ------------------------------------------------------------------ export, import

@@ -139,6 +139,21 @@ def pauses_waiting() -> dict[Where, set[str]]:
     return found
 
 
+def drop(snapshot_ids: set[str]) -> None:
+    """Forget every removal waiting for these snapshots, whatever store it is for (they
+    are to stay stored: one evicted from this host, say)."""
+    if not any_waiting():
+        return
+    with _locked():
+        waiting = _read()
+    done: dict[Where, set[str]] = {}
+    for where, snapshot_id in waiting:
+        if snapshot_id in snapshot_ids:
+            done.setdefault(where, set()).add(snapshot_id)
+    if done:
+        settle({}, done)
+
+
 def settle(put_off: Mapping[Where, set[str]], done: Mapping[Where, set[str]]) -> None:
     """Record the removals ``put_off`` (tried now, to try again) and forget those
     ``done`` (made, or not to be made: something stored builds on the copy, it is on

@@ -140,7 +140,14 @@ class SnapshotStore(Protocol):
         """Every committed snapshot, oldest first."""
         ...
 
-    def delete(self, snapshot_id: str) -> None: ...
+    def delete(self, snapshot_id: str, *, before: Callable[[], None] | None = None) -> None:
+        """Delete a snapshot's folder; ``before`` is called once it may go, under its
+        lock, just before it does (a record that must precede it: a raise keeps it).
+
+        :raises InvalidArgument: when a folded checkpoint's RAM is laid over it (the
+            callers check what needs a snapshot first: this catches a fold meanwhile).
+        """
+        ...
 
     def needed_by_unlisted(self, listed: Collection[str]) -> set[str]:
         """What the snapshots :meth:`all` left out of ``listed`` (their ids) build on (a
@@ -310,9 +317,7 @@ class LocalSnapshotStore:
         fcntl.flock(handle, fcntl.LOCK_EX)
         return handle
 
-    def delete(self, snapshot_id: str) -> None:
-        """:raises InvalidArgument: when a folded checkpoint's RAM is laid over it (the
-        callers check what needs a snapshot first: this catches a fold meanwhile)."""
+    def delete(self, snapshot_id: str, *, before: Callable[[], None] | None = None) -> None:
         folder = self.folder(snapshot_id)
         with self._ram_lock(snapshot_id):
             leaning = self._leaning_on(snapshot_id)
@@ -320,6 +325,8 @@ class LocalSnapshotStore:
                 raise InvalidArgument(
                     f"snapshot {snapshot_id} is the RAM base of {', '.join(leaning)}"
                 )
+            if before is not None:
+                before()
             # Renamed first, so a crash midway never leaves a half-deleted snapshot listed.
             doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{snapshot_id}")
             with contextlib.suppress(FileNotFoundError):
