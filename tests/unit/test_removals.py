@@ -64,3 +64,43 @@ def test_processes_recording_at_once_lose_nothing_and_a_kill_9_spoils_nothing(
     assert racer_ids & recorded == {r for r in racer_ids if int(r.rsplit("-", 1)[1]) % 2}
     assert {p for p in printed if p.startswith("victim")} <= recorded  # none lost
     assert not list(tmp_path.glob(f".{removals.FILE}.*.tmp"))
+
+
+def test_a_removal_recorded_again_after_a_collection_read_it_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collection reads the removals, works for seconds, then settles those it found
+    done (a snapshot here again, say). One recorded again meanwhile (a new delete of
+    that snapshot) is a new removal: it stays. Before, the settle took it off."""
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path))
+    where = removals.Where("s3://bucket", "tenant", "settings")
+    removals.settle({where: {"snap-a", "snap-b"}}, {})
+    read_at = time.time()
+    time.sleep(0.01)
+    removals.settle({where: {"snap-a"}}, {})  # (recorded again by a delete)
+    removals.settle({}, {where: {"snap-a", "snap-b"}}, read_at=read_at)
+    assert removals.recorded(where) == {"snap-a"}
+    removals.settle({}, {where: {"snap-a"}})  # (a settle of its own record: no read time)
+    assert removals.recorded(where) == set()
+
+
+def test_a_drop_forgets_a_snapshots_removals_of_every_store_and_a_strict_record_fails_loudly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path))
+    here, there = (removals.Where(f"s3://{b}", "tenant", "settings") for b in ("one", "two"))
+    removals.settle({here: {"snap-a", "snap-b"}, there: {"snap-a"}}, {})
+    removals.drop({"snap-a"})
+    assert removals.recorded(here) == {"snap-b"} and removals.recorded(there) == set()
+    removals.settle({here: {"snap-d"}}, {})
+
+    def full(path: Path, value: object, *, durable: bool = True) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(removals, "write_json_atomic", full)
+    removals.settle({here: {"snap-c"}}, {})  # (logged: a collection goes on)
+    with pytest.raises(OSError, match="No space left"):
+        removals.settle({here: {"snap-c"}}, {}, strict=True)
+    with pytest.raises(OSError, match="No space left"):
+        removals.drop({"snap-b"})
+    assert removals.recorded(here) == {"snap-b", "snap-d"}

@@ -453,20 +453,73 @@ def test_an_evict_after_a_killed_delete_keeps_the_only_stored_copy() -> None:
     snapshot here, and that record waiting. An evict then leaves the stored copy as the
     only one: it drops the record, so that no later collection takes that copy."""
     saved = _a_stored_snapshot()
-    killed = subprocess.run(
-        [sys.executable, "-c", f"import cryobox; cryobox.Sandbox.delete_snapshot({saved.id!r})"],
-        env={**os.environ, "CRYOBOX_TEST_CRASH_AT": "catalog-delete-recorded"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _a_delete_killed_once_recorded(saved.id)
     assert removals.any_waiting()
     _evict_in_another_process(saved.id)
     assert not removals.any_waiting()
     _collection_in_another_process()
     assert ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id).id == saved.id
     Sandbox.create(from_snapshot=saved.id).kill()  # (pulled back from the store)
+
+
+def _a_delete_killed_once_recorded(snapshot_id: str) -> None:
+    """A delete of the snapshot killed with -9 right after it recorded the removal of the
+    stored copy (under the snapshot's lock, before its files went)."""
+    killed = subprocess.run(
+        [sys.executable, "-c", f"import cryobox; cryobox.Sandbox.delete_snapshot({snapshot_id!r})"],
+        env={**os.environ, "CRYOBOX_TEST_CRASH_AT": "catalog-delete-recorded"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
+def test_an_evict_during_a_collection_keeps_the_only_stored_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collection that read a waiting removal of a snapshot still here (its delete was
+    killed) sees the snapshot evicted before it looks whether it is here: the evict
+    dropped the record before its files went, so the collection, which reads the
+    records again after that look, leaves the stored copy (now the only one) alone."""
+    saved = _a_stored_snapshot()
+    _a_delete_killed_once_recorded(saved.id)
+    _a_minute_later(saved.id)  # (due)
+    looked = Persistence._may_be_here
+
+    def evicted_meanwhile(self: Persistence, snapshot_id: str) -> bool:
+        if snapshot_id == saved.id and not evicted:
+            _evict_in_another_process(snapshot_id)
+            evicted.append(snapshot_id)
+        return looked(self, snapshot_id)
+
+    evicted: list[str] = []
+    with monkeypatch.context() as racing:
+        racing.setattr(Persistence, "_may_be_here", evicted_meanwhile)
+        Sandbox.create("base").kill()  # (a kill collects)
+    assert evicted == [saved.id]
+    assert ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id).id == saved.id
+    Sandbox.create(from_snapshot=saved.id).kill()  # (pulled back from the store)
+
+
+def test_a_delete_whose_removal_cannot_be_recorded_deletes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The removal of the stored copy must be recorded before the local files go (else a
+    kill then keeps the copy for good): on a state folder that cannot be written, the
+    delete fails and the snapshot stays whole."""
+    saved = _a_stored_snapshot()
+
+    def full(path: Path, value: object, *, durable: bool = True) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as fault:
+        fault.setattr(removals, "write_json_atomic", full)
+        with pytest.raises(Exception, match="No space left"):
+            Sandbox.delete_snapshot(saved.id)
+    assert saved.id in {s.id for s in Sandbox.snapshots()}
+    assert ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id).id == saved.id
+    assert not removals.any_waiting()
 
 
 def test_a_deleted_snapshots_stored_copy_a_stored_one_builds_on_leaves_after_it(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -290,7 +291,7 @@ class Persistence:
         counting as here (before its stored copy goes: that may be all of its RAM)."""
         try:
             return self._is_here(snapshot_id)
-        except CryoboxError:
+        except (CryoboxError, OSError):
             return True
 
     def _refuse_if_here(self, snapshot_id: str) -> None:
@@ -518,9 +519,12 @@ class Persistence:
         (:mod:`~cryobox.service.removals`): a process that dies before :meth:`forget`
         leaves their removal to a later collection, not their stored copies to the
         store for good; that collection keeps the copy of one still here (its delete
-        did not happen). Where they are to be removed from."""
+        did not happen). Where they are to be removed from.
+
+        :raises OSError: when the record could not be written (the delete stops there).
+        """
         where = self.removals_at()
-        removals.settle({where: set(snapshot_ids)}, {})
+        removals.settle({where: set(snapshot_ids)}, {}, strict=True)
         return where
 
     def removals_at(self) -> removals.Where:
@@ -581,7 +585,9 @@ class Persistence:
         (it could be one that builds on them): those are left to the store.
         """
         mine = connection()
+        read_at = time.time()
         by_store = removals.due(mine)
+        recorded = {(where, i) for where, ids in by_store.items() for i in ids}
         for snapshot_id, mark in marks.items():
             if mark.get("tenant"):
                 where = removals.Where(
@@ -601,6 +607,13 @@ class Persistence:
             # stored copy, as a pulled one does; a lazy start still reads its chunks.
             back = {snapshot_id for snapshot_id in ids if self._may_be_here(snapshot_id)}
             done[where], ids = back, ids - back
+            # One that was recorded and is not here, but is no longer recorded, stays:
+            # an evict dropped its record before its files went (the stored copy is
+            # then its only one). Read again after the check above, so an evict is seen
+            # by one or the other.
+            if any((where, snapshot_id) in recorded for snapshot_id in ids):
+                still = removals.recorded(where)
+                ids = {i for i in ids if (where, i) not in recorded or i in still}
             if not ids and not pauses:
                 continue
             if where.connection != mine:  # (marked under other S3 settings: theirs to do)
@@ -642,7 +655,7 @@ class Persistence:
                 done[where] |= (ids - kept) | pauses
                 if kept:  # (something stored builds on them: once it goes, so can they)
                     put_off[where] = kept
-        removals.settle(put_off, done)
+        removals.settle(put_off, done, read_at=read_at)
         return deleted
 
     async def evict(self, ref: str) -> Manifest:
@@ -664,9 +677,22 @@ class Persistence:
                 f"snapshot {manifest.id} is in use by {', '.join(needed)}; its files stay"
             )
         # A removal of its stored copy still waiting (a delete of it killed before its
-        # files went) would take the only copy once these are gone: dropped first.
-        self.local.delete(manifest.id, before=lambda: removals.drop({manifest.id}))
+        # files went) would take the only copy once these are gone: dropped first,
+        # under its lock, once it is sure to be here still (a delete of it meanwhile
+        # keeps its own record).
+        keep = functools.partial(self._keep_stored, manifest.id)
+        await asyncio.to_thread(self.local.delete, manifest.id, before=keep)
         return manifest
+
+    def _keep_stored(self, snapshot_id: str) -> None:
+        """Drop every removal waiting for the snapshot's stored copy, as its local files
+        are about to go (:meth:`evict`).
+
+        :raises SnapshotNotFound: when they went meanwhile (a delete: its record stays).
+        :raises OSError: when the removals could not be written (the files stay).
+        """
+        self.local.get(snapshot_id)
+        removals.drop({snapshot_id})
 
     # ------------------------------------------------------------------ export, import
 

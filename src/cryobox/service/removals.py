@@ -139,25 +139,49 @@ def pauses_waiting() -> dict[Where, set[str]]:
     return found
 
 
+def recorded(where: Where) -> set[str]:
+    """The removals waiting for ``where`` now, due or not (read again: a collection
+    that read them earlier leaves alone one dropped meanwhile)."""
+    if not any_waiting():
+        return set()
+    with _locked():
+        waiting = _read()
+    return {snapshot_id for (place, snapshot_id) in waiting if place == where}
+
+
 def drop(snapshot_ids: set[str]) -> None:
     """Forget every removal waiting for these snapshots, whatever store it is for (they
-    are to stay stored: one evicted from this host, say)."""
+    are to stay stored: one evicted from this host, say).
+
+    :raises OSError: when the file could not be written (they still wait).
+    """
     if not any_waiting():
         return
     with _locked():
         waiting = _read()
-    done: dict[Where, set[str]] = {}
-    for where, snapshot_id in waiting:
-        if snapshot_id in snapshot_ids:
-            done.setdefault(where, set()).add(snapshot_id)
-    if done:
-        settle({}, done)
+        kept = {key: when for key, when in waiting.items() if key[1] not in snapshot_ids}
+        if len(kept) != len(waiting):
+            _write(kept)
 
 
-def settle(put_off: Mapping[Where, set[str]], done: Mapping[Where, set[str]]) -> None:
+def settle(
+    put_off: Mapping[Where, set[str]],
+    done: Mapping[Where, set[str]],
+    *,
+    read_at: float | None = None,
+    strict: bool = False,
+) -> None:
     """Record the removals ``put_off`` (tried now, to try again) and forget those
     ``done`` (made, or not to be made: something stored builds on the copy, it is on
-    this host again...). Those waiting past :data:`GIVE_UP_AFTER` are given up."""
+    this host again...). Those waiting past :data:`GIVE_UP_AFTER` are given up.
+
+    ``read_at``: when the caller read the removals it settles as done; one recorded
+    again since (a new delete of the snapshot) stays. ``strict``: a file that could not
+    be written raises (a record that must be made before what it guards), instead of
+    being logged (a collection goes on: what waits here waits longer).
+
+    :raises OSError: when ``strict`` and the file could not be written.
+    """
     if not any(put_off.values()) and not any_waiting():
         return
     now = time.time()
@@ -167,7 +191,9 @@ def settle(put_off: Mapping[Where, set[str]], done: Mapping[Where, set[str]]) ->
             waiting = _read()
             for where, ids in done.items():
                 for snapshot_id in ids:
-                    waiting.pop((where, snapshot_id), None)
+                    when = waiting.get((where, snapshot_id))
+                    if when is not None and (read_at is None or when.tried <= read_at):
+                        del waiting[(where, snapshot_id)]
             for where, ids in put_off.items():
                 for snapshot_id in ids:
                     earlier = waiting.get((where, snapshot_id))
@@ -181,20 +207,27 @@ def settle(put_off: Mapping[Where, set[str]], done: Mapping[Where, set[str]]) ->
                         GIVE_UP_AFTER // 3600,
                     )
                     del waiting[(where, snapshot_id)]
-            entries = [
-                {
-                    "store": where.store,
-                    "tenant": where.tenant,
-                    "connection": where.connection,
-                    "id": snapshot_id,
-                    "since": when.since,
-                    "tried": when.tried,
-                }
-                for (where, snapshot_id), when in sorted(waiting.items())  # (keys unique)
-            ]
-            if entries:
-                write_json_atomic(_path(), entries)
-            else:
-                _path().unlink(missing_ok=True)
-    except OSError as exc:  # (a collection goes on: what waits here waits longer)
+            _write(waiting)
+    except OSError as exc:
+        if strict:
+            raise
         log.warning("the removals put off could not be recorded: %s", exc)
+
+
+def _write(waiting: Mapping[tuple[Where, str], _Waiting]) -> None:
+    """Write the removals waiting (the file removed when none does); under the lock."""
+    entries = [
+        {
+            "store": where.store,
+            "tenant": where.tenant,
+            "connection": where.connection,
+            "id": snapshot_id,
+            "since": when.since,
+            "tried": when.tried,
+        }
+        for (where, snapshot_id), when in sorted(waiting.items())  # (keys unique)
+    ]
+    if entries:
+        write_json_atomic(_path(), entries)
+    else:
+        _path().unlink(missing_ok=True)

@@ -141,8 +141,10 @@ class SnapshotStore(Protocol):
         ...
 
     def delete(self, snapshot_id: str, *, before: Callable[[], None] | None = None) -> None:
-        """Delete a snapshot's folder; ``before`` is called once it may go, under its
-        lock, just before it does (a record that must precede it: a raise keeps it).
+        """Delete a snapshot's folder. ``before`` is called under the snapshot's lock,
+        after the check that may refuse the delete, just before the folder is renamed
+        away (also when it is gone already: ``before`` may check that); a raise from it
+        keeps the folder (a record that must precede the delete could not be made).
 
         :raises InvalidArgument: when a folded checkpoint's RAM is laid over it (the
             callers check what needs a snapshot first: this catches a fold meanwhile).
