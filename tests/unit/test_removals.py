@@ -104,3 +104,33 @@ def test_a_drop_forgets_a_snapshots_removals_of_every_store_and_a_strict_record_
     with pytest.raises(OSError, match="No space left"):
         removals.drop({"snap-b"})
     assert removals.recorded(here) == {"snap-b", "snap-d"}
+
+
+def test_a_file_that_cannot_be_read_is_not_written_over_and_a_new_removal_starts_its_day(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRYOBOX_STATE_DIR", str(tmp_path))
+    where = removals.Where("s3://bucket", "tenant", "settings")
+    removals.settle({where: {"snap-a"}}, {})
+    entries = json.loads((tmp_path / removals.FILE).read_text())
+    entries[0]["since"] -= removals.GIVE_UP_AFTER - 5  # (waiting for almost a day)
+    (tmp_path / removals.FILE).write_text(json.dumps(entries))
+    # A delete of the same snapshot, here again, records a new removal: not given up
+    # with the old one's day.
+    removals.settle({where: {"snap-a"}}, {}, strict=True)
+    since = json.loads((tmp_path / removals.FILE).read_text())[0]["since"]
+    assert time.time() - since < 60
+    real = Path.read_text
+
+    def failing(path: Path, *args: object, **kwargs: object) -> str:
+        if path.name == removals.FILE:
+            raise OSError(5, "Input/output error")
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as fault:
+        fault.setattr(Path, "read_text", failing)
+        removals.settle({where: {"snap-b"}}, {})  # (logged, nothing written)
+        with pytest.raises(OSError, match="Input/output"):
+            removals.settle({where: {"snap-b"}}, {}, strict=True)
+        assert removals.due("settings") == {}  # (nothing due that cannot be read)
+    assert removals.recorded(where) == {"snap-a"}

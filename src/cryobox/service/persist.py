@@ -291,7 +291,7 @@ class Persistence:
         counting as here (before its stored copy goes: that may be all of its RAM)."""
         try:
             return self._is_here(snapshot_id)
-        except (CryoboxError, OSError):
+        except CryoboxError:
             return True
 
     def _refuse_if_here(self, snapshot_id: str) -> None:
@@ -542,10 +542,11 @@ class Persistence:
         # One here again (pulled back meanwhile: a start from it by id) keeps its stored
         # copy, as in :meth:`forget_layers`: a lazy start still reads its chunks.
         listed = list(snapshot_ids)
+        read_at = time.time()  # (a record made again after the look below stays)
         back = {snapshot_id for snapshot_id in listed if self._may_be_here(snapshot_id)}
         ids = [snapshot_id for snapshot_id in listed if snapshot_id not in back]
         if back:
-            removals.settle({}, {where: back})
+            removals.settle({}, {where: back}, read_at=read_at)
         if not ids:
             return
         named = ", ".join(ids)

@@ -98,9 +98,11 @@ def _read() -> dict[tuple[Where, str], _Waiting]:
         raw = json.loads(_path().read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # (not JSON: what it held cannot be known again)
         log.warning("%s is unreadable, its removals left to the store: %s", _path(), exc)
         return {}
+    # (Any other OSError is raised: a file that could not be read this time is not
+    # written over with what the caller adds.)
     found: dict[tuple[Where, str], _Waiting] = {}
     for entry in raw if isinstance(raw, list) else []:
         with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -111,14 +113,24 @@ def _read() -> dict[tuple[Where, str], _Waiting]:
     return found
 
 
+def _read_now() -> dict[tuple[Where, str], _Waiting]:
+    """What waits, read under the lock; none when the file cannot be read this time
+    (logged: a collection then does nothing of it, and keeps every stored copy)."""
+    try:
+        with _locked():
+            return _read()
+    except OSError as exc:
+        log.warning("%s could not be read: %s", _path(), exc)
+        return {}
+
+
 def due(connection: str) -> dict[Where, set[str]]:
     """The removals this process may try now (its ``connection``, not tried for
     :data:`RETRY_EVERY` s), by store and tenant."""
     if not any_waiting():
         return {}
     now = time.time()
-    with _locked():
-        waiting = _read()
+    waiting = _read_now()
     found: dict[Where, set[str]] = {}
     for (where, snapshot_id), when in waiting.items():
         if where.connection == connection and now - when.tried >= RETRY_EVERY:
@@ -130,8 +142,7 @@ def pauses_waiting() -> dict[Where, set[str]]:
     """The pause entries waiting, due or not, by store and tenant."""
     if not any_waiting():
         return {}
-    with _locked():
-        waiting = _read()
+    waiting = _read_now()
     found: dict[Where, set[str]] = {}
     for where, entry in waiting:
         if named_pause(entry):
@@ -144,8 +155,7 @@ def recorded(where: Where) -> set[str]:
     that read them earlier leaves alone one dropped meanwhile)."""
     if not any_waiting():
         return set()
-    with _locked():
-        waiting = _read()
+    waiting = _read_now()
     return {snapshot_id for (place, snapshot_id) in waiting if place == where}
 
 
@@ -153,7 +163,7 @@ def drop(snapshot_ids: set[str]) -> None:
     """Forget every removal waiting for these snapshots, whatever store it is for (they
     are to stay stored: one evicted from this host, say).
 
-    :raises OSError: when the file could not be written (they still wait).
+    :raises OSError: when the file could not be read or written (they still wait).
     """
     if not any_waiting():
         return
@@ -176,17 +186,19 @@ def settle(
     this host again...). Those waiting past :data:`GIVE_UP_AFTER` are given up.
 
     ``read_at``: when the caller read the removals it settles as done; one recorded
-    again since (a new delete of the snapshot) stays. ``strict``: a file that could not
-    be written raises (a record that must be made before what it guards), instead of
-    being logged (a collection goes on: what waits here waits longer).
+    again since (a new delete of the snapshot) stays. ``strict``: ``put_off`` are new
+    removals (their day to be tried starts now, whatever waited for the same copy
+    before), and a file that could not be read or written raises (a record that must be
+    made before what it guards), instead of being logged (a collection goes on: what
+    waits here waits longer). A file that could not be read is never written over.
 
-    :raises OSError: when ``strict`` and the file could not be written.
+    :raises OSError: when ``strict`` and the file could not be read or written.
     """
     if not any(put_off.values()) and not any_waiting():
         return
-    now = time.time()
     try:
         with _locked():
+            now = time.time()  # (under the lock: a record is stamped after any earlier read)
             _sweep_cut_short()
             waiting = _read()
             for where, ids in done.items():
@@ -197,7 +209,9 @@ def settle(
             for where, ids in put_off.items():
                 for snapshot_id in ids:
                     earlier = waiting.get((where, snapshot_id))
-                    waiting[(where, snapshot_id)] = _Waiting(earlier.since if earlier else now, now)
+                    # (a strict record is a new removal: its day to be tried starts now)
+                    since = earlier.since if earlier and not strict else now
+                    waiting[(where, snapshot_id)] = _Waiting(since, now)
             for (where, snapshot_id), when in list(waiting.items()):
                 if now - when.since > GIVE_UP_AFTER:
                     log.warning(
