@@ -137,7 +137,7 @@ class Catalog:
             )
         for older in leaning:  # (a GB copied and hashed: not on the event loop)
             await asyncio.to_thread(self.store.unfold_ram, older.id)
-        where, forgotten = None, []
+        where, forgotten = persist.removals_at(), []
         for each in doomed:
             # Its stored copy, and those of the evicted snapshots built on it (first),
             # leave the store too. That is recorded under the snapshot's lock, once
@@ -152,14 +152,13 @@ class Catalog:
             # (a fold onto it holds its lock until done: waited for off the event loop)
             await asyncio.to_thread(self.store.delete, each.id, before=record)
             crash_point("catalog-delete-done-here")
-            where = persist.removals_at()
             forgotten += leaving
             for template in self.store.templates():
                 if template.get("snapshot") == each.id:
                     self.store.delete_template(str(template["name"]))
         # A store that did not say what builds on them is not asked again now: a later
         # collection deletes them once nothing stored does.
-        if answered and where is not None:
+        if answered and forgotten:
             await asyncio.to_thread(persist.forget, where, forgotten)
         return [m.id for m in doomed]
 

@@ -513,19 +513,17 @@ class Persistence:
             found += [s.id for s in stored if snapshot_id in mf.builds_on(s.manifest)]
         return users
 
-    def will_forget(self, snapshot_ids: Iterable[str]) -> removals.Where:
+    def will_forget(self, snapshot_ids: Iterable[str]) -> None:
         """Record that these snapshots, about to be deleted here (or only stored, built
         on one that is), leave the store
         (:mod:`~cryobox.service.removals`): a process that dies before :meth:`forget`
         leaves their removal to a later collection, not their stored copies to the
         store for good; that collection keeps the copy of one still here (its delete
-        did not happen). Where they are to be removed from.
+        did not happen); :meth:`removals_at` says where they are to be removed from.
 
         :raises OSError: when the record could not be written (the delete stops there).
         """
-        where = self.removals_at()
-        removals.settle({where: set(snapshot_ids)}, {}, strict=True)
-        return where
+        removals.settle({self.removals_at(): set(snapshot_ids)}, {}, strict=True)
 
     def removals_at(self) -> removals.Where:
         """Where :meth:`will_forget` records removals: this tenant's store, as this

@@ -27,7 +27,7 @@ from cryobox.errors import SnapshotVerificationFailed
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.snapshot.store import SnapshotStore
-from cryobox.store import catalog, chunks, locks
+from cryobox.store import catalog, chunks, locks, packs
 from cryobox.store.catalog import StoredSnapshot
 from cryobox.store.keys import DataKey
 from cryobox.store.objects import ObjectMissing, ObjectStore
@@ -37,9 +37,6 @@ Progress = Callable[[int, int], None]
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-#: A rebuilt file is synced behind its writes at least this many bytes apart.
-SYNC_STEP = 32 << 20
 
 
 @contextlib.contextmanager
@@ -262,9 +259,10 @@ def _rebuild(
 
     While the next chunks are fetched, each 4 MiB window is read back and hashed once
     its chunks are written, and a thread syncs what is written (one sync at a time, at
-    least 32 MiB of the file apart): done after
-    the last chunk, the hash and the sync were a fifth of a pull (0.33 of 1.65 s for
-    446 MB from a loopback S3 server, on this project's 2-core machines, 2026-12-07).
+    least :data:`~cryobox.store.packs.SYNC_STEP` of the file apart, as the local store's
+    packs are synced): done after the last chunk, the hash and the sync were a fifth of
+    a pull (0.33 of 1.65 s for 446 MB from a loopback S3 server, on this project's
+    2-core machines, 2026-12-07).
     Syncing behind the writes is what gains (a pull in 0.88x the time, the hash alone
     gained little); a writeback begun with ``sync_file_range`` instead held the writes
     up for seconds.
@@ -305,7 +303,7 @@ def _rebuild(
                     while windows and windows[0] + mf.HASH_BLOCK <= below:
                         window = windows.popleft()
                         digest.add(window, os.pread(fd, mf.HASH_BLOCK, window))
-                    if below - synced_at >= SYNC_STEP and (synced is None or synced.done()):
+                    if below - synced_at >= packs.SYNC_STEP and (synced is None or synced.done()):
                         if synced is not None:
                             synced.result()  # (a failed sync fails the pull)
                         synced, synced_at = syncer.submit(os.fdatasync, fd), below
