@@ -26,6 +26,7 @@ from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, ram_files
 from cryobox.util import PAGE, data_bytes
 from specs import checkpoint
+from waiting import until
 
 MIB = 1 << 20
 
@@ -409,6 +410,59 @@ def test_a_fold_waits_for_an_unfold_of_the_same_checkpoint(tmp_path: Path) -> No
     assert fold.wait(timeout=60) == 0
     assert store.get("snap-older").memory_base == "snap-newer"
     _reads_back(store, "snap-older", older, tmp_path / "back")
+
+
+_HOLDER = """
+import os, sys, time
+from pathlib import Path
+from cryobox.snapshot.store import LocalSnapshotStore
+mark = Path(sys.argv[2])
+
+def say(text):
+    Path(f"{mark}.part").write_text(text)
+    os.replace(f"{mark}.part", mark)
+
+with LocalSnapshotStore(Path(sys.argv[1]))._ram_lock("snap-older"):
+    say("in")
+    time.sleep(2.0)
+    say("out")
+"""
+
+
+def _waits_for_a_lock(pid: int) -> bool:
+    """Whether the process is blocked in ``flock`` (``/proc/locks`` lists its wait)."""
+    return any(
+        "->" in line and f" {pid} " in line for line in Path("/proc/locks").read_text().splitlines()
+    )
+
+
+def test_a_process_that_waited_on_a_deleted_snapshots_lock_never_shares_it(
+    tmp_path: Path,
+) -> None:
+    """A delete unlinks the snapshot's lock file. A process that waited on it, and one
+    that asks for it after the delete (the snapshot pulled back under the same id, say),
+    hold it one at a time. Before, the waiter locked the unlinked file while the other
+    made a new one and locked that: both held it at once."""
+    store, _, _ = _history_of_two(tmp_path)
+    mark = tmp_path / "holder"
+    holder: subprocess.Popen[bytes] | None = None
+
+    def while_a_process_waits() -> None:
+        nonlocal holder
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(store.root), str(mark)])
+        until(lambda: _waits_for_a_lock(holder.pid), "the other process waiting", 30)
+
+    store.delete("snap-older", before=while_a_process_waits)
+    assert holder is not None
+    try:
+        with store._ram_lock("snap-older"):
+            # Held here: the other process is not inside, and does not get in.
+            for _ in range(10):
+                assert (mark.read_text() if mark.exists() else "") in ("", "out")
+                time.sleep(0.2)
+    finally:
+        assert holder.wait(timeout=60) == 0
+    assert mark.read_text() == "out"
 
 
 def test_the_sweep_removes_a_delta_a_fold_left_without_its_map(tmp_path: Path) -> None:

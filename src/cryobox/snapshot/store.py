@@ -315,9 +315,7 @@ class LocalSnapshotStore:
         """Held while a fold lays a checkpoint's RAM over ``snapshot_id``'s or folds
         ``snapshot_id``'s own, while it is unfolded, and while it is deleted: one at a
         time (``flock``, across processes). A fold holds its base's, then its own."""
-        handle = open(self._dir("locks") / f"ram-{snapshot_id}.lock", "a+b")  # noqa: SIM115
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        return handle
+        return lock_file(self._dir("locks") / f"ram-{snapshot_id}.lock")
 
     def delete(self, snapshot_id: str, *, before: Callable[[], None] | None = None) -> None:
         folder = self.folder(snapshot_id)
@@ -333,8 +331,10 @@ class LocalSnapshotStore:
             doomed = folder.with_name(f"{TEMP_PREFIX}deleting-{snapshot_id}")
             with contextlib.suppress(FileNotFoundError):
                 folder.rename(doomed)
+            # Unlinked while held: a process waiting on it finds it gone and takes the
+            # path's new file (:func:`lock_file`), as one that comes after does.
+            (self._dir("locks") / f"ram-{snapshot_id}.lock").unlink(missing_ok=True)
         _remove(doomed)
-        (self._dir("locks") / f"ram-{snapshot_id}.lock").unlink(missing_ok=True)
         arriving.forget_failures(folder)
 
     def fold_ram(
@@ -590,13 +590,33 @@ class LocalSnapshotStore:
             (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)
 
     def template_lock(self, name: str) -> IO[bytes]:
-        handle = open(self._dir("templates") / f".{name}.lock", "ab")  # noqa: SIM115
+        return lock_file(self._dir("templates") / f".{name}.lock")
+
+
+def lock_file(path: Path) -> IO[bytes]:
+    """``path`` opened and locked for this holder alone (``flock``, across processes):
+    closing it unlocks. Blocks until it is free.
+
+    A lock file may be unlinked by its holder (a snapshot's, as it is deleted): a process
+    that opened it before and waited then holds a file no longer at the path, while one
+    that opens the path after makes a new file and locks that one: two holders. So a
+    lock taken is kept only on the file still at the path; else the path is opened again.
+    """
+    while True:
+        handle = open(path, "a+b")  # noqa: SIM115 (the caller's to close)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
+            held = os.fstat(handle.fileno())
+            try:
+                there = os.stat(path)
+            except FileNotFoundError:
+                there = None
         except BaseException:
             handle.close()
             raise
-        return handle
+        if there is not None and (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino):
+            return handle
+        handle.close()
 
 
 def template_snapshots(templates: list[dict[str, Any]]) -> set[str]:
