@@ -7,6 +7,7 @@ whole path SDK -> transport -> service -> supervisor -> VMM is exercised in seco
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from api_server import remove_state
-from cryobox import Sandbox, config
+from cryobox import AsyncSandbox, Sandbox, config
 from cryobox.client import transport
 from cryobox.errors import (
     CapacityError,
@@ -925,6 +926,33 @@ def test_processes_growing_one_template_at_once_make_one_variant_a_kill_9_loses_
         Sandbox.connect(out.split()[-1]).kill()  # and with it, garbage collected
     grown = [s.id for s in Sandbox.snapshots() if (s.name or "").startswith("template:racy@")]
     assert grown == [variants["3c-1536m"]]  # nothing the killed process made is left
+
+
+def test_more_creates_of_a_new_shape_at_once_than_the_loop_has_threads_all_start() -> None:
+    """Creates of a template's new shape in one process, more than its event loop has
+    threads (an SDK script's ``gather``): each waits for the template's lock on the
+    loop, and all start from the one variant made. Before, each waited in a thread of
+    the loop's pool: none was left for the create holding it, and every one hung."""
+    Sandbox.build_template("crowded", ["true"])
+
+    async def at_once() -> list[str]:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(3))
+        started = await asyncio.wait_for(
+            asyncio.gather(
+                *(AsyncSandbox.create("crowded", cpus=3, memory_mib=1536) for _ in range(6))
+            ),
+            60,
+        )
+        return [sbx.id for sbx in started]
+
+    made = asyncio.run(at_once())
+    assert len(set(made)) == 6
+    variants = LocalSnapshotStore().template("crowded")["variants"]  # type: ignore[index]
+    assert list(variants) == ["3c-1536m"]
+    for sandbox_id in made:
+        sbx = Sandbox.connect(sandbox_id)
+        assert (sbx.info().cpus, sbx.info().origin) == (3, variants["3c-1536m"])
+        sbx.kill()
 
 
 def test_the_default_template_of_a_shape_is_the_hosts_alone() -> None:

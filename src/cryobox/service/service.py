@@ -180,6 +180,8 @@ _SHAPED_DEFAULT = re.compile(r"default-([1-9]\d*)c-([1-9]\d*)m-([1-9]\d*)g")
 GROW_HINT = "a disk can grow, never shrink: ask for at least the saved size"
 #: Variants with more vCPUs or RAM a template keeps (the oldest made goes first).
 MAX_VARIANTS = 8
+#: Seconds between looks at a template's lock another process holds.
+TEMPLATE_LOCK_POLL = 0.05
 
 
 def reshaped(source: Manifest, asked: dict[str, int | None]) -> dict[str, int | None]:
@@ -1254,10 +1256,12 @@ class SandboxService:
 
     @contextlib.asynccontextmanager
     async def _template_locked(self, name: str) -> AsyncIterator[None]:
-        """Hold template ``name``'s entry alone, across processes (waiting in a thread
-        for the lock): its variants are looked for, made and named, and the template
-        saved again or deleted, one at a time."""
-        lock = await asyncio.to_thread(self.store.template_lock, name)
+        """Hold template ``name``'s entry alone, across processes: its variants are
+        looked for, made and named, and the template saved again or deleted, one at a
+        time. Waited for on the event loop, not in a thread: creates of one template
+        waiting in every thread of the loop's pool left none for the one holding it."""
+        while (lock := self.store.template_lock(name)) is None:
+            await asyncio.sleep(TEMPLATE_LOCK_POLL)
         try:
             yield
         finally:

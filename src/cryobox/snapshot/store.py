@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Literal, Protocol, overload
 
 from cryobox import config
 from cryobox.arguments import valid_name
@@ -228,9 +228,11 @@ class SnapshotStore(Protocol):
 
     def delete_template(self, name: str) -> None: ...
 
-    def template_lock(self, name: str) -> IO[bytes]:
+    def template_lock(self, name: str) -> IO[bytes] | None:
         """An open file locked for template ``name`` alone (``flock``, across
-        processes); closing it unlocks. Blocks until it is free."""
+        processes), closing it unlocks; None while another holds it (the caller waits
+        without holding a thread: a pool of threads each blocked here left none for the
+        holder, and every create in the process hung)."""
         ...
 
 
@@ -589,13 +591,18 @@ class LocalSnapshotStore:
         if valid_name(name):
             (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)
 
-    def template_lock(self, name: str) -> IO[bytes]:
-        return lock_file(self._dir("templates") / f".{name}.lock")
+    def template_lock(self, name: str) -> IO[bytes] | None:
+        return lock_file(self._dir("templates") / f".{name}.lock", wait=False)
 
 
-def lock_file(path: Path) -> IO[bytes]:
+@overload
+def lock_file(path: Path) -> IO[bytes]: ...
+@overload
+def lock_file(path: Path, *, wait: Literal[False]) -> IO[bytes] | None: ...
+def lock_file(path: Path, *, wait: bool = True) -> IO[bytes] | None:
     """``path`` opened and locked for this holder alone (``flock``, across processes):
-    closing it unlocks. Blocks until it is free.
+    closing it unlocks. Blocks until it is free; or, without ``wait``, None while it is
+    held.
 
     A lock file may be unlinked by its holder (a snapshot's, as it is deleted): a process
     that opened it before and waited then holds a file no longer at the path, while one
@@ -605,7 +612,11 @@ def lock_file(path: Path) -> IO[bytes]:
     while True:
         handle = open(path, "a+b")  # noqa: SIM115 (the caller's to close)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                return None
             held = os.fstat(handle.fileno())
             try:
                 there = os.stat(path)
