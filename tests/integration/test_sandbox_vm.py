@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -613,6 +614,44 @@ def test_supervisor_killed_with_sigkill_leaves_its_vm_to_be_adopted(sandbox_fact
     sbx.kill()  # the kill adopts, then ends both: no VM left
     assert not registry.process_alive(record.qemu_pid, sbx.id)
     assert {info.id: info.state for info in Sandbox.list(all=True)}[sbx.id] == "killed"
+
+
+_USER = """
+import sys
+from cryobox import Sandbox
+print("asking", flush=True)
+print(Sandbox.connect(sys.argv[1]).commands.run("echo theirs").stdout, end="")
+"""
+
+
+def test_a_process_that_loses_the_race_to_adopt_a_sandbox_uses_it_all_the_same(
+    sandbox_factory: Any,
+) -> None:
+    """Two processes find a sandbox whose supervisor died at once: the one whose
+    supervisor finds the other's taking it over (its lock held) waits for it and uses
+    the sandbox. Before, it said the sandbox was dead, though it ran on."""
+    sbx = sandbox_factory()
+    folder = registry.find(sbx.id)
+    record = folder.record()
+    assert record.supervisor_pid
+    os.kill(record.supervisor_pid, signal.SIGKILL)
+    until(lambda: not Path(f"/proc/{record.supervisor_pid}").exists(), "the supervisor's end")
+    # The other process's supervisor, as it takes the VM over: the lock held, no pid yet.
+    with open(folder.supervisor_lock, "a+b") as taking_over:
+        fcntl.flock(taking_over, fcntl.LOCK_EX)
+        user = subprocess.Popen(
+            [sys.executable, "-c", _USER, sbx.id],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert user.stdout is not None
+        assert user.stdout.readline() == "asking\n"
+        time.sleep(3.0)  # (its adopter meets the lock held, and gives way)
+    assert sbx.commands.run("echo mine").stdout == "mine\n"  # this process adopts it
+    out, err = user.communicate(timeout=120)
+    assert (user.returncode, out) == (0, "theirs\n"), err
+    assert sbx.info().state == "running"
 
 
 def test_qemu_that_fails_to_start_reports_command_exit_code_and_stderr(

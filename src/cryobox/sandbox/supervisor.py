@@ -1016,7 +1016,12 @@ async def _start_and_run(
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    busy = SandboxDead(folder.id, "another supervisor serves it")
+                    # (an adopter lost the race: the sandbox is another's, not dead)
+                    busy: CryoboxError = (
+                        AlreadySupervised(folder.id)
+                        if request.adopt
+                        else SandboxDead(folder.id, "another supervisor serves it")
+                    )
                     report.send(error_reply(0, busy, "start"))
                     await writer.drain()
                     return 1

@@ -8,7 +8,10 @@ on gets a new supervisor (adopted) before the connection is made.
 
 from __future__ import annotations
 
-from cryobox.errors import ChannelError, CryoboxError, SandboxDead
+import asyncio
+import time
+
+from cryobox.errors import AlreadySupervised, ChannelError, CryoboxError, SandboxDead
 from cryobox.guest.client import AgentClient
 from cryobox.guest.requests import GuestRequest
 from cryobox.guest.requests import Reply as GuestReply
@@ -20,6 +23,9 @@ from cryobox.sandbox.state import SandboxState, require
 
 #: Seconds a file or status request to the guest may take before it counts as hung.
 GUEST_REQUEST_TIMEOUT = 120.0
+#: Seconds to wait for another process's supervisor that is taking a sandbox over to
+#: name itself in the record.
+ADOPTION_WAIT = 30.0
 
 
 class Connections:
@@ -63,6 +69,14 @@ class Connections:
         """
         try:
             await self.launcher.start(folder, backend=self.backend, resume=False, adopt=True)
+        except AlreadySupervised:
+            # Another process's supervisor is taking it over at this moment (it said dead
+            # before): once that one names itself in the record, connecting waits for it
+            # to listen; if it fails, the record says why.
+            deadline = time.monotonic() + ADOPTION_WAIT
+            while folder.needs_adoption(folder.reconcile()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return
         except CryoboxError:
             record = folder.record()
             if record.state is SandboxState.RUNNING and registry.supervisor_alive(record):
