@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -21,3 +22,10 @@ def until(found: Callable[[], T], what: str, timeout: float = 60, every: float =
             raise AssertionError(f"waited {timeout:g} s for {what}")
         time.sleep(every)
     return value
+
+
+def waits_for_a_lock(pid: int) -> bool:
+    """Whether process ``pid`` is blocked taking a lock (``/proc/locks`` lists its wait)."""
+    return any(
+        "->" in line and f" {pid} " in line for line in Path("/proc/locks").read_text().splitlines()
+    )

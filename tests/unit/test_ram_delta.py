@@ -26,7 +26,7 @@ from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
 from cryobox.snapshot.store import LocalSnapshotStore, ram_files
 from cryobox.util import PAGE, data_bytes
 from specs import checkpoint
-from waiting import until
+from waiting import until, waits_for_a_lock
 
 MIB = 1 << 20
 
@@ -429,13 +429,6 @@ with LocalSnapshotStore(Path(sys.argv[1]))._ram_lock("snap-older"):
 """
 
 
-def _waits_for_a_lock(pid: int) -> bool:
-    """Whether the process is blocked in ``flock`` (``/proc/locks`` lists its wait)."""
-    return any(
-        "->" in line and f" {pid} " in line for line in Path("/proc/locks").read_text().splitlines()
-    )
-
-
 def test_a_process_that_waited_on_a_deleted_snapshots_lock_never_shares_it(
     tmp_path: Path,
 ) -> None:
@@ -450,7 +443,7 @@ def test_a_process_that_waited_on_a_deleted_snapshots_lock_never_shares_it(
     def while_a_process_waits() -> None:
         nonlocal holder
         holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(store.root), str(mark)])
-        until(lambda: _waits_for_a_lock(holder.pid), "the other process waiting", 30)
+        until(lambda: waits_for_a_lock(holder.pid), "the other process waiting", 30)
 
     store.delete("snap-older", before=while_a_process_waits)
     assert holder is not None
@@ -463,6 +456,23 @@ def test_a_process_that_waited_on_a_deleted_snapshots_lock_never_shares_it(
     finally:
         assert holder.wait(timeout=60) == 0
     assert mark.read_text() == "out"
+
+
+def test_the_sweep_leaves_the_folder_of_a_pull_at_work_however_old(tmp_path: Path) -> None:
+    """A pull's folder keeps the time it was made while a large file is written into it:
+    the sweep leaves it while its pull holds the snapshot's pull lock, and removes it
+    once none does (the pull was killed). Before, a pull past 10 minutes lost its folder
+    at the next sweep (every kill runs one)."""
+    store = LocalSnapshotStore(tmp_path / "state")
+    with store.pulling("snap-pulled"):
+        temp = store.begin("snap-pulled")
+        (temp / mf.MEMORY).write_bytes(b"arriving")
+        os.utime(temp, (time.time() - 3600,) * 2)
+        store.sweep()
+        assert (temp / mf.MEMORY).read_bytes() == b"arriving"
+    store.sweep()
+    assert not temp.exists()
+    assert not list((store.root / "locks").iterdir())  # (no lock file left behind)
 
 
 def test_the_sweep_removes_a_delta_a_fold_left_without_its_map(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ from cryobox.store import locks, uploads
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects, store_url
 from silent_store import SilentStore
-from waiting import until
+from waiting import until, waits_for_a_lock
 
 
 @pytest.fixture(autouse=True)
@@ -447,6 +447,38 @@ def test_a_delete_that_waits_for_its_snapshots_lock_records_its_removal_only_aft
     _collection_in_another_process()
     with pytest.raises(SnapshotNotFound):
         ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id)
+
+
+def test_a_pull_waits_for_another_processs_pull_of_the_same_snapshot() -> None:
+    """Two processes pull one stored snapshot at once (a start by id in the server, a
+    ``cryobox snapshot pull`` beside it): the second waits for the first's turn, and
+    never touches its folder. Before, its ``begin`` removed the first one's folder as
+    one a killed pull had left, and the first then committed the second's files."""
+    saved = _a_stored_snapshot()
+    _evict_in_another_process(saved.id)
+    store = LocalSnapshotStore()
+    with store.pulling(saved.id):  # (a pull at work here, its first file written)
+        temp = store.begin(saved.id)
+        (temp / mf.DISK).write_bytes(b"a first pull's half-written layer")
+        second = subprocess.Popen(
+            [sys.executable, "-m", "cryobox.cli.main", "snapshot", "pull", saved.id],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        until(
+            lambda: second.poll() is not None or waits_for_a_lock(second.pid),
+            "the second pull to wait or end",
+            60,
+        )
+        assert (temp / mf.DISK).read_bytes() == b"a first pull's half-written layer"
+        assert second.poll() is None
+    # The first pull ended without its commit (killed, say): the second pulls it whole.
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    assert saved.id in out
+    assert store.get(saved.id).id == saved.id
+    assert Sandbox.create(from_snapshot=saved.id).commands.run("true").exit_code == 0
 
 
 def test_an_evict_after_a_killed_delete_keeps_the_only_stored_copy() -> None:

@@ -336,6 +336,32 @@ class Persistence:
     ) -> Manifest:
         """Pull all but the RAM and have ``server`` serve the RAM as it arrives: the
         snapshot is committed here once it does."""
+        with self.local.pulling(stored.id):
+            manifest = self._pulled_meanwhile(stored.id, None)
+            if manifest is not None:  # (its RAM arrives for another process's start)
+                server.stop()
+                return manifest
+            return self._pull_lazily_now(store, stored, sources, server)
+
+    def _pulled_meanwhile(self, snapshot_id: str, rename: str | None) -> Manifest | None:
+        """The snapshot as another process's pull committed it, while this one waited
+        for its turn (a pull under a new name is refused then); None when it is not
+        here."""
+        if rename is not None:
+            self._refuse_if_here(snapshot_id)
+            return None
+        try:
+            return self.local.get(snapshot_id)
+        except SnapshotNotFound:
+            return None
+
+    def _pull_lazily_now(
+        self,
+        store: ChunkStore,
+        stored: StoredSnapshot,
+        sources: LocalSources,
+        server: lazy_ram.Server,
+    ) -> Manifest:
         temp = self.local.begin(stored.id)
         final = self.local.folder(stored.id)
         names = {c[1] for c in stored.files[mf.MEMORY]["chunks"]}
@@ -397,12 +423,16 @@ class Persistence:
         progress: Progress | None,
         sources: LocalSources,
     ) -> Manifest:
-        """Pull one snapshot; ``sources`` gains its chunks (now on this host)."""
+        """Pull one snapshot; ``sources`` gains its chunks (now on this host). One
+        another process pulled meanwhile is that one (or refused, for a new name)."""
         if rename is not None:
             stored = replace(stored, manifest={**stored.manifest, "name": rename})
-        temp = self.local.begin(stored.id)
         final = self.local.folder(stored.id)
-        manifest = store.pull(stored, temp, final, sources=sources, progress=progress)
+        with self.local.pulling(stored.id):
+            manifest = self._pulled_meanwhile(stored.id, rename)
+            if manifest is None:
+                temp = self.local.begin(stored.id)
+                manifest = store.pull(stored, temp, final, sources=sources, progress=progress)
         for chunk, where in local_sources([(final, stored)]).items():
             sources.setdefault(chunk, where)
         _mark_pulled(final, store, stored)

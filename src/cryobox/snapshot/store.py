@@ -228,6 +228,14 @@ class SnapshotStore(Protocol):
 
     def delete_template(self, name: str) -> None: ...
 
+    def pulling(self, snapshot_id: str) -> contextlib.AbstractContextManager[None]:
+        """Held while a snapshot is pulled here, from its :meth:`begin` to its commit:
+        one pull of it at a time, across processes (a second pull's ``begin`` removed
+        the first one's folder as if a killed pull had left it, and the first then
+        committed the second's files), and :meth:`sweep` leaves the folder of a pull
+        still at work alone however long it takes. Blocks until it is free."""
+        ...
+
     def template_lock(self, name: str) -> IO[bytes] | None:
         """An open file locked for template ``name`` alone (``flock``, across
         processes), closing it unlocks; None while another holds it (the caller waits
@@ -540,7 +548,17 @@ class LocalSnapshotStore:
         for folder in self._dir("snapshots").glob(f"{TEMP_PREFIX}*"):
             with contextlib.suppress(OSError):
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
-                    _remove(folder, ignore_errors=False)
+                    # (its time is the folder's: a long pull writing one file into it
+                    # does not change it, so one still at work holds its lock)
+                    lock = self._dir("locks") / f"pull-{folder.name[len(TEMP_PREFIX) :]}.lock"
+                    held = lock_file(lock, wait=False)
+                    if held is None:
+                        continue
+                    with held:
+                        try:
+                            _remove(folder, ignore_errors=False)
+                        finally:
+                            lock.unlink(missing_ok=True)
         # A fold or unfold cut short (at any step: a delta written without its map too):
         # the RAM files its manifest does not list, once old enough that no fold or
         # unfold can be writing them still (another process's).
@@ -590,6 +608,15 @@ class LocalSnapshotStore:
     def delete_template(self, name: str) -> None:
         if valid_name(name):
             (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def pulling(self, snapshot_id: str) -> Iterator[None]:
+        path = self._dir("locks") / f"pull-{snapshot_id}.lock"
+        with lock_file(path):
+            try:
+                yield
+            finally:
+                path.unlink(missing_ok=True)  # (held: see :func:`lock_file`)
 
     def template_lock(self, name: str) -> IO[bytes] | None:
         return lock_file(self._dir("templates") / f".{name}.lock", wait=False)
