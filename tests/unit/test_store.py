@@ -443,6 +443,35 @@ def test_rotating_the_key_rewraps_without_touching_chunks(
     assert pull_into(fresh, local, snap.id).id == snap.id
 
 
+def test_a_rotation_whose_key_record_goes_meanwhile_ends_with_the_same_data_key(
+    store: ChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tenant's key record deleted from the store while a rotation runs (by hand,
+    say): the rotation writes it again, wrapping the same data key. Before, it read the
+    record a second time, found none, and waited for the key lock it held: for ever."""
+    before = keys.data_key(store.objects, store.tenant)
+    real_get = store.objects.get
+    record = f"keys/{store.tenant}.json"
+
+    def get_then_gone(key: str) -> bytes:
+        value = real_get(key)
+        if key == record:
+            store.objects.delete(record)
+        return value
+
+    monkeypatch.setattr(store.objects, "get", get_then_gone)
+    rotated: list[str] = []
+    rotation = threading.Thread(
+        target=lambda: rotated.append(keys.rotate(store.objects, store.tenant)), daemon=True
+    )
+    rotation.start()
+    rotation.join(timeout=30)
+    assert rotated, "the rotation did not end"
+    monkeypatch.undo()
+    assert json.loads(store.objects.get(record))["kek"] == rotated[0]
+    assert keys.data_key(store.objects, store.tenant) == before
+
+
 def test_a_store_without_the_hosts_key_is_refused_clearly(
     store: ChunkStore, local: LocalSnapshotStore
 ) -> None:

@@ -207,7 +207,9 @@ def rotate(objects: ObjectStore, tenant: str) -> str:
         record = _read_record(objects, tenant)
         if record is None:
             raise InvalidArgument(f"tenant {tenant} has nothing in the store {objects.url}")
-        key = data_key(objects, tenant)
+        # The record read: read again (``data_key``), one gone meanwhile was made anew
+        # under the lock this holds, and the rotation waited for itself for ever.
+        key = _unwrap(record, tenant, objects.url)
         old = _keks(tenant)
         kek_id = _new_id("kek")
         kek = os.urandom(32)
