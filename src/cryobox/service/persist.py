@@ -321,7 +321,12 @@ class Persistence:
             sources = self._pull_layers_below(store, stored)
             if server is None:
                 return self._pull_one(store, stored, rename, progress, sources)
-            return self._pull_lazily(store, stored, sources, server)
+            with self.local.pulling(stored.id):
+                here = self._pulled_meanwhile(stored.id, None)
+                if here is not None:  # (its RAM arrives for another process's start)
+                    server.stop()
+                    return here
+                return self._pull_lazily(store, stored, sources, server)
         except BaseException:
             if server is not None:
                 server.stop()
@@ -335,33 +340,7 @@ class Persistence:
         server: lazy_ram.Server,
     ) -> Manifest:
         """Pull all but the RAM and have ``server`` serve the RAM as it arrives: the
-        snapshot is committed here once it does."""
-        with self.local.pulling(stored.id):
-            manifest = self._pulled_meanwhile(stored.id, None)
-            if manifest is not None:  # (its RAM arrives for another process's start)
-                server.stop()
-                return manifest
-            return self._pull_lazily_now(store, stored, sources, server)
-
-    def _pulled_meanwhile(self, snapshot_id: str, rename: str | None) -> Manifest | None:
-        """The snapshot as another process's pull committed it, while this one waited
-        for its turn (a pull under a new name is refused then); None when it is not
-        here."""
-        if rename is not None:
-            self._refuse_if_here(snapshot_id)
-            return None
-        try:
-            return self.local.get(snapshot_id)
-        except SnapshotNotFound:
-            return None
-
-    def _pull_lazily_now(
-        self,
-        store: ChunkStore,
-        stored: StoredSnapshot,
-        sources: LocalSources,
-        server: lazy_ram.Server,
-    ) -> Manifest:
+        snapshot is committed here once it does (called holding its pull lock)."""
         temp = self.local.begin(stored.id)
         final = self.local.folder(stored.id)
         names = {c[1] for c in stored.files[mf.MEMORY]["chunks"]}
@@ -388,6 +367,18 @@ class Persistence:
         with contextlib.suppress(OSError):
             _mark_pulled(final, store, stored)
         return manifest
+
+    def _pulled_meanwhile(self, snapshot_id: str, rename: str | None) -> Manifest | None:
+        """The snapshot as another process's pull committed it, while this one waited
+        for its turn (a pull under a new name is refused then); None when it is not
+        here."""
+        if rename is not None:
+            self._refuse_if_here(snapshot_id)
+            return None
+        try:
+            return self.local.get(snapshot_id)
+        except SnapshotNotFound:
+            return None
 
     def _pull_layers_below(self, store: ChunkStore, stored: StoredSnapshot) -> LocalSources:
         """Pull the snapshots ``stored`` builds on (its disk layers, an automatic
