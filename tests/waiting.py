@@ -24,8 +24,11 @@ def until(found: Callable[[], T], what: str, timeout: float = 60, every: float =
     return value
 
 
-def waits_for_a_lock(pid: int) -> bool:
-    """Whether process ``pid`` is blocked taking a lock (``/proc/locks`` lists its wait)."""
+def waits_for_a_lock(pid: int, path: Path | None = None) -> bool:
+    """Whether process ``pid`` is blocked taking a lock (on the file at ``path``, when
+    given): ``/proc/locks`` lists its wait, with the file's inode."""
+    inode = f":{path.stat().st_ino} " if path is not None else " "
     return any(
-        "->" in line and f" {pid} " in line for line in Path("/proc/locks").read_text().splitlines()
+        "->" in line and f" {pid} " in line and inode in line
+        for line in Path("/proc/locks").read_text().splitlines()
     )

@@ -475,6 +475,26 @@ def test_the_sweep_leaves_the_folder_of_a_pull_at_work_however_old(tmp_path: Pat
     assert not list((store.root / "locks").iterdir())  # (no lock file left behind)
 
 
+def test_the_sweep_removes_the_lock_files_of_snapshots_not_here_but_not_one_held(
+    tmp_path: Path,
+) -> None:
+    """A pull killed before it removed its lock file, or a lock waited for through the
+    snapshot's delete, left a lock file for good; the sweep removes them, never a lock
+    held, nor one of a snapshot that is here."""
+    store, _, _ = _history_of_two(tmp_path)
+    locks = store.root / "locks"
+    locks.mkdir(exist_ok=True)
+    for name in ("pull-snap-killed.lock", "ram-snap-deleted.lock", "ram-snap-older.lock"):
+        (locks / name).touch()
+    with store.pulling("snap-at-work"):
+        store.sweep()
+        assert sorted(p.name for p in locks.iterdir()) == [
+            "pull-snap-at-work.lock",
+            "ram-snap-older.lock",
+        ]
+    assert [p.name for p in locks.iterdir()] == ["ram-snap-older.lock"]
+
+
 def test_the_sweep_removes_a_delta_a_fold_left_without_its_map(tmp_path: Path) -> None:
     """A fold killed between writing the delta and its page map left a whole checkpoint
     with an unlisted delta beside it: the sweep finds it too, once old enough."""

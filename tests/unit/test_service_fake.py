@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,7 @@ from cryobox.store import locks, uploads
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import open_objects, store_url
 from silent_store import SilentStore
-from waiting import until, waits_for_a_lock
+from waiting import until
 
 
 @pytest.fixture(autouse=True)
@@ -318,10 +319,10 @@ def _evict_in_another_process(snapshot_id: str) -> None:
     assert evicted.returncode == 0, evicted.stderr
 
 
-def _a_stored_snapshot() -> SnapshotInfo:
+def _a_stored_snapshot(name: str = "saved") -> SnapshotInfo:
     """A snapshot of a sandbox since killed, once its upload has stored it."""
     a = Sandbox.create("base")
-    saved = a.snapshot("saved")
+    saved = a.snapshot(name)
     folder = config.state_dir() / "snapshots" / saved.id
     until(lambda: uploads.state(folder).get("state") == "stored", "the snapshot stored", 120)
     a.kill()
@@ -449,36 +450,55 @@ def test_a_delete_that_waits_for_its_snapshots_lock_records_its_removal_only_aft
         ChunkStore(config.LOCAL_TENANT, open_objects()).find(saved.id)
 
 
+_PULLS_X_THEN_Y = """
+import asyncio, sys
+from cryobox.service import open_service
+
+async def main():
+    service = open_service()
+    try:
+        x = asyncio.ensure_future(service.persist.pull(sys.argv[1]))
+        await asyncio.sleep(1.0)
+        await service.persist.pull(sys.argv[2])
+        print("Y pulled", flush=True)
+        print((await x).id, flush=True)
+    finally:
+        await service.close()
+
+asyncio.run(main())
+"""
+
+
 def test_a_pull_waits_for_another_processs_pull_of_the_same_snapshot() -> None:
-    """Two processes pull one stored snapshot at once (a start by id in the server, a
-    ``cryobox snapshot pull`` beside it): the second waits for the first's turn, and
-    never touches its folder. Before, its ``begin`` removed the first one's folder as
-    one a killed pull had left, and the first then committed the second's files."""
-    saved = _a_stored_snapshot()
-    _evict_in_another_process(saved.id)
+    """Two processes pull one stored snapshot X at once (a start by id in the server, a
+    ``cryobox snapshot pull`` beside it): the second waits for the first, never
+    touching its folder, and its other pulls go on meanwhile. Before, its ``begin``
+    removed the first one's folder as one a killed pull had left, and the first then
+    committed the second's files."""
+    x, y = _a_stored_snapshot("x"), _a_stored_snapshot("y")
+    _evict_in_another_process(x.id)
+    _evict_in_another_process(y.id)
     store = LocalSnapshotStore()
-    with store.pulling(saved.id):  # (a pull at work here, its first file written)
-        temp = store.begin(saved.id)
+    with store.pulling(x.id):  # (a pull of X at work here, its first file written)
+        temp = store.begin(x.id)
         (temp / mf.DISK).write_bytes(b"a first pull's half-written layer")
         second = subprocess.Popen(
-            [sys.executable, "-m", "cryobox.cli.main", "snapshot", "pull", saved.id],
+            [sys.executable, "-c", _PULLS_X_THEN_Y, x.id, y.id],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        until(
-            lambda: second.poll() is not None or waits_for_a_lock(second.pid),
-            "the second pull to wait or end",
-            60,
-        )
+        assert second.stdout is not None
+        ready, _, _ = select.select([second.stdout], [], [], 60)
+        assert ready, "the pull of Y was held up"
+        assert second.stdout.readline() == "Y pulled\n"
         assert (temp / mf.DISK).read_bytes() == b"a first pull's half-written layer"
-        assert second.poll() is None
-    # The first pull ended without its commit (killed, say): the second pulls it whole.
+        assert second.poll() is None  # (X waits)
+    # The first pull ended without its commit (killed, say): the second pulls X whole.
     out, err = second.communicate(timeout=120)
-    assert second.returncode == 0, err
-    assert saved.id in out
-    assert store.get(saved.id).id == saved.id
-    assert Sandbox.create(from_snapshot=saved.id).commands.run("true").exit_code == 0
+    assert (second.returncode, out) == (0, f"{x.id}\n"), err
+    assert {store.get(x.id).id, store.get(y.id).id} == {x.id, y.id}
+    assert Sandbox.create(from_snapshot=x.id).commands.run("true").exit_code == 0
 
 
 def test_an_evict_after_a_killed_delete_keeps_the_only_stored_copy() -> None:

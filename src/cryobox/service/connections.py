@@ -26,6 +26,8 @@ GUEST_REQUEST_TIMEOUT = 120.0
 #: Seconds to wait for another process's supervisor that is taking a sandbox over to
 #: name itself in the record.
 ADOPTION_WAIT = 30.0
+#: Seconds between tries to take over a sandbox another process's supervisor was taking.
+ADOPTION_RETRY = 1.0
 
 
 class Connections:
@@ -65,23 +67,37 @@ class Connections:
     async def adopt(self, folder: SandboxDir) -> None:
         """Start a supervisor for a running VM whose supervisor died.
 
-        :raises SandboxDead: when its VM cannot be taken over (it is then killed).
+        Another process's supervisor may be taking it over at this moment (this one's
+        then answers ``AlreadySupervised``; before, that the sandbox was dead): this
+        waits for that one to name itself in the record, and takes the VM over itself
+        if that one ended first.
+
+        :raises SandboxDead: when its VM cannot be taken over (it is then killed), or
+            nobody took it over within :data:`ADOPTION_WAIT`.
         """
-        try:
-            await self.launcher.start(folder, backend=self.backend, resume=False, adopt=True)
-        except AlreadySupervised:
-            # Another process's supervisor is taking it over at this moment (it said dead
-            # before): once that one names itself in the record, connecting waits for it
-            # to listen; if it fails, the record says why.
-            deadline = time.monotonic() + ADOPTION_WAIT
-            while folder.needs_adoption(folder.reconcile()) and time.monotonic() < deadline:
+        deadline = time.monotonic() + ADOPTION_WAIT
+        while True:
+            try:
+                await self.launcher.start(folder, backend=self.backend, resume=False, adopt=True)
+                return
+            except AlreadySupervised:
+                pass
+            except CryoboxError:
+                record = folder.record()
+                if record.state is SandboxState.RUNNING and registry.supervisor_alive(record):
+                    return  # another process adopted it at the same moment
+                raise
+            tried = time.monotonic()
+            while folder.needs_adoption(folder.reconcile()):
+                if time.monotonic() >= deadline:
+                    raise SandboxDead(
+                        folder.id, f"nobody took it over within {ADOPTION_WAIT:.0f} s"
+                    )
+                if time.monotonic() - tried >= ADOPTION_RETRY:
+                    break  # (the other one may have ended first: tried again)
                 await asyncio.sleep(0.05)
-            return
-        except CryoboxError:
-            record = folder.record()
-            if record.state is SandboxState.RUNNING and registry.supervisor_alive(record):
-                return  # another process adopted it at the same moment
-            raise
+            else:
+                return  # served (connecting waits for it to listen), or no longer running
 
     async def control(self, sandbox_id: str, request: ControlRequest[Reply]) -> Reply:
         """Ask the sandbox's supervisor; its reply, typed."""

@@ -39,7 +39,7 @@ from cryobox.service import removals
 from cryobox.snapshot import evicted
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest, SnapshotPurpose
-from cryobox.snapshot.store import SnapshotStore, template_snapshots
+from cryobox.snapshot.store import PullBusy, SnapshotStore, template_snapshots
 from cryobox.store import archive, catalog, lazy_ram, ram_cache, transfer, uploads
 from cryobox.store import collect as chunk_collect
 from cryobox.store.catalog import StoredSnapshot
@@ -65,6 +65,8 @@ T = TypeVar("T")
 
 #: Seconds between two looks at whether another pull has finished.
 PULL_TURN_POLL = 0.05
+#: Seconds between looks at a snapshot another process pulls.
+PULL_BUSY_POLL = 0.2
 
 #: The patience of housekeeping a caller waits on (see :meth:`Persistence.chunks`):
 #: each S3 request read for at most this many seconds, and tried this many times.
@@ -264,16 +266,23 @@ class Persistence:
     async def _in_turn(self, work: Callable[[], T]) -> T:
         """Run ``work`` (a pull) in a worker thread once no other pull runs; the lock is
         given back when the thread is done, even if the caller was cancelled meanwhile
-        (a cancelled wait must not let a second pull write the same folders)."""
-        while not self._pulling.acquire(blocking=False):
-            await asyncio.sleep(PULL_TURN_POLL)
-        try:
-            running = _PULLS.submit(work)
-        except BaseException:
-            self._pulling.release()
-            raise
-        running.add_done_callback(lambda _: self._pulling.release())
-        return await asyncio.wrap_future(running)
+        (a cancelled wait must not let a second pull write the same folders). A pull
+        of a snapshot another process pulls now (:class:`PullBusy`) gives its turn back
+        and is run again once that one is done (its work is then what it pulled):
+        waiting for it in the turn held up every pull of the process."""
+        while True:
+            while not self._pulling.acquire(blocking=False):
+                await asyncio.sleep(PULL_TURN_POLL)
+            try:
+                running = _PULLS.submit(work)
+            except BaseException:
+                self._pulling.release()
+                raise
+            running.add_done_callback(lambda _: self._pulling.release())
+            try:
+                return await asyncio.wrap_future(running)
+            except PullBusy:
+                await asyncio.sleep(PULL_BUSY_POLL)
 
     def holds(self, snapshot_id: str) -> bool:
         """Whether the snapshot's files are on this host."""
@@ -321,7 +330,7 @@ class Persistence:
             sources = self._pull_layers_below(store, stored)
             if server is None:
                 return self._pull_one(store, stored, rename, progress, sources)
-            with self.local.pulling(stored.id):
+            with self.local.pulling(stored.id, wait=False):
                 here = self._pulled_meanwhile(stored.id, None)
                 if here is not None:  # (its RAM arrives for another process's start)
                     server.stop()
@@ -419,7 +428,7 @@ class Persistence:
         if rename is not None:
             stored = replace(stored, manifest={**stored.manifest, "name": rename})
         final = self.local.folder(stored.id)
-        with self.local.pulling(stored.id):
+        with self.local.pulling(stored.id, wait=False):
             manifest = self._pulled_meanwhile(stored.id, rename)
             if manifest is None:
                 temp = self.local.begin(stored.id)

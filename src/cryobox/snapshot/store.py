@@ -51,6 +51,15 @@ ABANDONED_AFTER = 600.0
 _ID = re.compile(r"(snap|pause)-[0-9a-f]{12}")
 
 
+#: Lock files of snapshots (``STATE/locks/``): a pull's, and the RAM's.
+PULL_LOCK_PREFIX = "pull-"
+RAM_LOCK_PREFIX = "ram-"
+
+
+class PullBusy(Exception):
+    """Another process pulls the snapshot now (:meth:`SnapshotStore.pulling`)."""
+
+
 #: Told the steps an operation passes (a crash-safety test dies at one).
 Step = Callable[[str], None]
 #: Whether an eviction may go on (under the RAM lock), and what its note then says.
@@ -228,12 +237,15 @@ class SnapshotStore(Protocol):
 
     def delete_template(self, name: str) -> None: ...
 
-    def pulling(self, snapshot_id: str) -> contextlib.AbstractContextManager[None]:
+    def pulling(
+        self, snapshot_id: str, *, wait: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
         """Held while a snapshot is pulled here, from its :meth:`begin` to its commit:
         one pull of it at a time, across processes (a second pull's ``begin`` removed
         the first one's folder as if a killed pull had left it, and the first then
         committed the second's files), and :meth:`sweep` leaves the folder of a pull
-        still at work alone however long it takes. Blocks until it is free."""
+        still at work alone however long it takes. Blocks until it is free; or, without
+        ``wait``, raises :class:`PullBusy` while another holds it."""
         ...
 
     def template_lock(self, name: str) -> IO[bytes] | None:
@@ -325,7 +337,7 @@ class LocalSnapshotStore:
         """Held while a fold lays a checkpoint's RAM over ``snapshot_id``'s or folds
         ``snapshot_id``'s own, while it is unfolded, and while it is deleted: one at a
         time (``flock``, across processes). A fold holds its base's, then its own."""
-        return lock_file(self._dir("locks") / f"ram-{snapshot_id}.lock")
+        return lock_file(self._dir("locks") / f"{RAM_LOCK_PREFIX}{snapshot_id}.lock")
 
     def delete(self, snapshot_id: str, *, before: Callable[[], None] | None = None) -> None:
         folder = self.folder(snapshot_id)
@@ -343,7 +355,7 @@ class LocalSnapshotStore:
                 folder.rename(doomed)
             # Unlinked while held: a process waiting on it finds it gone and takes the
             # path's new file (:func:`lock_file`), as one that comes after does.
-            (self._dir("locks") / f"ram-{snapshot_id}.lock").unlink(missing_ok=True)
+            (self._dir("locks") / f"{RAM_LOCK_PREFIX}{snapshot_id}.lock").unlink(missing_ok=True)
         _remove(doomed)
         arriving.forget_failures(folder)
 
@@ -550,7 +562,8 @@ class LocalSnapshotStore:
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
                     # (its time is the folder's: a long pull writing one file into it
                     # does not change it, so one still at work holds its lock)
-                    lock = self._dir("locks") / f"pull-{folder.name[len(TEMP_PREFIX) :]}.lock"
+                    name = folder.name[len(TEMP_PREFIX) :]
+                    lock = self._dir("locks") / f"{PULL_LOCK_PREFIX}{name}.lock"
                     held = lock_file(lock, wait=False)
                     if held is None:
                         continue
@@ -559,6 +572,7 @@ class LocalSnapshotStore:
                             _remove(folder, ignore_errors=False)
                         finally:
                             lock.unlink(missing_ok=True)
+        self._sweep_locks()
         # A fold or unfold cut short (at any step: a delta written without its map too):
         # the RAM files its manifest does not list, once old enough that no fold or
         # unfold can be writing them still (another process's).
@@ -581,6 +595,28 @@ class LocalSnapshotStore:
                 with contextlib.suppress(OSError):
                     if name not in listed and time.time() - path.stat().st_mtime > ABANDONED_AFTER:
                         path.unlink()
+
+    def _sweep_locks(self) -> None:
+        """Remove the lock files of snapshots that are not here (a pull killed before it
+        removed its own, a lock waited for through the snapshot's delete): each taken
+        without waiting and unlinked while held, so that whoever opens it meanwhile
+        opens the path again (:func:`lock_file`)."""
+        snapshots = self._dir("snapshots")
+        for lock in self._dir("locks").glob("*.lock"):
+            name = lock.name.removesuffix(".lock")
+            prefix = next(
+                (p for p in (PULL_LOCK_PREFIX, RAM_LOCK_PREFIX) if name.startswith(p)), ""
+            )
+            snapshot_id = name[len(prefix) :]
+            if not prefix or (snapshots / snapshot_id).exists():
+                continue
+            with contextlib.suppress(OSError):
+                held = lock_file(lock, wait=False)
+                if held is None:
+                    continue
+                with held:
+                    if not (snapshots / snapshot_id).exists():
+                        lock.unlink(missing_ok=True)
 
     def set_template(self, name: str, snapshot_id: str, info: dict[str, Any]) -> None:
         write_json_atomic(
@@ -610,9 +646,12 @@ class LocalSnapshotStore:
             (self._dir("templates") / f"{name}.json").unlink(missing_ok=True)
 
     @contextlib.contextmanager
-    def pulling(self, snapshot_id: str) -> Iterator[None]:
-        path = self._dir("locks") / f"pull-{snapshot_id}.lock"
-        with lock_file(path):
+    def pulling(self, snapshot_id: str, *, wait: bool = True) -> Iterator[None]:
+        path = self._dir("locks") / f"{PULL_LOCK_PREFIX}{snapshot_id}.lock"
+        held = lock_file(path) if wait else lock_file(path, wait=False)
+        if held is None:
+            raise PullBusy(snapshot_id)
+        with held:
             try:
                 yield
             finally:
