@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import json
 import os
@@ -406,3 +407,19 @@ def host_memory_mib(pids: tuple[int | None, ...]) -> float | None:
         except (OSError, ValueError):
             continue
     return total_kib / 1024 if read else None
+
+
+def lock_held(path: Path) -> bool:
+    """Whether another holds a ``flock`` on the file at ``path``: a look that takes
+    nothing and makes no file (none there: nobody holds it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

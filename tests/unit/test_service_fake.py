@@ -451,17 +451,30 @@ def test_a_delete_that_waits_for_its_snapshots_lock_records_its_removal_only_aft
 
 
 _PULLS_X_THEN_Y = """
-import asyncio, sys
+import asyncio, sys, threading
 from cryobox.service import open_service
+from cryobox.snapshot import store
+
+met = threading.Event()
+first_init = store.PullBusy.__init__
+times = []
+
+def busy(self, snapshot_id):
+    first_init(self, snapshot_id)
+    times.append(snapshot_id)
+    met.set()
+
+store.PullBusy.__init__ = busy
 
 async def main():
     service = open_service()
     try:
         x = asyncio.ensure_future(service.persist.pull(sys.argv[1]))
-        await asyncio.sleep(1.0)
+        assert await asyncio.to_thread(met.wait, 60), "X never met the other's pull"
+        print("X waits", flush=True)
         await service.persist.pull(sys.argv[2])
         print("Y pulled", flush=True)
-        print((await x).id, flush=True)
+        print((await x).id, "met the other's pull", len(times), "time(s)", flush=True)
     finally:
         await service.close()
 
@@ -489,14 +502,17 @@ def test_a_pull_waits_for_another_processs_pull_of_the_same_snapshot() -> None:
             text=True,
         )
         assert second.stdout is not None
-        ready, _, _ = select.select([second.stdout], [], [], 60)
-        assert ready, "the pull of Y was held up"
-        assert second.stdout.readline() == "Y pulled\n"
+        for line in ("X waits\n", "Y pulled\n"):  # (Y goes on while X waits)
+            ready, _, _ = select.select([second.stdout], [], [], 60)
+            assert ready, f"waited 60 s for {line.strip()!r}"
+            assert second.stdout.readline() == line
+        time.sleep(1.0)  # (the first pull goes on a while)
         assert (temp / mf.DISK).read_bytes() == b"a first pull's half-written layer"
         assert second.poll() is None  # (X waits)
     # The first pull ended without its commit (killed, say): the second pulls X whole.
     out, err = second.communicate(timeout=120)
-    assert (second.returncode, out) == (0, f"{x.id}\n"), err
+    # (once: it waited without trying again, each try reading the store's catalog)
+    assert (second.returncode, out) == (0, f"{x.id} met the other's pull 1 time(s)\n"), err
     assert {store.get(x.id).id, store.get(y.id).id} == {x.id, y.id}
     assert Sandbox.create(from_snapshot=x.id).commands.run("true").exit_code == 0
 

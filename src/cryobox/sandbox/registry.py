@@ -283,6 +283,9 @@ class SandboxDir:
         (:func:`clear_aside`), instead of being removed now."""
         self._kill_recorded_vm()
         record = self.record()
+        # Killed, unless it had ended before as written: one whose supervisor and VM the
+        # kill ended itself (an adoption that failed) reads as dead, but was killed.
+        written = self._read()
         for path in list(self.path.iterdir()):
             if path.name in RECORD_FILES or _moved(path, aside):
                 continue
@@ -292,7 +295,8 @@ class SandboxDir:
                 path.unlink(missing_ok=True)
         ended = replace(
             record,
-            state=SandboxState.KILLED if not record.state.finished else record.state,
+            state=written.state if written.state.finished else SandboxState.KILLED,
+            error=record.error if written.state.finished else written.error,
             supervisor_pid=None,
             qemu_pid=None,
             disk=None,

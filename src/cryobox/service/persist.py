@@ -269,7 +269,8 @@ class Persistence:
         (a cancelled wait must not let a second pull write the same folders). A pull
         of a snapshot another process pulls now (:class:`PullBusy`) gives its turn back
         and is run again once that one is done (its work is then what it pulled):
-        waiting for it in the turn held up every pull of the process."""
+        waiting for it in the turn held up every pull of the process, and trying again
+        and again started a lazy-RAM server and read the store's catalog each time."""
         while True:
             while not self._pulling.acquire(blocking=False):
                 await asyncio.sleep(PULL_TURN_POLL)
@@ -281,8 +282,9 @@ class Persistence:
             running.add_done_callback(lambda _: self._pulling.release())
             try:
                 return await asyncio.wrap_future(running)
-            except PullBusy:
-                await asyncio.sleep(PULL_BUSY_POLL)
+            except PullBusy as busy:  # (its turn given back: a look, then one more try)
+                while self.local.pull_busy(busy.snapshot_id):
+                    await asyncio.sleep(PULL_BUSY_POLL)
 
     def holds(self, snapshot_id: str) -> bool:
         """Whether the snapshot's files are on this host."""

@@ -46,7 +46,7 @@ from cryobox.arguments import whole_number
 from cryobox.models import NetworkJson
 from cryobox.sandbox import priority
 from cryobox.sandbox.launcher import relevant_env
-from cryobox.util import open_log, write_json_atomic
+from cryobox.util import lock_held, open_log, write_json_atomic
 
 log = logging.getLogger("cryobox.pool")
 
@@ -230,14 +230,7 @@ def request_refill() -> None:
 
 
 def _refill_running() -> bool:
-    fd = os.open(root() / "refill.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return lock_held(root() / "refill.lock")
 
 
 def lock_within(fd: int, seconds: float) -> bool:

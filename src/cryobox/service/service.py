@@ -46,6 +46,7 @@ from cryobox.errors import (
     GuestFileNotFound,
     ImageError,
     InvalidArgument,
+    SandboxDead,
     SnapshotIncompatible,
     SnapshotNotFound,
     StateError,
@@ -804,7 +805,9 @@ class SandboxService:
         # say): that process serves the other copies too, and is never killed for it.
         shared = was.supervisor_shared and registry.supervisor_alive(was)
         if was.state is SandboxState.RUNNING:
-            with contextlib.suppress(ChannelError):  # the supervisor closes it as it exits
+            # (the supervisor closes it as it exits; one that cannot be adopted says dead:
+            # its VM is killed below all the same)
+            with contextlib.suppress(ChannelError, SandboxDead):
                 await self.connections.control(sandbox_id, Kill())
             await folder.wait_finished()
         elif shared:  # not running: asked on its control socket all the same

@@ -39,7 +39,7 @@ from cryobox.errors import (
 from cryobox.snapshot import arriving, evicted, ram_delta
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
-from cryobox.util import check_space, data_bytes, fsync_dir, write_json_atomic
+from cryobox.util import check_space, data_bytes, fsync_dir, lock_held, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ RAM_LOCK_PREFIX = "ram-"
 
 class PullBusy(Exception):
     """Another process pulls the snapshot now (:meth:`SnapshotStore.pulling`)."""
+
+    def __init__(self, snapshot_id: str) -> None:
+        super().__init__(f"another process pulls {snapshot_id} now")
+        self.snapshot_id = snapshot_id
 
 
 #: Told the steps an operation passes (a crash-safety test dies at one).
@@ -246,6 +250,11 @@ class SnapshotStore(Protocol):
         committed the second's files), and :meth:`sweep` leaves the folder of a pull
         still at work alone however long it takes. Blocks until it is free; or, without
         ``wait``, raises :class:`PullBusy` while another holds it."""
+        ...
+
+    def pull_busy(self, snapshot_id: str) -> bool:
+        """Whether another holds the snapshot's pull lock now: a look that takes
+        nothing and makes no file (a pull that met :class:`PullBusy` waits with it)."""
         ...
 
     def template_lock(self, name: str) -> IO[bytes] | None:
@@ -597,8 +606,8 @@ class LocalSnapshotStore:
                         path.unlink()
 
     def _sweep_locks(self) -> None:
-        """Remove the lock files of snapshots that are not here (a pull killed before it
-        removed its own, a lock waited for through the snapshot's delete): each taken
+        """Remove the pull locks no pull holds (one killed before it removed its own) and
+        the RAM locks of snapshots that are not here (waited for through a delete): each taken
         without waiting and unlinked while held, so that whoever opens it meanwhile
         opens the path again (:func:`lock_file`)."""
         snapshots = self._dir("snapshots")
@@ -608,14 +617,15 @@ class LocalSnapshotStore:
                 (p for p in (PULL_LOCK_PREFIX, RAM_LOCK_PREFIX) if name.startswith(p)), ""
             )
             snapshot_id = name[len(prefix) :]
-            if not prefix or (snapshots / snapshot_id).exists():
+            # (a pull's lock holds nothing once free: it goes, snapshot here or not)
+            if not prefix or (prefix == RAM_LOCK_PREFIX and (snapshots / snapshot_id).exists()):
                 continue
             with contextlib.suppress(OSError):
                 held = lock_file(lock, wait=False)
                 if held is None:
                     continue
                 with held:
-                    if not (snapshots / snapshot_id).exists():
+                    if prefix == PULL_LOCK_PREFIX or not (snapshots / snapshot_id).exists():
                         lock.unlink(missing_ok=True)
 
     def set_template(self, name: str, snapshot_id: str, info: dict[str, Any]) -> None:
@@ -656,6 +666,9 @@ class LocalSnapshotStore:
                 yield
             finally:
                 path.unlink(missing_ok=True)  # (held: see :func:`lock_file`)
+
+    def pull_busy(self, snapshot_id: str) -> bool:
+        return lock_held(self._dir("locks") / f"{PULL_LOCK_PREFIX}{snapshot_id}.lock")
 
     def template_lock(self, name: str) -> IO[bytes] | None:
         return lock_file(self._dir("templates") / f".{name}.lock", wait=False)
