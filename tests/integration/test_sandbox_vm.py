@@ -689,7 +689,7 @@ def test_a_kill_ends_a_sandbox_that_an_adopter_stuck_midway_holds(
     with open(folder.supervisor_lock, "a+b") as stuck:
         fcntl.flock(stuck, fcntl.LOCK_EX)
         sbx.kill()
-        assert not registry.process_alive(record.qemu_pid, sbx.id)
+        until(lambda: not registry.process_alive(record.qemu_pid, sbx.id), "the VM's end", 30)
     assert {info.id: info.state for info in Sandbox.list(all=True)}[sbx.id] == "killed"
 
 

@@ -282,10 +282,10 @@ class SandboxDir:
         moved there (:func:`aside_folder`), for the caller to remove off its event loop
         (:func:`clear_aside`), instead of being removed now."""
         self._kill_recorded_vm()
-        record = self.record()
         # Killed, unless it had ended before as written: one whose supervisor and VM the
         # kill ended itself (an adoption that failed) reads as dead, but was killed.
         written = self._read()
+        record = self._as_it_stands(written)
         for path in list(self.path.iterdir()):
             if path.name in RECORD_FILES or _moved(path, aside):
                 continue
@@ -296,7 +296,7 @@ class SandboxDir:
         ended = replace(
             record,
             state=written.state if written.state.finished else SandboxState.KILLED,
-            error=record.error if written.state.finished else written.error,
+            error=written.error,
             supervisor_pid=None,
             qemu_pid=None,
             disk=None,

@@ -283,7 +283,9 @@ class Persistence:
             try:
                 return await asyncio.wrap_future(running)
             except PullBusy as busy:  # (its turn given back: a look, then one more try)
-                while self.local.pull_busy(busy.snapshot_id):
+                while self.local.pull_busy(busy.snapshot_id) and not self._may_be_here(
+                    busy.snapshot_id
+                ):
                     await asyncio.sleep(PULL_BUSY_POLL)
 
     def holds(self, snapshot_id: str) -> bool:

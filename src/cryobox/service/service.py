@@ -805,11 +805,14 @@ class SandboxService:
         # say): that process serves the other copies too, and is never killed for it.
         shared = was.supervisor_shared and registry.supervisor_alive(was)
         if was.state is SandboxState.RUNNING:
-            # (the supervisor closes it as it exits; one that cannot be adopted says dead:
-            # its VM is killed below all the same)
-            with contextlib.suppress(ChannelError, SandboxDead):
+            try:
                 await self.connections.control(sandbox_id, Kill())
-            await folder.wait_finished()
+            except ChannelError:  # the supervisor closes it as it exits
+                await folder.wait_finished()
+            except SandboxDead:  # (not adopted: nobody ends it but this, below)
+                pass
+            else:
+                await folder.wait_finished()
         elif shared:  # not running: asked on its control socket all the same
             with contextlib.suppress(ChannelError, OSError):
                 channel = await AgentClient.connect(folder.control_socket, trusted=True)
