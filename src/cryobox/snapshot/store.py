@@ -342,11 +342,16 @@ class LocalSnapshotStore:
                 needed.update(mf.builds_on(json.loads((folder / mf.MANIFEST).read_text())))
         return needed
 
+    def _lock_path(self, prefix: str, snapshot_id: str) -> Path:
+        """Where a snapshot's lock of that kind (:data:`PULL_LOCK_PREFIX`,
+        :data:`RAM_LOCK_PREFIX`) lives."""
+        return self._dir("locks") / f"{prefix}{snapshot_id}.lock"
+
     def _ram_lock(self, snapshot_id: str) -> IO[bytes]:
         """Held while a fold lays a checkpoint's RAM over ``snapshot_id``'s or folds
         ``snapshot_id``'s own, while it is unfolded, and while it is deleted: one at a
         time (``flock``, across processes). A fold holds its base's, then its own."""
-        return lock_file(self._dir("locks") / f"{RAM_LOCK_PREFIX}{snapshot_id}.lock")
+        return lock_file(self._lock_path(RAM_LOCK_PREFIX, snapshot_id))
 
     def delete(self, snapshot_id: str, *, before: Callable[[], None] | None = None) -> None:
         folder = self.folder(snapshot_id)
@@ -364,7 +369,7 @@ class LocalSnapshotStore:
                 folder.rename(doomed)
             # Unlinked while held: a process waiting on it finds it gone and takes the
             # path's new file (:func:`lock_file`), as one that comes after does.
-            (self._dir("locks") / f"{RAM_LOCK_PREFIX}{snapshot_id}.lock").unlink(missing_ok=True)
+            self._lock_path(RAM_LOCK_PREFIX, snapshot_id).unlink(missing_ok=True)
         _remove(doomed)
         arriving.forget_failures(folder)
 
@@ -571,8 +576,7 @@ class LocalSnapshotStore:
                 if time.time() - folder.stat().st_mtime > ABANDONED_AFTER:
                     # (its time is the folder's: a long pull writing one file into it
                     # does not change it, so one still at work holds its lock)
-                    name = folder.name[len(TEMP_PREFIX) :]
-                    lock = self._dir("locks") / f"{PULL_LOCK_PREFIX}{name}.lock"
+                    lock = self._lock_path(PULL_LOCK_PREFIX, folder.name[len(TEMP_PREFIX) :])
                     held = lock_file(lock, wait=False)
                     if held is None:
                         continue
@@ -657,7 +661,7 @@ class LocalSnapshotStore:
 
     @contextlib.contextmanager
     def pulling(self, snapshot_id: str, *, wait: bool = True) -> Iterator[None]:
-        path = self._dir("locks") / f"{PULL_LOCK_PREFIX}{snapshot_id}.lock"
+        path = self._lock_path(PULL_LOCK_PREFIX, snapshot_id)
         held = lock_file(path) if wait else lock_file(path, wait=False)
         if held is None:
             raise PullBusy(snapshot_id)
@@ -668,7 +672,7 @@ class LocalSnapshotStore:
                 path.unlink(missing_ok=True)  # (held: see :func:`lock_file`)
 
     def pull_busy(self, snapshot_id: str) -> bool:
-        return lock_held(self._dir("locks") / f"{PULL_LOCK_PREFIX}{snapshot_id}.lock")
+        return lock_held(self._lock_path(PULL_LOCK_PREFIX, snapshot_id))
 
     def template_lock(self, name: str) -> IO[bytes] | None:
         return lock_file(self._dir("templates") / f".{name}.lock", wait=False)
