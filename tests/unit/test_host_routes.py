@@ -14,7 +14,13 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from cryobox.errors import InvalidArgument, SandboxDead, SandboxNotFound, StateError
+from cryobox.errors import (
+    InvalidArgument,
+    QuotaExceeded,
+    SandboxDead,
+    SandboxNotFound,
+    StateError,
+)
 from cryobox.server import relay
 from cryobox.server.forward import FORWARDED, Forward
 from cryobox.server.host_routes import (
@@ -109,6 +115,8 @@ async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(gues
             raise SandboxNotFound(sandbox_id)
         if port == 9000:
             raise StateError(sandbox_id, "paused", ["running"], "expose_port")
+        if port == 9001:  # a wake would pass the owner's quota
+            raise QuotaExceeded("max_vcpus", 40, 44)
         return guest if port == 8000 else 1  # port 1: nothing listens
 
     routes = HostRoutes(_app, domain="localhost:8080", port_of=port_of)
@@ -140,6 +148,10 @@ async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(gues
         assert killed.json()["message"] == "The sandbox was not found"
         paused = await client.get("/", headers={"Host": f"9000-{ID}.localhost"})
         assert paused.status_code == 502 and "paused" in paused.json()["message"]
+        # Anyone may ask, with no key: the owner's own figures are not theirs to read.
+        over = await client.get("/", headers={"Host": f"9001-{ID}.localhost"})
+        assert over.status_code == 502
+        assert over.json()["message"] == f"{ID} port 9001 is not available now"
         silent = await client.get("/", headers={"Host": f"8001-{ID}.localhost"})
         assert silent.status_code == 502 and "nothing answers" in silent.json()["message"]
         assert silent.json()["sandboxId"] == ID

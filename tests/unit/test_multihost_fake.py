@@ -641,7 +641,7 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_th
         assert snapshots[origin].source_sandbox == parent.id
         with pytest.raises(NoHostAvailable, match="fit neither this host") as refused:
             parent.fork(1)
-        assert "vCPUs in use" in str(refused.value) and a_id in str(refused.value)
+        assert "not enough of its vCPUs free" in str(refused.value) and a_id in str(refused.value)
 
 
 def test_a_snapshot_stored_under_a_key_this_host_does_not_hold_yet_starts_here(

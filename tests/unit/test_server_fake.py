@@ -39,6 +39,7 @@ from cryobox.errors import (
     SandboxNotFound,
     StateError,
 )
+from cryobox.sandbox.machine import MAX_FORWARDED_PORTS
 from cryobox.server.database import MIGRATIONS, SqliteDatabase
 from cryobox.server.databases import open_database
 from waiting import until
@@ -449,6 +450,52 @@ def test_templates_are_each_tenants_own(server: ApiServer) -> None:
     Sandbox.delete_template("web", api_url=server.url, api_key=other)
     Sandbox.delete_template("web", api_url=server.url, api_key=maker)
     assert "web" not in client(server).get("/templates").text
+
+
+def test_a_sandbox_forwards_a_bounded_number_of_ports(server: ApiServer) -> None:
+    """Each forwarded port is a listening socket on the host: a tenant asking for every
+    port of its sandboxes would use up the host's descriptors for every tenant."""
+    api = client(server)
+    sandbox_id = api.post("/sandboxes", json={}).json()["id"]
+    try:
+        opened = {}
+        for guest_port in range(1000, 1000 + MAX_FORWARDED_PORTS):
+            answer = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": guest_port})
+            assert answer.status_code == 200, answer.text
+            opened[guest_port] = answer.json()["host_port"]
+        refused = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": 2000})
+        assert refused.status_code == 400
+        assert f"{MAX_FORWARDED_PORTS} ports forwarded" in refused.json()["detail"]
+        again = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": 1000})
+        assert again.json()["host_port"] == opened[1000]  # one forwarded already is kept
+        assert len(api.get(f"/sandboxes/{sandbox_id}").json()["ports"]) == MAX_FORWARDED_PORTS
+    finally:
+        api.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_a_template_gone_meanwhile_is_named_as_its_tenant_named_it_and_no_other(
+    server: ApiServer,
+) -> None:
+    """A create of a template that a delete at the same time removed from the host (its
+    row and its entry, the tenant's ownership not yet) was told "does not exist (known:
+    ...)" with every template of the host: every tenant's id and template names."""
+    maker, neighbour = server.key, server.tenant("template-neighbour")
+    Sandbox.build_template("payroll-etl", [], api_url=server.url, api_key=neighbour)
+    Sandbox.build_template("mine", [], api_url=server.url, api_key=maker)
+    templates = Path(server.env["CRYOBOX_STATE_DIR"]) / "templates"
+    (entry,) = templates.glob("tn-*.mine.json")
+    db = open_database(server.database, server.database_url)
+    try:
+        db.execute("DELETE FROM templates WHERE name = ?", (entry.name.removesuffix(".json"),))
+    finally:
+        db.close()
+    entry.unlink()
+    answer = client(server).post("/sandboxes", json={"template": "mine"})
+    assert answer.status_code == 404, answer.text
+    detail = answer.json()["detail"]
+    assert detail == "template 'mine' does not exist"
+    Sandbox.delete_template("mine", api_url=server.url, api_key=maker)
+    Sandbox.delete_template("payroll-etl", api_url=server.url, api_key=neighbour)
 
 
 def test_oversized_bodies_are_refused_before_any_key_is_checked(server: ApiServer) -> None:

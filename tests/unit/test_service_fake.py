@@ -122,6 +122,28 @@ def test_whole_lifecycle_over_the_fake() -> None:
         copy.snapshot("")
 
 
+def test_the_copies_of_a_fork_make_their_disk_layers_side_by_side(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The copies of a fork share one supervisor process. A copy's start that runs a
+    program there (``qemu-img`` for its disk layer) or checks a snapshot's files must
+    not hold up the others': a layer that waits for another to be made meanwhile must
+    find one."""
+    sbx = Sandbox.create("base")
+    monkeypatch.setenv("CRYOBOX_FAKE_LAYER_MEET", str(tmp_path))
+    discard_spare()  # the copies' supervisor is started with it
+    forks = sbx.fork(2)
+    try:
+        made = {p.name.removeprefix("making-") for p in tmp_path.glob("making-*")}
+        met = {p.name.removeprefix("met-") for p in tmp_path.glob("met-*")}
+        assert made == {f.id for f in forks}
+        assert met == made, "a copy made its layer alone: the supervisor waited on it"
+    finally:
+        for fork in forks:
+            fork.kill()
+        sbx.kill()
+
+
 def test_a_checkpoint_that_runs_out_of_space_fails_fast_and_the_sandbox_runs_on(
     monkeypatch: pytest.MonkeyPatch, fake_vmm: Path
 ) -> None:

@@ -111,6 +111,11 @@ log = logging.getLogger("cryobox.supervisor")
 BOOT_TIMEOUT = 240.0
 #: Seconds a restored guest's agent has to answer (it was running already).
 RESTORE_TIMEOUT = 60.0
+#: The most guest ports one sandbox forwards to the host at once. Each is a listening
+#: socket on the host (two for a server that publishes it), kept while the sandbox
+#: lives: without a bound, one tenant asking for every port of its sandboxes used up
+#: the host's descriptors and ports for every tenant.
+MAX_FORWARDED_PORTS = 64
 #: Test hook: the supervisor kills itself with SIGKILL on reaching this step.
 CRASH_AT = os.environ.get("CRYOBOX_TEST_CRASH_AT", "")
 
@@ -246,6 +251,8 @@ class Machine:
         #: Former recovery points this supervisor tried to fold (:meth:`_fold_previous`):
         #: one that differs too much is not read again at every checkpoint.
         self._folds_tried: set[str] = set()
+        #: One forward opened at a time: the bound is checked against those made.
+        self._forwarding = asyncio.Lock()
 
     def _maybe_reserve(self, path: Path, size: int) -> None:
         """Reserve the RAM file's blocks now if the free space is already short."""
@@ -320,7 +327,7 @@ class Machine:
             if self.spec.restore_from is None:
                 await self._cold_boot(())
                 return
-            manifest = self._trusted(self.spec.restore_from, grow=True)
+            manifest = await asyncio.to_thread(self._trusted, self.spec.restore_from, grow=True)
             if manifest.kind is SnapshotKind.DISK:
                 await self._cold_boot((manifest.id, *manifest.disk_chain))
             else:
@@ -396,7 +403,7 @@ class Machine:
         log.info("adopted QEMU %d", pid)
 
     async def _cold_boot(self, chain: tuple[str, ...]) -> None:
-        disk = self._new_layer(chain)
+        disk = await self._new_layer(chain)
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
         self._maybe_reserve(memory, self.spec.memory_mib << 20)
@@ -461,7 +468,7 @@ class Machine:
         folder = self.store.folder(manifest.id)
         self._console_history(manifest)
         # The layer is the size the guest knew; a larger disk asked for grows after.
-        disk = self._new_layer((manifest.id, *manifest.disk_chain), manifest.disk_gib)
+        disk = await self._new_layer((manifest.id, *manifest.disk_chain), manifest.disk_gib)
         timer("disk layer")
         memory = self.folder.memory_file
         memory.unlink(missing_ok=True)
@@ -645,15 +652,19 @@ class Machine:
                 args.update(fork_id=self.spec.fork_index, forked_from=self.spec.forked_from)
         return args
 
-    def _new_layer(self, chain: tuple[str, ...], size_gib: int | None = None) -> str:
+    async def _new_layer(self, chain: tuple[str, ...], size_gib: int | None = None) -> str:
         """A new writable layer over ``chain``'s top (the image when empty), of the
-        sandbox's disk size unless given; its file name."""
+        sandbox's disk size unless given; its file name. Made in a thread (a program
+        run, ``qemu-img``): the loop goes on serving the other sandboxes of a shared
+        supervisor (the copies of a fork) meanwhile."""
         self._layers += 1
         name = f"disk-{self._layers}.qcow2"
         backing = self.store.folder(chain[0]) / mf.DISK if chain else self.image.rootfs
         path = self.folder.path / name
         try:
-            self.vmm.create_layer(path, backing, size_gib or self.spec.disk_gib)
+            await asyncio.to_thread(
+                self.vmm.create_layer, path, backing, size_gib or self.spec.disk_gib
+            )
         except OSError as exc:
             raise storage_error(exc, "creating a disk layer", self.folder.path) from exc
         os.chmod(path, 0o600)
@@ -792,6 +803,9 @@ class Machine:
     def _trusted(self, ref: str, *, grow: bool = False) -> Manifest:
         """The snapshot's manifest once it is verified and compatible with this sandbox
         (``grow``: a new sandbox, which may have more vCPUs and RAM than it saved).
+        Called in a thread: a snapshot whose files changed since they were last hashed
+        is hashed again, and a folded disk layer is made whole, each up to seconds that
+        the other sandboxes of a shared supervisor must not wait for.
 
         :raises SnapshotError: naming the file or field that is wrong.
         """
@@ -1329,7 +1343,7 @@ class Machine:
         timer = StepTimer("resume")
         self._claim(SandboxState.RESUMING, supervisor_pid)
         paused = self.folder.paused
-        manifest = self._trusted_pause(paused)
+        manifest = await asyncio.to_thread(self._trusted_pause, paused)
         timer("checked")
         if manifest.kind is SnapshotKind.DISK:
             await self._boot_paused_disk(timer)
@@ -1440,7 +1454,7 @@ class Machine:
             raise InvalidArgument(
                 f"{ref} belongs to sandbox {manifest.source_sandbox}, not {self.spec.id}"
             )
-        self._trusted(manifest.id)
+        await asyncio.to_thread(self._trusted, manifest.id)
         # Checked before the VM stops: a new RAM file is reserved in full beside the old.
         check_space(
             (manifest.memory_mib << 20) + DEVICE_STATE_ROOM, "rolling back", self.folder.path
@@ -1473,16 +1487,26 @@ class Machine:
         timer.log()
 
     async def expose_port(self, guest_port: int) -> int:
-        if guest_port in self.record.ports:
-            return self.record.ports[guest_port]
-        assert self.vm is not None
-        forward = PortForward(guest_port, self._new_port())
-        await self.vm.add_port_forward(forward)
-        if self.forwarder is not None:
-            port = await self.forwarder.forward(forward.host_port, forward.guest_port)
-            forward = PortForward(guest_port, port)
-        self.update(ports={**self.record.ports, guest_port: forward.host_port})
-        return forward.host_port
+        """The host port ``guest_port`` is forwarded to, forwarded now if it was not.
+
+        :raises InvalidArgument: when :data:`MAX_FORWARDED_PORTS` are forwarded already.
+        """
+        async with self._forwarding:
+            if guest_port in self.record.ports:
+                return self.record.ports[guest_port]
+            if len(self.record.ports) >= MAX_FORWARDED_PORTS:
+                raise InvalidArgument(
+                    f"{self.spec.id} has {len(self.record.ports)} ports forwarded, the most "
+                    f"a sandbox may have; port {guest_port} is not one of them"
+                )
+            assert self.vm is not None
+            forward = PortForward(guest_port, self._new_port())
+            await self.vm.add_port_forward(forward)
+            if self.forwarder is not None:
+                port = await self.forwarder.forward(forward.host_port, forward.guest_port)
+                forward = PortForward(guest_port, port)
+            self.update(ports={**self.record.ports, guest_port: forward.host_port})
+            return forward.host_port
 
     async def set_network(self, policy: NetworkPolicy) -> None:
         """Put ``policy`` in force for the running guest, then keep it in the spec: the

@@ -37,7 +37,13 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from cryobox.errors import CryoboxError, InvalidArgument, SandboxDead, SandboxNotFound
+from cryobox.errors import (
+    CryoboxError,
+    InvalidArgument,
+    SandboxDead,
+    SandboxNotFound,
+    StateError,
+)
 
 from . import relay
 from .forward import FORWARDED
@@ -227,7 +233,7 @@ class HostRoutes:
         try:  # before anything wakes: a refused request changes nothing
             admission = await asyncio.to_thread(self.admit, sandbox_id, guest_port, headers)
         except CryoboxError as exc:
-            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}", sandbox_id)
+            await _refuse(scope, send, 502, _told(exc, sandbox_id, guest_port), sandbox_id)
             return
         if not admission.allowed:
             await _refuse(scope, send, 403, admission.reason, sandbox_id)
@@ -236,11 +242,8 @@ class HostRoutes:
             scope = with_header(scope, "host", admission.host)
         try:
             port = await self.port_of(sandbox_id, guest_port)
-        except (SandboxNotFound, SandboxDead):  # as E2B's edge answers (its SDKs read it)
-            await _refuse(scope, send, 502, NOT_FOUND, sandbox_id)
-            return
         except CryoboxError as exc:  # paused and not woken by traffic, ended, ...
-            await _refuse(scope, send, 502, f"{sandbox_id} port {guest_port}: {exc}", sandbox_id)
+            await _refuse(scope, send, 502, _told(exc, sandbox_id, guest_port), sandbox_id)
             return
         async with self.busy(sandbox_id):
             if scope["type"] == "websocket":
@@ -289,6 +292,20 @@ def canonical_name(name: str) -> str:
     ASGI gives names lower-cased; a guest's server that prints them as it got them (a
     test of E2B's looks for ``Host:``) sees what it would behind E2B."""
     return "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
+
+
+def _told(exc: CryoboxError, sandbox_id: str, guest_port: int) -> str:
+    """What a request by host name (anyone's, with no key) is told when the sandbox's
+    port cannot be reached: not found as E2B's edge answers (its SDKs read it), the
+    sandbox's state, or that the port is not available; never the error itself, which
+    may be the owner's (a quota's limit and use when a wake would pass it, a host path).
+    """
+    if isinstance(exc, SandboxNotFound | SandboxDead):
+        return NOT_FOUND
+    if isinstance(exc, StateError):
+        return f"{sandbox_id} port {guest_port}: the sandbox is {exc.state}"
+    log.info("a request by host name for %s port %d: %s", sandbox_id, guest_port, exc)
+    return f"{sandbox_id} port {guest_port} is not available now"
 
 
 async def _refuse(scope: Scope, send: Send, status: int, detail: str, sandbox_id: str) -> None:

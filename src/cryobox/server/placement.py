@@ -15,11 +15,13 @@ A create may reach any host; it is placed on one that can take it:
 
 Among those, the host the request reached when it can (its template and chunks are
 there: nothing to pull, no template to build again), else the one with the most RAM
-available. None can: the create is refused, naming each host and why.
+available. None can: the create is refused, naming each host and why (in words that
+name no other tenant's label and no figure of a host's load: the log has those).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from cryobox.errors import NoHostAvailable
 
 from .database import Database
 from .hosts import STALE_AFTER, Host, Hosts
+
+log = logging.getLogger(__name__)
 
 #: The states in which a sandbox holds none of its host's vCPUs and RAM.
 IDLE_STATES = ("paused", "killed", "dead")
@@ -99,7 +103,11 @@ def refusal(
 ) -> str | None:
     """Why this host cannot take a sandbox of this shape for a tenant placed on
     ``label`` ("" for the pool), whose saved machine (a pause or a checkpoint to start
-    from) needs ``platform``; None when it can."""
+    from) needs ``platform``; None when it can.
+
+    Told to the tenant, so it names no other tenant's label and no figure of a host's
+    load (a window on what other tenants run); :func:`choose` logs those for the
+    operator, as ``cryobox host ls`` shows them."""
     host = load.host
     if platform and (why := platform_refusal(host.platform, platform)):
         return why
@@ -110,16 +118,27 @@ def refusal(
     if label and label not in host.labels:
         return f"not labelled {label!r}"
     if not label and host.labels:
-        return f"dedicated to {', '.join(host.labels)}"
+        return "dedicated to other tenants"
     if host.max_vcpus and load.vcpus + vcpus > host.max_vcpus:
-        return f"{load.vcpus} of its {host.max_vcpus} vCPUs in use"
+        return "not enough of its vCPUs free"
     if host.max_memory_mib and load.memory_mib + memory_mib > host.max_memory_mib:
-        return f"{load.memory_mib} of its {host.max_memory_mib} MiB in use"
+        return "not enough of its memory free"
     if host.mem_available_mib < VM_OVERHEAD_MIB + memory_mib // 8:
-        return f"{host.mem_available_mib} MiB of RAM available"
+        return "not enough RAM available"
     if host.disk_free_bytes < memory_mib << 20:
-        return f"{host.disk_free_bytes >> 20} MiB of disk free"
+        return "not enough disk free"
     return None
+
+
+def _figures(load: HostLoad) -> str:
+    """A host's labels and load, for the operator's log."""
+    host = load.host
+    return (
+        f"labels {list(host.labels)}, {load.vcpus} of {host.max_vcpus or 'any'} vCPUs and "
+        f"{load.memory_mib} of {host.max_memory_mib or 'any'} MiB in use, "
+        f"{host.mem_available_mib} MiB of RAM available, "
+        f"{host.disk_free_bytes >> 20} MiB of disk free"
+    )
 
 
 def choose(
@@ -150,6 +169,13 @@ def choose(
     if able:
         return max(able, key=lambda load: (load.host.mem_available_mib, load.host.id)).host
     reasons = "; ".join(f"{host}: {reason}" for host, reason in sorted(why.items()))
+    log.warning(
+        "no host for %d vCPUs and %d MiB%s: %s",
+        vcpus,
+        memory_mib,
+        f" labelled {label!r}" if label else "",
+        "; ".join(f"{load.host.id}: {why[load.host.id]} ({_figures(load)})" for load in loads),
+    )
     raise NoHostAvailable(
         f"no host can take a sandbox of {vcpus} vCPUs and {memory_mib} MiB"
         + (f" labelled {label!r}" if label else "")

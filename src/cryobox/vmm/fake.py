@@ -9,7 +9,7 @@ way QEMU's device state travels; the RAM file gets a recognisable header.
 
 ``CRYOBOX_FAKE_FAIL=step[,step...]`` makes a step fail: ``start``, ``save_state``
 (``ENOSPC``), ``load_state``, ``create_layer`` (``ENOSPC``), ``agent`` (the agent
-never answers).
+never answers). ``CRYOBOX_FAKE_LAYER_MEET`` see :func:`_meet`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +41,21 @@ _WAIT_FOREVER = "import signal; signal.pause()"
 
 def failing(step: str) -> bool:
     return step in os.environ.get("CRYOBOX_FAKE_FAIL", "").split(",")
+
+
+def _meet(folder: Path, sandbox_id: str) -> None:
+    """``CRYOBOX_FAKE_LAYER_MEET=folder``: wait (up to 5 s) until another sandbox makes
+    a disk layer too, and note ``met-ID`` in ``folder`` if one did; how a test sees
+    whether the sandboxes of one supervisor process make their layers side by side or
+    one after the other. Each notes itself there for good (``making-ID``)."""
+    mine = folder / f"making-{sandbox_id}"
+    mine.touch()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if any(other != mine for other in folder.glob("making-*")):
+            (folder / f"met-{sandbox_id}").touch()
+            return
+        time.sleep(0.02)
 
 
 class _SocketChannel:
@@ -260,6 +276,8 @@ class FakeVmm:
     def create_layer(self, path: Path, backing: Path, size_gib: int) -> None:
         if failing("create_layer"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        if meeting := os.environ.get("CRYOBOX_FAKE_LAYER_MEET"):
+            _meet(Path(meeting), path.parent.name)
         path.write_bytes(b"fake layer over " + str(backing).encode())
 
     async def adopt(self, spec: MachineSpec, pid: int, stderr_path: Path) -> FakeVm:
