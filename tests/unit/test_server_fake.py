@@ -498,6 +498,31 @@ def test_a_template_gone_meanwhile_is_named_as_its_tenant_named_it_and_no_other(
     Sandbox.delete_template("payroll-etl", api_url=server.url, api_key=neighbour)
 
 
+def test_a_volume_deleted_and_made_again_at_once_is_always_the_tenants(
+    server: ApiServer,
+) -> None:
+    """A delete of a name and a create of it at the same time: the delete disowned the
+    name after the create had made the volume, which then belonged to nobody (not
+    listed, not deletable, outside the quota, its name taken for good)."""
+    api = client(server)
+    volumes = Path(server.env["CRYOBOX_STATE_DIR"]) / "volumes"
+    body = {"name": "raced", "size_gib": 1}
+    assert api.post("/volumes", json=body).status_code == 201
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(15):
+            deleted = pool.submit(api.delete, "/volumes/raced")
+            made = pool.submit(api.post, "/volumes", json=body)
+            deleted.result(), made.result()
+            here = [p.name for p in volumes.iterdir() if p.name.endswith(".raced")]
+            listed = [v["name"] for v in api.get("/volumes").json()]
+            assert ("raced" in listed) == bool(here), (listed, here)
+            if not here:
+                assert (
+                    api.post("/volumes", json={"name": "raced", "size_gib": 1}).status_code == 201
+                )
+    assert api.delete("/volumes/raced").status_code == 204
+
+
 def test_oversized_bodies_are_refused_before_any_key_is_checked(server: ApiServer) -> None:
     anonymous = httpx.Client(base_url=server.url, timeout=60)
     huge = b"x" * (2 * 1024 * 1024)

@@ -4,7 +4,9 @@ its volumes may hold count against its stored-bytes quota when they are made."""
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import collections
 import contextlib
 import dataclasses
 import re
@@ -37,6 +39,10 @@ class TenantVolumes:
     def __init__(self, volumes: Volumes, tenants: Tenants) -> None:
         self.volumes = volumes
         self.tenants = tenants
+        #: A tenant's creates and deletes, one at a time: a delete of a name and a create
+        #: of it at once left the new volume owned by nobody (the delete disowned the
+        #: name after the create took it), and creates at once each passed the quota.
+        self._changing: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
 
     def _mine(self, tenant: Tenant, name: str) -> str:
         """The volume's name on the host. :raises VolumeNotFound: unless the tenant owns it."""
@@ -66,6 +72,17 @@ class TenantVolumes:
         from_snapshot: Manifest | None = None,
     ) -> VolumeInfo:
         """:param from_snapshot: one of the tenant's snapshots (the caller found it)."""
+        async with self._changing[tenant.id]:
+            return await self._create(tenant, name, size_gib, stored_bytes, from_snapshot)
+
+    async def _create(
+        self,
+        tenant: Tenant,
+        name: str,
+        size_gib: int | None,
+        stored_bytes: int,
+        from_snapshot: Manifest | None,
+    ) -> VolumeInfo:
         if size_gib is None:
             size_gib = from_snapshot.disk_gib if from_snapshot else config.DEFAULT_VOLUME_GIB
         wanted = stored_bytes + self.promised_bytes(tenant) + size_gib * GIB
@@ -130,9 +147,10 @@ class TenantVolumes:
         return sum(v.used_bytes for v in await self.list(tenant))
 
     async def delete(self, tenant: Tenant, name: str) -> None:
-        internal = self._mine(tenant, name)
-        await self.volumes.delete(internal)
-        self.tenants.disown("volume", internal)
+        async with self._changing[tenant.id]:
+            internal = self._mine(tenant, name)
+            await self.volumes.delete(internal)
+            self.tenants.disown("volume", internal)
 
     def read_file(self, tenant: Tenant, name: str, path: str) -> AsyncIterator[bytes]:
         return self.volumes.read_file(self._mine(tenant, name), path)

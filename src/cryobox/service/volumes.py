@@ -17,8 +17,9 @@ import os
 import posixpath
 import stat
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from cryobox import arguments, config
 from cryobox.errors import (
@@ -63,6 +64,8 @@ def _file_error(exc: OSError, path: str, doing: str) -> GuestError:
 
 #: The one file of a volume snapshot: the volume's tree (:mod:`cryobox.volume.archive`).
 VOLUME_ARCHIVE = "volume.tar"
+#: How a file written from the host ends its name until it is whole (:meth:`write_file`).
+UPLOADING_SUFFIX = ".cryobox-upload"
 
 
 class Volumes:
@@ -149,7 +152,7 @@ class Volumes:
         def take() -> Manifest:
             with new_snapshot(self.store, snapshot_id, failed) as temp:
                 with archive.frozen(record.lock()):
-                    archive.pack(record.data(), temp / VOLUME_ARCHIVE)
+                    archive.pack(record.data(), temp / VOLUME_ARCHIVE, record.size_gib << 30)
                 manifest = Manifest(
                     id=snapshot_id,
                     kind=SnapshotKind.DISK,
@@ -225,33 +228,49 @@ class Volumes:
     async def write_file(
         self, name: str, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes]
     ) -> None:
-        """Write the file whole (its folders made as needed), replacing any."""
+        """Write the file whole (its folders made as needed), replacing any: written under
+        a hidden name beside it, then renamed over it, so the file is the old one or the
+        new one whole, never a part (a client gone midway, a full volume, a kill of the
+        service: the old file stays; one killed with -9 leaves the hidden file behind)."""
         relative = inside(path)
         if not relative:
             raise InvalidArgument("a volume's root is a folder, not a file")
+        folder, _, base = relative.rpartition("/")
+        hidden = f"{folder}/" if folder else ""
+        hidden += f".{base[:200]}.{os.urandom(4).hex()}{UPLOADING_SUFFIX}"
         files = await asyncio.to_thread(self.open_files, name)
+
+        async def on_file(change: Callable[..., object], *args: Any) -> None:
+            try:
+                await asyncio.to_thread(change, *args)
+            except OSError as exc:  # (the chunks' own errors are the caller's)
+                raise _file_error(exc, path, p.GuestOp.FILE_WRITE_BEGIN) from exc
+
         try:
-            await asyncio.to_thread(self._prepare, files, relative)
-            offset = 0
-            async for chunk in each_chunk(chunks):
-                for at in range(0, len(chunk), MAX_DATA):
-                    piece = chunk[at : at + MAX_DATA]
-                    try:
-                        await asyncio.to_thread(files.write, relative, offset, piece)
-                    except OSError as exc:
-                        raise _file_error(exc, path, p.GuestOp.FILE_WRITE_BEGIN) from exc
-                    offset += len(piece)
+            await on_file(self._prepare, files, relative, hidden)
+            try:
+                offset = 0
+                async for chunk in each_chunk(chunks):
+                    for at in range(0, len(chunk), MAX_DATA):
+                        piece = chunk[at : at + MAX_DATA]
+                        await on_file(files.write, hidden, offset, piece)
+                        offset += len(piece)
+                await on_file(files.rename, hidden, relative, 0)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(files.unlink, hidden)
+                raise
         finally:
             files.close()
 
     @staticmethod
-    def _prepare(files: VolumeFiles, relative: str) -> None:
+    def _prepare(files: VolumeFiles, relative: str, hidden: str) -> None:
         folder = ""
         for part in relative.split("/")[:-1]:
             folder = f"{folder}/{part}" if folder else part
             with contextlib.suppress(FileExistsError):
                 files.mkdir(folder, 0o755)
-        files.create(relative, os.O_TRUNC, 0o644)
+        files.create(hidden, os.O_EXCL, 0o644)
 
     async def list_dir(self, name: str, path: str) -> builtins.list[EntryInfo]:
         relative = inside(path)

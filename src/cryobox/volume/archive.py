@@ -61,12 +61,20 @@ def _tree(root: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
         pending.extend(reversed(folders))
 
 
-def pack(root: Path, output: Path) -> None:
+def pack(root: Path, output: Path, limit: int) -> None:
     """Write the folder's tree to ``output`` (a tar, uncompressed: the store compresses).
-    A file with several names is stored whole under each (restored as separate files)."""
+    A file with several names is stored whole under each (restored as separate files),
+    and a file's holes as zeros: what a restore writes back.
+
+    :raises InvalidArgument: when the files so stored pass ``limit`` bytes (the volume's
+        size, which a restore of them could not hold either), naming the file that
+        does; before its bytes are written. A guest's file made terabytes long by a
+        truncate (no block taken), or given thousands of names, filled the host's disk.
+    """
     # Private like every file of the state folder (the volume's files keep their modes
     # inside the archive).
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    stored = 0
     with (
         os.fdopen(fd, "wb") as raw,
         tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar,
@@ -75,6 +83,13 @@ def pack(root: Path, output: Path) -> None:
             tar.inodes.clear()  # type: ignore[attr-defined]  # never a hard-link entry
             info = _owned_by_nobody(tar.gettarinfo(entry.path, name))
             if info.isreg():
+                stored += info.size
+                if stored > limit:
+                    raise InvalidArgument(
+                        f"the volume's files come to more than its {limit >> 30} GiB once "
+                        f"stored (holes as zeros, each name of a file whole): {name!r} "
+                        f"({info.size} bytes) passes it"
+                    )
                 with open(entry.path, "rb") as file:
                     tar.addfile(info, file)
             elif info.isdir() or info.issym():

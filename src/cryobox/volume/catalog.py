@@ -9,6 +9,8 @@ Whether sandboxes mount it is the caller's to check (it knows the sandboxes).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -21,7 +23,7 @@ from pathlib import Path
 from cryobox import config
 from cryobox.errors import InvalidArgument, VolumeExists, VolumeNotFound
 from cryobox.util import fsync_dir, write_json_atomic
-from cryobox.volume.files import VolumeFiles, usage
+from cryobox.volume.files import VolumeFiles, used_or_full
 
 #: A volume's name: what a folder name may safely be, and what a server's tenant prefix
 #: (``tn-<tenant>-``) leaves room for.
@@ -49,10 +51,18 @@ class VolumeRecord:
 
     def files(self, *, read_only: bool = False) -> VolumeFiles:
         """Its files, as guests and the host change them (close it after use)."""
-        return VolumeFiles(self.data(), self.size_gib << 30, read_only=read_only, lock=self.lock())
+        return VolumeFiles(
+            self.data(),
+            self.size_gib << 30,
+            read_only=read_only,
+            lock=self.lock(),
+            created_at=self.created_at,
+        )
 
     def used_bytes(self) -> int:
-        return usage(self.data())
+        """Its bytes on the host's disk; its whole size when its tree cannot be walked
+        (:func:`~.files.used_or_full`: what is metered is never short)."""
+        return used_or_full(self.data(), self.size_gib << 30)
 
 
 def check_name(name: str) -> str:
@@ -81,8 +91,36 @@ def create(
     root = config.volumes_dir()
     if (root / name).exists():
         raise VolumeExists(name)
-    temp = root / f".new-{name}-{os.urandom(4).hex()}"
-    temp.mkdir(mode=0o700)
+    temp, at_work = _new_folder(root, name)
+    try:
+        _fill_and_name(temp, record, fill)
+    finally:
+        os.close(at_work)
+    return record
+
+
+def _new_folder(root: Path, name: str) -> tuple[Path, int]:
+    """A new temporary folder for volume ``name`` and a descriptor of it, locked until
+    closed: held until the folder has its name, so a sweep leaves a create at work alone
+    however long its fill takes (a restore of a large volume writes into ``data/``, and
+    the folder's own time, which the sweep went by, stops changing). One a sweep took
+    between its making and its locking is made again."""
+    while True:
+        temp = root / f".new-{name}-{os.urandom(4).hex()}"
+        temp.mkdir(mode=0o700)
+        fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(temp).st_ino == os.fstat(fd).st_ino:
+                return temp, fd
+        os.close(fd)
+
+
+def _fill_and_name(
+    temp: Path, record: VolumeRecord, fill: Callable[[VolumeFiles], None] | None
+) -> None:
+    """Fill the new volume's folder ``temp``, then give it its name (or remove it)."""
+    name, size_gib, root = record.name, record.size_gib, temp.parent
     (temp / DATA).mkdir(mode=0o755)  # as guests see their mount point (the parent is 0700)
     try:
         if fill is not None:
@@ -100,7 +138,6 @@ def create(
         fsync_dir(root)
     finally:
         remove_tree(temp)
-    return record
 
 
 def get(name: str) -> VolumeRecord:
@@ -141,16 +178,26 @@ def delete(name: str) -> None:
     remove_tree(gone)
 
 
-def sweep(older_than: float = 600.0) -> None:
-    """Remove what a crash left mid-create or mid-delete (folders starting with '.'),
-    once old enough not to be another process's create at work."""
+def sweep() -> None:
+    """Remove what a crash left mid-create or mid-delete (folders starting with '.'): a
+    deleted volume's at once (whoever removes it too, the result is the same), a
+    create's once no create holds it (:func:`create`)."""
     for folder in config.volumes_dir().iterdir():
-        try:
-            old = time.time() - folder.stat().st_mtime > older_than
-        except OSError:
-            continue
-        if folder.name.startswith((".new-", ".gone-")) and old:
+        if folder.name.startswith(".gone-"):
             remove_tree(folder)
+        elif folder.name.startswith(".new-"):
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a create at work
+                continue
+            else:
+                remove_tree(folder)
+            finally:
+                os.close(fd)
 
 
 def remove_tree(path: Path) -> None:

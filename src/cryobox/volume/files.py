@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from cryobox.volume.wire import ATTRIBUTES, BLOCK, DIRENT, OMIT_NS, STATFS
+from cryobox.volume.wire import ATTRIBUTES, BLOCK, DIRENT, MAX_ANSWER, OMIT_NS, STATFS
 
 _SYS_OPENAT2 = 437
 _SYS_RENAMEAT2 = 316
@@ -73,37 +73,91 @@ def _folder_mode(mode: int) -> int:
     return (mode & 0o1777) | 0o700
 
 
-def usage(root: Path) -> int:
-    """Bytes the folder and everything in it take on the host's disk.
+#: Folders a walk holds open at once, found but not listed yet; those it finds beyond
+#: are opened again by their path from the volume's top when their turn comes.
+OPEN_BUDGET = 64
+#: What an entry gone meanwhile raises (a guest changes its volume while it is walked).
+_GONE = (errno.ENOENT, errno.ENOTDIR)
+
+
+def usage(root: Path) -> int | None:
+    """Bytes the folder and everything in it take on the host's disk, each name at least
+    a block (an empty file takes an inode and a directory entry: counted as nothing,
+    a guest could make them without end); None when it cannot be walked whole.
 
     Walked by descriptors, each folder opened beneath its parent with O_NOFOLLOW, and
-    without recursion: a guest that swaps a folder for a link meanwhile, or nests
-    folders thousands deep, never sends the walk out of the volume nor breaks it.
+    without recursion: a guest that swaps a folder for a link meanwhile never sends the
+    walk out of the volume, and folders nested thousands deep never break it. At most
+    :data:`OPEN_BUDGET` folders are held open: the walk opened every folder it found
+    and kept it open until its turn, so a guest with a few thousand folders in one
+    made it run out of descriptors and skip them, and its count came out short (its
+    guest then wrote on past the limit; the server's walk for a listing failed other
+    tenants' requests meanwhile). A walk that cannot finish (a folder's path past what
+    the kernel resolves, no descriptor left) says so rather than count what it saw.
     """
-    total = 0
     try:
-        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        top = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return 0
-    total += os.fstat(top).st_blocks * 512
-    pending = [top]
-    while pending:
-        fd = pending.pop()
-        try:
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    with contextlib.suppress(OSError):  # gone meanwhile
-                        total += entry.stat(follow_symlinks=False).st_blocks * 512
-                        if entry.is_dir(follow_symlinks=False):
-                            pending.append(
-                                os.open(
-                                    entry.name,
-                                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                    dir_fd=fd,
-                                )
-                            )
-        finally:
+    pending: list[tuple[int, str]] = []  # open folders and their paths from the top
+    deferred: list[str] = []  # paths of folders found beyond the budget
+    try:
+        total = max(os.fstat(top).st_blocks * 512, BLOCK)
+        pending.append((openat2(top, ".", os.O_RDONLY | os.O_DIRECTORY), ""))
+        while pending or deferred:
+            if pending:
+                fd, relative = pending.pop()
+            else:
+                relative = deferred.pop()
+                try:
+                    fd = openat2(top, relative, os.O_RDONLY | os.O_DIRECTORY)
+                except OSError as exc:
+                    if exc.errno in (*_GONE, errno.ELOOP):  # gone, or a link now
+                        continue
+                    raise
+            try:
+                total += _listed(fd, relative, pending, deferred)
+            finally:
+                os.close(fd)
+        return total
+    except OSError:
+        return None
+    finally:
+        for fd, _ in pending:
             os.close(fd)
+        os.close(top)
+
+
+def _listed(fd: int, relative: str, pending: list[tuple[int, str]], deferred: list[str]) -> int:
+    """The bytes of the entries of the folder open as ``fd`` (each at least a block); its
+    folders added to ``pending`` (opened) while the budget allows, else to ``deferred``."""
+    total = 0
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    continue
+                raise
+            total += max(st.st_blocks * 512, BLOCK)
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            path = f"{relative}/{entry.name}" if relative else entry.name
+            if len(pending) >= OPEN_BUDGET:
+                deferred.append(path)
+                continue
+            try:
+                child = os.open(
+                    entry.name,
+                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=fd,
+                )
+            except OSError as exc:
+                if exc.errno in (*_GONE, errno.ELOOP):
+                    continue
+                raise
+            pending.append((child, path))
     return total
 
 
@@ -121,9 +175,11 @@ class _Usage:
     def grow(self, added: int, limit: int) -> None:
         with self.lock:
             if self.used is None:
-                self.used = usage(self.root)
+                self.used = used_or_full(self.root, limit)
             if self.used + added > limit:
-                self.used = usage(self.root)
+                measured = usage(self.root)
+                if measured is not None:  # (else the count stands: it only over-counts)
+                    self.used = measured
                 if self.used + added > limit:
                     raise OSError(errno.ENOSPC, "the volume is full")
             self.used += added
@@ -131,17 +187,27 @@ class _Usage:
     def free(self, limit: int) -> int:
         with self.lock:
             if self.used is None:
-                self.used = usage(self.root)
+                self.used = used_or_full(self.root, limit)
             return max(0, limit - self.used)
 
 
-_usages: dict[Path, _Usage] = {}
+def used_or_full(root: Path, limit: int) -> int:
+    """:func:`usage`, or ``limit`` when the folder cannot be walked whole: a volume that
+    cannot be measured counts as full (its guest can write again once it can be)."""
+    used = usage(root)
+    return limit if used is None else used
+
+
+_usages: dict[tuple[Path, float], _Usage] = {}
 _usages_lock = threading.Lock()
 
 
-def _usage_of(root: Path) -> _Usage:
+def _usage_of(root: Path, created_at: float) -> _Usage:
+    """The count of the volume at ``root`` made at ``created_at``: a volume deleted and
+    made again under its name (restored from a snapshot) is counted anew, not from the
+    count of the one before (which let it take its size twice)."""
     with _usages_lock:
-        return _usages.setdefault(root, _Usage(root))
+        return _usages.setdefault((root, created_at), _Usage(root))
 
 
 class VolumeFiles:
@@ -156,9 +222,11 @@ class VolumeFiles:
         read_only: bool = False,
         lock: Path | None = None,
         shared_count: bool = True,
+        created_at: float = 0.0,
     ) -> None:
         """``shared_count``: count the bytes in use with this process's other openings of
-        the same folder (False for a folder about to be renamed: a restore's)."""
+        the same volume, the one at ``root`` made at ``created_at`` (False for a folder
+        about to be renamed: a restore's)."""
         self.root = root
         self.limit = limit_bytes
         self.read_only = read_only
@@ -166,7 +234,7 @@ class VolumeFiles:
         self._lock_fd = (
             None if lock is None else os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         )
-        self._usage = _usage_of(root) if shared_count else _Usage(root)
+        self._usage = _usage_of(root, created_at) if shared_count else _Usage(root)
 
     def close(self) -> None:
         os.close(self._root_fd)
@@ -250,7 +318,14 @@ class VolumeFiles:
         )
 
     def readdir(self, path: str) -> bytes:
+        """The folder's entries (:data:`~.wire.DIRENT` each, then the name).
+
+        :raises OSError: E2BIG once they pass :data:`~.wire.MAX_ANSWER` bytes (what a
+            guest takes in one answer): read no further, so a folder of millions of
+            names never fills this process's memory (a guest's, or the host's listing).
+        """
         parts: list[bytes] = []
+        size = 0
         with self._opened(path, os.O_RDONLY | os.O_DIRECTORY) as fd, os.scandir(fd) as entries:
             for entry in entries:
                 name = os.fsencode(entry.name)
@@ -261,6 +336,9 @@ class VolumeFiles:
                 else:
                     kind = stat.S_IFREG
                 parts.append(DIRENT.pack(kind, len(name)) + name)
+                size += len(parts[-1])
+                if size > MAX_ANSWER:
+                    raise OSError(errno.E2BIG, "too many entries to list at once", path)
         return b"".join(parts)
 
     def read(self, path: str, offset: int, size: int) -> bytes:
