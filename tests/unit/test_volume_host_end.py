@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from cryobox.volume.wire import (
     VolumeOp,
     sync_frame,
 )
+from waiting import until
 
 
 @pytest.fixture
@@ -151,6 +153,43 @@ def test_a_new_host_end_resynchronises_and_serves(files: VolumeFiles, tmp_path: 
         _stop(end)
         listener.close()
     assert (files.root / "hello.txt").exists()
+
+
+def test_a_host_end_stopped_while_a_change_waits_never_makes_it_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """A change waits while a volume snapshot holds the volume. A stop then gave up on
+    the thread after 5 s and closed the volume's descriptors under it: their numbers,
+    taken by the next file this process opened (another sandbox's volume, in a fork's
+    shared supervisor), were where the waiting change was made when it went on."""
+    root, other = tmp_path / "volume", tmp_path / "another"
+    root.mkdir()
+    other.mkdir()
+    lock = tmp_path / "lock"
+    path = tmp_path / "port.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)
+    end = VolumeEnd(path, VolumeFiles(root, 1 << 20, lock=lock))
+    end.start()
+    taken: list[int] = []
+    try:
+        guest, _ = listener.accept()
+        guest.sendall(sync_frame(_answer(guest)[2]))
+        with archive.frozen(lock):
+            guest.sendall(_request(VolumeOp.MKDIR, 5, b"made", 0o755))
+            time.sleep(0.5)  # (it waits for the lock)
+            end.stop()  # gives up on the thread after 5 s (its socket shut: no answer)
+            taken = [os.open(other, os.O_PATH | os.O_DIRECTORY) for _ in range(4)]
+        until(lambda: (root / "made").is_dir(), "the change made in its volume", 10)
+        guest.close()
+    finally:
+        _stop(end)
+        listener.close()
+        for fd in taken:
+            os.close(fd)
+    assert (root / "made").is_dir()
+    assert list(other.iterdir()) == []
 
 
 def test_mount_plans_keep_slots_and_refuse_what_cannot_work() -> None:

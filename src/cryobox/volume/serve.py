@@ -171,13 +171,20 @@ class VolumeEnd:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the connection and the thread; the volume's files are closed by the thread
+        as it ends. One still at a request after 5 s (a change waiting while a volume
+        snapshot holds the volume) is left to end when it is done: its descriptors closed
+        under it, their numbers taken by the next file opened here (another sandbox's
+        volume, in a fork's shared supervisor), were where its change was made."""
         self._stopped.set()
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        if self._thread.ident is None:  # never started: nothing else closes them
+            self.files.close()
+            return
         self._thread.join(timeout=5)
-        self.files.close()
 
     def _connect(self) -> socket.socket | None:
         while not self._stopped.is_set():
@@ -191,6 +198,12 @@ class VolumeEnd:
         return None
 
     def _run(self) -> None:
+        try:
+            self._serve_until_stopped()
+        finally:
+            self.files.close()
+
+    def _serve_until_stopped(self) -> None:
         while not self._stopped.is_set():
             sock = self._connect()
             if sock is None:
