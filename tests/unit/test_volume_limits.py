@@ -231,3 +231,36 @@ def test_a_volume_made_again_under_its_name_is_counted_anew(volume_state: Path) 
         assert caught.value.errno == errno.ENOSPC
     finally:
         host_end.close()
+
+
+def test_a_guest_writing_on_at_a_full_volume_does_not_walk_it_at_every_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each refused write walked the whole tree again: a guest looping on "no space"
+    kept the host's CPU busy. Walked again when something was removed, at once."""
+    walks: list[Path] = []
+    walk = files.usage
+
+    def counted(root: Path) -> int | None:
+        walks.append(root)
+        return walk(root)
+
+    monkeypatch.setattr(files, "usage", counted)
+    monkeypatch.setattr(files, "REMEASURE_AFTER", 600.0)  # (another process's removals)
+    root = tmp_path / "volume"
+    root.mkdir()
+    volume = VolumeFiles(root, 1 << 20, shared_count=False)
+    try:
+        volume.create("filler", 0, 0o644)
+        volume.write("filler", 0, b"x" * (900 << 10))
+        volume.create("more", 0, 0o644)
+        for _ in range(50):
+            with pytest.raises(OSError) as caught:
+                volume.write("more", 0, b"y" * (200 << 10))
+            assert caught.value.errno == errno.ENOSPC
+        assert len(walks) == 1  # the first count
+        volume.unlink("filler")
+        volume.write("more", 0, b"y" * (200 << 10))  # measured again: room now
+        assert len(walks) == 2
+    finally:
+        volume.close()

@@ -24,6 +24,7 @@ import fcntl
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +77,9 @@ def _folder_mode(mode: int) -> int:
 #: Folders a walk holds open at once, found but not listed yet; those it finds beyond
 #: are opened again by their path from the volume's top when their turn comes.
 OPEN_BUDGET = 64
+#: Seconds after which a volume at its limit is walked again before a change is
+#: refused, though nothing was removed through this process (another may have).
+REMEASURE_AFTER = 2.0
 #: What an entry gone meanwhile raises (a guest changes its volume while it is walked).
 _GONE = (errno.ENOENT, errno.ENOTDIR)
 
@@ -171,23 +175,42 @@ class _Usage:
         self.root = root
         self.lock = threading.Lock()
         self.used: int | None = None
+        self._measured_at = 0.0
+        self._shrunk = False
+
+    def shrank(self) -> None:
+        """Something here was removed or cut: the next change that meets the limit
+        measures again at once."""
+        self._shrunk = True
 
     def grow(self, added: int, limit: int) -> None:
+        """Count ``added`` bytes in; ENOSPC when they would pass ``limit``, measured again
+        first when something was removed since the last walk, or the walk is
+        :data:`REMEASURE_AFTER` old (another process's removals): a guest writing on at
+        a full volume walked its whole tree at every write."""
         with self.lock:
             if self.used is None:
-                self.used = used_or_full(self.root, limit)
+                self.used = self._measure(limit)
             if self.used + added > limit:
-                measured = usage(self.root)
-                if measured is not None:  # (else the count stands: it only over-counts)
-                    self.used = measured
+                if self._shrunk or time.monotonic() - self._measured_at >= REMEASURE_AFTER:
+                    self.used = self._measure(limit, self.used)
                 if self.used + added > limit:
                     raise OSError(errno.ENOSPC, "the volume is full")
             self.used += added
 
+    def _measure(self, limit: int, counted: int | None = None) -> int:
+        """The walk's figure; else what was counted (it only over-counts), or ``limit``
+        when nothing was (:func:`used_or_full`)."""
+        self._measured_at, self._shrunk = time.monotonic(), False
+        measured = usage(self.root)
+        if measured is not None:
+            return measured
+        return limit if counted is None else counted
+
     def free(self, limit: int) -> int:
         with self.lock:
             if self.used is None:
-                self.used = used_or_full(self.root, limit)
+                self.used = self._measure(limit)
             return max(0, limit - self.used)
 
 
@@ -373,14 +396,17 @@ class VolumeFiles:
             if flags & os.O_TRUNC and access != os.O_RDONLY:
                 with self._change():
                     os.ftruncate(fd, 0)
+                    self._usage.shrank()
 
     def truncate(self, path: str, size: int) -> None:
         with self._change(), self._opened(path, os.O_WRONLY) as fd:
             os.ftruncate(fd, size)  # holes take no blocks: the writes into them count
+            self._usage.shrank()
 
     def unlink(self, path: str) -> None:
         with self._change(), self._at(path) as (parent, name):
             os.unlink(name, dir_fd=parent)
+            self._usage.shrank()
 
     def mkdir(self, path: str, mode: int) -> None:
         with self._change(), self._at(path) as (parent, name):
@@ -395,6 +421,7 @@ class VolumeFiles:
     def rmdir(self, path: str) -> None:
         with self._change(), self._at(path) as (parent, name):
             os.rmdir(name, dir_fd=parent)
+            self._usage.shrank()
 
     def rename(self, old: str, new: str, flags: int) -> None:
         with self._change():
@@ -402,6 +429,7 @@ class VolumeFiles:
                 raise OSError(errno.EINVAL, "unsupported rename flags")
             with self._at(old) as (old_parent, old_name), self._at(new) as (new_parent, new_name):
                 _renameat2(old_parent, old_name, new_parent, new_name, flags)
+                self._usage.shrank()  # (over a file: that one went)
 
     def symlink(self, path: str, target: str) -> None:
         with self._change(), self._at(path) as (parent, name):
