@@ -203,6 +203,13 @@ def test_mount_plans_keep_slots_and_refuse_what_cannot_work() -> None:
         plan((), {"/a": "v", "/a/b": "w"})
     with pytest.raises(InvalidArgument, match="at most 4"):
         plan((), {f"/v{i}": "v" for i in range(5)})
+    # A running machine's guest keeps its read-only mount: asked read-write, refused
+    # (its writes would fail); read-only again, or a machine that boots, is fine.
+    saved = (VolumeMount(0, "/results", "results", True),)
+    with pytest.raises(InvalidArgument, match="'/results' is mounted read-only"):
+        plan(saved, {"/results": "results"}, mounted=True)
+    assert plan(saved, {"/results": "other:ro"}, mounted=True)[0].volume == "other"
+    assert not plan(saved, {"/results": "results"})[0].read_only
 
 
 def test_a_database_from_before_volumes_keeps_its_owners(tmp_path: Path) -> None:

@@ -616,6 +616,7 @@ class SandboxService:
         mounts = volume_plan(
             (VolumeMount.from_json(value) for value in source.volumes) if source else (),
             request.volumes,
+            mounted=source is not None and source.kind is SnapshotKind.MEMORY,
         )
         for mount in mounts:
             volume_catalog.get(mount.volume)  # refused now, naming it, when it is gone

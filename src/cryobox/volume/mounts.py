@@ -66,16 +66,26 @@ def check_path(path: str) -> str:
     return path
 
 
-def plan(recorded: Iterable[VolumeMount], asked: Mapping[str, str]) -> tuple[VolumeMount, ...]:
+def plan(
+    recorded: Iterable[VolumeMount], asked: Mapping[str, str], *, mounted: bool = False
+) -> tuple[VolumeMount, ...]:
     """The mount table of a sandbox made from a snapshot with ``recorded`` mounts (none
-    for a cold boot) when its caller asks for ``asked`` (mount point to ``"name[:ro]"``).
+    for a cold boot) when its caller asks for ``asked`` (mount point to ``"name[:ro]"``);
+    ``mounted``: the snapshot is a running machine's, whose guest has them mounted.
 
-    :raises InvalidArgument: for a bad mount point, or more than ``config.MAX_MOUNTS``.
+    :raises InvalidArgument: for a bad mount point, more than ``config.MAX_MOUNTS``, or
+        a mount point its guest has mounted read-only asked read-write: the guest keeps
+        its mount as it is (its writes would fail), so that is refused, not ignored.
     """
     table = {mount.path: mount for mount in recorded}
     for path, source in asked.items():
         check_path(path)
         name, read_only = parse_source(source)
+        if mounted and path in table and table[path].read_only and not read_only:
+            raise InvalidArgument(
+                f"volume mount point {path!r} is mounted read-only in the saved machine: "
+                f"a sandbox that continues it keeps it so (ask for {name + READ_ONLY_SUFFIX!r})"
+            )
         if path in table:
             slot = table[path].slot
         else:
