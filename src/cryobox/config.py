@@ -34,6 +34,11 @@ LOCAL_TENANT = "local"
 MAX_POOL_SIZE = 16
 #: Copies one fork may make.
 MAX_FORKS = 100
+#: The most guest ports one sandbox forwards to the host at once. Each is a listening
+#: socket on the host (two for a server that publishes it), kept while the sandbox
+#: lives: without a bound, one tenant asking for every port of its sandboxes used up
+#: the host's descriptors and ports for every tenant.
+MAX_FORWARDED_PORTS = 64
 MAX_CPUS = 64
 MIN_MEMORY_MIB = 128
 MAX_MEMORY_MIB = 64 * 1024

@@ -29,8 +29,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from api_server import CLI, ApiServer, kill_vms, make_server
-from cryobox import Sandbox
+from api_server import CLI, ApiServer, kill_vms, make_server, remove_state
+from cryobox import Sandbox, config
 from cryobox.errors import (
     AuthenticationError,
     InvalidArgument,
@@ -39,7 +39,6 @@ from cryobox.errors import (
     SandboxNotFound,
     StateError,
 )
-from cryobox.sandbox.machine import MAX_FORWARDED_PORTS
 from cryobox.server.database import MIGRATIONS, SqliteDatabase
 from cryobox.server.databases import open_database
 from waiting import until
@@ -459,18 +458,48 @@ def test_a_sandbox_forwards_a_bounded_number_of_ports(server: ApiServer) -> None
     sandbox_id = api.post("/sandboxes", json={}).json()["id"]
     try:
         opened = {}
-        for guest_port in range(1000, 1000 + MAX_FORWARDED_PORTS):
+        for guest_port in range(1000, 1000 + config.MAX_FORWARDED_PORTS):
             answer = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": guest_port})
             assert answer.status_code == 200, answer.text
             opened[guest_port] = answer.json()["host_port"]
         refused = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": 2000})
         assert refused.status_code == 400
-        assert f"{MAX_FORWARDED_PORTS} ports forwarded" in refused.json()["detail"]
+        assert f"{config.MAX_FORWARDED_PORTS} ports forwarded" in refused.json()["detail"]
         again = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": 1000})
         assert again.json()["host_port"] == opened[1000]  # one forwarded already is kept
-        assert len(api.get(f"/sandboxes/{sandbox_id}").json()["ports"]) == MAX_FORWARDED_PORTS
+        assert (
+            len(api.get(f"/sandboxes/{sandbox_id}").json()["ports"]) == config.MAX_FORWARDED_PORTS
+        )
     finally:
         api.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_requests_by_host_name_leave_the_owner_ports_of_its_own() -> None:
+    """Anyone who knows a sandbox's id may ask for any of its ports by host name: they
+    open at most 48 of its 64, so its owner can still forward ports of its own."""
+    state = Path(tempfile.mkdtemp(prefix="cbx-traffic-"))
+    made = make_server(state / "server", {"CRYOBOX_VMM": "fake", "CRYOBOX_STATE_DIR": str(state)})
+    made.env["CRYOBOX_DOMAIN"] = f"localhost:{made.port}"
+    made.key = made.tenant("traffic")
+    made.start()
+    try:
+        api = client(made)
+        sandbox_id = api.post("/sandboxes", json={}).json()["id"]
+        anonymous = httpx.Client(base_url=made.url, timeout=60)
+        for guest_port in range(2000, 2060):
+            host = f"{guest_port}-{sandbox_id}.localhost:{made.port}"
+            assert anonymous.get("/", headers={"Host": host}).status_code == 502  # (no server)
+        record = json.loads((state / "sandboxes" / sandbox_id / "state.json").read_text())
+        assert len(record["ports"]) == config.MAX_FORWARDED_PORTS - 16  # forwarded, unpublished
+        for guest_port in range(3000, 3016):
+            answer = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": guest_port})
+            assert answer.status_code == 200, answer.text
+        refused = api.post(f"/sandboxes/{sandbox_id}/ports", json={"guest_port": 4000})
+        assert refused.status_code == 400
+        api.delete(f"/sandboxes/{sandbox_id}")
+    finally:
+        made.stop()
+        remove_state(state)
 
 
 def test_a_template_gone_meanwhile_is_named_as_its_tenant_named_it_and_no_other(

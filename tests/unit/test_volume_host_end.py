@@ -4,11 +4,11 @@ size limit, and the HELLO/SYNC handshake that redoes a request cut short."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import socket
 import stat
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,7 +156,7 @@ def test_a_new_host_end_resynchronises_and_serves(files: VolumeFiles, tmp_path: 
 
 
 def test_a_host_end_stopped_while_a_change_waits_never_makes_it_elsewhere(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A change waits while a volume snapshot holds the volume. A stop then gave up on
     the thread after 5 s and closed the volume's descriptors under it: their numbers,
@@ -170,6 +170,15 @@ def test_a_host_end_stopped_while_a_change_waits_never_makes_it_elsewhere(
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(path))
     listener.listen(1)
+    waits = threading.Event()
+    flock = fcntl.flock
+
+    def noted(fd: int, operation: int) -> None:
+        if operation == fcntl.LOCK_SH:
+            waits.set()
+        flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", noted)
     end = VolumeEnd(path, VolumeFiles(root, 1 << 20, lock=lock))
     end.start()
     taken: list[int] = []
@@ -178,7 +187,7 @@ def test_a_host_end_stopped_while_a_change_waits_never_makes_it_elsewhere(
         guest.sendall(sync_frame(_answer(guest)[2]))
         with archive.frozen(lock):
             guest.sendall(_request(VolumeOp.MKDIR, 5, b"made", 0o755))
-            time.sleep(0.5)  # (it waits for the lock)
+            assert waits.wait(10), "the change never came to the volume's lock"
             end.stop()  # gives up on the thread after 5 s (its socket shut: no answer)
             taken = [os.open(other, os.O_PATH | os.O_DIRECTORY) for _ in range(4)]
         until(lambda: (root / "made").is_dir(), "the change made in its volume", 10)

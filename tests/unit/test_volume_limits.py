@@ -164,6 +164,13 @@ def test_a_file_written_from_the_host_is_the_old_one_or_the_new_one_whole() -> N
         volume.write_file("/dir/f", [b"new ", b"whole"])
         assert volume.read_file("/dir/f") == b"new whole"
         assert [e.name for e in volume.list_files("/dir")] == ["f"]
+        # A replaced file keeps its mode; a name as long as a name may be is written.
+        (catalog.get("files").data() / "dir" / "f").chmod(0o755)
+        volume.write_file("/dir/f", b"#!/bin/sh\n")
+        assert (catalog.get("files").data() / "dir" / "f").stat().st_mode & 0o777 == 0o755
+        long_name = "\u6587" * 85  # 255 bytes in UTF-8
+        volume.write_file(f"/dir/{long_name}", b"long")
+        assert volume.read_file(f"/dir/{long_name}") == b"long"
     finally:
         Volume.delete("files")
 
@@ -264,3 +271,20 @@ def test_a_guest_writing_on_at_a_full_volume_does_not_walk_it_at_every_write(
         assert len(walks) == 2
     finally:
         volume.close()
+
+
+def test_a_walk_that_would_put_off_too_many_folders_counts_the_volume_as_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each folder put off is opened again by its whole path: a guest with many
+    folders deep down had a walk hold and resolve their paths without end."""
+    monkeypatch.setattr(files, "OPEN_BUDGET", 1)
+    monkeypatch.setattr(files, "DEFERRED_BYTES", 4096)
+    root = tmp_path / "volume"
+    (root / "deep" / "down").mkdir(parents=True)
+    for i in range(1000):
+        (root / "deep" / "down" / f"folder-{i}").mkdir()
+    assert files.usage(root) is None
+    assert used_or_full(root, 7 << 30) == 7 << 30
+    monkeypatch.setattr(files, "DEFERRED_BYTES", 16 << 20)
+    assert files.usage(root) == _expected(root)

@@ -34,6 +34,7 @@ from typing import Any
 
 from cryobox import config
 from cryobox.arguments import container_image
+from cryobox.config import MAX_FORWARDED_PORTS
 from cryobox.errors import ImageError, InvalidArgument
 from cryobox.image import layers
 from cryobox.image.build import (
@@ -114,6 +115,11 @@ class ImageConfig:
             number, _, protocol = str(key).partition("/")
             if (protocol or "tcp") == "tcp" and number.isdigit() and 1 <= int(number) <= 65535:
                 ports.append(int(number))
+        if len(ports) > MAX_FORWARDED_PORTS:
+            raise InvalidArgument(
+                f"the image exposes {len(ports)} TCP ports: a sandbox forwards at most "
+                f"{MAX_FORWARDED_PORTS}"
+            )
         workdir = config.get("WorkingDir") or None
         if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
             raise InvalidArgument(f"the image's WorkingDir {workdir!r} is not an absolute path")

@@ -111,11 +111,6 @@ log = logging.getLogger("cryobox.supervisor")
 BOOT_TIMEOUT = 240.0
 #: Seconds a restored guest's agent has to answer (it was running already).
 RESTORE_TIMEOUT = 60.0
-#: The most guest ports one sandbox forwards to the host at once. Each is a listening
-#: socket on the host (two for a server that publishes it), kept while the sandbox
-#: lives: without a bound, one tenant asking for every port of its sandboxes used up
-#: the host's descriptors and ports for every tenant.
-MAX_FORWARDED_PORTS = 64
 #: Test hook: the supervisor kills itself with SIGKILL on reaching this step.
 CRASH_AT = os.environ.get("CRYOBOX_TEST_CRASH_AT", "")
 
@@ -709,6 +704,11 @@ class Machine:
         guest_ports: tuple[int, ...] = (),
     ) -> None:
         wanted = dict.fromkeys((*self.spec.ports, *guest_ports, *self.record.ports))
+        if len(wanted) > config.MAX_FORWARDED_PORTS:  # (a template's and the create's together)
+            raise InvalidArgument(
+                f"{self.spec.id} would forward {len(wanted)} ports: a sandbox forwards at "
+                f"most {config.MAX_FORWARDED_PORTS}"
+            )
         kept = self.record.ports
         forwards = tuple(PortForward(g, kept.get(g) or self._new_port()) for g in wanted)
         try:
@@ -1489,12 +1489,12 @@ class Machine:
     async def expose_port(self, guest_port: int) -> int:
         """The host port ``guest_port`` is forwarded to, forwarded now if it was not.
 
-        :raises InvalidArgument: when :data:`MAX_FORWARDED_PORTS` are forwarded already.
+        :raises InvalidArgument: when :data:`config.MAX_FORWARDED_PORTS` are forwarded already.
         """
         async with self._forwarding:
             if guest_port in self.record.ports:
                 return self.record.ports[guest_port]
-            if len(self.record.ports) >= MAX_FORWARDED_PORTS:
+            if len(self.record.ports) >= config.MAX_FORWARDED_PORTS:
                 raise InvalidArgument(
                     f"{self.spec.id} has {len(self.record.ports)} ports forwarded, the most "
                     f"a sandbox may have; port {guest_port} is not one of them"

@@ -304,7 +304,7 @@ def _told(exc: CryoboxError, sandbox_id: str, guest_port: int) -> str:
         return NOT_FOUND
     if isinstance(exc, StateError):
         return f"{sandbox_id} port {guest_port}: the sandbox is {exc.state}"
-    log.info("a request by host name for %s port %d: %s", sandbox_id, guest_port, exc)
+    log.debug("a request by host name for %s port %d: %s", sandbox_id, guest_port, exc)
     return f"{sandbox_id} port {guest_port} is not available now"
 
 

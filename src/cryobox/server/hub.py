@@ -136,6 +136,12 @@ def _within_quota(tenant: Tenant, held: _Use, asked: _Use) -> None:
             raise QuotaExceeded(limit, allowed, wanted)
 
 
+#: The most guest ports of one sandbox that requests by host name forward: anyone who
+#: knows its id may ask for any port, and the sandbox forwards at most
+#: :data:`~cryobox.config.MAX_FORWARDED_PORTS`; the rest stay its owner's.
+MAX_TRAFFIC_PORTS = config.MAX_FORWARDED_PORTS - 16
+
+
 class Hub:
     def __init__(
         self,
@@ -831,8 +837,12 @@ class Hub:
         if self._rule_wakes(sandbox_id):
             await self.wake(tenant, sandbox_id)
         await self.use(tenant, sandbox_id)
-        # (anyone who knows its id may ask for any port: the sandbox forwards a bounded
-        # number, :data:`cryobox.sandbox.machine.MAX_FORWARDED_PORTS`)
+        ports = (await self.service.get(sandbox_id)).ports
+        if guest_port not in ports and len(ports) >= MAX_TRAFFIC_PORTS:
+            raise InvalidArgument(
+                f"{sandbox_id} has {len(ports)} ports forwarded already, the most requests "
+                f"by host name open ({MAX_TRAFFIC_PORTS}); port {guest_port} is not one"
+            )
         return await self.service.expose_port(sandbox_id, guest_port)
 
     def traffic_wakes_it(self, sandbox_id: str) -> bool:

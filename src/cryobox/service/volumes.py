@@ -231,13 +231,15 @@ class Volumes:
         """Write the file whole (its folders made as needed), replacing any: written under
         a hidden name beside it, then renamed over it, so the file is the old one or the
         new one whole, never a part (a client gone midway, a full volume, a kill of the
-        service: the old file stays; one killed with -9 leaves the hidden file behind)."""
+        service: the old file stays; one killed with -9 leaves the hidden file behind).
+        A file replaced keeps its mode; its other names (hard links) keep the old bytes,
+        and the volume needs room for both until the rename."""
         relative = inside(path)
         if not relative:
             raise InvalidArgument("a volume's root is a folder, not a file")
-        folder, _, base = relative.rpartition("/")
+        folder = relative.rpartition("/")[0]
         hidden = f"{folder}/" if folder else ""
-        hidden += f".{base[:200]}.{os.urandom(4).hex()}{UPLOADING_SUFFIX}"
+        hidden += f".{os.urandom(8).hex()}{UPLOADING_SUFFIX}"
         files = await asyncio.to_thread(self.open_files, name)
 
         async def on_file(change: Callable[..., object], *args: Any) -> None:
@@ -270,7 +272,10 @@ class Volumes:
             folder = f"{folder}/{part}" if folder else part
             with contextlib.suppress(FileExistsError):
                 files.mkdir(folder, 0o755)
-        files.create(hidden, os.O_EXCL, 0o644)
+        mode = 0o644
+        with contextlib.suppress(FileNotFoundError):  # (a new file)
+            mode = stat.S_IMODE(ATTRIBUTES.unpack(files.getattr(relative))[0])
+        files.create(hidden, os.O_EXCL, mode)
 
     async def list_dir(self, name: str, path: str) -> builtins.list[EntryInfo]:
         relative = inside(path)

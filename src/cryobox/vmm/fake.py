@@ -44,13 +44,13 @@ def failing(step: str) -> bool:
 
 
 def _meet(folder: Path, sandbox_id: str) -> None:
-    """``CRYOBOX_FAKE_LAYER_MEET=folder``: wait (up to 5 s) until another sandbox makes
+    """``CRYOBOX_FAKE_LAYER_MEET=folder``: wait (up to 30 s) until another sandbox makes
     a disk layer too, and note ``met-ID`` in ``folder`` if one did; how a test sees
     whether the sandboxes of one supervisor process make their layers side by side or
     one after the other. Each notes itself there for good (``making-ID``)."""
     mine = folder / f"making-{sandbox_id}"
     mine.touch()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if any(other != mine for other in folder.glob("making-*")):
             (folder / f"met-{sandbox_id}").touch()

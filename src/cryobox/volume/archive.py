@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cryobox.errors import InvalidArgument
 from cryobox.volume.files import VolumeFiles
+from cryobox.volume.wire import BLOCK
 
 #: Bytes copied at once out of the archive.
 PIECE = 1 << 20
@@ -82,14 +83,16 @@ def pack(root: Path, output: Path, limit: int) -> None:
         for name, entry in _tree(root):
             tar.inodes.clear()  # type: ignore[attr-defined]  # never a hard-link entry
             info = _owned_by_nobody(tar.gettarinfo(entry.path, name))
+            stored += BLOCK  # (as a restore counts each name)
             if info.isreg():
                 stored += info.size
-                if stored > limit:
-                    raise InvalidArgument(
-                        f"the volume's files come to more than its {limit >> 30} GiB once "
-                        f"stored (holes as zeros, each name of a file whole): {name!r} "
-                        f"({info.size} bytes) passes it"
-                    )
+            if stored > limit:
+                raise InvalidArgument(
+                    f"the volume's files come to more than its {limit >> 30} GiB once "
+                    f"stored (holes as zeros, each name of a file whole): {name!r} "
+                    f"({info.size} bytes) passes it"
+                )
+            if info.isreg():
                 with open(entry.path, "rb") as file:
                     tar.addfile(info, file)
             elif info.isdir() or info.issym():

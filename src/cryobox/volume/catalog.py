@@ -108,7 +108,10 @@ def _new_folder(root: Path, name: str) -> tuple[Path, int]:
     while True:
         temp = root / f".new-{name}-{os.urandom(4).hex()}"
         temp.mkdir(mode=0o700)
-        fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
         fcntl.flock(fd, fcntl.LOCK_EX)
         with contextlib.suppress(FileNotFoundError):
             if os.stat(temp).st_ino == os.fstat(fd).st_ino:

@@ -77,6 +77,8 @@ def _folder_mode(mode: int) -> int:
 #: Folders a walk holds open at once, found but not listed yet; those it finds beyond
 #: are opened again by their path from the volume's top when their turn comes.
 OPEN_BUDGET = 64
+#: Bytes of paths of folders a walk puts off (:class:`_Deferred`), at most.
+DEFERRED_BYTES = 16 << 20
 #: Seconds after which a volume at its limit is walked again before a change is
 #: refused, though nothing was removed through this process (another may have).
 REMEASURE_AFTER = 2.0
@@ -96,29 +98,28 @@ def usage(root: Path) -> int | None:
     and kept it open until its turn, so a guest with a few thousand folders in one
     made it run out of descriptors and skip them, and its count came out short (its
     guest then wrote on past the limit; the server's walk for a listing failed other
-    tenants' requests meanwhile). A walk that cannot finish (a folder's path past what
-    the kernel resolves, no descriptor left) says so rather than count what it saw.
+    tenants' requests meanwhile). A walk that cannot finish says so rather than count
+    what it saw: a folder put off and gone or moved when its turn came, a path past what
+    the kernel resolves, more folders put off than :data:`DEFERRED_BYTES` allows, no
+    descriptor left.
     """
     try:
         top = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return 0
     pending: list[tuple[int, str]] = []  # open folders and their paths from the top
-    deferred: list[str] = []  # paths of folders found beyond the budget
+    deferred = _Deferred()  # folders found beyond the budget
     try:
         total = max(os.fstat(top).st_blocks * 512, BLOCK)
         pending.append((openat2(top, ".", os.O_RDONLY | os.O_DIRECTORY), ""))
-        while pending or deferred:
+        while pending or deferred.paths:
             if pending:
                 fd, relative = pending.pop()
             else:
+                # (gone meanwhile, or a link now: its subtree would go uncounted, so the
+                # walk is not whole; a guest moving a folder to and fro hid it so)
                 relative = deferred.pop()
-                try:
-                    fd = openat2(top, relative, os.O_RDONLY | os.O_DIRECTORY)
-                except OSError as exc:
-                    if exc.errno in (*_GONE, errno.ELOOP):  # gone, or a link now
-                        continue
-                    raise
+                fd = openat2(top, relative, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 total += _listed(fd, relative, pending, deferred)
             finally:
@@ -132,7 +133,29 @@ def usage(root: Path) -> int | None:
         os.close(top)
 
 
-def _listed(fd: int, relative: str, pending: list[tuple[int, str]], deferred: list[str]) -> int:
+class _Deferred:
+    """The folders a walk found beyond its budget of open ones, as (their folder's path,
+    their name): a folder's path is kept once for all it holds. Bounded: each is opened
+    again by its whole path, so a guest with many folders deep down would have a walk
+    hold and resolve their paths without end; past :data:`DEFERRED_BYTES` of them, the
+    walk is not whole (ENOMEM)."""
+
+    def __init__(self) -> None:
+        self.paths: list[tuple[str, str]] = []
+        self._bytes = 0
+
+    def add(self, folder: str, name: str) -> None:
+        self._bytes += len(folder) + len(name) + 1
+        if self._bytes > DEFERRED_BYTES:
+            raise OSError(errno.ENOMEM, "too many folders deep down to walk")
+        self.paths.append((folder, name))
+
+    def pop(self) -> str:
+        folder, name = self.paths.pop()
+        return f"{folder}/{name}" if folder else name
+
+
+def _listed(fd: int, relative: str, pending: list[tuple[int, str]], deferred: _Deferred) -> int:
     """The bytes of the entries of the folder open as ``fd`` (each at least a block); its
     folders added to ``pending`` (opened) while the budget allows, else to ``deferred``."""
     total = 0
@@ -147,10 +170,10 @@ def _listed(fd: int, relative: str, pending: list[tuple[int, str]], deferred: li
             total += max(st.st_blocks * 512, BLOCK)
             if not stat.S_ISDIR(st.st_mode):
                 continue
-            path = f"{relative}/{entry.name}" if relative else entry.name
             if len(pending) >= OPEN_BUDGET:
-                deferred.append(path)
+                deferred.add(relative, entry.name)
                 continue
+            path = f"{relative}/{entry.name}" if relative else entry.name
             try:
                 child = os.open(
                     entry.name,
@@ -175,7 +198,8 @@ class _Usage:
         self.root = root
         self.lock = threading.Lock()
         self.used: int | None = None
-        self._measured_at = 0.0
+        self._measured_at = 0.0  # when the last walk ended
+        self._walk_took = 0.0
         self._shrunk = False
 
     def shrank(self) -> None:
@@ -185,14 +209,16 @@ class _Usage:
 
     def grow(self, added: int, limit: int) -> None:
         """Count ``added`` bytes in; ENOSPC when they would pass ``limit``, measured again
-        first when something was removed since the last walk, or the walk is
-        :data:`REMEASURE_AFTER` old (another process's removals): a guest writing on at
-        a full volume walked its whole tree at every write."""
+        first when something was removed or cut since the last walk, or the walk is
+        :data:`REMEASURE_AFTER` old (another process's removals); never more often than
+        a walk takes (half the time at most): a guest writing on at a full volume walked
+        its whole tree at every write."""
         with self.lock:
             if self.used is None:
                 self.used = self._measure(limit)
             if self.used + added > limit:
-                if self._shrunk or time.monotonic() - self._measured_at >= REMEASURE_AFTER:
+                since = time.monotonic() - self._measured_at
+                if since >= REMEASURE_AFTER or (self._shrunk and since >= self._walk_took):
                     self.used = self._measure(limit, self.used)
                 if self.used + added > limit:
                     raise OSError(errno.ENOSPC, "the volume is full")
@@ -201,8 +227,11 @@ class _Usage:
     def _measure(self, limit: int, counted: int | None = None) -> int:
         """The walk's figure; else what was counted (it only over-counts), or ``limit``
         when nothing was (:func:`used_or_full`)."""
-        self._measured_at, self._shrunk = time.monotonic(), False
+        started = time.monotonic()
+        self._shrunk = False
         measured = usage(self.root)
+        self._measured_at = time.monotonic()
+        self._walk_took = self._measured_at - started
         if measured is not None:
             return measured
         return limit if counted is None else counted
@@ -215,9 +244,12 @@ class _Usage:
 
 
 def used_or_full(root: Path, limit: int) -> int:
-    """:func:`usage`, or ``limit`` when the folder cannot be walked whole: a volume that
-    cannot be measured counts as full (its guest can write again once it can be)."""
+    """:func:`usage` (walked twice if it must: a folder moved meanwhile), or ``limit``
+    when the folder cannot be walked whole: a volume that cannot be measured counts as
+    full (its guest can write again once it can be)."""
     used = usage(root)
+    if used is None:
+        used = usage(root)
     return limit if used is None else used
 
 
@@ -230,6 +262,8 @@ def _usage_of(root: Path, created_at: float) -> _Usage:
     made again under its name (restored from a snapshot) is counted anew, not from the
     count of the one before (which let it take its size twice)."""
     with _usages_lock:
+        for key in [k for k in _usages if k[0] == root and k[1] != created_at]:
+            del _usages[key]  # (a volume of that name before: gone)
         return _usages.setdefault((root, created_at), _Usage(root))
 
 
@@ -400,8 +434,10 @@ class VolumeFiles:
 
     def truncate(self, path: str, size: int) -> None:
         with self._change(), self._opened(path, os.O_WRONLY) as fd:
+            before = os.fstat(fd).st_size
             os.ftruncate(fd, size)  # holes take no blocks: the writes into them count
-            self._usage.shrank()
+            if size < before:
+                self._usage.shrank()
 
     def unlink(self, path: str) -> None:
         with self._change(), self._at(path) as (parent, name):
