@@ -9,7 +9,8 @@ way QEMU's device state travels; the RAM file gets a recognisable header.
 
 ``CRYOBOX_FAKE_FAIL=step[,step...]`` makes a step fail: ``start``, ``save_state``
 (``ENOSPC``), ``load_state``, ``create_layer`` (``ENOSPC``), ``agent`` (the agent
-never answers). ``CRYOBOX_FAKE_LAYER_MEET`` see :func:`_meet`.
+never answers). ``CRYOBOX_FAKE_LAYER_MEET`` see :func:`_meet`;
+``CRYOBOX_FAKE_BOOT_FAILS`` see :func:`_boot_fails_once`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ _WAIT_FOREVER = "import signal; signal.pause()"
 
 def failing(step: str) -> bool:
     return step in os.environ.get("CRYOBOX_FAKE_FAIL", "").split(",")
+
+
+def _boot_fails_once() -> bool:
+    """``CRYOBOX_FAKE_BOOT_FAILS=file``: the next cold boot's machine ends before its
+    agent answers (as QEMU's TCG failing a boot), once: the file is made then."""
+    mark = os.environ.get("CRYOBOX_FAKE_BOOT_FAILS")
+    if not mark:
+        return False
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _meet(folder: Path, sandbox_id: str) -> None:
@@ -294,8 +308,10 @@ class FakeVmm:
         for layer in spec.disk_chain:
             if not layer.exists():
                 raise QemuError(f"could not open disk layer {layer}", command=["fake-vm"])
+        fails = not spec.incoming and _boot_fails_once()
         process = subprocess.Popen(
-            [sys.executable, "-c", _WAIT_FOREVER, spec.name], stdin=subprocess.DEVNULL
+            [sys.executable, "-c", "raise SystemExit(1)" if fails else _WAIT_FOREVER, spec.name],
+            stdin=subprocess.DEVNULL,
         )
         if on_spawn is not None:
             on_spawn(process.pid)
@@ -304,7 +320,7 @@ class FakeVmm:
             with open(spec.memory_file, "wb") as ram:
                 ram.write(RAM_HEADER)
                 ram.truncate(spec.memory_mib << 20)
-        if not spec.incoming:
+        if not spec.incoming and not fails:
             vm.guest["boots"] = 1
             vm.running = True
         await vm.serve_agent()
