@@ -411,15 +411,7 @@ class Machine:
             disk = await self._new_layer(chain)
             memory.unlink(missing_ok=True)
             self._maybe_reserve(memory, self.spec.memory_mib << 20)
-            self.update(
-                disk=disk,
-                disk_chain=chain,
-                memory_file=memory.name,
-                memory_from=None,
-                memory_arriving=None,
-                memory_shared=True,
-                layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
-            )
+            self._record_boot(disk, memory, disk_chain=chain)
             await self._start_vm(incoming=False, kernel_args=self._boot_args())
             try:
                 self.agent, _ = await self._connect_agent(BOOT_TIMEOUT)
@@ -431,6 +423,19 @@ class Machine:
                 await self.stop_vm()
                 (self.folder.path / disk).unlink(missing_ok=True)  # (its console stays)
         await self._release_boot_zeros(memory)
+
+    def _record_boot(self, disk: str, memory: Path, **more: Any) -> None:
+        """Record a machine about to boot on layer ``disk`` with a RAM file of its own,
+        ``memory``, at the spec's shape (and ``more`` fields)."""
+        self.update(
+            disk=disk,
+            memory_file=memory.name,
+            memory_from=None,
+            memory_arriving=None,
+            memory_shared=True,
+            layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
+            **more,
+        )
 
     def _boot_args(self) -> tuple[str, ...]:
         """The kernel arguments of a cold boot: the clock, the hostname (its id), and no
@@ -1442,14 +1447,7 @@ class Machine:
             copy.unlink(missing_ok=True)
             raise storage_error(exc, "resuming", self.folder.path) from exc
         # Recorded once the copy is whole: its layer is what the machine runs on.
-        self.update(
-            disk=disk,
-            memory_file=memory.name,
-            memory_from=None,
-            memory_arriving=None,
-            memory_shared=True,
-            layout=new_layout(self.spec.cpus, self.spec.memory_mib).to_json(),
-        )
+        self._record_boot(disk, memory)
         crash_point("resume-moved")
         timer("disk copied")
         try:
