@@ -806,10 +806,7 @@ class Machine:
         while True:
             if self.vm.returncode is not None:
                 await agent.close()
-                raise self.vm.error(
-                    "the VM exited before the guest agent answered; console:\n"
-                    + _tail(self.folder.console_log)
-                )
+                raise self._ended()
             try:
                 op, args, payload = probe() if probe else (GuestOp.PING, {}, b"")
                 answer = await agent.request(op, args, payload, timeout=0.5 if probe else 0.25)
@@ -836,10 +833,16 @@ class Machine:
         except ChannelError:
             if self.vm.returncode is None:
                 raise
-            raise self.vm.error(
-                "the VM exited before the guest agent answered; console:\n"
-                + _tail(self.folder.console_log)
-            ) from None
+            raise self._ended() from None
+
+    def _ended(self) -> CryoboxError:
+        """The error of a VM that ended before its guest agent answered: its exit, its
+        stderr and the end of its console."""
+        assert self.vm is not None
+        return self.vm.error(
+            "the VM exited before the guest agent answered; console:\n"
+            + _tail(self.folder.console_log)
+        )
 
     # -- snapshots
 

@@ -83,9 +83,7 @@ def pack(root: Path, output: Path, limit: int) -> None:
         for name, entry in _tree(root):
             tar.inodes.clear()  # type: ignore[attr-defined]  # never a hard-link entry
             info = _owned_by_nobody(tar.gettarinfo(entry.path, name))
-            stored += BLOCK  # (as a restore counts each name)
-            if info.isreg():
-                stored += info.size
+            stored += BLOCK + (info.size if info.isreg() else 0)  # (as a restore counts)
             if stored > limit:
                 raise InvalidArgument(
                     f"the volume's files come to more than its {limit >> 30} GiB once "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cryobox import config
 from cryobox.errors import InvalidArgument, VolumeExists, VolumeNotFound
-from cryobox.util import fsync_dir, write_json_atomic
+from cryobox.util import fsync_dir, lock_held, write_json_atomic
 from cryobox.volume.files import VolumeFiles, used_or_full
 
 #: A volume's name: what a folder name may safely be, and what a server's tenant prefix
@@ -186,21 +186,9 @@ def sweep() -> None:
     deleted volume's at once (whoever removes it too, the result is the same), a
     create's once no create holds it (:func:`create`)."""
     for folder in config.volumes_dir().iterdir():
-        if folder.name.startswith(".gone-"):
+        deleted = folder.name.startswith(".gone-")
+        if deleted or (folder.name.startswith(".new-") and not lock_held(folder)):
             remove_tree(folder)
-        elif folder.name.startswith(".new-"):
-            try:
-                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # a create at work
-                continue
-            else:
-                remove_tree(folder)
-            finally:
-                os.close(fd)
 
 
 def remove_tree(path: Path) -> None:
