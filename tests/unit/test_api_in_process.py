@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from cryobox.client.http_transport import HttpTransport
 from cryobox.e2b.extension import extension as e2b
 from cryobox.errors import GuestFileNotFound, InvalidArgument, SandboxNotFound
 from cryobox.models import CommandRequest, CreateRequest
+from cryobox.sandbox.registry import SandboxDir
 from cryobox.server.app import create_app
 from cryobox.server.database import SqliteDatabase
 from cryobox.server.hub import Hub
@@ -32,8 +34,10 @@ from cryobox.wire import SandboxUsage, UsageReport
 
 
 @pytest.fixture
-async def app(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
-    """An httpx client wired to the app in this process, and one tenant's key."""
+async def wired(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[Hub, httpx.AsyncClient, str]]:
+    """The hub, an httpx client wired to its app in this process, one tenant's key."""
     state = Path(tempfile.mkdtemp(prefix="cbx-api-"))  # short: unix socket paths
     monkeypatch.setenv("CRYOBOX_STATE_DIR", str(state))
     monkeypatch.setenv("CRYOBOX_VMM", "fake")  # the supervisors this service starts
@@ -43,12 +47,18 @@ async def app(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[httpx.Asyn
     asgi = httpx.ASGITransport(app=create_app(hub, extensions=[e2b()]))
     client = httpx.AsyncClient(transport=asgi, base_url="http://cryobox.test")
     try:
-        yield client, key
+        yield hub, client, key
     finally:
         await client.aclose()
         await hub.close()
         kill_vms(state)
         shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def app(wired: tuple[Hub, httpx.AsyncClient, str]) -> tuple[httpx.AsyncClient, str]:
+    """An httpx client wired to the app in this process, and one tenant's key."""
+    return wired[1], wired[2]
 
 
 @pytest.fixture
@@ -139,3 +149,34 @@ async def test_the_shared_wire_bodies_bound_and_close_each_field(
         answer = await client.post(path, json=body, headers=auth)
         assert answer.status_code == 422, (path, body, answer.text)
         assert any(field in item["loc"] for item in answer.json()["detail"]), answer.json()
+
+
+async def test_a_quota_check_reads_no_record_of_a_sandbox_that_ended(
+    wired: tuple[Hub, httpx.AsyncClient, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sandbox's row stays for its metering. A quota check (one at a time for all
+    tenants) once read the record of each, ended ones too: a tenant making and killing
+    sandboxes in a loop slowed every tenant's creates."""
+    hub, client, key = wired
+    transport = HttpTransport("http://cryobox.test", key, client=client)
+    ended = [await transport.create(CreateRequest(template="base")) for _ in range(3)]
+    for info in ended:
+        await transport.kill(info.id)
+    live = await transport.create(CreateRequest(template="base"))
+    try:
+        tenant = hub.tenants.authenticate(key)
+        assert tenant is not None
+        read: list[str] = []
+        record = SandboxDir.record
+
+        def counted(folder: SandboxDir) -> Any:
+            read.append(folder.id)
+            return record(folder)
+
+        monkeypatch.setattr(SandboxDir, "record", counted)
+        with hub.db.transaction() as conn:
+            use = hub._in_use(tenant, conn)
+        assert use.sandboxes == 1, use
+        assert read == [live.id]  # (before: the three ended ones were read too)
+    finally:
+        await transport.kill(live.id)

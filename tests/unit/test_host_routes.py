@@ -66,10 +66,22 @@ def test_a_domain_is_a_host_name_with_an_optional_port() -> None:
             check_domain(bad)
 
 
+#: What a guest's app answers at /cookies: its own, and some for every sandbox.
+_COOKIES = (
+    "own=1; Path=/; HttpOnly",
+    "named=2; Domain=8000-{id}.LOCALHOST; Secure",
+    "planted=3; Path=/; Domain=.localhost",
+    "parent=4; domain=localhost ; Path=/",
+)
+
+
 class _Guest(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         body = f"{self.path} for {self.headers['Host']}".encode()
         self.send_response(200)
+        if self.path == "/cookies":
+            for cookie in _COOKIES:
+                self.send_header("Set-Cookie", cookie.format(id=ID))
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-Guest", "yes")
         self.send_header("X-Names", ",".join(self.headers.keys()))  # as they came
@@ -156,6 +168,26 @@ async def test_requests_by_host_reach_the_guest_port_and_refusals_are_named(gues
         assert silent.status_code == 502 and "nothing answers" in silent.json()["message"]
         assert silent.json()["sandboxId"] == ID
     assert asked[:2] == [(ID, 8000), (ID, 8000)]
+
+
+async def test_a_guests_cookies_are_its_own_never_set_for_every_sandbox(guest: int) -> None:
+    """Every sandbox is a name under the server's domain: a cookie a guest's app scoped
+    to that domain would reach every other tenant's app (a planted session). Such a
+    cookie is dropped, as a browser drops one scoped to a public suffix; the app's own
+    cookies pass."""
+
+    async def port_of(_sandbox_id: str, _port: int) -> int:
+        return guest
+
+    routes = HostRoutes(_app, domain="localhost:8080", port_of=port_of)
+    transport = httpx.ASGITransport(app=cast(Any, routes))
+    async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+        got = await client.get("/cookies", headers={"Host": f"8000-{ID}.localhost:8080"})
+    assert got.status_code == 200
+    assert got.headers.get_list("set-cookie") == [
+        "own=1; Path=/; HttpOnly",
+        f"named=2; Domain=8000-{ID}.LOCALHOST; Secure",
+    ]
 
 
 async def test_a_rule_refuses_before_anything_wakes_or_sets_the_host_the_guest_sees(

@@ -39,7 +39,7 @@ from cryobox.errors import (
     StoreError,
 )
 from cryobox.guest import protocol as p
-from cryobox.models import SnapshotInfo
+from cryobox.models import CreateRequest, SnapshotInfo
 from cryobox.sandbox import registry
 from cryobox.sandbox.registry import SandboxDir
 from cryobox.service import discard_spare, pool, removals, service
@@ -986,6 +986,52 @@ def test_a_templates_variant_with_more_vcpus_and_ram_is_kept_with_it_and_goes_wi
     third.kill()
     Sandbox.delete_template("roomy")
     assert all("roomy" not in (s.name or "") for s in Sandbox.snapshots())
+
+
+async def test_a_host_templates_variant_is_the_hosts_whichever_tenant_asked_first() -> None:
+    """Any tenant may create from one of the host's templates. The first one to ask
+    for a new shape once had the variant stored (and billed) as its own, in its store
+    only: a tenant on another host then made it again, and the first's copy was never
+    deleted. Now a template's variants are its owner's, as its entry records."""
+    from cryobox.service import open_service
+
+    Sandbox.build_template("hosted", ["true"])  # the host's own (LOCAL_TENANT)
+    service = open_service()
+    try:
+        asking = "tn-someone"
+        made = await service.create(
+            CreateRequest(template="hosted", cpus=3, memory_mib=1536), tenant=asking
+        )
+        await service.kill(made.id)
+        entry = service.store.template("hosted")
+        assert entry is not None
+        variant = entry["variants"]["3c-1536m"]
+        folder = config.state_dir() / "snapshots" / variant
+        assert uploads.state(folder).get("tenant") == config.LOCAL_TENANT  # (was asking's)
+        assert entry["tenant"] == config.LOCAL_TENANT
+        until(lambda: uploads.state(folder).get("state") == "stored", "the variant stored", 120)
+        hosts = ChunkStore(config.LOCAL_TENANT, open_objects())
+        assert hosts.find(variant)
+        with pytest.raises(SnapshotNotFound):
+            ChunkStore(asking, open_objects()).find(variant)
+        Sandbox.delete_template("hosted")  # its variant goes from its owner's store too
+        until(
+            lambda: _not_found(
+                lambda: ChunkStore(config.LOCAL_TENANT, open_objects()).find(variant)
+            ),
+            "the variant deleted from the host's store",
+            120,
+        )
+    finally:
+        await service.close()
+
+
+def _not_found(find: Callable[[], object]) -> bool:
+    try:
+        find()
+    except SnapshotNotFound:
+        return True
+    return False
 
 
 def test_a_template_keeps_its_newest_variants(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -490,6 +490,25 @@ def test_a_store_without_the_hosts_key_is_refused_clearly(
 # ---------------------------------------------------------------------- collection
 
 
+def test_a_store_opened_after_the_environment_changed_signs_with_the_new_keys(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """boto3's default session keeps the keys it first found for the life of the
+    process: a store opened after the environment named other keys (a job handed to a
+    spare server started under another; one test after another) was refused by the
+    server with the old ones."""
+    for name, value in s3_server.env("unit-keys").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-a-key")
+    with pytest.raises(StoreError, match="InvalidAccessKeyId"):
+        S3Objects("cryobox", "unit-keys").put("probe", b"refused")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.env("unit-keys")["AWS_ACCESS_KEY_ID"])
+    objects = S3Objects("cryobox", "unit-keys")
+    objects.put("probe", b"signed with the keys named now")
+    assert objects.get("probe") == b"signed with the keys named now"
+    objects.delete("probe")
+
+
 def test_a_sweep_removes_only_unreferenced_chunks(
     store: ChunkStore, local: LocalSnapshotStore
 ) -> None:

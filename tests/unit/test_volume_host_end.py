@@ -172,10 +172,11 @@ def test_a_host_end_stopped_while_a_change_waits_never_makes_it_elsewhere(
     listener.listen(1)
     waits = threading.Event()
     flock = fcntl.flock
+    main = threading.current_thread()
 
     def noted(fd: int, operation: int) -> None:
-        if operation == fcntl.LOCK_SH:
-            waits.set()
+        if operation != fcntl.LOCK_UN and threading.current_thread() is not main:
+            waits.set()  # the end's thread, at the volume's gate or lock
         flock(fd, operation)
 
     monkeypatch.setattr(fcntl, "flock", noted)

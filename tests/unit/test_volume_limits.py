@@ -18,7 +18,7 @@ import pytest
 from cryobox import Volume, config
 from cryobox.errors import InvalidArgument
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.volume import catalog, files
+from cryobox.volume import archive, catalog, files
 from cryobox.volume.files import VolumeFiles, used_or_full
 from cryobox.volume.wire import BLOCK
 
@@ -146,6 +146,30 @@ def test_a_volume_snapshot_never_stores_more_than_the_volume_holds() -> None:
         Volume.delete("back")
     finally:
         Volume.delete("sparse")
+
+
+def test_a_volume_whose_tree_is_deeper_than_a_path_is_refused_a_snapshot_clearly() -> None:
+    """A guest can nest folders past the 4096 bytes of a path (moving one deep folder
+    into another). A snapshot failed with the host's raw error (and its folder paths);
+    now it is refused, naming the start of the path, and leaves nothing."""
+    volume = Volume.create("nested", size_gib=1)
+    try:
+        fd = os.open(catalog.get("nested").data(), os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(1400):
+            os.mkdir("dd", dir_fd=fd)
+            below = os.open("dd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        os.close(fd)
+        with pytest.raises(InvalidArgument, match=r"path longer than 4096 bytes") as refused:
+            volume.snapshot("too-deep")
+        assert "dd/dd/dd/" in str(refused.value)
+        assert str(config.state_dir()) not in str(refused.value)
+        snapshots = config.state_dir() / "snapshots"
+        assert not [p for p in snapshots.iterdir() if p.name.startswith(".tmp-")]
+        assert [m for m in LocalSnapshotStore().all() if m.name == "too-deep"] == []
+    finally:
+        Volume.delete("nested")
 
 
 def test_a_file_written_from_the_host_is_the_old_one_or_the_new_one_whole() -> None:
@@ -288,3 +312,46 @@ def test_a_walk_that_would_put_off_too_many_folders_counts_the_volume_as_full(
     assert used_or_full(root, 7 << 30) == 7 << 30
     monkeypatch.setattr(files, "DEFERRED_BYTES", 16 << 20)
     assert files.usage(root) == _expected(root)
+
+
+#: Changes the volume at argv[1] (lock argv[2]) for 30 s, each change held 0.2 s,
+#: starting argv[3] s late: two of them overlap, so the lock is never free of changes.
+_OVERLAPPING_CHANGES = """
+import sys, time
+from pathlib import Path
+from cryobox.volume.files import VolumeFiles
+files = VolumeFiles(Path(sys.argv[1]), 1 << 30, lock=Path(sys.argv[2]), shared_count=False)
+time.sleep(float(sys.argv[3]))
+print("changing", flush=True)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    with files._change():  # what every write, rename, unlink... holds
+        time.sleep(0.2)
+"""
+
+
+def test_a_volume_snapshot_is_not_starved_by_writers_whose_changes_overlap(
+    tmp_path: Path,
+) -> None:
+    """``flock`` grants a shared lock while an exclusive one waits: two sandboxes
+    writing to one volume all the time, their changes overlapping, held off its snapshot
+    for as long as they wrote. Now the snapshot has the volume while they still write."""
+    root, lock = tmp_path / "data", tmp_path / "lock"
+    root.mkdir()
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OVERLAPPING_CHANGES, str(root), str(lock), str(late)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for late in (0.0, 0.1)
+    ]
+    try:
+        for writer in writers:
+            assert writer.stdout is not None and writer.stdout.readline() == "changing\n"
+        with archive.frozen(lock):
+            assert all(writer.poll() is None for writer in writers)  # (before: 30 s later)
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()

@@ -226,6 +226,11 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (tenant_id, snapshot_id)
     );
     """,
+    # 15: a tenant's sandboxes by state, for its quota checks (every sandbox's row is
+    # kept for its metering after it ends: a check reads only the ones not ended).
+    """
+    CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant_id, last_state);
+    """,
 )
 
 

@@ -284,7 +284,25 @@ class HostRoutes:
         except httpx.HTTPError as exc:
             await _refuse(scope, send, 502, f"{where}: nothing answers ({exc})", route[0])
             return
-        await relay.stream_answer(response, send, receive, gone, where)
+        name = _name(headers.get("host", ""))
+        await relay.stream_answer(
+            response, send, receive, gone, where, lambda k, v: own_cookie(k, v, name)
+        )
+
+
+def own_cookie(header: str, value: str, host: str) -> bool:
+    """Whether a guest's answer header may reach the browser: any but a ``Set-Cookie``
+    scoped to a domain above the sandbox's own name (``host``). Every sandbox of every
+    tenant is a name under the server's one domain, so such a cookie would be sent to
+    all of them: one tenant's app could plant or overwrite another's session. A browser
+    ignores it the same way under a public suffix (E2B's ``e2b.app``)."""
+    if header != "set-cookie":
+        return True
+    for attribute in value.split(";")[1:]:
+        key, _, domain = attribute.partition("=")
+        if key.strip().lower() == "domain":
+            return domain.strip().lstrip(".").lower() in ("", host)
+    return True
 
 
 def canonical_name(name: str) -> str:

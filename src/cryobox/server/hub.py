@@ -507,10 +507,14 @@ class Hub:
 
     def _in_use(self, tenant: Tenant, conn: Connection) -> _Use:
         """What the tenant's sandboxes hold on every host, and creates under way: this
-        host's sandboxes by their records, other hosts' by their last observed state."""
+        host's sandboxes by their records, other hosts' by their last observed state.
+        A sandbox seen ended is skipped unread (an end is final, and its row stays for
+        metering: a tenant that makes and kills in a loop would otherwise slow every
+        tenant's creates, which wait on this one at a time)."""
         use = _Use()
         rows = conn.execute(
-            "SELECT id, host_id, cpus, memory_mib, last_state FROM sandboxes WHERE tenant_id = ?",
+            "SELECT id, host_id, cpus, memory_mib, last_state FROM sandboxes "
+            "WHERE tenant_id = ? AND last_state NOT IN ('killed', 'dead')",
             (tenant.id,),
         ).fetchall()
         for row in rows:

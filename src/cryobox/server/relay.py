@@ -87,9 +87,11 @@ async def stream_answer(
     next_message: NextMessage,
     gone: asyncio.Event,
     where: str,
+    keep: Callable[[str, str], bool] = lambda _name, _value: True,
 ) -> None:
     """Send ``response`` on, streamed, until it ends or the client leaves (which closes
-    the upstream stream, so the other side frees what it holds for it)."""
+    the upstream stream, so the other side frees what it holds for it). Its headers
+    but those of its connection and those ``keep(lower-cased name, value)`` drops."""
     try:
         await send(
             {
@@ -98,7 +100,7 @@ async def stream_answer(
                 "headers": [
                     (k.encode("latin-1"), v.encode("latin-1"))
                     for k, v in response.headers.multi_items()
-                    if k.lower() not in HOP
+                    if k.lower() not in HOP and keep(k.lower(), v)
                 ],
             }
         )

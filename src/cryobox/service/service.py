@@ -24,7 +24,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from cryobox import config
@@ -208,6 +208,13 @@ def reshaped(source: Manifest, asked: dict[str, int | None]) -> dict[str, int | 
             check_growth(source.id, source.layout, manifest_shape(source), {name: wanted})
         shape[name] = wanted
     return shape
+
+
+def template_owner(entry: Mapping[str, Any], asking: str) -> str:
+    """The tenant whose store holds a template's snapshot and its variants: the one
+    that saved it (as its entry says), or ``asking`` for an entry saved before entries
+    said so (as then)."""
+    return str(entry.get("tenant") or asking)
 
 
 def shaped_template(request: CreateRequest) -> str:
@@ -1104,9 +1111,10 @@ class SandboxService:
         async with self._template_locked(name):  # not while a variant of it is made
             entry = self.store.template(name) or entry
             self.store.delete_template(name)
-        await self._delete_variants(entry, tenant)
+        owner = template_owner(entry, tenant)
+        await self._delete_variants(entry, owner)
         with contextlib.suppress(CryoboxError):
-            await self.catalog.delete_snapshot(str(entry["snapshot"]), tenant=tenant)
+            await self.catalog.delete_snapshot(str(entry["snapshot"]), tenant=owner)
 
     async def drain_pool(self, template: str | None = None) -> builtins.list[str]:
         """End the waiting members of ``template``'s warm pool (or of every pool); their
@@ -1147,7 +1155,8 @@ class SandboxService:
             )
         if entry is not None and usable:
             try:
-                manifest = await self.persist.of(tenant).local_or_pulled(str(entry["snapshot"]))
+                owner = template_owner(entry, tenant)
+                manifest = await self.persist.of(owner).local_or_pulled(str(entry["snapshot"]))
                 if cache:
                     await asyncio.to_thread(self._continuable, manifest, image, accelerator)
                 return manifest
@@ -1219,11 +1228,14 @@ class SandboxService:
             # Built again or deleted since the create looked: a new save waited for this
             # lock, so the snapshot this create would grow is on its way out.
             raise TemplateNotFound(name)
+        # The template's owner keeps (and pays for) its variants, whoever asked first:
+        # any tenant may use one of the host's templates.
+        owner = template_owner(entry, tenant)
         variants = dict(entry.get("variants") or {})
         known = variants.pop(key, None)
         if known:
             with contextlib.suppress(SnapshotNotFound):
-                return await self.persist.of(tenant).local_or_pulled(str(known))
+                return await self.persist.of(owner).local_or_pulled(str(known))
         if progress:
             progress(
                 f"giving template {name} {shape['cpus']} vCPUs and {shape['memory_mib']} MiB "
@@ -1239,12 +1251,12 @@ class SandboxService:
             ),
             progress,
             start=StartOptions(variant_build=True),
-            tenant=tenant,
-            owner=f"{BUILDING}{tenant}",  # never a tenant's sandbox
+            tenant=owner,
+            owner=f"{BUILDING}{owner}",  # never a tenant's sandbox
         )
         try:
             saved = await self.capture(
-                sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}@{key}", tenant=tenant
+                sandbox.id, SnapshotPurpose.TEMPLATE, f"template:{name}@{key}", tenant=owner
             )
             # Named before the sandbox is killed: its kill collects unnamed templates.
             variants[key] = saved.id
@@ -1258,7 +1270,7 @@ class SandboxService:
         for stale in [known, *(variants[k] for k in dropped)]:
             if stale and stale != saved.id:  # lost, or the oldest beyond the limit
                 with contextlib.suppress(CryoboxError):
-                    await self.catalog.delete_snapshot(str(stale), tenant=tenant)
+                    await self.catalog.delete_snapshot(str(stale), tenant=owner)
         return self.store.get(saved.id)
 
     @contextlib.asynccontextmanager
@@ -1457,12 +1469,14 @@ class SandboxService:
                     "setup": list(setup),
                     "ports": sorted(set(ports)),
                     "created_at": time.time(),
+                    "tenant": tenant,
                 },
             )
         if previous and previous.get("snapshot") != saved.id:
-            await self._delete_variants(previous, tenant)
+            before = template_owner(previous, tenant)
+            await self._delete_variants(previous, before)
             with contextlib.suppress(CryoboxError):  # kept while something builds on it
-                await self.catalog.delete_snapshot(str(previous["snapshot"]), tenant=tenant)
+                await self.catalog.delete_snapshot(str(previous["snapshot"]), tenant=before)
         return saved
 
     async def close(self) -> None:

@@ -111,16 +111,22 @@ def new_snapshot(
     """A new folder for a snapshot's files (:meth:`SnapshotStore.begin`), abandoned when
     the block raises: nothing half-written stays. The block commits it. An ``OSError``
     becomes ``failed(error, folder)`` (a :class:`~cryobox.errors.StorageError` naming
-    what was being saved)."""
-    temp = store.begin(snapshot_id)
-    try:
-        yield temp
-    except OSError as exc:
-        store.abandon(temp)
-        raise failed(exc, temp) from exc
-    except BaseException:
-        store.abandon(temp)
-        raise
+    what was being saved).
+
+    Its writer's lock (a pull's, :meth:`SnapshotStore.pulling`) is held until the block
+    ends, so :meth:`SnapshotStore.sweep` in any process leaves the folder alone however
+    long the save takes (it went by the folder's time alone, which a long write into
+    one file does not change: a save at work for 10 minutes was removed under it)."""
+    with store.pulling(snapshot_id, wait=False):  # (a new id: nobody else holds it)
+        temp = store.begin(snapshot_id)
+        try:
+            yield temp
+        except OSError as exc:
+            store.abandon(temp)
+            raise failed(exc, temp) from exc
+        except BaseException:
+            store.abandon(temp)
+            raise
 
 
 class SnapshotStore(Protocol):
@@ -244,7 +250,8 @@ class SnapshotStore(Protocol):
     def pulling(
         self, snapshot_id: str, *, wait: bool = True
     ) -> contextlib.AbstractContextManager[None]:
-        """Held while a snapshot is pulled here, from its :meth:`begin` to its commit:
+        """Held while a snapshot is pulled here, from its :meth:`begin` to its commit (and
+        while one is saved here, :func:`new_snapshot`):
         one pull of it at a time, across processes (a second pull's ``begin`` removed
         the first one's folder as if a killed pull had left it, and the first then
         committed the second's files), and :meth:`sweep` leaves the folder of a pull

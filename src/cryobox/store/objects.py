@@ -282,8 +282,26 @@ class S3Objects:
     def _made(boto3: Any, read_timeout: float, attempts: int) -> Any:
         from botocore.config import Config
 
+        # The keys in the environment now, as the default chain would take them first:
+        # the default session keeps the first it found for the life of the process, so
+        # a store opened after the environment changed (a job handed to a spare, a test)
+        # signed with the old ones. None: the rest of the chain (a profile, a role).
+        key_id, secret = (
+            os.environ.get("AWS_ACCESS_KEY_ID"),
+            os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        )
+        keys = (
+            {
+                "aws_access_key_id": key_id,
+                "aws_secret_access_key": secret,
+                "aws_session_token": os.environ.get("AWS_SESSION_TOKEN") or None,
+            }
+            if key_id and secret
+            else {}
+        )
         return boto3.client(
             "s3",
+            **keys,
             region_name=os.environ.get("AWS_REGION") or "us-east-1",
             config=Config(
                 retries={"mode": "standard", "max_attempts": attempts},

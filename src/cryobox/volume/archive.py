@@ -12,6 +12,7 @@ and a link is stored as the link it is (never followed), whatever the archive ho
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import posixpath
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cryobox.errors import InvalidArgument
-from cryobox.volume.files import VolumeFiles
+from cryobox.volume.files import VolumeFiles, gate
 from cryobox.volume.wire import BLOCK
 
 #: Bytes copied at once out of the archive.
@@ -29,13 +30,15 @@ PIECE = 1 << 20
 
 @contextlib.contextmanager
 def frozen(lock: Path) -> Iterator[None]:
-    """No writer changes the volume meanwhile (they hold the lock shared per change)."""
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    """No writer changes the volume meanwhile (they hold the lock shared per change).
+    The gate first: changes that start meanwhile wait behind this one, however many
+    are under way and however they overlap (:meth:`VolumeFiles._change`)."""
+    with contextlib.ExitStack() as held:
+        for path in (gate(lock), lock):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            held.callback(os.close, fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
-    finally:
-        os.close(fd)
 
 
 def _owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -71,7 +74,22 @@ def pack(root: Path, output: Path, limit: int) -> None:
         size, which a restore of them could not hold either), naming the file that
         does; before its bytes are written. A guest's file made terabytes long by a
         truncate (no block taken), or given thousands of names, filled the host's disk.
+        And when a path in the volume is longer than the kernel resolves (4096 bytes:
+        a deep folder moved into another), which a restore could not make either.
     """
+    try:
+        _pack(root, output, limit)
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        deep = os.path.relpath(str(exc.filename), root) if exc.filename else "?"
+        raise InvalidArgument(
+            f"the volume holds a path longer than {os.pathconf('/', 'PC_PATH_MAX')} bytes, "
+            f"which a snapshot cannot store or restore: move it up ({deep[:120]}...)"
+        ) from None
+
+
+def _pack(root: Path, output: Path, limit: int) -> None:
     # Private like every file of the state folder (the volume's files keep their modes
     # inside the archive).
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

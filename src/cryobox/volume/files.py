@@ -267,6 +267,16 @@ def _usage_of(root: Path, created_at: float) -> _Usage:
         return _usages.setdefault((root, created_at), _Usage(root))
 
 
+def gate(lock: Path) -> Path:
+    """The file a volume snapshot holds, beside the volume's ``lock``, so that no new
+    change starts while it waits for the ones under way (:meth:`VolumeFiles._change`)."""
+    return lock.with_name(f"{lock.name}.gate")
+
+
+def _lock_file(path: Path) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
 class VolumeFiles:
     """One volume's folder as its guests see it; thread-safe (one writer lock for the
     size estimate only)."""
@@ -288,15 +298,15 @@ class VolumeFiles:
         self.limit = limit_bytes
         self.read_only = read_only
         self._root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._lock_fd = (
-            None if lock is None else os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        )
+        self._lock_fd = None if lock is None else _lock_file(lock)
+        self._gate_fd = None if lock is None else _lock_file(gate(lock))
         self._usage = _usage_of(root, created_at) if shared_count else _Usage(root)
 
     def close(self) -> None:
         os.close(self._root_fd)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
+        for fd in (self._lock_fd, self._gate_fd):
+            if fd is not None:
+                os.close(fd)
 
     # -- resolution
 
@@ -321,12 +331,21 @@ class VolumeFiles:
     @contextlib.contextmanager
     def _change(self) -> Iterator[None]:
         """Around every change: refused on a read-only mount, and made under the volume's
-        lock held shared (a volume snapshot holds it whole: writers wait meanwhile)."""
+        lock held shared (a volume snapshot holds it whole: writers wait meanwhile).
+
+        The shared lock is taken through the volume's gate, held alone for that moment
+        only: a snapshot holds the gate while it waits for the changes under way, so new
+        ones wait behind it. (``flock`` grants a shared lock while an exclusive one
+        waits: writers whose changes overlapped, in any process, starved a snapshot.)"""
         self._writable()
-        if self._lock_fd is None:
+        if self._lock_fd is None or self._gate_fd is None:
             yield
             return
-        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        fcntl.flock(self._gate_fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
         try:
             yield
         finally:
