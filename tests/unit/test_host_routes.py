@@ -72,6 +72,8 @@ _COOKIES = (
     "named=2; Domain=8000-{id}.LOCALHOST; Secure",
     "planted=3; Path=/; Domain=.localhost",
     "parent=4; domain=localhost ; Path=/",
+    "twice=5; Domain=8000-{id}.localhost; Domain=localhost",  # (a browser takes the last)
+    "emptied=6; Domain=localhost; Domain=",
 )
 
 

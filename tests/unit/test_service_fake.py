@@ -1026,6 +1026,14 @@ async def test_a_host_templates_variant_is_the_hosts_whichever_tenant_asked_firs
         await service.close()
 
 
+def test_a_template_saved_before_entries_named_their_owner_is_judged_by_its_name() -> None:
+    """Entries saved by an older cryobox say no owner: a host template's is the host's
+    (whoever asks), a tenant's own (``tn-ID.NAME``) its tenant's."""
+    assert service.template_owner({"name": "python", "tenant": "tn-a"}, "tn-b") == "tn-a"
+    assert service.template_owner({"name": "python"}, "tn-b") == config.LOCAL_TENANT
+    assert service.template_owner({"name": "tn-b.python"}, "tn-b") == "tn-b"
+
+
 def _not_found(find: Callable[[], object]) -> bool:
     try:
         find()

@@ -298,11 +298,12 @@ def own_cookie(header: str, value: str, host: str) -> bool:
     ignores it the same way under a public suffix (E2B's ``e2b.app``)."""
     if header != "set-cookie":
         return True
-    for attribute in value.split(";")[1:]:
-        key, _, domain = attribute.partition("=")
-        if key.strip().lower() == "domain":
-            return domain.strip().lstrip(".").lower() in ("", host)
-    return True
+    # Every Domain attribute is looked at, not only the last (the one a browser takes).
+    return all(
+        domain.strip().lstrip(".").lower() in ("", host)
+        for key, _, domain in (attribute.partition("=") for attribute in value.split(";")[1:])
+        if key.strip().lower() == "domain"
+    )
 
 
 def canonical_name(name: str) -> str:

@@ -212,9 +212,12 @@ def reshaped(source: Manifest, asked: dict[str, int | None]) -> dict[str, int | 
 
 def template_owner(entry: Mapping[str, Any], asking: str) -> str:
     """The tenant whose store holds a template's snapshot and its variants: the one
-    that saved it (as its entry says), or ``asking`` for an entry saved before entries
-    said so (as then)."""
-    return str(entry.get("tenant") or asking)
+    that saved it, as its entry says; for an entry saved before entries said so, the
+    host's for a host template (as an upload judges its layers, ``uploads._owner_of``),
+    else ``asking`` (a tenant's own, ``tn-ID.NAME``, only its tenant asks for)."""
+    if entry.get("tenant"):
+        return str(entry["tenant"])
+    return asking if str(entry.get("name", "")).startswith("tn-") else LOCAL_TENANT
 
 
 def shaped_template(request: CreateRequest) -> str:
@@ -1263,7 +1266,7 @@ class SandboxService:
             dropped = list(variants)[: max(0, len(variants) - MAX_VARIANTS)]
             kept = {k: v for k, v in variants.items() if k not in dropped}
             info = {k: v for k, v in entry.items() if k not in ("name", "snapshot")}
-            self.store.set_template(name, source.id, {**info, "variants": kept})
+            self.store.set_template(name, source.id, {**info, "tenant": owner, "variants": kept})
         finally:
             with contextlib.suppress(CryoboxError):
                 await self.kill(sandbox.id, keep_record=False)

@@ -294,7 +294,10 @@ class S3Objects:
             {
                 "aws_access_key_id": key_id,
                 "aws_secret_access_key": secret,
-                "aws_session_token": os.environ.get("AWS_SESSION_TOKEN") or None,
+                # (botocore's own order: the older name first)
+                "aws_session_token": os.environ.get("AWS_SECURITY_TOKEN")
+                or os.environ.get("AWS_SESSION_TOKEN")
+                or None,
             }
             if key_id and secret
             else {}
