@@ -1026,6 +1026,40 @@ async def test_a_host_templates_variant_is_the_hosts_whichever_tenant_asked_firs
         await service.close()
 
 
+async def test_a_host_templates_stored_copy_stays_while_a_tenants_stored_snapshot_builds_on_it() -> (
+    None
+):
+    """A tenant's snapshot of a sandbox made from one of the host's templates is stored
+    as the tenant's, the template below it as the host's (once for every tenant). A
+    delete of the template asked only the host's own store what builds on it: once the
+    tenant's snapshot was no longer on the host (evicted, or on another host), the
+    template left the store and the snapshot could not be restored anywhere."""
+    from cryobox.models import SnapshotPurpose
+    from cryobox.service import open_service
+    from cryobox.snapshot.store import LocalSnapshotStore
+
+    Sandbox.build_template("beneath", ["true"])  # the host's own
+    service = open_service()
+    try:
+        made = await service.create(CreateRequest(template="beneath"), tenant="tn-above")
+        saved = await service.capture(made.id, SnapshotPurpose.SNAPSHOT, "mine", tenant="tn-above")
+        await service.kill(made.id)
+        folder = config.state_dir() / "snapshots" / saved.id
+        until(lambda: uploads.state(folder).get("state") == "stored", "the snapshot stored", 120)
+        template = service.store.template("beneath")
+        assert template is not None
+        below = str(template["snapshot"])
+        hosts = ChunkStore(config.LOCAL_TENANT, open_objects())
+        assert hosts.find(below)  # stored first, as the host's
+        LocalSnapshotStore().delete(saved.id)  # as on another host: only stored
+        await service.delete_template("beneath")
+        assert hosts.find(below)  # (before: gone from the store)
+        pulled = await service.persist.of("tn-above").local_or_pulled(saved.id)
+        assert pulled.id == saved.id
+    finally:
+        await service.close()
+
+
 def test_a_template_saved_before_entries_named_their_owner_is_judged_by_its_name() -> None:
     """Entries saved by an older cryobox say no owner: a host template's is the host's
     (whoever asks), a tenant's own (``tn-ID.NAME``) its tenant's."""

@@ -150,6 +150,11 @@ class ChunkStore:
                 if stored.id not in snapshot_ids
                 for layer in mf.builds_on(stored.manifest)
             }
+            if self.tenant == LOCAL_TENANT:
+                others = self._layers_of_other_tenants(strict)
+                if others is None:
+                    return None
+                needed |= others
             # One of them kept (something else builds on it) keeps what it builds on.
             kept = [s for s in every if s.id in snapshot_ids]
             while (
@@ -166,6 +171,28 @@ class ChunkStore:
             for snapshot_id in deleted:
                 self.delete(snapshot_id)
             return deleted
+
+    def _layers_of_other_tenants(self, strict: bool) -> set[str] | None:
+        """What every other tenant's stored snapshots and pauses build on. The host's
+        own stored snapshots (its templates and their variants) are layers of any
+        tenant's: a tenant's snapshot evicted from the host, or its pause moved to
+        another, is restored from them. ``None`` while one of those tenants' uploads
+        runs (it may be storing one that builds on them).
+
+        :raises StoreError: when a tenant's records cannot be read here (its key is not
+            on this host): nothing is deleted, a later collection tries again.
+        """
+        layers: set[str] = set()
+        for info in self.objects.list("keys/"):
+            tenant = info.key.removeprefix("keys/").removesuffix(".json")
+            if tenant == self.tenant or info.key != record_key(tenant):
+                continue
+            if locks.active(self.objects, tenant, "upload"):
+                return None
+            other = data_key(self.objects, check_tenant(tenant))
+            for stored in catalog.all_stored(self.objects, other, strict=strict):
+                layers.update(mf.builds_on(stored.manifest))
+        return layers
 
     def delete_pause(self, sandbox_id: str) -> None:
         self.objects.delete(catalog.pause_key(self.tenant, sandbox_id))
