@@ -1026,9 +1026,7 @@ async def test_a_host_templates_variant_is_the_hosts_whichever_tenant_asked_firs
         await service.close()
 
 
-async def test_a_host_templates_stored_copy_stays_while_a_tenants_stored_snapshot_builds_on_it() -> (
-    None
-):
+async def test_a_host_templates_stored_copy_stays_while_a_tenants_snapshot_builds_on_it() -> None:
     """A tenant's snapshot of a sandbox made from one of the host's templates is stored
     as the tenant's, the template below it as the host's (once for every tenant). A
     delete of the template asked only the host's own store what builds on it: once the
