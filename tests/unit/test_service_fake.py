@@ -1049,6 +1049,11 @@ async def test_a_host_templates_stored_copy_stays_while_a_tenants_snapshot_build
         below = str(template["snapshot"])
         hosts = ChunkStore(config.LOCAL_TENANT, open_objects())
         assert hosts.find(below)  # stored first, as the host's
+        # An upload of the tenant's that builds on layers puts the host's removals off
+        # (it may be storing one on them: it checked them stored, it commits next).
+        manifest = LocalSnapshotStore().get(saved.id)
+        with uploads._host_layers_held(manifest, "tn-above", hosts):
+            assert hosts.delete_unneeded([below]) is None
         LocalSnapshotStore().delete(saved.id)  # as on another host: only stored
         await service.delete_template("beneath")
         assert hosts.find(below)  # (before: gone from the store)

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from cryobox.errors import SnapshotNotFound
+from cryobox.errors import InvalidArgument, SnapshotNotFound
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.snapshot.store import looks_like_id
@@ -151,10 +151,7 @@ class ChunkStore:
                 for layer in mf.builds_on(stored.manifest)
             }
             if self.tenant == LOCAL_TENANT:
-                others = self._layers_of_other_tenants(strict)
-                if others is None:
-                    return None
-                needed |= others
+                needed |= self._layers_of_other_tenants()
             # One of them kept (something else builds on it) keeps what it builds on.
             kept = [s for s in every if s.id in snapshot_ids]
             while (
@@ -172,12 +169,15 @@ class ChunkStore:
                 self.delete(snapshot_id)
             return deleted
 
-    def _layers_of_other_tenants(self, strict: bool) -> set[str] | None:
+    def _layers_of_other_tenants(self) -> set[str]:
         """What every other tenant's stored snapshots and pauses build on. The host's
         own stored snapshots (its templates and their variants) are layers of any
         tenant's: a tenant's snapshot evicted from the host, or its pause moved to
-        another, is restored from them. ``None`` while one of those tenants' uploads
-        runs (it may be storing one that builds on them).
+        another, is restored from them. (A tenant's upload that builds on layers holds
+        an upload lease under the host's name too, which :meth:`delete_unneeded` looks
+        for: ``uploads._host_layers_held``.) A record that does not verify with its
+        tenant's key is passed over (nobody can restore it), and so is a name under
+        ``keys/`` that is no tenant's record.
 
         :raises StoreError: when a tenant's records cannot be read here (its key is not
             on this host): nothing is deleted, a later collection tries again.
@@ -187,10 +187,11 @@ class ChunkStore:
             tenant = info.key.removeprefix("keys/").removesuffix(".json")
             if tenant == self.tenant or info.key != record_key(tenant):
                 continue
-            if locks.active(self.objects, tenant, "upload"):
-                return None
-            other = data_key(self.objects, check_tenant(tenant))
-            for stored in catalog.all_stored(self.objects, other, strict=strict):
+            try:
+                check_tenant(tenant)
+            except InvalidArgument:
+                continue
+            for stored in catalog.all_stored(self.objects, data_key(self.objects, tenant)):
                 layers.update(mf.builds_on(stored.manifest))
         return layers
 

@@ -37,7 +37,7 @@ from cryobox import config
 from cryobox.errors import CryoboxError, StoreError
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.store import LocalSnapshotStore
-from cryobox.store import catalog, ram_cache
+from cryobox.store import catalog, locks, ram_cache
 from cryobox.store.chunkstore import ChunkStore
 from cryobox.store.objects import connection, open_objects, store_url
 from cryobox.util import open_log, write_json_atomic
@@ -173,10 +173,11 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
                     raise StoreError(str(folder), "uploading", f"{name} changed meanwhile")
             _check_layers_stored(manifest, tenant, store)
 
-        _store_layers_below(manifest, tenant, str(current.get("store") or store_url()), store)
-        stored = store.push(
-            folder, manifest, sandbox=sandbox, progress=progress, before_commit=unchanged
-        )
+        with _host_layers_held(manifest, tenant, store):
+            _store_layers_below(manifest, tenant, str(current.get("store") or store_url()), store)
+            stored = store.push(
+                folder, manifest, sandbox=sandbox, progress=progress, before_commit=unchanged
+            )
     except (CryoboxError, OSError, TimeoutError) as exc:
         if not (folder / mf.MANIFEST).exists():
             return True
@@ -191,6 +192,21 @@ def upload(folder: Path, shown: Callable[[int, int], None] | None = None) -> boo
         stored_at=stored.stored_at,
     )
     return True
+
+
+@contextlib.contextmanager
+def _host_layers_held(manifest: mf.Manifest, tenant: str, store: ChunkStore) -> Iterator[None]:
+    """A tenant's upload of a snapshot that builds on layers holds an upload lease
+    under the host's name too: its layers may be the host's (a host template, stored
+    once for every tenant), which a collection of the host's keeps only while no such
+    upload runs (``ChunkStore.delete_unneeded``). Without it, an upload on another host
+    could check its layer stored, the host's collection delete it, and the upload
+    commit a snapshot on a missing layer."""
+    if tenant == config.LOCAL_TENANT or not manifest.builds_on:
+        yield
+        return
+    with locks.uploading(store.objects, config.LOCAL_TENANT):
+        yield
 
 
 def _store_layers_below(manifest: mf.Manifest, tenant: str, url: str, store: ChunkStore) -> None:
