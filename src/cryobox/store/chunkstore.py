@@ -13,13 +13,20 @@ import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from cryobox.errors import InvalidArgument, SnapshotNotFound
+from cryobox.errors import SnapshotNotFound
 from cryobox.snapshot import manifest as mf
 from cryobox.snapshot.manifest import Manifest
 from cryobox.snapshot.store import looks_like_id
 from cryobox.store import catalog, locks, start_hints, transfer
 from cryobox.store.catalog import StoredSnapshot
-from cryobox.store.keys import LOCAL_TENANT, DataKey, check_tenant, data_key, record_key
+from cryobox.store.keys import (
+    LOCAL_TENANT,
+    DataKey,
+    check_tenant,
+    data_key,
+    record_key,
+    stored_tenants,
+)
 from cryobox.store.objects import ObjectStore, open_objects
 from cryobox.store.transfer import Progress
 
@@ -183,16 +190,10 @@ class ChunkStore:
             on this host): nothing is deleted, a later collection tries again.
         """
         layers: set[str] = set()
-        for info in self.objects.list("keys/"):
-            tenant = info.key.removeprefix("keys/").removesuffix(".json")
-            if tenant == self.tenant or info.key != record_key(tenant):
-                continue
-            try:
-                check_tenant(tenant)
-            except InvalidArgument:
-                continue
-            for stored in catalog.all_stored(self.objects, data_key(self.objects, tenant)):
-                layers.update(mf.builds_on(stored.manifest))
+        for tenant in stored_tenants(self.objects):
+            if tenant != self.tenant:
+                for stored in catalog.all_stored(self.objects, data_key(self.objects, tenant)):
+                    layers.update(mf.builds_on(stored.manifest))
         return layers
 
     def delete_pause(self, sandbox_id: str) -> None:

@@ -49,6 +49,15 @@ def record_key(tenant: str) -> str:
     return f"keys/{tenant}.json"
 
 
+def stored_tenants(objects: ObjectStore) -> Iterator[str]:
+    """Every tenant with a data key in the store (a name under ``keys/`` that is no
+    tenant's record is passed over)."""
+    for info in objects.list("keys/"):
+        tenant = info.key.removeprefix("keys/").removesuffix(".json")
+        if _TENANT.fullmatch(tenant) and info.key == record_key(tenant):
+            yield tenant
+
+
 def check_tenant(tenant: str) -> str:
     if not _TENANT.fullmatch(tenant):
         raise InvalidArgument(f"not a tenant name for the store: {tenant!r}")

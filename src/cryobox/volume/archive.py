@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cryobox.errors import InvalidArgument
-from cryobox.volume.files import VolumeFiles, gate
+from cryobox.volume.files import VolumeFiles, gate, open_lock
 from cryobox.volume.wire import BLOCK
 
 #: Bytes copied at once out of the archive.
@@ -35,7 +35,7 @@ def frozen(lock: Path) -> Iterator[None]:
     are under way and however they overlap (:meth:`VolumeFiles._change`)."""
     with contextlib.ExitStack() as held:
         for path in (gate(lock), lock):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_lock(path)
             held.callback(os.close, fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield

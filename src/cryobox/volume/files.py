@@ -273,7 +273,8 @@ def gate(lock: Path) -> Path:
     return lock.with_name(f"{lock.name}.gate")
 
 
-def _lock_file(path: Path) -> int:
+def open_lock(path: Path) -> int:
+    """A descriptor of a volume's lock file (or its gate) to ``flock``, made if missing."""
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
@@ -298,15 +299,14 @@ class VolumeFiles:
         self.limit = limit_bytes
         self.read_only = read_only
         self._root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._lock_fd = None if lock is None else _lock_file(lock)
-        self._gate_fd = None if lock is None else _lock_file(gate(lock))
+        #: The volume's gate and lock (:meth:`_change`), when changes take them.
+        self._locks = None if lock is None else (open_lock(gate(lock)), open_lock(lock))
         self._usage = _usage_of(root, created_at) if shared_count else _Usage(root)
 
     def close(self) -> None:
         os.close(self._root_fd)
-        for fd in (self._lock_fd, self._gate_fd):
-            if fd is not None:
-                os.close(fd)
+        for fd in self._locks or ():
+            os.close(fd)
 
     # -- resolution
 
@@ -338,18 +338,19 @@ class VolumeFiles:
         ones wait behind it. (``flock`` grants a shared lock while an exclusive one
         waits: writers whose changes overlapped, in any process, starved a snapshot.)"""
         self._writable()
-        if self._lock_fd is None or self._gate_fd is None:
+        if self._locks is None:
             yield
             return
-        fcntl.flock(self._gate_fd, fcntl.LOCK_EX)
+        gate_fd, lock_fd = self._locks
+        fcntl.flock(gate_fd, fcntl.LOCK_EX)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+            fcntl.flock(lock_fd, fcntl.LOCK_SH)
         finally:
-            fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
+            fcntl.flock(gate_fd, fcntl.LOCK_UN)
         try:
             yield
         finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
 
     def _grow(self, added: int) -> None:
         """Count ``added`` bytes in; ENOSPC when they would pass the limit. Every write
