@@ -761,6 +761,36 @@ def image_rm(image_ids: list[str]) -> None:
             out.print(f"removed {image_id}")
 
 
+@image_app.command("prune")
+def image_prune(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List what would go; remove nothing.")
+    ] = False,
+) -> None:
+    """Delete the guest images older than the current one that no template, snapshot or
+    sandbox of this host (this state directory) boots from, with the cache entries only
+    they used. The current image, and imports on it, are kept."""
+    from cryobox.service import open_service
+
+    with errors_reported():
+        pruned = open_service().prune_images(dry_run=dry_run)
+        verb = "would remove" if dry_run else "removed"
+        rows = [
+            (
+                p.image_id,
+                p.kind,
+                f"{p.size / 1e6:.0f} MB",
+                "kept: used by " + ", ".join(p.users[:3]) + (" ..." if len(p.users) > 3 else "")
+                if p.kept
+                else verb,
+            )
+            for p in pruned
+        ]
+        print_rows(("IMAGE", "KIND", "OWN SIZE", "OUTCOME"), rows)
+        freed = sum(p.size for p in pruned if not p.kept)
+        console.print(f"{verb} {sum(not p.kept for p in pruned)} images, {freed / 1e6:.0f} MB")
+
+
 @image_app.command("info")
 def image_info() -> None:
     """Show the current image's key, versions and sizes."""

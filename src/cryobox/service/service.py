@@ -54,8 +54,10 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
-from cryobox.image.build import Image, Progress
+from cryobox.image.build import Image, Progress, image_key
 from cryobox.image.oci import ImageConfig, import_image, remove_image
+from cryobox.image.prune import Pruned
+from cryobox.image.prune import prune as prune_images
 from cryobox.models import (
     CommandRequest,
     CreateRequest,
@@ -1299,7 +1301,18 @@ class SandboxService:
     def remove_image(self, image_id: str) -> None:
         """Delete a guest image imported from a container image, once nothing on this
         host boots from it (a template, a snapshot, a sandbox: refused, naming them)."""
-        users = [
+        remove_image(image_id, self.image_users(image_id))
+
+    def prune_images(self, *, dry_run: bool = False) -> builtins.list[Pruned]:
+        """Remove the guest images older than the current one that nothing on this host
+        boots from, and what only they used (:mod:`cryobox.image.prune`)."""
+        key = image_key()  # (the current image need not be built: all others are old)
+        return prune_images(key["id"], key["rootfs_key"], self.image_users, dry_run=dry_run)
+
+    def image_users(self, image_id: str) -> builtins.list[str]:
+        """What on this host boots from guest image ``image_id``: its templates,
+        snapshots and the sandboxes that are not over."""
+        users: builtins.list[str] = [
             f"template {t['name']}" for t in self.store.templates() if t.get("image_id") == image_id
         ]
         users += [f"snapshot {m.id}" for m in self.store.all() if m.image_id == image_id]
@@ -1309,7 +1322,7 @@ class SandboxService:
             if spec.image_id == image_id
             and record.state not in (SandboxState.KILLED, SandboxState.DEAD)
         ]
-        remove_image(image_id, users)
+        return users
 
     async def _saved_image(self, image_id: str, current: Image) -> Image:
         """The guest image a saved machine of image ``image_id`` continues on: the
