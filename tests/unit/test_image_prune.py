@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cryobox import config
+from cryobox.errors import ImageError
 from cryobox.image.build import images_dir
 from cryobox.image.prune import prune
 
@@ -144,3 +145,16 @@ def test_the_cli_keeps_an_old_image_a_sandbox_boots_from_until_it_is_over(
     pruned = cli("image", "prune")
     assert "removed 1 images" in pruned.stderr
     assert not (cache / "fake-image-1").exists()
+
+
+def test_a_pruned_images_absence_says_it_cannot_be_built_again() -> None:
+    """`cryobox image build` makes the current image only: it was the advice given for
+    any image that is not here, an older one too."""
+    from cryobox.image.build import image_key
+    from cryobox.qemu.vmm import QemuVmm
+
+    current = image_key()["id"]
+    with pytest.raises(ImageError) as refused:
+        QemuVmm().load_image("0000000000000bad")
+    assert f"the current image is {current}" in str(refused.value)
+    assert "removed by `cryobox image prune`, and cannot be built again" in str(refused.value)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cryobox.errors import ImageError, QemuError
-from cryobox.image.build import Image, ensure_image, find_image
+from cryobox.image.build import Image, ensure_image, find_image, image_key
 from cryobox.qemu.accel import cpu_has_virtualization, detect_accelerator
 from cryobox.qemu.command import MACHINE_TYPE, build_command, cpu_model, device_drivers
 from cryobox.qemu.process import QemuProcess, qemu_version
@@ -35,11 +35,10 @@ class QemuVmm:
             if re.fullmatch(r"[0-9a-f]+-[0-9a-f]{64}", image_id):
                 raise ImageError(
                     f"guest image {image_id} was imported from a container image on another "
-                    "host, and is not on this one (build its template here with --image)"
+                    "host, or removed from this one (`cryobox image rm` or `prune`), and is "
+                    "not here (build its template here with --image)"
                 )
-            raise ImageError(
-                f"guest image {image_id} is not on this host (run `cryobox image build`)"
-            )
+            raise ImageError(f"guest image {image_id} is not on this host ({_why_not(image_id)})")
         return image
 
     def accelerator(self, image: Image) -> str:
@@ -108,3 +107,18 @@ class QemuVmm:
         process = QemuProcess(spec, stderr_path)
         await process.start(on_spawn=on_spawn)
         return process
+
+
+def _why_not(image_id: str) -> str:
+    """What to do about a guest image that is not here: build it when it is the current
+    one; an older one (another cryobox's, or pruned) cannot be made again."""
+    try:
+        current = image_key()["id"]
+    except ImageError:
+        current = None
+    if current is None or current == image_id:
+        return "run `cryobox image build`"
+    return (
+        f"the current image is {current}; {image_id} was made by another version of "
+        "cryobox, or removed by `cryobox image prune`, and cannot be built again here"
+    )
