@@ -9,6 +9,8 @@ import time
 import urllib.request
 
 from cryobox import Sandbox
+from cryobox.config import pause_hold
+from cryobox.service import pool
 
 COUNTER = (
     "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/counter; sleep 0.2; done'"
@@ -39,8 +41,16 @@ def fetch(url: str) -> str:
 def main() -> None:
     print("cryobox demo: real Debian VMs under QEMU (TCG on this host)")
     step = Steps()
-    with Sandbox.create(ports=[8000], progress=print) as sbx:
-        step.done(f"created {sbx.id} (restored from the default template)")
+    told: list[str] = []
+
+    def progress(line: str) -> None:
+        told.append(line)
+        print(line)
+
+    with Sandbox.create(ports=[8000], progress=progress) as sbx:
+        built = any("building the default template" in line for line in told)
+        how = "template built by a cold boot, then restored" if built else "restored"
+        step.done(f"created {sbx.id} ({how})")
 
         result = sbx.commands.run("python3 -c 'print(6*7)'")
         step.done(f"python3 -c 'print(6*7)' -> {result.stdout.strip()}")
@@ -59,7 +69,9 @@ def main() -> None:
         step.done(f"checkpoint, rm -rf /root/app, rollback -> {kept!r}")
 
         sbx.pause()
-        step.done("paused: RAM, devices and disk saved, QEMU gone")
+        hold = pause_hold()
+        kept = f"QEMU held {hold:g} s" if hold else "QEMU gone"
+        step.done(f"paused: RAM, devices and disk saved ({kept})")
         sbx = Sandbox.resume(sbx.id)
         body = fetch(f"http://127.0.0.1:{sbx.ports[8000]}/index.html")
         step.done(f"resumed: the web server still answers -> {body!r}")
@@ -77,7 +89,9 @@ def main() -> None:
             print("   ", out.stdout.strip())
             fork.kill()
         Sandbox.delete_snapshot(snapshot.id)
-    print("  all sandboxes killed")
+    print("  all the demo's sandboxes killed")
+    if pool.sizes():
+        print("  (the warm pool keeps restored sandboxes waiting: `cryobox pool drain` ends them)")
 
 
 if __name__ == "__main__":

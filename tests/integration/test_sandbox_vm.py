@@ -514,6 +514,11 @@ def test_other_processes_see_and_use_the_sandbox(
         == 0
     )
     assert (tmp_path / "out.txt").read_text() == "via cp"
+    missing = cli("cp", f"{shared_sandbox.id}:/root/no-such", str(tmp_path / "x"), env=env)
+    assert missing.returncode == 1
+    assert f"{shared_sandbox.id}:/root/no-such: no such file or folder in the sandbox" in (
+        missing.stderr
+    )
     # Any id form names the sandbox (a prefix without sbx-); an unknown one is said so.
     short = shared_sandbox.id.removeprefix("sbx-")[:8]
     by_prefix = cli("cp", str(source), f"{short}:/root/in2.txt", env=env)

@@ -625,10 +625,16 @@ def test_forks_that_do_not_fit_their_parents_host_are_made_on_another_through_th
     on, on b); one more fork fits neither host and is refused, naming both. Over real
     VMs, with the copies' files and processes: ``tests/integration/test_fleet_vm.py``."""
     with lossy_pair(postgres, fleet_dir, "hosts_fork_away", vcpus={"a": 4, "b": 2}) as (_, b):
-        parent = Sandbox.create(api_url=b.url, api_key=b.key, cpus=2, envs={"NOTE": "kept"})
+        parent = Sandbox.create(
+            api_url=b.url, api_key=b.key, cpus=2, envs={"NOTE": "kept"}, timeout=300
+        )
+        parent.set_timeout(1800)  # (the copies live as long as it was last told to)
         a_id = (fleet_dir / "a" / "host-id").read_text().strip()
         forks = parent.fork(2)
         assert [f.info().host for f in forks] == [a_id, a_id]
+        for copy in forks:
+            deadline = copy.info().deadline
+            assert deadline is not None and 1700 < deadline - time.time() <= 1800
         assert {f.id for f in forks} == {
             p.name for p in (fleet_dir / "a" / "sandboxes").iterdir() if p.name != parent.id
         }

@@ -1348,3 +1348,19 @@ def test_a_network_given_as_a_generator_is_read_once_and_kept_whole() -> None:
     rules = (rule for rule in ["203.0.113.7:443"])
     sbx = Sandbox.create("base", network=rules)  # type: ignore[arg-type]
     assert sbx.info().network == ["203.0.113.7/32:443"]  # not "internet" from an empty read
+
+
+def test_a_fork_lives_as_long_as_its_parent_was_last_told_to() -> None:
+    """A fork took its parent's timeout as created, not as ``set_timeout`` changed it
+    since: copies of a sandbox extended to half an hour were killed after five minutes."""
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        sbx.set_timeout(1800)
+        (fork,) = sbx.fork(1)
+        try:
+            left = fork.info().deadline
+            assert left is not None and 1700 < left - time.time() <= 1800
+        finally:
+            fork.kill()
+    finally:
+        sbx.kill()

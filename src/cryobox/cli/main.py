@@ -448,7 +448,11 @@ def cp(
             raise InvalidArgument("exactly one side must be SANDBOX_ID:/path")
         if src_id is not None:
             sbx = Sandbox.connect(src_id)
-            is_dir = sbx.files.stat(src_path).type == "dir"
+            try:
+                is_dir = sbx.files.stat(src_path).type == "dir"
+            except FileNotFoundError as missing:
+                told = f"{source}: no such file or folder in the sandbox"
+                raise InvalidArgument(told) from missing
             if is_dir and not recursive:
                 raise InvalidArgument(f"{source} is a folder: copy it with -r")
             target = Path(dst_path)
@@ -456,7 +460,7 @@ def cp(
                 target = target / PurePosixPath(src_path.rstrip("/")).name
             if is_dir:
                 copied = download_tree(sbx, src_path, target, _skipped)
-                out.print(f"copied {copied} files")
+                out.print(f"copied {copied} file{'' if copied == 1 else 's'}")
             else:
                 sbx.files.download(src_path, target)
                 out.print("copied 1 file")
@@ -473,7 +477,7 @@ def cp(
                 remote = remote.rstrip("/") + "/" + local.resolve().name
             if local.is_dir():
                 copied = upload_tree(sbx, local, remote, _skipped)
-                out.print(f"copied {copied} files")
+                out.print(f"copied {copied} file{'' if copied == 1 else 's'}")
             else:
                 sbx.files.upload(src_path, remote)
                 out.print("copied 1 file")

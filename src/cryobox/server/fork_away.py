@@ -115,7 +115,7 @@ async def fork_through_store(
     await hub.service.persist.of(tenant.id).push(snapshot.id)
     body: dict[str, Any] = {
         "from_snapshot": snapshot.id,
-        "timeout": timeout or spec.timeout,
+        "timeout": timeout or parent.record().timeout or spec.timeout,  # (as it is now)
         "on_timeout": on_timeout_of(spec),
         "envs": dict(spec.envs),
         "metadata": dict(spec.metadata),

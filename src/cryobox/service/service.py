@@ -1060,6 +1060,9 @@ class SandboxService:
                 needed_mib=needed,
                 available_mib=available,
             )
+        # The parent's timeout as it is now (``set_timeout`` may have changed it since
+        # its create), as a resume of it would get.
+        lifetime = folder.record().timeout or spec.timeout
         threads = config.fork_tcg_threads(count)
         saved = await self.capture(
             sandbox_id, SnapshotPurpose.FORK, f"fork-of-{sandbox_id}", tenant=tenant
@@ -1072,7 +1075,7 @@ class SandboxService:
                 return await self.create(
                     CreateRequest(
                         from_snapshot=saved.id,
-                        timeout=timeout or spec.timeout,
+                        timeout=timeout or lifetime,
                         on_timeout=on_timeout_of(spec),
                         network=spec.network,
                         envs=spec.envs,
