@@ -32,6 +32,8 @@ MAX_TIMEOUT = 30 * 86400.0
 LOCAL_TENANT = "local"
 #: Most members one template's warm pool may keep.
 MAX_POOL_SIZE = 16
+#: ``cryobox image prune`` keeps an image a start loaded within this many seconds.
+IMAGE_UNUSED_FOR = 3600.0
 #: Copies one fork may make.
 MAX_FORKS = 100
 #: The most guest ports one sandbox forwards to the host at once. Each is a listening

@@ -1,7 +1,8 @@
 """`cryobox image prune` (a newer cryobox's key left every older image in the cache for
-good, 80 MB or more each): old images go once nothing of this host boots from them,
-with the runtime trees and root file systems only they used; the current image, imports
-on it and every image something still uses stay."""
+good, 80 MB or more each): other images go once nothing of this host boots from them and
+no start loaded them lately, with the runtime trees and root file systems only they used
+and what killed builds left; the current image, imports on it and every image something
+still uses stay."""
 
 from __future__ import annotations
 
@@ -9,25 +10,31 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from cryobox import config
 from cryobox.errors import ImageError
-from cryobox.image.build import images_dir
+from cryobox.image.build import USED_MARK, build_lock, images_dir
 from cryobox.image.prune import prune
 
 CLI = [sys.executable, "-m", "cryobox.cli.main"]
+HOUR = 3600.0
 
 
-def _image(image_id: str, rootfs_key: str = "", **manifest: object) -> Path:
-    """An image folder as a build leaves it: its own files, and its root file system
-    linked from the rootfs cache when ``rootfs_key`` is given."""
+def _image(image_id: str, rootfs_key: str = "", *, base: str = "", **manifest: object) -> Path:
+    """An image folder as a build leaves it (its root file system linked from the rootfs
+    cache), or as an import does (``base``: its kernel and initramfs linked from it)."""
     folder = images_dir() / image_id
     folder.mkdir()
-    (folder / "vmlinuz").write_bytes(os.urandom(64 * 1024))
-    (folder / "initrd.img").write_bytes(os.urandom(32 * 1024))
+    for name, size in (("vmlinuz", 64), ("initrd.img", 32)):
+        if base:
+            os.link(images_dir() / base / name, folder / name)
+        else:
+            (folder / name).write_bytes(os.urandom(size * 1024))
     if rootfs_key:
         cached = config.cache_dir() / "rootfs" / f"{rootfs_key}.qcow2"
         cached.parent.mkdir(exist_ok=True)
@@ -37,81 +44,142 @@ def _image(image_id: str, rootfs_key: str = "", **manifest: object) -> Path:
     else:
         (folder / "rootfs.qcow2").write_bytes(os.urandom(128 * 1024))
     body = {"id": image_id, "kernel_version": "k", "rootfs_key": rootfs_key, **manifest}
+    if base:
+        body |= {"base_image": base, "container": {"config": {}}}
     (folder / "image.json").write_text(json.dumps(body))
+    _used(folder, 2 * HOUR)
     return folder
+
+
+def _used(folder: Path, ago: float) -> None:
+    """As if a start had last loaded the image ``ago`` seconds ago."""
+    then = time.time() - ago
+    for name in ("image.json", USED_MARK):
+        (folder / name).touch()
+        os.utime(folder / name, (then, then))
 
 
 def _runtime(name: str) -> Path:
     tree = config.cache_dir() / "runtime" / name / "bin"
     tree.mkdir(parents=True)
-    (tree / "python3").write_bytes(b"x")
+    (tree / "python3").write_bytes(os.urandom(8 * 1024))
     return tree.parent
 
 
-def test_old_images_nothing_uses_go_with_what_only_they_used(
+def _cache() -> dict[str, tuple[int, int]]:
+    """Every file of the cache: its inode and its bytes on disk."""
+    found = {}
+    for path in config.cache_dir().rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.name != ".lock":
+            info = path.lstat()
+            found[str(path.relative_to(config.cache_dir()))] = (info.st_ino, info.st_blocks * 512)
+    return found
+
+
+def test_images_nothing_uses_go_with_what_only_they_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CRYOBOX_CACHE_DIR", str(tmp_path / "cache"))
-    current = _image("c0ffee", "rootfs-now", created="2026-12-07T00:00:00Z")
-    mine = _image(f"c0ffee-{'a' * 64}", base_image="c0ffee", container={"config": {}})
-    old = _image("0ld", "rootfs-then", created="2026-11-01T00:00:00Z")
-    used = _image("05ed", "rootfs-used", created="2026-11-02T00:00:00Z")
-    shared = _image("5ha7ed", "rootfs-then", created="2026-11-03T00:00:00Z")
-    old_import = _image(
-        f"0ld-{'b' * 64}",
-        base_image="0ld",
-        container={"config": {}},
-        created="2026-11-04T00:00:00Z",
-    )
-    runtimes = [_runtime("c0ffee-recipe"), _runtime("0ld-recipe"), _runtime("0ld")]
-    being_made = _runtime(".runtime-123")
-    unused_rootfs = config.cache_dir() / "rootfs" / "rootfs-lost.qcow2"
-    unused_rootfs.write_bytes(b"x")
-    next_rootfs = config.cache_dir() / "rootfs" / "rootfs-next.qcow2"  # (a build cut short)
-    next_rootfs.write_bytes(b"x")
+    _image("c0ffee", "rootfs-now", created="2026-12-07T00:00:00Z")
+    _image(f"c0ffee-{'a' * 64}", base="c0ffee")  # the user's import on the current one
+    _image("0ld", "rootfs-then", created="2026-11-01T00:00:00Z")
+    _image("05ed", "rootfs-used", created="2026-11-02T00:00:00Z")
+    _image("5ha7ed", "rootfs-then", created="2026-11-03T00:00:00Z")
+    _image(f"0ld-{'b' * 64}", base="0ld", created="2026-11-04T00:00:00Z")
+    _image("1a7e", "rootfs-late", created="2026-11-05T00:00:00Z")
+    _used(images_dir() / "1a7e", 10 * 60)  # loaded by a start ten minutes ago
+    for tree in ("c0ffee-recipe", "0ld-recipe", "0ld", "05ed-recipe", ".runtime-123"):
+        _runtime(tree)
+    (config.cache_dir() / "runtime" / "README").write_text("a stray file")
+    (config.cache_dir() / "rootfs" / "rootfs-lost.qcow2").write_bytes(os.urandom(4096))
+    (config.cache_dir() / "rootfs" / "rootfs-next.qcow2").write_bytes(b"x")  # (cut short)
+    # What kills left: a half-removed image (its manifest still there), a build's work.
+    half = images_dir() / ".removed-0ld"
+    half.mkdir()
+    (half / "image.json").write_text(json.dumps({"id": "0ld", "kernel_version": "k"}))
+    (images_dir() / ".build-xyz").mkdir()
+    (images_dir() / ".build-xyz" / "vmlinuz").write_bytes(os.urandom(4096))
+    (config.cache_dir() / "rootfs" / ".rootfs-abc").mkdir()
+    copied = images_dir() / "0ld.bak"  # a copy a user made: no image of the cache
+    copied.mkdir()
+    (copied / "image.json").write_text((images_dir() / "0ld" / "image.json").read_text())
     users = {"05ed": ["template old-one", "snapshot snap-1"]}
 
-    seen = prune("c0ffee", "rootfs-next", lambda i: users.get(i, []), dry_run=True)
-    assert [(p.image_id, p.kind, p.users) for p in seen] == [
+    before = _cache()
+    plan = prune("c0ffee", "rootfs-next", lambda i: users.get(i, []), dry_run=True)
+    assert [(p.image_id, p.kind, p.users) for p in plan.images] == [
         ("0ld", "built", ()),
         ("05ed", "built", ("template old-one", "snapshot snap-1")),
         ("5ha7ed", "built", ()),
         (f"0ld-{'b' * 64}", "imported", ()),
+        ("1a7e", "built", ("a start or build 10 min ago",)),
     ]
-    # What goes with each, counted once: its own files; a root file system only when
-    # removing the image leaves no other name of it but the cache's.
-    sizes = {p.image_id: p.size for p in seen}
-    assert 96 * 1024 <= sizes["0ld"] == sizes["5ha7ed"] < 128 * 1024  # rootfs shared
-    assert sizes["05ed"] == sizes["0ld"] + 128 * 1024  # its rootfs: the cache's and its own
-    assert sizes[f"0ld-{'b' * 64}"] == sizes["0ld"] + 128 * 1024  # its rootfs: its own
-    for folder in (current, mine, old, used, shared, old_import, *runtimes):
-        assert folder.exists(), f"a dry run removed {folder}"
+    assert _cache() == before, "a dry run changed the cache"
 
-    prune("c0ffee", "rootfs-next", lambda i: users.get(i, []))
-    assert {p.name for p in images_dir().iterdir() if not p.name.startswith(".")} == {
+    done = prune("c0ffee", "rootfs-next", lambda i: users.get(i, []))
+    after = _cache()
+    assert {p.name for p in images_dir().iterdir()} == {
         "c0ffee",
         f"c0ffee-{'a' * 64}",
         "05ed",
+        "1a7e",
+        "0ld.bak",
+        ".lock",
     }
-    assert not list(images_dir().glob(".removed-*"))
-    assert {p.stem for p in (config.cache_dir() / "rootfs").iterdir()} == {
-        "rootfs-now",
-        "rootfs-used",
-        "rootfs-next",
+    assert {p.name for p in (config.cache_dir() / "rootfs").iterdir()} == {
+        "rootfs-now.qcow2",
+        "rootfs-used.qcow2",
+        "rootfs-late.qcow2",
+        "rootfs-next.qcow2",
     }
-    assert [r.exists() for r in runtimes] == [True, False, False]
-    assert being_made.exists()
-    assert (current / "rootfs.qcow2").read_bytes()  # the current image is whole
+    assert {p.name for p in (config.cache_dir() / "runtime").iterdir()} == {
+        "c0ffee-recipe",
+        "05ed-recipe",
+        ".runtime-123",  # (an import's, under way)
+        "README",
+    }
+    # The bytes said freed are those whose every name went (the import's kernel, linked
+    # from the image it was made on, once; the root file system two images shared, once).
+    kept_inodes = {inode for inode, _ in after.values()}
+    gone = {inode: size for inode, size in before.values() if inode not in kept_inodes}
+    assert done.freed == sum(gone.values()) > 0
+    assert done.freed == plan.freed  # the dry run said the same
+    assert all(after[name] == before[name] for name in after)
 
-    again = prune("c0ffee", "rootfs-next", lambda i: users.get(i, []))
-    assert [p.image_id for p in again] == ["05ed"]  # kept, as long as it is used
+    again = prune("c0ffee", "rootfs-next", lambda i: users.get(i, []), unused_for=60)
+    assert [p.image_id for p in again.removed] == ["1a7e"]
+    assert [p.image_id for p in again.images] == ["05ed", "1a7e"]  # (kept while used)
 
 
-def test_the_cli_keeps_an_old_image_a_sandbox_boots_from_until_it_is_over(
-    tmp_path: Path,
+def test_a_prune_waits_for_a_build_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """End to end: this host's own records say what is used (a sandbox of the fake VMM
-    boots from image ``fake-image-1``, which is not the current key's)."""
+    """A build or an import holds the images' lock while it writes the cache: a prune
+    that read the cache meanwhile would take its work for a killed build's leftovers."""
+    monkeypatch.setenv("CRYOBOX_CACHE_DIR", str(tmp_path / "cache"))
+    _image("0ld", "rootfs-then")
+    pruned = threading.Event()
+    with build_lock():
+        (images_dir() / ".build-underway").mkdir()
+
+        def work() -> None:
+            prune("c0ffee", "", lambda _: [], unused_for=0)
+            pruned.set()
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        time.sleep(1)
+        assert not pruned.is_set() and (images_dir() / "0ld").exists()
+        (images_dir() / ".build-underway").rename(images_dir() / "c0ffee")
+    worker.join(30)
+    assert pruned.is_set()
+    assert {p.name for p in images_dir().iterdir()} == {"c0ffee", ".lock"}
+
+
+def test_the_cli_keeps_an_image_this_hosts_sandbox_boots_from(tmp_path: Path) -> None:
+    """End to end, over this host's own records: a sandbox made before an upgrade
+    (``CRYOBOX_FAKE_IMAGE``: the fake VMM's image had another id) keeps its image; an
+    image nothing uses goes once no start loaded it for ``--unused-for`` minutes."""
     env = {
         **os.environ,
         "CRYOBOX_VMM": "fake",
@@ -119,32 +187,37 @@ def test_the_cli_keeps_an_old_image_a_sandbox_boots_from_until_it_is_over(
         "CRYOBOX_CACHE_DIR": str(tmp_path / "cache"),
     }
 
-    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([*CLI, *argv], env=env, capture_output=True, text=True)
+    def cli(*argv: str, **more: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([*CLI, *argv], env=env | more, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         return done
 
-    made = cli("create", "--template", "base")
+    made = cli("create", "--template", "base", CRYOBOX_FAKE_IMAGE="fake-image-0")
     sandbox_id = made.stdout.strip().splitlines()[-1]
     cache = tmp_path / "cache" / "images"
-    for name in ("fake-image-1", "0ld"):
+    for name in ("fake-image-0", "0ld"):
         (cache / name).mkdir(parents=True)
         (cache / name / "vmlinuz").write_bytes(os.urandom(2_000_000))
         (cache / name / "image.json").write_text(json.dumps({"id": name, "kernel_version": "k"}))
 
-    listed = cli("image", "prune", "--dry-run")
-    rows = {line.split("\t")[0]: line.split("\t") for line in listed.stdout.splitlines()}
-    assert rows["0ld"][1:] == ["built", "2 MB", "would remove"]
-    assert rows["fake-image-1"][3] == f"kept: used by sandbox {sandbox_id}"
-    assert "would remove 1 images, 2 MB" in listed.stderr
+    def rows(done: subprocess.CompletedProcess[str]) -> dict[str, list[str]]:
+        return {line.split("\t")[0]: line.split("\t")[1:] for line in done.stdout.splitlines()}
+
+    listed = rows(cli("image", "prune", "--dry-run"))
+    assert listed["0ld"] == ["built", "2 MB", "kept: used by a start or build 0 min ago"]
+    assert listed["fake-image-0"][2].startswith("kept: used by ")
+    assert f"sandbox {sandbox_id}" in listed["fake-image-0"][2]
+    dry = cli("image", "prune", "--dry-run", "--unused-for", "0")
+    assert rows(dry)["0ld"][2] == "would remove"
+    assert "would remove 1 image and what only they used, 2 MB" in dry.stderr
     assert (cache / "0ld").exists()
 
-    cli("image", "prune")
-    assert not (cache / "0ld").exists() and (cache / "fake-image-1").exists()
-    cli("kill", sandbox_id)
-    pruned = cli("image", "prune")
-    assert "removed 1 images" in pruned.stderr
-    assert not (cache / "fake-image-1").exists()
+    cli("image", "prune", "--unused-for", "0")
+    assert not (cache / "0ld").exists() and (cache / "fake-image-0").exists()
+    cli("kill", sandbox_id)  # (a cold boot of "base": no template was saved under it)
+    after = cli("image", "prune", "--unused-for", "0")
+    assert rows(after)["fake-image-0"][2] == "removed"
+    assert not (cache / "fake-image-0").exists()
 
 
 def test_a_pruned_images_absence_says_it_cannot_be_built_again() -> None:

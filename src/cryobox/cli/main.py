@@ -770,15 +770,24 @@ def image_prune(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="List what would go; remove nothing.")
     ] = False,
+    unused_for: Annotated[
+        float,
+        typer.Option(
+            "--unused-for",
+            min=0,
+            help="Keep an image a start loaded within this many minutes.",
+        ),
+    ] = config.IMAGE_UNUSED_FOR / 60,
 ) -> None:
-    """Delete the guest images older than the current one that no template, snapshot or
-    sandbox of this host (this state directory) boots from, with the cache entries only
-    they used. The current image, and imports on it, are kept."""
+    """Delete the guest images other than the current one that no template, snapshot or
+    sandbox of this host (this state directory) boots from, and what only they used in
+    the cache. The current image, and imports on it, are kept."""
+    from cryobox.image.prune import describe
     from cryobox.service import open_service
 
     with errors_reported():
-        pruned = open_service().prune_images(dry_run=dry_run)
-        verb = "would remove" if dry_run else "removed"
+        plan = open_service().prune_images(unused_for=unused_for * 60, dry_run=dry_run)
+        outcome = "would remove" if dry_run else "removed"
         rows = [
             (
                 p.image_id,
@@ -786,13 +795,15 @@ def image_prune(
                 f"{p.size / 1e6:.0f} MB",
                 "kept: used by " + ", ".join(p.users[:3]) + (" ..." if len(p.users) > 3 else "")
                 if p.kept
-                else verb,
+                else outcome,
             )
-            for p in pruned
+            for p in plan.images
         ]
-        print_rows(("IMAGE", "KIND", "OWN SIZE", "OUTCOME"), rows)
-        freed = sum(p.size for p in pruned if not p.kept)
-        console.print(f"{verb} {sum(not p.kept for p in pruned)} images, {freed / 1e6:.0f} MB")
+        if rows:
+            print_rows(("IMAGE", "KIND", "SIZE", "OUTCOME"), rows)
+        else:
+            console.print("no guest image but the current one (and imports on it) is here")
+        console.print(f"{outcome} {describe(plan)}")
 
 
 @image_app.command("info")

@@ -423,11 +423,20 @@ def _digest(value: Any) -> str:
 # --------------------------------------------------------------------------- build
 
 
+#: Touched in an image's folder each time a start finds it: ``cryobox image prune``
+#: keeps an image something used lately (:mod:`.prune`).
+USED_MARK = ".used"
+
+
 def find_image(image_id: str | None = None) -> Image | None:
-    """The built image with this id (default: the current key's), or None."""
+    """The built image with this id (default: the current key's), or None; marked used."""
     image_id = image_id or image_key()["id"]
     path = images_dir() / image_id
-    return Image.load(path) if (path / "image.json").exists() else None
+    if not (path / "image.json").exists():
+        return None
+    with contextlib.suppress(OSError):  # (a cache nobody may write to, nobody prunes)
+        (path / USED_MARK).touch()
+    return Image.load(path)
 
 
 def ensure_image(progress: Progress | None = None) -> Image:

@@ -29,6 +29,10 @@ class QemuVmm:
     def ensure_image(self, progress: Progress | None = None) -> Image:
         return ensure_image(progress)
 
+    def current_image(self) -> tuple[str, str]:
+        key = image_key()
+        return key["id"], key["rootfs_key"]
+
     def load_image(self, image_id: str) -> Image:
         image = find_image(image_id)
         if image is None:

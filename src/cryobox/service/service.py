@@ -54,9 +54,9 @@ from cryobox.errors import (
 )
 from cryobox.guest import protocol as p
 from cryobox.guest.client import AgentClient
-from cryobox.image.build import Image, Progress, image_key
+from cryobox.image.build import Image, Progress
 from cryobox.image.oci import ImageConfig, import_image, remove_image
-from cryobox.image.prune import Pruned
+from cryobox.image.prune import UNUSED_FOR, Plan
 from cryobox.image.prune import prune as prune_images
 from cryobox.models import (
     CommandRequest,
@@ -1306,11 +1306,14 @@ class SandboxService:
         host boots from it (a template, a snapshot, a sandbox: refused, naming them)."""
         remove_image(image_id, self.image_users(image_id))
 
-    def prune_images(self, *, dry_run: bool = False) -> builtins.list[Pruned]:
-        """Remove the guest images older than the current one that nothing on this host
-        boots from, and what only they used (:mod:`cryobox.image.prune`)."""
-        key = image_key()  # (the current image need not be built: all others are old)
-        return prune_images(key["id"], key["rootfs_key"], self.image_users, dry_run=dry_run)
+    def prune_images(self, *, unused_for: float = UNUSED_FOR, dry_run: bool = False) -> Plan:
+        """Remove the guest images other than the current one that nothing on this host
+        boots from and no start loaded for ``unused_for`` seconds, and what only they
+        used (:mod:`cryobox.image.prune`)."""
+        current, rootfs = self.vmm.current_image()  # (built or not: the others are other)
+        return prune_images(
+            current, rootfs, self.image_users, unused_for=unused_for, dry_run=dry_run
+        )
 
     def image_users(self, image_id: str) -> builtins.list[str]:
         """What on this host boots from guest image ``image_id``: its templates,

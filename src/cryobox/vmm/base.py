@@ -314,6 +314,11 @@ class Vmm(Protocol):
         """:raises ImageError: when the image with that id is not on this host."""
         ...
 
+    def current_image(self) -> tuple[str, str]:
+        """The id of the image :meth:`ensure_image` gives, built or not, and the key of
+        its root file system ("" when it has none of its own)."""
+        ...
+
     def accelerator(self, image: Image) -> str: ...
 
     def facts(self, cpus: int, memory_mib: int, accelerator: str, image: Image) -> dict[str, Any]:

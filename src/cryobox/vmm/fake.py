@@ -253,6 +253,12 @@ class FakeVm:
     guest_ending: str | None = None
 
 
+def _image_id() -> str:
+    """The fake image's id: ``CRYOBOX_FAKE_IMAGE`` names another, as after an upgrade
+    of cryobox changed the image."""
+    return os.environ.get("CRYOBOX_FAKE_IMAGE") or FAKE_IMAGE_ID
+
+
 class FakeVmm:
     """The :class:`~cryobox.vmm.Vmm` Protocol without QEMU."""
 
@@ -270,10 +276,13 @@ class FakeVmm:
         path.mkdir(parents=True, exist_ok=True)
         for name in ("vmlinuz", "initrd.img", "rootfs.qcow2"):
             (path / name).touch()
-        return Image(id=FAKE_IMAGE_ID, path=path, kernel_version="fake", manifest={})
+        return Image(id=_image_id(), path=path, kernel_version="fake", manifest={})
 
     def load_image(self, image_id: str) -> Image:
         return self.ensure_image()
+
+    def current_image(self) -> tuple[str, str]:
+        return _image_id(), ""
 
     def accelerator(self, image: Image) -> str:
         return "fake"
