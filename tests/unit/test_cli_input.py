@@ -95,3 +95,15 @@ def test_a_usage_error_piped_is_one_plain_line_naming_the_arguments() -> None:
     assert missing.returncode == 2
     assert "set-timeout [OPTIONS] SANDBOX_ID SECONDS\n" in missing.stderr
     assert "Error: Missing argument" in missing.stderr
+
+
+def test_image_info_piped_is_tab_separated_as_every_listing() -> None:
+    """It printed a box-drawn table into a pipe, where every other listing gives lines
+    of tab-separated fields."""
+    from cryobox.image.build import image_key
+
+    done = subprocess.run([*CLI, "image", "info"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "FIELD\tVALUE" and f"id\t{image_key()['id']}" in lines
+    assert not any(box in done.stdout for box in "│┌└")

@@ -814,26 +814,25 @@ def image_info() -> None:
     with errors_reported():
         key = image_key()
         image = find_image(key["id"])
-        from rich.table import Table
-
-        table = Table("FIELD", "VALUE", show_header=False)
-        table.add_row("id", key["id"])
-        table.add_row(
-            "built", f"yes, at {image.path}" if image else "no (run `cryobox image build`)"
-        )
-        table.add_row("kernel", f"{key['kernel_package']} {key['kernel_version']}")
-        for name, version in key["rootfs"]["packages"].items():
-            table.add_row(name, version)
+        rows = [
+            ("id", key["id"]),
+            ("built", f"yes, at {image.path}" if image else "no (run `cryobox image build`)"),
+            ("kernel", f"{key['kernel_package']} {key['kernel_version']}"),
+            *key["rootfs"]["packages"].items(),
+        ]
         if image:
-            for name, size in image.manifest["sizes"].items():
-                table.add_row(name, f"{size / 1e6:.1f} MB")
-            table.add_row("created", image.manifest["created"])
+            rows += [
+                (name, f"{size / 1e6:.1f} MB") for name, size in image.manifest["sizes"].items()
+            ]
+            rows.append(("created", image.manifest["created"]))
             criu = image.manifest.get("criu") or {}
-            table.add_row(
-                "process checkpoints",
-                f"criu {criu['version']}, kernel {criu['kernel']}" if criu else "no criu",
+            rows.append(
+                (
+                    "process checkpoints",
+                    f"criu {criu['version']}, kernel {criu['kernel']}" if criu else "no criu",
+                )
             )
-        out.print(table)
+        print_rows(("FIELD", "VALUE"), rows)  # (tab-separated when piped, as every list)
 
 
 @app.command()
