@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from cryobox import config
-from cryobox.errors import ImageError
-from cryobox.image.build import USED_MARK, build_lock, images_dir
+from cryobox.errors import ImageError, InvalidArgument
+from cryobox.image.build import USED_MARK, build_lock, find_image, images_dir, kernel_dir_of
 from cryobox.image.prune import prune
 
 CLI = [sys.executable, "-m", "cryobox.cli.main"]
 HOUR = 3600.0
+LOCKS = {".lock", ".use-lock"}
 
 
 def _image(image_id: str, rootfs_key: str = "", *, base: str = "", **manifest: object) -> Path:
@@ -47,14 +48,14 @@ def _image(image_id: str, rootfs_key: str = "", *, base: str = "", **manifest: o
     if base:
         body |= {"base_image": base, "container": {"config": {}}}
     (folder / "image.json").write_text(json.dumps(body))
-    _used(folder, 2 * HOUR)
+    _used(folder, 2 * HOUR, "image.json", USED_MARK)
     return folder
 
 
-def _used(folder: Path, ago: float) -> None:
+def _used(folder: Path, ago: float, *names: str) -> None:
     """As if a start had last loaded the image ``ago`` seconds ago."""
     then = time.time() - ago
-    for name in ("image.json", USED_MARK):
+    for name in names or (USED_MARK,):
         (folder / name).touch()
         os.utime(folder / name, (then, then))
 
@@ -70,7 +71,7 @@ def _cache() -> dict[str, tuple[int, int]]:
     """Every file of the cache: its inode and its bytes on disk."""
     found = {}
     for path in config.cache_dir().rglob("*"):
-        if path.is_file() and not path.is_symlink() and path.name != ".lock":
+        if path.is_file() and not path.is_symlink() and path.name not in LOCKS:
             info = path.lstat()
             found[str(path.relative_to(config.cache_dir()))] = (info.st_ino, info.st_blocks * 512)
     return found
@@ -80,7 +81,21 @@ def test_images_nothing_uses_go_with_what_only_they_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CRYOBOX_CACHE_DIR", str(tmp_path / "cache"))
-    _image("c0ffee", "rootfs-now", created="2026-12-07T00:00:00Z")
+    kernel = {"kernel_package": "linux", "kernel_version": "1", "modules": ["virtio_blk"]}
+    _image(
+        "c0ffee",
+        "rootfs-now",
+        created="2026-12-07T00:00:00Z",
+        kernel_package="linux",
+        kernel_version="1",
+        modules=["virtio_blk"],
+    )
+    kernels = config.cache_dir() / "kernel"
+    for name in (kernel_dir_of(kernel), "linux_0_0ld", "linux_2_new"):
+        (kernels / name).mkdir(parents=True)
+        (kernels / name / "vmlinuz").write_bytes(os.urandom(4096))
+    old = time.time() - 2 * HOUR
+    os.utime(kernels / "linux_0_0ld", (old, old))  # (linux_2_new: a build under way)
     _image(f"c0ffee-{'a' * 64}", base="c0ffee")  # the user's import on the current one
     _image("0ld", "rootfs-then", created="2026-11-01T00:00:00Z")
     _image("05ed", "rootfs-used", created="2026-11-02T00:00:00Z")
@@ -118,14 +133,14 @@ def test_images_nothing_uses_go_with_what_only_they_used(
 
     done = prune("c0ffee", "rootfs-next", lambda i: users.get(i, []))
     after = _cache()
-    assert {p.name for p in images_dir().iterdir()} == {
+    assert {p.name for p in images_dir().iterdir()} - LOCKS == {
         "c0ffee",
         f"c0ffee-{'a' * 64}",
         "05ed",
         "1a7e",
         "0ld.bak",
-        ".lock",
     }
+    assert {p.name for p in kernels.iterdir()} == {kernel_dir_of(kernel), "linux_2_new"}
     assert {p.name for p in (config.cache_dir() / "rootfs").iterdir()} == {
         "rootfs-now.qcow2",
         "rootfs-used.qcow2",
@@ -173,7 +188,49 @@ def test_a_prune_waits_for_a_build_under_way(
         (images_dir() / ".build-underway").rename(images_dir() / "c0ffee")
     worker.join(30)
     assert pruned.is_set()
-    assert {p.name for p in images_dir().iterdir()} == {"c0ffee", ".lock"}
+    assert {p.name for p in images_dir().iterdir()} - LOCKS == {"c0ffee"}
+
+
+def test_an_image_a_start_finds_is_kept_and_a_start_during_a_prune_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start marks the image it finds (an old build's, by another cryobox sharing the
+    cache, say), so a prune keeps it; one that finds it while a prune is judging waits,
+    then finds it gone, never half there (it read ``image.json`` of a folder being
+    removed: a raw FileNotFoundError)."""
+    monkeypatch.setenv("CRYOBOX_CACHE_DIR", str(tmp_path / "cache"))
+    _image("0ld", "rootfs-then")
+    _image("1a7e", "rootfs-late")
+    found = find_image("1a7e")  # a start, now
+    assert found is not None and found.id == "1a7e"
+    plan = prune("c0ffee", "", lambda _: [], dry_run=True)
+    assert [(p.image_id, p.users) for p in plan.images] == [
+        ("0ld", ()),
+        ("1a7e", ("a start or build 0 min ago",)),
+    ]
+
+    judging, go_on = threading.Event(), threading.Event()
+
+    def users(image_id: str) -> list[str]:
+        judging.set()
+        go_on.wait(30)
+        return []
+
+    pruning = threading.Thread(target=lambda: prune("c0ffee", "", users, unused_for=0))
+    pruning.start()
+    assert judging.wait(30)
+    started: list[object] = []
+    start = threading.Thread(target=lambda: started.append(find_image("0ld")))
+    start.start()
+    time.sleep(0.5)
+    assert not started, "a start found the image while a prune judged it"
+    go_on.set()
+    pruning.join(30)
+    start.join(30)
+    assert started == [None]
+    assert not (images_dir() / "0ld").exists()
+    with pytest.raises(InvalidArgument, match="unused_for=nan"):
+        prune("c0ffee", "", lambda _: [], unused_for=float("nan"))
 
 
 def test_the_cli_keeps_an_image_this_hosts_sandbox_boots_from(tmp_path: Path) -> None:
@@ -195,7 +252,7 @@ def test_the_cli_keeps_an_image_this_hosts_sandbox_boots_from(tmp_path: Path) ->
     made = cli("create", "--template", "base", CRYOBOX_FAKE_IMAGE="fake-image-0")
     sandbox_id = made.stdout.strip().splitlines()[-1]
     cache = tmp_path / "cache" / "images"
-    for name in ("fake-image-0", "0ld"):
+    for name in ("fake-image-0", "0ld", "fake-image-1"):  # (the last: the VMM's own)
         (cache / name).mkdir(parents=True)
         (cache / name / "vmlinuz").write_bytes(os.urandom(2_000_000))
         (cache / name / "image.json").write_text(json.dumps({"id": name, "kernel_version": "k"}))
@@ -204,6 +261,7 @@ def test_the_cli_keeps_an_image_this_hosts_sandbox_boots_from(tmp_path: Path) ->
         return {line.split("\t")[0]: line.split("\t")[1:] for line in done.stdout.splitlines()}
 
     listed = rows(cli("image", "prune", "--dry-run"))
+    assert set(listed) == {"IMAGE", "0ld", "fake-image-0"}
     assert listed["0ld"] == ["built", "2 MB", "kept: used by a start or build 0 min ago"]
     assert listed["fake-image-0"][2].startswith("kept: used by ")
     assert f"sandbox {sandbox_id}" in listed["fake-image-0"][2]

@@ -429,14 +429,34 @@ USED_MARK = ".used"
 
 
 def find_image(image_id: str | None = None) -> Image | None:
-    """The built image with this id (default: the current key's), or None; marked used."""
+    """The built image with this id (default: the current key's), or None; marked used,
+    under the images' use lock (shared: a prune holds it alone while it removes)."""
     image_id = image_id or image_key()["id"]
     path = images_dir() / image_id
-    if not (path / "image.json").exists():
-        return None
-    with contextlib.suppress(OSError):  # (a cache nobody may write to, nobody prunes)
-        (path / USED_MARK).touch()
-    return Image.load(path)
+    with use_lock(fcntl.LOCK_SH):
+        if not (path / "image.json").exists():
+            return None
+        with contextlib.suppress(OSError):  # (a cache nobody may write to, nobody prunes)
+            (path / USED_MARK).touch()
+        try:
+            return Image.load(path)
+        except FileNotFoundError:
+            return None  # (removed by hand meanwhile)
+
+
+def _kernel_dir_name(package: str, version: str, modules: Sequence[str]) -> str:
+    """The folder :func:`_kernel` unpacks a kernel package into, for these modules."""
+    return f"{package}_{version}_{_digest(list(modules))[:8]}"
+
+
+def kernel_dir_of(manifest: dict[str, Any]) -> str:
+    """The kernel folder the image of ``manifest`` was built from ("" for an import)."""
+    try:
+        return _kernel_dir_name(
+            manifest["kernel_package"], manifest["kernel_version"], manifest["modules"]
+        )
+    except (KeyError, TypeError):
+        return ""
 
 
 def ensure_image(progress: Progress | None = None) -> Image:
@@ -459,6 +479,19 @@ def ensure_image(progress: Progress | None = None) -> Image:
 def build_lock() -> Iterator[None]:
     with open(images_dir() / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def use_lock(mode: int) -> Iterator[None]:
+    """Held shared by each start that finds an image (:func:`find_image`), alone by a
+    prune while it judges and removes images (taken after :func:`build_lock`, never
+    before it)."""
+    with open(images_dir() / ".use-lock", "a") as lock:
+        fcntl.flock(lock, mode)
         try:
             yield
         finally:
@@ -521,8 +554,7 @@ def criu_support(kernel_config: Path, version: str) -> dict[str, Any]:
 def _kernel(package: str, version: str) -> Path:
     """Download and unpack the kernel package once: bzImage plus the modules we load
     (cached by both: another module list unpacks again)."""
-    modules = _digest(list(INITRAMFS_MODULES))[:8]
-    target = config.cache_dir() / "kernel" / f"{package}_{version}_{modules}"
+    target = config.cache_dir() / "kernel" / _kernel_dir_name(package, version, INITRAMFS_MODULES)
     if (target / "order").exists() and (target / "config").exists():
         return target
     shutil.rmtree(target, ignore_errors=True)  # one unpacked before the config was kept

@@ -23,6 +23,8 @@ one half gone.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import math
 import os
 import shutil
 import time
@@ -31,7 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryobox import config
-from cryobox.image.build import USED_MARK, Image, build_lock, images_dir
+from cryobox.errors import ImageError, InvalidArgument
+from cryobox.image.build import (
+    USED_MARK,
+    Image,
+    build_lock,
+    images_dir,
+    kernel_dir_of,
+    use_lock,
+)
 
 #: A start that loaded an image in the last hour keeps it (``--unused-for``).
 UNUSED_FOR = config.IMAGE_UNUSED_FOR
@@ -83,7 +93,11 @@ def prune(
     that nothing uses, and the cache entries only they used (the current key's root file
     system, ``current_rootfs``, kept); ``dry_run`` removes nothing. The plan lists every
     image other than the current one, kept or not, oldest first."""
-    with build_lock():
+    if not math.isfinite(unused_for) or unused_for < 0:
+        raise InvalidArgument(f"unused_for={unused_for!r}: give a number of seconds, 0 or more")
+    # The use lock alone for the whole of it: a start that finds an image meanwhile waits,
+    # then finds it gone or kept (its mark is read here, under the same lock).
+    with build_lock(), use_lock(fcntl.LOCK_EX):
         plan = _plan(current, current_rootfs, users, unused_for)
         if not dry_run:
             for path in plan.paths:
@@ -105,6 +119,7 @@ def _plan(
     plan.paths += [images_dir() / image_id for image_id in sorted(going)]
     staying = {path.name for path in images_dir().iterdir()} - going
     plan.paths += _runtimes_of_none(staying)
+    plan.paths += _kernels_of_none(staying, unused_for)
     plan.paths += _rootfs_unlinked(plan.paths, current_rootfs)
     plan.freed = _freed(plan.paths)
     return plan
@@ -115,7 +130,7 @@ def _other_images(current: str) -> list[Image]:
     name is not its manifest's id (a copy, one half removed) is no image of the cache."""
     found = []
     for folder in images_dir().iterdir():
-        if folder.name.startswith(".") or not folder.is_dir():
+        if folder.name.startswith(".") or folder.is_symlink() or not folder.is_dir():
             continue
         try:
             image = Image.load(folder)
@@ -135,7 +150,7 @@ def _used_ago(image: Image) -> float:
     """Seconds since a start last loaded ``image`` (its build, when none has)."""
     for path in (image.path / USED_MARK, image.path / "image.json"):
         with contextlib.suppress(OSError):
-            return time.time() - path.stat().st_mtime
+            return max(0.0, time.time() - path.stat().st_mtime)
     return float("inf")
 
 
@@ -170,6 +185,26 @@ def _runtimes_of_none(images: set[str]) -> list[Path]:
         and tree.name not in images
         and tree.name.rsplit("-", 1)[0] not in images
     ]
+
+
+def _kernels_of_none(images: set[str], unused_for: float) -> list[Path]:
+    """The unpacked kernel packages (:func:`.build._kernel`) no image among ``images``
+    was built from, but one unpacked within ``unused_for`` (a build under way, or one
+    that stopped after it, uses it again)."""
+    folder = config.cache_dir() / "kernel"
+    if not folder.is_dir():
+        return []
+    named = set()
+    for image_id in images:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            named.add(kernel_dir_of(Image.load(images_dir() / image_id).manifest))
+    found = []
+    for tree in sorted(folder.iterdir()):
+        with contextlib.suppress(OSError):
+            recent = time.time() - tree.stat().st_mtime < unused_for
+            if tree.is_dir() and not tree.name.startswith(".") and tree.name not in named:
+                found += [] if recent else [tree]
+    return found
 
 
 def _rootfs_unlinked(going: Iterable[Path], current_rootfs: str) -> list[Path]:
@@ -214,15 +249,21 @@ def _freed(paths: Iterable[Path]) -> int:
 
 
 def _remove(path: Path) -> None:
-    """Rename, then remove: nothing is ever seen half gone under its own name."""
-    if path.is_dir() and not path.is_symlink():
-        hidden = path.name.startswith(".")
-        doomed = path if hidden else path.with_name(f".removed-{path.name}-{os.getpid()}")
-        if doomed != path:
-            os.replace(path, doomed)
-        shutil.rmtree(doomed)
-    else:
-        path.unlink(missing_ok=True)
+    """Rename, then remove: nothing is ever seen half gone under its own name.
+
+    :raises ImageError: naming what could not be removed (what went before stays gone).
+    """
+    try:
+        if path.is_dir() and not path.is_symlink():
+            hidden = path.name.startswith(".")
+            doomed = path if hidden else path.with_name(f".removed-{path.name}-{os.getpid()}")
+            if doomed != path:
+                os.replace(path, doomed)
+            shutil.rmtree(doomed)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise ImageError(f"could not remove {path} from the image cache: {exc}") from exc
 
 
 def describe(plan: Plan) -> str:
