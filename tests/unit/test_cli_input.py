@@ -107,3 +107,32 @@ def test_image_info_piped_is_tab_separated_as_every_listing() -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "FIELD\tVALUE" and f"id\t{image_key()['id']}" in lines
     assert not any(box in done.stdout for box in "│┌└")
+
+
+def test_the_tree_keeps_ended_copies_under_the_sandbox_they_were_forked_from(
+    tmp_path: Path,
+) -> None:
+    """Once every copy of a fork ended, its fork snapshot went, and the copies were
+    drawn at the top of `cryobox tree`, as if they had come from nowhere."""
+    env = {
+        **os.environ,
+        "CRYOBOX_VMM": "fake",
+        "CRYOBOX_STATE_DIR": str(tmp_path),
+        "CRYOBOX_POOL_SIZE": "0",
+        "COLUMNS": "200",
+    }
+
+    def cli(*argv: str) -> str:
+        done = subprocess.run([*CLI, *argv], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    parent = cli("create", "--template", "base").strip().splitlines()[-1]
+    copies = cli("fork", parent, "-n", "2").split()
+    cli("kill", *copies)
+    lines = cli("tree").splitlines()
+    top = next(i for i, line in enumerate(lines) if parent in line)
+    under = [line for line in lines if any(c in line for c in copies)]
+    assert len(under) == 2
+    for line in under:
+        assert lines.index(line) > top and line.startswith("    ") and "forked, from" in line

@@ -1014,7 +1014,9 @@ def tree(as_json: JsonOption = False) -> None:
         ids = {node.id for node in nodes}
         children: dict[str | None, list[LineageNode]] = {}
         for node in nodes:
-            parent = node.parent if node.parent in ids else None
+            # A fork's copy whose fork snapshot is gone goes under the sandbox it was
+            # forked from, when that is still listed.
+            parent = next((p for p in (node.parent, node.forked_from) if p in ids), None)
             children.setdefault(parent, []).append(node)
         root = Tree("[bold]cryobox[/bold] (image)")
 
@@ -1022,7 +1024,8 @@ def tree(as_json: JsonOption = False) -> None:
             for node in children.get(parent, []):
                 text = f"{node.id}  {node.kind} {node.state} {node.label}".rstrip()
                 if node.parent and node.parent not in ids:
-                    text += f"  (from {node.parent}, gone)"
+                    forked = node.forked_from in ids
+                    text += f"  ({'forked, ' if forked else ''}from {node.parent}, gone)"
                 add(branch.add(text), node.id)
 
         add(root, None)
