@@ -490,7 +490,12 @@ def use_lock(mode: int) -> Iterator[None]:
     """Held shared by each start that finds an image (:func:`find_image`), alone by a
     prune while it judges and removes images (taken after :func:`build_lock`, never
     before it)."""
-    with open(images_dir() / ".use-lock", "a") as lock:
+    try:
+        lock = open(images_dir() / ".use-lock", "a")  # noqa: SIM115 (closed below)
+    except OSError:  # (a cache nobody may write to: nobody prunes it either)
+        yield
+        return
+    with lock:
         fcntl.flock(lock, mode)
         try:
             yield
