@@ -128,9 +128,12 @@ def test_the_tree_keeps_ended_copies_under_the_sandbox_they_were_forked_from(
         return done.stdout
 
     parent = cli("create", "--template", "base").strip().splitlines()[-1]
-    copies = cli("fork", parent, "-n", "2").split()
-    cli("kill", *copies)
-    lines = cli("tree").splitlines()
+    try:
+        copies = cli("fork", parent, "-n", "2").split()
+        cli("kill", *copies)
+        lines = cli("tree").splitlines()
+    finally:
+        cli("kill", parent)
     top = next(i for i, line in enumerate(lines) if parent in line)
     under = [line for line in lines if any(c in line for c in copies)]
     assert len(under) == 2
