@@ -1364,3 +1364,31 @@ def test_a_fork_lives_as_long_as_its_parent_was_last_told_to() -> None:
             fork.kill()
     finally:
         sbx.kill()
+
+
+def test_a_handle_resumes_its_sandbox_paused_by_another_while_its_vm_is_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sandbox paused by another handle, process or its own timeout, its VM held for a
+    quick resume: this handle's next call failed with "the sandbox is paused" (a
+    ChannelError, again at every retry) instead of resuming it, as every call that acts on
+    the machine does."""
+    monkeypatch.setenv("CRYOBOX_PAUSE_HOLD", "60")
+    sbx = Sandbox.create("base")
+
+    def paused_elsewhere() -> None:  # (another process: this one's connection stays open)
+        cli = [sys.executable, "-m", "cryobox.cli.main", "pause", sbx.id]
+        done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert sbx.info().state == "paused"
+
+    try:
+        sbx.commands.run("echo kept > /root/f")
+        paused_elsewhere()
+        assert sbx.files.read_text("/root/f") == "kept\n"
+        assert sbx.info().state == "running"
+        paused_elsewhere()
+        assert sbx.commands.run("cat /root/f").stdout == "kept\n"
+        assert sbx.info().state == "running"
+    finally:
+        sbx.kill()

@@ -274,11 +274,7 @@ class AsyncPty:
             pty=(cols, rows),
         )
         handle = AsyncPtyHandle(on_data)
-        transport, sandbox_id = self._sandbox._transport, self._sandbox.id
-        handle._session = await self._sandbox._awake(
-            lambda: transport.start_command(sandbox_id, request, handle._on_output)
-        )
-        await handle._session.started()
+        handle._session = await self._sandbox._started(request, handle._on_output)
         return handle
 
 
@@ -349,12 +345,7 @@ class AsyncCommands:
         request = _command(cmd, options)
         stdin = options.get("stdin")
         handle = AsyncCommandHandle(options.get("on_stdout"), options.get("on_stderr"))
-        transport, sandbox_id = self._sandbox._transport, self._sandbox.id
-        handle._session = await self._sandbox._awake(
-            lambda: transport.start_command(sandbox_id, request, handle._on_output)
-        )
-        if stdin not in (None, False, True) or background:
-            await handle._session.started()
+        handle._session = await self._sandbox._started(request, handle._on_output)
         if isinstance(stdin, bytes | str):
             await handle.send_stdin(stdin, eof=True)
         return handle if background else await handle.wait()
@@ -1038,6 +1029,21 @@ class AsyncSandbox:
                 raise
         self._info = await _resume(self._transport, self.id)
         return await call()
+
+    async def _started(
+        self, request: CommandRequest, on_output: Callable[[str, bytes], None]
+    ) -> StartedCommand:
+        """A command started in the guest (its process runs). A sandbox that is paused,
+        its VM held, refuses it before it starts, whoever paused it: that refusal arrives
+        before the start, so it is waited for within :meth:`_awake`, which resumes the
+        sandbox and starts the command again (it arrived at the end, past it)."""
+
+        async def start() -> StartedCommand:
+            session = await self._transport.start_command(self.id, request, on_output)
+            await session.started()
+            return session
+
+        return await self._awake(start)
 
     async def info(self) -> SandboxInfo:
         """The sandbox as it is now (state, deadline, ports, origin...)."""

@@ -739,8 +739,9 @@ class Supervisor:
         # Wait out a lifecycle operation: the agent is being replaced or is frozen.
         async with self._lifecycle:
             agent = self.machine.agent
-        if self._holding:  # the service then finds it paused, and says so
-            raise ChannelError("the sandbox is paused")
+        if self._holding:  # paused, its VM held: a handle's call resumes it (StateError)
+            paused, running = SandboxState.PAUSED.value, SandboxState.RUNNING.value
+            raise StateError(self.folder.id, paused, [running], "use")
         if agent is None:
             raise ChannelError("the guest agent is not connected")
 
