@@ -93,7 +93,7 @@ class InvalidArgument(CryoboxError, ValueError):
 class TemplateNotFound(InvalidArgument):
     def __init__(self, name: str, known: Sequence[str] = ()) -> None:
         self.ref = name
-        listed = f" (known: {', '.join(known)})" if known else ""
+        listed = f" (known: {', '.join(dict.fromkeys(known))})" if known else ""  # (once each)
         super().__init__(f"template {name!r} does not exist{listed}")
 
 

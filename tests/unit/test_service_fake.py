@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +39,7 @@ from cryobox.errors import (
     StateError,
     StorageError,
     StoreError,
+    TemplateNotFound,
 )
 from cryobox.guest import protocol as p
 from cryobox.models import CreateRequest, SnapshotInfo
@@ -1392,3 +1395,42 @@ def test_a_handle_resumes_its_sandbox_paused_by_another_while_its_vm_is_held(
         assert sbx.info().state == "running"
     finally:
         sbx.kill()
+
+
+def test_wrong_command_and_file_arguments_are_refused_by_name_before_anything_runs() -> None:
+    """Found by a harness's author: a ``cwd`` of the wrong type was ignored, a variable's
+    number value sent as it was, other mistakes were Python's own errors (a harness
+    catching ``CryoboxError`` missed them), an empty path wrote ``./..cryobox-N`` and a
+    relative one read "No such file"."""
+    sbx = Sandbox.create("base")
+    try:
+        wrong: list[tuple[dict[str, Any], str]] = [
+            ({"cwd": 123}, "cwd=123: must be a string"),
+            ({"user": 0}, "user=0: must be a string"),
+            ({"env": {"A": 1}}, "env: 'A'=1: keys and values must be strings"),
+            ({"env": ["A=1"]}, "env=['A=1']: must be a mapping"),
+            ({"timeout": "5"}, "timeout='5': must be a positive, finite number"),
+            ({"timeout": float("nan")}, "timeout=nan"),
+            ({"on_stdout": "x"}, "on_stdout='x': must be a function"),
+            ({"stdin": 5}, "stdin=5: must be bytes, a string, True or None"),
+        ]
+        for options, said in wrong:
+            with pytest.raises(InvalidArgument, match=re.escape(said)):
+                sbx.commands.run("touch /root/ran", **options)
+        assert not sbx.files.exists("/root/ran")
+        for call in (
+            lambda: sbx.files.write("", "x"),
+            lambda: sbx.files.write("rel.txt", "x"),
+            lambda: sbx.files.read("d/a.txt"),
+            lambda: sbx.files.list("root"),
+            lambda: sbx.files.remove("tmp/x"),
+        ):
+            with pytest.raises(InvalidArgument, match="must be an absolute path in the sandbox"):
+                call()
+        with pytest.raises(InvalidArgument, match="checkpoint=None: must be a string"):
+            sbx.rollback(None)  # type: ignore[arg-type]
+        assert sbx.commands.run("echo fine", cwd="/tmp", env={"A": "1"}).stdout == "fine\n"
+    finally:
+        sbx.kill()
+    told = str(TemplateNotFound("nope", ["base", "default", "base"]))
+    assert told == "template 'nope' does not exist (known: base, default)"

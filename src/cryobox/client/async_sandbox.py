@@ -293,15 +293,29 @@ class AsyncWatchHandle:
 
 
 def _command(cmd: str | Sequence[str], options: RunOptions) -> CommandRequest:
+    """The request for ``cmd``, every option checked here, before anything starts (a
+    ``cwd`` of the wrong type was ignored, a variable's number value sent as it was).
+
+    :raises InvalidArgument: naming the option that is wrong.
+    """
     timeout = options.get("timeout")
-    if timeout is not None and not timeout > 0:
-        raise InvalidArgument(f"timeout={timeout}: must be positive")
+    if timeout is not None:
+        timeout = positive_seconds("timeout", timeout)
+    for name in ("cwd", "user"):
+        if options.get(name) is not None:
+            text(name, options.get(name))
+    stdin = options.get("stdin")
+    if not isinstance(stdin, bytes | str | bool | None):
+        raise InvalidArgument(f"stdin={stdin!r}: must be bytes, a string, True or None")
+    for name in ("on_stdout", "on_stderr"):
+        if options.get(name) is not None and not callable(options.get(name)):
+            raise InvalidArgument(f"{name}={options.get(name)!r}: must be a function")
     common: dict[str, Any] = {
-        "env": dict(options.get("env") or {}),
+        "env": env_vars("env", options.get("env")),
         "cwd": options.get("cwd"),
         "user": options.get("user"),
         "timeout": timeout,
-        "stdin": options.get("stdin") not in (None, False),
+        "stdin": stdin not in (None, False),
     }
     if isinstance(cmd, str):
         return CommandRequest(shell=cmd, **common)
@@ -1124,7 +1138,11 @@ class AsyncSandbox:
         :raises SnapshotError: when the checkpoint is missing or fails verification.
         :raises InvalidArgument: when it belongs to another sandbox or has no memory.
         """
-        ref = checkpoint.id if isinstance(checkpoint, SnapshotInfo) else checkpoint
+        ref = (
+            checkpoint.id
+            if isinstance(checkpoint, SnapshotInfo)
+            else text("checkpoint", checkpoint)
+        )
         await self._awake(lambda: self._transport.rollback(self.id, ref))
 
     async def history(self) -> builtins.list[SnapshotInfo]:

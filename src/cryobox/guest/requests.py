@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 
-from cryobox.errors import ProtocolError
+from cryobox.errors import InvalidArgument, ProtocolError
 from cryobox.guest import answers
 from cryobox.guest.protocol import DIGEST_ADLER32, DIGEST_XXH64, GuestOp
 from cryobox.models import CommandRequest, EntryInfo, ExitStatus
@@ -42,6 +42,22 @@ class _NoReply(_Fields):
 
     def read_reply(self, answer: dict[str, Any]) -> None:
         return None
+
+
+class _AtPath:
+    """An operation on a path in the guest: absolute, or refused before it is sent (an
+    empty one wrote ``./..cryobox-N``; a relative one was taken from the agent's own
+    folder, and reads said only "No such file")."""
+
+    path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path.startswith("/"):
+            raise InvalidArgument(
+                f"path={self.path!r}: must be an absolute path in the sandbox (/root/...)"
+            )
+        if "\0" in self.path:
+            raise InvalidArgument(f"path={self.path!r}: holds a NUL byte")
 
 
 @dataclass(frozen=True)
@@ -88,7 +104,7 @@ class ExecResize(_NoReply):
 
 
 @dataclass(frozen=True)
-class FileRead(_NoReply):
+class FileRead(_AtPath, _NoReply):
     """A file's bytes, as chunk events."""
 
     path: str
@@ -96,7 +112,7 @@ class FileRead(_NoReply):
 
 
 @dataclass(frozen=True)
-class FileWriteBegin:
+class FileWriteBegin(_AtPath):
     """Open a file for writing under a temporary name; the answer is its handle."""
 
     path: str
@@ -171,7 +187,7 @@ class FileWriteDisk(_Fields):
 
 
 @dataclass(frozen=True)
-class FileReadDisk(_Fields):
+class FileReadDisk(_AtPath, _Fields):
     """Copy up to ``size`` bytes of the file at ``offset`` into the transfer disk at
     ``slot``; fewer at its end."""
 
@@ -201,7 +217,7 @@ class FileWriteEnd(_NoReply):
 
 
 @dataclass(frozen=True)
-class FileList(_Fields):
+class FileList(_AtPath, _Fields):
     path: str
     op: ClassVar[GuestOp] = GuestOp.FILE_LIST
 
@@ -210,7 +226,7 @@ class FileList(_Fields):
 
 
 @dataclass(frozen=True)
-class FileStat(_Fields):
+class FileStat(_AtPath, _Fields):
     path: str
     op: ClassVar[GuestOp] = GuestOp.FILE_STAT
 
@@ -219,21 +235,21 @@ class FileStat(_Fields):
 
 
 @dataclass(frozen=True)
-class FileMkdir(_NoReply):
+class FileMkdir(_AtPath, _NoReply):
     path: str
     parents: bool = True
     op: ClassVar[GuestOp] = GuestOp.FILE_MKDIR
 
 
 @dataclass(frozen=True)
-class FileRemove(_NoReply):
+class FileRemove(_AtPath, _NoReply):
     path: str
     recursive: bool = False
     op: ClassVar[GuestOp] = GuestOp.FILE_REMOVE
 
 
 @dataclass(frozen=True)
-class FileWatch(_NoReply):
+class FileWatch(_AtPath, _NoReply):
     """Report changes under a folder as events until :class:`FileUnwatch` names it."""
 
     path: str
