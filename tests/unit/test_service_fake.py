@@ -32,6 +32,7 @@ from cryobox import AsyncSandbox, Sandbox, config
 from cryobox.client import transport
 from cryobox.errors import (
     CapacityError,
+    GuestError,
     InvalidArgument,
     SandboxDead,
     SnapshotIncompatible,
@@ -1427,6 +1428,11 @@ def test_wrong_command_and_file_arguments_are_refused_by_name_before_anything_ru
         ):
             with pytest.raises(InvalidArgument, match="must be an absolute path in the sandbox"):
                 call()
+        sbx.files.write("/root/full/a.txt", "a")
+        with pytest.raises(GuestError, match=r"not empty: /root/full \(recursive=True removes"):
+            sbx.files.remove("/root/full")
+        sbx.files.remove("/root/full", recursive=True)
+        assert not sbx.files.exists("/root/full")
         with pytest.raises(InvalidArgument, match="checkpoint=None: must be a string"):
             sbx.rollback(None)  # type: ignore[arg-type]
         assert sbx.commands.run("echo fine", cwd="/tmp", env={"A": "1"}).stdout == "fine\n"

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Mapping
 
 from cryobox.arguments import positive_seconds
-from cryobox.errors import ChannelError, CryoboxError
+from cryobox.errors import ChannelError, CryoboxError, GuestError
 from cryobox.guest import requests as g
 from cryobox.guest.client import AgentClient
 from cryobox.guest.events import FileChunk, GuestEvent, typed
@@ -203,7 +203,14 @@ class GuestOperations:
         await self.connections.guest(sandbox_id, g.FileMkdir(path, parents))
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        await self.connections.guest(sandbox_id, g.FileRemove(path, recursive))
+        """:raises GuestError: naming the way to remove a folder that is not empty."""
+        try:
+            await self.connections.guest(sandbox_id, g.FileRemove(path, recursive))
+        except GuestError as exc:
+            if recursive or "Directory not empty" not in exc.message:
+                raise
+            hint = f"{exc.message} (recursive=True removes a folder and what is in it)"
+            raise type(exc)(exc.op, exc.kind, hint) from None
 
     async def watch(
         self, sandbox_id: str, path: str, recursive: bool, on_event: WatchSink
