@@ -152,6 +152,21 @@ def text(what: str, value: object) -> str:
     return value
 
 
+def guest_path(what: str, value: object) -> str:
+    """``value``, an absolute path in a sandbox (a string starting with ``/``, no NUL).
+
+    :raises InvalidArgument: naming ``what`` otherwise (an empty path wrote
+        ``./..cryobox-N``; a relative one was taken from the guest agent's own folder).
+    """
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise InvalidArgument(
+            f"{what}={value!r}: must be an absolute path in the sandbox (/root/...)"
+        )
+    if "\0" in value:
+        raise InvalidArgument(f"{what}={value!r}: holds a NUL byte")
+    return value
+
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 

@@ -1398,7 +1398,9 @@ def test_a_handle_resumes_its_sandbox_paused_by_another_while_its_vm_is_held(
         sbx.kill()
 
 
-def test_wrong_command_and_file_arguments_are_refused_by_name_before_anything_runs() -> None:
+def test_wrong_command_and_file_arguments_are_refused_by_name_before_anything_runs(
+    tmp_path: Path,
+) -> None:
     """Found by a harness's author: a ``cwd`` of the wrong type was ignored, a variable's
     number value sent as it was, other mistakes were Python's own errors (a harness
     catching ``CryoboxError`` missed them), an empty path wrote ``./..cryobox-N`` and a
@@ -1429,13 +1431,26 @@ def test_wrong_command_and_file_arguments_are_refused_by_name_before_anything_ru
             with pytest.raises(InvalidArgument, match="must be an absolute path in the sandbox"):
                 call()
         sbx.files.write("/root/full/a.txt", "a")
-        with pytest.raises(GuestError, match=r"not empty: /root/full \(recursive=True removes"):
+        with pytest.raises(GuestError, match=r"not empty: /root/full \(remove it recursively"):
             sbx.files.remove("/root/full")
         sbx.files.remove("/root/full", recursive=True)
         assert not sbx.files.exists("/root/full")
         with pytest.raises(InvalidArgument, match="checkpoint=None: must be a string"):
             sbx.rollback(None)  # type: ignore[arg-type]
         assert sbx.commands.run("echo fine", cwd="/tmp", env={"A": "1"}).stdout == "fine\n"
+        # Refused before any resume: a paused sandbox stays paused.
+        sbx.pause()
+        for call in (
+            lambda: sbx.files.write("rel.txt", "x"),
+            lambda: sbx.files.read("rel.txt"),
+            lambda: sbx.files.upload(__file__, "rel.py"),
+            lambda: sbx.files.download("rel.txt", tmp_path / "x"),
+            lambda: sbx.files.watch("rel", lambda _: None),
+            lambda: sbx.files.exists(""),
+        ):
+            with pytest.raises(InvalidArgument, match="must be an absolute path in the sandbox"):
+                call()
+            assert sbx.info().state == "paused"
     finally:
         sbx.kill()
     told = str(TemplateNotFound("nope", ["base", "default", "base"]))

@@ -27,6 +27,7 @@ from cryobox import config, wire
 from cryobox.arguments import (
     container_image,
     env_vars,
+    guest_path,
     labels,
     positive_seconds,
     read_bundle,
@@ -470,7 +471,7 @@ class AsyncFiles:
 
         :raises GuestFileNotFound: when there is no such file.
         """
-        text("path", path)
+        guest_path("path", path)
 
         async def read_all() -> bytes:
             stream = self._sandbox._transport.read_file(self._sandbox.id, path)
@@ -484,7 +485,7 @@ class AsyncFiles:
 
     async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` (replaced atomically; the folder must exist)."""
-        text("path", path)
+        guest_path("path", path)
         if not isinstance(data, bytes | bytearray | memoryview | str):
             raise InvalidArgument(f"data={data!r}: must be bytes or a string")
         payload = data.encode() if isinstance(data, str) else data
@@ -501,6 +502,7 @@ class AsyncFiles:
         self, local_path: str | os.PathLike[str], path: str, mode: int | None = None
     ) -> None:
         """Copy a host file into the guest, streamed in chunks."""
+        guest_path("path", path)
         source = Path(local_path)
         if not source.is_file():
             raise InvalidArgument(f"local file {source} does not exist")
@@ -517,6 +519,7 @@ class AsyncFiles:
 
     async def download(self, path: str, local_path: str | os.PathLike[str]) -> None:
         """Copy a guest file to the host, written to a temporary name then renamed."""
+        guest_path("path", path)
         target = Path(local_path)
         temp = target.with_name(f".{target.name}.cryobox-part")
 
@@ -534,14 +537,14 @@ class AsyncFiles:
 
     async def list(self, path: str) -> builtins.list[EntryInfo]:
         """The entries of a guest folder."""
-        text("path", path)
+        guest_path("path", path)
         return await self._sandbox._awake(
             lambda: self._sandbox._transport.list_dir(self._sandbox.id, path)
         )
 
     async def stat(self, path: str) -> EntryInfo:
         """What ``path`` is: type, size, mode, mtime."""
-        text("path", path)
+        guest_path("path", path)
         return await self._sandbox._awake(
             lambda: self._sandbox._transport.stat(self._sandbox.id, path)
         )
@@ -556,14 +559,14 @@ class AsyncFiles:
 
     async def mkdir(self, path: str, parents: bool = True) -> None:
         """Make a folder (and its parents)."""
-        text("path", path)
+        guest_path("path", path)
         await self._sandbox._awake(
             lambda: self._sandbox._transport.mkdir(self._sandbox.id, path, parents)
         )
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         """Remove a file, or a folder (its contents too with ``recursive``)."""
-        text("path", path)
+        guest_path("path", path)
         await self._sandbox._awake(
             lambda: self._sandbox._transport.remove(self._sandbox.id, path, recursive)
         )
@@ -577,6 +580,7 @@ class AsyncFiles:
 
         :raises GuestFileNotFound: when there is no such folder.
         """
+        guest_path("path", path)
         handle = AsyncWatchHandle(on_event)
 
         def sink(kind: str, name: str) -> None:

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 
-from cryobox.errors import InvalidArgument, ProtocolError
+from cryobox.arguments import guest_path
+from cryobox.errors import ProtocolError
 from cryobox.guest import answers
 from cryobox.guest.protocol import DIGEST_ADLER32, DIGEST_XXH64, GuestOp
 from cryobox.models import CommandRequest, EntryInfo, ExitStatus
@@ -52,12 +53,7 @@ class _AtPath:
     path: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.path, str) or not self.path.startswith("/"):
-            raise InvalidArgument(
-                f"path={self.path!r}: must be an absolute path in the sandbox (/root/...)"
-            )
-        if "\0" in self.path:
-            raise InvalidArgument(f"path={self.path!r}: holds a NUL byte")
+        guest_path("path", self.path)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Mapping
 
-from cryobox.arguments import positive_seconds
+from cryobox.arguments import guest_path, positive_seconds
 from cryobox.errors import ChannelError, CryoboxError, GuestError
+from cryobox.guest import protocol as p
 from cryobox.guest import requests as g
 from cryobox.guest.client import AgentClient
 from cryobox.guest.events import FileChunk, GuestEvent, typed
@@ -64,6 +65,7 @@ class GuestOperations:
 
         :raises GuestFileNotFound:
         """
+        guest_path("path", path)  # (before the channel: a paused sandbox is not woken)
         disk = TransferDisk.claim(registry.find(sandbox_id).transfer_disk)
         if disk is not None:
             try:
@@ -127,6 +129,7 @@ class GuestOperations:
         are made. ``owner``: a guest user to own the file and the folders made (else
         root); ``xattrs``: its extended attributes (``user.*``; a file replaced loses
         the old one's)."""
+        guest_path("path", path)  # (before the channel: a paused sandbox is not woken)
         channel = await self.connections.channel(sandbox_id)
         begin = g.FileWriteBegin(path, mode, owner=owner, xattrs=xattrs)
         handle = await channel.ask(begin, timeout=GUEST_REQUEST_TIMEOUT)
@@ -207,9 +210,9 @@ class GuestOperations:
         try:
             await self.connections.guest(sandbox_id, g.FileRemove(path, recursive))
         except GuestError as exc:
-            if recursive or "Directory not empty" not in exc.message:
+            if recursive or exc.kind != p.NOT_EMPTY:
                 raise
-            hint = f"{exc.message} (recursive=True removes a folder and what is in it)"
+            hint = f"{exc.message} (remove it recursively: recursive=True, ?recursive=true)"
             raise type(exc)(exc.op, exc.kind, hint) from None
 
     async def watch(
@@ -220,6 +223,7 @@ class GuestOperations:
 
         :raises GuestFileNotFound: when there is no such folder.
         """
+        guest_path("path", path)
         watch = FolderWatch(await self.connections.channel(sandbox_id), on_event)
         await watch.start(path, recursive)
         return watch
