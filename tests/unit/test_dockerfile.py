@@ -152,6 +152,7 @@ def test_add_unpacks_a_local_archive(context: Path) -> None:
         ("FROM cryobox\nEXPOSE 53/udp\n", "TCP port numbers only"),
         ("FROM cryobox\nCOPY a.txt b.txt /x\n", "several sources need a folder"),
         ("FROM cryobox\nRUN true \\\n", "ends with"),
+        ("FROM cryobox\nENV foo-bar some value\n", "line 2: ENV 'foo-bar': not a variable name"),
     ],
 )
 def test_what_cryobox_cannot_build_is_refused_by_name(

@@ -1440,16 +1440,17 @@ def test_wrong_command_and_file_arguments_are_refused_by_name_before_anything_ru
         assert sbx.commands.run("echo fine", cwd="/tmp", env={"A": "1"}).stdout == "fine\n"
         # Refused before any resume: a paused sandbox stays paused.
         sbx.pause()
-        for call in (
+        paused_calls: tuple[Callable[[], object], ...] = (
             lambda: sbx.files.write("rel.txt", "x"),
             lambda: sbx.files.read("rel.txt"),
             lambda: sbx.files.upload(__file__, "rel.py"),
             lambda: sbx.files.download("rel.txt", tmp_path / "x"),
             lambda: sbx.files.watch("rel", lambda _: None),
             lambda: sbx.files.exists(""),
-        ):
+        )
+        for paused_call in paused_calls:
             with pytest.raises(InvalidArgument, match="must be an absolute path in the sandbox"):
-                call()
+                paused_call()
             assert sbx.info().state == "paused"
     finally:
         sbx.kill()

@@ -183,6 +183,8 @@ def _pairs(instruction: Instruction, variables: Mapping[str, str]) -> list[tuple
         raise instruction.refuse("needs NAME=value")
     if instruction.keyword == "ENV" and "=" not in words[0]:
         # The old form, ENV NAME the rest: its quotes go, as Docker's do.
+        if not re.fullmatch(r"[A-Za-z_]\w*", words[0]):
+            raise instruction.refuse(f"{words[0]!r}: not a variable name")
         return [(words[0], substitute(" ".join(words[1:]), variables))]
     pairs = []
     for word in words:
