@@ -458,23 +458,21 @@ def test_a_process_checkpoint_goes_to_s3_and_comes_back_from_it(
     use_s3(s3_server, monkeypatch, f"vm-process-{os.getpid()}")
     source = sandbox_factory(timeout=900)
     source.commands.run(
-        # (written to a new name and renamed: a read never sees the file half-written)
-        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/n.new; "
-        "mv /root/n.new /root/n; sleep 0.2; done'"
+        # One line a tick through a file the shell always holds open, carried with the
+        # checkpoint: its only open file is then the same at every instant of the dump.
+        "setsid sh -c 'exec 3>> /root/ticks; while :; do echo . >&3; sleep 0.2; done'"
         " > /dev/null 2>&1 < /dev/null & echo $! > /root/pid"
     )
     pid = int(source.files.read_text("/root/pid"))
-    saved = source.processes.checkpoint(pid, "store-process", leave_running=False)
+    saved = source.processes.checkpoint(
+        pid, "store-process", leave_running=False, with_files=["/root/ticks"]
+    )
     assert wait_stored("store-process").purpose == "process"
     cli("snapshot", "evict", "store-process")
     assert not (cryobox_config.state_dir() / "snapshots" / saved.id).exists()
     source.kill()
     target = sandbox_factory(timeout=900)
-    # The checkpoint may catch the shell with /root/n.new open (between its echo and its
-    # mv, a few ms in each 0.2 s): a restore then needs that file at hand, and refuses a
-    # sandbox without it, by design. So the target has one, as it would.
-    target.files.write("/root/n.new", "")
     assert target.processes.restore("store-process") == pid  # pulled, checked, restored
     assert (cryobox_config.state_dir() / "snapshots" / saved.id).exists()
-    first = target.commands.run("sleep 1; cat /root/n").stdout
-    assert int(target.commands.run("sleep 1; cat /root/n").stdout) > int(first)
+    first = target.commands.run("sleep 1; wc -l < /root/ticks").stdout
+    assert int(target.commands.run("sleep 1; wc -l < /root/ticks").stdout) > int(first)
