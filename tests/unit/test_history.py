@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import dataclasses
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -72,6 +73,20 @@ def test_a_rewind_to_something_that_is_no_instant_is_refused(to: object) -> None
         point_in_history(HISTORY, to, NOW)  # type: ignore[arg-type]
 
 
+def test_a_rewind_to_a_checkpoints_own_time_goes_to_that_checkpoint() -> None:
+    """A datetime made from a checkpoint's time, whose making rounded a fraction of a
+    microsecond down (it once picked the checkpoint before it), and the time `history`
+    lists for it, to the second, as typed to `cryobox rewind`."""
+    taken = 1_800_000_100.1234564  # datetime makes .123456 of it
+    history = [*HISTORY, dataclasses.replace(HISTORY[0], id="snap-d4d4d4d4d4d4", created_at=taken)]
+    assert datetime.fromtimestamp(taken).timestamp() < taken  # what made it go wrong
+    assert point_in_history(history, datetime.fromtimestamp(taken), NOW).id == "snap-d4d4d4d4d4d4"
+    typed = when(datetime.fromtimestamp(taken).isoformat(sep=" ", timespec="seconds"))
+    assert isinstance(typed, datetime)
+    assert point_in_history(history, typed, NOW).id == "snap-d4d4d4d4d4d4"
+    assert point_in_history(history, typed - timedelta(seconds=1), NOW).id == HISTORY[-1].id
+
+
 def test_a_rewind_to_a_checkpoint_not_in_the_history_is_not_found() -> None:
     with pytest.raises(SnapshotNotFound):
         point_in_history(HISTORY, "snap-zz99", NOW)
@@ -118,7 +133,12 @@ def test_a_history_out_of_bounds_is_refused_naming_the_value(
         ("90s", 90.0),
         ("5m", 300.0),
         ("1.5h", 5400.0),
-        ("2026-12-02T10:00:00", datetime(2026, 12, 2, 10)),
+        # an instant covers its last unit: `history` lists times to the second
+        ("2026-12-02T10:00:00", datetime(2026, 12, 2, 10, 0, 0, 999999)),
+        ("2026-12-02 10:00", datetime(2026, 12, 2, 10, 0, 59, 999999)),
+        ("2026-12-02", datetime(2026, 12, 2, 23, 59, 59, 999999)),
+        ("2026-12-02T10:00:00.25", datetime(2026, 12, 2, 10, 0, 0, 250000)),
+        ("9999-12-31", datetime(9999, 12, 31)),
         ("clean", "clean"),
         ("snap-4f2a", "snap-4f2a"),
     ],

@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
@@ -910,9 +910,10 @@ def rewind(
     to: Annotated[
         str,
         typer.Argument(
-            help="How far: seconds ago ('90', '90s', '5m', '2h'), an ISO date and time, "
-            "or a checkpoint's id or name (one named like a duration: by its id). The "
-            "newest checkpoint at or before it is used."
+            help="How far: seconds ago ('90', '90s', '5m', '2h'), an ISO date and time "
+            "(to the end of its last unit: a time as `cryobox history` lists it names "
+            "that checkpoint), or a checkpoint's id or name (one named like a duration: "
+            "by its id). The newest checkpoint at or before it is used."
         ),
     ],
 ) -> None:
@@ -928,13 +929,37 @@ _AGO = re.compile(r"(\d+(?:\.\d*)?)([smh]?)")
 
 
 def when(text: str) -> str | float | datetime:
-    """A rewind's target as typed: a duration ago, an ISO instant, else a checkpoint."""
+    """A rewind's target as typed: a duration ago, an ISO instant, else a checkpoint.
+
+    An instant covers the whole of its last unit: ``23:40:01`` is up to the end of that
+    second (``history`` lists times to the second, so the time it lists for a checkpoint
+    names that checkpoint), ``23:40`` that minute, a date alone that day."""
     if match := _AGO.fullmatch(text.strip()):
         return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
     try:
-        return datetime.fromisoformat(text)
+        instant = datetime.fromisoformat(text)
     except ValueError:
         return text
+    try:
+        return instant + _grain(text.strip()) - timedelta(microseconds=1)
+    except OverflowError:  # the last day datetime has: its end is as late as it goes
+        return instant
+
+
+#: The time of an ISO instant: hours, then minutes, seconds and a fraction if given.
+_ISO_TIME = re.compile(r"[T ]\d{2}(?P<minutes>:?\d{2})?(?P<seconds>:?\d{2})?(?P<fraction>[.,]\d+)?")
+
+
+def _grain(text: str) -> timedelta:
+    """How long the ISO instant ``text`` names: its last unit (a fraction: an instant)."""
+    time_part = _ISO_TIME.search(text)
+    if time_part is None:
+        return timedelta(days=1)
+    if time_part["fraction"]:
+        return timedelta(microseconds=1)
+    if time_part["seconds"]:
+        return timedelta(seconds=1)
+    return timedelta(minutes=1) if time_part["minutes"] else timedelta(hours=1)
 
 
 @snapshot_app.command("take")
@@ -1116,13 +1141,18 @@ def soak(
     fault_every: Annotated[
         float, typer.Option(help="Seconds between two supervisors killed with -9.")
     ] = 60.0,
+    checkpoint_every: Annotated[
+        float, typer.Option(help="Seconds between the soaked sandbox's automatic checkpoints.")
+    ] = 20.0,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write the report.")] = None,
 ) -> None:
-    """Pause/resume, rollback and fork cycles on real VMs beside a server under load
-    whose supervisors are killed; reports cycles, faults and anything lost (exit 1)."""
+    """Pause/resume, rollback, fork and rewind cycles on real VMs, a volume mounted,
+    beside a server under load whose supervisors are killed; reports cycles, faults and
+    anything lost (exit 1)."""
     from cryobox.bench import soak as soaking
 
     options = ["--minutes", str(minutes), "--fault-every", str(fault_every)]
+    options += ["--checkpoint-every", str(checkpoint_every)]
     if json_file is not None:
         options += ["--json", str(json_file)]
     raise typer.Exit(soaking.main(options))

@@ -15,6 +15,10 @@ def point_in_history(
     id, name (the newest of that name) or a unique start of its id; or, for an instant
     (a ``datetime``, or seconds before ``now``), the newest taken at or before it.
 
+    A ``datetime`` holds whole microseconds, so checkpoints are compared with it at that
+    grain: ``datetime.fromtimestamp(c.created_at)`` names ``c`` itself, even where
+    making it rounded a fraction of a microsecond down.
+
     :raises SnapshotNotFound: when no checkpoint of the history has that id or name.
     :raises InvalidArgument: for a ``to`` of another type, a negative number of
         seconds, or an instant older than every checkpoint (naming the oldest).
@@ -31,16 +35,16 @@ def point_in_history(
             raise SnapshotNotFound(to)
         return max(named, key=lambda c: c.created_at)
     if isinstance(to, datetime):
-        instant = to.timestamp()  # a naive datetime is this host's local time
+        limit = _microseconds(to.timestamp())  # a naive datetime is this host's local time
+        earlier = [c for c in history if _microseconds(c.created_at) <= limit]
     elif isinstance(to, int | float) and not isinstance(to, bool):
         if to < 0:
             raise InvalidArgument(f"to={to!r}: seconds ago cannot be negative")
-        instant = now - to
+        earlier = [c for c in history if c.created_at <= now - to]
     else:
         raise InvalidArgument(
             f"to={to!r}: must be a checkpoint, its id or name, a datetime or seconds ago"
         )
-    earlier = [c for c in history if c.created_at <= instant]
     if earlier:
         return max(earlier, key=lambda c: c.created_at)
     if not history:
@@ -50,3 +54,8 @@ def point_in_history(
         f"no checkpoint is that old: the oldest, {oldest.id}, is from "
         f"{now - oldest.created_at:.0f} s ago ({datetime.fromtimestamp(oldest.created_at)})"
     )
+
+
+def _microseconds(timestamp: float) -> int:
+    """A time in whole microseconds since the epoch, rounded as ``datetime`` rounds it."""
+    return round(timestamp * 1_000_000)
