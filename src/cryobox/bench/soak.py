@@ -8,10 +8,19 @@ Three workloads share the run:
   cycle pauses it, resumes it, and checks that the counter's process is the same and
   its number has not gone back, the file hashes the same, and the connection is the
   same one and still answering.
+  The sandbox also mounts a named volume, whose log each probe measures: a volume is
+  there, whole, after every resume.
 - **checkpoint/rollback and fork**, every few cycles: a checkpoint, the 5 MB file
-  removed, a rollback (the file, the counter and the connection are back); then a fork
-  of two copies, each with the counter running, the file whole and a random number of
-  its own; the copies are killed.
+  removed and a line added to the volume's log, a rollback (the file, the counter and
+  the connection are back; the volume's line stays: a rollback does not undo a volume);
+  then a fork of two copies, each with the counter running, the file whole, the volume's
+  log as the host reads it, and a random number of its own; the copies are killed.
+- **rewind**, after each of those: the sandbox keeps a rewindable history (an automatic
+  checkpoint every ``checkpoint_every`` seconds, the newest ``keep_checkpoints`` kept).
+  A file is written, an automatic checkpoint taken after it is waited for, the file is
+  removed and a volume line added, then ``rewind`` to that checkpoint's instant: the
+  file is back, the same processes run, the volume's line stays, and no more automatic
+  checkpoints are kept than asked.
 - **a server under steady API load**: a real ``cryobox server`` with a tenant, a thread
   running a command in its sandbox about five times a second, and, every so often, the
   sandbox's supervisor killed with -9 (a fault). After each fault the sandbox must
@@ -37,10 +46,11 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cryobox import Sandbox
+from cryobox import Sandbox, Volume
 from cryobox.errors import CryoboxError
 from cryobox.sandbox import registry
 from cryobox.util import free_port
@@ -70,11 +80,18 @@ while True:
     os.replace("/root/soak-tcp.tmp", "/root/soak-tcp")
     time.sleep(0.5)
 """
+#: Where the soaked sandbox mounts its volume, and the log the soak appends to there.
+VOLUME_AT = "/data"
+VOLUME_LOG = "/soak-log"
 PROBE = (
     "cat /root/soak-counter-pid /root/soak-counter /root/soak-tcp-pid /root/soak-tcp; "
     "kill -0 $(cat /root/soak-counter-pid) && kill -0 $(cat /root/soak-tcp-pid) && echo alive; "
-    "sha256sum /root/soak-blob | cut -c1-64"
+    "sha256sum /root/soak-blob | cut -c1-64; "
+    f"wc -c < {VOLUME_AT}{VOLUME_LOG}"
 )
+#: The soaked sandbox's history: an automatic checkpoint this often (s), so many kept.
+CHECKPOINT_EVERY = 20.0
+KEEP_CHECKPOINTS = 4
 
 
 @dataclass
@@ -82,6 +99,7 @@ class SoakReport:
     seconds: float = 0.0
     pause_resume_cycles: int = 0
     rollback_cycles: int = 0
+    rewind_cycles: int = 0
     fork_cycles: int = 0
     copies_checked: int = 0
     api_requests: int = 0
@@ -116,17 +134,20 @@ class _GuestState:
     tcp_port: str
     tcp_count: int
     blob: str
+    #: The bytes of the volume's log as the guest sees it.
+    volume_log: int
 
 
 def _probe(sbx: Sandbox) -> _GuestState:
     out = sbx.commands.run(PROBE, timeout=60).stdout.split()
-    # pid, counter, tcp pid, "ok"/"broken", port, count, "alive", hash
-    if len(out) != 8 or out[3] != "ok" or out[6] != "alive":
+    # pid, counter, tcp pid, "ok"/"broken", port, count, "alive", hash, volume log bytes
+    if len(out) != 9 or out[3] != "ok" or out[6] != "alive":
         raise AssertionError(f"the guest's workload is not whole: {out}")
-    return _GuestState(out[0], int(out[1]), out[2], out[4], int(out[5]), out[7])
+    return _GuestState(out[0], int(out[1]), out[2], out[4], int(out[5]), out[7], int(out[8]))
 
 
-def _start_workload(sbx: Sandbox) -> _GuestState:
+def _start_workload(sbx: Sandbox, volume: Volume) -> _GuestState:
+    volume.write_file(VOLUME_LOG, b"started\n")
     blob = os.urandom(5_000_000)
     sbx.files.write("/root/soak-blob", blob)
     sbx.files.write("/root/soak-tcp.py", TCP_PAIR)
@@ -149,9 +170,18 @@ def _start_workload(sbx: Sandbox) -> _GuestState:
     return state
 
 
-def _same_workload(before: _GuestState, after: _GuestState, where: str) -> list[str]:
-    """What was lost between two probes of the same sandbox (nothing, normally)."""
+def _same_workload(
+    before: _GuestState, after: _GuestState, where: str, volume: Volume
+) -> list[str]:
+    """What was lost between two probes of the same sandbox (nothing, normally): the
+    volume's log is compared with what the host reads of it now."""
     lost = []
+    on_host = len(volume.read_file(VOLUME_LOG))
+    if after.volume_log != on_host:
+        lost.append(
+            f"{where}: the guest sees {after.volume_log} bytes of the volume's log, "
+            f"the host {on_host}"
+        )
     if (after.counter_pid, after.tcp_pid, after.tcp_port) != (
         before.counter_pid,
         before.tcp_pid,
@@ -264,12 +294,22 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes]) -> None:
     raise RuntimeError("cryobox server did not listen within 60 s")
 
 
-def _rollback_and_fork(sbx: Sandbox, state: _GuestState, report: SoakReport) -> _GuestState:
+def _add_to_volume(sbx: Sandbox, line: str) -> None:
+    """A line appended to the volume's log by the guest."""
+    sbx.commands.run(f"echo {line} >> {VOLUME_AT}{VOLUME_LOG}", timeout=60)
+
+
+def _rollback_and_fork(
+    sbx: Sandbox, state: _GuestState, report: SoakReport, volume: Volume
+) -> _GuestState:
     mark = sbx.checkpoint()
     sbx.commands.run("rm /root/soak-blob")
+    _add_to_volume(sbx, f"after-checkpoint-{report.rollback_cycles}")
     sbx.rollback(mark)
     after = _probe(sbx)
-    report.losses += _same_workload(state, after, "rollback")
+    report.losses += _same_workload(state, after, "rollback", volume)
+    if after.volume_log <= state.volume_log:
+        report.losses.append("rollback: the volume's line written after the checkpoint went")
     report.rollback_cycles += 1
     copies = sbx.fork(2)
     try:
@@ -278,6 +318,8 @@ def _rollback_and_fork(sbx: Sandbox, state: _GuestState, report: SoakReport) -> 
             got = _probe(copy)
             if got.blob != state.blob or got.counter_pid != state.counter_pid:
                 report.losses.append(f"fork {copy.id}: its workload is not its parent's")
+            if got.volume_log != len(volume.read_file(VOLUME_LOG)):
+                report.losses.append(f"fork {copy.id}: it does not see the volume's log")
             seen.add(copy.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout)
             report.copies_checked += 1
         if len(seen) != len(copies):
@@ -289,18 +331,73 @@ def _rollback_and_fork(sbx: Sandbox, state: _GuestState, report: SoakReport) -> 
     return after
 
 
-def run(minutes: float, *, server_faults_every: float = 60.0, fork_every: int = 25) -> SoakReport:
-    """Soak for ``minutes``: pause/resume cycles, a rollback and a fork every
-    ``fork_every`` cycles, a supervisor of the server's sandbox killed about every
+def _rewind(
+    sbx: Sandbox, state: _GuestState, report: SoakReport, volume: Volume, every: float
+) -> _GuestState:
+    """Write a file, wait for an automatic checkpoint taken after it, remove the file and
+    add a volume line, rewind to that checkpoint's instant: the file is back, the
+    processes the same, the volume's line kept, the history no longer than asked."""
+    token = os.urandom(8).hex()
+    sbx.commands.run(f"echo {token} > /root/soak-rewind")
+    written = time.time()
+    deadline = time.monotonic() + 3 * every + 60
+    while True:
+        after_it = [p for p in sbx.history() if p.automatic and p.created_at > written]
+        if after_it:
+            point = after_it[0]
+            break
+        if time.monotonic() > deadline:
+            report.losses.append(f"rewind: no automatic checkpoint within {3 * every + 60:g} s")
+            return state
+        time.sleep(1)
+    sbx.commands.run("rm /root/soak-rewind")
+    _add_to_volume(sbx, f"after-history-{report.rewind_cycles}")
+    went_to = sbx.rewind(to=datetime.fromtimestamp(point.created_at, UTC))
+    if went_to.id != point.id:
+        report.losses.append(f"rewind: went to {went_to.id}, not {point.id}")
+    after = _probe(sbx)
+    report.losses += _same_workload(state, after, "rewind", volume)
+    back = sbx.commands.run("cat /root/soak-rewind", timeout=60)
+    if back.stdout.strip() != token:
+        report.losses.append(
+            f"rewind: the file written before the checkpoint reads {back.stdout!r}"
+        )
+    if after.volume_log <= state.volume_log:
+        report.losses.append("rewind: the volume's line written after the checkpoint went")
+    kept = [p for p in sbx.history() if p.automatic]
+    if len(kept) > KEEP_CHECKPOINTS:
+        report.losses.append(
+            f"rewind: {len(kept)} automatic checkpoints kept, not {KEEP_CHECKPOINTS}"
+        )
+    report.rewind_cycles += 1
+    return after
+
+
+def run(
+    minutes: float,
+    *,
+    server_faults_every: float = 60.0,
+    fork_every: int = 25,
+    checkpoint_every: float = CHECKPOINT_EVERY,
+) -> SoakReport:
+    """Soak for ``minutes``: pause/resume cycles, a rollback, a fork and a rewind every
+    ``fork_every`` cycles (the history's automatic checkpoints ``checkpoint_every``
+    seconds apart), a supervisor of the server's sandbox killed about every
     ``server_faults_every`` seconds."""
     report = SoakReport()
     started = time.monotonic()
     end = started + minutes * 60
     folder = Path(tempfile.mkdtemp(prefix="cryobox-soak-"))
     load = _ServerLoad(folder, report)
-    sbx = Sandbox.create(timeout=86400)
+    volume = Volume.create(f"soak-{os.getpid()}-{os.urandom(3).hex()}", size_gib=1)
+    sbx = Sandbox.create(
+        timeout=86400,
+        volumes={VOLUME_AT: volume.name},
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=KEEP_CHECKPOINTS,
+    )
     try:
-        state = _start_workload(sbx)
+        state = _start_workload(sbx, volume)
         next_fault = time.monotonic() + random.uniform(0.5, 1.5) * server_faults_every
         while time.monotonic() < end:
             began = time.monotonic()
@@ -310,11 +407,13 @@ def run(minutes: float, *, server_faults_every: float = 60.0, fork_every: int = 
             report.pause_seconds.append(paused - began)
             report.resume_seconds.append(time.monotonic() - paused)
             after = _probe(sbx)
-            report.losses += _same_workload(state, after, f"cycle {report.pause_resume_cycles}")
+            where = f"cycle {report.pause_resume_cycles}"
+            report.losses += _same_workload(state, after, where, volume)
             state = after
             report.pause_resume_cycles += 1
             if report.pause_resume_cycles % fork_every == 0:
-                state = _rollback_and_fork(sbx, state, report)
+                state = _rollback_and_fork(sbx, state, report, volume)
+                state = _rewind(sbx, state, report, volume, checkpoint_every)
             if time.monotonic() >= next_fault:
                 load.fault()
                 next_fault = time.monotonic() + random.uniform(0.5, 1.5) * server_faults_every
@@ -324,6 +423,7 @@ def run(minutes: float, *, server_faults_every: float = 60.0, fork_every: int = 
         report.seconds = time.monotonic() - started
         try:
             sbx.kill()
+            Volume.delete(volume.name)
         finally:
             load.stop()
             if not report.losses:  # (after a loss, its server's log is what to look at)
@@ -337,9 +437,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cryobox soak", description=__doc__)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=CHECKPOINT_EVERY,
+        help="seconds between the soaked sandbox's automatic checkpoints",
+    )
     parser.add_argument("--json", type=Path, help="write the report here too")
     args = parser.parse_args(argv)
-    report = run(args.minutes, server_faults_every=args.fault_every)
+    report = run(
+        args.minutes,
+        server_faults_every=args.fault_every,
+        checkpoint_every=args.checkpoint_every,
+    )
     text = json.dumps(report.summary(), indent=2)
     print(text)
     if args.json:
