@@ -332,11 +332,17 @@ def _rollback_and_fork(
 
 
 def _rewind(
-    sbx: Sandbox, state: _GuestState, report: SoakReport, volume: Volume, every: float
+    sbx: Sandbox,
+    state: _GuestState,
+    report: SoakReport,
+    volume: Volume,
+    every: float,
+    rewound_to: set[str],
 ) -> _GuestState:
     """Write a file, wait for an automatic checkpoint taken after it, remove the file and
     add a volume line, rewind to that checkpoint's instant: the file is back, the
-    processes the same, the volume's line kept, the history no longer than asked."""
+    processes the same, the volume's line kept, the history no longer than asked
+    (``rewound_to``: the points rewound to so far, this one added)."""
     token = os.urandom(8).hex()
     sbx.commands.run(f"echo {token} > /root/soak-rewind")
     written = time.time()
@@ -364,10 +370,14 @@ def _rewind(
         )
     if after.volume_log <= state.volume_log:
         report.losses.append("rewind: the volume's line written after the checkpoint went")
-    kept = [p for p in sbx.history() if p.automatic]
+    rewound_to.add(point.id)
+    # A point a rewind went back to stays while the sandbox builds on it (each later
+    # point does: its disk layer lies over that point's), so only the others count.
+    kept = [p for p in sbx.history() if p.automatic and p.id not in rewound_to]
     if len(kept) > KEEP_CHECKPOINTS:
         report.losses.append(
-            f"rewind: {len(kept)} automatic checkpoints kept, not {KEEP_CHECKPOINTS}"
+            f"rewind: {len(kept)} automatic checkpoints kept besides those rewound to, "
+            f"not {KEEP_CHECKPOINTS}"
         )
     report.rewind_cycles += 1
     return after
@@ -396,6 +406,7 @@ def run(
         checkpoint_every=checkpoint_every,
         keep_checkpoints=KEEP_CHECKPOINTS,
     )
+    rewound_to: set[str] = set()
     try:
         state = _start_workload(sbx, volume)
         next_fault = time.monotonic() + random.uniform(0.5, 1.5) * server_faults_every
@@ -413,7 +424,7 @@ def run(
             report.pause_resume_cycles += 1
             if report.pause_resume_cycles % fork_every == 0:
                 state = _rollback_and_fork(sbx, state, report, volume)
-                state = _rewind(sbx, state, report, volume, checkpoint_every)
+                state = _rewind(sbx, state, report, volume, checkpoint_every, rewound_to)
             if time.monotonic() >= next_fault:
                 load.fault()
                 next_fault = time.monotonic() + random.uniform(0.5, 1.5) * server_faults_every
