@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta
+import random
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -85,6 +86,18 @@ def test_a_rewind_to_a_checkpoints_own_time_goes_to_that_checkpoint() -> None:
     assert isinstance(typed, datetime)
     assert point_in_history(history, typed, NOW).id == "snap-d4d4d4d4d4d4"
     assert point_in_history(history, typed - timedelta(seconds=1), NOW).id == HISTORY[-1].id
+
+
+def test_every_checkpoints_own_time_made_a_datetime_names_it() -> None:
+    """Over many times (a multiplication by a million of the float rounded one in
+    sixteen the other way from datetime: the soak's rewinds went to the point before)."""
+    rng = random.Random(7)
+    for _ in range(20_000):
+        taken = NOW + rng.random() * 1000
+        mine = dataclasses.replace(HISTORY[0], id="snap-e5e5e5e5e5e5", created_at=taken)
+        history = [*HISTORY, mine]
+        for made in (datetime.fromtimestamp(taken), datetime.fromtimestamp(taken, UTC)):
+            assert point_in_history(history, made, NOW + 2000).id == mine.id, (taken, made)
 
 
 def test_a_rewind_to_a_checkpoint_not_in_the_history_is_not_found() -> None:

@@ -194,6 +194,26 @@ def test_a_pause_that_fails_leaves_the_sandbox_running(monkeypatch: pytest.Monke
     assert not registry.SandboxDir.for_id(sbx.id).paused.exists()
 
 
+def test_a_checkpoint_is_dated_when_its_machine_stopped_not_when_it_was_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snapshot holds the instant its guest stopped: what the guest did once it ran
+    on, while the copies were hashed, is not in it. So that is its time (it was dated
+    once written, after that, and a rewind to an instant could pick a point without
+    what was done before the instant)."""
+    monkeypatch.setenv("CRYOBOX_FAKE_SAVE_SECONDS", "1.5")
+    discard_spare()
+    sbx = Sandbox.create("base")
+    try:
+        for take in ("checkpoint", "snapshot"):
+            asked = time.time()
+            taken = sbx.checkpoint() if take == "checkpoint" else sbx.snapshot("dated")
+            answered = time.time()
+            assert asked <= taken.created_at < answered - 1.0, (asked, taken, answered)
+    finally:
+        sbx.kill()
+
+
 def test_a_checkpoint_another_sandbox_builds_on_is_kept_until_nothing_needs_it() -> None:
     a = Sandbox.create("base")
     checkpoint = a.checkpoint("shared")

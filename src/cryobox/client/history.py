@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from cryobox.errors import InvalidArgument, SnapshotNotFound
 from cryobox.models import SnapshotInfo
@@ -15,9 +15,10 @@ def point_in_history(
     id, name (the newest of that name) or a unique start of its id; or, for an instant
     (a ``datetime``, or seconds before ``now``), the newest taken at or before it.
 
-    A ``datetime`` holds whole microseconds, so checkpoints are compared with it at that
-    grain: ``datetime.fromtimestamp(c.created_at)`` names ``c`` itself, even where
-    making it rounded a fraction of a microsecond down.
+    A ``datetime`` holds whole microseconds, so each checkpoint's time is made one, as
+    ``datetime`` makes it, before they are compared: ``datetime.fromtimestamp(
+    c.created_at)`` names ``c`` itself, even where making it rounded a fraction of a
+    microsecond down (a float's own product by a million rounds otherwise, now and then).
 
     :raises SnapshotNotFound: when no checkpoint of the history has that id or name.
     :raises InvalidArgument: for a ``to`` of another type, a negative number of
@@ -35,8 +36,8 @@ def point_in_history(
             raise SnapshotNotFound(to)
         return max(named, key=lambda c: c.created_at)
     if isinstance(to, datetime):
-        limit = _microseconds(to.timestamp())  # a naive datetime is this host's local time
-        earlier = [c for c in history if _microseconds(c.created_at) <= limit]
+        limit = to.astimezone(UTC)  # a naive datetime is this host's local time
+        earlier = [c for c in history if datetime.fromtimestamp(c.created_at, UTC) <= limit]
     elif isinstance(to, int | float) and not isinstance(to, bool):
         if to < 0:
             raise InvalidArgument(f"to={to!r}: seconds ago cannot be negative")
@@ -54,8 +55,3 @@ def point_in_history(
         f"no checkpoint is that old: the oldest, {oldest.id}, is from "
         f"{now - oldest.created_at:.0f} s ago ({datetime.fromtimestamp(oldest.created_at)})"
     )
-
-
-def _microseconds(timestamp: float) -> int:
-    """A time in whole microseconds since the epoch, rounded as ``datetime`` rounds it."""
-    return round(timestamp * 1_000_000)

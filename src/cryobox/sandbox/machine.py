@@ -956,10 +956,14 @@ class Machine:
             # Read before the guest stops: a note written after was of CAs given to the
             # guest after the instant saved, which the snapshot may not hold.
             given = read_if_there(self.folder.path / ca_note.GIVEN) if memory else None
-            files = await self._save_files(temp, memory, timer)
+            files, stopped_at = await self._save_files(temp, memory, timer)
             manifest = self._manifest(snapshot_id, purpose, name, memory, self.record.disk_chain)
             described = await asyncio.to_thread(mf.describe_files, temp, files)
-            manifest = replace(manifest, files=described, automatic=automatic)
+            # Taken when the guest stopped: what it did once it ran on, while the copies
+            # were hashed, is not in the snapshot (a rewind to an instant relies on it).
+            manifest = replace(
+                manifest, files=described, automatic=automatic, created_at=stopped_at
+            )
             _keep_console(self.folder.console_log, temp / CONSOLE_COPY)
             if given is not None:  # (a disk alone may lack what the guest's page cache held)
                 ca_note.write_note(temp / ca_note.SAVED, given)
@@ -1106,13 +1110,17 @@ class Machine:
             deleted.append(manifest.id)
         return deleted
 
-    async def _save_files(self, temp: Path, memory: bool, timer: StepTimer) -> list[str]:
+    async def _save_files(
+        self, temp: Path, memory: bool, timer: StepTimer
+    ) -> tuple[list[str], float]:
         """Copy the stopped machine's disk layer, RAM and device state into ``temp``;
         the machine continues whatever happens. The guest stops only for the copies:
         the RAM copy's zeroed pages (memory the guest freed) are given back once it runs
-        on (the copy is the same file either way: a hole reads as zeros)."""
+        on (the copy is the same file either way: a hole reads as zeros). The names of
+        the files copied, and when the guest stopped (the instant they hold)."""
         assert self.vm is not None and self.record.disk
         await self.vm.stop_cpus()
+        stopped_at = time.time()
         timer("stopped")
         try:
             crash_point("stopped")
@@ -1139,7 +1147,7 @@ class Machine:
             with contextlib.suppress(OSError):  # best effort: the copy is sound either way
                 await asyncio.to_thread(release_empty, temp / mf.MEMORY, PAGE)
             timer("zero pages let go")
-        return files
+        return files, stopped_at
 
     def _manifest(
         self,

@@ -10,7 +10,8 @@ way QEMU's device state travels; the RAM file gets a recognisable header.
 ``CRYOBOX_FAKE_FAIL=step[,step...]`` makes a step fail: ``start``, ``save_state``
 (``ENOSPC``), ``load_state``, ``create_layer`` (``ENOSPC``), ``agent`` (the agent
 never answers). ``CRYOBOX_FAKE_LAYER_MEET`` see :func:`_meet`;
-``CRYOBOX_FAKE_BOOT_FAILS`` see :func:`_boot_fails_once`.
+``CRYOBOX_FAKE_BOOT_FAILS`` see :func:`_boot_fails_once`. ``CRYOBOX_FAKE_SAVE_SECONDS``:
+each ``save_state`` takes that long (the machine stopped meanwhile).
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class FakeVm:
         self._alive()
         if failing("save_state"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        # CRYOBOX_FAKE_SAVE_SECONDS: a save that takes that long, as a large RAM's does
+        await asyncio.sleep(float(os.environ.get("CRYOBOX_FAKE_SAVE_SECONDS") or 0))
         path.write_text(json.dumps({**self.guest, "machine": self.machine()}))
 
     async def load_state(self, path: Path) -> None:
