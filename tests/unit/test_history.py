@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from cryobox.cli.main import when
+from cryobox.cli.main import taken, when
 from cryobox.client.history import point_in_history
 from cryobox.errors import InvalidArgument, SnapshotNotFound
 from cryobox.models import CreateRequest, SnapshotInfo
@@ -100,6 +100,30 @@ def test_every_checkpoints_own_time_made_a_datetime_names_it() -> None:
             assert point_in_history(history, made, NOW + 2000).id == mine.id, (taken, made)
 
 
+def test_the_time_history_lists_for_a_checkpoint_typed_back_names_it() -> None:
+    """Two checkpoints a few hundred milliseconds apart in one second too."""
+    rng = random.Random(11)
+    for _ in range(2_000):
+        first = NOW + rng.random() * 1000
+        pair = [
+            dataclasses.replace(HISTORY[0], id="snap-f6f6f6f6f6f6", created_at=first),
+            dataclasses.replace(HISTORY[0], id="snap-a7a7a7a7a7a7", created_at=first + 0.25),
+        ]
+        for point in pair:
+            typed = when(taken(point.created_at))
+            assert isinstance(typed, datetime) and typed.tzinfo is not None
+            assert point_in_history([*HISTORY, *pair], typed, NOW + 2000).id == point.id
+
+
+def test_a_rewind_to_the_ends_of_time_is_the_newest_or_none() -> None:
+    """Within a day of datetime's last or first instant, no UTC time exists for it."""
+    late = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-5)))
+    assert point_in_history(HISTORY, late, NOW).id == HISTORY[-1].id
+    early = datetime(1, 1, 1, 0, 0, 1, tzinfo=timezone(timedelta(hours=5)))
+    with pytest.raises(InvalidArgument, match="no checkpoint is that old"):
+        point_in_history(HISTORY, early, NOW)
+
+
 def test_a_rewind_to_a_checkpoint_not_in_the_history_is_not_found() -> None:
     with pytest.raises(SnapshotNotFound):
         point_in_history(HISTORY, "snap-zz99", NOW)
@@ -150,7 +174,16 @@ def test_a_history_out_of_bounds_is_refused_naming_the_value(
         ("2026-12-02T10:00:00", datetime(2026, 12, 2, 10, 0, 0, 999999)),
         ("2026-12-02 10:00", datetime(2026, 12, 2, 10, 0, 59, 999999)),
         ("2026-12-02", datetime(2026, 12, 2, 23, 59, 59, 999999)),
-        ("2026-12-02T10:00:00.25", datetime(2026, 12, 2, 10, 0, 0, 250000)),
+        ("2026-12-02T10:00:00.25", datetime(2026, 12, 2, 10, 0, 0, 259999)),
+        ("2026-12-02 10:00:00.302", datetime(2026, 12, 2, 10, 0, 0, 302999)),  # as listed
+        ("2026-12-02 10:00:00.123456", datetime(2026, 12, 2, 10, 0, 0, 123456)),
+        # any separator fromisoformat takes, compact and week forms, spaces around
+        ("2026-12-02t10:00:00", datetime(2026, 12, 2, 10, 0, 0, 999999)),
+        ("2026-12-02_10:00", datetime(2026, 12, 2, 10, 0, 59, 999999)),
+        ("20261202T100000", datetime(2026, 12, 2, 10, 0, 0, 999999)),
+        ("20261202T10", datetime(2026, 12, 2, 10, 59, 59, 999999)),
+        ("2026-W49-3T10:00", datetime(2026, 12, 2, 10, 0, 59, 999999)),
+        (" 2026-12-02 ", datetime(2026, 12, 2, 23, 59, 59, 999999)),
         ("9999-12-31", datetime(9999, 12, 31)),
         ("clean", "clean"),
         ("snap-4f2a", "snap-4f2a"),

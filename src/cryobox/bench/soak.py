@@ -373,7 +373,14 @@ def _rewind(
     rewound_to.add(point.id)
     # A point a rewind went back to stays while the sandbox builds on it (each later
     # point does: its disk layer lies over that point's), so only the others count.
-    kept = [p for p in sbx.history() if p.automatic and p.id not in rewound_to]
+    # The oldest goes once the newest is taken and the one before it folded: a look
+    # between the two sees one more for a moment.
+    deadline = time.monotonic() + every
+    while True:
+        kept = [p for p in sbx.history() if p.automatic and p.id not in rewound_to]
+        if len(kept) <= KEEP_CHECKPOINTS or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     if len(kept) > KEEP_CHECKPOINTS:
         report.losses.append(
             f"rewind: {len(kept)} automatic checkpoints kept besides those rewound to, "
@@ -399,15 +406,17 @@ def run(
     end = started + minutes * 60
     folder = Path(tempfile.mkdtemp(prefix="cryobox-soak-"))
     load = _ServerLoad(folder, report)
-    volume = Volume.create(f"soak-{os.getpid()}-{os.urandom(3).hex()}", size_gib=1)
-    sbx = Sandbox.create(
-        timeout=86400,
-        volumes={VOLUME_AT: volume.name},
-        checkpoint_every=checkpoint_every,
-        keep_checkpoints=KEEP_CHECKPOINTS,
-    )
+    volume: Volume | None = None
+    sbx: Sandbox | None = None
     rewound_to: set[str] = set()
     try:
+        volume = Volume.create(f"soak-{os.getpid()}-{os.urandom(3).hex()}", size_gib=1)
+        sbx = Sandbox.create(
+            timeout=86400,
+            volumes={VOLUME_AT: volume.name},
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=KEEP_CHECKPOINTS,
+        )
         state = _start_workload(sbx, volume)
         next_fault = time.monotonic() + random.uniform(0.5, 1.5) * server_faults_every
         while time.monotonic() < end:
@@ -433,8 +442,10 @@ def run(
     finally:
         report.seconds = time.monotonic() - started
         try:
-            sbx.kill()
-            Volume.delete(volume.name)
+            if sbx is not None:
+                sbx.kill()
+            if volume is not None:
+                Volume.delete(volume.name)
         finally:
             load.stop()
             if not report.losses:  # (after a loss, its server's log is what to look at)

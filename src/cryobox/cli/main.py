@@ -895,7 +895,7 @@ def history(sandbox_id: str, as_json: JsonOption = False) -> None:
         rows = [
             (
                 point.id,
-                datetime.fromtimestamp(point.created_at).isoformat(sep=" ", timespec="seconds"),
+                taken(point.created_at),
                 f"{now - point.created_at:.0f}s",
                 "automatic" if point.automatic else (point.name or "-"),
             )
@@ -928,38 +928,60 @@ def rewind(
 _AGO = re.compile(r"(\d+(?:\.\d*)?)([smh]?)")
 
 
+def taken(created_at: float) -> str:
+    """A checkpoint's time as ``history`` lists it: local, to the millisecond, with its
+    offset (no hour is ambiguous at a clock change), so that, typed back to ``rewind``
+    (:func:`when`), it names that checkpoint."""
+    local = datetime.fromtimestamp(created_at).astimezone()
+    return local.isoformat(sep=" ", timespec="milliseconds")
+
+
 def when(text: str) -> str | float | datetime:
     """A rewind's target as typed: a duration ago, an ISO instant, else a checkpoint.
 
     An instant covers the whole of its last unit: ``23:40:01`` is up to the end of that
-    second (``history`` lists times to the second, so the time it lists for a checkpoint
-    names that checkpoint), ``23:40`` that minute, a date alone that day."""
-    if match := _AGO.fullmatch(text.strip()):
+    second, ``23:40:01.302`` that millisecond, ``23:40`` that minute, a date alone that
+    day. So the time ``history`` lists for a checkpoint names that checkpoint."""
+    typed = text.strip()
+    if match := _AGO.fullmatch(typed):
         return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
     try:
-        instant = datetime.fromisoformat(text)
+        instant = datetime.fromisoformat(typed)
     except ValueError:
         return text
     try:
-        return instant + _grain(text.strip()) - timedelta(microseconds=1)
+        return instant + _grain(typed) - timedelta(microseconds=1)
     except OverflowError:  # the last day datetime has: its end is as late as it goes
         return instant
 
 
-#: The time of an ISO instant: hours, then minutes, seconds and a fraction if given.
-_ISO_TIME = re.compile(r"[T ]\d{2}(?P<minutes>:?\d{2})?(?P<seconds>:?\d{2})?(?P<fraction>[.,]\d+)?")
+#: An ISO instant's time of day: hours, then minutes, seconds and a fraction if given.
+_ISO_CLOCK = re.compile(r"\d{2}(?P<minutes>:?\d{2})?(?P<seconds>:?\d{2})?(?P<fraction>[.,]\d+)?")
 
 
 def _grain(text: str) -> timedelta:
-    """How long the ISO instant ``text`` names: its last unit (a fraction: an instant)."""
-    time_part = _ISO_TIME.search(text)
-    if time_part is None:
-        return timedelta(days=1)
-    if time_part["fraction"]:
-        return timedelta(microseconds=1)
-    if time_part["seconds"]:
+    """How long the ISO instant ``text`` names: its last unit."""
+    clock = _ISO_CLOCK.match(_time_of_day(text))
+    if clock is None:
+        return timedelta(days=1)  # a date alone
+    if clock["fraction"]:
+        return timedelta(microseconds=10 ** (6 - min(len(clock["fraction"]) - 1, 6)))
+    if clock["seconds"]:
         return timedelta(seconds=1)
-    return timedelta(minutes=1) if time_part["minutes"] else timedelta(hours=1)
+    return timedelta(minutes=1) if clock["minutes"] else timedelta(hours=1)
+
+
+def _time_of_day(text: str) -> str:
+    """What follows the date of ISO instant ``text`` and its one separator ('T', ' ',
+    't' or any other that ``fromisoformat`` takes); empty for a date alone. (The date's
+    length is read from its form: ``date.fromisoformat`` takes "20261207T2" whole.)"""
+    if text[4:5] == "-":  # 2026-12-07, 2026-W49-1, 2026-W49
+        length = 8 if text[5:6] == "W" and text[8:9] != "-" else 10
+    elif text[4:5] == "W":  # 2026W491, 2026W49
+        length = 8 if text[7:8].isdigit() else 7
+    else:  # 20261207
+        length = 8
+    return text[length + 1 :]
 
 
 @snapshot_app.command("take")

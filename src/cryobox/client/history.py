@@ -36,7 +36,14 @@ def point_in_history(
             raise SnapshotNotFound(to)
         return max(named, key=lambda c: c.created_at)
     if isinstance(to, datetime):
-        limit = to.astimezone(UTC)  # a naive datetime is this host's local time
+        try:
+            limit = to.astimezone(UTC)  # a naive datetime is this host's local time
+        except (OverflowError, ValueError):  # within a day of datetime's first or last
+            limit = (
+                datetime.max.replace(tzinfo=UTC)
+                if to.year > 1
+                else datetime.min.replace(tzinfo=UTC)
+            )
         earlier = [c for c in history if datetime.fromtimestamp(c.created_at, UTC) <= limit]
     elif isinstance(to, int | float) and not isinstance(to, bool):
         if to < 0:
