@@ -312,13 +312,14 @@ def _rollback_and_fork(
         report.losses.append("rollback: the volume's line written after the checkpoint went")
     report.rollback_cycles += 1
     copies = sbx.fork(2)
+    on_host = len(volume.read_file(VOLUME_LOG))  # (nothing writes it while they run)
     try:
         seen = set()
         for copy in copies:
             got = _probe(copy)
             if got.blob != state.blob or got.counter_pid != state.counter_pid:
                 report.losses.append(f"fork {copy.id}: its workload is not its parent's")
-            if got.volume_log != len(volume.read_file(VOLUME_LOG)):
+            if got.volume_log != on_host:
                 report.losses.append(f"fork {copy.id}: it does not see the volume's log")
             seen.add(copy.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout)
             report.copies_checked += 1
